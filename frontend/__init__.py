@@ -1,0 +1,25 @@
+"""The frontend: offline API, tokenizer, model resolution and the command line.
+
+``LLM`` is imported on first use: it pulls in the worker (torch, the compiled ops),
+which a frontend-only process such as the gRPC server must not pay for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.llm import LLM
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from pagedserve.frontend.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedserve.frontend' has no attribute {name!r}")

@@ -1,0 +1,251 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` in one process."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pagedserve.frontend.model_resolver import resolve_model
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.tokenizer import Tokenizer
+from pagedserve.gpu_worker.worker import Worker, parse_dtype
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_core import EngineCore
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int]
+Message = dict[str, Any]
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30
+# Without a size from the user, never take more than this share of the free memory.
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.4
+
+
+def _print_progress(event: object) -> None:
+    print(f"pagedserve: converting model: {event}", file=sys.stderr, flush=True)
+
+
+class LLM:
+    """An engine on one machine: tokenizer, scheduler and worker as plain objects.
+
+    ``model=None`` is the embedded SmolLM2-135M-Instruct; a path is a local HF directory
+    (Llama, Mistral, Qwen2, OPT) or a ``.gguf`` file. The KV cache holds ``num_blocks``
+    blocks of ``block_size`` tokens, or as many as fit in ``kv_cache_bytes``.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        dtype: str = "float32",
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        cache_dir: str | None = None,
+        device: str = "cpu",
+    ) -> None:
+        parse_dtype(dtype)
+        if block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be one of 8, 16, 32 (tokens), got {block_size!r}")
+        _check_optional_positive("kv_cache_bytes", kv_cache_bytes)
+        _check_optional_positive("num_blocks", num_blocks)
+        _check_optional_positive("max_model_len", max_model_len)
+        resolved = resolve_model(model, cache_dir=cache_dir, progress=_print_progress)
+        self.model_path: Path = resolved.path
+        self.tokenizer = Tokenizer(resolved.path) if Tokenizer.exists_in(resolved.path) else None
+        if num_blocks is None and kv_cache_bytes is None:
+            kv_cache_bytes = _default_kv_cache_bytes()
+        self.worker = Worker(resolved.path, dtype, block_size, num_blocks, kv_cache_bytes, device)
+        model_config = self.worker.model_config
+        self.model_config = model_config
+        model_limit = model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context window {model_limit}"
+            )
+        max_model_len = max_model_len or model_limit
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens
+            or (2048 if enable_chunked_prefill else max(2048, max_model_len)),
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+        )
+        self.engine = EngineCore(
+            scheduler_config, self.worker.num_blocks, block_size, self.worker, seed=seed
+        )
+        self.eos_token_ids = model_config.eos_token_ids
+        self._request_counter = itertools.count()
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) as one continuously batched run;
+        returns one ``RequestOutput`` per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        encoded = [self._encode(index, prompt) for index, prompt in enumerate(prompt_list)]
+        for index, (token_ids, params) in enumerate(zip(encoded, params_list)):
+            try:
+                self.engine.scheduler.check_request_fits(len(token_ids), params.max_tokens)
+            except ValueError as error:
+                raise ValueError(f"prompts[{index}]: {error}") from None
+        return self._run(prompt_list, encoded, params_list)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of
+        ``{"role", "content"}`` dicts) or several, then generate the assistant's turn."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self._require_tokenizer("messages")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(list(conversation))
+            # The template already wrote the special tokens it wants.
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        outputs = self.generate(prompts, sampling_params)
+        for output, conversation in zip(outputs, conversations):
+            output.prompt = tokenizer.apply_chat_template(list(conversation))
+        return outputs
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if the block accounting is inconsistent."""
+        self.engine.check_integrity()
+
+    # ------------------------------------------------------------------ internals
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        encoded: list[list[int]],
+        params_list: list[SamplingParams],
+    ) -> list[RequestOutput]:
+        request_ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            for request_id, prompt, token_ids, params in zip(
+                request_ids, prompts, encoded, params_list
+            ):
+                outputs[request_id] = RequestOutput(
+                    request_id=request_id,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=token_ids,
+                    outputs=[CompletionOutput(0, "", [], None)],
+                )
+                self.engine.add_request(request_id, token_ids, params, self.eos_token_ids)
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    completion = outputs[delta.request_id].outputs[0]
+                    completion.token_ids.extend(delta.new_token_ids)
+                    if delta.finished:
+                        completion.finish_reason = delta.finish_reason
+                        outputs[delta.request_id].finished = True
+        finally:
+            # An interrupted run (Ctrl-C, an error) must not leave requests holding blocks.
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+        for output in outputs.values():
+            completion = output.outputs[0]
+            if self.tokenizer is not None:
+                completion.text = self.tokenizer.decode(completion.token_ids)
+        return [outputs[request_id] for request_id in request_ids]
+
+    def _encode(self, index: int, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompts[{index}]: prompt is empty; it needs at least 1 token")
+            return self._require_tokenizer(f"prompts[{index}]").encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError(f"prompts[{index}]: prompt is empty; it needs at least 1 token")
+        vocab_size = self.model_config.vocab_size
+        for position, token_id in enumerate(token_ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise TypeError(
+                    f"prompts[{index}][{position}]: token ids must be integers, got {token_id!r}"
+                )
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"prompts[{index}][{position}]: token id {token_id} is outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
+        return token_ids
+
+    def _as_params_list(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [self.default_sampling_params()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(
+                f"sampling_params: got {len(params)} for {count} prompts; pass one or one each"
+            )
+        return params
+
+    def default_sampling_params(self) -> SamplingParams:
+        """As HF does, the model's generation_config.json decides: greedy unless it sets
+        ``do_sample``, in which case its temperature applies."""
+        generation_file = self.model_path / "generation_config.json"
+        config = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+        if config.get("do_sample"):
+            return SamplingParams(temperature=float(config.get("temperature", 1.0)))
+        return SamplingParams(temperature=0.0)
+
+    def _require_tokenizer(self, field: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{field}: text needs a tokenizer, and {str(self.model_path)!r} has none; "
+                "pass token ids instead"
+            )
+        return self.tokenizer
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise TypeError(
+            f"prompts must be a string, a list of token ids, or a list of those; got "
+            f"{type(prompts).__name__}"
+        )
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; pass at least one prompt")
+    if all(isinstance(item, int) and not isinstance(item, bool) for item in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _check_optional_positive(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _default_kv_cache_bytes() -> int:
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(DEFAULT_KV_CACHE_BYTES, int(available * DEFAULT_KV_CACHE_MEMORY_FRACTION))

@@ -1,0 +1,1 @@
+"""The worker: model, KV cache tensors, model runner, sampler and op wrappers."""

@@ -1,0 +1,80 @@
+"""Paged attention over the KV cache for a batch mixing decode and prefill tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pagedserve.gpu_worker import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the step reads and writes the cache.
+
+    Tokens are laid out decode requests first (one token each), then prefill requests
+    (a chunk each)::
+
+        tokens:  d0 d1 d2 | p0 p0 p0 p0 | p1 p1
+                 decodes  | prefill 0   | prefill 1
+    """
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; slot = block_id * block_size + offset
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor  # int32 [num_decodes], tokens in cache incl. the new one
+    prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
+    prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], offsets within prefill
+    prefill_seq_lens: torch.Tensor  # int32 [num_prefills], tokens in cache incl. new ones
+
+
+class PagedAttention:
+    """Writes the step's K/V into their slots, then attends over each request's blocks."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``query`` [num_tokens, num_heads * head_size], ``key``/``value`` [num_tokens,
+        num_kv_heads * head_size]; returns [num_tokens, num_heads * head_size]."""
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, self.num_heads, self.head_size)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+
+        output = torch.empty_like(query, memory_format=torch.contiguous_format)
+        num_decode = metadata.num_decode_tokens
+        if num_decode:
+            ops.paged_attention_decode(
+                query[:num_decode],
+                key_cache,
+                value_cache,
+                metadata.decode_block_tables,
+                metadata.decode_seq_lens,
+                self.scale,
+                out=output[:num_decode],
+            )
+        if num_decode < num_tokens:
+            ops.paged_prefill_attention(
+                query[num_decode:],
+                key_cache,
+                value_cache,
+                metadata.prefill_block_tables,
+                metadata.prefill_query_start_loc,
+                metadata.prefill_seq_lens,
+                self.scale,
+                out=output[num_decode:],
+            )
+        return output.view(num_tokens, self.num_heads * self.head_size)

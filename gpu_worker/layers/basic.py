@@ -1,0 +1,69 @@
+"""Weight-holding layers with HF-identical arithmetic: linear, RMSNorm, LayerNorm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Weights are always loaded from a checkpoint, so initialising them would be waste.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` [out_features, in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _empty_parameter(out_features, in_features, dtype=dtype)
+        self.bias = _empty_parameter(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 and scales in the activation dtype, in HF's order."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _empty_parameter(hidden_size, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(input_dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(
+        self, hidden_size: int, eps: float, elementwise_affine: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = _empty_parameter(hidden_size, dtype=dtype) if elementwise_affine else None
+        self.bias = _empty_parameter(hidden_size, dtype=dtype) if elementwise_affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+
+def activation(name: str):
+    """The activation function an HF config names."""
+    functions = {
+        "silu": F.silu,
+        "swish": F.silu,
+        "relu": F.relu,
+        "gelu": F.gelu,
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    }
+    if name not in functions:
+        raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(functions)}")
+    return functions[name]

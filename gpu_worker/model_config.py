@@ -1,0 +1,93 @@
+"""What the engine needs to know about a model, read from its HF ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF architecture name -> the model family implemented in gpu_worker/models.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "OPTForCausalLM": "opt",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and special tokens of a model; ``hf_config`` keeps the raw fields that
+    only one family reads (biases, RoPE scaling, OPT's projections)."""
+
+    path: Path
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    max_position_embeddings: int
+    eos_token_ids: frozenset[int]
+    hf_config: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model: {str(path)!r} has no config.json")
+        hf_config = json.loads(config_file.read_text())
+        architectures = hf_config.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise ValueError(
+                f"model: architecture {architectures or hf_config.get('model_type')!r} in "
+                f"{str(config_file)!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[architecture]
+        num_heads = hf_config["num_attention_heads"]
+        hidden_size = hf_config["hidden_size"]
+        head_size = hf_config.get("head_dim") or hidden_size // num_heads
+        return cls(
+            path=path,
+            architecture=architecture,
+            family=family,
+            vocab_size=hf_config["vocab_size"],
+            hidden_size=hidden_size,
+            num_layers=hf_config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+            head_size=head_size,
+            max_position_embeddings=_max_positions(hf_config),
+            eos_token_ids=_eos_token_ids(path, hf_config),
+            hf_config=hf_config,
+        )
+
+
+def _max_positions(hf_config: dict[str, Any]) -> int:
+    max_positions = hf_config.get("max_position_embeddings", 2048)
+    # Our kernels attend to the whole context; a sliding-window model is exact only up
+    # to its window, so the window bounds the context we accept.
+    window = hf_config.get("sliding_window")
+    uses_window = hf_config.get("use_sliding_window", window is not None)
+    if window and uses_window:
+        max_positions = min(max_positions, window)
+    return max_positions
+
+
+def _eos_token_ids(path: Path, hf_config: dict[str, Any]) -> frozenset[int]:
+    """EOS ids from generation_config.json (what HF generate stops on), else config.json."""
+    eos: Any = None
+    generation_file = path / "generation_config.json"
+    if generation_file.is_file():
+        eos = json.loads(generation_file.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = hf_config.get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])

@@ -1,0 +1,19 @@
+"""Model families written for this engine, keyed by the family name in ModelConfig."""
+
+from __future__ import annotations
+
+import torch
+from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.models.base import CausalLM
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    if config.family == "llama":
+        from pagedserve.gpu_worker.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM(config, dtype)
+    if config.family == "opt":
+        from pagedserve.gpu_worker.models.opt import OPTForCausalLM
+
+        return OPTForCausalLM(config, dtype)
+    raise ValueError(f"model family {config.family!r} has no implementation")

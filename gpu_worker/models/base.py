@@ -1,0 +1,74 @@
+"""What every model family provides to the model runner."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+
+import torch
+from pagedserve.gpu_worker.kv_cache import layer_caches
+from pagedserve.gpu_worker.layers.attention import AttentionMetadata
+from torch import nn
+
+
+class CausalLM(nn.Module, abc.ABC):
+    """A decoder-only model over a flattened batch of tokens and a paged KV cache.
+
+    Families keep their decoder layers in ``self.layers``, each with ``self_attn``.
+    """
+
+    @abc.abstractmethod
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """``input_ids``/``positions`` int64 [num_tokens] -> hidden states [num_tokens,
+        hidden_size] (before the LM head)."""
+
+    @abc.abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the rows to sample -> float32 logits [rows, vocab_size]."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters; every parameter must
+        be covered."""
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Point each layer's attention at its key/value views of ``kv_cache``."""
+        for index, layer in enumerate(self.layers):
+            layer.self_attn.key_cache, layer.self_attn.value_cache = layer_caches(kv_cache, index)
+
+
+class WeightLoader:
+    """Copies named tensors into parameters, in slices for fused ones, and checks
+    that every parameter received all of its rows."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.parameters = dict(model.named_parameters())
+        self._rows_loaded: dict[str, int] = dict.fromkeys(self.parameters, 0)
+
+    def load(self, name: str, tensor: torch.Tensor, row_offset: int | None = None) -> None:
+        if name not in self.parameters:
+            raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
+        parameter = self.parameters[name]
+        target = parameter.data
+        if row_offset is not None:
+            target = target.narrow(0, row_offset, tensor.shape[0])
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor for {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        self._rows_loaded[name] += tensor.shape[0] if tensor.dim() else 1
+
+    def check_complete(self, except_names: Iterable[str] = ()) -> None:
+        skipped = set(except_names)
+        missing = [
+            name
+            for name, parameter in self.parameters.items()
+            if name not in skipped
+            and self._rows_loaded[name] < (parameter.shape[0] if parameter.dim() else 1)
+        ]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")

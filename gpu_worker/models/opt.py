@@ -1,0 +1,127 @@
+"""OPT, the paper's model family: learned positions, LayerNorm, ReLU MLP, biases."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.gpu_worker.layers.basic import LayerNorm, Linear, activation
+from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.models.base import CausalLM, WeightLoader
+from torch import nn
+
+# OPT's position table starts with two rows reserved by fairseq; position p uses row p + 2.
+POSITION_OFFSET = 2
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        bias = bool(config.hf_config.get("enable_bias", True))
+        self.qkv_proj = Linear(hidden, 3 * hidden, bias, dtype)
+        self.out_proj = Linear(hidden, hidden, bias, dtype)
+        self.attention = PagedAttention(
+            config.num_heads, config.num_heads, config.head_size, config.head_size**-0.5
+        )
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        query, key, value = self.qkv_proj(hidden).chunk(3, dim=-1)
+        output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
+        return self.out_proj(output)
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hf = config.hf_config
+        hidden = config.hidden_size
+        bias = bool(hf.get("enable_bias", True))
+        affine = bool(hf.get("layer_norm_elementwise_affine", True))
+        self.norm_before = bool(hf.get("do_layer_norm_before", True))
+        self.self_attn = OPTAttention(config, dtype)
+        self.self_attn_layer_norm = LayerNorm(hidden, 1e-5, affine, dtype)
+        self.fc1 = Linear(hidden, hf["ffn_dim"], bias, dtype)
+        self.fc2 = Linear(hf["ffn_dim"], hidden, bias, dtype)
+        self.final_layer_norm = LayerNorm(hidden, 1e-5, affine, dtype)
+        self.act = activation(hf.get("activation_function", "relu"))
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        residual = hidden
+        if self.norm_before:
+            hidden = self.self_attn_layer_norm(hidden)
+        hidden = residual + self.self_attn(hidden, metadata)
+        if not self.norm_before:
+            hidden = self.self_attn_layer_norm(hidden)
+        residual = hidden
+        if self.norm_before:
+            hidden = self.final_layer_norm(hidden)
+        hidden = residual + self.fc2(self.act(self.fc1(hidden)))
+        if not self.norm_before:
+            hidden = self.final_layer_norm(hidden)
+        return hidden
+
+
+class OPTForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hf = config.hf_config
+        hidden = config.hidden_size
+        projection = hf.get("word_embed_proj_dim", hidden)
+        self.embed_tokens = nn.Embedding(config.vocab_size, projection, dtype=dtype)
+        self.embed_positions = nn.Embedding(
+            config.max_position_embeddings + POSITION_OFFSET, hidden, dtype=dtype
+        )
+        for embedding in (self.embed_tokens, self.embed_positions):
+            embedding.weight.requires_grad_(False)
+        self.project_in = Linear(projection, hidden, False, dtype) if projection != hidden else None
+        self.project_out = (
+            Linear(hidden, projection, False, dtype) if projection != hidden else None
+        )
+        self.layers = nn.ModuleList(
+            OPTDecoderLayer(config, dtype) for _ in range(config.num_layers)
+        )
+        has_final_norm = bool(hf.get("do_layer_norm_before", True)) and not hf.get(
+            "_remove_final_layer_norm", False
+        )
+        affine = bool(hf.get("layer_norm_elementwise_affine", True))
+        self.final_layer_norm = LayerNorm(hidden, 1e-5, affine, dtype) if has_final_norm else None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            hidden = self.project_in(hidden)
+        hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
+        for layer in self.layers:
+            hidden = layer(hidden, metadata)
+        if self.final_layer_norm is not None:
+            hidden = self.final_layer_norm(hidden)
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # OPT always ties the LM head to the token embedding.
+        return torch.nn.functional.linear(hidden_states, self.embed_tokens.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self)
+        hidden = self.embed_positions.weight.shape[1]
+        fused = {"q_proj": 0, "k_proj": hidden, "v_proj": 2 * hidden}
+        for name, tensor in weights:
+            if name == "lm_head.weight":
+                continue
+            name = name.removeprefix("model.").removeprefix("decoder.")
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                offset = fused[parts[-2]]
+                parts[-2] = "qkv_proj"
+                loader.load(".".join(parts), tensor, row_offset=offset)
+            else:
+                loader.load(name, tensor)
+        loader.check_complete()

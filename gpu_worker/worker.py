@@ -1,0 +1,80 @@
+"""One worker: the model's weights, the KV cache tensor and the model runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from pagedserve.gpu_worker.kv_cache import KVCacheSpec
+from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.model_runner import ModelRunner
+from pagedserve.gpu_worker.models import build_model
+from pagedserve.gpu_worker.weights import iterate_weights
+from pagedserve.scheduler.messages import StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class Worker:
+    """Loads the model and owns the KV cache; executes step plans.
+
+    The cache holds ``num_blocks`` blocks, or as many as fit in ``kv_cache_bytes``.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        dtype: str,
+        block_size: int,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        device: str = "cpu",
+    ) -> None:
+        if device != "cpu":
+            raise ValueError(
+                f"device must be 'cpu' (the CUDA path is not built yet), got {device!r}"
+            )
+        self.device = torch.device(device)
+        self.model_config = ModelConfig.from_dir(model_path)
+        torch_dtype = parse_dtype(dtype)
+        started = time.monotonic()
+        self.model = build_model(self.model_config, torch_dtype)
+        self.model.load_weights(iterate_weights(Path(model_path)))
+        self.model.eval()
+        logger.info(
+            "loaded %s in %.1f s", self.model_config.architecture, time.monotonic() - started
+        )
+
+        self.kv_cache_spec = KVCacheSpec(
+            num_layers=self.model_config.num_layers,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_size=self.model_config.head_size,
+            block_size=block_size,
+            dtype=torch_dtype,
+        )
+        if num_blocks is None:
+            if kv_cache_bytes is None:
+                raise ValueError("either num_blocks or kv_cache_bytes must be given")
+            num_blocks = self.kv_cache_spec.num_blocks_for_bytes(kv_cache_bytes)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_bytes={kv_cache_bytes} holds no block: one block of "
+                    f"{block_size} tokens takes {self.kv_cache_spec.bytes_per_block} bytes"
+                )
+        self.num_blocks = num_blocks
+        self.kv_cache = self.kv_cache_spec.allocate(num_blocks, self.device)
+        self.model.bind_kv_cache(self.kv_cache)
+        self.runner = ModelRunner(self.model, block_size, self.device)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.runner.execute(plan)

@@ -1,0 +1,80 @@
+"""The physical KV blocks of one pool: which are free and how many owners each has."""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockPool:
+    """A fixed set of block ids ``0 .. num_blocks-1`` with reference counts.
+
+    A block is free exactly when its reference count is zero. Free blocks are handed out
+    in FIFO order (the block freed longest ago goes first), which keeps allocation
+    deterministic so tests can assert exact ids. Sharing (parallel samples, beams, prefix
+    hits) raises a block's count with ``incref``; ``decref`` returns it to the free list
+    when the last owner lets go.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref_counts = [0] * num_blocks
+        self._free_block_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_block_ids)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """Take ``num_blocks`` free blocks (ref count 1 each), or ``None`` if too few."""
+        if num_blocks > len(self._free_block_ids):
+            return None
+        block_ids = [self._free_block_ids.popleft() for _ in range(num_blocks)]
+        for block_id in block_ids:
+            self._ref_counts[block_id] = 1
+        return block_ids
+
+    def incref(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            if self._ref_counts[block_id] <= 0:
+                raise RuntimeError(f"incref of free block {block_id}")
+            self._ref_counts[block_id] += 1
+
+    def decref(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block; blocks reaching zero become free."""
+        for block_id in block_ids:
+            count = self._ref_counts[block_id]
+            if count <= 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                self._free_block_ids.append(block_id)
+
+    def check_integrity(self, expected_ref_counts: dict[int, int]) -> None:
+        """Raise ``AssertionError`` unless the pool agrees with the owners' view.
+
+        ``expected_ref_counts`` maps every block some owner holds to the number of
+        holders. Free + used == total, no negative count, no block both free and held.
+        """
+        free = set(self._free_block_ids)
+        if len(free) != len(self._free_block_ids):
+            raise AssertionError("a block appears twice in the free list")
+        for block_id, count in enumerate(self._ref_counts):
+            if count < 0:
+                raise AssertionError(f"block {block_id} has negative ref count {count}")
+            if (count == 0) != (block_id in free):
+                raise AssertionError(
+                    f"block {block_id}: ref count {count} but free={block_id in free}"
+                )
+            expected = expected_ref_counts.get(block_id, 0)
+            if count != expected:
+                raise AssertionError(
+                    f"block {block_id}: ref count {count} but {expected} holder(s) point at it"
+                )
+        used = sum(1 for count in self._ref_counts if count > 0)
+        if used + len(free) != self.num_blocks:
+            raise AssertionError(f"free {len(free)} + used {used} != total {self.num_blocks}")

@@ -1,0 +1,34 @@
+"""Scheduler limits, checked once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step and of the batch.
+
+    ``max_num_batched_tokens`` bounds the tokens of one forward pass (prefill chunks plus
+    one per decoding request); ``max_num_seqs`` bounds the running requests.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    watermark_fraction: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is off, "
+                "or a long prompt could never be scheduled"
+            )
+        if not 0.0 <= self.watermark_fraction < 1.0:
+            raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")

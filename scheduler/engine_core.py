@@ -1,0 +1,97 @@
+"""The engine loop: schedule a step, have the workers run it, record the results."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+from typing import Protocol
+
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.messages import RequestOutputDelta, StepPlan, StepResult
+from pagedserve.scheduler.request import Request
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    """Runs a step plan on the workers. In-process it is the worker itself; across
+    processes it is a transport with the same method."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class EngineCore:
+    """Owns the scheduler and drives the executor, one step per call."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        executor: Executor,
+        seed: int = 0,
+    ) -> None:
+        watermark_blocks = int(scheduler_config.watermark_fraction * num_blocks)
+        self.block_manager = BlockManager(num_blocks, block_size, watermark_blocks)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.executor = executor
+        # Requests that sample without a seed get one from here, so a whole run is
+        # reproducible from the engine's seed and each request's draws stay its own.
+        self._seed_rng = random.Random(seed)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        arrival_time_s: float | None = None,
+    ) -> None:
+        """Queue a request; raises ``ValueError`` if it could never run."""
+        if not sampling_params.is_greedy and sampling_params.seed is None:
+            sampling_params = replace(sampling_params, seed=self._seed_rng.getrandbits(63))
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            eos_token_ids=eos_token_ids,
+            arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
+            max_model_len=self.scheduler.config.max_model_len,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutputDelta | None:
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutputDelta]:
+        """Run one iteration and return the new tokens of every request it advanced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty and self.scheduler.has_unfinished_requests():
+            # Admission checks guarantee a lone request always fits, so an empty plan
+            # with work pending is a scheduler bug, not a capacity state.
+            raise RuntimeError(
+                f"scheduler produced an empty step with {len(self.scheduler.waiting)} "
+                f"waiting and {len(self.scheduler.running)} running requests"
+            )
+        if plan.is_empty and not plan.finished_request_ids:
+            return []
+        # An empty plan still travels when it tells workers to drop finished state.
+        result = self.executor.execute(plan)
+        return self.scheduler.update_from_output(plan, result)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_total_blocks": self.block_manager.num_total_blocks,
+        }
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity()

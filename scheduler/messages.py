@@ -1,0 +1,80 @@
+"""Plain messages between the engine's parts: the step plan and the step result.
+
+Only ints, floats, strings, lists and nested dataclasses of those cross a boundary, so
+the same messages serve an in-process call today and an explicit encoding between
+processes later. A new request travels in full once; afterwards only deltas do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has no state for: first scheduling, or resumed after a
+    recompute preemption (then ``token_ids`` includes the tokens generated so far)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds: only what changed since the last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """What one forward pass computes.
+
+    ``finished_request_ids`` lists requests whose worker-side state must be dropped
+    (finished, aborted or preempted since the previous plan); workers apply it first.
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens for r in self.cached_requests
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.new_requests and not self.cached_requests
+
+
+@dataclass
+class StepResult:
+    """What the worker sampled: one token per request whose known tokens are now all in
+    the cache (a partial prefill chunk samples nothing)."""
+
+    step_id: int
+    request_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutputDelta:
+    """New tokens of one request from one step, and whether it has ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None

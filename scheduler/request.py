@@ -1,0 +1,80 @@
+"""One request's counters: its tokens, how many of them are in the KV cache, its state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class Request:
+    """A request as the scheduler tracks it.
+
+    One accounting model covers prefill, chunked prefill and decode: ``token_ids`` holds
+    the prompt followed by the generated tokens, ``num_computed_tokens`` says how many of
+    them already have K/V in the cache, and each step moves the second toward the first::
+
+        token_ids:  [ p0 p1 p2 p3 p4 | o0 o1 ]
+                      <-- computed -->  ^ next step computes from here
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time_s: float
+    max_model_len: int
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold: prompt plus max_tokens, capped."""
+        return min(self.num_prompt_tokens + self.sampling_params.max_tokens, self.max_model_len)
+
+    def append_output_token(self, token_id: int) -> RequestStatus:
+        """Record a sampled token and return the status it leaves the request in."""
+        self.token_ids.append(token_id)
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return RequestStatus.RUNNING

@@ -1,0 +1,228 @@
+"""Iteration-level batching: which requests run in the next forward pass, and how far."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.messages import (
+    CachedRequestData,
+    NewRequestData,
+    RequestOutputDelta,
+    StepPlan,
+    StepResult,
+)
+from pagedserve.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """First come, first served continuous batching over a paged KV cache.
+
+    Each step first extends the running requests (oldest first: one token for a decode,
+    the next chunk for an unfinished prefill), then admits waiting requests while the
+    token budget, the sequence cap and free blocks allow. When a running request needs a
+    block and none is free, the most recently arrived running request is preempted by
+    recompute: its blocks are freed and it returns to the front of the queue, to be
+    prefilled again (prompt plus generated tokens) ahead of newer arrivals. Finished
+    requests give their blocks back at once.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._step_id = 0
+        # Requests whose full data the workers hold; anything else travels in full.
+        self._known_to_workers: set[str] = set()
+        self._drop_ids_for_workers: list[str] = []
+
+    # ----------------------------------------------------------------- admission
+
+    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``ValueError`` for a request that could never run to completion."""
+        max_model_len = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least 1 token, got 0")
+        if num_prompt_tokens >= max_model_len:
+            raise ValueError(
+                f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len} and "
+                "must leave room for at least one generated token"
+            )
+        max_total_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
+        block_size = self.block_manager.block_size
+        needed_blocks = blocks_for_tokens(max_total_tokens, block_size)
+        total_blocks = self.block_manager.num_total_blocks
+        if needed_blocks > total_blocks:
+            raise ValueError(
+                f"request needs up to {max_total_tokens} tokens (prompt {num_prompt_tokens} + "
+                f"max_tokens {max_tokens}) = {needed_blocks} blocks of {block_size} tokens, "
+                f"but the whole KV cache has {total_blocks} blocks "
+                f"({total_blocks * block_size} tokens); lower max_tokens or raise kv_cache_bytes"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.check_request_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> RequestOutputDelta | None:
+        """End a request now; returns its final delta, or ``None`` if it is unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return RequestOutputDelta(request_id, [], finished=True, finish_reason="abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------- scheduling
+
+    def schedule(self) -> StepPlan:
+        """Decide the next step. The plan may be empty when nothing is runnable."""
+        self._step_id += 1
+        plan = StepPlan(step_id=self._step_id)
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            target = request.num_computed_tokens + num_new
+            while not self.block_manager.can_append(request.request_id, target):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # it was the last running request and preempted itself
+            new_block_ids = self.block_manager.append(request.request_id, target)
+            assert new_block_ids is not None
+            plan.cached_requests.append(
+                CachedRequestData(
+                    request_id=request.request_id,
+                    new_block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                    num_scheduled_tokens=num_new,
+                )
+            )
+            budget -= num_new
+            index += 1
+
+        # After a preemption the cache is tight: admitting more would only thrash.
+        if not preempted:
+            budget = self._admit_waiting(plan, budget)
+
+        plan.finished_request_ids = self._drop_ids_for_workers
+        self._drop_ids_for_workers = []
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new == 0:
+                break
+            target = request.num_computed_tokens + num_new
+            block_ids = self.block_manager.allocate(
+                request.request_id, target, keep_watermark=bool(self.running)
+            )
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._known_to_workers.add(request.request_id)
+            plan.new_requests.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    block_ids=block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                    num_scheduled_tokens=num_new,
+                    sampling_params=request.sampling_params,
+                )
+            )
+            budget -= num_new
+        return budget
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free the blocks, requeue at the front (FCFS order)."""
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_on_workers(request.request_id)
+        # Victims are taken newest first, so pushing each to the front keeps the
+        # queue in arrival order.
+        self.waiting.appendleft(request)
+        logger.info(
+            "preempted request %s by recompute: no free KV block (%d tokens to recompute)",
+            request.request_id,
+            request.num_tokens,
+        )
+
+    # ------------------------------------------------------------------ results
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutputDelta]:
+        """Advance the counters of every scheduled request and record sampled tokens."""
+        sampled = dict(zip(result.request_ids, result.sampled_token_ids))
+        deltas: list[RequestOutputDelta] = []
+        for scheduled in (*plan.new_requests, *plan.cached_requests):
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += scheduled.num_scheduled_tokens
+            token_id = sampled.get(scheduled.request_id)
+            if token_id is None:
+                continue  # a prefill chunk that did not reach the last prompt token
+            status = request.append_output_token(token_id)
+            finished = status.is_finished
+            if finished:
+                self._finish(request, status)
+            deltas.append(
+                RequestOutputDelta(
+                    request.request_id,
+                    [token_id],
+                    finished=finished,
+                    finish_reason=status.value if finished else None,
+                )
+            )
+        return deltas
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = status
+        self.block_manager.free(request.request_id)
+        self._forget_on_workers(request.request_id)
+        del self.requests[request.request_id]
+
+    def _forget_on_workers(self, request_id: str) -> None:
+        if request_id in self._known_to_workers:
+            self._known_to_workers.discard(request_id)
+            self._drop_ids_for_workers.append(request_id)
