@@ -1,0 +1,119 @@
+"""Block pool and block tables: exact ids, ref counts, capacity as a value."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.block_pool import BlockPool
+
+
+def test_pool_hands_out_ids_in_fifo_order():
+    pool = BlockPool(6)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(2) == [3, 4]
+    pool.decref([1, 0])
+    assert pool.num_free_blocks == 3
+    # Block 5 was free longest, then 1, then 0.
+    assert pool.allocate(3) == [5, 1, 0]
+    assert pool.num_free_blocks == 0
+
+
+def test_pool_capacity_is_a_value():
+    pool = BlockPool(2)
+    assert pool.allocate(3) is None
+    assert pool.num_free_blocks == 2
+    assert pool.allocate(0) == []
+
+
+def test_pool_ref_counts_keep_shared_blocks_alive():
+    pool = BlockPool(4)
+    block_ids = pool.allocate(2)
+    pool.incref(block_ids)
+    assert [pool.ref_count(b) for b in block_ids] == [2, 2]
+    pool.decref(block_ids)
+    assert pool.num_free_blocks == 2  # still held once
+    pool.decref(block_ids)
+    assert pool.num_free_blocks == 4
+    with pytest.raises(RuntimeError, match="double free of block 0"):
+        pool.decref([0])
+    with pytest.raises(RuntimeError, match="incref of free block 1"):
+        pool.incref([1])
+
+
+def test_pool_rejects_empty_size():
+    with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
+        BlockPool(0)
+
+
+def test_tables_grow_on_demand_with_exact_ids():
+    manager = BlockManager(num_blocks=8, block_size=16)
+    assert manager.allocate("a", 17) == [0, 1]
+    assert manager.allocate("b", 16) == [2]
+    # 32 tokens still fit in a's two blocks; token 33 needs a third.
+    assert manager.append("a", 32) == []
+    assert manager.append("a", 33) == [3]
+    assert manager.append("b", 17) == [4]
+    assert manager.block_tables == {"a": [0, 1, 3], "b": [2, 4]}
+    manager.check_integrity()
+    manager.free("a")
+    assert manager.num_free_blocks == 6
+    assert manager.append("b", 40) == [5]  # FIFO: 5, 6, 7 were free before a's blocks
+    manager.free("b")
+    assert manager.num_free_blocks == 8
+    manager.check_integrity()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_block_boundaries(block_size):
+    manager = BlockManager(num_blocks=4, block_size=block_size)
+    assert len(manager.allocate("r", 1)) == 1
+    assert manager.append("r", block_size) == []
+    assert len(manager.append("r", block_size + 1)) == 1
+    assert manager.num_new_blocks("r", 2 * block_size) == 0
+    assert manager.num_new_blocks("r", 2 * block_size + 1) == 1
+
+
+def test_can_append_and_allocate_report_capacity():
+    manager = BlockManager(num_blocks=3, block_size=8)
+    manager.allocate("a", 16)
+    assert manager.can_append("a", 24)
+    assert not manager.can_append("a", 25)
+    assert manager.append("a", 25) is None
+    assert manager.block_tables["a"] == [0, 1]  # a failed append changes nothing
+    assert not manager.can_allocate(9)
+    assert manager.allocate("b", 9) is None
+    assert "b" not in manager.block_tables
+
+
+def test_watermark_applies_only_when_asked():
+    manager = BlockManager(num_blocks=4, block_size=8, watermark_blocks=1)
+    assert not manager.can_allocate(32)
+    assert manager.can_allocate(32, keep_watermark=False)
+    assert manager.allocate("a", 24) == [0, 1, 2]
+    assert manager.allocate("b", 1) is None  # would eat the watermark
+    assert manager.allocate("b", 1, keep_watermark=False) == [3]
+
+
+def test_integrity_check_catches_corruption():
+    manager = BlockManager(num_blocks=4, block_size=8)
+    manager.allocate("a", 8)
+    manager.check_integrity()
+    manager.block_tables["a"].append(3)  # a table pointing at a free block
+    with pytest.raises(AssertionError, match="block 3: ref count 0 but 1 holder"):
+        manager.check_integrity()
+    manager.block_tables["a"].pop()
+    manager.pool._ref_counts[2] = -1
+    with pytest.raises(AssertionError, match="negative ref count"):
+        manager.check_integrity()
+
+
+def test_block_size_is_validated():
+    with pytest.raises(ValueError, match="block_size must be one of 8, 16, 32 .*got 12"):
+        BlockManager(num_blocks=4, block_size=12)
+
+
+def test_free_unknown_request_is_a_no_op():
+    manager = BlockManager(num_blocks=2, block_size=8)
+    manager.free("never-allocated")
+    assert manager.num_free_blocks == 2

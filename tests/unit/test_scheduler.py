@@ -1,0 +1,223 @@
+"""Scheduling policy, driven through its public API with hand-made step results."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.messages import StepPlan, StepResult
+from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler
+
+EOS = 2
+
+
+def make_scheduler(num_blocks=16, block_size=8, **config) -> Scheduler:
+    config.setdefault("max_model_len", 256)
+    config.setdefault("watermark_fraction", 0.0)
+    return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, block_size))
+
+
+def make_request(request_id: str, num_prompt_tokens: int, max_tokens=8, arrival=0.0) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(10, 10 + num_prompt_tokens)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        eos_token_ids=frozenset({EOS}),
+        arrival_time_s=arrival,
+        max_model_len=256,
+    )
+
+
+def scheduled(plan: StepPlan) -> dict[str, int]:
+    return {
+        r.request_id: r.num_scheduled_tokens for r in (*plan.new_requests, *plan.cached_requests)
+    }
+
+
+def run_step(scheduler: Scheduler, token_id: int = 7):
+    """Schedule a step and answer it as a worker would: one token for each request
+    whose known tokens are all computed after the step."""
+    plan = scheduler.schedule()
+    request_ids = []
+    for item in (*plan.new_requests, *plan.cached_requests):
+        request = scheduler.requests[item.request_id]
+        if item.num_computed_tokens + item.num_scheduled_tokens == request.num_tokens:
+            request_ids.append(item.request_id)
+    result = StepResult(plan.step_id, request_ids, [token_id] * len(request_ids))
+    return plan, scheduler.update_from_output(plan, result)
+
+
+def test_prefill_then_decode_one_token_per_step():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 10, max_tokens=3))
+    plan, deltas = run_step(scheduler)
+    assert scheduled(plan) == {"a": 10}
+    assert plan.new_requests[0].block_ids == [0, 1]
+    assert [(d.request_id, d.new_token_ids, d.finished) for d in deltas] == [("a", [7], False)]
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"a": 1}
+    assert plan.cached_requests[0].num_computed_tokens == 10
+    plan, deltas = run_step(scheduler)
+    assert deltas[0].finished and deltas[0].finish_reason == "length"
+    assert scheduler.block_manager.num_free_blocks == 16
+    # The worker learns in the next plan that it can drop the request.
+    assert scheduler.schedule().finished_request_ids == ["a"]
+
+
+def test_token_budget_chunks_long_prompts_beside_decodes():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("a", 3))
+    run_step(scheduler)  # a prefilled, now decoding
+    scheduler.add_request(make_request("b", 20))
+    plan, deltas = run_step(scheduler)
+    assert scheduled(plan) == {"a": 1, "b": 7}
+    assert [d.request_id for d in deltas] == ["a"]  # a partial chunk samples nothing
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"a": 1, "b": 7}
+    plan, deltas = run_step(scheduler)
+    assert scheduled(plan) == {"a": 1, "b": 6}
+    assert {d.request_id for d in deltas} == {"a", "b"}
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    scheduler = make_scheduler(
+        num_blocks=64, max_num_batched_tokens=256, enable_chunked_prefill=False, max_model_len=256
+    )
+    scheduler.add_request(make_request("a", 200))
+    scheduler.add_request(make_request("b", 100))
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"a": 200}  # b does not fit the rest of the budget whole
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"a": 1, "b": 100}
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        scheduler.add_request(make_request(name, 4))
+    plan, _ = run_step(scheduler)
+    assert set(scheduled(plan)) == {"a", "b"}
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_requests_wait_for_blocks_and_run_when_blocks_free():
+    scheduler = make_scheduler(num_blocks=4, block_size=8)
+    scheduler.add_request(make_request("a", 24, max_tokens=2))
+    scheduler.add_request(make_request("b", 16, max_tokens=2))
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"a": 24}  # b's two blocks are not free
+    plan, deltas = run_step(scheduler)
+    assert deltas[0].finished  # a is done and its blocks are back at once
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"b": 16}
+
+
+def test_preemption_takes_the_newest_and_resumes_it_first():
+    scheduler = make_scheduler(num_blocks=4, block_size=8)
+    scheduler.add_request(make_request("a", 8, max_tokens=20, arrival=1.0))
+    scheduler.add_request(make_request("b", 8, max_tokens=20, arrival=2.0))
+    scheduler.add_request(make_request("c", 8, max_tokens=20, arrival=3.0))
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"a": 8, "b": 8, "c": 8}  # 3 of 4 blocks used
+    # Every request now needs a second block for its ninth token; only one is free.
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"a": 1, "b": 1}
+    assert scheduler.num_preemptions == 1
+    victim = scheduler.requests["c"]
+    assert victim.status == RequestStatus.WAITING and victim.num_computed_tokens == 0
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+    assert plan.finished_request_ids == ["c"]  # workers drop c's state
+    scheduler.block_manager.check_integrity()
+    # At 17 tokens a needs a third block and none is free: b is now the newest.
+    for _ in range(8):
+        run_step(scheduler)
+    assert scheduler.requests["b"].status == RequestStatus.WAITING
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+
+
+def test_resumed_request_recomputes_prompt_and_generated_tokens():
+    scheduler = make_scheduler(num_blocks=3, block_size=8)
+    scheduler.add_request(make_request("a", 8, max_tokens=12, arrival=1.0))
+    scheduler.add_request(make_request("b", 8, max_tokens=4, arrival=2.0))
+    run_step(scheduler)
+    run_step(scheduler)  # a takes the last block; b is preempted with 1 output token
+    request_b = scheduler.requests["b"]
+    assert request_b.status == RequestStatus.WAITING
+    assert request_b.num_output_tokens == 1
+    while request_b.status == RequestStatus.WAITING:
+        plan, _ = run_step(scheduler)
+    resumed = next(r for r in plan.new_requests if r.request_id == "b")
+    assert resumed.token_ids == request_b.token_ids[:9]
+    assert resumed.num_scheduled_tokens == 9
+
+
+def test_rejects_requests_that_can_never_run():
+    scheduler = make_scheduler(num_blocks=4, block_size=8, max_model_len=64)
+    with pytest.raises(ValueError, match="prompt is 64 tokens; max_model_len is 64"):
+        scheduler.add_request(make_request("a", 64))
+    with pytest.raises(ValueError, match=r"needs up to 40 tokens .* 5 blocks .* has 4 blocks"):
+        scheduler.add_request(make_request("b", 30, max_tokens=10))
+    with pytest.raises(ValueError, match="at least 1 token"):
+        scheduler.check_request_fits(0, 4)
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests():
+    scheduler = make_scheduler(num_blocks=4, block_size=8, max_num_seqs=1)
+    scheduler.add_request(make_request("a", 10))
+    scheduler.add_request(make_request("b", 4))
+    run_step(scheduler)
+    delta = scheduler.abort_request("a")
+    assert delta.finished and delta.finish_reason == "abort"
+    assert scheduler.abort_request("b").finish_reason == "abort"
+    assert scheduler.abort_request("unknown") is None
+    assert scheduler.block_manager.num_free_blocks == 4
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.schedule().finished_request_ids == ["a"]  # b never reached a worker
+
+
+def test_eos_and_stop_tokens_end_a_request():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 4))
+    _, deltas = run_step(scheduler, token_id=EOS)
+    assert deltas[0].finished and deltas[0].finish_reason == "stop"
+    request = make_request("b", 4)
+    request.sampling_params = SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[9])
+    scheduler.add_request(request)
+    _, deltas = run_step(scheduler, token_id=EOS)
+    assert not deltas[0].finished
+    _, deltas = run_step(scheduler, token_id=9)
+    assert deltas[0].finish_reason == "stop"
+
+
+def test_duplicate_request_id_is_rejected():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 4))
+    with pytest.raises(ValueError, match="request_id 'a' is already in use"):
+        scheduler.add_request(make_request("a", 4))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_tokens", 0, "max_tokens must be >= 1, got 0"),
+        ("max_tokens", -5, "max_tokens must be >= 1, got -5"),
+        ("temperature", -0.5, "temperature must be >= 0"),
+        ("seed", -1, "seed must be >= 0, got -1"),
+    ],
+)
+def test_sampling_params_name_the_bad_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_config_rejects_unschedulable_limits():
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer, got 0"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="chunked prefill is off"):
+        SchedulerConfig(
+            max_num_batched_tokens=512, max_model_len=1024, enable_chunked_prefill=False
+        )
