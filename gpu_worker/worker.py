@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.model_runner import ModelRunner

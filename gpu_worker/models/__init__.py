@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import CausalLM
 

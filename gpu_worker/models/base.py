@@ -6,9 +6,10 @@ import abc
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+
 from pagedserve.gpu_worker.kv_cache import layer_caches
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
-from torch import nn
 
 
 class CausalLM(nn.Module, abc.ABC):

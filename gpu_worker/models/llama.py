@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.gpu_worker.layers.basic import Linear, RMSNorm, activation
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import CausalLM, WeightLoader
-from torch import nn
 
 
 class LlamaAttention(nn.Module):

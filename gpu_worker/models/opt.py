@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.gpu_worker.layers.basic import LayerNorm, Linear, activation
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import CausalLM, WeightLoader
-from torch import nn
 
 # OPT's position table starts with two rows reserved by fairseq; position p uses row p + 2.
 POSITION_OFFSET = 2
