@@ -14,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+
 from pagedserve.frontend import gguf_convert, model_resolver
 from pagedserve.frontend.gguf_convert import ConversionProgress
 from pagedserve.frontend.model_resolver import ResolvedModel, cache_root, resolve_model
