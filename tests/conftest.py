@@ -1,0 +1,118 @@
+"""Shared fixtures: tiny random HF models, and the block integrity check after every test."""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import pytest
+
+_live_llms: weakref.WeakSet = weakref.WeakSet()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Every LLM built anywhere in the suite is checked after each test (see below).
+    from pagedserve.frontend.llm import LLM
+
+    original_init = LLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        _live_llms.add(self)
+
+    LLM.__init__ = recording_init
+
+
+@pytest.fixture(autouse=True)
+def _block_integrity_after_each_test():
+    """DESIGN.md's invariant: once every request has ended, all blocks are free, no ref
+    count is negative and no table points at a free block."""
+    yield
+    for llm in list(_live_llms):
+        llm.check_integrity()
+        stats = llm.stats()
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+TINY_CONFIGS = {
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
+    "opt": dict(
+        architectures=["OPTForCausalLM"],
+        hidden_size=128,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+        word_embed_proj_dim=128,
+    ),
+}
+
+
+def make_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
+    """Save a randomly initialised HF model of ``family`` to ``path``.
+
+    Weights are drawn wider than HF's default (std 0.08, not 0.02): default-initialised
+    tiny models give near-uniform logits, whose near-ties make greedy paths fragile.
+    """
+    import torch
+    import transformers
+
+    config_kwargs = dict(TINY_CONFIGS[family])
+    architecture = config_kwargs.pop("architectures")[0]
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "opt": transformers.OPTConfig,
+    }[family]
+    config = config_class(**config_kwargs)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                parameter.normal_(0.0, 0.02)
+            else:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {family: make_tiny_model(family, root / family) for family in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    from pagedserve.frontend.model_resolver import resolve_model
+
+    return resolve_model(None).path

@@ -1,0 +1,151 @@
+"""The offline API as a user meets it: chat, sampling, bad input, freed blocks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.frontend import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dirs):
+    return LLM(tiny_model_dirs["llama"], num_blocks=64, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def embedded_llm():
+    return LLM(kv_cache_bytes=128 << 20)
+
+
+@pytest.mark.slow
+def test_chat_on_the_embedded_model_knows_paris(embedded_llm):
+    outputs = embedded_llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in outputs[0].outputs[0].text
+    assert outputs[0].outputs[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_text_prompts_and_eos_on_the_embedded_model(embedded_llm):
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    outputs = embedded_llm.chat(
+        [[{"role": "user", "content": "Say hello."}], [{"role": "user", "content": "Say bye."}]],
+        params,
+    )
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop"  # the model ends its turn with EOS
+        assert completion.token_ids[-1] in embedded_llm.eos_token_ids
+        assert completion.text and "<|im_end|>" not in completion.text
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_llm):
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=1234, ignore_eos=True)
+    alone = tiny_llm.generate([prompt], params)[0].outputs[0].token_ids
+    others = [[i % 500 + 1] * (i + 3) for i in range(6)]
+    mixed = tiny_llm.generate(
+        [others[0], prompt, *others[1:]],
+        [SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(1)]
+        + [params]
+        + [SamplingParams(max_tokens=30, temperature=0.7) for _ in others[1:]],
+    )
+    assert mixed[1].outputs[0].token_ids == alone
+    different_seed = SamplingParams(max_tokens=24, temperature=0.9, seed=4321, ignore_eos=True)
+    assert tiny_llm.generate([prompt], different_seed)[0].outputs[0].token_ids != alone
+
+
+def test_sampling_is_not_greedy_at_high_temperature(tiny_llm):
+    prompt = [9, 10, 11]
+    greedy = tiny_llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0))
+    hot = tiny_llm.generate(prompt, SamplingParams(max_tokens=32, temperature=5.0, seed=3))
+    assert hot[0].outputs[0].token_ids != greedy[0].outputs[0].token_ids
+    assert len(set(hot[0].outputs[0].token_ids)) > 8  # near-uniform draws over 512 ids
+
+
+def test_one_result_per_prompt_in_order(tiny_llm):
+    prompts = [[1, 2, 3], [4] * 40, [7]]
+    outputs = tiny_llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert all(len(o.outputs[0].token_ids) == 3 and o.finished for o in outputs)
+    single = tiny_llm.generate([4] * 40, SamplingParams(max_tokens=3, temperature=0.0))
+    assert single[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+
+
+def test_max_model_len_caps_generation(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64, max_model_len=40)
+    output = llm.generate([1] * 30, SamplingParams(max_tokens=100, temperature=0.0))[0]
+    assert len(output.outputs[0].token_ids) == 10
+    assert output.outputs[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------- bad input
+
+
+def test_unknown_model_path_names_the_value(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match=f"model={str(missing)!r} does not exist"):
+        LLM(missing)
+
+
+def test_unknown_dtype_lists_the_allowed(tiny_model_dirs):
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float8'"):
+        LLM(tiny_model_dirs["llama"], dtype="float8")
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        LLM(tmp_path)
+
+
+@pytest.mark.parametrize("block_size", [0, 12, 64])
+def test_unsupported_block_size(tiny_model_dirs, block_size):
+    with pytest.raises(ValueError, match=f"block_size must be one of 8, 16, 32 .*{block_size}"):
+        LLM(tiny_model_dirs["llama"], block_size=block_size)
+
+
+def test_negative_max_tokens_names_the_field():
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got -1"):
+        SamplingParams(max_tokens=-1)
+
+
+def test_empty_prompts_name_their_index(tiny_llm):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt is empty"):
+        tiny_llm.generate([[1, 2], []])
+    with pytest.raises(ValueError, match="prompts is empty"):
+        tiny_llm.generate([])
+
+
+def test_text_prompt_without_tokenizer_asks_for_token_ids(tiny_llm):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: text needs a tokenizer"):
+        tiny_llm.generate("hello")
+
+
+def test_out_of_vocabulary_token_names_position_and_limit(tiny_llm):
+    with pytest.raises(ValueError, match=r"prompts\[0\]\[2\]: token id 512 .* \[0, 512\)"):
+        tiny_llm.generate([[1, 2, 512]])
+
+
+def test_too_long_prompt_and_too_big_request_are_rejected_up_front(tiny_llm):
+    with pytest.raises(
+        ValueError, match=r"prompts\[0\]: prompt is 512 tokens; max_model_len is 512"
+    ):
+        tiny_llm.generate([[1] * 512])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: .* whole KV cache has 64 blocks"):
+        tiny_llm.generate([[1], [1] * 500], SamplingParams(max_tokens=11))
+    # Nothing was queued by the rejected calls.
+    assert tiny_llm.stats()["num_waiting"] == 0
+
+
+def test_mismatched_params_count(tiny_llm):
+    with pytest.raises(ValueError, match="sampling_params: got 2 for 3 prompts"):
+        tiny_llm.generate([[1], [2], [3]], [SamplingParams(), SamplingParams()])
+
+
+def test_kv_cache_bytes_too_small_names_the_block_size(tiny_model_dirs):
+    with pytest.raises(ValueError, match="kv_cache_bytes=100 holds no block"):
+        LLM(tiny_model_dirs["llama"], kv_cache_bytes=100)
