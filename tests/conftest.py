@@ -60,6 +60,39 @@ TINY_CONFIGS = {
         max_position_embeddings=512,
         tie_word_embeddings=True,
     ),
+    "mistral": dict(
+        architectures=["MistralForCausalLM"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=512,
+        sliding_window=None,
+    ),
+    # Llama 3's frequency-dependent RoPE scaling, with an original context short enough
+    # that the test prompts reach the scaled frequencies.
+    "llama3_rope": dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=512,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "opt": dict(
         architectures=["OPTForCausalLM"],
         hidden_size=128,
@@ -85,10 +118,11 @@ def make_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
     config_kwargs = dict(TINY_CONFIGS[family])
     architecture = config_kwargs.pop("architectures")[0]
     config_class = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "opt": transformers.OPTConfig,
-    }[family]
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "OPTForCausalLM": transformers.OPTConfig,
+    }[architecture]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]
     torch.manual_seed(seed)
