@@ -1,0 +1,622 @@
+// Paged attention kernels (decode and prefill), compiled once per ISA variant; see vec.h.
+//
+// Decode: one work item per (sequence, kv head[, partition]). The query heads of a GQA group
+// share every K/V row load; logits are dot products summed horizontally kWidth positions at a
+// time (a transposed reduction), then softmax, then one pass over V.
+//
+// Prefill: one work item per (sequence, kv head, tile of query rows), where a row is one
+// (query token, query head of the group) pair. The tile's rows sit in the SIMD lanes, so the
+// per-row online softmax (running max, rescale, sum) is plain vertical vector math:
+//
+//   for each key block (block_size positions, up to the tile's last position):
+//     S^T[key][rows] = K_block . Q^T          (Q^T [head_size][rows], pre-scaled)
+//     mask keys past each row's position; m_new = max(m, max_key S); alpha = exp(m - m_new)
+//     P^T = exp(S^T - m_new); l = l * alpha + sum_key P^T
+//     O^T[d][rows] = O^T * alpha + sum_key V[key][d] * P^T[key][rows]
+//   out[row] = O^T[:, row] / l[row]
+#include "attention_kernels.h"
+
+#include <omp.h>
+
+#include <cfloat>
+#include <type_traits>
+
+#include "vec.h"
+
+namespace pagedserve::cpu::PAGEDSERVE_ISA_NS {
+namespace {
+
+// Query rows one prefill tile holds, in vectors.
+constexpr int kPrefillRowVecs = 4;
+
+constexpr int64_t kAlignFloats = 16;  // 64 bytes: no two threads' scratch share a cache line
+inline int64_t aligned(int64_t num_floats) { return round_up(num_floats, kAlignFloats); }
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+constexpr int largest_divisor_at_most(int n, int limit) {
+  for (int d = limit; d > 1; --d) {
+    if (n % d == 0) return d;
+  }
+  return 1;
+}
+
+// Register blocking of the prefill micro-kernels for `row_vecs` vectors of query rows: the
+// accumulators (block x row_vecs), the row vectors and one broadcast fit the register file.
+constexpr int qk_keys_per_step(int row_vecs) {
+  const int block = (VecF::kNumRegisters - row_vecs - 2) / row_vecs;
+  return block > 8 ? 8 : (block < 1 ? 1 : block);
+}
+constexpr int pv_dims_per_step(int row_vecs) {  // a power of two: head sizes are multiples of 8
+  const int block = (VecF::kNumRegisters - row_vecs - 2) / row_vecs;
+  return block >= 8 ? 8 : (block >= 4 ? 4 : (block >= 2 ? 2 : 1));
+}
+
+// One (sequence, kv head)'s rows of the paged cache.
+template <typename T, int D>
+struct KVRows {
+  const T* key_base;    // key_cache + kv_head * block_size * D
+  const T* value_base;  // value_cache + kv_head * block_size * D
+  int64_t key_block_stride;
+  int64_t value_block_stride;
+  const int32_t* block_table;  // [max_blocks_per_seq], the sequence's row
+  int block_shift;             // log2(block_size)
+  int64_t offset_mask;         // block_size - 1
+
+  const T* key_row(int64_t position) const {
+    return key_base +
+           static_cast<int64_t>(block_table[position >> block_shift]) * key_block_stride +
+           (position & offset_mask) * D;
+  }
+  const T* value_row(int64_t position) const {
+    return value_base +
+           static_cast<int64_t>(block_table[position >> block_shift]) * value_block_stride +
+           (position & offset_mask) * D;
+  }
+  const T* key_block(int64_t block_index) const {
+    return key_base + static_cast<int64_t>(block_table[block_index]) * key_block_stride;
+  }
+  const T* value_block(int64_t block_index) const {
+    return value_base + static_cast<int64_t>(block_table[block_index]) * value_block_stride;
+  }
+};
+
+template <typename T, int D>
+KVRows<T, D> kv_rows(const AttentionProblem& p, int64_t seq, int64_t kv_head) {
+  const PagedKVCache& c = p.cache;
+  int shift = 0;
+  while ((int64_t{1} << shift) < c.block_size) ++shift;
+  const int64_t head_offset = kv_head * c.block_size * D;
+  return KVRows<T, D>{static_cast<const T*>(c.key_cache) + head_offset,
+                      static_cast<const T*>(c.value_cache) + head_offset,
+                      c.key_block_stride,
+                      c.value_block_stride,
+                      p.tables.block_tables + seq * p.tables.row_stride,
+                      shift,
+                      c.block_size - 1};
+}
+
+template <typename T, int D>
+void load_scaled_rows(const T* src, int num_rows, float scale, float* dst) {  // [num_rows][D]
+  const VecF s = VecF::broadcast(scale);
+  for (int i = 0; i < num_rows * D; i += kWidth) (VecF::load(src + i) * s).store(dst + i);
+}
+
+template <typename T, int D>
+void store_zero_rows(T* dst, int num_rows) {
+  for (int i = 0; i < num_rows * D; i += kWidth) VecF::zero().store(dst + i);
+}
+
+// --- decode ------------------------------------------------------------------------------
+
+// Per-thread scratch of attend_range for num_q query rows over at most max_positions.
+struct DecodeScratch {
+  float* q;        // [num_q][D]
+  float* acc;      // [num_q][D]
+  float* partial;  // [num_q][kWidth][kWidth]
+  float* logits;   // [num_q][round_up(max_positions, kWidth)]
+  float* row_max;  // [num_q]
+  float* row_sum;  // [num_q]
+
+  static int64_t floats(int64_t num_q, int64_t head_size, int64_t max_positions) {
+    return 2 * aligned(num_q * head_size) + aligned(num_q * kWidth * kWidth) +
+           aligned(num_q * round_up(max_positions, kWidth)) + 2 * aligned(num_q);
+  }
+  static DecodeScratch carve(float* base, int64_t num_q, int64_t head_size, int64_t max_positions) {
+    DecodeScratch s;
+    s.q = base;
+    s.acc = s.q + aligned(num_q * head_size);
+    s.partial = s.acc + aligned(num_q * head_size);
+    s.logits = s.partial + aligned(num_q * kWidth * kWidth);
+    s.row_max = s.logits + aligned(num_q * round_up(max_positions, kWidth));
+    s.row_sum = s.row_max + aligned(num_q);
+    return s;
+  }
+};
+
+template <typename T, int D>
+struct Decode {
+  static constexpr int kVecs = D / kWidth;
+  // K/V row vectors held in registers at once (the rest of the file leaves room for the
+  // accumulators).
+  static constexpr int kRowChunk = largest_divisor_at_most(kVecs, VecF::kNumRegisters / 2);
+
+  // Unnormalized attention of num_q query rows ws.q (fp32, pre-scaled) over cache positions
+  // [begin, end) of one (sequence, kv head), end > begin:
+  //   s[g][t] = q[g] . k[t],  row_max[g] = max_t s[g][t],
+  //   row_sum[g] = sum_t exp(s[g][t] - row_max[g]),  acc[g] = sum_t exp(s[g][t] - row_max[g]) v[t]
+  static void attend_range(const DecodeScratch& ws, int num_q, const KVRows<T, D>& kv,
+                           int64_t begin, int64_t end) {
+    const int64_t n = end - begin;
+    const int64_t n_pad = round_up(n, kWidth);
+    // K pass: kWidth positions at a time, so kWidth horizontal sums become one transposed one.
+    for (int64_t c0 = 0; c0 < n; c0 += kWidth) {
+      const int count = static_cast<int>(min_i64(kWidth, n - c0));
+      for (int i = 0; i < count; ++i) {
+        const T* row = kv.key_row(begin + c0 + i);
+        for (int c = 0; c < kVecs; c += kRowChunk) {
+          VecF k[kRowChunk];
+          for (int j = 0; j < kRowChunk; ++j) k[j] = VecF::load(row + (c + j) * kWidth);
+          for (int g = 0; g < num_q; ++g) {
+            const float* qg = ws.q + g * D + c * kWidth;
+            VecF s0 = VecF::zero(), s1 = VecF::zero();
+            for (int j = 0; j + 1 < kRowChunk; j += 2) {
+              s0 = fma(VecF::load(qg + j * kWidth), k[j], s0);
+              s1 = fma(VecF::load(qg + (j + 1) * kWidth), k[j + 1], s1);
+            }
+            if (kRowChunk % 2 == 1) {
+              s0 = fma(VecF::load(qg + (kRowChunk - 1) * kWidth), k[kRowChunk - 1], s0);
+            }
+            float* partial = ws.partial + (g * kWidth + i) * kWidth;
+            const VecF s = s0 + s1;
+            (c == 0 ? s : VecF::load(partial) + s).store(partial);
+          }
+        }
+      }
+      // Lanes past `count` reduce stale scratch; they are overwritten with -inf below.
+      for (int g = 0; g < num_q; ++g) {
+        VecF parts[kWidth];
+        for (int i = 0; i < kWidth; ++i)
+          parts[i] = VecF::load(ws.partial + (g * kWidth + i) * kWidth);
+        reduce_add_transposed(parts).store(ws.logits + g * n_pad + c0);
+      }
+    }
+    for (int g = 0; g < num_q; ++g) {
+      float* logits = ws.logits + g * n_pad;
+      for (int64_t i = n; i < n_pad; ++i) logits[i] = -INFINITY;
+      VecF m = VecF::broadcast(-INFINITY);
+      for (int64_t i = 0; i < n_pad; i += kWidth) m = max(m, VecF::load(logits + i));
+      const float row_max = m.reduce_max();
+      const VecF mv = VecF::broadcast(row_max);
+      VecF sum = VecF::zero();
+      for (int64_t i = 0; i < n_pad; i += kWidth) {
+        const VecF e = exp_nonpositive(VecF::load(logits + i) - mv);
+        e.store(logits + i);
+        sum = sum + e;
+      }
+      ws.row_max[g] = row_max;
+      ws.row_sum[g] = sum.reduce_add();
+    }
+    // V pass.
+    for (int i = 0; i < num_q * D; i += kWidth) VecF::zero().store(ws.acc + i);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* row = kv.value_row(begin + i);
+      for (int c = 0; c < kVecs; c += kRowChunk) {
+        VecF v[kRowChunk];
+        for (int j = 0; j < kRowChunk; ++j) v[j] = VecF::load(row + (c + j) * kWidth);
+        for (int g = 0; g < num_q; ++g) {
+          const VecF weight = VecF::broadcast(ws.logits[g * n_pad + i]);
+          float* acc = ws.acc + g * D + c * kWidth;
+          for (int j = 0; j < kRowChunk; ++j) {
+            fma(weight, v[j], VecF::load(acc + j * kWidth)).store(acc + j * kWidth);
+          }
+        }
+      }
+    }
+  }
+
+  // out[g] = acc[g] / row_sum[g] for the num_q rows.
+  static void store_normalized(const DecodeScratch& ws, int num_q, T* out) {
+    for (int g = 0; g < num_q; ++g) {
+      const VecF inv = VecF::broadcast(1.0f / ws.row_sum[g]);
+      for (int i = 0; i < D; i += kWidth) {
+        (VecF::load(ws.acc + g * D + i) * inv).store(out + g * D + i);
+      }
+    }
+  }
+
+  // Full-context attention of one sequence's query heads for kv head `kv_head`.
+  static void attend_sequence(const AttentionProblem& p, const DecodeScratch& ws, int64_t seq,
+                              int64_t kv_head, const T* query_rows, T* out_rows) {
+    const int num_q = static_cast<int>(p.num_heads / p.cache.num_kv_heads);
+    const int64_t seq_len = p.tables.seq_lens[seq];
+    if (seq_len == 0) {
+      store_zero_rows<T, D>(out_rows, num_q);
+      return;
+    }
+    load_scaled_rows<T, D>(query_rows, num_q, p.scale, ws.q);
+    attend_range(ws, num_q, kv_rows<T, D>(p, seq, kv_head), 0, seq_len);
+    store_normalized(ws, num_q, out_rows);
+  }
+
+  static int64_t workspace_floats(const AttentionProblem& p, int64_t partition_size) {
+    const int64_t group = p.num_heads / p.cache.num_kv_heads;
+    const int64_t positions = partition_size > 0 ? partition_size : p.max_seq_len;
+    int64_t floats = aligned(DecodeScratch::floats(group, D, positions)) * p.num_threads;
+    if (partition_size > 0) {
+      const int64_t num_parts = ceil_div(p.max_seq_len, partition_size);
+      const int64_t rows = p.tables.num_seqs * p.num_heads * num_parts;
+      floats += aligned(rows * D) + 2 * aligned(rows);
+    }
+    return floats;
+  }
+
+  static void run(const AttentionProblem& p, int64_t partition_size, float* workspace) {
+    const int64_t num_seqs = p.tables.num_seqs;
+    const int64_t num_kv_heads = p.cache.num_kv_heads;
+    const int64_t group = p.num_heads / num_kv_heads;
+    const int64_t positions = partition_size > 0 ? partition_size : p.max_seq_len;
+    const int64_t num_parts = partition_size > 0 ? ceil_div(p.max_seq_len, partition_size) : 1;
+    const int64_t per_thread = aligned(DecodeScratch::floats(group, D, positions));
+    // Partition results, [num_seqs][num_kv_heads][num_parts][group] rows (of D for part_out).
+    const int64_t part_rows = num_seqs * p.num_heads * num_parts;
+    float* part_out = workspace + per_thread * p.num_threads;
+    float* part_max = part_out + aligned(part_rows * D);
+    float* part_sum = part_max + aligned(part_rows);
+    const T* query = static_cast<const T*>(p.query);
+    T* out = static_cast<T*>(p.out);
+    const int64_t num_items = num_seqs * num_kv_heads * num_parts;
+
+#pragma omp parallel num_threads(p.num_threads)
+    {
+      const DecodeScratch ws =
+          DecodeScratch::carve(workspace + per_thread * omp_get_thread_num(), group, D, positions);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < num_items; ++item) {
+        const int64_t part = item % num_parts;
+        const int64_t kv_head = item / num_parts % num_kv_heads;
+        const int64_t seq = item / (num_parts * num_kv_heads);
+        const T* query_rows = query + seq * p.query_token_stride + kv_head * group * D;
+        T* out_rows = out + seq * p.out_token_stride + kv_head * group * D;
+        if (partition_size == 0) {
+          attend_sequence(p, ws, seq, kv_head, query_rows, out_rows);
+          continue;
+        }
+        const int64_t begin = part * partition_size;
+        const int64_t end = min_i64(p.tables.seq_lens[seq], begin + partition_size);
+        if (begin >= end) continue;
+        load_scaled_rows<T, D>(query_rows, static_cast<int>(group), p.scale, ws.q);
+        attend_range(ws, static_cast<int>(group), kv_rows<T, D>(p, seq, kv_head), begin, end);
+        const int64_t first_row = (seq * num_kv_heads + kv_head) * num_parts * group + part * group;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t row = first_row + g;
+          for (int i = 0; i < D; i += kWidth) {
+            VecF::load(ws.acc + g * D + i).store(part_out + row * D + i);
+          }
+          part_max[row] = ws.row_max[g];
+          part_sum[row] = ws.row_sum[g];
+        }
+      }
+      if (partition_size > 0) {
+        // Reduction: rescale each partition by exp(its max - the global max) and normalize.
+#pragma omp for schedule(static)
+        for (int64_t seq_head = 0; seq_head < num_seqs * p.num_heads; ++seq_head) {
+          const int64_t seq = seq_head / p.num_heads;
+          const int64_t head = seq_head % p.num_heads;
+          const int64_t kv_head = head / group, g = head % group;
+          T* out_row = out + seq * p.out_token_stride + head * D;
+          const int64_t parts = ceil_div(p.tables.seq_lens[seq], partition_size);
+          if (parts == 0) {
+            store_zero_rows<T, D>(out_row, 1);
+            continue;
+          }
+          const int64_t first_row = (seq * num_kv_heads + kv_head) * num_parts * group + g;
+          float global_max = -INFINITY;
+          for (int64_t q = 0; q < parts; ++q) {
+            global_max = part_max[first_row + q * group] > global_max
+                             ? part_max[first_row + q * group]
+                             : global_max;
+          }
+          float total = 0.0f;
+          for (int i = 0; i < D; i += kWidth) VecF::zero().store(ws.acc + i);
+          for (int64_t q = 0; q < parts; ++q) {
+            const int64_t row = first_row + q * group;
+            const float weight = std::exp(part_max[row] - global_max);
+            total += weight * part_sum[row];
+            const VecF w = VecF::broadcast(weight);
+            for (int i = 0; i < D; i += kWidth) {
+              fma(w, VecF::load(part_out + row * D + i), VecF::load(ws.acc + i)).store(ws.acc + i);
+            }
+          }
+          const VecF inv = VecF::broadcast(1.0f / total);
+          for (int i = 0; i < D; i += kWidth) (VecF::load(ws.acc + i) * inv).store(out_row + i);
+        }
+      }
+    }
+  }
+};
+
+// --- prefill -----------------------------------------------------------------------------
+
+template <typename T, int D>
+struct Prefill {
+  static constexpr int kRowsPerTile = kPrefillRowVecs * kWidth;
+
+  static int64_t tile_floats(int64_t block_size) {
+    const int64_t rows = kRowsPerTile;
+    return 2 * aligned(D * rows) + aligned(block_size * rows) + 2 * aligned(block_size * D) +
+           4 * aligned(rows) + aligned(D);
+  }
+
+  static int64_t scratch_floats(const AttentionProblem& p) {
+    const int64_t group = p.num_heads / p.cache.num_kv_heads;
+    return aligned(
+        max_i64(tile_floats(p.cache.block_size), DecodeScratch::floats(group, D, p.max_seq_len)));
+  }
+
+  // A block's rows [num_keys][D] as fp32: the cache itself for fp32, else converted into dst.
+  static const float* rows_as_float(const T* src, int num_keys, float* dst) {
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else {
+      for (int i = 0; i < num_keys * D; i += kWidth) VecF::load(src + i).store(dst + i);
+      return dst;
+    }
+  }
+
+  // s[key][rows] = sum_d k[key][d] * qT[d][rows] for kKeys keys.
+  template <int kRowVecs, int kKeys>
+  static void qk_step(const float* qT, const float* k, float* s) {
+    constexpr int kRows = kRowVecs * kWidth;
+    VecF acc[kKeys][kRowVecs];
+    for (int c = 0; c < kKeys; ++c) {
+      for (int r = 0; r < kRowVecs; ++r) acc[c][r] = VecF::zero();
+    }
+    for (int d = 0; d < D; ++d) {
+      VecF q[kRowVecs];
+      for (int r = 0; r < kRowVecs; ++r) q[r] = VecF::load(qT + d * kRows + r * kWidth);
+      for (int c = 0; c < kKeys; ++c) {
+        const VecF kb = VecF::broadcast(k[c * D + d]);
+        for (int r = 0; r < kRowVecs; ++r) acc[c][r] = fma(kb, q[r], acc[c][r]);
+      }
+    }
+    for (int c = 0; c < kKeys; ++c) {
+      for (int r = 0; r < kRowVecs; ++r) acc[c][r].store(s + c * kRows + r * kWidth);
+    }
+  }
+
+  // oT[d0 + i][rows] = oT[d0 + i][rows] * alpha[rows] + sum_key v[key][d0 + i] * prob[key][rows]
+  // for kDims dims.
+  template <int kRowVecs, int kDims>
+  static void pv_step(const float* prob, const float* v, int num_keys, const VecF* alpha, float* oT,
+                      int d0) {
+    constexpr int kRows = kRowVecs * kWidth;
+    VecF acc[kDims][kRowVecs];
+    for (int i = 0; i < kDims; ++i) {
+      for (int r = 0; r < kRowVecs; ++r) {
+        acc[i][r] = VecF::load(oT + (d0 + i) * kRows + r * kWidth) * alpha[r];
+      }
+    }
+    for (int c = 0; c < num_keys; ++c) {
+      VecF pr[kRowVecs];
+      for (int r = 0; r < kRowVecs; ++r) pr[r] = VecF::load(prob + c * kRows + r * kWidth);
+      for (int i = 0; i < kDims; ++i) {
+        const VecF vb = VecF::broadcast(v[c * D + d0 + i]);
+        for (int r = 0; r < kRowVecs; ++r) acc[i][r] = fma(vb, pr[r], acc[i][r]);
+      }
+    }
+    for (int i = 0; i < kDims; ++i) {
+      for (int r = 0; r < kRowVecs; ++r) acc[i][r].store(oT + (d0 + i) * kRows + r * kWidth);
+    }
+  }
+
+  // One tile: query rows [item.row_begin, item.row_end) of a sequence with q_len >= 2.
+  template <int kRowVecs>
+  static void tile(const AttentionProblem& p, const PrefillItem& item, int64_t q_start,
+                   int64_t q_len, float* scratch) {
+    constexpr int kRows = kRowVecs * kWidth;
+    constexpr int kKeys = qk_keys_per_step(kRowVecs);
+    constexpr int kDims = pv_dims_per_step(kRowVecs);
+    const int64_t block_size = p.cache.block_size;
+    const int64_t group = p.num_heads / p.cache.num_kv_heads;
+    const int64_t context = p.tables.seq_lens[item.seq] - q_len;
+    const int rows = item.row_end - item.row_begin;
+
+    float* qT = scratch;                          // [D][kRows]
+    float* oT = qT + aligned(D * kRows);          // [D][kRows]
+    float* s = oT + aligned(D * kRows);           // [block_size][kRows]
+    float* kf = s + aligned(block_size * kRows);  // [block_size][D]
+    float* vf = kf + aligned(block_size * D);     // [block_size][D]
+    float* pos = vf + aligned(block_size * D);    // [kRows] position of each row
+    float* m = pos + aligned(kRows);              // [kRows] running max
+    float* l = m + aligned(kRows);                // [kRows] running exp-sum
+    float* out_row = l + aligned(kRows);          // [D]
+
+    const T* query = static_cast<const T*>(p.query);
+    int64_t min_pos = INT64_MAX, max_pos = 0;
+    for (int r = 0; r < kRows; ++r) {
+      if (r < rows) {
+        const int64_t row = item.row_begin + r;
+        const int64_t j = row / group, g = row % group;
+        const T* q = query + (q_start + j) * p.query_token_stride + (item.kv_head * group + g) * D;
+        for (int d = 0; d < D; ++d) qT[d * kRows + r] = to_float(q[d]) * p.scale;
+        pos[r] = static_cast<float>(context + j);
+        min_pos = min_i64(min_pos, context + j);
+        max_pos = max_i64(max_pos, context + j);
+      } else {  // padding lane: zero query, sees every key, never written out
+        for (int d = 0; d < D; ++d) qT[d * kRows + r] = 0.0f;
+        pos[r] = FLT_MAX;
+      }
+    }
+    for (int i = 0; i < D * kRows; i += kWidth) VecF::zero().store(oT + i);
+    for (int r = 0; r < kRows; r += kWidth) {
+      VecF::broadcast(-INFINITY).store(m + r);
+      VecF::zero().store(l + r);
+    }
+
+    const KVRows<T, D> kv = kv_rows<T, D>(p, item.seq, item.kv_head);
+    const int64_t num_positions = max_pos + 1;
+    for (int64_t b0 = 0; b0 < num_positions; b0 += block_size) {
+      const int num_keys = static_cast<int>(min_i64(block_size, num_positions - b0));
+      const float* k = rows_as_float(kv.key_block(b0 / block_size), num_keys, kf);
+      int c = 0;
+      for (; c + kKeys <= num_keys; c += kKeys)
+        qk_step<kRowVecs, kKeys>(qT, k + c * D, s + c * kRows);
+      for (; c < num_keys; ++c) qk_step<kRowVecs, 1>(qT, k + c * D, s + c * kRows);
+      for (c = 0; c < num_keys; ++c) {
+        const int64_t key_pos = b0 + c;
+        if (key_pos <= min_pos) continue;
+        for (int r = 0; r < kRows; r += kWidth) {
+          VecF::load(s + c * kRows + r)
+              .mask_future(VecF::load(pos + r), static_cast<float>(key_pos))
+              .store(s + c * kRows + r);
+        }
+      }
+      VecF alpha[kRowVecs];
+      for (int rv = 0; rv < kRowVecs; ++rv) {
+        const int r = rv * kWidth;
+        VecF block_max = VecF::load(s + r);
+        for (c = 1; c < num_keys; ++c) block_max = max(block_max, VecF::load(s + c * kRows + r));
+        const VecF m_old = VecF::load(m + r);
+        const VecF m_new = max(m_old, block_max);
+        alpha[rv] = exp_nonpositive(m_old - m_new);
+        VecF sum = VecF::zero();
+        for (c = 0; c < num_keys; ++c) {
+          const VecF e = exp_nonpositive(VecF::load(s + c * kRows + r) - m_new);
+          e.store(s + c * kRows + r);
+          sum = sum + e;
+        }
+        fma(VecF::load(l + r), alpha[rv], sum).store(l + r);
+        m_new.store(m + r);
+      }
+      const float* v = rows_as_float(kv.value_block(b0 / block_size), num_keys, vf);
+      for (int d0 = 0; d0 < D; d0 += kDims) pv_step<kRowVecs, kDims>(s, v, num_keys, alpha, oT, d0);
+    }
+
+    T* out = static_cast<T*>(p.out);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t row = item.row_begin + r;
+      const int64_t j = row / group, g = row % group;
+      const float inv = 1.0f / l[r];
+      for (int d = 0; d < D; ++d) out_row[d] = oT[d * kRows + r] * inv;
+      T* dst = out + (q_start + j) * p.out_token_stride + (item.kv_head * group + g) * D;
+      for (int d = 0; d < D; d += kWidth) VecF::load(out_row + d).store(dst + d);
+    }
+  }
+
+  static void run(const AttentionProblem& p, const int32_t* query_start_loc,
+                  const PrefillItem* items, int64_t num_items, float* workspace) {
+    const int64_t per_thread = scratch_floats(p);
+    const int64_t group = p.num_heads / p.cache.num_kv_heads;
+    const T* query = static_cast<const T*>(p.query);
+    T* out = static_cast<T*>(p.out);
+#pragma omp parallel num_threads(p.num_threads)
+    {
+      float* scratch = workspace + per_thread * omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < num_items; ++i) {
+        const PrefillItem& item = items[i];
+        const int64_t q_start = query_start_loc[item.seq];
+        const int64_t q_len = query_start_loc[item.seq + 1] - q_start;
+        if (q_len == 1) {  // a decode row group: the decode kernel's layout suits it better
+          const DecodeScratch ws =
+              DecodeScratch::carve(scratch, group, D, p.tables.seq_lens[item.seq]);
+          Decode<T, D>::attend_sequence(
+              p, ws, item.seq, item.kv_head,
+              query + q_start * p.query_token_stride + item.kv_head * group * D,
+              out + q_start * p.out_token_stride + item.kv_head * group * D);
+          continue;
+        }
+        switch (ceil_div(item.row_end - item.row_begin, kWidth)) {
+          case 1:
+            tile<1>(p, item, q_start, q_len, scratch);
+            break;
+          case 2:
+            tile<2>(p, item, q_start, q_len, scratch);
+            break;
+          case 3:
+            tile<3>(p, item, q_start, q_len, scratch);
+            break;
+          default:
+            static_assert(kPrefillRowVecs == 4, "add the cases up to kPrefillRowVecs");
+            tile<4>(p, item, q_start, q_len, scratch);
+            break;
+        }
+      }
+    }
+  }
+};
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls fn(TypeTag<T>{}, std::integral_constant<int, D>{}) for the problem's dtype and head
+// size (both validated by the dispatcher).
+template <typename Fn>
+auto dispatch(DType dtype, int64_t head_size, Fn&& fn) {
+  auto with_type = [&](auto tag) {
+    switch (head_size) {
+      case 64:
+        return fn(tag, std::integral_constant<int, 64>{});
+      case 80:
+        return fn(tag, std::integral_constant<int, 80>{});
+      case 96:
+        return fn(tag, std::integral_constant<int, 96>{});
+      case 128:
+        return fn(tag, std::integral_constant<int, 128>{});
+      default:
+        return fn(tag, std::integral_constant<int, 256>{});
+    }
+  };
+  switch (dtype) {
+    case DType::kFloat32:
+      return with_type(TypeTag<float>{});
+    case DType::kBFloat16:
+      return with_type(TypeTag<BFloat16>{});
+    default:
+      return with_type(TypeTag<Half>{});
+  }
+}
+
+int64_t decode_workspace_floats(const AttentionProblem& p, int64_t partition_size) {
+  return dispatch(p.cache.dtype, p.cache.head_size, [&](auto tag, auto head_size) {
+    return Decode<typename decltype(tag)::type, decltype(head_size)::value>::workspace_floats(
+        p, partition_size);
+  });
+}
+
+void decode_attention(const AttentionProblem& p, int64_t partition_size, float* workspace) {
+  dispatch(p.cache.dtype, p.cache.head_size, [&](auto tag, auto head_size) {
+    Decode<typename decltype(tag)::type, decltype(head_size)::value>::run(p, partition_size,
+                                                                          workspace);
+  });
+}
+
+int64_t prefill_workspace_floats(const AttentionProblem& p) {
+  return dispatch(p.cache.dtype, p.cache.head_size, [&](auto tag, auto head_size) {
+    return Prefill<typename decltype(tag)::type, decltype(head_size)::value>::scratch_floats(p) *
+           p.num_threads;
+  });
+}
+
+void prefill_attention(const AttentionProblem& p, const int32_t* query_start_loc,
+                       const PrefillItem* items, int64_t num_items, float* workspace) {
+  dispatch(p.cache.dtype, p.cache.head_size, [&](auto tag, auto head_size) {
+    Prefill<typename decltype(tag)::type, decltype(head_size)::value>::run(
+        p, query_start_loc, items, num_items, workspace);
+  });
+}
+
+}  // namespace
+
+#define PAGEDSERVE_STR2(x) #x
+#define PAGEDSERVE_STR(x) PAGEDSERVE_STR2(x)
+
+extern const AttentionKernels kAttentionKernels = {
+    PAGEDSERVE_STR(PAGEDSERVE_ISA_NS), kPrefillRowVecs * kWidth,
+    decode_workspace_floats,           decode_attention,
+    prefill_workspace_floats,          prefill_attention,
+};
+
+}  // namespace pagedserve::cpu::PAGEDSERVE_ISA_NS

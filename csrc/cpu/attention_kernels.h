@@ -1,0 +1,63 @@
+// The interface between the ISA-independent dispatcher (dispatch.cpp) and the attention
+// kernels, which are compiled once per ISA variant (attention_kernels.cpp) into the namespaces
+// pagedserve::cpu::{generic, avx2, avx512}.
+#pragma once
+
+#include <cstdint>
+
+#include "ops.h"
+
+namespace pagedserve::cpu {
+
+// Everything both attention ops share; shapes as in ops.h.
+struct AttentionProblem {
+  void* out;  // [num_tokens, num_heads, head_size]
+  int64_t out_token_stride;
+  const void* query;  // [num_tokens, num_heads, head_size]
+  int64_t query_token_stride;
+  int64_t num_heads;
+  float scale;
+  PagedKVCache cache;
+  BlockTables tables;
+  int64_t max_seq_len;  // max over tables.seq_lens
+  int num_threads;
+};
+
+// Prefill work item: query rows [row_begin, row_end) of one (sequence, kv head), where the
+// sequence's rows are its query tokens x the kv head's query heads, token-major:
+// row = token * (num_heads / num_kv_heads) + head_in_group.
+struct PrefillItem {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t row_begin;
+  int32_t row_end;
+};
+
+struct AttentionKernels {
+  const char* isa;
+  // Query rows (lanes) one prefill tile holds.
+  int64_t prefill_rows_per_tile;
+  // Floats of workspace decode_attention needs (per-thread scratch + partition results).
+  int64_t (*decode_workspace_floats)(const AttentionProblem&, int64_t partition_size);
+  // partition_size 0: single pass; > 0: split-K with a reduction step.
+  void (*decode_attention)(const AttentionProblem&, int64_t partition_size, float* workspace);
+  int64_t (*prefill_workspace_floats)(const AttentionProblem&);
+  void (*prefill_attention)(const AttentionProblem&, const int32_t* query_start_loc,
+                            const PrefillItem* items, int64_t num_items, float* workspace);
+};
+
+namespace generic {
+extern const AttentionKernels kAttentionKernels;
+}
+#if defined(PAGEDSERVE_HAVE_AVX2)
+namespace avx2 {
+extern const AttentionKernels kAttentionKernels;
+}
+#endif
+#if defined(PAGEDSERVE_HAVE_AVX512)
+namespace avx512 {
+extern const AttentionKernels kAttentionKernels;
+}
+#endif
+
+}  // namespace pagedserve::cpu

@@ -1,0 +1,241 @@
+// The attention ops of ops.h: argument checks, choice of the ISA variant, work planning
+// (decode partitions, prefill tiles), workspace, thread count. Compiled for the baseline ISA.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attention_kernels.h"
+#include "ops.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+// Shortest partition the automatic choice makes: shorter ones spend more on the reduction
+// step than they gain in parallelism.
+constexpr int64_t kMinAutoPartitionSize = 256;
+
+std::atomic<int> g_num_threads{0};  // 0: not set, use omp_get_max_threads()
+std::atomic<const AttentionKernels*> g_kernels{nullptr};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::vector<const AttentionKernels*> supported_kernels() {  // best first
+  std::vector<const AttentionKernels*> kernels;
+#if defined(PAGEDSERVE_HAVE_AVX512)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    kernels.push_back(&avx512::kAttentionKernels);
+  }
+#endif
+#if defined(PAGEDSERVE_HAVE_AVX2)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    kernels.push_back(&avx2::kAttentionKernels);
+  }
+#endif
+  kernels.push_back(&generic::kAttentionKernels);
+  return kernels;
+}
+
+const AttentionKernels* find_kernels(const std::string& name) {
+  for (const AttentionKernels* k : supported_kernels()) {
+    if (name == k->isa) return k;
+  }
+  std::string supported;
+  for (const AttentionKernels* k : supported_kernels()) {
+    supported += std::string(supported.empty() ? "" : ", ") + k->isa;
+  }
+  throw std::invalid_argument("CPU ISA variant '" + name +
+                              "' is not available on this CPU/build; supported: " + supported);
+}
+
+const AttentionKernels& kernels() {
+  const AttentionKernels* k = g_kernels.load(std::memory_order_acquire);
+  if (k == nullptr) {
+    const char* requested = std::getenv("PAGEDSERVE_CPU_ISA");
+    k = requested != nullptr && requested[0] != '\0' ? find_kernels(requested)
+                                                     : supported_kernels().front();
+    g_kernels.store(k, std::memory_order_release);
+  }
+  return *k;
+}
+
+// A 64-byte aligned scratch buffer owned by the calling thread, reused across calls.
+float* workspace(int64_t num_floats) {
+  thread_local std::vector<float> buffer;
+  const size_t needed = static_cast<size_t>(num_floats) + 16;
+  if (buffer.size() < needed) buffer.resize(needed);
+  const uintptr_t address = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<float*>((address + 63) & ~uintptr_t{63});
+}
+
+std::string index_name(const char* name, int64_t i) {
+  return std::string(name) + "[" + std::to_string(i) + "]";
+}
+
+void check_cache(const PagedKVCache& c) {
+  const int64_t h = c.head_size;
+  if (h != 64 && h != 80 && h != 96 && h != 128 && h != 256) {
+    throw std::invalid_argument("head_size " + std::to_string(h) +
+                                " is not supported (64, 80, 96, 128, 256)");
+  }
+  if (c.block_size != 8 && c.block_size != 16 && c.block_size != 32) {
+    throw std::invalid_argument("block_size " + std::to_string(c.block_size) +
+                                " is not supported (8, 16, 32)");
+  }
+  if (c.dtype != DType::kFloat32 && c.dtype != DType::kBFloat16 && c.dtype != DType::kFloat16) {
+    throw std::invalid_argument("dtype code " + std::to_string(static_cast<int>(c.dtype)) +
+                                " is not supported (0 float32, 1 bfloat16, 2 float16)");
+  }
+}
+
+// Checks every sequence length and every block-table entry the kernels will read; returns the
+// longest sequence.
+int64_t check_tables(const BlockTables& t, const PagedKVCache& c) {
+  int64_t max_seq_len = 0;
+  for (int64_t s = 0; s < t.num_seqs; ++s) {
+    const int64_t seq_len = t.seq_lens[s];
+    if (seq_len < 0 || seq_len > t.max_blocks_per_seq * c.block_size) {
+      throw std::invalid_argument(index_name("seq_lens", s) + " = " + std::to_string(seq_len) +
+                                  " is outside [0, " +
+                                  std::to_string(t.max_blocks_per_seq * c.block_size) +
+                                  "] (max_blocks_per_seq * block_size)");
+    }
+    max_seq_len = std::max(max_seq_len, seq_len);
+    const int32_t* row = t.block_tables + s * t.row_stride;
+    for (int64_t i = 0; i < ceil_div(seq_len, c.block_size); ++i) {
+      if (row[i] < 0 || row[i] >= c.num_blocks) {
+        throw std::invalid_argument(
+            "block_tables[" + std::to_string(s) + "][" + std::to_string(i) +
+            "] = " + std::to_string(row[i]) +
+            " is not a block of the cache (num_blocks = " + std::to_string(c.num_blocks) + ")");
+      }
+    }
+  }
+  return max_seq_len;
+}
+
+void check_heads(int64_t num_heads, const PagedKVCache& c) {
+  if (c.num_kv_heads <= 0 || num_heads <= 0 || num_heads % c.num_kv_heads != 0) {
+    throw std::invalid_argument("num_heads " + std::to_string(num_heads) +
+                                " must be a positive multiple of num_kv_heads " +
+                                std::to_string(c.num_kv_heads));
+  }
+}
+
+// Split-K when there are too few (sequence, kv head) items to keep every thread busy with a few
+// items each; then as many partitions per sequence as that takes, each >= 256 tokens.
+int64_t choose_partition_size(const AttentionProblem& p) {
+  const int64_t items = p.tables.num_seqs * p.cache.num_kv_heads;
+  const int64_t partitions_wanted =
+      ceil_div(4 * int64_t{p.num_threads}, std::max<int64_t>(items, 1));
+  if (partitions_wanted <= 1) return 0;
+  const int64_t block_size = p.cache.block_size;
+  int64_t size = ceil_div(ceil_div(p.max_seq_len, partitions_wanted), block_size) * block_size;
+  size = std::max(size, ceil_div(kMinAutoPartitionSize, block_size) * block_size);
+  return size >= p.max_seq_len ? 0 : size;
+}
+
+}  // namespace
+
+void paged_attention_decode(void* out, int64_t out_token_stride, const void* query,
+                            int64_t query_token_stride, int64_t num_heads, float scale,
+                            const PagedKVCache& cache, const BlockTables& tables,
+                            int64_t partition_size) {
+  check_cache(cache);
+  check_heads(num_heads, cache);
+  if (partition_size > 0 && partition_size % cache.block_size != 0) {
+    throw std::invalid_argument("partition_size " + std::to_string(partition_size) +
+                                " must be a multiple of block_size " +
+                                std::to_string(cache.block_size));
+  }
+  AttentionProblem p{out,   out_token_stride, query, query_token_stride, num_heads, scale,
+                     cache, tables,           0,     get_num_threads()};
+  p.max_seq_len = check_tables(tables, cache);
+  if (tables.num_seqs == 0) return;
+  if (partition_size < 0) partition_size = choose_partition_size(p);
+  const AttentionKernels& k = kernels();
+  float* ws = workspace(k.decode_workspace_floats(p, partition_size));
+  k.decode_attention(p, partition_size, ws);
+}
+
+void paged_prefill_attention(void* out, int64_t out_token_stride, const void* query,
+                             int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
+                             const int32_t* query_start_loc, float scale, const PagedKVCache& cache,
+                             const BlockTables& tables) {
+  check_cache(cache);
+  check_heads(num_heads, cache);
+  AttentionProblem p{out,   out_token_stride, query, query_token_stride, num_heads, scale,
+                     cache, tables,           0,     get_num_threads()};
+  p.max_seq_len = check_tables(tables, cache);
+  if (query_start_loc[0] != 0) {
+    throw std::invalid_argument("query_start_loc[0] = " + std::to_string(query_start_loc[0]) +
+                                " must be 0");
+  }
+  for (int64_t s = 0; s < tables.num_seqs; ++s) {
+    const int64_t q_len = int64_t{query_start_loc[s + 1]} - query_start_loc[s];
+    if (q_len < 0 || q_len > tables.seq_lens[s]) {
+      throw std::invalid_argument("query length " + index_name("query_start_loc", s + 1) + " - " +
+                                  index_name("query_start_loc", s) + " = " + std::to_string(q_len) +
+                                  " is outside [0, " + index_name("seq_lens", s) + " = " +
+                                  std::to_string(tables.seq_lens[s]) + "]");
+    }
+  }
+  if (query_start_loc[tables.num_seqs] != num_tokens) {
+    throw std::invalid_argument(index_name("query_start_loc", tables.num_seqs) + " = " +
+                                std::to_string(query_start_loc[tables.num_seqs]) +
+                                " must equal num_tokens " + std::to_string(num_tokens));
+  }
+
+  // Tiles of rows (query token x query head of the group); the costliest first so the dynamic
+  // schedule ends evenly. A single query token goes to the decode path as one item.
+  const AttentionKernels& k = kernels();
+  const int64_t group = num_heads / cache.num_kv_heads;
+  std::vector<std::pair<int64_t, PrefillItem>> planned;
+  for (int64_t s = 0; s < tables.num_seqs; ++s) {
+    const int64_t q_len = int64_t{query_start_loc[s + 1]} - query_start_loc[s];
+    const int64_t context = tables.seq_lens[s] - q_len;
+    const int64_t rows = q_len * group;
+    const int64_t rows_per_item = q_len == 1 ? group : k.prefill_rows_per_tile;
+    for (int64_t kv_head = 0; kv_head < cache.num_kv_heads; ++kv_head) {
+      for (int64_t row = 0; row < rows; row += rows_per_item) {
+        const int64_t row_end = std::min(rows, row + rows_per_item);
+        const int64_t cost = (row_end - row) * (context + (row_end - 1) / group + 1);
+        planned.push_back(
+            {cost, PrefillItem{static_cast<int32_t>(s), static_cast<int32_t>(kv_head),
+                               static_cast<int32_t>(row), static_cast<int32_t>(row_end)}});
+      }
+    }
+  }
+  std::stable_sort(planned.begin(), planned.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<PrefillItem> items(planned.size());
+  for (size_t i = 0; i < planned.size(); ++i) items[i] = planned[i].second;
+  if (items.empty()) return;
+  float* ws = workspace(k.prefill_workspace_floats(p));
+  k.prefill_attention(p, query_start_loc, items.data(), static_cast<int64_t>(items.size()), ws);
+}
+
+void set_num_threads(int num_threads) {
+  if (num_threads < 1) {
+    throw std::invalid_argument("num_threads " + std::to_string(num_threads) + " must be >= 1");
+  }
+  g_num_threads.store(num_threads);
+}
+
+int get_num_threads() {
+  const int n = g_num_threads.load();
+  return n > 0 ? n : omp_get_max_threads();
+}
+
+const char* isa() { return kernels().isa; }
+
+void force_isa(const char* name) { g_kernels.store(find_kernels(name), std::memory_order_release); }
+
+}  // namespace pagedserve::cpu

@@ -1,0 +1,364 @@
+// A small float32 SIMD vector type for the attention kernels, one definition per ISA.
+//
+// This header is compiled once per ISA variant (see CMakeLists.txt); everything lives in the
+// namespace PAGEDSERVE_ISA_NS so the variants never share a symbol. Code compiled with
+// -mavx512f must not leak into the generic variant through a shared inline function or
+// template instantiation, which is also why the kernels use no std:: containers.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "scalar_types.h"
+
+#if defined(PAGEDSERVE_ISA_AVX512) || defined(PAGEDSERVE_ISA_AVX2)
+#include <immintrin.h>
+#endif
+
+#ifndef PAGEDSERVE_ISA_NS
+#error "PAGEDSERVE_ISA_NS must name the ISA variant being compiled"
+#endif
+
+namespace pagedserve::cpu::PAGEDSERVE_ISA_NS {
+
+inline float to_float(float x) { return x; }
+inline float to_float(BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(Half x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000) << 16;
+  uint32_t exponent = (x.bits >> 10) & 0x1f;
+  uint32_t mantissa = x.bits & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalize
+    exponent = 113;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+template <>
+inline BFloat16 from_float<BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (std::isnan(x)) return BFloat16{0x7fc0};
+  bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
+  return BFloat16{static_cast<uint16_t>(bits >> 16)};
+}
+template <>
+inline Half from_float<Half>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+  bits &= 0x7fffffffu;
+  if (bits >= 0x7f800000u)
+    return Half{static_cast<uint16_t>(sign | (bits > 0x7f800000u ? 0x7e00 : 0x7c00))};
+  if (bits >= 0x477ff000u) return Half{static_cast<uint16_t>(sign | 0x7c00)};  // overflow to inf
+  if (bits < 0x38800000u) {  // result is subnormal or zero: add 0.5 to shift mantissa out
+    float magnitude;
+    std::memcpy(&magnitude, &bits, sizeof(magnitude));
+    magnitude += 0.5f;
+    uint32_t m;
+    std::memcpy(&m, &magnitude, sizeof(m));
+    return Half{static_cast<uint16_t>(sign | (m - 0x3f000000u))};
+  }
+  const uint32_t odd = (bits >> 13) & 1;
+  bits += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
+  return Half{static_cast<uint16_t>(sign | (bits >> 13))};
+}
+
+#if defined(PAGEDSERVE_ISA_AVX512)
+
+struct VecF {
+  static constexpr int kWidth = 16;
+  static constexpr int kNumRegisters = 32;
+  __m512 v;
+
+  VecF() = default;
+  explicit VecF(__m512 x) : v(x) {}
+  static VecF zero() { return VecF(_mm512_setzero_ps()); }
+  static VecF broadcast(float x) { return VecF(_mm512_set1_ps(x)); }
+  static VecF load(const float* p) { return VecF(_mm512_loadu_ps(p)); }
+  static VecF load(const BFloat16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return VecF(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
+  static VecF load(const Half* p) {
+    return VecF(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(BFloat16* p) const {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    rounded = _mm512_srli_epi32(rounded, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  }
+  void store(Half* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+
+  friend VecF operator+(VecF a, VecF b) { return VecF(_mm512_add_ps(a.v, b.v)); }
+  friend VecF operator-(VecF a, VecF b) { return VecF(_mm512_sub_ps(a.v, b.v)); }
+  friend VecF operator*(VecF a, VecF b) { return VecF(_mm512_mul_ps(a.v, b.v)); }
+  // a * b + c
+  friend VecF fma(VecF a, VecF b, VecF c) { return VecF(_mm512_fmadd_ps(a.v, b.v, c.v)); }
+  friend VecF max(VecF a, VecF b) { return VecF(_mm512_max_ps(a.v, b.v)); }
+  float reduce_add() const { return _mm512_reduce_add_ps(v); }
+  float reduce_max() const { return _mm512_reduce_max_ps(v); }
+  // Lanes where `position` < key_position become -inf (causal mask).
+  VecF mask_future(VecF position, float key_position) const {
+    const __mmask16 future =
+        _mm512_cmp_ps_mask(position.v, _mm512_set1_ps(key_position), _CMP_LT_OQ);
+    return VecF(_mm512_mask_blend_ps(future, v, _mm512_set1_ps(-INFINITY)));
+  }
+  // 2^n for integral-valued n (no range checks: callers clamp n).
+  static VecF exp2_integral(VecF n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
+    return VecF(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+  }
+  static VecF round(VecF x) {
+    return VecF(_mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  // Lanes where x < limit become zero.
+  VecF zero_below(VecF x, float limit) const {
+    const __mmask16 below = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_LT_OQ);
+    return VecF(_mm512_maskz_mov_ps(static_cast<__mmask16>(~below), v));
+  }
+};
+
+// Lane i of the result is the sum of all lanes of parts[i] (a transposed horizontal add).
+inline VecF reduce_add_transposed(const VecF* parts) {
+  __m512 x[8];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = parts[2 * i].v, b = parts[2 * i + 1].v;
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  __m512 y[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Each 128-bit chunk c of y[i] now holds, for sources 4i..4i+3, the sum over chunk c.
+  const __m512 z0 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+  const __m512 z1 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+  return VecF(
+      _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd)));
+}
+
+#elif defined(PAGEDSERVE_ISA_AVX2)
+
+struct VecF {
+  static constexpr int kWidth = 8;
+  static constexpr int kNumRegisters = 16;
+  __m256 v;
+
+  VecF() = default;
+  explicit VecF(__m256 x) : v(x) {}
+  static VecF zero() { return VecF(_mm256_setzero_ps()); }
+  static VecF broadcast(float x) { return VecF(_mm256_set1_ps(x)); }
+  static VecF load(const float* p) { return VecF(_mm256_loadu_ps(p)); }
+  static VecF load(const BFloat16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return VecF(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+  }
+  static VecF load(const Half* p) {
+    return VecF(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(BFloat16* p) const {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    rounded = _mm256_srli_epi32(rounded, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+    // Pack the 32-bit lanes (each < 2^16) to 16 bits; packus works per 128-bit half.
+    const __m256i packed = _mm256_packus_epi32(rounded, rounded);
+    const __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(ordered));
+  }
+  void store(Half* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+
+  friend VecF operator+(VecF a, VecF b) { return VecF(_mm256_add_ps(a.v, b.v)); }
+  friend VecF operator-(VecF a, VecF b) { return VecF(_mm256_sub_ps(a.v, b.v)); }
+  friend VecF operator*(VecF a, VecF b) { return VecF(_mm256_mul_ps(a.v, b.v)); }
+  friend VecF fma(VecF a, VecF b, VecF c) { return VecF(_mm256_fmadd_ps(a.v, b.v, c.v)); }
+  friend VecF max(VecF a, VecF b) { return VecF(_mm256_max_ps(a.v, b.v)); }
+  float reduce_add() const {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+  float reduce_max() const {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+  VecF mask_future(VecF position, float key_position) const {
+    const __m256 future = _mm256_cmp_ps(position.v, _mm256_set1_ps(key_position), _CMP_LT_OQ);
+    return VecF(_mm256_blendv_ps(v, _mm256_set1_ps(-INFINITY), future));
+  }
+  static VecF exp2_integral(VecF n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
+    return VecF(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+  }
+  static VecF round(VecF x) {
+    return VecF(_mm256_round_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  VecF zero_below(VecF x, float limit) const {
+    const __m256 below = _mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_LT_OQ);
+    return VecF(_mm256_andnot_ps(below, v));
+  }
+};
+
+inline VecF reduce_add_transposed(const VecF* parts) {
+  __m256 x[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = parts[2 * i].v, b = parts[2 * i + 1].v;
+    x[i] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  }
+  __m256 y[2];
+  for (int i = 0; i < 2; ++i) {
+    const __m256d a = _mm256_castps_pd(x[2 * i]), b = _mm256_castps_pd(x[2 * i + 1]);
+    y[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  // Each 128-bit half h of y[i] holds, for sources 4i..4i+3, the sum over half h.
+  return VecF(_mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20),
+                            _mm256_permute2f128_ps(y[0], y[1], 0x31)));
+}
+
+#else  // portable: plain loops the compiler vectorizes for the baseline ISA
+
+struct VecF {
+  static constexpr int kWidth = 8;
+  static constexpr int kNumRegisters = 8;
+  float v[kWidth];
+
+  static VecF zero() { return broadcast(0.0f); }
+  static VecF broadcast(float x) {
+    VecF r;
+    for (int i = 0; i < kWidth; ++i) r.v[i] = x;
+    return r;
+  }
+  template <typename T>
+  static VecF load(const T* p) {
+    VecF r;
+    for (int i = 0; i < kWidth; ++i) r.v[i] = to_float(p[i]);
+    return r;
+  }
+  template <typename T>
+  void store(T* p) const {
+    for (int i = 0; i < kWidth; ++i) p[i] = from_float<T>(v[i]);
+  }
+  template <typename F>
+  static VecF map2(VecF a, VecF b, F f) {
+    VecF r;
+    for (int i = 0; i < kWidth; ++i) r.v[i] = f(a.v[i], b.v[i]);
+    return r;
+  }
+  friend VecF operator+(VecF a, VecF b) {
+    return map2(a, b, [](float x, float y) { return x + y; });
+  }
+  friend VecF operator-(VecF a, VecF b) {
+    return map2(a, b, [](float x, float y) { return x - y; });
+  }
+  friend VecF operator*(VecF a, VecF b) {
+    return map2(a, b, [](float x, float y) { return x * y; });
+  }
+  friend VecF fma(VecF a, VecF b, VecF c) { return a * b + c; }
+  friend VecF max(VecF a, VecF b) {
+    return map2(a, b, [](float x, float y) { return x > y ? x : y; });
+  }
+  float reduce_add() const {
+    float s = 0.0f;
+    for (int i = 0; i < kWidth; ++i) s += v[i];
+    return s;
+  }
+  float reduce_max() const {
+    float m = v[0];
+    for (int i = 1; i < kWidth; ++i) m = v[i] > m ? v[i] : m;
+    return m;
+  }
+  VecF mask_future(VecF position, float key_position) const {
+    VecF r;
+    for (int i = 0; i < kWidth; ++i) r.v[i] = position.v[i] < key_position ? -INFINITY : v[i];
+    return r;
+  }
+};
+
+inline VecF reduce_add_transposed(const VecF* parts) {
+  VecF r;
+  for (int i = 0; i < VecF::kWidth; ++i) r.v[i] = parts[i].reduce_add();
+  return r;
+}
+
+#endif
+
+constexpr int kWidth = VecF::kWidth;
+
+// exp(x) for x <= 0 (softmax arguments), about 2 ulp; exp(-inf) == 0.
+inline VecF exp_nonpositive(VecF x) {
+#if defined(PAGEDSERVE_ISA_AVX512) || defined(PAGEDSERVE_ISA_AVX2)
+  constexpr float kLowest = -87.3365447f;  // below this the result is denormal: return 0
+  const VecF clamped = max(x, VecF::broadcast(kLowest));
+  const VecF n = VecF::round(clamped * VecF::broadcast(1.44269504088896341f));
+  // r = x - n * ln(2), in two parts so r keeps its precision (Cody-Waite).
+  VecF r = fma(n, VecF::broadcast(-0.693359375f), clamped);
+  r = fma(n, VecF::broadcast(2.12194440e-4f), r);
+  VecF p = VecF::broadcast(1.9875691500e-4f);
+  p = fma(p, r, VecF::broadcast(1.3981999507e-3f));
+  p = fma(p, r, VecF::broadcast(8.3334519073e-3f));
+  p = fma(p, r, VecF::broadcast(4.1665795894e-2f));
+  p = fma(p, r, VecF::broadcast(1.6666665459e-1f));
+  p = fma(p, r, VecF::broadcast(5.0000001201e-1f));
+  p = fma(p, r * r, r + VecF::broadcast(1.0f));
+  return (p * VecF::exp2_integral(n)).zero_below(x, kLowest);
+#else
+  VecF r;
+  for (int i = 0; i < kWidth; ++i) r.v[i] = std::exp(x.v[i]);
+  return r;
+#endif
+}
+
+inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
+inline int64_t round_up(int64_t x, int64_t multiple) {
+  return (x + multiple - 1) / multiple * multiple;
+}
+
+}  // namespace pagedserve::cpu::PAGEDSERVE_ISA_NS

@@ -1,0 +1,131 @@
+// The pagedserve op contract: one set of ops, same semantics and KV layout on every backend
+// (cpu/ with OpenMP + SIMD now, cuda/ later). Nothing here depends on torch: callers pass raw
+// pointers, shapes, strides (in elements) and a dtype code. The Python wrappers in
+// gpu_worker/ops.py check every argument before calling in; the C++ side still checks what
+// it has to read anyway (slots, block tables, sequence lengths) and throws
+// std::invalid_argument on bad values, before writing anything.
+//
+// KV cache layout
+// ---------------
+// The worker allocates ONE tensor per pool (device pool, host swap pool):
+//
+//   kv_cache [num_blocks, num_layers, 2, num_kv_heads, block_size, head_size]
+//
+// Block-major, so one block across all layers is one contiguous chunk: copy-on-write and
+// swapping are one memcpy per block. A layer's key cache is the view kv_cache[:, layer, 0] and
+// its value cache kv_cache[:, layer, 1], both
+//
+//   [num_blocks, num_kv_heads, block_size, head_size]
+//
+// with the inner three dims contiguous and an arbitrary stride between blocks
+// (num_layers * 2 * num_kv_heads * block_size * head_size for the pool tensor above).
+//
+// A token's place in the cache is its slot: slot = block_id * block_size + offset. A negative
+// slot marks a padding token, which is skipped. A sequence's logical block i lives in physical
+// block block_tables[seq][i]:
+//
+//   positions:  0 ........ bs-1 | bs ....... 2bs-1 | 2bs ... seq_len-1
+//   block_tables[seq]:   [ 7,                 2,                  9,    <padding> ... ]
+//
+// Entries past ceil(seq_len / block_size) are padding and never read.
+//
+// dtypes: float32, bfloat16, float16 (activations and cache share one dtype); accumulation is
+// always float32. head_size in {64, 80, 96, 128, 256}, block_size in {8, 16, 32}.
+// GQA: num_heads % num_kv_heads == 0 and query head h reads kv head h / (num_heads /
+// num_kv_heads), so the query heads of one kv head are adjacent.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedserve {
+
+// Codes shared with gpu_worker/ops.py.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// One layer's paged key and value caches (views into the pool tensor, see above).
+struct PagedKVCache {
+  void* key_cache;             // [num_blocks, num_kv_heads, block_size, head_size]
+  void* value_cache;           // [num_blocks, num_kv_heads, block_size, head_size]
+  int64_t key_block_stride;    // elements between key_cache[b] and key_cache[b + 1]
+  int64_t value_block_stride;  // elements between value_cache[b] and value_cache[b + 1]
+  int64_t num_blocks;
+  int64_t num_kv_heads;
+  int64_t block_size;  // tokens per block
+  int64_t head_size;
+  DType dtype;
+};
+
+// A batch of sequences' block tables and cache lengths.
+struct BlockTables {
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq], row stride below
+  int64_t row_stride;           // elements between block_tables[s] and block_tables[s + 1]
+  int64_t max_blocks_per_seq;
+  const int32_t* seq_lens;  // [num_seqs]: tokens in the cache per sequence, incl. this step's
+  int64_t num_seqs;
+};
+
+namespace cpu {
+
+// Writes each token's key and value into its slot of the paged caches.
+// Tokens with a negative slot are skipped.
+void reshape_and_cache(const void* key,           // [num_tokens, num_kv_heads, head_size]
+                       int64_t key_token_stride,  // elements between key[t] and key[t + 1]
+                       const void* value,         // [num_tokens, num_kv_heads, head_size]
+                       int64_t value_token_stride,
+                       const int64_t* slot_mapping,  // [num_tokens]
+                       int64_t num_tokens, const PagedKVCache& cache);
+
+// Decode attention: one query token per sequence, attending to cache positions
+// 0 .. seq_lens[s] - 1 (the current token's K/V is already in the cache).
+//   partition_size < 0: choose automatically; 0: single pass over the whole context;
+//   N > 0 (multiple of block_size): split-K, N tokens per partition, each partition keeps its
+//   max / exp-sum / unnormalized output and a reduction step combines them.
+// A sequence with seq_len 0 gets an all-zero output row.
+void paged_attention_decode(void* out,  // [num_seqs, num_heads, head_size]
+                            int64_t out_token_stride,
+                            const void* query,  // [num_seqs, num_heads, head_size]
+                            int64_t query_token_stride, int64_t num_heads, float scale,
+                            const PagedKVCache& cache, const BlockTables& tables,
+                            int64_t partition_size);
+
+// Prefill / chunked-prefill / mixed attention over new query tokens of several sequences.
+// Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1] - 1 (q_len_s rows);
+// its query token j sits at position seq_lens[s] - q_len_s + j and attends causally to the
+// cached positions <= its own (its own K/V already written by reshape_and_cache):
+//
+//   cache:  [ prior context (cached) | this step's q_len_s tokens ]
+//            0                        seq_len - q_len            seq_len - 1
+void paged_prefill_attention(void* out,  // [num_tokens, num_heads, head_size]
+                             int64_t out_token_stride,
+                             const void* query,  // [num_tokens, num_heads, head_size]
+                             int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
+                             const int32_t* query_start_loc,  // [num_seqs + 1]
+                             float scale, const PagedKVCache& cache, const BlockTables& tables);
+
+// Copy-on-write: copies whole blocks (all layers, K and V) inside one pool.
+// Destinations must be distinct and must not be sources of another pair.
+void copy_blocks(void* kv_cache,  // [num_blocks, block_bytes] (the pool tensor, contiguous)
+                 int64_t num_blocks, int64_t block_bytes,
+                 const int64_t* block_mapping,  // [num_pairs, 2]: (src_block, dst_block)
+                 int64_t num_pairs);
+
+// Swapping: copies whole blocks between two pools of the same block geometry
+// (device pool <-> host pool). Destinations must be distinct.
+void swap_blocks(const void* src_kv_cache,  // [src_num_blocks, block_bytes]
+                 int64_t src_num_blocks,
+                 void* dst_kv_cache,  // [dst_num_blocks, block_bytes]
+                 int64_t dst_num_blocks, int64_t block_bytes,
+                 const int64_t* block_mapping,  // [num_pairs, 2]: (src_block, dst_block)
+                 int64_t num_pairs);
+
+// OpenMP threads used by every op of this library (default: omp_get_max_threads()).
+void set_num_threads(int num_threads);
+int get_num_threads();
+
+// The SIMD variant the attention kernels run ("avx512", "avx2" or "generic"): the best the CPU
+// supports, unless PAGEDSERVE_CPU_ISA names a lower one. force_isa() exists for tests.
+const char* isa();
+void force_isa(const char* name);
+
+}  // namespace cpu
+}  // namespace pagedserve

@@ -1,0 +1,493 @@
+"""The paged-attention and KV-cache ops (contract and KV layout: csrc/ops.h).
+
+Each wrapper checks device, dtype, strides and shapes, raising ``TypeError`` (wrong type or
+dtype) or ``ValueError`` (wrong shape, stride or value) with a message that names the
+argument, the value and what is allowed, and then calls the compiled kernels with raw
+pointers. Values the kernels read anyway (slots, block-table entries, sequence lengths) are
+checked in C++ and raise ``ValueError`` before anything is written.
+
+Only CPU tensors are supported for now (``pagedserve._C_cpu``); the CUDA kernels
+(``pagedserve._C_cuda``) land later, until then CUDA tensors raise ``NotImplementedError``.
+
+A layer's caches are views of the pool tensor
+``kv_cache [num_blocks, num_layers, 2, num_kv_heads, block_size, head_size]``::
+
+    key_cache = kv_cache[:, layer, 0]    # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache = kv_cache[:, layer, 1]  # inner three dims contiguous, any block stride
+
+and a token's slot is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedserve import _C_cpu
+
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_LAYOUT_TOKENS = "[num_tokens, num_heads, head_size]"
+_LAYOUT_CACHE = "[num_blocks, num_kv_heads, block_size, head_size]"
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Sets the OpenMP threads every op of this module uses (not torch's own count)."""
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+        raise TypeError(f"num_threads must be an int, got {type(num_threads).__name__}")
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    _C_cpu.set_num_threads(num_threads)
+
+
+# The ops run beside torch's own kernels: use the same number of threads.
+set_num_threads(torch.get_num_threads())
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes each token's key and value into its slot of the paged caches.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_size]``; the token stride may be
+            anything (views into a fused qkv output), heads and dims contiguous.
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, inner
+            three dims contiguous, any block stride; same dtype as ``key``.
+        slot_mapping: int64 ``[num_tokens]``; ``slot = block_id * block_size + offset``, a
+            negative slot marks a padding token, which is skipped.
+    """
+    cache = _check_caches(key_cache, value_cache)
+    _check_tokens("key", key, cache.num_kv_heads, cache.head_size, cache.dtype)
+    _check_tokens("value", value, cache.num_kv_heads, cache.head_size, cache.dtype)
+    num_tokens = key.shape[0]
+    _check_same_length("value", value, "key", num_tokens)
+    _check_index_vector("slot_mapping", slot_mapping, torch.int64, num_tokens, "num_tokens")
+    if num_tokens == 0:
+        return
+    _C_cpu.reshape_and_cache(
+        key=key.data_ptr(),
+        key_token_stride=key.stride(0),
+        value=value.data_ptr(),
+        value_token_stride=value.stride(0),
+        slot_mapping=slot_mapping.data_ptr(),
+        num_tokens=num_tokens,
+        **cache.kwargs,
+    )
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """Decode attention: one query token per sequence over its paged context.
+
+    Sequence ``s`` attends to cache positions ``0 .. seq_lens[s] - 1`` (its current token's
+    K/V already written by :func:`reshape_and_cache`); a sequence with ``seq_len`` 0 gets
+    zeros.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_size]``, any token stride, heads and dims
+            contiguous. ``num_heads`` is a multiple of ``num_kv_heads`` (GQA: query head
+            ``h`` reads kv head ``h // (num_heads // num_kv_heads)``).
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, rows contiguous; entries past
+            a sequence's blocks are never read.
+        seq_lens: int32 ``[num_seqs]``.
+        scale: softmax scale, usually ``head_size ** -0.5``.
+        out: ``[num_seqs, num_heads, head_size]`` like ``query`` (any token stride), or
+            ``None`` to allocate one.
+        partition_size: ``None`` chooses: split-K when long contexts leave too few
+            (sequence, kv head) work items for the threads; ``0`` forces a single pass; ``N``
+            (a multiple of ``block_size``) forces partitions of ``N`` tokens, each keeping its
+            max / exp-sum / partial output, combined by a reduction step.
+
+    Returns:
+        ``out``.
+    """
+    cache = _check_caches(key_cache, value_cache)
+    num_heads = _check_query("query", query, cache)
+    num_seqs = query.shape[0]
+    _check_block_tables(block_tables, num_seqs)
+    _check_index_vector("seq_lens", seq_lens, torch.int32, num_seqs, "num_seqs")
+    out = _check_or_allocate_out(out, query)
+    scale = _check_scale(scale)
+    if partition_size is None:
+        partition = -1
+    else:
+        if isinstance(partition_size, bool) or not isinstance(partition_size, int):
+            raise TypeError(
+                f"partition_size must be None or an int, got {type(partition_size).__name__}"
+            )
+        if partition_size < 0 or partition_size % cache.block_size != 0:
+            raise ValueError(
+                f"partition_size must be None, 0 or a positive multiple of block_size "
+                f"{cache.block_size}, got {partition_size}"
+            )
+        partition = partition_size
+    if num_seqs == 0:
+        return out
+    _C_cpu.paged_attention_decode(
+        out=out.data_ptr(),
+        out_token_stride=out.stride(0),
+        query=query.data_ptr(),
+        query_token_stride=query.stride(0),
+        num_heads=num_heads,
+        scale=scale,
+        block_tables=block_tables.data_ptr(),
+        block_table_stride=block_tables.stride(0),
+        max_blocks_per_seq=block_tables.shape[1],
+        seq_lens=seq_lens.data_ptr(),
+        num_seqs=num_seqs,
+        partition_size=partition,
+        **cache.kwargs,
+    )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new query tokens over their sequences' paged caches.
+
+    Covers plain prefill, chunked prefill / prefix-cache hits (prior context already
+    cached) and decode (one query token). Sequence ``s`` owns query rows
+    ``query_start_loc[s] .. query_start_loc[s + 1] - 1`` (``q_len`` rows); its token ``j``
+    sits at position ``seq_lens[s] - q_len + j`` and attends to cached positions up to its
+    own (this step's K/V already written by :func:`reshape_and_cache`)::
+
+        cache of s:  [ prior context ........ | this step's q_len tokens ]
+                      0                        seq_len - q_len    seq_len - 1
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``, all sequences' tokens back to back,
+            any token stride, heads and dims contiguous.
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, rows contiguous.
+        query_start_loc: int32 ``[num_seqs + 1]``, starting at 0 and ending at
+            ``num_tokens``.
+        seq_lens: int32 ``[num_seqs]``: tokens in the cache incl. this step's.
+        scale: softmax scale.
+        out: ``[num_tokens, num_heads, head_size]`` like ``query``, or ``None``.
+
+    Returns:
+        ``out``.
+    """
+    cache = _check_caches(key_cache, value_cache)
+    num_heads = _check_query("query", query, cache)
+    num_seqs = _check_block_tables(block_tables, None)
+    _check_index_vector(
+        "query_start_loc", query_start_loc, torch.int32, num_seqs + 1, "num_seqs + 1"
+    )
+    _check_index_vector("seq_lens", seq_lens, torch.int32, num_seqs, "num_seqs")
+    out = _check_or_allocate_out(out, query)
+    scale = _check_scale(scale)
+    if num_seqs == 0:
+        if query.shape[0] != 0:
+            raise ValueError(f"query has {query.shape[0]} tokens but there are no sequences")
+        return out
+    _C_cpu.paged_prefill_attention(
+        out=out.data_ptr(),
+        out_token_stride=out.stride(0),
+        query=query.data_ptr(),
+        query_token_stride=query.stride(0),
+        num_tokens=query.shape[0],
+        num_heads=num_heads,
+        query_start_loc=query_start_loc.data_ptr(),
+        scale=scale,
+        block_tables=block_tables.data_ptr(),
+        block_table_stride=block_tables.stride(0),
+        max_blocks_per_seq=block_tables.shape[1],
+        seq_lens=seq_lens.data_ptr(),
+        num_seqs=num_seqs,
+        **cache.kwargs,
+    )
+    return out
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: copies whole blocks (all layers, K and V) inside one pool.
+
+    Args:
+        kv_cache: the pool tensor ``[num_blocks, ...]``, contiguous, any dtype.
+        block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)``; destinations
+            distinct and never also a source.
+    """
+    _check_pool("kv_cache", kv_cache)
+    num_pairs = _check_block_mapping(block_mapping)
+    if num_pairs == 0:
+        return
+    _C_cpu.copy_blocks(
+        kv_cache=kv_cache.data_ptr(),
+        num_blocks=kv_cache.shape[0],
+        block_bytes=_block_bytes(kv_cache),
+        block_mapping=block_mapping.data_ptr(),
+        num_pairs=num_pairs,
+    )
+
+
+def swap_blocks(
+    src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, block_mapping: torch.Tensor
+) -> None:
+    """Swapping: copies whole blocks between two pools (device pool <-> host pool).
+
+    Args:
+        src_kv_cache, dst_kv_cache: pool tensors ``[num_blocks, ...]``, contiguous, same
+            dtype and per-block shape; their ``num_blocks`` may differ.
+        block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)``; destinations
+            distinct.
+    """
+    _check_pool("src_kv_cache", src_kv_cache)
+    _check_pool("dst_kv_cache", dst_kv_cache)
+    if dst_kv_cache.dtype != src_kv_cache.dtype:
+        raise TypeError(
+            f"dst_kv_cache has dtype {dst_kv_cache.dtype} but src_kv_cache has "
+            f"{src_kv_cache.dtype}; they must match"
+        )
+    if dst_kv_cache.shape[1:] != src_kv_cache.shape[1:]:
+        raise ValueError(
+            f"dst_kv_cache blocks have shape {tuple(dst_kv_cache.shape[1:])} but src_kv_cache "
+            f"blocks have {tuple(src_kv_cache.shape[1:])}; they must match"
+        )
+    num_pairs = _check_block_mapping(block_mapping)
+    if num_pairs == 0:
+        return
+    _C_cpu.swap_blocks(
+        src_kv_cache=src_kv_cache.data_ptr(),
+        src_num_blocks=src_kv_cache.shape[0],
+        dst_kv_cache=dst_kv_cache.data_ptr(),
+        dst_num_blocks=dst_kv_cache.shape[0],
+        block_bytes=_block_bytes(src_kv_cache),
+        block_mapping=block_mapping.data_ptr(),
+        num_pairs=num_pairs,
+    )
+
+
+# --- checks ---------------------------------------------------------------------------------
+
+
+class _CacheGeometry:
+    """A validated pair of layer caches and the keyword arguments the kernels take."""
+
+    def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        self.num_blocks, self.num_kv_heads, self.block_size, self.head_size = key_cache.shape
+        self.dtype = key_cache.dtype
+        self.kwargs = {
+            "key_cache": key_cache.data_ptr(),
+            "value_cache": value_cache.data_ptr(),
+            "key_block_stride": key_cache.stride(0),
+            "value_block_stride": value_cache.stride(0),
+            "num_blocks": self.num_blocks,
+            "num_kv_heads": self.num_kv_heads,
+            "block_size": self.block_size,
+            "head_size": self.head_size,
+            "dtype": _DTYPE_CODES[self.dtype],
+        }
+
+
+def _check_device(name: str, tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type == "cuda":
+        raise NotImplementedError(
+            f"{name} is on {tensor.device}: the CUDA kernels (pagedserve._C_cuda) are not built "
+            "yet; only CPU tensors are supported for now"
+        )
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} is on {tensor.device}; only CPU tensors are supported")
+
+
+def _check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if tensor.dtype not in allowed:
+        names = ", ".join(str(dtype) for dtype in allowed)
+        raise TypeError(f"{name} has dtype {tensor.dtype}; supported: {names}")
+
+
+def _check_inner_strides(
+    name: str, tensor: torch.Tensor, layout: str, first_strided_dim: int = 1
+) -> None:
+    """Dims from ``first_strided_dim`` on must be contiguous (size-1 dims excepted)."""
+    expected = 1
+    for dim in reversed(range(first_strided_dim, tensor.dim())):
+        if tensor.shape[dim] != 1 and tensor.stride(dim) != expected:
+            contiguous = layout.strip("[]").split(", ")[first_strided_dim:]
+            raise ValueError(
+                f"{name} {layout} must have contiguous {', '.join(contiguous)}; got shape "
+                f"{tuple(tensor.shape)} with strides {tensor.stride()}"
+            )
+        expected *= tensor.shape[dim]
+
+
+def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> _CacheGeometry:
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_device(name, cache)
+        _check_dtype(name, cache, SUPPORTED_DTYPES)
+        if cache.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {_LAYOUT_CACHE}, got shape {tuple(cache.shape)}")
+        _check_inner_strides(name, cache, _LAYOUT_CACHE)
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache has shape {tuple(value_cache.shape)} but key_cache has "
+            f"{tuple(key_cache.shape)}; they must match"
+        )
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(
+            f"value_cache has dtype {value_cache.dtype} but key_cache has {key_cache.dtype}; "
+            "they must match"
+        )
+    _, num_kv_heads, block_size, head_size = key_cache.shape
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(
+            f"head_size {head_size} (key_cache.shape[3]) is not supported; supported: "
+            f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}"
+        )
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(
+            f"block_size {block_size} (key_cache.shape[2]) is not supported; supported: "
+            f"{', '.join(map(str, SUPPORTED_BLOCK_SIZES))}"
+        )
+    if num_kv_heads < 1:
+        raise ValueError(f"key_cache must have at least one kv head, got shape {key_cache.shape}")
+    return _CacheGeometry(key_cache, value_cache)
+
+
+def _check_tokens(
+    name: str, tensor: torch.Tensor, num_heads: int, head_size: int, dtype: torch.dtype
+) -> None:
+    """``tensor`` is ``[num_tokens, num_heads, head_size]`` of the cache's dtype."""
+    _check_device(name, tensor)
+    _check_dtype(name, tensor, SUPPORTED_DTYPES)
+    if tensor.dtype != dtype:
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype} but the cache holds {dtype}; they must match"
+        )
+    if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (num_heads, head_size):
+        raise ValueError(
+            f"{name} must be {_LAYOUT_TOKENS} with num_heads={num_heads}, "
+            f"head_size={head_size} (from the cache); got shape {tuple(tensor.shape)}"
+        )
+    _check_inner_strides(name, tensor, _LAYOUT_TOKENS)
+
+
+def _check_query(name: str, query: torch.Tensor, cache: _CacheGeometry) -> int:
+    """Checks a query (or output) tensor; returns num_heads."""
+    _check_device(name, query)
+    _check_dtype(name, query, SUPPORTED_DTYPES)
+    if query.dim() != 3:
+        raise ValueError(f"{name} must be 3-D {_LAYOUT_TOKENS}, got shape {tuple(query.shape)}")
+    num_heads = query.shape[1]
+    if num_heads % cache.num_kv_heads != 0 or num_heads == 0:
+        raise ValueError(
+            f"{name} has {num_heads} heads, which is not a positive multiple of the cache's "
+            f"num_kv_heads {cache.num_kv_heads}"
+        )
+    _check_tokens(name, query, num_heads, cache.head_size, cache.dtype)
+    return num_heads
+
+
+def _check_or_allocate_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    _check_device("out", out)
+    _check_dtype("out", out, SUPPORTED_DTYPES)
+    if out.dtype != query.dtype:
+        raise TypeError(f"out has dtype {out.dtype} but query has {query.dtype}; they must match")
+    if out.shape != query.shape:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} but query has {tuple(query.shape)}; they must match"
+        )
+    _check_inner_strides("out", out, _LAYOUT_TOKENS)
+    return out
+
+
+def _check_index_vector(
+    name: str, tensor: torch.Tensor, dtype: torch.dtype, length: int, length_name: str
+) -> None:
+    _check_device(name, tensor)
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} has dtype {tensor.dtype}; expected {dtype}")
+    if tensor.dim() != 1 or tensor.shape[0] != length:
+        raise ValueError(
+            f"{name} must have shape [{length_name}] = [{length}], got {tuple(tensor.shape)}"
+        )
+    if length > 1 and tensor.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {tensor.stride()}")
+
+
+def _check_same_length(name: str, tensor: torch.Tensor, other: str, length: int) -> None:
+    if tensor.shape[0] != length:
+        raise ValueError(f"{name} has {tensor.shape[0]} tokens but {other} has {length}")
+
+
+def _check_block_tables(block_tables: torch.Tensor, num_seqs: int | None) -> int:
+    """Checks int32 ``[num_seqs, max_blocks_per_seq]`` with contiguous rows; returns num_seqs."""
+    _check_device("block_tables", block_tables)
+    if block_tables.dtype != torch.int32:
+        raise TypeError(f"block_tables has dtype {block_tables.dtype}; expected torch.int32")
+    if block_tables.dim() != 2 or (num_seqs is not None and block_tables.shape[0] != num_seqs):
+        expected = "num_seqs" if num_seqs is None else f"num_seqs={num_seqs}"
+        raise ValueError(
+            f"block_tables must have shape [{expected}, max_blocks_per_seq], got "
+            f"{tuple(block_tables.shape)}"
+        )
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(
+            f"block_tables rows must be contiguous, got strides {block_tables.stride()}"
+        )
+    return block_tables.shape[0]
+
+
+def _check_scale(scale: float) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    return float(scale)
+
+
+def _check_pool(name: str, kv_cache: torch.Tensor) -> None:
+    _check_device(name, kv_cache)
+    if kv_cache.dim() < 1:
+        raise ValueError(f"{name} must be [num_blocks, ...], got a 0-d tensor")
+    if not kv_cache.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous (the whole pool tensor), got shape "
+            f"{tuple(kv_cache.shape)} with strides {kv_cache.stride()}"
+        )
+
+
+def _check_block_mapping(block_mapping: torch.Tensor) -> int:
+    """Checks int64 ``[num_pairs, 2]``, contiguous; returns num_pairs."""
+    _check_device("block_mapping", block_mapping)
+    if block_mapping.dtype != torch.int64:
+        raise TypeError(f"block_mapping has dtype {block_mapping.dtype}; expected torch.int64")
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(
+            f"block_mapping must have shape [num_pairs, 2], got {tuple(block_mapping.shape)}"
+        )
+    if not block_mapping.is_contiguous():
+        raise ValueError(f"block_mapping must be contiguous, got strides {block_mapping.stride()}")
+    return block_mapping.shape[0]
+
+
+def _block_bytes(kv_cache: torch.Tensor) -> int:
+    return math.prod(kv_cache.shape[1:]) * kv_cache.element_size()

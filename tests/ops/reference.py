@@ -1,0 +1,95 @@
+"""Plain-torch references for the ops of pagedserve.gpu_worker.ops.
+
+Attention is computed in float64 from the same (possibly 16-bit) inputs the kernels read,
+one sequence at a time, from K/V gathered through the block table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def gather_sequence(
+    cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """``cache`` [num_blocks, num_kv_heads, block_size, head_size] -> the sequence's
+    [seq_len, num_kv_heads, head_size]."""
+    block_size = cache.shape[2]
+    num_blocks = math.ceil(seq_len / block_size)
+    blocks = cache[block_table_row[:num_blocks].long()]  # [n, kv_heads, block_size, head]
+    return blocks.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
+
+
+def attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal paged attention (float64) with the semantics of paged_prefill_attention."""
+    num_tokens, num_heads, head_size = query.shape
+    group = num_heads // key_cache.shape[1]
+    out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float64)
+    for s in range(block_tables.shape[0]):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        seq_len, q_len = int(seq_lens[s]), end - start
+        if q_len == 0 or seq_len == 0:
+            continue
+        q = query[start:end].double()
+        k = gather_sequence(key_cache, block_tables[s], seq_len).double()
+        v = gather_sequence(value_cache, block_tables[s], seq_len).double()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        query_pos = torch.arange(seq_len - q_len, seq_len).view(q_len, 1)
+        future = torch.arange(seq_len).view(1, seq_len) > query_pos
+        scores = scores.masked_fill(future, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    return out
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention_decode: one query token per sequence (zeros where seq_len is 0)."""
+    query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    return attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns copies of the caches with each non-padding token written to its slot."""
+    key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    block_size = key_cache.shape[2]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        key_cache[block, :, offset] = key[token]
+        value_cache[block, :, offset] = value[token]
+    return key_cache, value_cache
+
+
+def copy_blocks(
+    src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, block_mapping: torch.Tensor
+) -> torch.Tensor:
+    """Returns a copy of ``dst_kv_cache`` with each (src, dst) block copied from the source."""
+    result = dst_kv_cache.clone()
+    for src, dst in block_mapping.tolist():
+        result[dst] = src_kv_cache[src]
+    return result
