@@ -16,6 +16,7 @@ from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.worker import Worker, parse_dtype
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_core import EngineCore
+from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int]
@@ -151,16 +152,22 @@ class LLM:
                     request_id=request_id,
                     prompt=prompt if isinstance(prompt, str) else None,
                     prompt_token_ids=token_ids,
-                    outputs=[CompletionOutput(0, "", [], None)],
+                    outputs=[
+                        CompletionOutput(
+                            0,
+                            "",
+                            [],
+                            None,
+                            logprobs=None if params.logprobs is None else [],
+                            cumulative_logprob=None if params.logprobs is None else 0.0,
+                        )
+                    ],
+                    prompt_logprobs=None if params.prompt_logprobs is None else [None],
                 )
                 self.engine.add_request(request_id, token_ids, params, self.eos_token_ids)
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    completion = outputs[delta.request_id].outputs[0]
-                    completion.token_ids.extend(delta.new_token_ids)
-                    if delta.finished:
-                        completion.finish_reason = delta.finish_reason
-                        outputs[delta.request_id].finished = True
+                    _apply_delta(outputs[delta.request_id], delta)
         finally:
             # An interrupted run (Ctrl-C, an error) must not leave requests holding blocks.
             for request_id in request_ids:
@@ -222,6 +229,22 @@ class LLM:
                 "pass token ids instead"
             )
         return self.tokenizer
+
+
+def _apply_delta(output: RequestOutput, delta: RequestOutputDelta) -> None:
+    completion = output.outputs[0]
+    completion.token_ids.extend(delta.new_token_ids)
+    if delta.logprobs is not None and completion.logprobs is not None:
+        for entry in delta.logprobs:
+            completion.logprobs.append(dict(zip(entry.token_ids, entry.logprobs)))
+            completion.cumulative_logprob += entry.logprobs[0]
+    if delta.prompt_logprobs is not None and output.prompt_logprobs is not None:
+        output.prompt_logprobs.extend(
+            dict(zip(entry.token_ids, entry.logprobs)) for entry in delta.prompt_logprobs
+        )
+    if delta.finished:
+        completion.finish_reason = delta.finish_reason
+        output.finished = True
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

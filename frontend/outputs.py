@@ -11,6 +11,10 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS or a stop token), "length", "abort"
+    # With SamplingParams.logprobs=k: per generated token, {token id: logprob} holding
+    # the chosen token and the k most likely ones.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -20,3 +24,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With SamplingParams.prompt_logprobs=k: per prompt token, as in CompletionOutput;
+    # None for the first token, which nothing predicts.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -9,8 +9,13 @@ import torch
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.models.base import CausalLM
-from pagedserve.gpu_worker.sampler import Sampler
-from pagedserve.scheduler.messages import StepPlan, StepResult
+from pagedserve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedserve.scheduler.messages import (
+    PromptLogprobsChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -22,6 +27,11 @@ class CachedRequestState:
     num_prompt_tokens: int
     block_ids: list[int]
     sampling_params: SamplingParams
+    eos_token_ids: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -36,6 +46,16 @@ class _ScheduledEntry:
         """Whether this step computes the last known token, so a new one is sampled."""
         return self.num_computed_tokens + self.num_scheduled_tokens == len(self.state.token_ids)
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Prompt positions this step scores: position t predicts prompt token t + 1."""
+        if self.state.sampling_params.prompt_logprobs is None:
+            return range(0)
+        end = min(
+            self.num_computed_tokens + self.num_scheduled_tokens, self.state.num_prompt_tokens - 1
+        )
+        return range(self.num_computed_tokens, max(end, self.num_computed_tokens))
+
 
 @dataclass
 class ModelInputs:
@@ -44,6 +64,8 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_sampling], rows of the hidden states to sample
     sampling_entries: list[_ScheduledEntry]
+    # (entry, first row of its tokens in the batch) for entries scoring prompt positions
+    prompt_logprob_entries: list[tuple[_ScheduledEntry, int]]
 
 
 class ModelRunner:
@@ -62,12 +84,23 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            token_ids = self._sample(logits, inputs.sampling_entries).tolist()
+            sampled = self.sampler(logits, self._sampling_batch(inputs.sampling_entries))
+            prompt_logprobs = {
+                entry.request_id: self._prompt_logprobs(hidden, entry, first_row)
+                for entry, first_row in inputs.prompt_logprob_entries
+            }
+        token_ids = sampled.token_ids.tolist()
         request_ids = []
         for entry, token_id in zip(inputs.sampling_entries, token_ids):
             entry.state.token_ids.append(token_id)
             request_ids.append(entry.request_id)
-        return StepResult(plan.step_id, request_ids, token_ids)
+        return StepResult(
+            plan.step_id,
+            request_ids,
+            token_ids,
+            logprobs=_token_logprobs(sampled, inputs.sampling_entries),
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _apply_plan(self, plan: StepPlan) -> list[_ScheduledEntry]:
         for request_id in plan.finished_request_ids:
@@ -75,7 +108,11 @@ class ModelRunner:
         entries = []
         for new in plan.new_requests:
             state = CachedRequestState(
-                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.sampling_params
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                list(new.block_ids),
+                new.sampling_params,
+                list(new.eos_token_ids),
             )
             self.requests[new.request_id] = state
             entries.append(
@@ -106,6 +143,7 @@ class ModelRunner:
         slot_parts = []
         logits_indices = []
         sampling_entries = []
+        prompt_logprob_entries = []
         max_blocks = max(len(entry.state.block_ids) for entry in entries)
         block_tables = np.zeros((len(entries), max_blocks), dtype=np.int32)
         seq_lens = np.empty(len(entries), dtype=np.int32)
@@ -114,6 +152,8 @@ class ModelRunner:
         for row, entry in enumerate(entries):
             start = entry.num_computed_tokens
             end = start + entry.num_scheduled_tokens
+            if entry.prompt_logprob_positions:
+                prompt_logprob_entries.append((entry, len(input_ids)))
             input_ids.extend(entry.state.token_ids[start:end])
             block_ids = np.asarray(entry.state.block_ids, dtype=np.int64)
             block_tables[row, : len(block_ids)] = block_ids
@@ -147,17 +187,91 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             sampling_entries=sampling_entries,
+            prompt_logprob_entries=prompt_logprob_entries,
         )
 
-    def _sample(self, logits: torch.Tensor, entries: list[_ScheduledEntry]) -> torch.Tensor:
-        temperatures = np.array(
-            [entry.state.sampling_params.temperature for entry in entries], dtype=np.float32
+    def _sampling_batch(self, entries: list[_ScheduledEntry]) -> SamplingBatch:
+        states = [entry.state for entry in entries]
+        params = [state.sampling_params for state in states]
+        penalized = [row for row, p in enumerate(params) if p.has_penalties]
+        banned = [
+            row
+            for row, (state, p) in enumerate(zip(states, params))
+            if state.num_output_tokens < p.min_tokens
+        ]
+        return SamplingBatch(
+            temperatures=np.array([p.temperature for p in params], dtype=np.float32),
+            top_k=np.array([p.top_k for p in params], dtype=np.int64),
+            top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            min_p=np.array([p.min_p for p in params], dtype=np.float32),
+            seeds=np.array([p.seed or 0 for p in params], dtype=np.uint64),
+            output_positions=np.array([s.num_output_tokens for s in states], dtype=np.int64),
+            num_logprobs=np.array(
+                [-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64
+            ),
+            penalty_rows=np.array(penalized, dtype=np.int64),
+            repetition_penalties=np.array(
+                [params[r].repetition_penalty for r in penalized], dtype=np.float32
+            ),
+            presence_penalties=np.array(
+                [params[r].presence_penalty for r in penalized], dtype=np.float32
+            ),
+            frequency_penalties=np.array(
+                [params[r].frequency_penalty for r in penalized], dtype=np.float32
+            ),
+            penalty_prompt_tokens=[
+                np.array(states[r].token_ids[: states[r].num_prompt_tokens], dtype=np.int64)
+                for r in penalized
+            ],
+            penalty_output_tokens=[
+                np.array(states[r].token_ids[states[r].num_prompt_tokens :], dtype=np.int64)
+                for r in penalized
+            ],
+            banned_rows=np.array(banned, dtype=np.int64),
+            banned_token_ids=[_banned_token_ids(states[r]) for r in banned],
         )
-        seeds = np.array(
-            [entry.state.sampling_params.seed or 0 for entry in entries], dtype=np.uint64
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, entry: _ScheduledEntry, first_row: int
+    ) -> PromptLogprobsChunk:
+        positions = entry.prompt_logprob_positions
+        rows = slice(
+            first_row + positions.start - entry.num_computed_tokens,
+            first_row + positions.stop - entry.num_computed_tokens,
         )
-        output_positions = np.array(
-            [len(entry.state.token_ids) - entry.state.num_prompt_tokens for entry in entries],
-            dtype=np.int64,
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+        targets = torch.tensor(
+            entry.state.token_ids[positions.start + 1 : positions.stop + 1], dtype=torch.int64
         )
-        return self.sampler(logits, temperatures, seeds, output_positions)
+        chosen = logprobs.gather(1, targets[:, None])
+        top_k = entry.state.sampling_params.prompt_logprobs
+        top_values, top_ids = logprobs.topk(top_k, dim=-1)
+        ids = torch.cat((targets[:, None], top_ids), dim=1).tolist()
+        values = torch.cat((chosen, top_values), dim=1).tolist()
+        return PromptLogprobsChunk(
+            first_position=positions.start + 1,
+            entries=[TokenLogprobs(i, v) for i, v in zip(ids, values)],
+        )
+
+
+def _banned_token_ids(state: CachedRequestState) -> np.ndarray:
+    """Tokens a request may not pick before min_tokens: its stop tokens and EOS."""
+    params = state.sampling_params
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned.update(state.eos_token_ids)
+    return np.array(sorted(banned), dtype=np.int64)
+
+
+def _token_logprobs(
+    sampled: SamplerOutput, entries: list[_ScheduledEntry]
+) -> list[TokenLogprobs | None]:
+    if sampled.logprobs is None:
+        return []
+    ids = sampled.logprob_token_ids.tolist()
+    values = sampled.logprobs.tolist()
+    result: list[TokenLogprobs | None] = []
+    for row, entry in enumerate(entries):
+        k = entry.state.sampling_params.logprobs
+        result.append(None if k is None else TokenLogprobs(ids[row][: k + 1], values[row][: k + 1]))
+    return result

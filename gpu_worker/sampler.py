@@ -1,6 +1,12 @@
-"""Turns the logits of a step into one token per sampling request, batch-invariantly."""
+"""Turns the logits of a step into one token per sampling request, batch-invariantly.
+
+Every operation works on whole tensors of rows; the only Python loops are over the
+(few) rows that use penalties, to gather their token histories.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,31 +33,162 @@ def request_uniforms(seeds: np.ndarray, output_positions: np.ndarray) -> np.ndar
     return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-class Sampler:
-    """Greedy rows take the argmax; other rows sample from softmax(logits / T) by
-    inverse CDF with the row's own uniform. Vectorized over the batch."""
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings, one entry per row of the logits."""
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        temperatures: np.ndarray,
-        seeds: np.ndarray,
-        output_positions: np.ndarray,
-    ) -> torch.Tensor:
-        """``logits`` float32 [rows, vocab]; ``temperatures`` float32, ``seeds`` uint64 and
-        ``output_positions`` int64, each [rows]. Returns int64 token ids [rows]."""
-        tokens = logits.argmax(dim=-1)
-        random_rows = np.flatnonzero(temperatures > 0)
-        if random_rows.size == 0:
-            return tokens
-        rows = torch.from_numpy(random_rows)
-        temperature = torch.from_numpy(temperatures[random_rows].astype(np.float32))
-        probs = torch.softmax(logits[rows] / temperature[:, None], dim=-1)
-        cdf = probs.cumsum(dim=-1)
-        uniforms = request_uniforms(seeds[random_rows], output_positions[random_rows])
-        # Scale by the row total so float32 rounding in the cumsum cannot push the
-        # target past the last bucket.
-        targets = torch.from_numpy(uniforms).to(cdf.dtype) * cdf[:, -1]
-        sampled = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
-        tokens[rows] = sampled.clamp_max(logits.shape[-1] - 1)
-        return tokens
+    temperatures: np.ndarray  # float32 [rows]; 0 = greedy
+    top_k: np.ndarray  # int64 [rows]; 0 = off
+    top_p: np.ndarray  # float32 [rows]; 1 = off
+    min_p: np.ndarray  # float32 [rows]; 0 = off
+    seeds: np.ndarray  # uint64 [rows]
+    output_positions: np.ndarray  # int64 [rows]: tokens generated so far
+    num_logprobs: np.ndarray  # int64 [rows]; -1 = none
+    # Rows with penalties, and the token history each one needs.
+    penalty_rows: np.ndarray  # int64 [p]
+    repetition_penalties: np.ndarray  # float32 [p]
+    presence_penalties: np.ndarray  # float32 [p]
+    frequency_penalties: np.ndarray  # float32 [p]
+    penalty_prompt_tokens: list[np.ndarray]  # p arrays of prompt token ids
+    penalty_output_tokens: list[np.ndarray]  # p arrays of generated token ids
+    # Rows that may not stop yet (min_tokens), and the token ids they may not pick.
+    banned_rows: np.ndarray  # int64 [b]
+    banned_token_ids: list[np.ndarray]  # b arrays
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [rows]
+    # [rows, 1 + max k]: the chosen token first, then the top-k, of the raw distribution;
+    # None when no row asked for logprobs.
+    logprob_token_ids: torch.Tensor | None
+    logprobs: torch.Tensor | None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """``logits`` float32 [rows, vocab] (raw model output; modified in place)."""
+        raw_logprobs = None
+        if (batch.num_logprobs >= 0).any():
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if batch.penalty_rows.size:
+            apply_penalties(logits, batch)
+        if batch.banned_rows.size:
+            rows = np.repeat(batch.banned_rows, [ids.size for ids in batch.banned_token_ids])
+            columns = np.concatenate(batch.banned_token_ids)
+            logits[torch.from_numpy(rows), torch.from_numpy(columns)] = float("-inf")
+
+        token_ids = logits.argmax(dim=-1)
+        random_rows = np.flatnonzero(batch.temperatures > 0)
+        if random_rows.size:
+            token_ids[torch.from_numpy(random_rows)] = sample_rows(logits, batch, random_rows)
+
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids, None, None)
+        top_k = int(batch.num_logprobs.max())
+        chosen = raw_logprobs.gather(1, token_ids[:, None])
+        top_values, top_ids = raw_logprobs.topk(top_k, dim=-1)
+        return SamplerOutput(
+            token_ids,
+            torch.cat((token_ids[:, None], top_ids), dim=1),
+            torch.cat((chosen, top_values), dim=1),
+        )
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """HF-style repetition penalty over prompt and output tokens; OpenAI-style presence
+    and frequency penalties over output tokens. In place on the penalty rows."""
+    vocab_size = logits.shape[1]
+    num_rows = batch.penalty_rows.size
+    rows = torch.from_numpy(batch.penalty_rows)
+    output_counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32)
+    _scatter_rows(output_counts, batch.penalty_output_tokens, 1.0, accumulate=True)
+    seen = torch.zeros(num_rows, vocab_size, dtype=torch.float32)
+    _scatter_rows(seen, batch.penalty_prompt_tokens, 1.0, accumulate=False)
+    seen = (seen > 0) | (output_counts > 0)
+
+    selected = logits[rows]
+    repetition = torch.from_numpy(batch.repetition_penalties)[:, None]
+    penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
+    selected = torch.where(seen, penalized, selected)
+    frequency = torch.from_numpy(batch.frequency_penalties)[:, None]
+    presence = torch.from_numpy(batch.presence_penalties)[:, None]
+    selected = selected - frequency * output_counts - presence * (output_counts > 0).float()
+    logits[rows] = selected
+
+
+def _scatter_rows(
+    target: torch.Tensor, token_lists: list[np.ndarray], value: float, accumulate: bool
+) -> None:
+    lengths = [tokens.size for tokens in token_lists]
+    if not sum(lengths):
+        return
+    rows = torch.from_numpy(np.repeat(np.arange(len(token_lists)), lengths))
+    columns = torch.from_numpy(np.concatenate(token_lists).astype(np.int64))
+    values = torch.full((rows.numel(),), value, dtype=target.dtype)
+    target.index_put_((rows, columns), values, accumulate=accumulate)
+
+
+def sample_rows(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
+    """Draw one token for each of ``rows`` from softmax(logits / T) after top-k, top-p and
+    min-p, by inverse CDF with the row's own uniform.
+
+    Rows with top-k or top-p work in descending-probability order (one sort); others in
+    vocabulary order. Which path a row takes depends only on its own settings.
+    """
+    result = torch.empty(rows.size, dtype=torch.int64)
+    needs_sort = (batch.top_k[rows] > 0) | (batch.top_p[rows] < 1.0)
+    for sorted_path in (False, True):
+        subset = np.flatnonzero(needs_sort == sorted_path)
+        if subset.size:
+            picked = rows[subset]
+            draw = _sample_sorted if sorted_path else _sample_unsorted
+            result[torch.from_numpy(subset)] = draw(logits, batch, picked)
+    return result
+
+
+def _scaled(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
+    temperature = torch.from_numpy(batch.temperatures[rows].astype(np.float32))
+    return logits[torch.from_numpy(rows)] / temperature[:, None]
+
+
+def _draw(probs: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
+    """Inverse-CDF draw per row; ``probs`` need not be normalized."""
+    cdf = probs.cumsum(dim=-1)
+    uniforms = request_uniforms(batch.seeds[rows], batch.output_positions[rows])
+    # Scaled by the row total, so float32 rounding in the cumsum cannot push the target
+    # past the last bucket, and masked (zero) buckets can never be hit.
+    targets = torch.from_numpy(uniforms).to(cdf.dtype) * cdf[:, -1]
+    picked = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+    return picked.clamp_max(probs.shape[-1] - 1)
+
+
+def _min_p_mask(probs: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
+    min_p = torch.from_numpy(batch.min_p[rows].astype(np.float32))[:, None]
+    return probs < min_p * probs.max(dim=-1, keepdim=True).values
+
+
+def _sample_unsorted(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
+    probs = torch.softmax(_scaled(logits, batch, rows), dim=-1)
+    if (batch.min_p[rows] > 0).any():
+        probs = probs.masked_fill(_min_p_mask(probs, batch, rows), 0.0)
+    return _draw(probs, batch, rows)
+
+
+def _sample_sorted(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
+    values, order = _scaled(logits, batch, rows).sort(dim=-1, descending=True)
+    vocab_size = values.shape[-1]
+    top_k = torch.from_numpy(batch.top_k[rows])
+    top_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab_size))
+    ranks = torch.arange(vocab_size)[None, :]
+    values = values.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    # Nucleus: keep a token while the probability mass before it is below top_p, so
+    # the most likely token always stays.
+    top_p = torch.from_numpy(batch.top_p[rows].astype(np.float32))[:, None]
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p, 0.0)
+    if (batch.min_p[rows] > 0).any():
+        probs = probs.masked_fill(_min_p_mask(probs, batch, rows), 0.0)
+    picked = _draw(probs, batch, rows)
+    return order.gather(1, picked[:, None]).squeeze(1)

@@ -13,6 +13,23 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the scored token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs computed in one step, for prompt positions ``first_position``
+    onward (position 0 has none: nothing precedes it)."""
+
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class NewRequestData:
     """A request the worker has no state for: first scheduling, or resumed after a
     recompute preemption (then ``token_ids`` includes the tokens generated so far)."""
@@ -24,6 +41,7 @@ class NewRequestData:
     num_computed_tokens: int
     num_scheduled_tokens: int
     sampling_params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +86,9 @@ class StepResult:
     step_id: int
     request_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
+    # Aligned with request_ids when any request asked for logprobs, else empty.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,3 +99,5 @@ class RequestOutputDelta:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None  # new prompt positions, when asked for

@@ -42,6 +42,9 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Prompt positions whose logprobs were already reported; a recompute after
+    # preemption scores them again, and those repeats are dropped.
+    num_prompt_logprobs_reported: int = 1
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -71,9 +74,12 @@ class Request:
         """Record a sampled token and return the status it leaves the request in."""
         self.token_ids.append(token_id)
         params = self.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        # The sampler masks EOS and stop tokens until min_tokens are out; this keeps
+        # the rule true for tokens that arrive any other way.
+        may_stop = self.num_output_tokens > params.min_tokens
+        if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
+        if may_stop and token_id in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if self.num_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH

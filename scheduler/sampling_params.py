@@ -4,38 +4,83 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy decoding. A request with ``temperature > 0`` and a
-    ``seed`` draws the same tokens whatever else shares its batch; without a seed the
-    engine assigns one from its own generator so runs stay reproducible.
+    The sampler applies, in order: repetition / presence / frequency penalties, the
+    ``min_tokens`` mask on EOS and stop tokens, then (greedy when ``temperature == 0``)
+    temperature, top-k, top-p and min-p, and draws from what is left. A request with a
+    ``seed`` draws the same tokens whatever else shares its batch; without one the engine
+    assigns a seed from its own generator so runs stay reproducible.
+
+    ``logprobs=k`` returns the log-probability of each chosen token plus the ``k`` most
+    likely tokens; ``prompt_logprobs=k`` does the same for every prompt token after the
+    first. Log-probabilities are those of the model's raw distribution (before
+    penalties, temperature and filtering), as in vLLM.
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
+    top_k: int = 0  # 0 (or -1) keeps every token
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise TypeError(f"temperature must be a number, got {self.temperature!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        self.temperature = float(self.temperature)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        self.temperature = _check_float("temperature", self.temperature, 0.0, None)
+        _check_int("top_k", self.top_k, minimum=-1)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True
+        )
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _check_float(
+            "frequency_penalty", self.frequency_penalty, -2.0, 2.0
+        )
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
         self.stop_token_ids = list(self.stop_token_ids)
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids[]", token_id, minimum=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -43,3 +88,18 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(
+    name: str, value: object, low: float, high: float | None, low_open: bool = False
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    too_low = value <= low if low_open else value < low
+    if too_low or (high is not None and value > high) or value != value:
+        bound = f"{'>' if low_open else '>='} {low}" + (
+            f" and <= {high}" if high is not None else ""
+        )
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value

@@ -158,6 +158,7 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                     num_scheduled_tokens=num_new,
                     sampling_params=request.sampling_params,
+                    eos_token_ids=sorted(request.eos_token_ids),
                 )
             )
             budget -= num_new
@@ -190,16 +191,29 @@ class Scheduler:
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutputDelta]:
         """Advance the counters of every scheduled request and record sampled tokens."""
-        sampled = dict(zip(result.request_ids, result.sampled_token_ids))
+        sampled = {
+            request_id: (token_id, result.logprobs[index] if result.logprobs else None)
+            for index, (request_id, token_id) in enumerate(
+                zip(result.request_ids, result.sampled_token_ids)
+            )
+        }
         deltas: list[RequestOutputDelta] = []
         for scheduled in (*plan.new_requests, *plan.cached_requests):
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += scheduled.num_scheduled_tokens
-            token_id = sampled.get(scheduled.request_id)
-            if token_id is None:
-                continue  # a prefill chunk that did not reach the last prompt token
+            prompt_logprobs = self._new_prompt_logprobs(request, result)
+            if scheduled.request_id not in sampled:
+                # A prefill chunk that did not reach the last prompt token.
+                if prompt_logprobs:
+                    deltas.append(
+                        RequestOutputDelta(
+                            request.request_id, [], False, prompt_logprobs=prompt_logprobs
+                        )
+                    )
+                continue
+            token_id, logprobs = sampled[scheduled.request_id]
             status = request.append_output_token(token_id)
             finished = status.is_finished
             if finished:
@@ -210,9 +224,21 @@ class Scheduler:
                     [token_id],
                     finished=finished,
                     finish_reason=status.value if finished else None,
+                    logprobs=None if logprobs is None else [logprobs],
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return deltas
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, result: StepResult) -> list | None:
+        chunk = result.prompt_logprobs.get(request.request_id)
+        if chunk is None:
+            return None
+        skip = request.num_prompt_logprobs_reported - chunk.first_position
+        entries = chunk.entries[max(skip, 0) :]
+        request.num_prompt_logprobs_reported += len(entries)
+        return entries or None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:

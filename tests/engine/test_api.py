@@ -130,15 +130,18 @@ def test_out_of_vocabulary_token_names_position_and_limit(tiny_llm):
         tiny_llm.generate([[1, 2, 512]])
 
 
-def test_too_long_prompt_and_too_big_request_are_rejected_up_front(tiny_llm):
+def test_too_long_prompt_and_too_big_request_are_rejected_up_front(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=8, block_size=16)
     with pytest.raises(
         ValueError, match=r"prompts\[0\]: prompt is 512 tokens; max_model_len is 512"
     ):
-        tiny_llm.generate([[1] * 512])
-    with pytest.raises(ValueError, match=r"prompts\[1\]: .* whole KV cache has 64 blocks"):
-        tiny_llm.generate([[1], [1] * 500], SamplingParams(max_tokens=11))
-    # Nothing was queued by the rejected calls.
-    assert tiny_llm.stats()["num_waiting"] == 0
+        llm.generate([[1] * 512])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: .* whole KV cache has 8 blocks"):
+        llm.generate([[1], [1] * 100], SamplingParams(max_tokens=50))
+    # Nothing was queued by the rejected calls, and a request that fits still runs.
+    assert llm.stats()["num_waiting"] == 0
+    output = llm.generate([1] * 100, SamplingParams(max_tokens=28, temperature=0.0))[0]
+    assert len(output.outputs[0].token_ids) == 28
 
 
 def test_mismatched_params_count(tiny_llm):
