@@ -23,6 +23,7 @@ PromptType = str | Sequence[int]
 Message = dict[str, Any]
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30
+DEFAULT_SWAP_SPACE_BYTES = 1 << 30
 # Without a size from the user, never take more than this share of the free memory.
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.4
 
@@ -50,6 +51,8 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
+        swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES,
+        preemption_mode: str | None = None,
         seed: int = 0,
         cache_dir: str | None = None,
         device: str = "cpu",
@@ -65,7 +68,19 @@ class LLM:
         self.tokenizer = Tokenizer(resolved.path) if Tokenizer.exists_in(resolved.path) else None
         if num_blocks is None and kv_cache_bytes is None:
             kv_cache_bytes = _default_kv_cache_bytes()
-        self.worker = Worker(resolved.path, dtype, block_size, num_blocks, kv_cache_bytes, device)
+        if isinstance(swap_space_bytes, bool) or not isinstance(swap_space_bytes, int):
+            raise TypeError(f"swap_space_bytes must be an integer, got {swap_space_bytes!r}")
+        if swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
+        self.worker = Worker(
+            resolved.path,
+            dtype,
+            block_size,
+            num_blocks,
+            kv_cache_bytes,
+            device,
+            swap_space_bytes=swap_space_bytes,
+        )
         model_config = self.worker.model_config
         self.model_config = model_config
         model_limit = model_config.max_position_embeddings
@@ -80,9 +95,15 @@ class LLM:
             or (2048 if enable_chunked_prefill else max(2048, max_model_len)),
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
+            preemption_mode=preemption_mode,
         )
         self.engine = EngineCore(
-            scheduler_config, self.worker.num_blocks, block_size, self.worker, seed=seed
+            scheduler_config,
+            self.worker.num_blocks,
+            block_size,
+            self.worker,
+            seed=seed,
+            num_host_blocks=self.worker.num_host_blocks,
         )
         self.eos_token_ids = model_config.eos_token_ids
         self._request_counter = itertools.count()

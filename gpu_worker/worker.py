@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.model_runner import ModelRunner
@@ -27,9 +28,11 @@ def parse_dtype(dtype: str) -> torch.dtype:
 
 
 class Worker:
-    """Loads the model and owns the KV cache; executes step plans.
+    """Loads the model and owns the KV cache pools; executes step plans.
 
-    The cache holds ``num_blocks`` blocks, or as many as fit in ``kv_cache_bytes``.
+    The device pool holds ``num_blocks`` blocks, or as many as fit in ``kv_cache_bytes``;
+    the host pool, which receives swapped-out requests, as many as fit in
+    ``swap_space_bytes``.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class Worker:
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
         device: str = "cpu",
+        swap_space_bytes: int = 0,
     ) -> None:
         if device != "cpu":
             raise ValueError(
@@ -74,8 +78,25 @@ class Worker:
                 )
         self.num_blocks = num_blocks
         self.kv_cache = self.kv_cache_spec.allocate(num_blocks, self.device)
+        self.num_host_blocks = self.kv_cache_spec.num_blocks_for_bytes(swap_space_bytes)
+        # NOTE: on a GPU this pool must be pinned host memory for asynchronous copies.
+        self.host_kv_cache = (
+            self.kv_cache_spec.allocate(self.num_host_blocks, "cpu")
+            if self.num_host_blocks
+            else None
+        )
         self.model.bind_kv_cache(self.kv_cache)
         self.runner = ModelRunner(self.model, block_size, self.device)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        # Swap-outs first: their device blocks may be refilled by swap-ins or written
+        # by this very step.
+        if plan.swap_out:
+            ops.swap_blocks(self.kv_cache, self.host_kv_cache, _pairs(plan.swap_out))
+        if plan.swap_in:
+            ops.swap_blocks(self.host_kv_cache, self.kv_cache, _pairs(plan.swap_in))
         return self.runner.execute(plan)
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)

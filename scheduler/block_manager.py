@@ -23,19 +23,39 @@ class BlockManager:
 
     Blocks are allocated on demand as a request grows and all returned by ``free``.
     Checks and actions come in pairs (``can_allocate``/``allocate``,
-    ``can_append``/``append``); the actions return the new block ids, or ``None`` when
-    the pool cannot supply them. Capacity is a value, never an exception.
+    ``can_append``/``append``, ``can_swap_out``/``swap_out``, ``can_swap_in``/``swap_in``);
+    the actions return the new block ids (or block pairs to copy), or ``None`` when the
+    pool cannot supply them. Capacity is a value, never an exception.
+
+    A second pool of host blocks receives swapped-out requests: their device table
+    moves to ``host_block_tables`` until they are swapped back in.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark_blocks: int = 0,
+        num_host_blocks: int = 0,
+    ) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32 (tokens), got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks > 0 else None
         # Admissions keep this many blocks spare so a newly admitted request does not
         # force a running one out on its very next step.
         self.watermark_blocks = watermark_blocks
         self.block_tables: dict[str, list[int]] = {}
+        self.host_block_tables: dict[str, list[int]] = {}
+
+    @property
+    def num_total_host_blocks(self) -> int:
+        return self.host_pool.num_blocks if self.host_pool else 0
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks if self.host_pool else 0
 
     @property
     def num_total_blocks(self) -> int:
@@ -87,15 +107,57 @@ class BlockManager:
         self.block_tables[request_id].extend(new_block_ids)
         return new_block_ids
 
+    def can_swap_out(self, request_id: str) -> bool:
+        """Whether the host pool can take all of the request's blocks."""
+        needed = len(self.block_tables[request_id])
+        return self.host_pool is not None and needed <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's table to host blocks; returns (device, host) pairs to copy
+        before the freed device blocks are reused."""
+        if not self.can_swap_out(request_id):
+            return None
+        device_ids = self.block_tables.pop(request_id)
+        host_ids = self.host_pool.allocate(len(device_ids))
+        self.pool.decref(device_ids)
+        self.host_block_tables[request_id] = host_ids
+        return list(zip(device_ids, host_ids))
+
+    def can_swap_in(self, request_id: str, keep_watermark: bool = True) -> bool:
+        needed = len(self.host_block_tables[request_id])
+        reserve = self.watermark_blocks if keep_watermark else 0
+        return needed + reserve <= self.pool.num_free_blocks
+
+    def swap_in(self, request_id: str, keep_watermark: bool = True) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back to device blocks; returns (host, device) pairs."""
+        if not self.can_swap_in(request_id, keep_watermark):
+            return None
+        host_ids = self.host_block_tables.pop(request_id)
+        device_ids = self.pool.allocate(len(host_ids))
+        self.host_pool.decref(host_ids)
+        self.block_tables[request_id] = device_ids
+        return list(zip(host_ids, device_ids))
+
     def free(self, request_id: str) -> None:
-        """Return every block of the request (no-op for a request without a table)."""
+        """Return every block of the request, device and host (no-op without a table)."""
         block_ids = self.block_tables.pop(request_id, None)
         if block_ids:
             self.pool.decref(block_ids)
+        host_ids = self.host_block_tables.pop(request_id, None)
+        if host_ids:
+            self.host_pool.decref(host_ids)
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if tables and pool disagree (see ``BlockPool``)."""
-        holders: Counter[int] = Counter()
-        for block_ids in self.block_tables.values():
-            holders.update(block_ids)
-        self.pool.check_integrity(dict(holders))
+        """Raise ``AssertionError`` if tables and pools disagree (see ``BlockPool``)."""
+        self.pool.check_integrity(_holders(self.block_tables))
+        if self.host_pool is not None:
+            self.host_pool.check_integrity(_holders(self.host_block_tables))
+        elif self.host_block_tables:
+            raise AssertionError("host block tables exist without a host pool")
+
+
+def _holders(tables: dict[str, list[int]]) -> dict[int, int]:
+    holders: Counter[int] = Counter()
+    for block_ids in tables.values():
+        holders.update(block_ids)
+    return dict(holders)

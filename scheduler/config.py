@@ -18,6 +18,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     watermark_fraction: float = 0.01
+    # None: recompute a preempted single-sequence request, swap a group of several
+    # sequences (the paper's default); "recompute" or "swap" forces one.
+    preemption_mode: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -29,6 +32,10 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when chunked prefill is off, "
                 "or a long prompt could never be scheduled"
+            )
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be None, 'recompute' or 'swap', got {self.preemption_mode!r}"
             )
         if not 0.0 <= self.watermark_fraction < 1.0:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")

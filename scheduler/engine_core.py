@@ -32,9 +32,12 @@ class EngineCore:
         block_size: int,
         executor: Executor,
         seed: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         watermark_blocks = int(scheduler_config.watermark_fraction * num_blocks)
-        self.block_manager = BlockManager(num_blocks, block_size, watermark_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, watermark_blocks, num_host_blocks=num_host_blocks
+        )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.executor = executor
         # Requests that sample without a seed get one from here, so a whole run is
@@ -78,19 +81,25 @@ class EngineCore:
                 f"scheduler produced an empty step with {len(self.scheduler.waiting)} "
                 f"waiting and {len(self.scheduler.running)} running requests"
             )
-        if plan.is_empty and not plan.finished_request_ids:
+        if not plan.has_work_for_workers:
             return []
-        # An empty plan still travels when it tells workers to drop finished state.
+        # An empty plan still travels when it tells workers to drop state or swap.
         result = self.executor.execute(plan)
         return self.scheduler.update_from_output(plan, result)
 
     def stats(self) -> dict[str, int]:
+        scheduler = self.scheduler
         return {
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            "num_preemptions": self.scheduler.num_preemptions,
+            "num_waiting": len(scheduler.waiting),
+            "num_running": len(scheduler.running),
+            "num_swapped": len(scheduler.swapped),
+            "num_preemptions": scheduler.num_preemptions,
+            "num_recompute_preemptions": scheduler.num_recompute_preemptions,
+            "num_swap_preemptions": scheduler.num_swap_preemptions,
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_total_blocks": self.block_manager.num_total_blocks,
+            "num_free_host_blocks": self.block_manager.num_free_host_blocks,
+            "num_total_host_blocks": self.block_manager.num_total_host_blocks,
         }
 
     def check_integrity(self) -> None:

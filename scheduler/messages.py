@@ -60,12 +60,17 @@ class StepPlan:
 
     ``finished_request_ids`` lists requests whose worker-side state must be dropped
     (finished, aborted or preempted since the previous plan); workers apply it first.
+    Then they copy ``swap_out`` pairs (device block -> host block) and ``swap_in`` pairs
+    (host block -> device block), in that order, before the forward pass: a device
+    block freed by a swap-out may be refilled by a swap-in or written in this step.
     """
 
     step_id: int
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -75,7 +80,12 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
+        """True when the plan computes nothing (it may still drop state or swap out)."""
         return not self.new_requests and not self.cached_requests
+
+    @property
+    def has_work_for_workers(self) -> bool:
+        return not self.is_empty or bool(self.finished_request_ids or self.swap_out or self.swap_in)
 
 
 @dataclass

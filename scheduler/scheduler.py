@@ -25,10 +25,12 @@ class Scheduler:
     Each step first extends the running requests (oldest first: one token for a decode,
     the next chunk for an unfinished prefill), then admits waiting requests while the
     token budget, the sequence cap and free blocks allow. When a running request needs a
-    block and none is free, the most recently arrived running request is preempted by
-    recompute: its blocks are freed and it returns to the front of the queue, to be
-    prefilled again (prompt plus generated tokens) ahead of newer arrivals. Finished
-    requests give their blocks back at once.
+    block and none is free, the most recently arrived running request is preempted,
+    all or nothing: by recompute (its blocks are freed and it returns to the front of
+    the queue, to be prefilled again, prompt plus generated tokens) or by swap (its
+    blocks are copied to the host pool and back when there is room). Preempted requests
+    resume ahead of newer arrivals, swapped ones first. Finished requests give their
+    blocks back at once.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -36,8 +38,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.num_recompute_preemptions = 0
+        self.num_swap_preemptions = 0
         self._step_id = 0
         # Requests whose full data the workers hold; anything else travels in full.
         self._known_to_workers: set[str] = set()
@@ -81,8 +85,14 @@ class Scheduler:
             return None
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return RequestOutputDelta(request_id, [], finished=True, finish_reason="abort")
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_recompute_preemptions + self.num_swap_preemptions
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -106,7 +116,7 @@ class Scheduler:
             target = request.num_computed_tokens + num_new
             while not self.block_manager.can_append(request.request_id, target):
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, plan)
                 preempted = True
                 if victim is request:
                     break
@@ -127,11 +137,30 @@ class Scheduler:
 
         # After a preemption the cache is tight: admitting more would only thrash.
         if not preempted:
+            budget = self._swap_in(plan, budget)
+        if not preempted and not self.swapped:
             budget = self._admit_waiting(plan, budget)
 
         plan.finished_request_ids = self._drop_ids_for_workers
         self._drop_ids_for_workers = []
         return plan
+
+    def _swap_in(self, plan: StepPlan, budget: int) -> int:
+        """Bring swapped requests back, oldest first, while their blocks fit."""
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            target = request.num_computed_tokens + num_new
+            needed = blocks_for_tokens(target, self.block_manager.block_size)
+            reserve = self.block_manager.watermark_blocks if self.running else 0
+            if num_new == 0 or needed + reserve > self.block_manager.num_free_blocks:
+                break
+            self.swapped.popleft()
+            plan.swap_in.extend(self.block_manager.swap_in(request.request_id, bool(self.running)))
+            self.block_manager.append(request.request_id, target)
+            self._start_running(plan, request, num_new)
+            budget -= num_new
+        return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -146,23 +175,27 @@ class Scheduler:
             if block_ids is None:
                 break
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._known_to_workers.add(request.request_id)
-            plan.new_requests.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    token_ids=list(request.token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    block_ids=block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                    num_scheduled_tokens=num_new,
-                    sampling_params=request.sampling_params,
-                    eos_token_ids=sorted(request.eos_token_ids),
-                )
-            )
+            self._start_running(plan, request, num_new)
             budget -= num_new
         return budget
+
+    def _start_running(self, plan: StepPlan, request: Request, num_new: int) -> None:
+        """Move a request into the running batch and send it to workers in full."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._known_to_workers.add(request.request_id)
+        plan.new_requests.append(
+            NewRequestData(
+                request_id=request.request_id,
+                token_ids=list(request.token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                block_ids=list(self.block_manager.block_tables[request.request_id]),
+                num_computed_tokens=request.num_computed_tokens,
+                num_scheduled_tokens=num_new,
+                sampling_params=request.sampling_params,
+                eos_token_ids=sorted(request.eos_token_ids),
+            )
+        )
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -170,20 +203,40 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: free the blocks, requeue at the front (FCFS order)."""
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Take a running request out of the batch, all or nothing: swap its blocks to
+        the host pool, or free them to recompute later. Either way it resumes ahead of
+        newer requests."""
+        mode = self.config.preemption_mode or "recompute"
+        reason = "no free KV block"
+        request.num_preemptions += 1
+        self._forget_on_workers(request.request_id)
+        if mode == "swap":
+            pairs = self.block_manager.swap_out(request.request_id)
+            if pairs is not None:
+                plan.swap_out.extend(pairs)
+                request.status = RequestStatus.SWAPPED
+                self.num_swap_preemptions += 1
+                # Victims are taken newest first: pushing each to the front keeps the
+                # queue in arrival order.
+                self.swapped.appendleft(request)
+                logger.info(
+                    "preempted request %s by swap (%s): %d blocks to host",
+                    request.request_id,
+                    reason,
+                    len(pairs),
+                )
+                return
+            reason += "; host swap pool full, falling back to recompute"
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self._forget_on_workers(request.request_id)
-        # Victims are taken newest first, so pushing each to the front keeps the
-        # queue in arrival order.
+        self.num_recompute_preemptions += 1
         self.waiting.appendleft(request)
         logger.info(
-            "preempted request %s by recompute: no free KV block (%d tokens to recompute)",
+            "preempted request %s by recompute (%s): %d tokens to recompute",
             request.request_id,
+            reason,
             request.num_tokens,
         )
 

@@ -64,24 +64,46 @@ def test_more_llama_family_configs_match_hf(tiny_model_dirs, hf_references, fami
     assert [o.outputs[0].token_ids for o in outputs] == hf_references[family]
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("family", ["llama", "opt"])
-def test_tiny_cache_makes_requests_wait_and_tokens_still_match(
-    tiny_model_dirs, hf_references, family
+def test_tiny_cache_forces_preemption_and_tokens_still_match(
+    tiny_model_dirs, hf_references, family, mode
 ):
     # The longest request needs 13 blocks of 16; all eight together need 52. With 16
-    # blocks, requests queue for blocks and running ones get preempted and recomputed.
-    llm = LLM(tiny_model_dirs[family], block_size=16, num_blocks=16, max_num_batched_tokens=64)
+    # blocks, requests queue for blocks and running ones are preempted.
+    llm = LLM(
+        tiny_model_dirs[family],
+        block_size=16,
+        num_blocks=16,
+        max_num_batched_tokens=64,
+        preemption_mode=mode,
+    )
     outputs = llm.generate(random_prompts(1, 512), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == hf_references[family]
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats()[f"num_{mode}_preemptions"] > 0
 
 
-def test_chunked_prefill_off_matches_hf(tiny_model_dirs, hf_references):
+def test_small_host_pool_falls_back_to_recompute(tiny_model_dirs, hf_references):
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=16,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        swap_space_bytes=1,  # holds no block: every swap falls back
+    )
+    outputs = llm.generate(random_prompts(1, 512), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_references["llama"]
+    stats = llm.stats()
+    assert stats["num_swap_preemptions"] == 0 and stats["num_recompute_preemptions"] > 0
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_chunked_prefill_on_and_off_match_hf(tiny_model_dirs, hf_references, chunked):
     llm = LLM(
         tiny_model_dirs["qwen2"],
         num_blocks=128,
-        enable_chunked_prefill=False,
-        max_num_batched_tokens=512,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=40 if chunked else 512,
     )
     outputs = llm.generate(random_prompts(1, 512), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == hf_references["qwen2"]

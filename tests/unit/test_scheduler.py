@@ -14,10 +14,13 @@ from pagedserve.scheduler.scheduler import Scheduler
 EOS = 2
 
 
-def make_scheduler(num_blocks=16, block_size=8, **config) -> Scheduler:
+def make_scheduler(num_blocks=16, block_size=8, num_host_blocks=0, **config) -> Scheduler:
     config.setdefault("max_model_len", 256)
     config.setdefault("watermark_fraction", 0.0)
-    return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, block_size))
+    return Scheduler(
+        SchedulerConfig(**config),
+        BlockManager(num_blocks, block_size, num_host_blocks=num_host_blocks),
+    )
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens=8, arrival=0.0) -> Request:
@@ -221,3 +224,66 @@ def test_config_rejects_unschedulable_limits():
         SchedulerConfig(
             max_num_batched_tokens=512, max_model_len=1024, enable_chunked_prefill=False
         )
+
+
+def test_swap_preemption_copies_blocks_out_and_back_in():
+    scheduler = make_scheduler(
+        num_blocks=4, block_size=8, num_host_blocks=4, preemption_mode="swap"
+    )
+    scheduler.add_request(make_request("a", 8, max_tokens=20, arrival=1.0))
+    scheduler.add_request(make_request("b", 8, max_tokens=20, arrival=2.0))
+    scheduler.add_request(make_request("c", 8, max_tokens=20, arrival=3.0))
+    run_step(scheduler)
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"a": 1, "b": 1}
+    assert plan.swap_out == [(2, 0)]  # c's block 2 goes to host block 0
+    victim = scheduler.requests["c"]
+    assert victim.status == RequestStatus.SWAPPED
+    assert victim.num_computed_tokens == 8  # kept: nothing to recompute
+    assert scheduler.num_swap_preemptions == 1 and scheduler.num_recompute_preemptions == 0
+    assert plan.finished_request_ids == ["c"]
+    scheduler.block_manager.check_integrity()
+    # b is swapped out next (a needs its third block), then both come back when a ends.
+    while scheduler.requests.get("a"):
+        plan, _ = run_step(scheduler)
+    assert [r.request_id for r in scheduler.swapped] == ["b", "c"]
+    # b (16 tokens cached, 2 blocks) comes back first and grows to a third block; c's
+    # two blocks no longer fit beside it.
+    plan, _ = run_step(scheduler)
+    assert [r.request_id for r in plan.new_requests] == ["b"]
+    assert len(plan.swap_in) == 2 and not plan.swap_out
+    assert plan.new_requests[0].num_computed_tokens == 16
+    assert len(plan.new_requests[0].block_ids) == 3
+    while scheduler.has_unfinished_requests():
+        plan, _ = run_step(scheduler)
+        scheduler.block_manager.check_integrity()
+    assert scheduler.block_manager.num_free_host_blocks == 4
+
+
+def test_full_host_pool_falls_back_to_recompute():
+    scheduler = make_scheduler(
+        num_blocks=4, block_size=8, num_host_blocks=0, preemption_mode="swap"
+    )
+    scheduler.add_request(make_request("a", 8, max_tokens=20, arrival=1.0))
+    scheduler.add_request(make_request("b", 8, max_tokens=20, arrival=2.0))
+    scheduler.add_request(make_request("c", 8, max_tokens=20, arrival=3.0))
+    run_step(scheduler)
+    plan, _ = run_step(scheduler)
+    assert not plan.swap_out
+    assert scheduler.requests["c"].status == RequestStatus.WAITING
+    assert scheduler.num_recompute_preemptions == 1
+
+
+def test_abort_of_a_swapped_request_frees_host_blocks():
+    scheduler = make_scheduler(
+        num_blocks=2, block_size=8, num_host_blocks=4, preemption_mode="swap"
+    )
+    scheduler.add_request(make_request("a", 8, max_tokens=8, arrival=1.0))
+    scheduler.add_request(make_request("b", 8, max_tokens=8, arrival=2.0))
+    run_step(scheduler)
+    run_step(scheduler)
+    assert scheduler.requests["b"].status == RequestStatus.SWAPPED
+    scheduler.abort_request("b")
+    assert scheduler.block_manager.num_free_host_blocks == 4
+    assert not scheduler.swapped
+    scheduler.block_manager.check_integrity()
