@@ -25,14 +25,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.fixture(autouse=True)
 def _block_integrity_after_each_test():
-    """DESIGN.md's invariant: once every request has ended, all blocks are free, no ref
-    count is negative and no table points at a free block."""
+    """DESIGN.md's invariant: once every request has ended, all blocks are free on
+    device and host, no ref count is negative and no table points at a free block."""
     yield
     for llm in list(_live_llms):
         llm.check_integrity()
         stats = llm.stats()
-        assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+        assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0, stats
         assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+        assert stats["num_free_host_blocks"] == stats["num_total_host_blocks"], stats
 
 
 TINY_CONFIGS = {

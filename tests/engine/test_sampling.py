@@ -1,0 +1,138 @@
+"""Sampling through the whole engine: seeds survive batching and preemption, logprobs
+match HF's log_softmax, every parameter reaches the sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pagedserve.frontend import LLM, SamplingParams
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79] * 7, list(range(40, 100)), [7] * 25]
+
+
+def sampled_params(seed: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=40, temperature=0.8, top_k=50, top_p=0.9, seed=seed, ignore_eos=True
+    )
+
+
+def test_seeded_samples_survive_preemption_in_both_modes(tiny_model_dirs):
+    roomy = LLM(tiny_model_dirs["llama"], num_blocks=256)
+    params = [sampled_params(100 + i) for i in range(len(PROMPTS))]
+    expected = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, params)]
+    for mode in ("recompute", "swap"):
+        tight = LLM(
+            tiny_model_dirs["llama"],
+            num_blocks=9,
+            max_num_batched_tokens=32,
+            preemption_mode=mode,
+        )
+        got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params)]
+        assert got == expected, mode
+        assert tight.stats()[f"num_{mode}_preemptions"] > 0
+
+
+def test_logprobs_match_hf_log_softmax(tiny_model_dirs):
+    path = tiny_model_dirs["qwen2"]
+    llm = LLM(path, num_blocks=128, max_num_batched_tokens=16)  # chunked prompt scoring
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=3
+    )
+    output = llm.generate([PROMPTS[2]], params)[0]
+    completion = output.outputs[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sequence = torch.tensor([PROMPTS[2] + completion.token_ids])
+    with torch.no_grad():
+        reference = torch.log_softmax(model(sequence).logits[0].float(), dim=-1)
+    prompt_len = len(PROMPTS[2])
+
+    assert len(completion.logprobs) == 12
+    for step, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = reference[prompt_len - 1 + step]
+        assert entry[token_id] == pytest.approx(row[token_id].item(), abs=1e-4)
+        top = row.topk(5)
+        assert set(entry) >= set(top.indices.tolist())
+        for token, value in zip(top.indices.tolist(), top.values.tolist()):
+            assert entry[token] == pytest.approx(value, abs=1e-4)
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(entry[t] for t, entry in zip(completion.token_ids, completion.logprobs)), abs=1e-4
+    )
+
+    assert len(output.prompt_logprobs) == prompt_len
+    assert output.prompt_logprobs[0] is None
+    for position in range(1, prompt_len):
+        entry = output.prompt_logprobs[position]
+        token_id = PROMPTS[2][position]
+        expected = reference[position - 1, token_id].item()
+        assert entry[token_id] == pytest.approx(expected, abs=1e-4)
+        assert len(entry) >= 3
+
+
+def test_prompt_logprobs_are_reported_once_across_recompute(tiny_model_dirs):
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=9,
+        max_num_batched_tokens=32,
+        preemption_mode="recompute",
+    )
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    outputs = llm.generate(PROMPTS, params)
+    assert llm.stats()["num_recompute_preemptions"] > 0
+    for prompt, output in zip(PROMPTS, outputs):
+        assert len(output.prompt_logprobs) == len(prompt)
+
+
+def test_min_tokens_and_stop_token_ids(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64)
+    greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0))[0]
+    tokens = greedy.outputs[0].token_ids
+    stop_at = tokens[5]
+    first = tokens.index(stop_at)
+    stopped = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_at])
+    )[0].outputs[0]
+    assert stopped.token_ids == tokens[: first + 1] and stopped.finish_reason == "stop"
+    held = llm.generate(
+        PROMPTS[0],
+        SamplingParams(
+            max_tokens=20, temperature=0.0, stop_token_ids=[stop_at], min_tokens=first + 2
+        ),
+    )[0].outputs[0]
+    # The stop token is masked until min_tokens are out, so the path changes there.
+    assert held.token_ids[:first] == tokens[:first]
+    assert stop_at not in held.token_ids[: first + 2]
+    assert len(held.token_ids) >= first + 3
+
+
+def test_repetition_penalty_changes_a_repetitive_greedy_path(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64)
+    plain = llm.generate(PROMPTS[3], SamplingParams(max_tokens=30, temperature=0.0))[0]
+    penalized = llm.generate(
+        PROMPTS[3],
+        SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=5.0),
+    )[0]
+    plain_tokens = plain.outputs[0].token_ids
+    penalized_tokens = penalized.outputs[0].token_ids
+    assert penalized_tokens != plain_tokens
+    # A strong repetition penalty steers away from the prompt's token 7.
+    assert 7 not in penalized_tokens
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("top_p", 0.0, "top_p must be > 0.0 and <= 1.0, got 0.0"),
+        ("top_k", -2, "top_k must be >= -1, got -2"),
+        ("min_p", 1.5, "min_p must be >= 0.0 and <= 1.0, got 1.5"),
+        ("logprobs", 21, "logprobs must be <= 20, got 21"),
+        ("prompt_logprobs", -1, "prompt_logprobs must be >= 0, got -1"),
+        ("presence_penalty", 3.0, "presence_penalty must be >= -2.0 and <= 2.0, got 3.0"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be > 0.0, got 0.0"),
+        ("min_tokens", 50, r"min_tokens \(50\) must be <= max_tokens \(16\)"),
+    ],
+)
+def test_bad_sampling_values_name_field_value_and_limit(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
