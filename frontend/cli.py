@@ -53,7 +53,15 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_bytes,
         )
-        print(f"pagedserve: engine ready in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        worker = llm.worker
+        print(
+            f"pagedserve: engine ready in {time.monotonic() - started:.1f} s; KV cache "
+            f"{worker.num_blocks} blocks x {args.block_size} tokens "
+            f"({worker.kv_cache_spec.bytes_per_block} bytes each, at most "
+            f"{worker.num_blocks * args.block_size} cached tokens), "
+            f"{worker.num_host_blocks} host swap blocks",
+            file=sys.stderr,
+        )
         if args.command == "chat":
             conversations = [[{"role": "user", "content": text}] for text in args.message]
             outputs = llm.chat(conversations, params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -19,13 +20,18 @@ from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 PromptType = str | Sequence[int]
 Message = dict[str, Any]
 
-DEFAULT_KV_CACHE_BYTES = 2 << 30
 DEFAULT_SWAP_SPACE_BYTES = 1 << 30
-# Without a size from the user, never take more than this share of the free memory.
-DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.4
+# Without a size from the user the cache takes this share of the memory still available
+# once the weights are loaded, after keeping this much back for activations, the
+# tokenizer and everything else on the machine; and, as vLLM does on CPUs, at most this.
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
+DEFAULT_MEMORY_RESERVE_BYTES = 2 << 30
+DEFAULT_MAX_KV_CACHE_BYTES = 4 << 30
 
 
 def _print_progress(event: object) -> None:
@@ -66,8 +72,6 @@ class LLM:
         resolved = resolve_model(model, cache_dir=cache_dir, progress=_print_progress)
         self.model_path: Path = resolved.path
         self.tokenizer = Tokenizer(resolved.path) if Tokenizer.exists_in(resolved.path) else None
-        if num_blocks is None and kv_cache_bytes is None:
-            kv_cache_bytes = _default_kv_cache_bytes()
         if isinstance(swap_space_bytes, bool) or not isinstance(swap_space_bytes, int):
             raise TypeError(f"swap_space_bytes must be an integer, got {swap_space_bytes!r}")
         if swap_space_bytes < 0:
@@ -80,6 +84,7 @@ class LLM:
             kv_cache_bytes,
             device,
             swap_space_bytes=swap_space_bytes,
+            kv_cache_bytes_from_free_memory=_default_kv_cache_bytes,
         )
         model_config = self.worker.model_config
         self.model_config = model_config
@@ -107,6 +112,17 @@ class LLM:
         )
         self.eos_token_ids = model_config.eos_token_ids
         self._request_counter = itertools.count()
+        spec = self.worker.kv_cache_spec
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %d bytes per block, %d tokens at most "
+            "(%s); host swap pool: %d blocks",
+            self.worker.num_blocks,
+            block_size,
+            spec.bytes_per_block,
+            self.worker.num_blocks * block_size,
+            dtype,
+            self.worker.num_host_blocks,
+        )
 
     # ------------------------------------------------------------------ public API
 
@@ -290,6 +306,18 @@ def _check_optional_positive(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _available_memory_bytes() -> int:
+    """MemAvailable (free plus reclaimable page cache), else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _default_kv_cache_bytes() -> int:
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(DEFAULT_KV_CACHE_BYTES, int(available * DEFAULT_KV_CACHE_MEMORY_FRACTION))
+    usable = _available_memory_bytes() - DEFAULT_MEMORY_RESERVE_BYTES
+    return max(0, min(DEFAULT_MAX_KV_CACHE_BYTES, int(usable * DEFAULT_KV_CACHE_MEMORY_FRACTION)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ class Worker:
         kv_cache_bytes: int | None = None,
         device: str = "cpu",
         swap_space_bytes: int = 0,
+        kv_cache_bytes_from_free_memory: Callable[[], int] | None = None,
     ) -> None:
         if device != "cpu":
             raise ValueError(
@@ -69,7 +71,10 @@ class Worker:
         )
         if num_blocks is None:
             if kv_cache_bytes is None:
-                raise ValueError("either num_blocks or kv_cache_bytes must be given")
+                if kv_cache_bytes_from_free_memory is None:
+                    raise ValueError("either num_blocks or kv_cache_bytes must be given")
+                # Measured only now, so the memory the weights took is already gone.
+                kv_cache_bytes = kv_cache_bytes_from_free_memory()
             num_blocks = self.kv_cache_spec.num_blocks_for_bytes(kv_cache_bytes)
             if num_blocks < 1:
                 raise ValueError(
