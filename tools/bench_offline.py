@@ -1,0 +1,613 @@
+"""Offline output-token throughput of pagedserve against HF transformers on the same weights.
+
+For each (trace, dtype) the same requests (random prompt token ids, fixed output lengths, EOS
+ignored) go through:
+
+    pagedserve          LLM.generate, continuous batching on the paged KV cache
+    hf_generate         model.generate on padded batches in arrival order (static batching);
+                        only each request's own output length counts as useful tokens
+    hf_generate_batch   transformers' continuous batching with its paged cache (the manager
+                        behind model.generate_batch, given each request's own max_new_tokens)
+
+and a compute ceiling: the GEMM rate this CPU reaches in the same run divided by the model's
+linear-layer FLOPs per output token. Machines are shared and noisy: compare the ratios within
+one run, not figures across runs.
+
+HF peers are slow on a small CPU, so by default they serve only the first `--peer-requests`
+requests (64) of the trace; pagedserve then serves that same subset too, and the speedups
+compare those matched runs. Model loading, cache allocation and a short warm-up are outside
+every timed region.
+
+Examples (from the repository root):
+
+    # The full benchmark: both traces, both dtypes, 200 requests each (long on 2 cores).
+    .venv/bin/python tools/bench_offline.py --json bench.json
+
+    # A smoke run, end to end in a few minutes.
+    .venv/bin/python tools/bench_offline.py --num-requests 8 --peer-requests 4 \\
+        --trace alpaca --dtype bfloat16
+
+    # pagedserve alone.
+    .venv/bin/python tools/bench_offline.py --trace sharegpt --dtype bfloat16 --skip-peers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from traces import TRACE_SHAPES, Request, make_trace, trace_stats
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    PreTrainedModel,
+)
+
+from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend.model_resolver import resolve_model
+
+DTYPES = ("bfloat16", "float32")
+# Token ids below this are special in the embedded model (unk=0, bos=1, eos=2).
+FIRST_ORDINARY_TOKEN_ID = 3
+DEFAULT_PEER_REQUESTS = 64
+# Rows of the timed GEMM: a batch of this many tokens is what a busy decode step multiplies.
+GEMM_ROWS = 256
+# transformers' own default page size for its continuous batching cache (tokens).
+HF_PAGE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One timed generation: useful output tokens over the wall time of the generate call."""
+
+    num_requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Matmul FLOPs of one token through the model, from its config."""
+
+    body_linear_flops: int  # every linear layer of the decoder blocks
+    lm_head_flops: int
+    attention_flops_per_context_token: int  # QK^T and PV, per key the token attends to
+
+    @property
+    def linear_flops_per_output_token(self) -> int:
+        return self.body_linear_flops + self.lm_head_flops
+
+
+# ---------------------------------------------------------------------------- model facts
+
+
+def embedded_model_path() -> Path:
+    return resolve_model(None).path
+
+
+def model_flops(model_path: Path) -> ModelFlops:
+    """Count 2 x in x out of every nn.Linear on a meta-device copy, so no weights load."""
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    lm_head = model.get_output_embeddings()
+    body_flops = sum(
+        2 * module.in_features * module.out_features
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear) and module is not lm_head
+    )
+    lm_head_flops = 2 * lm_head.in_features * lm_head.out_features
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Per layer and attended key: q.k (2 * head_dim) and p * v (2 * head_dim) for every query head.
+    attention_flops = config.num_hidden_layers * config.num_attention_heads * 4 * head_dim
+    return ModelFlops(body_flops, lm_head_flops, attention_flops)
+
+
+def workload_flops(requests: list[Request], flops: ModelFlops) -> int:
+    """FLOPs of the whole trace: prompt and fed-back tokens through the body, one LM head row
+    per output token, and causal attention over every position (prefill and decode)."""
+    total = 0
+    for request in requests:
+        # The last output token is sampled, never fed back.
+        fed_tokens = len(request.prompt_token_ids) + request.output_len - 1
+        attended_keys = fed_tokens * (fed_tokens + 1) // 2
+        total += fed_tokens * flops.body_linear_flops
+        total += request.output_len * flops.lm_head_flops
+        total += attended_keys * flops.attention_flops_per_context_token
+    return total
+
+
+def mean_decode_context(requests: list[Request]) -> float:
+    """Mean number of keys attended when producing an output token (output j of a request
+    with prompt p attends p + j keys)."""
+    attended = sum(
+        request.output_len * len(request.prompt_token_ids)
+        + request.output_len * (request.output_len - 1) // 2
+        for request in requests
+    )
+    return attended / sum(request.output_len for request in requests)
+
+
+def measure_gemm_gflop_s(dtype: torch.dtype, rows: int, inner: int, cols: int) -> float:
+    """Best of five ~0.2 s trials of [rows, inner] x [inner, cols]; the best, because a ceiling
+    should not be lowered by another process stealing a core for a moment."""
+    left = torch.randn(rows, inner).to(dtype)
+    right = torch.randn(inner, cols).to(dtype)
+    out = torch.empty(rows, cols, dtype=dtype)
+    for _ in range(5):
+        torch.matmul(left, right, out=out)
+    best_seconds = math.inf
+    for _ in range(5):
+        iterations = 0
+        start = time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < 0.2:
+            torch.matmul(left, right, out=out)
+            iterations += 1
+        best_seconds = min(best_seconds, elapsed / iterations)
+    return 2 * rows * inner * cols / best_seconds / 1e9
+
+
+# ---------------------------------------------------------------------------- engines
+
+
+def load_pagedserve(dtype: str, args: argparse.Namespace) -> LLM:
+    llm = LLM(
+        model=None,
+        dtype=dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_bytes=args.kv_cache_bytes,
+    )
+    run_pagedserve(llm, _warmup_requests())
+    return llm
+
+
+def run_pagedserve(llm: LLM, requests: list[Request]) -> EngineRun:
+    prompts = [request.prompt_token_ids for request in requests]
+    params = [
+        SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+        for request in requests
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    for index, (request, output) in enumerate(zip(requests, outputs)):
+        _check_length("pagedserve", index, request, len(output.outputs[0].token_ids))
+    return EngineRun(len(requests), sum(r.output_len for r in requests), seconds)
+
+
+def load_hf_model(model_path: Path, dtype: str) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    model.eval()
+    # ignore_eos: with no EOS generate runs to max_new_tokens; min_new_tokens would instead
+    # mask the EOS logit and change the greedy path.
+    model.generation_config.eos_token_id = None
+    model.generation_config.do_sample = False
+    run_hf_generate(model, _warmup_requests(), batch_size=2)
+    return model
+
+
+def run_hf_generate(model: PreTrainedModel, requests: list[Request], batch_size: int) -> EngineRun:
+    """Static batching: left-padded batches in arrival order, each generating the longest
+    output of the batch; tokens past a request's own output length are wasted work."""
+    pad_token_id = _pad_token_id(model)
+    start = time.perf_counter()
+    for batch in _chunks(requests, batch_size):
+        width = max(len(request.prompt_token_ids) for request in batch)
+        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, request in enumerate(batch):
+            prompt = torch.tensor(request.prompt_token_ids, dtype=torch.long)
+            input_ids[row, width - len(prompt) :] = prompt
+            attention_mask[row, width - len(prompt) :] = 1
+        max_new_tokens = max(request.output_len for request in batch)
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_token_id,
+        )
+        if output.shape[1] != width + max_new_tokens:
+            raise RuntimeError(
+                f"hf_generate: a batch produced {output.shape[1] - width} new tokens, "
+                f"expected {max_new_tokens}; EOS was not disabled"
+            )
+    seconds = time.perf_counter() - start
+    return EngineRun(len(requests), sum(r.output_len for r in requests), seconds)
+
+
+def hf_continuous_batching_config(
+    model: PreTrainedModel, requests: list[Request], args: argparse.Namespace
+) -> dict[str, int]:
+    """The same limits as pagedserve's: at most max_num_seqs requests and
+    max_num_batched_tokens tokens per step, and a cache no bigger than kv_cache_bytes. Within
+    that cap the cache holds every request at once, so it never starves the scheduler."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bytes_per_block = (
+        2  # K and V
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * head_dim
+        * HF_PAGE_SIZE
+        * model.dtype.itemsize
+    )
+    blocks_needed = sum(
+        math.ceil((len(request.prompt_token_ids) + request.output_len) / HF_PAGE_SIZE)
+        for request in requests
+    )
+    return {
+        "page_size": HF_PAGE_SIZE,
+        "num_blocks": max(1, min(blocks_needed, args.kv_cache_bytes // bytes_per_block)),
+        "max_batch_tokens": args.max_num_batched_tokens,
+        "max_requests_per_batch": args.max_num_seqs,
+    }
+
+
+def run_hf_generate_batch(
+    model: PreTrainedModel, requests: list[Request], cb_config: dict[str, int]
+) -> EngineRun:
+    """transformers' continuous batching. `generate_batch` takes one max_new_tokens for all
+    requests, so this drives the manager it wraps (same scheduler, cache and model runner)
+    and gives each request its own max_new_tokens, as pagedserve gets."""
+    generation_config = GenerationConfig(
+        do_sample=False,
+        eos_token_id=None,  # the manager turns this into -1: no EOS
+        max_new_tokens=max(request.output_len for request in requests),
+    )
+    results: dict[str, Any] = {}
+    with (
+        torch.inference_mode(),
+        model.continuous_batching_context_manager(
+            generation_config=generation_config,
+            continuous_batching_config=ContinuousBatchingConfig(**cb_config),
+            block=True,
+            timeout=10,
+        ) as manager,
+    ):
+        start = time.perf_counter()
+        for index, request in enumerate(requests):
+            manager.add_request(
+                request.prompt_token_ids,
+                request_id=f"bench-{index}",
+                max_new_tokens=request.output_len,
+            )
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("hf_generate_batch: the generation thread stopped")
+                continue
+            if result.is_finished():
+                results[result.request_id] = result
+        seconds = time.perf_counter() - start
+    for index, request in enumerate(requests):
+        result = results[f"bench-{index}"]
+        if result.error is not None:
+            raise RuntimeError(f"hf_generate_batch: request {index} failed: {result.error}")
+        _check_length("hf_generate_batch", index, request, len(result.generated_tokens))
+    return EngineRun(len(requests), sum(r.output_len for r in requests), seconds)
+
+
+def _warmup_requests() -> list[Request]:
+    # First calls pay one-off costs (allocator growth, kernel selection); keep them untimed.
+    return [
+        Request(prompt_token_ids=list(range(10, 26)), output_len=4),
+        Request(prompt_token_ids=list(range(30, 38)), output_len=6),
+    ]
+
+
+def _pad_token_id(model: PreTrainedModel) -> int:
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.config.pad_token_id
+    return 0 if pad is None else int(pad)
+
+
+def _check_length(engine: str, index: int, request: Request, produced: int) -> None:
+    if produced != request.output_len:
+        raise RuntimeError(
+            f"{engine}: request {index} produced {produced} tokens, expected {request.output_len}"
+        )
+
+
+def _chunks(requests: list[Request], size: int) -> Iterator[list[Request]]:
+    for start in range(0, len(requests), size):
+        yield requests[start : start + size]
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def machine_info() -> dict[str, Any]:
+    cpu_model = platform.processor() or "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu_model": cpu_model,
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python_version": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        # Other processes on the cores slow every engine; a 1-minute load above cpu_count
+        # when the record is made means the figures are low, the ratios less so.
+        "load_average_1m": os.getloadavg()[0],
+    }
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """The GEMM rate measured in this run, for one dtype."""
+
+    shape: tuple[int, int, int]  # rows, inner, cols
+    gflop_s: float
+
+
+@dataclass(frozen=True)
+class TraceRuns:
+    """Every timed run of one (trace, dtype); peers are None under --skip-peers."""
+
+    pagedserve: EngineRun
+    pagedserve_peer_subset: EngineRun | None = None
+    hf_generate: EngineRun | None = None
+    hf_generate_batch: EngineRun | None = None
+    hf_batch_size: int | None = None
+    hf_generate_batch_config: dict[str, int] | None = None
+
+
+def benchmark_dtype(
+    dtype: str,
+    traces: dict[str, list[Request]],
+    model_path: Path,
+    gemm_shape: tuple[int, int, int],
+    args: argparse.Namespace,
+) -> tuple[Gemm, dict[str, TraceRuns]]:
+    """All traces in one dtype: the GEMM rate, then each engine on each trace."""
+    gemm = Gemm(gemm_shape, measure_gemm_gflop_s(getattr(torch, dtype), *gemm_shape))
+    _log(f"[{dtype}] GEMM {'x'.join(map(str, gemm_shape))}: {gemm.gflop_s:.0f} GFLOP/s")
+    llm = load_pagedserve(dtype, args)
+    hf_model = None if args.skip_peers else load_hf_model(model_path, dtype)
+    results = {}
+    for trace_name, requests in traces.items():
+        _log(f"[{dtype} {trace_name}] pagedserve on {len(requests)} requests")
+        pagedserve = run_pagedserve(llm, requests)
+        if hf_model is None:
+            results[trace_name] = TraceRuns(pagedserve)
+            continue
+        peer_requests = requests[: args.peer_requests]
+        if len(peer_requests) == len(requests):
+            pagedserve_subset = pagedserve
+        else:
+            _log(f"[{dtype} {trace_name}] pagedserve on the {len(peer_requests)} peer requests")
+            pagedserve_subset = run_pagedserve(llm, peer_requests)
+        batch_size = args.hf_batch_size or args.max_num_seqs
+        _log(f"[{dtype} {trace_name}] hf_generate on {len(peer_requests)}, batches of {batch_size}")
+        hf_generate = run_hf_generate(hf_model, peer_requests, batch_size)
+        cb_config = hf_continuous_batching_config(hf_model, peer_requests, args)
+        _log(f"[{dtype} {trace_name}] hf_generate_batch on {len(peer_requests)}, {cb_config}")
+        hf_generate_batch = run_hf_generate_batch(hf_model, peer_requests, cb_config)
+        results[trace_name] = TraceRuns(
+            pagedserve, pagedserve_subset, hf_generate, hf_generate_batch, batch_size, cb_config
+        )
+    return gemm, results
+
+
+def make_record(
+    trace_name: str,
+    dtype: str,
+    requests: list[Request],
+    runs: TraceRuns,
+    gemm: Gemm,
+    flops: ModelFlops,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    gemm_flop_s = gemm.gflop_s * 1e9
+    ceiling_tok_s = gemm_flop_s / flops.linear_flops_per_output_token
+    stats = trace_stats(requests)
+    workload_ceiling = stats.total_output_tokens / (workload_flops(requests, flops) / gemm_flop_s)
+    context = mean_decode_context(requests)
+    subset = runs.pagedserve_peer_subset
+
+    def speedup(peer: EngineRun | None) -> float | None:
+        if peer is None or subset is None:
+            return None
+        return subset.tokens_per_s / peer.tokens_per_s
+
+    return {
+        "trace": trace_name,
+        "dtype": dtype,
+        "num_requests": len(requests),
+        "peer_num_requests": None if subset is None else subset.num_requests,
+        "pagedserve_tok_s": runs.pagedserve.tokens_per_s,
+        "hf_generate_tok_s": _rate(runs.hf_generate),
+        "hf_generate_batch_tok_s": _rate(runs.hf_generate_batch),
+        "ceiling_tok_s": ceiling_tok_s,
+        "gemm_gflop_s": gemm.gflop_s,
+        # Both speedups compare pagedserve and the peer on the same peer_num_requests requests.
+        "speedup_vs_hf_generate": speedup(runs.hf_generate),
+        "speedup_vs_hf_generate_batch": speedup(runs.hf_generate_batch),
+        "fraction_of_ceiling": runs.pagedserve.tokens_per_s / ceiling_tok_s,
+        "pagedserve_seconds": runs.pagedserve.seconds,
+        "max_num_seqs": args.max_num_seqs,
+        "command": shlex.join(sys.orig_argv),
+        "pagedserve_peer_subset_tok_s": _rate(subset),
+        "pagedserve_peer_subset_seconds": _seconds(subset),
+        "hf_generate_seconds": _seconds(runs.hf_generate),
+        "hf_generate_batch_seconds": _seconds(runs.hf_generate_batch),
+        "hf_batch_size": runs.hf_batch_size,
+        "hf_generate_batch_config": runs.hf_generate_batch_config,
+        "hf_generate_batch_max_new_tokens": None
+        if runs.hf_generate_batch is None
+        else "per request, through the manager that generate_batch wraps",
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "seed": args.seed,
+        "max_len": args.max_len,
+        "trace_stats": asdict(stats),
+        "gemm_shape": list(gemm.shape),
+        "linear_gflop_per_output_token": flops.linear_flops_per_output_token / 1e9,
+        "mean_decode_context_tokens": context,
+        "attention_gflop_per_output_token": flops.attention_flops_per_context_token * context / 1e9,
+        # Also charges prompt tokens and attention at the GEMM rate: a tighter, still optimistic
+        # ceiling for this exact trace.
+        "ceiling_workload_tok_s": workload_ceiling,
+        "machine": machine_info(),
+    }
+
+
+def _rate(run: EngineRun | None) -> float | None:
+    return None if run is None else run.tokens_per_s
+
+
+def _seconds(run: EngineRun | None) -> float | None:
+    return None if run is None else run.seconds
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    columns = [
+        ("trace", "trace", "{}"),
+        ("dtype", "dtype", "{}"),
+        ("reqs", "num_requests", "{}"),
+        ("peer", "peer_num_requests", "{}"),
+        ("pagedserve", "pagedserve_tok_s", "{:.1f}"),
+        ("ps@peer", "pagedserve_peer_subset_tok_s", "{:.1f}"),
+        ("hf_gen", "hf_generate_tok_s", "{:.1f}"),
+        ("hf_gen_batch", "hf_generate_batch_tok_s", "{:.1f}"),
+        ("ceiling", "ceiling_tok_s", "{:.0f}"),
+        ("of_ceil", "fraction_of_ceiling", "{:.1%}"),
+        ("x_gen", "speedup_vs_hf_generate", "{:.2f}"),
+        ("x_gen_batch", "speedup_vs_hf_generate_batch", "{:.2f}"),
+        ("GFLOP/s", "gemm_gflop_s", "{:.0f}"),
+    ]
+    rows = [[title for title, _, _ in columns]]
+    for record in records:
+        rows.append(
+            ["-" if record[key] is None else fmt.format(record[key]) for _, key, fmt in columns]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--trace", choices=[*TRACE_SHAPES, "all"], default="all")
+    parser.add_argument(
+        "--dtype", choices=[*DTYPES, "all"], default="all", help="weights and KV cache dtype"
+    )
+    parser.add_argument("--num-requests", type=int, default=200, help="requests per trace")
+    parser.add_argument(
+        "--peer-requests",
+        type=int,
+        default=None,
+        help=f"HF peers serve the first N requests (default: min(num_requests, "
+        f"{DEFAULT_PEER_REQUESTS}))",
+    )
+    parser.add_argument("--skip-peers", action="store_true", help="run pagedserve alone")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the trace")
+    parser.add_argument("--max-len", type=int, default=1024, help="cap on prompt + output tokens")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="requests per step (both engines)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (both engines)"
+    )
+    parser.add_argument(
+        "--kv-cache-bytes", type=int, default=4 << 30, help="KV cache cap (both engines)"
+    )
+    parser.add_argument(
+        "--hf-batch-size", type=int, default=None, help="hf_generate batch (default: max_num_seqs)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the records here")
+    args = parser.parse_args(argv)
+    for name in (
+        "num_requests",
+        "max_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_bytes",
+    ):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.hf_batch_size is not None and args.hf_batch_size < 1:
+        parser.error(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
+    if args.peer_requests is None:
+        args.peer_requests = min(args.num_requests, DEFAULT_PEER_REQUESTS)
+    if not 1 <= args.peer_requests <= args.num_requests:
+        parser.error(
+            f"--peer-requests must be in [1, --num-requests={args.num_requests}], "
+            f"got {args.peer_requests}"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_path = embedded_model_path()
+    config = AutoConfig.from_pretrained(model_path)
+    flops = model_flops(model_path)
+    max_len = min(args.max_len, config.max_position_embeddings)
+    trace_names = list(TRACE_SHAPES) if args.trace == "all" else [args.trace]
+    dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
+    traces = {
+        name: make_trace(
+            name, args.num_requests, args.seed, max_len, config.vocab_size, FIRST_ORDINARY_TOKEN_ID
+        )
+        for name in trace_names
+    }
+    gemm_shape = (GEMM_ROWS, config.hidden_size, config.intermediate_size)
+    records = []
+    for dtype in dtypes:
+        gemm, results = benchmark_dtype(dtype, traces, model_path, gemm_shape, args)
+        for trace_name, runs in results.items():
+            records.append(
+                make_record(trace_name, dtype, traces[trace_name], runs, gemm, flops, args)
+            )
+    print(format_table(records))
+    machine = machine_info()
+    print(
+        f"\n{machine['cpu_model']}, {machine['cpu_count']} CPUs, {machine['torch_threads']} "
+        f"torch threads, 1-minute load {machine['load_average_1m']:.1f}"
+    )
+    if machine["load_average_1m"] > (machine["cpu_count"] or 1):
+        print("NOTE: other processes compete for the cores: absolute figures are low")
+    if args.json is not None:
+        args.json.write_text(json.dumps(records, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _log(message: str) -> None:
+    print(f"bench_offline: {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
