@@ -74,13 +74,13 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     _C_cpu.reshape_and_cache(
-        key=key.data_ptr(),
-        key_token_stride=key.stride(0),
-        value=value.data_ptr(),
-        value_token_stride=value.stride(0),
-        slot_mapping=slot_mapping.data_ptr(),
-        num_tokens=num_tokens,
-        **cache.kwargs,
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        slot_mapping.data_ptr(),
+        num_tokens,
+        *cache.args,
     )
 
 
@@ -142,19 +142,19 @@ def paged_attention_decode(
     if num_seqs == 0:
         return out
     _C_cpu.paged_attention_decode(
-        out=out.data_ptr(),
-        out_token_stride=out.stride(0),
-        query=query.data_ptr(),
-        query_token_stride=query.stride(0),
-        num_heads=num_heads,
-        scale=scale,
-        block_tables=block_tables.data_ptr(),
-        block_table_stride=block_tables.stride(0),
-        max_blocks_per_seq=block_tables.shape[1],
-        seq_lens=seq_lens.data_ptr(),
-        num_seqs=num_seqs,
-        partition_size=partition,
-        **cache.kwargs,
+        out.data_ptr(),
+        out.stride(0),
+        query.data_ptr(),
+        query.stride(0),
+        num_heads,
+        scale,
+        *cache.args,
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+        num_seqs,
+        partition,
     )
     return out
 
@@ -208,20 +208,20 @@ def paged_prefill_attention(
             raise ValueError(f"query has {query.shape[0]} tokens but there are no sequences")
         return out
     _C_cpu.paged_prefill_attention(
-        out=out.data_ptr(),
-        out_token_stride=out.stride(0),
-        query=query.data_ptr(),
-        query_token_stride=query.stride(0),
-        num_tokens=query.shape[0],
-        num_heads=num_heads,
-        query_start_loc=query_start_loc.data_ptr(),
-        scale=scale,
-        block_tables=block_tables.data_ptr(),
-        block_table_stride=block_tables.stride(0),
-        max_blocks_per_seq=block_tables.shape[1],
-        seq_lens=seq_lens.data_ptr(),
-        num_seqs=num_seqs,
-        **cache.kwargs,
+        out.data_ptr(),
+        out.stride(0),
+        query.data_ptr(),
+        query.stride(0),
+        query.shape[0],
+        num_heads,
+        query_start_loc.data_ptr(),
+        scale,
+        *cache.args,
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+        num_seqs,
     )
     return out
 
@@ -239,11 +239,11 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     if num_pairs == 0:
         return
     _C_cpu.copy_blocks(
-        kv_cache=kv_cache.data_ptr(),
-        num_blocks=kv_cache.shape[0],
-        block_bytes=_block_bytes(kv_cache),
-        block_mapping=block_mapping.data_ptr(),
-        num_pairs=num_pairs,
+        kv_cache.data_ptr(),
+        kv_cache.shape[0],
+        _block_bytes(kv_cache),
+        block_mapping.data_ptr(),
+        num_pairs,
     )
 
 
@@ -274,39 +274,47 @@ def swap_blocks(
     if num_pairs == 0:
         return
     _C_cpu.swap_blocks(
-        src_kv_cache=src_kv_cache.data_ptr(),
-        src_num_blocks=src_kv_cache.shape[0],
-        dst_kv_cache=dst_kv_cache.data_ptr(),
-        dst_num_blocks=dst_kv_cache.shape[0],
-        block_bytes=_block_bytes(src_kv_cache),
-        block_mapping=block_mapping.data_ptr(),
-        num_pairs=num_pairs,
+        src_kv_cache.data_ptr(),
+        src_kv_cache.shape[0],
+        dst_kv_cache.data_ptr(),
+        dst_kv_cache.shape[0],
+        _block_bytes(src_kv_cache),
+        block_mapping.data_ptr(),
+        num_pairs,
     )
 
 
 # --- checks ---------------------------------------------------------------------------------
+# NOTE: these run for every layer of every step, so the common case is a few tuple compares;
+# the detailed messages are built only on failure.
 
 
 class _CacheGeometry:
-    """A validated pair of layer caches and the keyword arguments the kernels take."""
+    """A validated pair of layer caches and the leading kernel arguments they make."""
+
+    __slots__ = ("num_blocks", "num_kv_heads", "block_size", "head_size", "dtype", "args")
 
     def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_size = key_cache.shape
         self.dtype = key_cache.dtype
-        self.kwargs = {
-            "key_cache": key_cache.data_ptr(),
-            "value_cache": value_cache.data_ptr(),
-            "key_block_stride": key_cache.stride(0),
-            "value_block_stride": value_cache.stride(0),
-            "num_blocks": self.num_blocks,
-            "num_kv_heads": self.num_kv_heads,
-            "block_size": self.block_size,
-            "head_size": self.head_size,
-            "dtype": _DTYPE_CODES[self.dtype],
-        }
+        # key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
+        # num_kv_heads, block_size, head_size, dtype (the bindings' order).
+        self.args = (
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            key_cache.stride(0),
+            value_cache.stride(0),
+            self.num_blocks,
+            self.num_kv_heads,
+            self.block_size,
+            self.head_size,
+            _DTYPE_CODES[self.dtype],
+        )
 
 
 def _check_device(name: str, tensor: object) -> None:
+    if isinstance(tensor, torch.Tensor) and tensor.is_cpu:
+        return
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type == "cuda":
@@ -314,8 +322,7 @@ def _check_device(name: str, tensor: object) -> None:
             f"{name} is on {tensor.device}: the CUDA kernels (pagedserve._C_cuda) are not built "
             "yet; only CPU tensors are supported for now"
         )
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{name} is on {tensor.device}; only CPU tensors are supported")
+    raise ValueError(f"{name} is on {tensor.device}; only CPU tensors are supported")
 
 
 def _check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
@@ -324,28 +331,29 @@ def _check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ..
         raise TypeError(f"{name} has dtype {tensor.dtype}; supported: {names}")
 
 
-def _check_inner_strides(
-    name: str, tensor: torch.Tensor, layout: str, first_strided_dim: int = 1
-) -> None:
-    """Dims from ``first_strided_dim`` on must be contiguous (size-1 dims excepted)."""
+def _check_inner_strides(name: str, tensor: torch.Tensor, layout: str) -> None:
+    """All dims but the first must be contiguous (size-1 dims may have any stride)."""
+    shape, strides = tensor.shape, tensor.stride()
     expected = 1
-    for dim in reversed(range(first_strided_dim, tensor.dim())):
-        if tensor.shape[dim] != 1 and tensor.stride(dim) != expected:
-            contiguous = layout.strip("[]").split(", ")[first_strided_dim:]
+    for dim in reversed(range(1, len(shape))):
+        if shape[dim] != 1 and strides[dim] != expected:
+            contiguous = ", ".join(layout.strip("[]").split(", ")[1:])
             raise ValueError(
-                f"{name} {layout} must have contiguous {', '.join(contiguous)}; got shape "
-                f"{tuple(tensor.shape)} with strides {tensor.stride()}"
+                f"{name} {layout} must have contiguous {contiguous}; got shape "
+                f"{tuple(shape)} with strides {strides}"
             )
-        expected *= tensor.shape[dim]
+        expected *= shape[dim]
 
 
 def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> _CacheGeometry:
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_device(name, cache)
         _check_dtype(name, cache, SUPPORTED_DTYPES)
-        if cache.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {_LAYOUT_CACHE}, got shape {tuple(cache.shape)}")
-        _check_inner_strides(name, cache, _LAYOUT_CACHE)
+        shape = cache.shape
+        if len(shape) != 4:
+            raise ValueError(f"{name} must be 4-D {_LAYOUT_CACHE}, got shape {tuple(shape)}")
+        if cache.stride()[1:] != (shape[2] * shape[3], shape[3], 1):
+            _check_inner_strides(name, cache, _LAYOUT_CACHE)
     if value_cache.shape != key_cache.shape:
         raise ValueError(
             f"value_cache has shape {tuple(value_cache.shape)} but key_cache has "
@@ -377,23 +385,24 @@ def _check_tokens(
 ) -> None:
     """``tensor`` is ``[num_tokens, num_heads, head_size]`` of the cache's dtype."""
     _check_device(name, tensor)
-    _check_dtype(name, tensor, SUPPORTED_DTYPES)
     if tensor.dtype != dtype:
+        _check_dtype(name, tensor, SUPPORTED_DTYPES)
         raise TypeError(
             f"{name} has dtype {tensor.dtype} but the cache holds {dtype}; they must match"
         )
-    if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (num_heads, head_size):
+    shape = tensor.shape
+    if len(shape) != 3 or shape[1] != num_heads or shape[2] != head_size:
         raise ValueError(
             f"{name} must be {_LAYOUT_TOKENS} with num_heads={num_heads}, "
-            f"head_size={head_size} (from the cache); got shape {tuple(tensor.shape)}"
+            f"head_size={head_size} (from the cache); got shape {tuple(shape)}"
         )
-    _check_inner_strides(name, tensor, _LAYOUT_TOKENS)
+    if tensor.stride()[1:] != (head_size, 1):
+        _check_inner_strides(name, tensor, _LAYOUT_TOKENS)
 
 
 def _check_query(name: str, query: torch.Tensor, cache: _CacheGeometry) -> int:
-    """Checks a query (or output) tensor; returns num_heads."""
+    """Checks a query tensor; returns num_heads."""
     _check_device(name, query)
-    _check_dtype(name, query, SUPPORTED_DTYPES)
     if query.dim() != 3:
         raise ValueError(f"{name} must be 3-D {_LAYOUT_TOKENS}, got shape {tuple(query.shape)}")
     num_heads = query.shape[1]
@@ -410,14 +419,14 @@ def _check_or_allocate_out(out: torch.Tensor | None, query: torch.Tensor) -> tor
     if out is None:
         return torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _check_device("out", out)
-    _check_dtype("out", out, SUPPORTED_DTYPES)
     if out.dtype != query.dtype:
         raise TypeError(f"out has dtype {out.dtype} but query has {query.dtype}; they must match")
     if out.shape != query.shape:
         raise ValueError(
             f"out has shape {tuple(out.shape)} but query has {tuple(query.shape)}; they must match"
         )
-    _check_inner_strides("out", out, _LAYOUT_TOKENS)
+    if out.stride()[1:] != (query.shape[2], 1):
+        _check_inner_strides("out", out, _LAYOUT_TOKENS)
     return out
 
 
@@ -445,17 +454,17 @@ def _check_block_tables(block_tables: torch.Tensor, num_seqs: int | None) -> int
     _check_device("block_tables", block_tables)
     if block_tables.dtype != torch.int32:
         raise TypeError(f"block_tables has dtype {block_tables.dtype}; expected torch.int32")
-    if block_tables.dim() != 2 or (num_seqs is not None and block_tables.shape[0] != num_seqs):
+    shape = block_tables.shape
+    if len(shape) != 2 or (num_seqs is not None and shape[0] != num_seqs):
         expected = "num_seqs" if num_seqs is None else f"num_seqs={num_seqs}"
         raise ValueError(
-            f"block_tables must have shape [{expected}, max_blocks_per_seq], got "
-            f"{tuple(block_tables.shape)}"
+            f"block_tables must have shape [{expected}, max_blocks_per_seq], got {tuple(shape)}"
         )
-    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+    if shape[1] > 1 and block_tables.stride(1) != 1:
         raise ValueError(
             f"block_tables rows must be contiguous, got strides {block_tables.stride()}"
         )
-    return block_tables.shape[0]
+    return shape[0]
 
 
 def _check_scale(scale: float) -> float:

@@ -133,6 +133,67 @@ struct DecodeScratch {
   }
 };
 
+// Prefetches the cache lines of one [D] row (locality 3: into L1, 2: into L2).
+template <typename T, int D, int kLocality>
+inline void prefetch_row(const T* row) {
+  constexpr int kBytes = D * static_cast<int>(sizeof(T));
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int b = 0; b < kBytes; b += 64) __builtin_prefetch(p + b, 0, kLocality);
+  __builtin_prefetch(p + kBytes - 1, 0, kLocality);
+}
+
+// Walks one cache's rows at consecutive positions, prefetching the row one block ahead: the
+// blocks are scattered, so the hardware prefetcher cannot guess the next one.
+template <typename T, int D>
+struct RowWalker {
+  const T* base;
+  int64_t block_stride;
+  const KVRows<T, D>& kv;
+  int64_t end;
+  const T* row = nullptr;
+  const T* ahead = nullptr;
+
+  RowWalker(const T* base_, int64_t block_stride_, const KVRows<T, D>& kv_, int64_t end_)
+      : base(base_), block_stride(block_stride_), kv(kv_), end(end_) {}
+
+  // The row of `position`, which is the previous call's position + 1 (or a first call).
+  const T* next(int64_t position) {
+    if (row == nullptr || (position & kv.offset_mask) == 0) {
+      const int64_t block = position >> kv.block_shift;
+      const int64_t in_block = (position & kv.offset_mask) * D;
+      row = base + static_cast<int64_t>(kv.block_table[block]) * block_stride + in_block;
+      const bool has_next = ((block + 1) << kv.block_shift) < end;
+      ahead = has_next
+                  ? base + static_cast<int64_t>(kv.block_table[block + 1]) * block_stride + in_block
+                  : row;
+    } else {
+      row += D;
+      ahead += D;
+    }
+    prefetch_row<T, D, 3>(ahead);
+    return row;
+  }
+};
+
+// q . k over kN vectors, as one vector whose lanes still need summing.
+template <int kN>
+inline VecF dot(const float* q, const VecF* k) {
+  if constexpr (kN <= 4) {
+    VecF s = VecF::load(q) * k[0];
+    for (int j = 1; j < kN; ++j) s = fma(VecF::load(q + j * kWidth), k[j], s);
+    return s;
+  } else {
+    VecF s0 = VecF::load(q) * k[0];
+    VecF s1 = VecF::load(q + kWidth) * k[1];
+    for (int j = 2; j + 1 < kN; j += 2) {
+      s0 = fma(VecF::load(q + j * kWidth), k[j], s0);
+      s1 = fma(VecF::load(q + (j + 1) * kWidth), k[j + 1], s1);
+    }
+    if (kN % 2 == 1) s0 = fma(VecF::load(q + (kN - 1) * kWidth), k[kN - 1], s0);
+    return s0 + s1;
+  }
+}
+
 template <typename T, int D>
 struct Decode {
   static constexpr int kVecs = D / kWidth;
@@ -149,34 +210,34 @@ struct Decode {
     const int64_t n = end - begin;
     const int64_t n_pad = round_up(n, kWidth);
     // K pass: kWidth positions at a time, so kWidth horizontal sums become one transposed one.
+    float* const partial = ws.partial;
+    const float* const q = ws.q;
+    RowWalker<T, D> keys(kv.key_base, kv.key_block_stride, kv, end);
     for (int64_t c0 = 0; c0 < n; c0 += kWidth) {
       const int count = static_cast<int>(min_i64(kWidth, n - c0));
       for (int i = 0; i < count; ++i) {
-        const T* row = kv.key_row(begin + c0 + i);
+        const int64_t position = begin + c0 + i;
+        const T* row = keys.next(position);
+        if (position == begin || (position & kv.offset_mask) == 0) {
+          // The V pass reads this block's rows soon: start bringing them to L2 now.
+          const T* value_row = kv.value_row(position);
+          const int64_t rows = min_i64(end, (position | kv.offset_mask) + 1) - position;
+          for (int64_t r = 0; r < rows; ++r) prefetch_row<T, D, 2>(value_row + r * D);
+        }
         for (int c = 0; c < kVecs; c += kRowChunk) {
           VecF k[kRowChunk];
           for (int j = 0; j < kRowChunk; ++j) k[j] = VecF::load(row + (c + j) * kWidth);
           for (int g = 0; g < num_q; ++g) {
-            const float* qg = ws.q + g * D + c * kWidth;
-            VecF s0 = VecF::zero(), s1 = VecF::zero();
-            for (int j = 0; j + 1 < kRowChunk; j += 2) {
-              s0 = fma(VecF::load(qg + j * kWidth), k[j], s0);
-              s1 = fma(VecF::load(qg + (j + 1) * kWidth), k[j + 1], s1);
-            }
-            if (kRowChunk % 2 == 1) {
-              s0 = fma(VecF::load(qg + (kRowChunk - 1) * kWidth), k[kRowChunk - 1], s0);
-            }
-            float* partial = ws.partial + (g * kWidth + i) * kWidth;
-            const VecF s = s0 + s1;
-            (c == 0 ? s : VecF::load(partial) + s).store(partial);
+            const VecF s = dot<kRowChunk>(q + g * D + c * kWidth, k);
+            float* dst = partial + (g * kWidth + i) * kWidth;
+            (c == 0 ? s : VecF::load(dst) + s).store(dst);
           }
         }
       }
       // Lanes past `count` reduce stale scratch; they are overwritten with -inf below.
       for (int g = 0; g < num_q; ++g) {
         VecF parts[kWidth];
-        for (int i = 0; i < kWidth; ++i)
-          parts[i] = VecF::load(ws.partial + (g * kWidth + i) * kWidth);
+        for (int i = 0; i < kWidth; ++i) parts[i] = VecF::load(partial + (g * kWidth + i) * kWidth);
         reduce_add_transposed(parts).store(ws.logits + g * n_pad + c0);
       }
     }
@@ -196,20 +257,71 @@ struct Decode {
       ws.row_max[g] = row_max;
       ws.row_sum[g] = sum.reduce_add();
     }
-    // V pass.
+    // V pass, kVPositions positions at a time (they stay in L1 while the accumulators
+    // sweep over the head dim), at most kMaxRowsPerStep query rows at a time.
     for (int i = 0; i < num_q * D; i += kWidth) VecF::zero().store(ws.acc + i);
-    for (int64_t i = 0; i < n; ++i) {
-      const T* row = kv.value_row(begin + i);
-      for (int c = 0; c < kVecs; c += kRowChunk) {
-        VecF v[kRowChunk];
-        for (int j = 0; j < kRowChunk; ++j) v[j] = VecF::load(row + (c + j) * kWidth);
-        for (int g = 0; g < num_q; ++g) {
-          const VecF weight = VecF::broadcast(ws.logits[g * n_pad + i]);
-          float* acc = ws.acc + g * D + c * kWidth;
-          for (int j = 0; j < kRowChunk; ++j) {
-            fma(weight, v[j], VecF::load(acc + j * kWidth)).store(acc + j * kWidth);
-          }
+    RowWalker<T, D> values(kv.value_base, kv.value_block_stride, kv, end);
+    const T* rows[kVPositions];
+    for (int64_t i0 = 0; i0 < n; i0 += kVPositions) {
+      const int count = static_cast<int>(min_i64(kVPositions, n - i0));
+      for (int i = 0; i < count; ++i) rows[i] = values.next(begin + i0 + i);
+      for (int g0 = 0; g0 < num_q; g0 += kMaxRowsPerStep) {
+        const float* weights = ws.logits + g0 * n_pad + i0;
+        float* acc = ws.acc + g0 * D;
+        switch (num_q - g0 < kMaxRowsPerStep ? num_q - g0 : kMaxRowsPerStep) {
+          case 1:
+            pv_sweep<1>(weights, n_pad, rows, count, acc);
+            break;
+          case 2:
+            pv_sweep<2>(weights, n_pad, rows, count, acc);
+            break;
+          case 3:
+            pv_sweep<3>(weights, n_pad, rows, count, acc);
+            break;
+          case 4:
+            pv_sweep<4>(weights, n_pad, rows, count, acc);
+            break;
+          case 5:
+            pv_sweep<5>(weights, n_pad, rows, count, acc);
+            break;
+          case 6:
+            pv_sweep<6>(weights, n_pad, rows, count, acc);
+            break;
+          case 7:
+            pv_sweep<7>(weights, n_pad, rows, count, acc);
+            break;
+          default:
+            pv_sweep<8>(weights, n_pad, rows, count, acc);
+            break;
         }
+      }
+    }
+  }
+
+  static constexpr int kMaxRowsPerStep = 8;
+  static constexpr int kVPositions = 32;
+
+  // acc[q] += sum_i weights[q][i] * rows[i] for kRows query rows (weights row stride
+  // weights_stride), kCols head-dim vectors of accumulators in registers at a time.
+  template <int kRows>
+  static void pv_sweep(const float* weights, int64_t weights_stride, const T* const* rows,
+                       int count, float* acc) {
+    constexpr int kCols = largest_divisor_at_most(kVecs, (VecF::kNumRegisters - 2) / (kRows + 1));
+    for (int c = 0; c < kVecs; c += kCols) {
+      VecF a[kRows][kCols];
+      for (int q = 0; q < kRows; ++q) {
+        for (int j = 0; j < kCols; ++j) a[q][j] = VecF::load(acc + q * D + (c + j) * kWidth);
+      }
+      for (int i = 0; i < count; ++i) {
+        VecF v[kCols];
+        for (int j = 0; j < kCols; ++j) v[j] = VecF::load(rows[i] + (c + j) * kWidth);
+        for (int q = 0; q < kRows; ++q) {
+          const VecF w = VecF::broadcast(weights[q * weights_stride + i]);
+          for (int j = 0; j < kCols; ++j) a[q][j] = fma(w, v[j], a[q][j]);
+        }
+      }
+      for (int q = 0; q < kRows; ++q) {
+        for (int j = 0; j < kCols; ++j) a[q][j].store(acc + q * D + (c + j) * kWidth);
       }
     }
   }

@@ -1,0 +1,148 @@
+"""Microbenchmark of the CPU attention ops (not a test).
+
+Decode: batch 64 and 256, context 512, on the embedded model's attention shape (9 query heads,
+3 kv heads, head size 64), bf16 and fp32; prints us/call and GB/s of K/V read. Each call reads
+another layer of a pool larger than the caches, so the K/V comes from memory, as in a real
+decode step. Also a memory-bandwidth reference (a large tensor copy) and prefill figures.
+
+    .venv/bin/python tools/bench_ops.py [--threads N] [--isa avx512|avx2|generic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedserve import _C_cpu
+from pagedserve.gpu_worker import ops
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
+POOL_BYTES = 1 << 30  # >> last-level cache, so every call reads K/V from memory
+
+
+def timed(fn, iters: int) -> float:
+    """Median seconds per call after a warm-up."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def memory_bandwidth_gbps() -> float:
+    """Read + write GB/s of a 512 MiB copy: the ceiling a memory-bound kernel can approach."""
+    src = torch.empty(1 << 27, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), 5)
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
+def scrambled_block_tables(num_seqs: int, blocks_per_seq: int, num_blocks: int) -> torch.Tensor:
+    perm = torch.randperm(num_blocks)[: num_seqs * blocks_per_seq]
+    return perm.view(num_seqs, blocks_per_seq).to(torch.int32)
+
+
+def bench_decode(num_seqs: int, context: int, dtype: torch.dtype, iters: int) -> None:
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = num_seqs * blocks_per_seq
+    elem = torch.empty((), dtype=dtype).element_size()
+    layer_bytes = num_blocks * 2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_SIZE * elem
+    num_layers = max(2, POOL_BYTES // layer_bytes)
+    pool = torch.randn(num_blocks, num_layers, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE).to(dtype)
+    block_tables = scrambled_block_tables(num_seqs, blocks_per_seq, num_blocks)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    query = torch.randn(num_seqs, NUM_HEADS, HEAD_SIZE).to(dtype)
+    out = torch.empty_like(query)
+    scale = HEAD_SIZE**-0.5
+    for partition_size in (None, 0, 128):
+        layer = [0]
+
+        def call(partition_size: int | None = partition_size) -> None:
+            layer[0] = (layer[0] + 1) % num_layers
+            ops.paged_attention_decode(
+                query,
+                pool[:, layer[0], 0],
+                pool[:, layer[0], 1],
+                block_tables,
+                seq_lens,
+                scale,
+                out=out,
+                partition_size=partition_size,
+            )
+
+        seconds = timed(call, iters)
+        print(
+            f"decode  batch {num_seqs:4d} ctx {context} {str(dtype):15s} "
+            f"partition {str(partition_size):4s}: {seconds * 1e6:8.1f} us/call  "
+            f"{layer_bytes / seconds / 1e9:6.1f} GB/s KV read"
+        )
+
+
+def bench_prefill(q_lens: list[int], dtype: torch.dtype, iters: int) -> None:
+    num_seqs = len(q_lens)
+    blocks_per_seq = -(-max(q_lens) // BLOCK_SIZE)
+    num_blocks = num_seqs * blocks_per_seq
+    key_cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE).to(dtype)
+    value_cache = torch.randn_like(key_cache)
+    block_tables = scrambled_block_tables(num_seqs, blocks_per_seq, num_blocks)
+    seq_lens = torch.tensor(q_lens, dtype=torch.int32)
+    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(seq_lens, 0)
+    query = torch.randn(sum(q_lens), NUM_HEADS, HEAD_SIZE).to(dtype)
+    out = torch.empty_like(query)
+    scale = HEAD_SIZE**-0.5
+
+    def call() -> None:
+        ops.paged_prefill_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out
+        )
+
+    seconds = timed(call, iters)
+    # QK^T and PV over the causal half, 2 flops per multiply-add.
+    flops = sum(4 * NUM_HEADS * HEAD_SIZE * n * (n + 1) / 2 for n in q_lens)
+
+    # Peer: torch SDPA on contiguous K/V (no paging), same dtype.
+    def sdpa() -> None:
+        for n, start in zip(q_lens, query_start_loc.tolist()):
+            q = query[start : start + n].transpose(0, 1)
+            k = torch.randn(NUM_KV_HEADS, n, HEAD_SIZE, dtype=dtype)
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, k, is_causal=True, scale=scale, enable_gqa=True
+            )
+
+    sdpa_seconds = timed(sdpa, iters)
+    print(
+        f"prefill q_lens {q_lens} {str(dtype):15s}: {seconds * 1e6:8.1f} us/call  "
+        f"{flops / seconds / 1e9:6.1f} GFLOP/s  (torch SDPA, contiguous: "
+        f"{sdpa_seconds * 1e6:.1f} us incl. making K)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--isa", default=None, help="force a kernel variant")
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    ops.set_num_threads(args.threads)
+    if args.isa:
+        _C_cpu.force_isa(args.isa)
+    print(f"threads {args.threads}, kernels {_C_cpu.isa()}")
+    print(f"memory bandwidth (512 MiB copy): {memory_bandwidth_gbps():.1f} GB/s")
+    for dtype in (torch.bfloat16, torch.float32):
+        for num_seqs in (64, 256):
+            bench_decode(num_seqs, 512, dtype, args.iters)
+    for dtype in (torch.bfloat16, torch.float32):
+        bench_prefill([512], dtype, max(5, args.iters // 5))
+        bench_prefill([128, 256, 64], dtype, max(5, args.iters // 5))
+
+
+if __name__ == "__main__":
+    main()
