@@ -11,6 +11,7 @@ decode step. Also a memory-bandwidth reference (a large tensor copy) and prefill
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -59,15 +60,16 @@ def bench_decode(num_seqs: int, context: int, dtype: torch.dtype, iters: int) ->
     query = torch.randn(num_seqs, NUM_HEADS, HEAD_SIZE).to(dtype)
     out = torch.empty_like(query)
     scale = HEAD_SIZE**-0.5
+    layer_caches = [(pool[:, layer, 0], pool[:, layer, 1]) for layer in range(num_layers)]
     for partition_size in (None, 0, 128):
-        layer = [0]
+        layers = itertools.cycle(layer_caches)
 
-        def call(partition_size: int | None = partition_size) -> None:
-            layer[0] = (layer[0] + 1) % num_layers
+        def call(partition_size: int | None = partition_size, layers=layers) -> None:
+            key_cache, value_cache = next(layers)
             ops.paged_attention_decode(
                 query,
-                pool[:, layer[0], 0],
-                pool[:, layer[0], 1],
+                key_cache,
+                value_cache,
                 block_tables,
                 seq_lens,
                 scale,
