@@ -96,82 +96,120 @@ KVRows<T, D> kv_rows(const AttentionProblem& p, int64_t seq, int64_t kv_head) {
 }
 
 template <typename T, int D>
-void load_scaled_rows(const T* src, int num_rows, float scale, float* dst) {  // [num_rows][D]
-  const VecF s = VecF::broadcast(scale);
-  for (int i = 0; i < num_rows * D; i += kWidth) (VecF::load(src + i) * s).store(dst + i);
-}
-
-template <typename T, int D>
 void store_zero_rows(T* dst, int num_rows) {
   for (int i = 0; i < num_rows * D; i += kWidth) VecF::zero().store(dst + i);
 }
 
 // --- decode ------------------------------------------------------------------------------
+//
+// One work item is a sequence (or one partition of it) with all its kv heads: a block's rows
+// of all heads are one contiguous chunk, [num_kv_heads][block_size][D], and longer contiguous
+// reads make better use of memory than one head's rows at a time.
 
-// Per-thread scratch of attend_range for num_q query rows over at most max_positions.
+// Per-thread scratch of attend_range for num_q = num_kv_heads * group query rows over at most
+// max_positions.
 struct DecodeScratch {
   float* q;        // [num_q][D]
   float* acc;      // [num_q][D]
-  float* partial;  // [num_q][kWidth][kWidth]
+  float* partial;  // [group][kWidth][kWidth]
   float* logits;   // [num_q][round_up(max_positions, kWidth)]
   float* row_max;  // [num_q]
   float* row_sum;  // [num_q]
 
-  static int64_t floats(int64_t num_q, int64_t head_size, int64_t max_positions) {
-    return 2 * aligned(num_q * head_size) + aligned(num_q * kWidth * kWidth) +
+  static int64_t floats(int64_t num_q, int64_t group, int64_t head_size, int64_t max_positions) {
+    return 2 * aligned(num_q * head_size) + aligned(group * kWidth * kWidth) +
            aligned(num_q * round_up(max_positions, kWidth)) + 2 * aligned(num_q);
   }
-  static DecodeScratch carve(float* base, int64_t num_q, int64_t head_size, int64_t max_positions) {
+  static DecodeScratch carve(float* base, int64_t num_q, int64_t group, int64_t head_size,
+                             int64_t max_positions) {
     DecodeScratch s;
     s.q = base;
     s.acc = s.q + aligned(num_q * head_size);
     s.partial = s.acc + aligned(num_q * head_size);
-    s.logits = s.partial + aligned(num_q * kWidth * kWidth);
+    s.logits = s.partial + aligned(group * kWidth * kWidth);
     s.row_max = s.logits + aligned(num_q * round_up(max_positions, kWidth));
     s.row_sum = s.row_max + aligned(num_q);
     return s;
   }
 };
 
-// Prefetches the cache lines of one [D] row (locality 3: into L1, 2: into L2).
-template <typename T, int D, int kLocality>
-inline void prefetch_row(const T* row) {
-  constexpr int kBytes = D * static_cast<int>(sizeof(T));
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int b = 0; b < kBytes; b += 64) __builtin_prefetch(p + b, 0, kLocality);
-  __builtin_prefetch(p + kBytes - 1, 0, kLocality);
+inline void prefetch_bytes(const void* start, int64_t num_bytes, int locality) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t b = 0; b < num_bytes; b += 64) {
+    if (locality == 3) {
+      __builtin_prefetch(p + b, 0, 3);
+    } else {
+      __builtin_prefetch(p + b, 0, 2);
+    }
+  }
 }
 
-// Walks one cache's rows at consecutive positions, prefetching the row one block ahead: the
-// blocks are scattered, so the hardware prefetcher cannot guess the next one.
+// Walks one cache's blocks at consecutive positions of a sequence and returns, per position,
+// its row in kv head 0's part of the block (head h's row is head_stride further). The blocks
+// are scattered, so the hardware prefetcher cannot guess the next one: each position
+// prefetches its 1/block_size share of the block kAheadBytes ahead into L1 and, optionally, of
+// the current block of a companion cache (V while walking K) into L2.
 template <typename T, int D>
-struct RowWalker {
+struct BlockWalker {
+  static constexpr int64_t kAheadBytes = 16384;
   const T* base;
   int64_t block_stride;
-  const KVRows<T, D>& kv;
+  const int32_t* block_table;
+  int block_shift;
+  int64_t offset_mask;
   int64_t end;
-  const T* row = nullptr;
-  const T* ahead = nullptr;
+  const T* companion_base;  // nullptr: none
+  int64_t companion_block_stride;
+  int64_t block_bytes;  // all kv heads' rows of one block
+  int64_t share_bytes;  // block_bytes / block_size
+  int64_t ahead_blocks;
+  const T* block = nullptr;
+  const char* ahead = nullptr;
+  const char* companion = nullptr;
 
-  RowWalker(const T* base_, int64_t block_stride_, const KVRows<T, D>& kv_, int64_t end_)
-      : base(base_), block_stride(block_stride_), kv(kv_), end(end_) {}
+  BlockWalker(const T* base_, int64_t block_stride_, const KVRows<T, D>& kv, int64_t num_kv_heads,
+              int64_t end_, const T* companion_base_, int64_t companion_block_stride_)
+      : base(base_),
+        block_stride(block_stride_),
+        block_table(kv.block_table),
+        block_shift(kv.block_shift),
+        offset_mask(kv.offset_mask),
+        end(end_),
+        companion_base(companion_base_),
+        companion_block_stride(companion_block_stride_) {
+    share_bytes = num_kv_heads * D * static_cast<int64_t>(sizeof(T));
+    block_bytes = share_bytes * (offset_mask + 1);
+    ahead_blocks = max_i64(1, kAheadBytes / block_bytes);
+  }
 
-  // The row of `position`, which is the previous call's position + 1 (or a first call).
+  const T* block_start(int64_t index) const {
+    return base + static_cast<int64_t>(block_table[index]) * block_stride;
+  }
+
+  // Position is the previous call's position + 1, or any position on the first call.
   const T* next(int64_t position) {
-    if (row == nullptr || (position & kv.offset_mask) == 0) {
-      const int64_t block = position >> kv.block_shift;
-      const int64_t in_block = (position & kv.offset_mask) * D;
-      row = base + static_cast<int64_t>(kv.block_table[block]) * block_stride + in_block;
-      const bool has_next = ((block + 1) << kv.block_shift) < end;
-      ahead = has_next
-                  ? base + static_cast<int64_t>(kv.block_table[block + 1]) * block_stride + in_block
-                  : row;
-    } else {
-      row += D;
-      ahead += D;
+    const int64_t index = position >> block_shift;
+    const int64_t offset = position & offset_mask;
+    if (block == nullptr) {  // request what the steady state would already have requested
+      for (int64_t b = index; b < index + ahead_blocks && (b << block_shift) < end; ++b) {
+        prefetch_bytes(block_start(b), block_bytes, 3);
+      }
     }
-    prefetch_row<T, D, 3>(ahead);
-    return row;
+    if (block == nullptr || offset == 0) {
+      block = block_start(index);
+      const int64_t ahead_index = index + ahead_blocks;
+      ahead = (ahead_index << block_shift) < end
+                  ? reinterpret_cast<const char*>(block_start(ahead_index))
+                  : nullptr;
+      companion = companion_base == nullptr
+                      ? nullptr
+                      : reinterpret_cast<const char*>(companion_base +
+                                                      static_cast<int64_t>(block_table[index]) *
+                                                          companion_block_stride);
+    }
+    if (ahead != nullptr) prefetch_bytes(ahead + offset * share_bytes, share_bytes, 3);
+    if (companion != nullptr) prefetch_bytes(companion + offset * share_bytes, share_bytes, 2);
+    return block + offset * D;
   }
 };
 
@@ -200,49 +238,103 @@ struct Decode {
   // K/V row vectors held in registers at once (the rest of the file leaves room for the
   // accumulators).
   static constexpr int kRowChunk = largest_divisor_at_most(kVecs, VecF::kNumRegisters / 2);
+  static constexpr int kMaxRowsPerStep = 8;
+  static constexpr int kVPositions = 32;
+  // Vectors [0, kPaired) of a row load in pairs (interleaved order for bf16, see vec.h); an
+  // odd last vector loads alone. q, acc and out rows use the same order.
+  static constexpr int kPaired = kVecs / 2 * 2;
 
-  // Unnormalized attention of num_q query rows ws.q (fp32, pre-scaled) over cache positions
-  // [begin, end) of one (sequence, kv head), end > begin:
-  //   s[g][t] = q[g] . k[t],  row_max[g] = max_t s[g][t],
-  //   row_sum[g] = sum_t exp(s[g][t] - row_max[g]),  acc[g] = sum_t exp(s[g][t] - row_max[g]) v[t]
-  static void attend_range(const DecodeScratch& ws, int num_q, const KVRows<T, D>& kv,
-                           int64_t begin, int64_t end) {
-    const int64_t n = end - begin;
-    const int64_t n_pad = round_up(n, kWidth);
-    // K pass: kWidth positions at a time, so kWidth horizontal sums become one transposed one.
-    float* const partial = ws.partial;
-    const float* const q = ws.q;
-    RowWalker<T, D> keys(kv.key_base, kv.key_block_stride, kv, end);
-    for (int64_t c0 = 0; c0 < n; c0 += kWidth) {
-      const int count = static_cast<int>(min_i64(kWidth, n - c0));
-      for (int i = 0; i < count; ++i) {
-        const int64_t position = begin + c0 + i;
-        const T* row = keys.next(position);
-        if (position == begin || (position & kv.offset_mask) == 0) {
-          // The V pass reads this block's rows soon: start bringing them to L2 now.
-          const T* value_row = kv.value_row(position);
-          const int64_t rows = min_i64(end, (position | kv.offset_mask) + 1) - position;
-          for (int64_t r = 0; r < rows; ++r) prefetch_row<T, D, 2>(value_row + r * D);
+  // Vectors [first, first + kCount) of a row, in storage order.
+  template <int kCount>
+  static void load_vecs(const T* row, int first, VecF* out) {
+    if constexpr (!kInterleaved<T>) {
+      for (int i = 0; i < kCount; ++i) out[i] = VecF::load(row + (first + i) * kWidth);
+    } else {
+      for (int i = 0; i < kCount;) {
+        const int j = first + i;
+        if (j % 2 == 0 && i + 1 < kCount && j + 1 < kPaired) {
+          load_pair(row + j * kWidth, out[i], out[i + 1]);
+          i += 2;
+        } else if (j < kPaired) {  // half a pair: rare register-blocking shapes only
+          VecF a, b;
+          load_pair(row + (j & ~1) * kWidth, a, b);
+          out[i++] = j % 2 == 0 ? a : b;
+        } else {
+          out[i++] = VecF::load(row + j * kWidth);
         }
-        for (int c = 0; c < kVecs; c += kRowChunk) {
-          VecF k[kRowChunk];
-          for (int j = 0; j < kRowChunk; ++j) k[j] = VecF::load(row + (c + j) * kWidth);
-          for (int g = 0; g < num_q; ++g) {
-            const VecF s = dot<kRowChunk>(q + g * D + c * kWidth, k);
-            float* dst = partial + (g * kWidth + i) * kWidth;
-            (c == 0 ? s : VecF::load(dst) + s).store(dst);
-          }
-        }
-      }
-      // Lanes past `count` reduce stale scratch; they are overwritten with -inf below.
-      for (int g = 0; g < num_q; ++g) {
-        VecF parts[kWidth];
-        for (int i = 0; i < kWidth; ++i) parts[i] = VecF::load(partial + (g * kWidth + i) * kWidth);
-        reduce_add_transposed(parts).store(ws.logits + g * n_pad + c0);
       }
     }
-    for (int g = 0; g < num_q; ++g) {
-      float* logits = ws.logits + g * n_pad;
+  }
+
+  // row = src * scale for one row of D floats in storage order.
+  static void store_row(const float* src, float scale, T* row) {
+    const VecF s = VecF::broadcast(scale);
+    for (int j = 0; j < kPaired; j += 2) {
+      store_pair(row + j * kWidth, VecF::load(src + j * kWidth) * s,
+                 VecF::load(src + (j + 1) * kWidth) * s);
+    }
+    if (kPaired < kVecs) (VecF::load(src + kPaired * kWidth) * s).store(row + kPaired * kWidth);
+  }
+
+  // dst = src * scale for num_rows rows, into storage order.
+  static void load_scaled_rows(const T* src, int num_rows, float scale, float* dst) {
+    const VecF s = VecF::broadcast(scale);
+    for (int r = 0; r < num_rows; ++r) {
+      VecF v[kVecs];
+      load_vecs<kVecs>(src + r * D, 0, v);
+      for (int j = 0; j < kVecs; ++j) (v[j] * s).store(dst + r * D + j * kWidth);
+    }
+  }
+
+  // Unnormalized attention of one sequence's query rows ws.q ([num_kv_heads][group][D], fp32,
+  // pre-scaled) over its cache positions [begin, end), end > begin. With row r = h * group + g
+  // attending to kv head h:
+  //   s[r][t] = q[r] . k[h][t],  row_max[r] = max_t s[r][t],
+  //   row_sum[r] = sum_t exp(s[r][t] - row_max[r]),
+  //   acc[r] = sum_t exp(s[r][t] - row_max[r]) v[h][t]
+  // The query rows of a kv head share every K/V row load.
+  static void attend_range(const DecodeScratch& ws, int num_kv_heads, int group,
+                           const KVRows<T, D>& kv, int64_t begin, int64_t end) {
+    const int64_t n = end - begin;
+    const int64_t n_pad = round_up(n, kWidth);
+    const int num_q = num_kv_heads * group;
+    const int64_t head_stride = (kv.offset_mask + 1) * D;
+    float* const partial = ws.partial;
+    const T* rows[kVPositions];
+    static_assert(kVPositions >= kWidth, "rows[] holds a K chunk too");
+
+    // K pass: kWidth positions at a time, so kWidth horizontal sums become one transposed one.
+    BlockWalker<T, D> keys(kv.key_base, kv.key_block_stride, kv, num_kv_heads, end, kv.value_base,
+                           kv.value_block_stride);
+    for (int64_t c0 = 0; c0 < n; c0 += kWidth) {
+      const int count = static_cast<int>(min_i64(kWidth, n - c0));
+      for (int i = 0; i < count; ++i) rows[i] = keys.next(begin + c0 + i);
+      for (int h = 0; h < num_kv_heads; ++h) {
+        const float* q = ws.q + h * group * D;
+        for (int i = 0; i < count; ++i) {
+          const T* row = rows[i] + h * head_stride;
+          for (int c = 0; c < kVecs; c += kRowChunk) {
+            VecF k[kRowChunk];
+            load_vecs<kRowChunk>(row, c, k);
+            for (int g = 0; g < group; ++g) {
+              const VecF s = dot<kRowChunk>(q + g * D + c * kWidth, k);
+              float* dst = partial + (g * kWidth + i) * kWidth;
+              (c == 0 ? s : VecF::load(dst) + s).store(dst);
+            }
+          }
+        }
+        // Lanes past `count` reduce stale scratch; they are overwritten with -inf below.
+        for (int g = 0; g < group; ++g) {
+          VecF parts[kWidth];
+          for (int i = 0; i < kWidth; ++i) {
+            parts[i] = VecF::load(partial + (g * kWidth + i) * kWidth);
+          }
+          reduce_add_transposed(parts).store(ws.logits + (h * group + g) * n_pad + c0);
+        }
+      }
+    }
+    for (int r = 0; r < num_q; ++r) {
+      float* logits = ws.logits + r * n_pad;
       for (int64_t i = n; i < n_pad; ++i) logits[i] = -INFINITY;
       VecF m = VecF::broadcast(-INFINITY);
       for (int64_t i = 0; i < n_pad; i += kWidth) m = max(m, VecF::load(logits + i));
@@ -254,58 +346,60 @@ struct Decode {
         e.store(logits + i);
         sum = sum + e;
       }
-      ws.row_max[g] = row_max;
-      ws.row_sum[g] = sum.reduce_add();
+      ws.row_max[r] = row_max;
+      ws.row_sum[r] = sum.reduce_add();
     }
-    // V pass, kVPositions positions at a time (they stay in L1 while the accumulators
-    // sweep over the head dim), at most kMaxRowsPerStep query rows at a time.
+
+    // V pass, kVPositions positions at a time (they stay in L1 while the accumulators sweep
+    // over the head dim), at most kMaxRowsPerStep query rows at a time.
     for (int i = 0; i < num_q * D; i += kWidth) VecF::zero().store(ws.acc + i);
-    RowWalker<T, D> values(kv.value_base, kv.value_block_stride, kv, end);
-    const T* rows[kVPositions];
+    BlockWalker<T, D> values(kv.value_base, kv.value_block_stride, kv, num_kv_heads, end, nullptr,
+                             0);
     for (int64_t i0 = 0; i0 < n; i0 += kVPositions) {
       const int count = static_cast<int>(min_i64(kVPositions, n - i0));
       for (int i = 0; i < count; ++i) rows[i] = values.next(begin + i0 + i);
-      for (int g0 = 0; g0 < num_q; g0 += kMaxRowsPerStep) {
-        const float* weights = ws.logits + g0 * n_pad + i0;
-        float* acc = ws.acc + g0 * D;
-        switch (num_q - g0 < kMaxRowsPerStep ? num_q - g0 : kMaxRowsPerStep) {
-          case 1:
-            pv_sweep<1>(weights, n_pad, rows, count, acc);
-            break;
-          case 2:
-            pv_sweep<2>(weights, n_pad, rows, count, acc);
-            break;
-          case 3:
-            pv_sweep<3>(weights, n_pad, rows, count, acc);
-            break;
-          case 4:
-            pv_sweep<4>(weights, n_pad, rows, count, acc);
-            break;
-          case 5:
-            pv_sweep<5>(weights, n_pad, rows, count, acc);
-            break;
-          case 6:
-            pv_sweep<6>(weights, n_pad, rows, count, acc);
-            break;
-          case 7:
-            pv_sweep<7>(weights, n_pad, rows, count, acc);
-            break;
-          default:
-            pv_sweep<8>(weights, n_pad, rows, count, acc);
-            break;
+      for (int h = 0; h < num_kv_heads; ++h) {
+        for (int g0 = 0; g0 < group; g0 += kMaxRowsPerStep) {
+          const int r0 = h * group + g0;
+          const float* weights = ws.logits + r0 * n_pad + i0;
+          float* acc = ws.acc + r0 * D;
+          const int64_t offset = h * head_stride;
+          switch (group - g0 < kMaxRowsPerStep ? group - g0 : kMaxRowsPerStep) {
+            case 1:
+              pv_sweep<1>(weights, n_pad, rows, offset, count, acc);
+              break;
+            case 2:
+              pv_sweep<2>(weights, n_pad, rows, offset, count, acc);
+              break;
+            case 3:
+              pv_sweep<3>(weights, n_pad, rows, offset, count, acc);
+              break;
+            case 4:
+              pv_sweep<4>(weights, n_pad, rows, offset, count, acc);
+              break;
+            case 5:
+              pv_sweep<5>(weights, n_pad, rows, offset, count, acc);
+              break;
+            case 6:
+              pv_sweep<6>(weights, n_pad, rows, offset, count, acc);
+              break;
+            case 7:
+              pv_sweep<7>(weights, n_pad, rows, offset, count, acc);
+              break;
+            default:
+              pv_sweep<8>(weights, n_pad, rows, offset, count, acc);
+              break;
+          }
         }
       }
     }
   }
 
-  static constexpr int kMaxRowsPerStep = 8;
-  static constexpr int kVPositions = 32;
-
-  // acc[q] += sum_i weights[q][i] * rows[i] for kRows query rows (weights row stride
+  // acc[q] += sum_i weights[q][i] * (rows[i] + offset) for kRows query rows (weights row stride
   // weights_stride), kCols head-dim vectors of accumulators in registers at a time.
   template <int kRows>
   static void pv_sweep(const float* weights, int64_t weights_stride, const T* const* rows,
-                       int count, float* acc) {
+                       int64_t offset, int count, float* acc) {
     constexpr int kCols = largest_divisor_at_most(kVecs, (VecF::kNumRegisters - 2) / (kRows + 1));
     for (int c = 0; c < kVecs; c += kCols) {
       VecF a[kRows][kCols];
@@ -313,8 +407,9 @@ struct Decode {
         for (int j = 0; j < kCols; ++j) a[q][j] = VecF::load(acc + q * D + (c + j) * kWidth);
       }
       for (int i = 0; i < count; ++i) {
+        const T* row = rows[i] + offset;
         VecF v[kCols];
-        for (int j = 0; j < kCols; ++j) v[j] = VecF::load(rows[i] + (c + j) * kWidth);
+        load_vecs<kCols>(row, c, v);
         for (int q = 0; q < kRows; ++q) {
           const VecF w = VecF::broadcast(weights[q * weights_stride + i]);
           for (int j = 0; j < kCols; ++j) a[q][j] = fma(w, v[j], a[q][j]);
@@ -326,34 +421,39 @@ struct Decode {
     }
   }
 
-  // out[g] = acc[g] / row_sum[g] for the num_q rows.
+  // out[r] = acc[r] / row_sum[r] for the num_q rows.
   static void store_normalized(const DecodeScratch& ws, int num_q, T* out) {
-    for (int g = 0; g < num_q; ++g) {
-      const VecF inv = VecF::broadcast(1.0f / ws.row_sum[g]);
-      for (int i = 0; i < D; i += kWidth) {
-        (VecF::load(ws.acc + g * D + i) * inv).store(out + g * D + i);
-      }
-    }
+    for (int r = 0; r < num_q; ++r) store_row(ws.acc + r * D, 1.0f / ws.row_sum[r], out + r * D);
   }
 
-  // Full-context attention of one sequence's query heads for kv head `kv_head`.
+  // Full-context attention of all query heads of one sequence.
   static void attend_sequence(const AttentionProblem& p, const DecodeScratch& ws, int64_t seq,
-                              int64_t kv_head, const T* query_rows, T* out_rows) {
-    const int num_q = static_cast<int>(p.num_heads / p.cache.num_kv_heads);
+                              const T* query_row, T* out_row) {
+    const int num_heads = static_cast<int>(p.num_heads);
+    const int num_kv_heads = static_cast<int>(p.cache.num_kv_heads);
     const int64_t seq_len = p.tables.seq_lens[seq];
     if (seq_len == 0) {
-      store_zero_rows<T, D>(out_rows, num_q);
+      store_zero_rows<T, D>(out_row, num_heads);
       return;
     }
-    load_scaled_rows<T, D>(query_rows, num_q, p.scale, ws.q);
-    attend_range(ws, num_q, kv_rows<T, D>(p, seq, kv_head), 0, seq_len);
-    store_normalized(ws, num_q, out_rows);
+    load_scaled_rows(query_row, num_heads, p.scale, ws.q);
+    attend_range(ws, num_kv_heads, num_heads / num_kv_heads, kv_rows<T, D>(p, seq, 0), 0, seq_len);
+    store_normalized(ws, num_heads, out_row);
+  }
+
+  static int64_t scratch_floats(const AttentionProblem& p, int64_t max_positions) {
+    return aligned(
+        DecodeScratch::floats(p.num_heads, p.num_heads / p.cache.num_kv_heads, D, max_positions));
+  }
+
+  static DecodeScratch carve(const AttentionProblem& p, float* base, int64_t max_positions) {
+    return DecodeScratch::carve(base, p.num_heads, p.num_heads / p.cache.num_kv_heads, D,
+                                max_positions);
   }
 
   static int64_t workspace_floats(const AttentionProblem& p, int64_t partition_size) {
-    const int64_t group = p.num_heads / p.cache.num_kv_heads;
     const int64_t positions = partition_size > 0 ? partition_size : p.max_seq_len;
-    int64_t floats = aligned(DecodeScratch::floats(group, D, positions)) * p.num_threads;
+    int64_t floats = scratch_floats(p, positions) * p.num_threads;
     if (partition_size > 0) {
       const int64_t num_parts = ceil_div(p.max_seq_len, partition_size);
       const int64_t rows = p.tables.num_seqs * p.num_heads * num_parts;
@@ -364,74 +464,69 @@ struct Decode {
 
   static void run(const AttentionProblem& p, int64_t partition_size, float* workspace) {
     const int64_t num_seqs = p.tables.num_seqs;
-    const int64_t num_kv_heads = p.cache.num_kv_heads;
-    const int64_t group = p.num_heads / num_kv_heads;
+    const int64_t num_heads = p.num_heads;
+    const int num_kv_heads = static_cast<int>(p.cache.num_kv_heads);
+    const int group = static_cast<int>(num_heads / num_kv_heads);
     const int64_t positions = partition_size > 0 ? partition_size : p.max_seq_len;
     const int64_t num_parts = partition_size > 0 ? ceil_div(p.max_seq_len, partition_size) : 1;
-    const int64_t per_thread = aligned(DecodeScratch::floats(group, D, positions));
-    // Partition results, [num_seqs][num_kv_heads][num_parts][group] rows (of D for part_out).
-    const int64_t part_rows = num_seqs * p.num_heads * num_parts;
+    const int64_t per_thread = scratch_floats(p, positions);
+    // Partition results: rows [num_seqs][num_parts][num_heads] (of D floats for part_out).
+    const int64_t part_rows = num_seqs * num_parts * num_heads;
     float* part_out = workspace + per_thread * p.num_threads;
     float* part_max = part_out + aligned(part_rows * D);
     float* part_sum = part_max + aligned(part_rows);
     const T* query = static_cast<const T*>(p.query);
     T* out = static_cast<T*>(p.out);
-    const int64_t num_items = num_seqs * num_kv_heads * num_parts;
+    const int64_t num_items = num_seqs * num_parts;
 
 #pragma omp parallel num_threads(p.num_threads)
     {
-      const DecodeScratch ws =
-          DecodeScratch::carve(workspace + per_thread * omp_get_thread_num(), group, D, positions);
+      const DecodeScratch ws = carve(p, workspace + per_thread * omp_get_thread_num(), positions);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < num_items; ++item) {
         const int64_t part = item % num_parts;
-        const int64_t kv_head = item / num_parts % num_kv_heads;
-        const int64_t seq = item / (num_parts * num_kv_heads);
-        const T* query_rows = query + seq * p.query_token_stride + kv_head * group * D;
-        T* out_rows = out + seq * p.out_token_stride + kv_head * group * D;
+        const int64_t seq = item / num_parts;
+        const T* query_row = query + seq * p.query_token_stride;
         if (partition_size == 0) {
-          attend_sequence(p, ws, seq, kv_head, query_rows, out_rows);
+          attend_sequence(p, ws, seq, query_row, out + seq * p.out_token_stride);
           continue;
         }
         const int64_t begin = part * partition_size;
         const int64_t end = min_i64(p.tables.seq_lens[seq], begin + partition_size);
         if (begin >= end) continue;
-        load_scaled_rows<T, D>(query_rows, static_cast<int>(group), p.scale, ws.q);
-        attend_range(ws, static_cast<int>(group), kv_rows<T, D>(p, seq, kv_head), begin, end);
-        const int64_t first_row = (seq * num_kv_heads + kv_head) * num_parts * group + part * group;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t row = first_row + g;
+        load_scaled_rows(query_row, static_cast<int>(num_heads), p.scale, ws.q);
+        attend_range(ws, num_kv_heads, group, kv_rows<T, D>(p, seq, 0), begin, end);
+        const int64_t first_row = (seq * num_parts + part) * num_heads;
+        for (int64_t r = 0; r < num_heads; ++r) {
           for (int i = 0; i < D; i += kWidth) {
-            VecF::load(ws.acc + g * D + i).store(part_out + row * D + i);
+            VecF::load(ws.acc + r * D + i).store(part_out + (first_row + r) * D + i);
           }
-          part_max[row] = ws.row_max[g];
-          part_sum[row] = ws.row_sum[g];
+          part_max[first_row + r] = ws.row_max[r];
+          part_sum[first_row + r] = ws.row_sum[r];
         }
       }
       if (partition_size > 0) {
         // Reduction: rescale each partition by exp(its max - the global max) and normalize.
 #pragma omp for schedule(static)
-        for (int64_t seq_head = 0; seq_head < num_seqs * p.num_heads; ++seq_head) {
-          const int64_t seq = seq_head / p.num_heads;
-          const int64_t head = seq_head % p.num_heads;
-          const int64_t kv_head = head / group, g = head % group;
+        for (int64_t seq_head = 0; seq_head < num_seqs * num_heads; ++seq_head) {
+          const int64_t seq = seq_head / num_heads;
+          const int64_t head = seq_head % num_heads;
           T* out_row = out + seq * p.out_token_stride + head * D;
           const int64_t parts = ceil_div(p.tables.seq_lens[seq], partition_size);
           if (parts == 0) {
             store_zero_rows<T, D>(out_row, 1);
             continue;
           }
-          const int64_t first_row = (seq * num_kv_heads + kv_head) * num_parts * group + g;
+          const int64_t first_row = seq * num_parts * num_heads + head;
           float global_max = -INFINITY;
           for (int64_t q = 0; q < parts; ++q) {
-            global_max = part_max[first_row + q * group] > global_max
-                             ? part_max[first_row + q * group]
-                             : global_max;
+            const float m = part_max[first_row + q * num_heads];
+            global_max = m > global_max ? m : global_max;
           }
           float total = 0.0f;
           for (int i = 0; i < D; i += kWidth) VecF::zero().store(ws.acc + i);
           for (int64_t q = 0; q < parts; ++q) {
-            const int64_t row = first_row + q * group;
+            const int64_t row = first_row + q * num_heads;
             const float weight = std::exp(part_max[row] - global_max);
             total += weight * part_sum[row];
             const VecF w = VecF::broadcast(weight);
@@ -439,8 +534,7 @@ struct Decode {
               fma(w, VecF::load(part_out + row * D + i), VecF::load(ws.acc + i)).store(ws.acc + i);
             }
           }
-          const VecF inv = VecF::broadcast(1.0f / total);
-          for (int i = 0; i < D; i += kWidth) (VecF::load(ws.acc + i) * inv).store(out_row + i);
+          store_row(ws.acc, 1.0f / total, out_row);
         }
       }
     }
@@ -460,9 +554,8 @@ struct Prefill {
   }
 
   static int64_t scratch_floats(const AttentionProblem& p) {
-    const int64_t group = p.num_heads / p.cache.num_kv_heads;
     return aligned(
-        max_i64(tile_floats(p.cache.block_size), DecodeScratch::floats(group, D, p.max_seq_len)));
+        max_i64(tile_floats(p.cache.block_size), Decode<T, D>::scratch_floats(p, p.max_seq_len)));
   }
 
   // A block's rows [num_keys][D] as fp32: the cache itself for fp32, else converted into dst.
@@ -618,7 +711,6 @@ struct Prefill {
   static void run(const AttentionProblem& p, const int32_t* query_start_loc,
                   const PrefillItem* items, int64_t num_items, float* workspace) {
     const int64_t per_thread = scratch_floats(p);
-    const int64_t group = p.num_heads / p.cache.num_kv_heads;
     const T* query = static_cast<const T*>(p.query);
     T* out = static_cast<T*>(p.out);
 #pragma omp parallel num_threads(p.num_threads)
@@ -629,13 +721,10 @@ struct Prefill {
         const PrefillItem& item = items[i];
         const int64_t q_start = query_start_loc[item.seq];
         const int64_t q_len = query_start_loc[item.seq + 1] - q_start;
-        if (q_len == 1) {  // a decode row group: the decode kernel's layout suits it better
-          const DecodeScratch ws =
-              DecodeScratch::carve(scratch, group, D, p.tables.seq_lens[item.seq]);
-          Decode<T, D>::attend_sequence(
-              p, ws, item.seq, item.kv_head,
-              query + q_start * p.query_token_stride + item.kv_head * group * D,
-              out + q_start * p.out_token_stride + item.kv_head * group * D);
+        if (q_len == 1) {  // a decode: the decode kernel's layout suits it better
+          Decode<T, D>::attend_sequence(p, Decode<T, D>::carve(p, scratch, p.max_seq_len), item.seq,
+                                        query + q_start * p.query_token_stride,
+                                        out + q_start * p.out_token_stride);
           continue;
         }
         switch (ceil_div(item.row_end - item.row_begin, kWidth)) {

@@ -25,7 +25,8 @@ struct AttentionProblem {
 
 // Prefill work item: query rows [row_begin, row_end) of one (sequence, kv head), where the
 // sequence's rows are its query tokens x the kv head's query heads, token-major:
-// row = token * (num_heads / num_kv_heads) + head_in_group.
+// row = token * (num_heads / num_kv_heads) + head_in_group. A sequence with one query token
+// is one item (kv_head 0, rows [0, num_heads)) that the decode kernel runs over all heads.
 struct PrefillItem {
   int32_t seq;
   int32_t kv_head;

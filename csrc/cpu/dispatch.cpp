@@ -129,10 +129,10 @@ void check_heads(int64_t num_heads, const PagedKVCache& c) {
   }
 }
 
-// Split-K when there are too few (sequence, kv head) items to keep every thread busy with a few
+// Split-K when there are too few sequences (work items) to keep every thread busy with a few
 // items each; then as many partitions per sequence as that takes, each >= 256 tokens.
 int64_t choose_partition_size(const AttentionProblem& p) {
-  const int64_t items = p.tables.num_seqs * p.cache.num_kv_heads;
+  const int64_t items = p.tables.num_seqs;
   const int64_t partitions_wanted =
       ceil_div(4 * int64_t{p.num_threads}, std::max<int64_t>(items, 1));
   if (partitions_wanted <= 1) return 0;
@@ -193,19 +193,25 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
                                 " must equal num_tokens " + std::to_string(num_tokens));
   }
 
-  // Tiles of rows (query token x query head of the group); the costliest first so the dynamic
-  // schedule ends evenly. A single query token goes to the decode path as one item.
+  // Tiles of rows (query token x query head of the group) of one kv head; the costliest first
+  // so the dynamic schedule ends evenly. A single query token is a decode: one item covering all
+  // heads of the sequence, run by the decode kernel.
   const AttentionKernels& k = kernels();
   const int64_t group = num_heads / cache.num_kv_heads;
   std::vector<std::pair<int64_t, PrefillItem>> planned;
   for (int64_t s = 0; s < tables.num_seqs; ++s) {
     const int64_t q_len = int64_t{query_start_loc[s + 1]} - query_start_loc[s];
     const int64_t context = tables.seq_lens[s] - q_len;
+    if (q_len == 1) {
+      planned.push_back(
+          {num_heads * (context + 1) / 4,
+           PrefillItem{static_cast<int32_t>(s), 0, 0, static_cast<int32_t>(num_heads)}});
+      continue;
+    }
     const int64_t rows = q_len * group;
-    const int64_t rows_per_item = q_len == 1 ? group : k.prefill_rows_per_tile;
     for (int64_t kv_head = 0; kv_head < cache.num_kv_heads; ++kv_head) {
-      for (int64_t row = 0; row < rows; row += rows_per_item) {
-        const int64_t row_end = std::min(rows, row + rows_per_item);
+      for (int64_t row = 0; row < rows; row += k.prefill_rows_per_tile) {
+        const int64_t row_end = std::min(rows, row + k.prefill_rows_per_tile);
         const int64_t cost = (row_end - row) * (context + (row_end - 1) / group + 1);
         planned.push_back(
             {cost, PrefillItem{static_cast<int32_t>(s), static_cast<int32_t>(kv_head),
