@@ -550,7 +550,7 @@ struct Prefill {
   static int64_t tile_floats(int64_t block_size) {
     const int64_t rows = kRowsPerTile;
     return 2 * aligned(D * rows) + aligned(block_size * rows) + 2 * aligned(block_size * D) +
-           4 * aligned(rows) + aligned(D);
+           3 * aligned(rows);
   }
 
   static int64_t scratch_floats(const AttentionProblem& p) {
@@ -634,22 +634,39 @@ struct Prefill {
     float* pos = vf + aligned(block_size * D);    // [kRows] position of each row
     float* m = pos + aligned(kRows);              // [kRows] running max
     float* l = m + aligned(kRows);                // [kRows] running exp-sum
-    float* out_row = l + aligned(kRows);          // [D]
 
+    // The tile's rows are (token, head) pairs of the kv head's group, token-major.
     const T* query = static_cast<const T*>(p.query);
+    T* out = static_cast<T*>(p.out);
+    const T* query_rows[kRows];
+    T* out_rows[kRows];
     int64_t min_pos = INT64_MAX, max_pos = 0;
     for (int r = 0; r < kRows; ++r) {
       if (r < rows) {
         const int64_t row = item.row_begin + r;
-        const int64_t j = row / group, g = row % group;
-        const T* q = query + (q_start + j) * p.query_token_stride + (item.kv_head * group + g) * D;
-        for (int d = 0; d < D; ++d) qT[d * kRows + r] = to_float(q[d]) * p.scale;
+        const int64_t j = row / group;
+        const int64_t head = item.kv_head * group + row % group;
+        query_rows[r] = query + (q_start + j) * p.query_token_stride + head * D;
+        out_rows[r] = out + (q_start + j) * p.out_token_stride + head * D;
         pos[r] = static_cast<float>(context + j);
         min_pos = min_i64(min_pos, context + j);
         max_pos = max_i64(max_pos, context + j);
       } else {  // padding lane: zero query, sees every key, never written out
-        for (int d = 0; d < D; ++d) qT[d * kRows + r] = 0.0f;
+        query_rows[r] = nullptr;
         pos[r] = FLT_MAX;
+      }
+    }
+    // qT = scaled query rows, transposed kWidth x kWidth at a time.
+    const VecF scale = VecF::broadcast(p.scale);
+    for (int r0 = 0; r0 < kRows; r0 += kWidth) {
+      for (int d0 = 0; d0 < D; d0 += kWidth) {
+        VecF v[kWidth];
+        for (int i = 0; i < kWidth; ++i) {
+          const T* q = query_rows[r0 + i];
+          v[i] = q == nullptr ? VecF::zero() : VecF::load(q + d0) * scale;
+        }
+        transpose(v);
+        for (int i = 0; i < kWidth; ++i) v[i].store(qT + (d0 + i) * kRows + r0);
       }
     }
     for (int i = 0; i < D * kRows; i += kWidth) VecF::zero().store(oT + i);
@@ -660,8 +677,13 @@ struct Prefill {
 
     const KVRows<T, D> kv = kv_rows<T, D>(p, item.seq, item.kv_head);
     const int64_t num_positions = max_pos + 1;
+    const int64_t block_bytes = block_size * D * static_cast<int64_t>(sizeof(T));
     for (int64_t b0 = 0; b0 < num_positions; b0 += block_size) {
       const int num_keys = static_cast<int>(min_i64(block_size, num_positions - b0));
+      if (b0 + block_size < num_positions) {  // the next block is elsewhere: request it now
+        prefetch_bytes(kv.key_block(b0 / block_size + 1), block_bytes, 3);
+        prefetch_bytes(kv.value_block(b0 / block_size + 1), block_bytes, 3);
+      }
       const float* k = rows_as_float(kv.key_block(b0 / block_size), num_keys, kf);
       int c = 0;
       for (; c + kKeys <= num_keys; c += kKeys)
@@ -697,14 +719,15 @@ struct Prefill {
       for (int d0 = 0; d0 < D; d0 += kDims) pv_step<kRowVecs, kDims>(s, v, num_keys, alpha, oT, d0);
     }
 
-    T* out = static_cast<T*>(p.out);
-    for (int r = 0; r < rows; ++r) {
-      const int64_t row = item.row_begin + r;
-      const int64_t j = row / group, g = row % group;
-      const float inv = 1.0f / l[r];
-      for (int d = 0; d < D; ++d) out_row[d] = oT[d * kRows + r] * inv;
-      T* dst = out + (q_start + j) * p.out_token_stride + (item.kv_head * group + g) * D;
-      for (int d = 0; d < D; d += kWidth) VecF::load(out_row + d).store(dst + d);
+    // out rows = O^T / l, transposed back kWidth x kWidth at a time.
+    for (int r0 = 0; r0 < rows; r0 += kWidth) {
+      const VecF inv = VecF::broadcast(1.0f) / VecF::load(l + r0);
+      for (int d0 = 0; d0 < D; d0 += kWidth) {
+        VecF v[kWidth];
+        for (int i = 0; i < kWidth; ++i) v[i] = VecF::load(oT + (d0 + i) * kRows + r0) * inv;
+        transpose(v);
+        for (int i = 0; i < kWidth && r0 + i < rows; ++i) v[i].store(out_rows[r0 + i] + d0);
+      }
     }
   }
 

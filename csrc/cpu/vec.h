@@ -127,6 +127,7 @@ struct VecF {
   friend VecF operator+(VecF a, VecF b) { return VecF(_mm512_add_ps(a.v, b.v)); }
   friend VecF operator-(VecF a, VecF b) { return VecF(_mm512_sub_ps(a.v, b.v)); }
   friend VecF operator*(VecF a, VecF b) { return VecF(_mm512_mul_ps(a.v, b.v)); }
+  friend VecF operator/(VecF a, VecF b) { return VecF(_mm512_div_ps(a.v, b.v)); }
   // a * b + c
   friend VecF fma(VecF a, VecF b, VecF c) { return VecF(_mm512_fmadd_ps(a.v, b.v, c.v)); }
   friend VecF max(VecF a, VecF b) { return VecF(_mm512_max_ps(a.v, b.v)); }
@@ -173,6 +174,33 @@ inline VecF reduce_add_transposed(const VecF* parts) {
       _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
   return VecF(
       _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd)));
+}
+
+// In-place transpose of a kWidth x kWidth block: lane j of v[i] becomes lane i of v[j].
+inline void transpose(VecF* v) {
+  __m512 t[16], r[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(v[i].v, v[i + 1].v);
+    t[i + 1] = _mm512_unpackhi_ps(v[i].v, v[i + 1].v);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    for (int k = 0; k < 2; ++k) {
+      const __m512d a = _mm512_castps_pd(t[i + k]), b = _mm512_castps_pd(t[i + k + 2]);
+      r[i + 2 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[i + 2 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  }
+  // r[4m + k] now holds, in each 128-bit chunk c, elements k of rows 4m..4m+3 of chunk c.
+  for (int m = 0; m < 2; ++m) {
+    for (int k = 0; k < 4; ++k) {
+      t[8 * m + k] = _mm512_shuffle_f32x4(r[8 * m + k], r[8 * m + 4 + k], 0x88);
+      t[8 * m + 4 + k] = _mm512_shuffle_f32x4(r[8 * m + k], r[8 * m + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    v[k].v = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
+    v[k + 8].v = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd);
+  }
 }
 
 // bf16 rows in "interleaved order": 2 * kWidth elements from one load and two unpacks, which
@@ -239,6 +267,7 @@ struct VecF {
   friend VecF operator+(VecF a, VecF b) { return VecF(_mm256_add_ps(a.v, b.v)); }
   friend VecF operator-(VecF a, VecF b) { return VecF(_mm256_sub_ps(a.v, b.v)); }
   friend VecF operator*(VecF a, VecF b) { return VecF(_mm256_mul_ps(a.v, b.v)); }
+  friend VecF operator/(VecF a, VecF b) { return VecF(_mm256_div_ps(a.v, b.v)); }
   friend VecF fma(VecF a, VecF b, VecF c) { return VecF(_mm256_fmadd_ps(a.v, b.v, c.v)); }
   friend VecF max(VecF a, VecF b) { return VecF(_mm256_max_ps(a.v, b.v)); }
   float reduce_add() const {
@@ -285,6 +314,24 @@ inline VecF reduce_add_transposed(const VecF* parts) {
   // Each 128-bit half h of y[i] holds, for sources 4i..4i+3, the sum over half h.
   return VecF(_mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20),
                             _mm256_permute2f128_ps(y[0], y[1], 0x31)));
+}
+
+inline void transpose(VecF* v) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(v[i].v, v[i + 1].v);
+    t[i + 1] = _mm256_unpackhi_ps(v[i].v, v[i + 1].v);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    v[k].v = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20);
+    v[k + 4].v = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
+  }
 }
 
 // See the AVX-512 variant: the same interleaving, per 128-bit lane of 256-bit vectors.
@@ -346,6 +393,9 @@ struct VecF {
   friend VecF operator*(VecF a, VecF b) {
     return map2(a, b, [](float x, float y) { return x * y; });
   }
+  friend VecF operator/(VecF a, VecF b) {
+    return map2(a, b, [](float x, float y) { return x / y; });
+  }
   friend VecF fma(VecF a, VecF b, VecF c) { return a * b + c; }
   friend VecF max(VecF a, VecF b) {
     return map2(a, b, [](float x, float y) { return x > y ? x : y; });
@@ -371,6 +421,16 @@ inline VecF reduce_add_transposed(const VecF* parts) {
   VecF r;
   for (int i = 0; i < VecF::kWidth; ++i) r.v[i] = parts[i].reduce_add();
   return r;
+}
+
+inline void transpose(VecF* v) {
+  for (int i = 0; i < VecF::kWidth; ++i) {
+    for (int j = i + 1; j < VecF::kWidth; ++j) {
+      const float x = v[i].v[j];
+      v[i].v[j] = v[j].v[i];
+      v[j].v[i] = x;
+    }
+  }
 }
 
 constexpr bool kInterleavedBFloat16 = false;
