@@ -161,13 +161,14 @@ struct BlockWalker {
   const T* companion_base;  // nullptr: none
   int64_t companion_block_stride;
   int64_t block_bytes;  // all kv heads' rows of one block
+  int64_t num_kv_heads;
   int64_t share_bytes;  // block_bytes / block_size
   int64_t ahead_blocks;
   const T* block = nullptr;
   const char* ahead = nullptr;
   const char* companion = nullptr;
 
-  BlockWalker(const T* base_, int64_t block_stride_, const KVRows<T, D>& kv, int64_t num_kv_heads,
+  BlockWalker(const T* base_, int64_t block_stride_, const KVRows<T, D>& kv, int64_t kv_heads,
               int64_t end_, const T* companion_base_, int64_t companion_block_stride_)
       : base(base_),
         block_stride(block_stride_),
@@ -177,6 +178,7 @@ struct BlockWalker {
         end(end_),
         companion_base(companion_base_),
         companion_block_stride(companion_block_stride_) {
+    num_kv_heads = kv_heads;
     share_bytes = num_kv_heads * D * static_cast<int64_t>(sizeof(T));
     block_bytes = share_bytes * (offset_mask + 1);
     ahead_blocks = max_i64(1, kAheadBytes / block_bytes);
@@ -184,6 +186,17 @@ struct BlockWalker {
 
   const T* block_start(int64_t index) const {
     return base + static_cast<int64_t>(block_table[index]) * block_stride;
+  }
+
+  // Prefetches the offset-th 1/block_size share of a block, one head's row size at a time
+  // (a compile-time count of lines, so the loop unrolls).
+  template <int kLocality>
+  void prefetch_share(const char* block_bytes_start, int64_t offset) const {
+    constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+    const char* p = block_bytes_start + offset * share_bytes;
+    for (int64_t h = 0; h < num_kv_heads; ++h, p += kRowBytes) {
+      for (int b = 0; b < kRowBytes; b += 64) __builtin_prefetch(p + b, 0, kLocality);
+    }
   }
 
   // Position is the previous call's position + 1, or any position on the first call.
@@ -207,8 +220,8 @@ struct BlockWalker {
                                                       static_cast<int64_t>(block_table[index]) *
                                                           companion_block_stride);
     }
-    if (ahead != nullptr) prefetch_bytes(ahead + offset * share_bytes, share_bytes, 3);
-    if (companion != nullptr) prefetch_bytes(companion + offset * share_bytes, share_bytes, 2);
+    if (ahead != nullptr) prefetch_share<3>(ahead, offset);
+    if (companion != nullptr) prefetch_share<2>(companion, offset);
     return block + offset * D;
   }
 };

@@ -21,6 +21,11 @@ namespace {
 // step than they gain in parallelism.
 constexpr int64_t kMinAutoPartitionSize = 256;
 
+// Below this much work (cached positions x kv heads for decode, query rows x keys for prefill;
+// tens of microseconds on one core) an op runs on the calling thread: waking the OpenMP pool
+// costs more than it saves.
+constexpr int64_t kMinParallelWork = int64_t{1} << 14;
+
 std::atomic<int> g_num_threads{0};  // 0: not set, use omp_get_max_threads()
 std::atomic<const AttentionKernels*> g_kernels{nullptr};
 
@@ -159,6 +164,9 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
                      cache, tables,           0,     get_num_threads()};
   p.max_seq_len = check_tables(tables, cache);
   if (tables.num_seqs == 0) return;
+  int64_t work = 0;
+  for (int64_t s = 0; s < tables.num_seqs; ++s) work += tables.seq_lens[s];
+  if (work * cache.num_kv_heads < kMinParallelWork) p.num_threads = 1;
   if (partition_size < 0) partition_size = choose_partition_size(p);
   const AttentionKernels& k = kernels();
   float* ws = workspace(k.decode_workspace_floats(p, partition_size));
@@ -222,8 +230,13 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
   std::stable_sort(planned.begin(), planned.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
   std::vector<PrefillItem> items(planned.size());
-  for (size_t i = 0; i < planned.size(); ++i) items[i] = planned[i].second;
+  int64_t work = 0;
+  for (size_t i = 0; i < planned.size(); ++i) {
+    items[i] = planned[i].second;
+    work += planned[i].first;
+  }
   if (items.empty()) return;
+  if (work < kMinParallelWork) p.num_threads = 1;
   float* ws = workspace(k.prefill_workspace_floats(p));
   k.prefill_attention(p, query_start_loc, items.data(), static_cast<int64_t>(items.size()), ws);
 }

@@ -223,7 +223,8 @@ def test_every_isa_variant(isa, dtype, head_size):
 
 
 def test_results_do_not_depend_on_thread_count(restore_threads):
-    case, query = _decode_inputs([300, 5, 77, 128], 8, 2, 16, 64, torch.float32, seed=6)
+    # Large enough that the ops use more than one thread (tiny ones run on the caller's).
+    case, query = _decode_inputs([3000, 5, 770, 1280], 8, 4, 16, 64, torch.float32, seed=6)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125)
     prefill_case, prefill_query, loc = _prefill_inputs(
         [0, 30], [150, 40], 8, 2, 16, 64, torch.float32, seed=7
