@@ -1,0 +1,551 @@
+"""Explicit msgpack encoding of every message that crosses a process boundary.
+
+A frame is one msgpack array: a type tag, then the message's fields in a fixed order::
+
+    [tag, field_0, field_1, ...]
+
+Nested messages (a ``NewRequestData`` inside a ``StepPlan``, ``SamplingParams`` inside
+it) are encoded the same way minus the tag: their position says what they are. Each type
+has a hand-written pack / unpack pair; there is no pickle, no reflection over arbitrary
+objects, and nothing but the types in ``MESSAGE_TAGS`` can be encoded.
+
+Encoding choices, and why:
+
+- ``StepPlan.cached_requests`` is sent column-wise (ids, new block ids, computed counts,
+  scheduled counts as four parallel arrays): at hundreds of running requests that packs
+  and unpacks faster than one small array per request, and rebuilding the dataclasses is
+  a single ``map``.
+- Swap pairs are sent flat, ``[src0, dst0, src1, dst1, ...]``, and decoded with ``zip``:
+  they come back as ``tuple[int, int]`` (msgpack itself has no tuple).
+- Floats are msgpack float64, so they round-trip exactly.
+
+What the decoder checks: the tag, the number of fields of every (nested) message, the
+type of every scalar field and of every per-request column, and ``SamplingParams``'s own
+validation. It does not check each element of token-id, block-id or logprob lists (that
+would cost a Python-level pass per token); those only have to be lists. The checks guard
+against a peer built from another version, a truncated frame or a frame from the wrong
+socket, not against a hostile peer: every process of an engine is trusted.
+
+Tags are part of the wire format: never renumber or reuse one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import chain
+from operator import attrgetter
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import msgpack
+
+from pagedserve.scheduler.engine_messages import (
+    AbortRequest,
+    AddRequest,
+    EngineError,
+    Ready,
+    Shutdown,
+)
+from pagedserve.scheduler.messages import (
+    CachedRequestData,
+    NewRequestData,
+    PromptLogprobsChunk,
+    RequestOutputDelta,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+Message = (
+    StepPlan
+    | StepResult
+    | RequestOutputDelta
+    | AddRequest
+    | AbortRequest
+    | EngineError
+    | Shutdown
+    | Ready
+    | NewRequestData
+    | CachedRequestData
+    | TokenLogprobs
+    | PromptLogprobsChunk
+    | SamplingParams
+)
+MessageT = TypeVar("MessageT")
+
+
+class DecodeError(ValueError):
+    """A frame that is not a well-formed message: bad msgpack, unknown tag, wrong number
+    or type of fields. The message names the message type and the field."""
+
+
+# The fields each type puts on the wire, in wire order. A test checks that these match
+# the dataclasses' fields, so adding a field to a message without encoding it fails.
+WIRE_FIELDS: dict[type, tuple[str, ...]] = {
+    TokenLogprobs: ("token_ids", "logprobs"),
+    PromptLogprobsChunk: ("first_position", "entries"),
+    SamplingParams: (
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "ignore_eos",
+        "stop_token_ids",
+        "logprobs",
+        "prompt_logprobs",
+    ),
+    NewRequestData: (
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "block_ids",
+        "num_computed_tokens",
+        "num_scheduled_tokens",
+        "sampling_params",
+        "eos_token_ids",
+    ),
+    CachedRequestData: (
+        "request_id",
+        "new_block_ids",
+        "num_computed_tokens",
+        "num_scheduled_tokens",
+    ),
+    StepPlan: (
+        "step_id",
+        "new_requests",
+        "cached_requests",
+        "finished_request_ids",
+        "swap_out",
+        "swap_in",
+    ),
+    StepResult: ("step_id", "request_ids", "sampled_token_ids", "logprobs", "prompt_logprobs"),
+    RequestOutputDelta: (
+        "request_id",
+        "new_token_ids",
+        "finished",
+        "finish_reason",
+        "logprobs",
+        "prompt_logprobs",
+    ),
+    AddRequest: ("request_id", "prompt_token_ids", "sampling_params", "arrival_time_s"),
+    AbortRequest: ("request_id",),
+    EngineError: ("request_id", "message"),
+    Shutdown: (),
+    Ready: ("component", "pid", "info"),
+}
+
+
+# ---------------------------------------------------------------- decode-side checks
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _fields(value: object, type_name: str) -> list:
+    """``value`` as the field array of ``type_name``, or a ``DecodeError``."""
+    count = _FIELD_COUNTS[type_name]
+    if type(value) is not list or len(value) != count:
+        raise DecodeError(
+            f"{type_name}: expected an array of {count} fields, got {_describe(value)}"
+        )
+    return value
+
+
+def _check(value: Any, expected: type | tuple[type, ...], where: str) -> Any:
+    # ``type() is``, not ``isinstance``: bool is an int subclass, and a bool where a count
+    # belongs is a malformed frame.
+    if type(value) is expected or (type(expected) is tuple and type(value) in expected):
+        return value
+    names = (
+        expected.__name__
+        if type(expected) is type
+        else " or ".join("None" if t is type(None) else t.__name__ for t in expected)
+    )
+    raise DecodeError(f"{where}: expected {names}, got {_describe(value)}")
+
+
+def _check_column(column: Any, element_type: type, length: int, where: str) -> list:
+    """A per-request column: a list of ``length`` values, all of ``element_type``."""
+    _check(column, list, where)
+    if len(column) != length:
+        raise DecodeError(f"{where}: expected {length} entries, got {len(column)}")
+    # NOTE: one C-level pass over the column (``map(type, ...)``), not a Python loop.
+    found = set(map(type, column))
+    if found and found != {element_type}:
+        wrong = sorted(t.__name__ for t in found if t is not element_type)
+        raise DecodeError(f"{where}: expected only {element_type.__name__}, found {wrong}")
+    return column
+
+
+def _check_pairs(flat: Any, where: str) -> list[tuple[int, int]]:
+    _check(flat, list, where)
+    if len(flat) % 2:
+        raise DecodeError(f"{where}: expected (src, dst) pairs, got {len(flat)} numbers")
+    _check_column(flat, int, len(flat), where)
+    return list(zip(flat[0::2], flat[1::2]))
+
+
+# ---------------------------------------------------------------- nested types
+
+_sampling_params_fields = attrgetter(*WIRE_FIELDS[SamplingParams])
+
+
+def _pack_sampling_params(params: SamplingParams) -> list:
+    return list(_sampling_params_fields(params))
+
+
+def _unpack_sampling_params(value: Any) -> SamplingParams:
+    fields = _fields(value, "SamplingParams")
+    _check(fields[10], bool, "SamplingParams.ignore_eos")
+    _check(fields[11], list, "SamplingParams.stop_token_ids")
+    try:
+        # The dataclass validates every other field (types and ranges) itself.
+        return SamplingParams(*fields)
+    except (TypeError, ValueError) as error:
+        raise DecodeError(f"SamplingParams: {error}") from error
+
+
+def _pack_token_logprobs(entry: TokenLogprobs) -> list:
+    return [entry.token_ids, entry.logprobs]
+
+
+def _unpack_token_logprobs(value: Any) -> TokenLogprobs:
+    token_ids, logprobs = _fields(value, "TokenLogprobs")
+    _check(token_ids, list, "TokenLogprobs.token_ids")
+    _check(logprobs, list, "TokenLogprobs.logprobs")
+    if len(token_ids) != len(logprobs):
+        raise DecodeError(f"TokenLogprobs: {len(token_ids)} token_ids but {len(logprobs)} logprobs")
+    return TokenLogprobs(token_ids, logprobs)
+
+
+def _pack_optional_logprobs(entries: list[TokenLogprobs] | None) -> list | None:
+    if entries is None:
+        return None
+    return [[entry.token_ids, entry.logprobs] for entry in entries]
+
+
+def _unpack_optional_logprobs(value: Any, where: str) -> list[TokenLogprobs] | None:
+    if value is None:
+        return None
+    return [_unpack_token_logprobs(entry) for entry in _check(value, list, where)]
+
+
+def _pack_prompt_logprobs_chunk(chunk: PromptLogprobsChunk) -> list:
+    return [chunk.first_position, [[e.token_ids, e.logprobs] for e in chunk.entries]]
+
+
+def _unpack_prompt_logprobs_chunk(value: Any) -> PromptLogprobsChunk:
+    first_position, entries = _fields(value, "PromptLogprobsChunk")
+    _check(first_position, int, "PromptLogprobsChunk.first_position")
+    _check(entries, list, "PromptLogprobsChunk.entries")
+    return PromptLogprobsChunk(first_position, [_unpack_token_logprobs(e) for e in entries])
+
+
+def _pack_new_request(request: NewRequestData) -> list:
+    return [
+        request.request_id,
+        request.token_ids,
+        request.num_prompt_tokens,
+        request.block_ids,
+        request.num_computed_tokens,
+        request.num_scheduled_tokens,
+        _pack_sampling_params(request.sampling_params),
+        request.eos_token_ids,
+    ]
+
+
+def _unpack_new_request(value: Any) -> NewRequestData:
+    fields = _fields(value, "NewRequestData")
+    (
+        request_id,
+        token_ids,
+        num_prompt_tokens,
+        block_ids,
+        num_computed_tokens,
+        num_scheduled_tokens,
+        sampling_params,
+        eos_token_ids,
+    ) = fields
+    _check(request_id, str, "NewRequestData.request_id")
+    _check(token_ids, list, "NewRequestData.token_ids")
+    _check(num_prompt_tokens, int, "NewRequestData.num_prompt_tokens")
+    _check(block_ids, list, "NewRequestData.block_ids")
+    _check(num_computed_tokens, int, "NewRequestData.num_computed_tokens")
+    _check(num_scheduled_tokens, int, "NewRequestData.num_scheduled_tokens")
+    _check(eos_token_ids, list, "NewRequestData.eos_token_ids")
+    return NewRequestData(
+        request_id,
+        token_ids,
+        num_prompt_tokens,
+        block_ids,
+        num_computed_tokens,
+        num_scheduled_tokens,
+        _unpack_sampling_params(sampling_params),
+        eos_token_ids,
+    )
+
+
+def _pack_cached_request(request: CachedRequestData) -> list:
+    return [
+        request.request_id,
+        request.new_block_ids,
+        request.num_computed_tokens,
+        request.num_scheduled_tokens,
+    ]
+
+
+def _unpack_cached_request(value: Any) -> CachedRequestData:
+    request_id, new_block_ids, num_computed_tokens, num_scheduled_tokens = _fields(
+        value, "CachedRequestData"
+    )
+    return CachedRequestData(
+        _check(request_id, str, "CachedRequestData.request_id"),
+        _check(new_block_ids, list, "CachedRequestData.new_block_ids"),
+        _check(num_computed_tokens, int, "CachedRequestData.num_computed_tokens"),
+        _check(num_scheduled_tokens, int, "CachedRequestData.num_scheduled_tokens"),
+    )
+
+
+# ---------------------------------------------------------------- scheduler <-> workers
+
+
+def _pack_step_plan(plan: StepPlan) -> list:
+    cached = plan.cached_requests
+    return [
+        plan.step_id,
+        [_pack_new_request(request) for request in plan.new_requests],
+        # NOTE: a Python loop per running request; four comprehensions measured faster
+        # than one attrgetter pass plus a transpose.
+        [
+            [request.request_id for request in cached],
+            [request.new_block_ids for request in cached],
+            [request.num_computed_tokens for request in cached],
+            [request.num_scheduled_tokens for request in cached],
+        ],
+        plan.finished_request_ids,
+        list(chain.from_iterable(plan.swap_out)),
+        list(chain.from_iterable(plan.swap_in)),
+    ]
+
+
+def _unpack_step_plan(value: Any) -> StepPlan:
+    step_id, new_requests, cached, finished, swap_out, swap_in = _fields(value, "StepPlan")
+    _check(step_id, int, "StepPlan.step_id")
+    _check(new_requests, list, "StepPlan.new_requests")
+    _check(cached, list, "StepPlan.cached_requests")
+    if len(cached) != 4:
+        raise DecodeError(f"StepPlan.cached_requests: expected 4 columns, got {_describe(cached)}")
+    request_ids, new_block_ids, num_computed, num_scheduled = cached
+    num_cached = len(_check(request_ids, list, "StepPlan.cached_requests.request_id"))
+    _check_column(request_ids, str, num_cached, "StepPlan.cached_requests.request_id")
+    _check_column(new_block_ids, list, num_cached, "StepPlan.cached_requests.new_block_ids")
+    _check_column(num_computed, int, num_cached, "StepPlan.cached_requests.num_computed_tokens")
+    _check_column(num_scheduled, int, num_cached, "StepPlan.cached_requests.num_scheduled_tokens")
+    finished = _check(finished, list, "StepPlan.finished_request_ids")
+    _check_column(finished, str, len(finished), "StepPlan.finished_request_ids")
+    return StepPlan(
+        step_id=step_id,
+        new_requests=[_unpack_new_request(request) for request in new_requests],
+        # NOTE: one dataclass __init__ per running request: most of the decode time.
+        cached_requests=list(
+            map(CachedRequestData, request_ids, new_block_ids, num_computed, num_scheduled)
+        ),
+        finished_request_ids=finished,
+        swap_out=_check_pairs(swap_out, "StepPlan.swap_out"),
+        swap_in=_check_pairs(swap_in, "StepPlan.swap_in"),
+    )
+
+
+def _pack_step_result(result: StepResult) -> list:
+    return [
+        result.step_id,
+        result.request_ids,
+        result.sampled_token_ids,
+        [None if entry is None else [entry.token_ids, entry.logprobs] for entry in result.logprobs],
+        {
+            request_id: _pack_prompt_logprobs_chunk(chunk)
+            for request_id, chunk in result.prompt_logprobs.items()
+        },
+    ]
+
+
+def _unpack_step_result(value: Any) -> StepResult:
+    step_id, request_ids, sampled_token_ids, logprobs, prompt_logprobs = _fields(
+        value, "StepResult"
+    )
+    _check(step_id, int, "StepResult.step_id")
+    num_requests = len(_check(request_ids, list, "StepResult.request_ids"))
+    _check_column(request_ids, str, num_requests, "StepResult.request_ids")
+    _check(sampled_token_ids, list, "StepResult.sampled_token_ids")
+    _check(logprobs, list, "StepResult.logprobs")
+    _check(prompt_logprobs, dict, "StepResult.prompt_logprobs")
+    return StepResult(
+        step_id=step_id,
+        request_ids=request_ids,
+        sampled_token_ids=sampled_token_ids,
+        logprobs=[None if entry is None else _unpack_token_logprobs(entry) for entry in logprobs],
+        prompt_logprobs={
+            request_id: _unpack_prompt_logprobs_chunk(chunk)
+            for request_id, chunk in prompt_logprobs.items()
+        },
+    )
+
+
+# ---------------------------------------------------------------- scheduler <-> frontend
+
+
+def _pack_request_output_delta(delta: RequestOutputDelta) -> list:
+    return [
+        delta.request_id,
+        delta.new_token_ids,
+        delta.finished,
+        delta.finish_reason,
+        _pack_optional_logprobs(delta.logprobs),
+        _pack_optional_logprobs(delta.prompt_logprobs),
+    ]
+
+
+def _unpack_request_output_delta(value: Any) -> RequestOutputDelta:
+    request_id, new_token_ids, finished, finish_reason, logprobs, prompt_logprobs = _fields(
+        value, "RequestOutputDelta"
+    )
+    return RequestOutputDelta(
+        request_id=_check(request_id, str, "RequestOutputDelta.request_id"),
+        new_token_ids=_check(new_token_ids, list, "RequestOutputDelta.new_token_ids"),
+        finished=_check(finished, bool, "RequestOutputDelta.finished"),
+        finish_reason=_check(finish_reason, (str, type(None)), "RequestOutputDelta.finish_reason"),
+        logprobs=_unpack_optional_logprobs(logprobs, "RequestOutputDelta.logprobs"),
+        prompt_logprobs=_unpack_optional_logprobs(
+            prompt_logprobs, "RequestOutputDelta.prompt_logprobs"
+        ),
+    )
+
+
+def _pack_add_request(request: AddRequest) -> list:
+    return [
+        request.request_id,
+        request.prompt_token_ids,
+        _pack_sampling_params(request.sampling_params),
+        # An int arrival time (a test's 0) would otherwise arrive as an int.
+        float(request.arrival_time_s),
+    ]
+
+
+def _unpack_add_request(value: Any) -> AddRequest:
+    request_id, prompt_token_ids, sampling_params, arrival_time_s = _fields(value, "AddRequest")
+    return AddRequest(
+        request_id=_check(request_id, str, "AddRequest.request_id"),
+        prompt_token_ids=_check(prompt_token_ids, list, "AddRequest.prompt_token_ids"),
+        sampling_params=_unpack_sampling_params(sampling_params),
+        arrival_time_s=_check(arrival_time_s, float, "AddRequest.arrival_time_s"),
+    )
+
+
+def _unpack_abort_request(value: Any) -> AbortRequest:
+    (request_id,) = _fields(value, "AbortRequest")
+    return AbortRequest(_check(request_id, str, "AbortRequest.request_id"))
+
+
+def _unpack_engine_error(value: Any) -> EngineError:
+    request_id, message = _fields(value, "EngineError")
+    return EngineError(
+        request_id=_check(request_id, (str, type(None)), "EngineError.request_id"),
+        message=_check(message, str, "EngineError.message"),
+    )
+
+
+def _unpack_shutdown(value: Any) -> Shutdown:
+    _fields(value, "Shutdown")
+    return Shutdown()
+
+
+def _unpack_ready(value: Any) -> Ready:
+    component, pid, info = _fields(value, "Ready")
+    return Ready(
+        component=_check(component, str, "Ready.component"),
+        pid=_check(pid, int, "Ready.pid"),
+        info=_check(info, dict, "Ready.info"),
+    )
+
+
+# ---------------------------------------------------------------- the tag table
+
+# tag -> (type, pack, unpack). Ordered by how often each crosses a boundary.
+_CODECS: dict[int, tuple[type, Callable[[Any], list], Callable[[Any], Any]]] = {
+    1: (StepPlan, _pack_step_plan, _unpack_step_plan),
+    2: (StepResult, _pack_step_result, _unpack_step_result),
+    3: (RequestOutputDelta, _pack_request_output_delta, _unpack_request_output_delta),
+    4: (AddRequest, _pack_add_request, _unpack_add_request),
+    5: (AbortRequest, lambda m: [m.request_id], _unpack_abort_request),
+    6: (EngineError, lambda m: [m.request_id, m.message], _unpack_engine_error),
+    7: (Shutdown, lambda m: [], _unpack_shutdown),
+    8: (Ready, lambda m: [m.component, m.pid, m.info], _unpack_ready),
+    9: (NewRequestData, _pack_new_request, _unpack_new_request),
+    10: (CachedRequestData, _pack_cached_request, _unpack_cached_request),
+    11: (TokenLogprobs, _pack_token_logprobs, _unpack_token_logprobs),
+    12: (PromptLogprobsChunk, _pack_prompt_logprobs_chunk, _unpack_prompt_logprobs_chunk),
+    13: (SamplingParams, _pack_sampling_params, _unpack_sampling_params),
+}
+
+#: Each encodable type and its wire tag.
+MESSAGE_TAGS: MappingProxyType[type, int] = MappingProxyType(
+    {message_type: tag for tag, (message_type, _, _) in _CODECS.items()}
+)
+_PACKERS = {message_type: (tag, pack) for tag, (message_type, pack, _) in _CODECS.items()}
+_FIELD_COUNTS = {message_type.__name__: len(names) for message_type, names in WIRE_FIELDS.items()}
+
+
+def encode(message: Message) -> bytes:
+    """One message as a msgpack frame ``[tag, fields...]``.
+
+    Raises ``TypeError`` for a type without a tag (subclasses included: the decoder
+    could not rebuild them) or a field value msgpack cannot hold (e.g. a numpy scalar).
+    """
+    entry = _PACKERS.get(type(message))
+    if entry is None:
+        raise TypeError(
+            f"cannot encode {type(message).__name__}: not a message type "
+            f"(encodable: {', '.join(sorted(t.__name__ for t in MESSAGE_TAGS))})"
+        )
+    tag, pack = entry
+    try:
+        return msgpack.packb([tag, *pack(message)])
+    except (TypeError, ValueError, OverflowError) as error:
+        raise TypeError(f"cannot encode {type(message).__name__}: {error}") from error
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """The message in one frame made by ``encode``; ``DecodeError`` if it is not one."""
+    try:
+        frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as error:
+        raise DecodeError(f"not a msgpack frame ({len(data)} bytes): {error}") from error
+    if type(frame) is not list or not frame or type(frame[0]) is not int:
+        raise DecodeError(f"expected an array [tag, fields...], got {_describe(frame)}")
+    codec = _CODECS.get(frame[0])
+    if codec is None:
+        known = ", ".join(f"{tag}={t.__name__}" for tag, (t, _, _) in _CODECS.items())
+        raise DecodeError(f"unknown message tag {frame[0]} (known tags: {known})")
+    return codec[2](frame[1:])
+
+
+def decode_as(data: bytes | bytearray | memoryview, expected_type: type[MessageT]) -> MessageT:
+    """``decode``, and a ``DecodeError`` unless the frame holds an ``expected_type``: for
+    a channel that carries one type (workers only ever receive ``StepPlan``)."""
+    message = decode(data)
+    if type(message) is not expected_type:
+        raise DecodeError(
+            f"expected a {expected_type.__name__} frame, got a {type(message).__name__}"
+        )
+    return message

@@ -1,0 +1,258 @@
+"""Every message that crosses a process boundary round-trips through msgpack exactly, and
+a frame that is not a message is rejected with a message naming what is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+
+from pagedserve.scheduler.engine_messages import (
+    AbortRequest,
+    AddRequest,
+    EngineError,
+    Ready,
+    Shutdown,
+)
+from pagedserve.scheduler.messages import (
+    CachedRequestData,
+    NewRequestData,
+    PromptLogprobsChunk,
+    RequestOutputDelta,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.serialization import (
+    MESSAGE_TAGS,
+    WIRE_FIELDS,
+    DecodeError,
+    decode,
+    decode_as,
+    encode,
+)
+
+ALL_SET_PARAMS = SamplingParams(
+    max_tokens=77,
+    min_tokens=3,
+    temperature=0.7,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.05,
+    repetition_penalty=1.1,
+    presence_penalty=-0.5,
+    frequency_penalty=0.25,
+    seed=2**63 - 1,
+    ignore_eos=True,
+    stop_token_ids=[7, 8],
+    logprobs=5,
+    prompt_logprobs=2,
+)
+TOP = TokenLogprobs(token_ids=[11, 3, 9], logprobs=[-0.125, -1.0e-9, float("-inf")])
+OTHER = TokenLogprobs(token_ids=[4], logprobs=[-2.5])
+
+
+def new_request(params: SamplingParams, eos: list[int]) -> NewRequestData:
+    return NewRequestData(
+        request_id="req-é-0",  # non-ASCII survives
+        token_ids=[1, 2, 3, 4, 5],
+        num_prompt_tokens=4,
+        block_ids=[10, 11],
+        num_computed_tokens=0,
+        num_scheduled_tokens=5,
+        sampling_params=params,
+        eos_token_ids=eos,
+    )
+
+
+FULL_PLAN = StepPlan(
+    step_id=2**40,
+    new_requests=[new_request(ALL_SET_PARAMS, [2, 32000]), new_request(SamplingParams(), [])],
+    cached_requests=[
+        CachedRequestData("req-1", [12], 31, 1),
+        CachedRequestData("req-2", [], 64, 16),
+    ],
+    finished_request_ids=["req-9", "req-10"],
+    swap_out=[(5, 0), (6, 1)],
+    swap_in=[(2, 7)],
+)
+
+# Every encodable type, with optional fields set and unset.
+ROUND_TRIP_CASES = {
+    "plan-full": FULL_PLAN,
+    "plan-empty": StepPlan(step_id=0),
+    "result-full": StepResult(
+        step_id=3,
+        request_ids=["a", "b", "c"],
+        sampled_token_ids=[5, 6, 7],
+        logprobs=[TOP, None, OTHER],
+        prompt_logprobs={
+            "a": PromptLogprobsChunk(1, [TOP, OTHER]),
+            "c": PromptLogprobsChunk(9, []),
+        },
+    ),
+    "result-empty": StepResult(step_id=4),
+    "delta-full": RequestOutputDelta(
+        request_id="a",
+        new_token_ids=[5, 6],
+        finished=True,
+        finish_reason="stop",
+        logprobs=[TOP, OTHER],
+        prompt_logprobs=[OTHER],
+    ),
+    "delta-unset": RequestOutputDelta(request_id="a", new_token_ids=[], finished=False),
+    "add-full": AddRequest("r", [1, 2, 3], ALL_SET_PARAMS, arrival_time_s=1234.5),
+    "add-defaults": AddRequest("r", [1], SamplingParams(), arrival_time_s=0.25),
+    "abort": AbortRequest("r"),
+    "error-request": EngineError(request_id="r", message="prompt too long: 9000 > 4096"),
+    "error-engine": EngineError(request_id=None, message="worker 1 died"),
+    "shutdown": Shutdown(),
+    "ready-full": Ready(
+        component="worker",
+        pid=4242,
+        info={
+            "rank": 0,
+            "num_blocks": 4096,
+            "ok": True,
+            "none": None,
+            "blob": b"\x00\xff",
+            "nested": {"shape": [2, 3], "dtype": "float32"},
+            "ratio": 0.5,
+        },
+    ),
+    "ready-empty": Ready(component="scheduler", pid=1, info={}),
+    "new-request": new_request(ALL_SET_PARAMS, [2]),
+    "cached-request": CachedRequestData("req-1", [12, 13], 31, 1),
+    "token-logprobs": TOP,
+    "prompt-logprobs-chunk": PromptLogprobsChunk(first_position=1, entries=[TOP, OTHER]),
+    "params-all-set": ALL_SET_PARAMS,
+    "params-defaults": SamplingParams(),
+}
+
+
+@pytest.mark.parametrize("message", ROUND_TRIP_CASES.values(), ids=ROUND_TRIP_CASES.keys())
+def test_round_trip_is_exact(message):
+    decoded = decode(encode(message))
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+def test_every_encodable_type_has_a_round_trip_case_and_encodes_all_its_fields():
+    assert {type(message) for message in ROUND_TRIP_CASES.values()} == set(MESSAGE_TAGS)
+    for message_type, wire_fields in WIRE_FIELDS.items():
+        declared = tuple(field.name for field in dataclasses.fields(message_type))
+        assert wire_fields == declared, message_type.__name__
+    assert len(set(MESSAGE_TAGS.values())) == len(MESSAGE_TAGS)
+
+
+def test_swap_pairs_come_back_as_tuples():
+    decoded = decode(encode(FULL_PLAN))
+    assert decoded.swap_out == [(5, 0), (6, 1)]
+    assert all(type(pair) is tuple for pair in decoded.swap_out + decoded.swap_in)
+
+
+def test_decoded_plan_keeps_derived_properties():
+    decoded = decode_as(encode(FULL_PLAN), StepPlan)
+    assert decoded.num_scheduled_tokens == FULL_PLAN.num_scheduled_tokens == 5 + 5 + 1 + 16
+    assert decoded.new_requests[0].sampling_params.seed == 2**63 - 1
+    assert decoded.new_requests[0].sampling_params.top_p == 0.9
+
+
+def test_int_arrival_time_arrives_as_float():
+    decoded = decode(encode(AddRequest("r", [1], SamplingParams(), arrival_time_s=3)))
+    assert decoded.arrival_time_s == 3.0 and type(decoded.arrival_time_s) is float
+
+
+def test_ready_info_tuples_arrive_as_lists():
+    decoded = decode(encode(Ready("worker", 1, {"shape": (2, 3)})))
+    assert decoded.info == {"shape": [2, 3]}
+
+
+def _frame(message_type: type, *fields) -> bytes:
+    return msgpack.packb([MESSAGE_TAGS[message_type], *fields])
+
+
+def _plan_fields(**overrides) -> list:
+    fields = {
+        "step_id": 1,
+        "new_requests": [],
+        "cached": [["a"], [[]], [3], [1]],
+        "finished": [],
+        "swap_out": [],
+        "swap_in": [],
+    }
+    fields.update(overrides)
+    return list(fields.values())
+
+
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        (b"\xc1", "not a msgpack frame"),  # 0xc1 is never used by msgpack
+        (encode(FULL_PLAN)[:-3], "not a msgpack frame"),  # truncated
+        (encode(Shutdown()) + b"\x00", "not a msgpack frame"),  # trailing bytes
+        (msgpack.packb({"tag": 1}), r"expected an array \[tag, fields...\], got dict"),
+        (msgpack.packb([]), r"expected an array \[tag, fields...\]"),
+        (msgpack.packb(["StepPlan"]), r"expected an array \[tag, fields...\]"),
+        (msgpack.packb([99, 1]), "unknown message tag 99 .*1=StepPlan"),
+        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 6 fields"),
+        (_frame(StepPlan, *_plan_fields(step_id="1")), "StepPlan.step_id: expected int, got str"),
+        (_frame(StepPlan, *_plan_fields(step_id=True)), "StepPlan.step_id: expected int, got bool"),
+        (
+            _frame(StepPlan, *_plan_fields(cached=[["a", "b"], [[]], [3], [1]])),
+            "new_block_ids: expected 2 entries, got 1",
+        ),
+        (
+            _frame(StepPlan, *_plan_fields(cached=[["a"], [[]], [3.0], [1]])),
+            r"num_computed_tokens: expected only int, found \['float'\]",
+        ),
+        (
+            _frame(StepPlan, *_plan_fields(cached=[["a"], [[]], [3]])),
+            "cached_requests: expected 4 columns",
+        ),
+        (_frame(StepPlan, *_plan_fields(swap_out=[1, 2, 3])), r"swap_out: expected \(src, dst\)"),
+        (_frame(StepPlan, *_plan_fields(new_requests=[["r"]])), "NewRequestData: expected an"),
+        (
+            _frame(
+                AddRequest,
+                "r",
+                [1],
+                [16, 0, -1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, None, False, [], None, None],
+                0.0,
+            ),
+            "SamplingParams: temperature must be >= 0.0, got -1.0",
+        ),
+        (_frame(AddRequest, "r", [1], [16], 0.0), "SamplingParams: expected an array of 14"),
+        (_frame(EngineError, 7, "boom"), "EngineError.request_id: expected str or None, got int"),
+        (
+            _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}),
+            "TokenLogprobs: 2 token_ids but 1 logprobs",
+        ),
+        (_frame(Shutdown, 1), "Shutdown: expected an array of 0 fields"),
+        (_frame(Ready, "w", 1, {1: "x"}), "not a msgpack frame.*map key"),
+    ],
+)
+def test_malformed_frame_is_rejected_with_a_clear_error(frame, match):
+    with pytest.raises(DecodeError, match=match):
+        decode(frame)
+
+
+def test_decode_as_rejects_a_frame_of_another_type():
+    with pytest.raises(DecodeError, match="expected a StepPlan frame, got a StepResult"):
+        decode_as(encode(StepResult(step_id=1)), StepPlan)
+
+
+def test_encode_rejects_what_is_not_a_message():
+    class PlanSubclass(StepPlan):
+        pass
+
+    with pytest.raises(TypeError, match="cannot encode dict: not a message type"):
+        encode({"step_id": 1})
+    with pytest.raises(TypeError, match="cannot encode PlanSubclass"):
+        encode(PlanSubclass(step_id=1))
+    # A numpy scalar leaking out of the sampler is caught at the sender, not the receiver.
+    with pytest.raises(TypeError, match="cannot encode StepResult"):
+        encode(StepResult(step_id=1, request_ids=["a"], sampled_token_ids=[np.int64(5)]))
