@@ -36,7 +36,12 @@ _LAYOUT_CACHE = "[num_blocks, num_kv_heads, block_size, head_size]"
 
 
 def set_num_threads(num_threads: int) -> None:
-    """Sets the OpenMP threads every op of this module uses (not torch's own count)."""
+    """Sets the OpenMP threads every op of this module uses (not torch's own count).
+
+    NOTE: each op ends when its slowest thread does; with other busy processes on the same
+    cores, a thread that is not scheduled stalls the whole op for a time slice, so leave the
+    cores those processes need.
+    """
     if isinstance(num_threads, bool) or not isinstance(num_threads, int):
         raise TypeError(f"num_threads must be an int, got {type(num_threads).__name__}")
     if num_threads < 1:

@@ -1,8 +1,9 @@
 // Paged attention kernels (decode and prefill), compiled once per ISA variant; see vec.h.
 //
-// Decode: one work item per (sequence, kv head[, partition]). The query heads of a GQA group
-// share every K/V row load; logits are dot products summed horizontally kWidth positions at a
-// time (a transposed reduction), then softmax, then one pass over V.
+// Decode: one work item per sequence (or partition of one, split-K) over all its kv heads. The
+// query heads of a GQA group share every K/V row load; logits are dot products summed
+// horizontally kWidth positions at a time (a transposed reduction), then softmax, then one
+// pass over V with the accumulators in registers.
 //
 // Prefill: one work item per (sequence, kv head, tile of query rows), where a row is one
 // (query token, query head of the group) pair. The tile's rows sit in the SIMD lanes, so the
@@ -62,16 +63,6 @@ struct KVRows {
   int block_shift;             // log2(block_size)
   int64_t offset_mask;         // block_size - 1
 
-  const T* key_row(int64_t position) const {
-    return key_base +
-           static_cast<int64_t>(block_table[position >> block_shift]) * key_block_stride +
-           (position & offset_mask) * D;
-  }
-  const T* value_row(int64_t position) const {
-    return value_base +
-           static_cast<int64_t>(block_table[position >> block_shift]) * value_block_stride +
-           (position & offset_mask) * D;
-  }
   const T* key_block(int64_t block_index) const {
     return key_base + static_cast<int64_t>(block_table[block_index]) * key_block_stride;
   }
@@ -133,15 +124,9 @@ struct DecodeScratch {
   }
 };
 
-inline void prefetch_bytes(const void* start, int64_t num_bytes, int locality) {
+inline void prefetch_to_l1(const void* start, int64_t num_bytes) {
   const char* p = static_cast<const char*>(start);
-  for (int64_t b = 0; b < num_bytes; b += 64) {
-    if (locality == 3) {
-      __builtin_prefetch(p + b, 0, 3);
-    } else {
-      __builtin_prefetch(p + b, 0, 2);
-    }
-  }
+  for (int64_t b = 0; b < num_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
 // Walks one cache's blocks at consecutive positions of a sequence and returns, per position,
@@ -160,9 +145,9 @@ struct BlockWalker {
   int64_t end;
   const T* companion_base;  // nullptr: none
   int64_t companion_block_stride;
-  int64_t block_bytes;  // all kv heads' rows of one block
   int64_t num_kv_heads;
-  int64_t share_bytes;  // block_bytes / block_size
+  int64_t share_bytes;  // one position's share of a block: num_kv_heads rows
+  int64_t block_bytes;  // all kv heads' rows of one block
   int64_t ahead_blocks;
   const T* block = nullptr;
   const char* ahead = nullptr;
@@ -177,12 +162,11 @@ struct BlockWalker {
         offset_mask(kv.offset_mask),
         end(end_),
         companion_base(companion_base_),
-        companion_block_stride(companion_block_stride_) {
-    num_kv_heads = kv_heads;
-    share_bytes = num_kv_heads * D * static_cast<int64_t>(sizeof(T));
-    block_bytes = share_bytes * (offset_mask + 1);
-    ahead_blocks = max_i64(1, kAheadBytes / block_bytes);
-  }
+        companion_block_stride(companion_block_stride_),
+        num_kv_heads(kv_heads),
+        share_bytes(kv_heads * D * static_cast<int64_t>(sizeof(T))),
+        block_bytes(share_bytes * (offset_mask + 1)),
+        ahead_blocks(max_i64(1, kAheadBytes / block_bytes)) {}
 
   const T* block_start(int64_t index) const {
     return base + static_cast<int64_t>(block_table[index]) * block_stride;
@@ -205,7 +189,7 @@ struct BlockWalker {
     const int64_t offset = position & offset_mask;
     if (block == nullptr) {  // request what the steady state would already have requested
       for (int64_t b = index; b < index + ahead_blocks && (b << block_shift) < end; ++b) {
-        prefetch_bytes(block_start(b), block_bytes, 3);
+        prefetch_to_l1(block_start(b), block_bytes);
       }
     }
     if (block == nullptr || offset == 0) {
@@ -694,8 +678,8 @@ struct Prefill {
     for (int64_t b0 = 0; b0 < num_positions; b0 += block_size) {
       const int num_keys = static_cast<int>(min_i64(block_size, num_positions - b0));
       if (b0 + block_size < num_positions) {  // the next block is elsewhere: request it now
-        prefetch_bytes(kv.key_block(b0 / block_size + 1), block_bytes, 3);
-        prefetch_bytes(kv.value_block(b0 / block_size + 1), block_bytes, 3);
+        prefetch_to_l1(kv.key_block(b0 / block_size + 1), block_bytes);
+        prefetch_to_l1(kv.value_block(b0 / block_size + 1), block_bytes);
       }
       const float* k = rows_as_float(kv.key_block(b0 / block_size), num_keys, kf);
       int c = 0;
