@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 from dataclasses import dataclass
 
 import torch
+
+_HUGE_PAGE_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,10 @@ class KVCacheSpec:
         shape = (num_blocks, self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_size)
         # Left uninitialised: every slot is written before it is read, and untouched
         # pages of a large pool then cost no memory and no start-up time.
-        return torch.empty(shape, dtype=self.dtype, device=device)
+        cache = torch.empty(shape, dtype=self.dtype, device=device)
+        if cache.device.type == "cpu":
+            _advise_huge_pages(cache)
+        return cache
 
 
 def layer_caches(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,3 +49,22 @@ def layer_caches(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torc
     block_size, head_size]`` each, inner dims contiguous, block stride spanning all
     layers."""
     return kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+
+
+def _advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux for transparent huge pages under a CPU pool: decode attention reads
+    blocks scattered over the pool, and 2 MiB pages spare it most TLB misses. Best
+    effort: where madvise or THP is missing, the pool works the same, only slower."""
+    size = tensor.numel() * tensor.element_size()
+    start = tensor.data_ptr()
+    aligned_start = -(-start // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
+    end = (start + size) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+    if end <= aligned_start or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    libc.madvise(
+        ctypes.c_void_p(aligned_start), ctypes.c_size_t(end - aligned_start), mmap.MADV_HUGEPAGE
+    )
