@@ -59,6 +59,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES,
         preemption_mode: str | None = None,
+        enable_prefix_caching: bool = True,
         seed: int = 0,
         cache_dir: str | None = None,
         device: str = "cpu",
@@ -109,6 +110,7 @@ class LLM:
             self.worker,
             seed=seed,
             num_host_blocks=self.worker.num_host_blocks,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.eos_token_ids = model_config.eos_token_ids
         self._request_counter = itertools.count()
@@ -130,9 +132,11 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_namespace: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) as one continuously batched run;
-        returns one ``RequestOutput`` per prompt, in order."""
+        returns one ``RequestOutput`` per prompt, in order. Requests share cached prompt
+        prefixes only within one ``cache_namespace``."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         encoded = [self._encode(index, prompt) for index, prompt in enumerate(prompt_list)]
@@ -141,7 +145,7 @@ class LLM:
                 self.engine.scheduler.check_request_fits(len(token_ids), params.max_tokens)
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
-        return self._run(prompt_list, encoded, params_list)
+        return self._run(prompt_list, encoded, params_list, cache_namespace)
 
     def chat(
         self,
@@ -167,6 +171,10 @@ class LLM:
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their contents)."""
+        self.engine.reset_prefix_cache()
+
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if the block accounting is inconsistent."""
         self.engine.check_integrity()
@@ -178,6 +186,7 @@ class LLM:
         prompts: list[PromptType],
         encoded: list[list[int]],
         params_list: list[SamplingParams],
+        cache_namespace: str | None = None,
     ) -> list[RequestOutput]:
         request_ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
         outputs: dict[str, RequestOutput] = {}
@@ -201,7 +210,13 @@ class LLM:
                     ],
                     prompt_logprobs=None if params.prompt_logprobs is None else [None],
                 )
-                self.engine.add_request(request_id, token_ids, params, self.eos_token_ids)
+                self.engine.add_request(
+                    request_id,
+                    token_ids,
+                    params,
+                    self.eos_token_ids,
+                    cache_namespace=cache_namespace,
+                )
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
                     _apply_delta(outputs[delta.request_id], delta)
@@ -279,6 +294,8 @@ def _apply_delta(output: RequestOutput, delta: RequestOutputDelta) -> None:
         output.prompt_logprobs.extend(
             dict(zip(entry.token_ids, entry.logprobs)) for entry in delta.prompt_logprobs
         )
+    if delta.num_cached_tokens is not None:
+        output.num_cached_tokens = delta.num_cached_tokens
     if delta.finished:
         completion.finish_reason = delta.finish_reason
         output.finished = True

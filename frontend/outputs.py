@@ -27,3 +27,5 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs=k: per prompt token, as in CompletionOutput;
     # None for the first token, which nothing predicts.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Prompt tokens whose K/V came from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from pagedserve.scheduler.block_pool import BlockPool
+from pagedserve.scheduler.prefix_cache import ROOT_HASH, PrefixCache, block_hash
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -29,6 +30,10 @@ class BlockManager:
 
     A second pool of host blocks receives swapped-out requests: their device table
     moves to ``host_block_tables`` until they are swapped back in.
+
+    With prefix caching, full computed blocks are registered in a ``PrefixCache``; a new
+    request starts its table with the longest cached prefix (ref counts go up, nothing
+    is copied) and computes only the rest.
     """
 
     def __init__(
@@ -37,6 +42,7 @@ class BlockManager:
         block_size: int,
         watermark_blocks: int = 0,
         num_host_blocks: int = 0,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32 (tokens), got {block_size}")
@@ -48,6 +54,11 @@ class BlockManager:
         self.watermark_blocks = watermark_blocks
         self.block_tables: dict[str, list[int]] = {}
         self.host_block_tables: dict[str, list[int]] = {}
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        if self.prefix_cache is not None:
+            self.pool.on_evict = self.prefix_cache.evict
+        # Hash chain of each request's registered full blocks.
+        self._block_hashes: dict[str, list[int]] = {}
 
     @property
     def num_total_host_blocks(self) -> int:
@@ -70,29 +81,83 @@ class BlockManager:
         held = len(self.block_tables.get(request_id, ()))
         return max(0, blocks_for_tokens(num_tokens, self.block_size) - held)
 
-    def can_allocate(self, num_tokens: int, keep_watermark: bool = True) -> bool:
-        """Whether a new request could get slots for ``num_tokens`` tokens.
+    def find_cached_prefix(self, token_ids: list[int], namespace: str | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of ``token_ids`` in full blocks. The
+        last token is always left to compute, so its logits exist to sample from."""
+        if self.prefix_cache is None:
+            return []
+        block_ids, _ = self.prefix_cache.lookup(token_ids, namespace, len(token_ids) - 1)
+        return block_ids
+
+    def can_allocate(
+        self, num_tokens: int, keep_watermark: bool = True, cached_block_ids: list[int] = ()
+    ) -> bool:
+        """Whether a new request could get slots for ``num_tokens`` tokens, its first
+        blocks being ``cached_block_ids`` (prefix hits, possibly free-but-cached).
 
         With ``keep_watermark`` the pool must keep ``watermark_blocks`` spare afterwards;
         the caller drops it when nothing is running, since the watermark only protects
         running requests and would otherwise block a request that fits the cache.
         """
-        needed = blocks_for_tokens(num_tokens, self.block_size)
+        needed = blocks_for_tokens(num_tokens, self.block_size) - len(cached_block_ids)
+        # A hit on a free cached block takes that block off the free queue too.
+        needed += sum(1 for block_id in cached_block_ids if self.pool.is_free(block_id))
         reserve = self.watermark_blocks if keep_watermark else 0
         return needed + reserve <= self.pool.num_free_blocks
 
     def allocate(
-        self, request_id: str, num_tokens: int, keep_watermark: bool = True
+        self,
+        request_id: str,
+        num_tokens: int,
+        keep_watermark: bool = True,
+        cached_block_ids: list[int] = (),
     ) -> list[int] | None:
-        """Create the block table of a new request with room for ``num_tokens`` tokens."""
+        """Create the block table of a new request with room for ``num_tokens`` tokens,
+        starting with the shared ``cached_block_ids``."""
         if request_id in self.block_tables:
             raise RuntimeError(f"request {request_id!r} already has a block table")
-        if not self.can_allocate(num_tokens, keep_watermark):
+        if not self.can_allocate(num_tokens, keep_watermark, cached_block_ids):
             return None
-        block_ids = self.pool.allocate(blocks_for_tokens(num_tokens, self.block_size))
-        assert block_ids is not None
+        for block_id in cached_block_ids:
+            if self.pool.is_free(block_id):
+                self.pool.revive(block_id)
+            else:
+                self.pool.incref([block_id])
+        new_block_ids = self.pool.allocate(
+            blocks_for_tokens(num_tokens, self.block_size) - len(cached_block_ids)
+        )
+        assert new_block_ids is not None
+        block_ids = [*cached_block_ids, *new_block_ids]
         self.block_tables[request_id] = block_ids
         return list(block_ids)
+
+    def cache_full_blocks(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_computed_tokens: int,
+        namespace: str | None = None,
+    ) -> None:
+        """Register the request's blocks that are now full and computed (a prefix hit's
+        blocks hash to entries already there, which stay as they are)."""
+        if self.prefix_cache is None or request_id not in self.block_tables:
+            return
+        hashes = self._block_hashes.setdefault(request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(self.block_tables[request_id]))
+        block_size = self.block_size
+        table = self.block_tables[request_id]
+        for index in range(len(hashes), num_full):
+            tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
+            parent = hashes[-1] if hashes else ROOT_HASH
+            key = block_hash(parent, tokens, namespace)
+            self.prefix_cache.insert(key, table[index], tokens, namespace)
+            hashes.append(key)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; blocks in use keep their contents."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+            self._block_hashes.clear()
 
     def can_append(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's table can grow to hold ``num_tokens`` tokens in all."""
@@ -118,6 +183,8 @@ class BlockManager:
         if not self.can_swap_out(request_id):
             return None
         device_ids = self.block_tables.pop(request_id)
+        # Its blocks come back under new ids: their hashes are registered anew then.
+        self._block_hashes.pop(request_id, None)
         host_ids = self.host_pool.allocate(len(device_ids))
         self.pool.decref(device_ids)
         self.host_block_tables[request_id] = host_ids
@@ -141,8 +208,11 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Return every block of the request, device and host (no-op without a table)."""
         block_ids = self.block_tables.pop(request_id, None)
+        self._block_hashes.pop(request_id, None)
         if block_ids:
-            self.pool.decref(block_ids)
+            # Tail first: of blocks freed together, the one ending the longest prefix is
+            # evicted first, and the shared head of a prefix stays cached longest.
+            self.pool.decref(block_ids[::-1])
         host_ids = self.host_block_tables.pop(request_id, None)
         if host_ids:
             self.host_pool.decref(host_ids)

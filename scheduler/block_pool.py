@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Callable
 
 
 class BlockPool:
     """A fixed set of block ids ``0 .. num_blocks-1`` with reference counts.
 
-    A block is free exactly when its reference count is zero. Free blocks are handed out
-    in FIFO order (the block freed longest ago goes first), which keeps allocation
-    deterministic so tests can assert exact ids. Sharing (parallel samples, beams, prefix
-    hits) raises a block's count with ``incref``; ``decref`` returns it to the free list
-    when the last owner lets go.
+    A block is free exactly when its reference count is zero. Free blocks wait in one
+    queue, least recently freed first, and are handed out from its front, which keeps
+    allocation deterministic (tests assert exact ids) and makes the queue the evictor of
+    the prefix cache: a free block may still hold a cached prefix, and it is only lost
+    when the block is handed out again (``on_evict`` is told). A cached free block that
+    a new request hits is taken back out of the queue with ``revive``.
+
+    Sharing (parallel samples, beams, prefix hits) raises a block's count with
+    ``incref``; ``decref`` returns it to the back of the queue when the last owner lets
+    go.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -20,7 +26,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -29,14 +36,29 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
+    def is_free(self, block_id: int) -> bool:
+        return self._ref_counts[block_id] == 0
+
     def allocate(self, num_blocks: int) -> list[int] | None:
         """Take ``num_blocks`` free blocks (ref count 1 each), or ``None`` if too few."""
         if num_blocks > len(self._free_block_ids):
             return None
-        block_ids = [self._free_block_ids.popleft() for _ in range(num_blocks)]
-        for block_id in block_ids:
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free_block_ids.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block_id)
             self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
         return block_ids
+
+    def revive(self, block_id: int) -> None:
+        """Take a free block back out of the queue, keeping its contents (a prefix-cache
+        hit on a block no request holds)."""
+        if self._ref_counts[block_id] != 0:
+            raise RuntimeError(f"revive of block {block_id}, which is in use")
+        del self._free_block_ids[block_id]
+        self._ref_counts[block_id] = 1
 
     def incref(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
@@ -45,14 +67,15 @@ class BlockPool:
             self._ref_counts[block_id] += 1
 
     def decref(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero become free."""
+        """Drop one reference from each block; blocks reaching zero join the back of the
+        free queue in the given order."""
         for block_id in block_ids:
             count = self._ref_counts[block_id]
             if count <= 0:
                 raise RuntimeError(f"double free of block {block_id}")
             self._ref_counts[block_id] = count - 1
             if count == 1:
-                self._free_block_ids.append(block_id)
+                self._free_block_ids[block_id] = None
 
     def check_integrity(self, expected_ref_counts: dict[int, int]) -> None:
         """Raise ``AssertionError`` unless the pool agrees with the owners' view.
@@ -60,9 +83,7 @@ class BlockPool:
         ``expected_ref_counts`` maps every block some owner holds to the number of
         holders. Free + used == total, no negative count, no block both free and held.
         """
-        free = set(self._free_block_ids)
-        if len(free) != len(self._free_block_ids):
-            raise AssertionError("a block appears twice in the free list")
+        free = self._free_block_ids
         for block_id, count in enumerate(self._ref_counts):
             if count < 0:
                 raise AssertionError(f"block {block_id} has negative ref count {count}")

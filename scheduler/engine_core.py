@@ -33,10 +33,15 @@ class EngineCore:
         executor: Executor,
         seed: int = 0,
         num_host_blocks: int = 0,
+        enable_prefix_caching: bool = False,
     ) -> None:
         watermark_blocks = int(scheduler_config.watermark_fraction * num_blocks)
         self.block_manager = BlockManager(
-            num_blocks, block_size, watermark_blocks, num_host_blocks=num_host_blocks
+            num_blocks,
+            block_size,
+            watermark_blocks,
+            num_host_blocks=num_host_blocks,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.executor = executor
@@ -51,6 +56,7 @@ class EngineCore:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int],
         arrival_time_s: float | None = None,
+        cache_namespace: str | None = None,
     ) -> None:
         """Queue a request; raises ``ValueError`` if it could never run."""
         if not sampling_params.is_greedy and sampling_params.seed is None:
@@ -62,6 +68,7 @@ class EngineCore:
             eos_token_ids=eos_token_ids,
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
             max_model_len=self.scheduler.config.max_model_len,
+            cache_namespace=cache_namespace,
         )
         self.scheduler.add_request(request)
 
@@ -87,9 +94,15 @@ class EngineCore:
         result = self.executor.execute(plan)
         return self.scheduler.update_from_output(plan, result)
 
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
     def stats(self) -> dict[str, int]:
         scheduler = self.scheduler
+        prefix_cache = self.block_manager.prefix_cache
         return {
+            "prefix_cache_queries": prefix_cache.num_queried_tokens if prefix_cache else 0,
+            "prefix_cache_hits": prefix_cache.num_hit_tokens if prefix_cache else 0,
             "num_waiting": len(scheduler.waiting),
             "num_running": len(scheduler.running),
             "num_swapped": len(scheduler.swapped),

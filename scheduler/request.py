@@ -43,6 +43,10 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Requests in different namespaces never share cached prefixes.
+    cache_namespace: str | None = None
+    # Prompt tokens found in the prefix cache at first admission.
+    num_cached_tokens: int = 0
     # Prompt positions whose logprobs were already reported; a recompute after
     # preemption scores them again, and those repeats are dropped.
     num_prompt_logprobs_reported: int = 1

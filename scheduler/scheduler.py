@@ -163,18 +163,32 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
+        block_manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = self._num_tokens_to_schedule(request, budget)
+            cached_block_ids = []
+            if request.num_computed_tokens == 0:
+                cached_block_ids = block_manager.find_cached_prefix(
+                    request.token_ids, request.cache_namespace
+                )
+            num_cached = len(cached_block_ids) * block_manager.block_size
+            num_new = self._num_tokens_to_schedule(request, budget, num_cached)
             if num_new == 0:
                 break
-            target = request.num_computed_tokens + num_new
-            block_ids = self.block_manager.allocate(
-                request.request_id, target, keep_watermark=bool(self.running)
+            block_ids = block_manager.allocate(
+                request.request_id,
+                request.num_computed_tokens + num_cached + num_new,
+                keep_watermark=bool(self.running),
+                cached_block_ids=cached_block_ids,
             )
             if block_ids is None:
                 break
             self.waiting.popleft()
+            if block_manager.prefix_cache is not None and request.num_computed_tokens == 0:
+                block_manager.prefix_cache.record_query(request.num_tokens - 1, num_cached)
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_cached
+            request.num_computed_tokens += num_cached
             self._start_running(plan, request, num_new)
             budget -= num_new
         return budget
@@ -197,8 +211,10 @@ class Scheduler:
             )
         )
 
-    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _num_tokens_to_schedule(
+        self, request: Request, budget: int, num_cached_tokens: int = 0
+    ) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
@@ -256,6 +272,12 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += scheduled.num_scheduled_tokens
+            self.block_manager.cache_full_blocks(
+                request.request_id,
+                request.token_ids,
+                request.num_computed_tokens,
+                request.cache_namespace,
+            )
             prompt_logprobs = self._new_prompt_logprobs(request, result)
             if scheduled.request_id not in sampled:
                 # A prefill chunk that did not reach the last prompt token.
@@ -279,6 +301,7 @@ class Scheduler:
                     finish_reason=status.value if finished else None,
                     logprobs=None if logprobs is None else [logprobs],
                     prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=request.num_cached_tokens if finished else None,
                 )
             )
         return deltas
