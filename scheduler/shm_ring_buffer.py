@@ -58,7 +58,14 @@ Because each byte has one writer there is no lost update, and the writer, which 
 sequence, never races a reader over where that reader starts. The writer waits only for
 admitted readers: a slot nobody holds, or a reader still waiting for its ack, never holds
 back the others, and a new reader receives exactly the messages published after the
-writer noticed it.
+writer noticed it (the writer looks right before it publishes, so "noticed" is at most
+one message after the reader asked).
+
+Limits: a reader that dies without ``close()`` stays admitted, so the writer times out on
+it (the error names its index) and its index cannot be attached again; forcing a slot
+free is not implemented. NOTE: the read flags of all readers of a chunk share one cache
+line, which each reader's flag store pulls over once per message: negligible at a few
+readers and one message per step.
 """
 
 from __future__ import annotations
