@@ -133,6 +133,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "finish_reason",
         "logprobs",
         "prompt_logprobs",
+        "num_cached_tokens",
     ),
     AddRequest: ("request_id", "prompt_token_ids", "sampling_params", "arrival_time_s"),
     AbortRequest: ("request_id",),
@@ -413,13 +414,20 @@ def _pack_request_output_delta(delta: RequestOutputDelta) -> list:
         delta.finish_reason,
         _pack_optional_logprobs(delta.logprobs),
         _pack_optional_logprobs(delta.prompt_logprobs),
+        delta.num_cached_tokens,
     ]
 
 
 def _unpack_request_output_delta(value: Any) -> RequestOutputDelta:
-    request_id, new_token_ids, finished, finish_reason, logprobs, prompt_logprobs = _fields(
-        value, "RequestOutputDelta"
-    )
+    (
+        request_id,
+        new_token_ids,
+        finished,
+        finish_reason,
+        logprobs,
+        prompt_logprobs,
+        num_cached_tokens,
+    ) = _fields(value, "RequestOutputDelta")
     return RequestOutputDelta(
         request_id=_check(request_id, str, "RequestOutputDelta.request_id"),
         new_token_ids=_check(new_token_ids, list, "RequestOutputDelta.new_token_ids"),
@@ -428,6 +436,9 @@ def _unpack_request_output_delta(value: Any) -> RequestOutputDelta:
         logprobs=_unpack_optional_logprobs(logprobs, "RequestOutputDelta.logprobs"),
         prompt_logprobs=_unpack_optional_logprobs(
             prompt_logprobs, "RequestOutputDelta.prompt_logprobs"
+        ),
+        num_cached_tokens=_check(
+            num_cached_tokens, (int, type(None)), "RequestOutputDelta.num_cached_tokens"
         ),
     )
 

@@ -102,6 +102,7 @@ ROUND_TRIP_CASES = {
         finish_reason="stop",
         logprobs=[TOP, OTHER],
         prompt_logprobs=[OTHER],
+        num_cached_tokens=48,
     ),
     "delta-unset": RequestOutputDelta(request_id="a", new_token_ids=[], finished=False),
     "add-full": AddRequest("r", [1, 2, 3], ALL_SET_PARAMS, arrival_time_s=1234.5),
