@@ -1,11 +1,14 @@
-"""Plain messages between the frontend process and the scheduler process.
+"""Plain messages between the engine's processes, other than the step plan and result.
 
-The frontend sends ``AddRequest`` / ``AbortRequest`` (and ``Shutdown``) to the scheduler;
-the scheduler answers with ``RequestOutputDelta`` (in ``messages.py``) and, for a request
-it could not take or an engine-wide failure, ``EngineError``. Every process announces
-itself with ``Ready`` once it can serve. Like ``messages.py``, only ints, floats, strings,
-lists, dicts and nested dataclasses of those live here, so ``serialization.py`` can encode
-them explicitly, field by field.
+Frontend -> scheduler: ``AddRequest``, ``AbortRequest``, ``GetStats``,
+``ResetPrefixCache``, ``Shutdown``. Scheduler -> frontend: ``OutputBatch`` (the
+``RequestOutputDelta``s of one step), ``EngineStats`` (the answer to ``GetStats``, and the
+scheduler's last word before it exits) and, for a request it could not take or an
+engine-wide failure, ``EngineError``. Every process announces itself with ``Ready`` once
+it can serve. A process starts from one message: the scheduler from ``StartEngine`` (on
+its stdin), a worker from ``StartWorker`` (its only argument). Like ``messages.py``, only
+ints, floats, strings, lists, dicts and nested dataclasses of those live here, so
+``serialization.py`` can encode them explicitly, field by field.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -23,12 +28,18 @@ class AddRequest:
     ``arrival_time_s`` is the frontend's ``time.monotonic()`` when the request arrived;
     processes on one host share that clock, so the scheduler can order by it and measure
     queueing time without a second clock reading.
+
+    ``eos_token_ids`` travel with each request, as they do in the in-process call: the
+    frontend owns what ends a request (the model's generation config today, a request's
+    own choice later), and the scheduler never reads model files.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time_s: float
+    eos_token_ids: list[int]
+    cache_namespace: str | None = None
 
 
 @dataclass
@@ -63,3 +74,86 @@ class Ready:
     component: str
     pid: int
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OutputBatch:
+    """The new tokens of one engine step, all requests together (and the final deltas of
+    requests aborted since the previous step): one message per step, not per request."""
+
+    deltas: list[RequestOutputDelta]
+
+
+@dataclass
+class GetStats:
+    """Ask the scheduler for its counters and a block-integrity check. The answer,
+    ``EngineStats``, travels on the output channel in order with the output batches."""
+
+
+@dataclass
+class EngineStats:
+    """The scheduler's counters (``EngineCore.stats()``) and the outcome of its
+    block-integrity check: ``None`` when it passed, else the ``AssertionError``'s text."""
+
+    stats: dict[str, int]
+    integrity_error: str | None
+
+
+@dataclass
+class ResetPrefixCache:
+    """Forget every cached prefix (blocks in use keep their contents)."""
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker needs to build its ``Worker``: the model and the cache sizes.
+    With neither ``num_blocks`` nor ``kv_cache_bytes`` the worker sizes its cache from
+    the memory left once its weights are loaded."""
+
+    model_path: str
+    dtype: str
+    block_size: int  # tokens
+    num_blocks: int | None
+    kv_cache_bytes: int | None
+    device: str
+    swap_space_bytes: int
+
+
+@dataclass
+class StartEngine:
+    """Everything the scheduler process starts from, sent once by the frontend.
+
+    ``input_endpoint`` / ``output_endpoint`` are the frontend's bound ZeroMQ sockets
+    (ipc:// in ``ipc_dir``, a directory only this engine uses); the scheduler binds its
+    own sockets in ``ipc_dir`` too. ``frontend_pid`` lets the scheduler check that its
+    parent is still the one that started it.
+    """
+
+    frontend_pid: int
+    input_endpoint: str
+    output_endpoint: str
+    ipc_dir: str
+    scheduler_config: SchedulerConfig
+    seed: int
+    enable_prefix_caching: bool
+    world_size: int
+    worker: WorkerSpec
+    startup_timeout_s: float
+
+
+@dataclass
+class StartWorker:
+    """Everything one worker process starts from, sent by the scheduler.
+
+    ``broadcast`` holds the fields of the step broadcaster's ``BroadcastHandle`` (plain
+    strings and ints); ``result_endpoint`` is where the worker sends ``Ready``, its
+    ``StepResult``s (rank 0 only) and, before it exits on a failure, an ``EngineError``.
+    """
+
+    rank: int
+    world_size: int
+    scheduler_pid: int
+    broadcast: dict[str, Any]
+    result_endpoint: str
+    worker: WorkerSpec
+    startup_timeout_s: float

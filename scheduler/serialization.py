@@ -39,12 +39,20 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import (
     AbortRequest,
     AddRequest,
     EngineError,
+    EngineStats,
+    GetStats,
+    OutputBatch,
     Ready,
+    ResetPrefixCache,
     Shutdown,
+    StartEngine,
+    StartWorker,
+    WorkerSpec,
 )
 from pagedserve.scheduler.messages import (
     CachedRequestData,
@@ -66,6 +74,14 @@ Message = (
     | EngineError
     | Shutdown
     | Ready
+    | OutputBatch
+    | GetStats
+    | EngineStats
+    | ResetPrefixCache
+    | StartEngine
+    | StartWorker
+    | WorkerSpec
+    | SchedulerConfig
     | NewRequestData
     | CachedRequestData
     | TokenLogprobs
@@ -135,11 +151,60 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "prompt_logprobs",
         "num_cached_tokens",
     ),
-    AddRequest: ("request_id", "prompt_token_ids", "sampling_params", "arrival_time_s"),
+    AddRequest: (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "arrival_time_s",
+        "eos_token_ids",
+        "cache_namespace",
+    ),
     AbortRequest: ("request_id",),
     EngineError: ("request_id", "message"),
     Shutdown: (),
     Ready: ("component", "pid", "info"),
+    OutputBatch: ("deltas",),
+    GetStats: (),
+    EngineStats: ("stats", "integrity_error"),
+    ResetPrefixCache: (),
+    SchedulerConfig: (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "enable_chunked_prefill",
+        "watermark_fraction",
+        "preemption_mode",
+    ),
+    WorkerSpec: (
+        "model_path",
+        "dtype",
+        "block_size",
+        "num_blocks",
+        "kv_cache_bytes",
+        "device",
+        "swap_space_bytes",
+    ),
+    StartEngine: (
+        "frontend_pid",
+        "input_endpoint",
+        "output_endpoint",
+        "ipc_dir",
+        "scheduler_config",
+        "seed",
+        "enable_prefix_caching",
+        "world_size",
+        "worker",
+        "startup_timeout_s",
+    ),
+    StartWorker: (
+        "rank",
+        "world_size",
+        "scheduler_pid",
+        "broadcast",
+        "result_endpoint",
+        "worker",
+        "startup_timeout_s",
+    ),
 }
 
 
@@ -450,16 +515,31 @@ def _pack_add_request(request: AddRequest) -> list:
         _pack_sampling_params(request.sampling_params),
         # An int arrival time (a test's 0) would otherwise arrive as an int.
         float(request.arrival_time_s),
+        # A frozenset or a tuple from the caller travels as the list msgpack knows.
+        list(request.eos_token_ids),
+        request.cache_namespace,
     ]
 
 
 def _unpack_add_request(value: Any) -> AddRequest:
-    request_id, prompt_token_ids, sampling_params, arrival_time_s = _fields(value, "AddRequest")
+    (
+        request_id,
+        prompt_token_ids,
+        sampling_params,
+        arrival_time_s,
+        eos_token_ids,
+        cache_namespace,
+    ) = _fields(value, "AddRequest")
+    # A few ids: checked one by one, unlike the prompt's tokens.
+    _check(eos_token_ids, list, "AddRequest.eos_token_ids")
+    _check_column(eos_token_ids, int, len(eos_token_ids), "AddRequest.eos_token_ids")
     return AddRequest(
         request_id=_check(request_id, str, "AddRequest.request_id"),
         prompt_token_ids=_check(prompt_token_ids, list, "AddRequest.prompt_token_ids"),
         sampling_params=_unpack_sampling_params(sampling_params),
         arrival_time_s=_check(arrival_time_s, float, "AddRequest.arrival_time_s"),
+        eos_token_ids=eos_token_ids,
+        cache_namespace=_check(cache_namespace, (str, type(None)), "AddRequest.cache_namespace"),
     )
 
 
@@ -490,6 +570,84 @@ def _unpack_ready(value: Any) -> Ready:
     )
 
 
+def _pack_output_batch(batch: OutputBatch) -> list:
+    return [[_pack_request_output_delta(delta) for delta in batch.deltas]]
+
+
+def _unpack_output_batch(value: Any) -> OutputBatch:
+    (deltas,) = _fields(value, "OutputBatch")
+    _check(deltas, list, "OutputBatch.deltas")
+    return OutputBatch([_unpack_request_output_delta(delta) for delta in deltas])
+
+
+# ---------------------------------------------------------------- start-up and control
+
+# Field types of the messages whose fields are all scalars, strings or dicts: one table
+# instead of a hand-written unpacker each (none of them is on a hot path).
+_OPTIONAL_INT = (int, type(None))
+_FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
+    GetStats: (),
+    ResetPrefixCache: (),
+    EngineStats: (dict, (str, type(None))),
+    SchedulerConfig: (int, int, int, bool, float, (str, type(None))),
+    WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int),
+}
+
+
+def _pack_flat(message: Any) -> list:
+    return [getattr(message, name) for name in WIRE_FIELDS[type(message)]]
+
+
+def _unpack_flat(value: Any, message_type: type) -> Any:
+    type_name = message_type.__name__
+    fields = _fields(value, type_name)
+    for name, field_value, expected in zip(
+        WIRE_FIELDS[message_type], fields, _FLAT_FIELD_TYPES[message_type]
+    ):
+        _check(field_value, expected, f"{type_name}.{name}")
+    try:
+        # Config dataclasses validate their ranges themselves.
+        return message_type(*fields)
+    except (TypeError, ValueError) as error:
+        raise DecodeError(f"{type_name}: {error}") from error
+
+
+def _flat_codec(message_type: type) -> tuple[type, Callable[[Any], list], Callable[[Any], Any]]:
+    return message_type, _pack_flat, lambda value: _unpack_flat(value, message_type)
+
+
+def _pack_start_engine(start: StartEngine) -> list:
+    fields = _pack_flat(start)
+    fields[4] = _pack_flat(start.scheduler_config)
+    fields[8] = _pack_flat(start.worker)
+    return fields
+
+
+def _unpack_start_engine(value: Any) -> StartEngine:
+    fields = _fields(value, "StartEngine")
+    expected = (int, str, str, str, list, int, bool, int, list, float)
+    for name, field_value, field_type in zip(WIRE_FIELDS[StartEngine], fields, expected):
+        _check(field_value, field_type, f"StartEngine.{name}")
+    fields[4] = _unpack_flat(fields[4], SchedulerConfig)
+    fields[8] = _unpack_flat(fields[8], WorkerSpec)
+    return StartEngine(*fields)
+
+
+def _pack_start_worker(start: StartWorker) -> list:
+    fields = _pack_flat(start)
+    fields[5] = _pack_flat(start.worker)
+    return fields
+
+
+def _unpack_start_worker(value: Any) -> StartWorker:
+    fields = _fields(value, "StartWorker")
+    expected = (int, int, int, dict, str, list, float)
+    for name, field_value, field_type in zip(WIRE_FIELDS[StartWorker], fields, expected):
+        _check(field_value, field_type, f"StartWorker.{name}")
+    fields[5] = _unpack_flat(fields[5], WorkerSpec)
+    return StartWorker(*fields)
+
+
 # ---------------------------------------------------------------- the tag table
 
 # tag -> (type, pack, unpack). Ordered by how often each crosses a boundary.
@@ -507,6 +665,14 @@ _CODECS: dict[int, tuple[type, Callable[[Any], list], Callable[[Any], Any]]] = {
     11: (TokenLogprobs, _pack_token_logprobs, _unpack_token_logprobs),
     12: (PromptLogprobsChunk, _pack_prompt_logprobs_chunk, _unpack_prompt_logprobs_chunk),
     13: (SamplingParams, _pack_sampling_params, _unpack_sampling_params),
+    14: (OutputBatch, _pack_output_batch, _unpack_output_batch),
+    15: _flat_codec(GetStats),
+    16: _flat_codec(EngineStats),
+    17: _flat_codec(ResetPrefixCache),
+    18: (StartEngine, _pack_start_engine, _unpack_start_engine),
+    19: (StartWorker, _pack_start_worker, _unpack_start_worker),
+    20: _flat_codec(WorkerSpec),
+    21: _flat_codec(SchedulerConfig),
 }
 
 #: Each encodable type and its wire tag.

@@ -9,12 +9,20 @@ import msgpack
 import numpy as np
 import pytest
 
+from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import (
     AbortRequest,
     AddRequest,
     EngineError,
+    EngineStats,
+    GetStats,
+    OutputBatch,
     Ready,
+    ResetPrefixCache,
     Shutdown,
+    StartEngine,
+    StartWorker,
+    WorkerSpec,
 )
 from pagedserve.scheduler.messages import (
     CachedRequestData,
@@ -80,6 +88,33 @@ FULL_PLAN = StepPlan(
     swap_in=[(2, 7)],
 )
 
+FULL_DELTA = RequestOutputDelta(
+    request_id="a",
+    new_token_ids=[5, 6],
+    finished=True,
+    finish_reason="stop",
+    logprobs=[TOP, OTHER],
+    prompt_logprobs=[OTHER],
+    num_cached_tokens=48,
+)
+WORKER_SPEC = WorkerSpec(
+    model_path="/models/tiny-é",
+    dtype="bfloat16",
+    block_size=16,
+    num_blocks=None,
+    kv_cache_bytes=1 << 30,
+    device="cpu",
+    swap_space_bytes=0,
+)
+SCHEDULER_CONFIG = SchedulerConfig(
+    max_num_seqs=8,
+    max_num_batched_tokens=4096,
+    max_model_len=4096,
+    enable_chunked_prefill=False,
+    watermark_fraction=0.25,
+    preemption_mode="swap",
+)
+
 # Every encodable type, with optional fields set and unset.
 ROUND_TRIP_CASES = {
     "plan-full": FULL_PLAN,
@@ -95,18 +130,12 @@ ROUND_TRIP_CASES = {
         },
     ),
     "result-empty": StepResult(step_id=4),
-    "delta-full": RequestOutputDelta(
-        request_id="a",
-        new_token_ids=[5, 6],
-        finished=True,
-        finish_reason="stop",
-        logprobs=[TOP, OTHER],
-        prompt_logprobs=[OTHER],
-        num_cached_tokens=48,
-    ),
+    "delta-full": FULL_DELTA,
     "delta-unset": RequestOutputDelta(request_id="a", new_token_ids=[], finished=False),
-    "add-full": AddRequest("r", [1, 2, 3], ALL_SET_PARAMS, arrival_time_s=1234.5),
-    "add-defaults": AddRequest("r", [1], SamplingParams(), arrival_time_s=0.25),
+    "add-full": AddRequest(
+        "r", [1, 2, 3], ALL_SET_PARAMS, 1234.5, eos_token_ids=[2, 32000], cache_namespace="t-1"
+    ),
+    "add-defaults": AddRequest("r", [1], SamplingParams(), 0.25, eos_token_ids=[]),
     "abort": AbortRequest("r"),
     "error-request": EngineError(request_id="r", message="prompt too long: 9000 > 4096"),
     "error-engine": EngineError(request_id=None, message="worker 1 died"),
@@ -125,6 +154,39 @@ ROUND_TRIP_CASES = {
         },
     ),
     "ready-empty": Ready(component="scheduler", pid=1, info={}),
+    "output-batch": OutputBatch(
+        [FULL_DELTA, RequestOutputDelta("b", [9], finished=True, finish_reason="error")]
+    ),
+    "output-batch-empty": OutputBatch([]),
+    "get-stats": GetStats(),
+    "engine-stats-ok": EngineStats({"num_free_blocks": 64, "num_running": 0}, None),
+    "engine-stats-broken": EngineStats({}, "block 3 is free but in a table"),
+    "reset-prefix-cache": ResetPrefixCache(),
+    "scheduler-config": SCHEDULER_CONFIG,
+    "scheduler-config-defaults": SchedulerConfig(),
+    "worker-spec": WORKER_SPEC,
+    "worker-spec-blocks": WorkerSpec("/m", "float32", 8, 64, None, "cpu", 1 << 30),
+    "start-engine": StartEngine(
+        frontend_pid=77,
+        input_endpoint="ipc:///tmp/ps-x/input.sock",
+        output_endpoint="ipc:///tmp/ps-x/output.sock",
+        ipc_dir="/tmp/ps-x",
+        scheduler_config=SCHEDULER_CONFIG,
+        seed=2**63 - 1,
+        enable_prefix_caching=True,
+        world_size=1,
+        worker=WORKER_SPEC,
+        startup_timeout_s=120.0,
+    ),
+    "start-worker": StartWorker(
+        rank=0,
+        world_size=1,
+        scheduler_pid=78,
+        broadcast={"ring_name": None, "local_endpoint": "ipc:///x", "num_local_readers": 1},
+        result_endpoint="ipc:///tmp/ps-x/results.sock",
+        worker=WORKER_SPEC,
+        startup_timeout_s=0.5,
+    ),
     "new-request": new_request(ALL_SET_PARAMS, [2]),
     "cached-request": CachedRequestData("req-1", [12, 13], 31, 1),
     "token-logprobs": TOP,
@@ -163,13 +225,23 @@ def test_decoded_plan_keeps_derived_properties():
 
 
 def test_int_arrival_time_arrives_as_float():
-    decoded = decode(encode(AddRequest("r", [1], SamplingParams(), arrival_time_s=3)))
+    decoded = decode(encode(AddRequest("r", [1], SamplingParams(), 3, eos_token_ids=[])))
     assert decoded.arrival_time_s == 3.0 and type(decoded.arrival_time_s) is float
+
+
+def test_eos_ids_given_as_a_frozenset_arrive_as_a_list():
+    # The in-process engine passes the model's EOS ids as a frozenset.
+    request = AddRequest("r", [1], SamplingParams(), 0.0, eos_token_ids=frozenset({7}))
+    assert decode(encode(request)).eos_token_ids == [7]
 
 
 def test_ready_info_tuples_arrive_as_lists():
     decoded = decode(encode(Ready("worker", 1, {"shape": (2, 3)})))
     assert decoded.info == {"shape": [2, 3]}
+
+
+def _pack_params() -> list:
+    return msgpack.unpackb(encode(SamplingParams()))[1:]
 
 
 def _frame(message_type: type, *fields) -> bytes:
@@ -223,10 +295,40 @@ def _plan_fields(**overrides) -> list:
                 [1],
                 [16, 0, -1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, None, False, [], None, None],
                 0.0,
+                [2],
+                None,
             ),
             "SamplingParams: temperature must be >= 0.0, got -1.0",
         ),
-        (_frame(AddRequest, "r", [1], [16], 0.0), "SamplingParams: expected an array of 14"),
+        (
+            _frame(AddRequest, "r", [1], [16], 0.0, [2], None),
+            "SamplingParams: expected an array of 14",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(), 0.0),
+            "AddRequest: expected an array of 6 fields",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2, "3"], None),
+            r"AddRequest.eos_token_ids: expected only int, found \['str'\]",
+        ),
+        (
+            _frame(OutputBatch, [["a", [], "yes", None, None, None, None]]),
+            "RequestOutputDelta.finished: expected bool, got str",
+        ),
+        (_frame(EngineStats, [], None), "EngineStats.stats: expected dict, got list"),
+        (
+            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None),
+            "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
+        ),
+        (
+            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0),
+            r"WorkerSpec.num_blocks: expected int or None, got float",
+        ),
+        (
+            _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], 1.0),
+            "WorkerSpec: expected an array of 7 fields",
+        ),
         (_frame(EngineError, 7, "boom"), "EngineError.request_id: expected str or None, got int"),
         (
             _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}),
