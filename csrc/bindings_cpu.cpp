@@ -132,11 +132,64 @@ PYBIND11_MODULE(_C_cpu, m) {
       py::arg("dst_num_blocks"), py::arg("block_bytes"), py::arg("block_mapping"),
       py::arg("num_pairs"));
 
+  m.def(
+      "rms_norm",
+      [](uintptr_t out, int64_t out_token_stride, uintptr_t x, int64_t x_token_stride,
+         uintptr_t weight, int64_t num_tokens, int64_t hidden_size, float eps, int dtype) {
+        py::gil_scoped_release release;
+        pagedserve::cpu::rms_norm(ptr<void>(out), out_token_stride, ptr<const void>(x),
+                                  x_token_stride, ptr<const void>(weight), num_tokens, hidden_size,
+                                  eps, static_cast<DType>(dtype));
+      },
+      py::arg("out"), py::arg("out_token_stride"), py::arg("x"), py::arg("x_token_stride"),
+      py::arg("weight"), py::arg("num_tokens"), py::arg("hidden_size"), py::arg("eps"),
+      py::arg("dtype"));
+
+  m.def(
+      "fused_add_rms_norm",
+      [](uintptr_t x, int64_t x_token_stride, uintptr_t residual, int64_t residual_token_stride,
+         uintptr_t weight, int64_t num_tokens, int64_t hidden_size, float eps, int dtype) {
+        py::gil_scoped_release release;
+        pagedserve::cpu::fused_add_rms_norm(
+            ptr<void>(x), x_token_stride, ptr<void>(residual), residual_token_stride,
+            ptr<const void>(weight), num_tokens, hidden_size, eps, static_cast<DType>(dtype));
+      },
+      py::arg("x"), py::arg("x_token_stride"), py::arg("residual"),
+      py::arg("residual_token_stride"), py::arg("weight"), py::arg("num_tokens"),
+      py::arg("hidden_size"), py::arg("eps"), py::arg("dtype"));
+
+  m.def(
+      "rotary_embedding",
+      [](uintptr_t positions, uintptr_t query, int64_t query_token_stride, int64_t num_heads,
+         uintptr_t key, int64_t key_token_stride, int64_t num_kv_heads, int64_t head_size,
+         uintptr_t cos, uintptr_t sin, int64_t max_positions, int64_t num_tokens, int dtype) {
+        py::gil_scoped_release release;
+        pagedserve::cpu::rotary_embedding(
+            ptr<const int64_t>(positions), ptr<void>(query), query_token_stride, num_heads,
+            ptr<void>(key), key_token_stride, num_kv_heads, head_size, ptr<const float>(cos),
+            ptr<const float>(sin), max_positions, num_tokens, static_cast<DType>(dtype));
+      },
+      py::arg("positions"), py::arg("query"), py::arg("query_token_stride"), py::arg("num_heads"),
+      py::arg("key"), py::arg("key_token_stride"), py::arg("num_kv_heads"), py::arg("head_size"),
+      py::arg("cos"), py::arg("sin"), py::arg("max_positions"), py::arg("num_tokens"),
+      py::arg("dtype"));
+
+  m.def(
+      "silu_and_mul",
+      [](uintptr_t out, int64_t out_token_stride, uintptr_t x, int64_t x_token_stride,
+         int64_t num_tokens, int64_t intermediate_size, int dtype) {
+        py::gil_scoped_release release;
+        pagedserve::cpu::silu_and_mul(ptr<void>(out), out_token_stride, ptr<const void>(x),
+                                      x_token_stride, num_tokens, intermediate_size,
+                                      static_cast<DType>(dtype));
+      },
+      py::arg("out"), py::arg("out_token_stride"), py::arg("x"), py::arg("x_token_stride"),
+      py::arg("num_tokens"), py::arg("intermediate_size"), py::arg("dtype"));
+
   m.def("set_num_threads", &pagedserve::cpu::set_num_threads, py::arg("num_threads"),
         "OpenMP threads used by every op of this module.");
   m.def("get_num_threads", &pagedserve::cpu::get_num_threads);
-  m.def("isa", &pagedserve::cpu::isa,
-        "The SIMD variant the attention kernels run: avx512, avx2 or generic.");
+  m.def("isa", &pagedserve::cpu::isa, "The SIMD variant the kernels run: avx512, avx2 or generic.");
   m.def("force_isa", &pagedserve::cpu::force_isa, py::arg("name"),
-        "Run the attention kernels' `name` variant from now on (for tests and benchmarks).");
+        "Run the kernels' `name` variant from now on (for tests and benchmarks).");
 }

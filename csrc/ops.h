@@ -118,11 +118,54 @@ void swap_blocks(const void* src_kv_cache,  // [src_num_blocks, block_bytes]
                  const int64_t* block_mapping,  // [num_pairs, 2]: (src_block, dst_block)
                  int64_t num_pairs);
 
+// --- Fused elementwise ops of a decoder layer --------------------------------------------------
+// Each replaces a chain of torch ops of HF's modeling code and reproduces its rounding: math in
+// float32, rounded to the activation dtype wherever torch rounds (after every torch op). Rows may
+// have any stride (views into fused qkv / gate_up outputs); within a row, elements are
+// contiguous. dtype covers every tensor but positions and the cos/sin tables.
+
+// out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), the mean of the float32 squares summed in
+// torch's order (HF LlamaRMSNorm, bit for bit). out may be x itself.
+void rms_norm(void* out,  // [num_tokens, hidden_size]
+              int64_t out_token_stride,
+              const void* x,  // [num_tokens, hidden_size]
+              int64_t x_token_stride,
+              const void* weight,  // [hidden_size]
+              int64_t num_tokens, int64_t hidden_size, float eps, DType dtype);
+
+// In place: residual = to_dtype(x + residual), then x = rms_norm(residual).
+void fused_add_rms_norm(void* x,  // [num_tokens, hidden_size]
+                        int64_t x_token_stride,
+                        void* residual,  // [num_tokens, hidden_size]
+                        int64_t residual_token_stride,
+                        const void* weight,  // [hidden_size]
+                        int64_t num_tokens, int64_t hidden_size, float eps, DType dtype);
+
+// In place, rotate-half (NeoX) RoPE of every head of query and key at each token's position:
+//   c = to_dtype(cos[pos]), s = to_dtype(sin[pos]),
+//   x[:half] = x1 * c - x2 * s,  x[half:] = x2 * c + x1 * s   (each product and sum rounded)
+// Throws if a position is outside [0, max_positions), before writing anything.
+void rotary_embedding(const int64_t* positions,  // [num_tokens]
+                      void* query,               // [num_tokens, num_heads, head_size]
+                      int64_t query_token_stride, int64_t num_heads,
+                      void* key,  // [num_tokens, num_kv_heads, head_size]
+                      int64_t key_token_stride, int64_t num_kv_heads, int64_t head_size,
+                      const float* cos,  // [max_positions, head_size / 2]
+                      const float* sin,  // [max_positions, head_size / 2]
+                      int64_t max_positions, int64_t num_tokens, DType dtype);
+
+// out = to_dtype(silu(gate)) * up, silu(g) = g / (1 + exp(-g)) in float32 with torch's exp.
+void silu_and_mul(void* out,  // [num_tokens, intermediate_size]
+                  int64_t out_token_stride,
+                  const void* x,  // [num_tokens, 2 * intermediate_size]: gate | up
+                  int64_t x_token_stride, int64_t num_tokens, int64_t intermediate_size,
+                  DType dtype);
+
 // OpenMP threads used by every op of this library (default: omp_get_max_threads()).
 void set_num_threads(int num_threads);
 int get_num_threads();
 
-// The SIMD variant the attention kernels run ("avx512", "avx2" or "generic"): the best the CPU
+// The SIMD variant the kernels run ("avx512", "avx2" or "generic"): the best the CPU
 // supports, unless PAGEDSERVE_CPU_ISA names a lower one. force_isa() exists for tests.
 const char* isa();
 void force_isa(const char* name);

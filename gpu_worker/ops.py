@@ -1,4 +1,5 @@
-"""The paged-attention and KV-cache ops (contract and KV layout: csrc/ops.h).
+"""The paged-attention and KV-cache ops, and the fused elementwise ops of a decoder layer
+(contract and KV layout: csrc/ops.h).
 
 Each wrapper checks device, dtype, strides and shapes, raising ``TypeError`` (wrong type or
 dtype) or ``ValueError`` (wrong shape, stride or value) with a message that names the
@@ -16,6 +17,12 @@ A layer's caches are views of the pool tensor
     value_cache = kv_cache[:, layer, 1]  # inner three dims contiguous, any block stride
 
 and a token's slot is ``block_id * block_size + offset``.
+
+The fused elementwise ops (:func:`rms_norm`, :func:`fused_add_rms_norm`,
+:func:`rotary_embedding`, :func:`silu_and_mul`) each replace a chain of torch ops of HF's
+modeling code and reproduce its rounding step by step (float32 math, rounded to the activation
+dtype after every torch op), so they match that torch code bit for bit; see each docstring for
+the one condition where they may not.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _LAYOUT_TOKENS = "[num_tokens, num_heads, head_size]"
+_LAYOUT_ROWS = "[num_tokens, hidden_size]"
 _LAYOUT_CACHE = "[num_blocks, num_kv_heads, block_size, head_size]"
 
 
@@ -289,6 +297,157 @@ def swap_blocks(
     )
 
 
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """HF's RMSNorm of each row of ``x`` into ``out``, bit for bit::
+
+        h = x.float(); h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        out = weight * h.to(x.dtype)
+
+    The mean's sum adds in the order torch's CPU sum kernel does (rows of 8 elements or more),
+    so float32 results are identical too.
+
+    Args:
+        out: ``[num_tokens, hidden_size]`` like ``x`` (any token stride); may be ``x`` itself.
+        x: ``[num_tokens, hidden_size]``, any token stride, rows contiguous.
+        weight: ``[hidden_size]``, contiguous, ``x``'s dtype.
+        eps: added to the mean square, as a float32 (as torch adds it).
+    """
+    hidden_size = _check_rows("x", x)
+    _check_rows_like("out", out, "x", x)
+    _check_weight(weight, x)
+    eps = _check_eps(eps)
+    if x.shape[0] == 0:
+        return
+    _C_cpu.rms_norm(
+        out.data_ptr(),
+        out.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        x.shape[0],
+        hidden_size,
+        eps,
+        _DTYPE_CODES[x.dtype],
+    )
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: ``residual = x + residual`` (rounded to the dtype, as torch adds), then
+    ``x = rms_norm(residual)``; replaces ``hidden = residual + out; normed = norm(hidden)``.
+
+    Args:
+        x: ``[num_tokens, hidden_size]``, any token stride, rows contiguous; becomes the
+            normed rows.
+        residual: ``[num_tokens, hidden_size]`` like ``x``; becomes the sum.
+        weight: ``[hidden_size]``, contiguous, ``x``'s dtype.
+        eps: as in :func:`rms_norm`.
+    """
+    hidden_size = _check_rows("x", x)
+    _check_rows_like("residual", residual, "x", x)
+    _check_weight(weight, x)
+    eps = _check_eps(eps)
+    if x.shape[0] == 0:
+        return
+    _C_cpu.fused_add_rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        residual.data_ptr(),
+        residual.stride(0),
+        weight.data_ptr(),
+        x.shape[0],
+        hidden_size,
+        eps,
+        _DTYPE_CODES[x.dtype],
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """In place: rotate-half (NeoX) RoPE of every query and key head, bit for bit HF's::
+
+        c, s = cos[positions].to(dtype), sin[positions].to(dtype)
+        x = cat((x1 * c + (-x2) * s, x2 * c + x1 * s), -1)   # x1, x2: the halves of a head
+
+    Args:
+        positions: int64 ``[num_tokens]``, each in ``[0, max_positions)`` (checked before
+            anything is written).
+        query: ``[num_tokens, num_heads * head_size]``, any token stride (a view into a fused
+            qkv output), rows contiguous.
+        key: ``[num_tokens, num_kv_heads * head_size]`` like ``query``, same dtype.
+        cos, sin: float32 ``[max_positions, head_size // 2]``, contiguous; ``head_size`` is
+            ``2 * cos.shape[1]``.
+    """
+    head_size = _check_rotary_tables(cos, sin)
+    num_heads = _check_head_rows("query", query, head_size)
+    num_tokens = query.shape[0]
+    num_kv_heads = _check_head_rows("key", key, head_size)
+    if key.dtype != query.dtype:
+        raise TypeError(f"key has dtype {key.dtype} but query has {query.dtype}; they must match")
+    _check_same_length("key", key, "query", num_tokens)
+    _check_index_vector("positions", positions, torch.int64, num_tokens, "num_tokens")
+    if num_tokens == 0:
+        return
+    _C_cpu.rotary_embedding(
+        positions.data_ptr(),
+        query.data_ptr(),
+        query.stride(0),
+        num_heads,
+        key.data_ptr(),
+        key.stride(0),
+        num_kv_heads,
+        head_size,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[0],
+        num_tokens,
+        _DTYPE_CODES[query.dtype],
+    )
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out = F.silu(gate) * up`` with ``gate, up = x.chunk(2, -1)``, bit for bit torch's.
+
+    silu runs in float32 with torch's own exp (SLEEF's algorithm in the AVX2 and AVX-512
+    variants, libm's ``expf`` in the generic one), so results are identical where the kernel
+    variant (``_C_cpu.isa()``) is the one torch's CPU capability names; otherwise float32
+    results may differ by a few ulp.
+
+    Args:
+        out: ``[num_tokens, intermediate_size]``, any token stride, rows contiguous.
+        x: ``[num_tokens, 2 * intermediate_size]`` (gate | up), any token stride, rows
+            contiguous, ``out``'s dtype.
+    """
+    width = _check_rows("x", x, "[num_tokens, 2 * intermediate_size]")
+    intermediate_size = _check_rows("out", out, "[num_tokens, intermediate_size]")
+    if out.dtype != x.dtype:
+        raise TypeError(f"out has dtype {out.dtype} but x has {x.dtype}; they must match")
+    if width != 2 * intermediate_size or out.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x [num_tokens, 2 * intermediate_size] has shape {tuple(x.shape)} but out "
+            f"[num_tokens, intermediate_size] has {tuple(out.shape)}; x must be "
+            f"{(out.shape[0], 2 * intermediate_size)}"
+        )
+    _check_rows_disjoint("out", out)
+    if x.shape[0] == 0:
+        return
+    _C_cpu.silu_and_mul(
+        out.data_ptr(),
+        out.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        intermediate_size,
+        _DTYPE_CODES[x.dtype],
+    )
+
+
 # --- checks ---------------------------------------------------------------------------------
 # NOTE: these run for every layer of every step, so the common case is a few tuple compares;
 # the detailed messages are built only on failure.
@@ -476,6 +635,92 @@ def _check_scale(scale: float) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     return float(scale)
+
+
+def _check_rows(name: str, tensor: torch.Tensor, layout: str = _LAYOUT_ROWS) -> int:
+    """``tensor`` is 2-D ``layout`` with contiguous rows; returns the row size."""
+    _check_device(name, tensor)
+    _check_dtype(name, tensor, SUPPORTED_DTYPES)
+    if tensor.dim() != 2 or tensor.shape[1] == 0:
+        raise ValueError(f"{name} must be 2-D {layout}, got shape {tuple(tensor.shape)}")
+    if tensor.stride(1) != 1 and tensor.shape[1] != 1:
+        _check_inner_strides(name, tensor, layout)
+    return tensor.shape[1]
+
+
+def _check_rows_disjoint(name: str, tensor: torch.Tensor) -> None:
+    """Rows written in parallel must not share memory (e.g. an ``expand``-ed tensor)."""
+    if tensor.shape[0] > 1 and tensor.stride(0) < tensor.shape[1]:
+        raise ValueError(
+            f"{name} rows overlap: token stride {tensor.stride(0)} < row size {tensor.shape[1]}"
+        )
+
+
+def _check_rows_like(name: str, tensor: torch.Tensor, other: str, like: torch.Tensor) -> None:
+    """``tensor`` is written: ``like``'s shape and dtype, contiguous disjoint rows."""
+    _check_device(name, tensor)
+    if tensor.dtype != like.dtype:
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype} but {other} has {like.dtype}; they must match"
+        )
+    if tensor.shape != like.shape:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)} but {other} has {tuple(like.shape)}; "
+            "they must match"
+        )
+    _check_rows(name, tensor)
+    _check_rows_disjoint(name, tensor)
+
+
+def _check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
+    _check_device("weight", weight)
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight has dtype {weight.dtype} but x has {x.dtype}; they must match")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(
+            f"weight must have shape [hidden_size] = [{x.shape[1]}], got {tuple(weight.shape)}"
+        )
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous, got stride {weight.stride()}")
+
+
+def _check_eps(eps: float) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    return float(eps)
+
+
+def _check_rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """Checks the float32 ``[max_positions, head_size // 2]`` tables; returns head_size."""
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check_device(name, table)
+        if table.dtype != torch.float32:
+            raise TypeError(f"{name} has dtype {table.dtype}; expected torch.float32")
+        if table.dim() != 2 or table.shape[1] == 0:
+            raise ValueError(
+                f"{name} must be 2-D [max_positions, head_size // 2], got {tuple(table.shape)}"
+            )
+        if not table.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {table.stride()}")
+    if sin.shape != cos.shape:
+        raise ValueError(
+            f"sin has shape {tuple(sin.shape)} but cos has {tuple(cos.shape)}; they must match"
+        )
+    return 2 * cos.shape[1]
+
+
+def _check_head_rows(name: str, tensor: torch.Tensor, head_size: int) -> int:
+    """``tensor`` is ``[num_tokens, heads * head_size]``, written in place; returns heads."""
+    width = _check_rows(name, tensor, "[num_tokens, num_heads * head_size]")
+    if width % head_size != 0:
+        raise ValueError(
+            f"{name} [num_tokens, num_heads * head_size] has {width} columns, not a multiple "
+            f"of head_size {head_size} (2 * cos.shape[1])"
+        )
+    _check_rows_disjoint(name, tensor)
+    return width // head_size
 
 
 def _check_pool(name: str, kv_cache: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
-// The attention ops of ops.h: argument checks, choice of the ISA variant, work planning
-// (decode partitions, prefill tiles), workspace, thread count. Compiled for the baseline ISA.
+// The attention ops of ops.h: argument checks, work planning (decode partitions, prefill tiles),
+// workspace, thread count; and the choice of the ISA variant, for the attention and the
+// elementwise kernels alike. Compiled for the baseline ISA.
 #include <omp.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "attention_kernels.h"
+#include "elementwise_kernels.h"
 #include "ops.h"
 
 namespace pagedserve::cpu {
@@ -26,50 +28,70 @@ constexpr int64_t kMinAutoPartitionSize = 256;
 // costs more than it saves.
 constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 
+// One ISA variant's kernel tables; its name is attention->isa.
+struct IsaVariant {
+  const AttentionKernels* attention;
+  const ElementwiseKernels* elementwise;
+};
+
+// Every variant of this build, best first.
+const IsaVariant kVariants[] = {
+#if defined(PAGEDSERVE_HAVE_AVX512)
+    {&avx512::kAttentionKernels, &avx512::kElementwiseKernels},
+#endif
+#if defined(PAGEDSERVE_HAVE_AVX2)
+    {&avx2::kAttentionKernels, &avx2::kElementwiseKernels},
+#endif
+    {&generic::kAttentionKernels, &generic::kElementwiseKernels},
+};
+
 std::atomic<int> g_num_threads{0};  // 0: not set, use omp_get_max_threads()
-std::atomic<const AttentionKernels*> g_kernels{nullptr};
+std::atomic<const IsaVariant*> g_variant{nullptr};
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-std::vector<const AttentionKernels*> supported_kernels() {  // best first
-  std::vector<const AttentionKernels*> kernels;
-#if defined(PAGEDSERVE_HAVE_AVX512)
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    kernels.push_back(&avx512::kAttentionKernels);
+bool cpu_supports(const IsaVariant& variant) {
+  const std::string isa = variant.attention->isa;
+  if (isa == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   }
-#endif
-#if defined(PAGEDSERVE_HAVE_AVX2)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    kernels.push_back(&avx2::kAttentionKernels);
-  }
-#endif
-  kernels.push_back(&generic::kAttentionKernels);
-  return kernels;
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return true;
 }
 
-const AttentionKernels* find_kernels(const std::string& name) {
-  for (const AttentionKernels* k : supported_kernels()) {
-    if (name == k->isa) return k;
+std::vector<const IsaVariant*> supported_variants() {  // best first
+  std::vector<const IsaVariant*> variants;
+  for (const IsaVariant& variant : kVariants) {
+    if (cpu_supports(variant)) variants.push_back(&variant);
+  }
+  return variants;
+}
+
+const IsaVariant* find_variant(const std::string& name) {
+  for (const IsaVariant* v : supported_variants()) {
+    if (name == v->attention->isa) return v;
   }
   std::string supported;
-  for (const AttentionKernels* k : supported_kernels()) {
-    supported += std::string(supported.empty() ? "" : ", ") + k->isa;
+  for (const IsaVariant* v : supported_variants()) {
+    supported += std::string(supported.empty() ? "" : ", ") + v->attention->isa;
   }
   throw std::invalid_argument("CPU ISA variant '" + name +
                               "' is not available on this CPU/build; supported: " + supported);
 }
 
-const AttentionKernels& kernels() {
-  const AttentionKernels* k = g_kernels.load(std::memory_order_acquire);
-  if (k == nullptr) {
+const IsaVariant& variant() {
+  const IsaVariant* v = g_variant.load(std::memory_order_acquire);
+  if (v == nullptr) {
     const char* requested = std::getenv("PAGEDSERVE_CPU_ISA");
-    k = requested != nullptr && requested[0] != '\0' ? find_kernels(requested)
-                                                     : supported_kernels().front();
-    g_kernels.store(k, std::memory_order_release);
+    v = requested != nullptr && requested[0] != '\0' ? find_variant(requested)
+                                                     : supported_variants().front();
+    g_variant.store(v, std::memory_order_release);
   }
-  return *k;
+  return *v;
 }
+
+const AttentionKernels& kernels() { return *variant().attention; }
 
 // A 64-byte aligned scratch buffer owned by the calling thread, reused across calls.
 float* workspace(int64_t num_floats) {
@@ -255,6 +277,8 @@ int get_num_threads() {
 
 const char* isa() { return kernels().isa; }
 
-void force_isa(const char* name) { g_kernels.store(find_kernels(name), std::memory_order_release); }
+void force_isa(const char* name) { g_variant.store(find_variant(name), std::memory_order_release); }
+
+const ElementwiseKernels& elementwise_kernels() { return *variant().elementwise; }
 
 }  // namespace pagedserve::cpu

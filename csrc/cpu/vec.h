@@ -1,4 +1,4 @@
-// A small float32 SIMD vector type for the attention kernels, one definition per ISA.
+// A small float32 SIMD vector type for the CPU kernels, one definition per ISA.
 //
 // This header is compiled once per ISA variant (see CMakeLists.txt); everything lives in the
 // namespace PAGEDSERVE_ISA_NS so the variants never share a symbol. Code compiled with
@@ -89,6 +89,23 @@ inline Half from_float<Half>(float x) {
   bits += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
   return Half{static_cast<uint16_t>(sign | (bits >> 13))};
 }
+
+// SLEEF's expf_u10 (sleefsimdsp.c, xexpf), which torch's vectorized float exp calls
+// (Sleef_expf16_u10 / Sleef_expf8_u10): exp_like_torch repeats it operation for operation, FMAs
+// included, so results are bit-identical to torch's.
+namespace sleef_expf {
+constexpr float kRLn2 = 1.442695040888963407359924681001892137426645954152985934135449406931f;
+constexpr float kL2U = 0.693145751953125f;  // ln 2 = kL2U + kL2L (Cody-Waite)
+constexpr float kL2L = 1.428606765330187045e-06f;
+constexpr float kC5 = 0.000198527617612853646278381f;  // polynomial, highest degree first
+constexpr float kC4 = 0.00139304355252534151077271f;
+constexpr float kC3 = 0.00833336077630519866943359f;
+constexpr float kC2 = 0.0416664853692054748535156f;
+constexpr float kC1 = 0.166666671633720397949219f;
+constexpr float kC0 = 0.5f;
+constexpr float kUnderflow = -104.0f;  // below: 0
+constexpr float kOverflow = 100.0f;    // above: inf
+}  // namespace sleef_expf
 
 #if defined(PAGEDSERVE_ISA_AVX512)
 
@@ -227,6 +244,40 @@ inline void store_pair(BFloat16* p, VecF a, VecF b) {
   _mm512_storeu_si512(p, _mm512_packus_epi32(bfloat16_bits(a), bfloat16_bits(b)));
 }
 
+// x rounded to the 16-bit type's precision (round to nearest even), as a float again.
+inline VecF round_to_bfloat16(VecF x) {
+  return VecF(_mm512_castsi512_ps(_mm512_slli_epi32(bfloat16_bits(x), 16)));
+}
+inline VecF round_to_half(VecF x) {
+  return VecF(_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+}
+
+inline VecF exp_like_torch(VecF x) {
+  using namespace sleef_expf;
+  const __m512 d = x.v;
+  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(kRLn2)));
+  const __m512 qf = _mm512_cvtepi32_ps(q);
+  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-kL2U), d);
+  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-kL2L), s);
+  __m512 u = _mm512_set1_ps(kC5);
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kC4));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kC3));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kC2));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kC1));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kC0));
+  u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+  // u * 2^q in two steps (2^(q/2) each), so q down to -149 still gives denormals.
+  const __m512i half_q = _mm512_srai_epi32(q, 1);
+  const auto pow2 = [](__m512i e) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(0x7f)), 23));
+  };
+  u = _mm512_mul_ps(_mm512_mul_ps(u, pow2(half_q)), pow2(_mm512_sub_epi32(q, half_q)));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(d, _mm512_set1_ps(kUnderflow), _CMP_LT_OQ);
+  u = _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), u);
+  const __mmask16 overflow = _mm512_cmp_ps_mask(_mm512_set1_ps(kOverflow), d, _CMP_LT_OQ);
+  return VecF(_mm512_mask_mov_ps(u, overflow, _mm512_set1_ps(INFINITY)));
+}
+
 #elif defined(PAGEDSERVE_ISA_AVX2)
 
 struct VecF {
@@ -355,6 +406,37 @@ inline void store_pair(BFloat16* p, VecF a, VecF b) {
                       _mm256_packus_epi32(bfloat16_bits(a), bfloat16_bits(b)));
 }
 
+inline VecF round_to_bfloat16(VecF x) {
+  return VecF(_mm256_castsi256_ps(_mm256_slli_epi32(bfloat16_bits(x), 16)));
+}
+inline VecF round_to_half(VecF x) {
+  return VecF(_mm256_cvtph_ps(_mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+}
+
+inline VecF exp_like_torch(VecF x) {  // see the AVX-512 variant
+  using namespace sleef_expf;
+  const __m256 d = x.v;
+  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(kRLn2)));
+  const __m256 qf = _mm256_cvtepi32_ps(q);
+  __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-kL2U), d);
+  s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-kL2L), s);
+  __m256 u = _mm256_set1_ps(kC5);
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kC4));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kC3));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kC2));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kC1));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kC0));
+  u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+  const __m256i half_q = _mm256_srai_epi32(q, 1);
+  const auto pow2 = [](__m256i e) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(0x7f)), 23));
+  };
+  u = _mm256_mul_ps(_mm256_mul_ps(u, pow2(half_q)), pow2(_mm256_sub_epi32(q, half_q)));
+  u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(kUnderflow), _CMP_LT_OQ), u);
+  const __m256 overflow = _mm256_cmp_ps(_mm256_set1_ps(kOverflow), d, _CMP_LT_OQ);
+  return VecF(_mm256_blendv_ps(u, _mm256_set1_ps(INFINITY), overflow));
+}
+
 #else  // portable: plain loops the compiler vectorizes for the baseline ISA
 
 struct VecF {
@@ -435,6 +517,24 @@ inline void transpose(VecF* v) {
 
 constexpr bool kInterleavedBFloat16 = false;
 
+inline VecF round_to_bfloat16(VecF x) {
+  VecF r;
+  for (int i = 0; i < VecF::kWidth; ++i) r.v[i] = to_float(from_float<BFloat16>(x.v[i]));
+  return r;
+}
+inline VecF round_to_half(VecF x) {
+  VecF r;
+  for (int i = 0; i < VecF::kWidth; ++i) r.v[i] = to_float(from_float<Half>(x.v[i]));
+  return r;
+}
+
+// torch's default-capability build (no SIMD) maps std::exp over the lanes, and so does this.
+inline VecF exp_like_torch(VecF x) {
+  VecF r;
+  for (int i = 0; i < VecF::kWidth; ++i) r.v[i] = std::exp(x.v[i]);
+  return r;
+}
+
 #endif
 
 constexpr int kWidth = VecF::kWidth;
@@ -452,6 +552,15 @@ template <typename T>
 inline void store_pair(T* p, VecF a, VecF b) {
   a.store(p);
   b.store(p + kWidth);
+}
+
+// x rounded to T's precision and widened again: what a torch op computing in float32 and
+// returning a T tensor hands to the next op. A no-op for float.
+template <typename T>
+inline VecF round_to(VecF x) {
+  if constexpr (std::is_same_v<T, BFloat16>) return round_to_bfloat16(x);
+  if constexpr (std::is_same_v<T, Half>) return round_to_half(x);
+  return x;
 }
 
 // exp(x) for x <= 0 (softmax arguments), about 2 ulp; exp(-inf) == 0.
