@@ -126,7 +126,8 @@ class StartEngine:
     ``input_endpoint`` / ``output_endpoint`` are the frontend's bound ZeroMQ sockets
     (ipc:// in ``ipc_dir``, a directory only this engine uses); the scheduler binds its
     own sockets in ``ipc_dir`` too. ``frontend_pid`` lets the scheduler check that its
-    parent is still the one that started it.
+    parent is still the one that started it. There is no start-up deadline here: the
+    frontend owns it, and kills the engine when it passes.
     """
 
     frontend_pid: int
@@ -138,7 +139,6 @@ class StartEngine:
     enable_prefix_caching: bool
     world_size: int
     worker: WorkerSpec
-    startup_timeout_s: float
 
 
 @dataclass
@@ -156,4 +156,3 @@ class StartWorker:
     broadcast: dict[str, Any]
     result_endpoint: str
     worker: WorkerSpec
-    startup_timeout_s: float

@@ -19,6 +19,36 @@ from pagedserve.scheduler.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
+def check_request_fits(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    total_blocks: int,
+) -> None:
+    """Raise ``ValueError`` for a request that could never run to completion: its prompt
+    leaves no room to generate within ``max_model_len``, or it needs more blocks than the
+    whole cache of ``total_blocks`` blocks of ``block_size`` tokens. A function of the
+    limits alone, so a frontend in another process checks exactly what the scheduler
+    will."""
+    if num_prompt_tokens < 1:
+        raise ValueError("prompt must contain at least 1 token, got 0")
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len} and "
+            "must leave room for at least one generated token"
+        )
+    max_total_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
+    needed_blocks = blocks_for_tokens(max_total_tokens, block_size)
+    if needed_blocks > total_blocks:
+        raise ValueError(
+            f"request needs up to {max_total_tokens} tokens (prompt {num_prompt_tokens} + "
+            f"max_tokens {max_tokens}) = {needed_blocks} blocks of {block_size} tokens, "
+            f"but the whole KV cache has {total_blocks} blocks "
+            f"({total_blocks * block_size} tokens); lower max_tokens or raise kv_cache_bytes"
+        )
+
+
 class Scheduler:
     """First come, first served continuous batching over a paged KV cache.
 
@@ -51,25 +81,13 @@ class Scheduler:
 
     def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``ValueError`` for a request that could never run to completion."""
-        max_model_len = self.config.max_model_len
-        if num_prompt_tokens < 1:
-            raise ValueError("prompt must contain at least 1 token, got 0")
-        if num_prompt_tokens >= max_model_len:
-            raise ValueError(
-                f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len} and "
-                "must leave room for at least one generated token"
-            )
-        max_total_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
-        block_size = self.block_manager.block_size
-        needed_blocks = blocks_for_tokens(max_total_tokens, block_size)
-        total_blocks = self.block_manager.num_total_blocks
-        if needed_blocks > total_blocks:
-            raise ValueError(
-                f"request needs up to {max_total_tokens} tokens (prompt {num_prompt_tokens} + "
-                f"max_tokens {max_tokens}) = {needed_blocks} blocks of {block_size} tokens, "
-                f"but the whole KV cache has {total_blocks} blocks "
-                f"({total_blocks * block_size} tokens); lower max_tokens or raise kv_cache_bytes"
-            )
+        check_request_fits(
+            num_prompt_tokens,
+            max_tokens,
+            self.config.max_model_len,
+            self.block_manager.block_size,
+            self.block_manager.num_total_blocks,
+        )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -194,7 +194,6 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "enable_prefix_caching",
         "world_size",
         "worker",
-        "startup_timeout_s",
     ),
     StartWorker: (
         "rank",
@@ -203,7 +202,6 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "broadcast",
         "result_endpoint",
         "worker",
-        "startup_timeout_s",
     ),
 }
 
@@ -625,7 +623,7 @@ def _pack_start_engine(start: StartEngine) -> list:
 
 def _unpack_start_engine(value: Any) -> StartEngine:
     fields = _fields(value, "StartEngine")
-    expected = (int, str, str, str, list, int, bool, int, list, float)
+    expected = (int, str, str, str, list, int, bool, int, list)
     for name, field_value, field_type in zip(WIRE_FIELDS[StartEngine], fields, expected):
         _check(field_value, field_type, f"StartEngine.{name}")
     fields[4] = _unpack_flat(fields[4], SchedulerConfig)
@@ -641,7 +639,7 @@ def _pack_start_worker(start: StartWorker) -> list:
 
 def _unpack_start_worker(value: Any) -> StartWorker:
     fields = _fields(value, "StartWorker")
-    expected = (int, int, int, dict, str, list, float)
+    expected = (int, int, int, dict, str, list)
     for name, field_value, field_type in zip(WIRE_FIELDS[StartWorker], fields, expected):
         _check(field_value, field_type, f"StartWorker.{name}")
     fields[5] = _unpack_flat(fields[5], WorkerSpec)

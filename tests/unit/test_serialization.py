@@ -176,7 +176,6 @@ ROUND_TRIP_CASES = {
         enable_prefix_caching=True,
         world_size=1,
         worker=WORKER_SPEC,
-        startup_timeout_s=120.0,
     ),
     "start-worker": StartWorker(
         rank=0,
@@ -185,7 +184,6 @@ ROUND_TRIP_CASES = {
         broadcast={"ring_name": None, "local_endpoint": "ipc:///x", "num_local_readers": 1},
         result_endpoint="ipc:///tmp/ps-x/results.sock",
         worker=WORKER_SPEC,
-        startup_timeout_s=0.5,
     ),
     "new-request": new_request(ALL_SET_PARAMS, [2]),
     "cached-request": CachedRequestData("req-1", [12, 13], 31, 1),
@@ -326,7 +324,7 @@ def _plan_fields(**overrides) -> list:
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
-            _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], 1.0),
+            _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", []),
             "WorkerSpec: expected an array of 7 fields",
         ),
         (_frame(EngineError, 7, "boom"), "EngineError.request_id: expected str or None, got int"),

@@ -1,0 +1,31 @@
+"""How much memory the KV cache takes when the user names no size."""
+
+from __future__ import annotations
+
+import os
+
+# Without a size from the user the cache takes this share of the memory still available
+# once the weights are loaded, after keeping this much back for activations, the
+# tokenizer and everything else on the machine; and, as vLLM does on CPUs, at most this.
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
+DEFAULT_MEMORY_RESERVE_BYTES = 2 << 30
+DEFAULT_MAX_KV_CACHE_BYTES = 4 << 30
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable (free plus reclaimable page cache), else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_kv_cache_bytes() -> int:
+    """The cache size from the memory available now: call it in the process that holds
+    the cache, after its weights are loaded."""
+    usable = available_memory_bytes() - DEFAULT_MEMORY_RESERVE_BYTES
+    return max(0, min(DEFAULT_MAX_KV_CACHE_BYTES, int(usable * DEFAULT_KV_CACHE_MEMORY_FRACTION)))

@@ -1,0 +1,102 @@
+"""A worker process's main: build the ``Worker``, report ``Ready``, run every broadcast plan.
+
+The scheduler starts one per rank (``multiprocessing`` spawn context) with one argument,
+an encoded ``StartWorker``. Every rank receives every ``StepPlan`` from the step
+broadcaster and executes it; rank 0 alone sends the ``StepResult`` back (with tensor
+parallelism the ranks will sample the same tokens). The process ends when the
+broadcaster closes (exit code 0) or on a failure, which it reports as an ``EngineError``
+on the result socket before exiting with code 1, so the scheduler can say what went
+wrong rather than only that the worker is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import zmq
+
+from pagedserve.gpu_worker.memory import default_kv_cache_bytes
+from pagedserve.gpu_worker.worker import Worker
+from pagedserve.scheduler.broadcast import BroadcastClosedError, BroadcastHandle, StepReceiver
+from pagedserve.scheduler.child_process import die_with_parent
+from pagedserve.scheduler.engine_messages import EngineError, Ready, StartWorker, WorkerSpec
+from pagedserve.scheduler.messages import StepPlan
+from pagedserve.scheduler.serialization import decode_as, encode
+
+# How long the last message (an EngineError) may take to leave before the process exits.
+_LINGER_MS = 2000
+
+
+def main(start_frame: bytes) -> None:
+    """The process's target: returns on a clean end, ``sys.exit(1)`` on a failure."""
+    start = decode_as(start_frame, StartWorker)
+    die_with_parent(start.scheduler_pid)
+    context = zmq.Context(io_threads=1)
+    results = context.socket(zmq.PUSH)
+    results.setsockopt(zmq.LINGER, _LINGER_MS)
+    results.connect(start.result_endpoint)
+    receiver: StepReceiver | None = None
+    phase = "failed to start"
+    try:
+        # Subscribed before the model loads, so the welcome handshake is quick after it.
+        receiver = StepReceiver(BroadcastHandle(**start.broadcast), start.rank)
+        worker = build_worker(start.worker)
+        results.send(encode(ready_message(worker, start.rank)))
+        # No deadline of its own: the frontend's covers start-up, and kills the engine.
+        receiver.wait_ready(float("inf"))
+        phase = "failed"
+        serve(worker, receiver, results, start.rank)
+    except Exception as error:
+        traceback.print_exc()
+        description = f"worker rank {start.rank} (pid {os.getpid()}) {phase}"
+        results.send(encode(EngineError(None, f"{description}: {type(error).__name__}: {error}")))
+        sys.exit(1)
+    finally:
+        if receiver is not None:
+            receiver.close()
+        results.close()
+        context.term()
+
+
+def build_worker(spec: WorkerSpec) -> Worker:
+    """The same ``Worker`` the in-process engine builds, from the spec's plain fields."""
+    return Worker(
+        Path(spec.model_path),
+        spec.dtype,
+        spec.block_size,
+        spec.num_blocks,
+        spec.kv_cache_bytes,
+        spec.device,
+        swap_space_bytes=spec.swap_space_bytes,
+        kv_cache_bytes_from_free_memory=default_kv_cache_bytes,
+    )
+
+
+def ready_message(worker: Worker, rank: int) -> Ready:
+    return Ready(
+        component="worker",
+        pid=os.getpid(),
+        info={
+            "rank": rank,
+            "num_blocks": worker.num_blocks,
+            "num_host_blocks": worker.num_host_blocks,
+            "bytes_per_block": worker.kv_cache_spec.bytes_per_block,
+        },
+    )
+
+
+def serve(worker: Worker, receiver: StepReceiver, results: zmq.Socket, rank: int) -> None:
+    """Execute plans in broadcast order until the broadcaster closes."""
+    while True:
+        try:
+            # NOTE: an idle worker polls the ring (spin, then sleeps of up to 1 ms): a
+            # few hundred wake-ups a second, the price of microsecond hand-offs mid-run.
+            payload = receiver.receive()
+        except BroadcastClosedError:
+            return
+        result = worker.execute(decode_as(payload, StepPlan))
+        if rank == 0:
+            results.send(encode(result))

@@ -1,0 +1,228 @@
+"""The scheduler process's main: an ``EngineCore`` between the frontend and the workers.
+
+Started by the frontend as ``python -m pagedserve.scheduler.engine_process`` (a fresh
+interpreter: it imports only this package, zmq and msgpack, never torch nor the user's
+script), it reads one encoded ``StartEngine`` from stdin, then::
+
+    1. connects to the frontend's two sockets, starts the workers
+       (``MultiprocExecutor``)                    -> Ready("scheduler", worker pids)
+    2. waits for every worker                     -> Ready("worker") each, forwarded
+    3. builds the EngineCore on rank 0's blocks   -> Ready("engine", cache sizes)
+    4. serves: AddRequest / AbortRequest / GetStats / ResetPrefixCache / Shutdown in,
+       one OutputBatch per step out
+    5. on Shutdown or a failure: ends every request still in flight (on a failure
+       after an EngineError naming the cause, each with finish_reason "error"), sends
+       its final EngineStats, stops the workers, exits
+
+Exit code 0 after a ``Shutdown``, 1 after a failure. The frontend owns the start-up
+deadline: this process waits for its workers as long as it lives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import zmq
+
+from pagedserve.scheduler.child_process import die_with_parent
+from pagedserve.scheduler.engine_core import EngineCore
+from pagedserve.scheduler.engine_messages import (
+    AbortRequest,
+    AddRequest,
+    EngineError,
+    EngineStats,
+    GetStats,
+    OutputBatch,
+    Ready,
+    ResetPrefixCache,
+    Shutdown,
+    StartEngine,
+)
+from pagedserve.scheduler.messages import RequestOutputDelta
+from pagedserve.scheduler.multiproc_executor import MultiprocExecutor, WorkerDiedError
+from pagedserve.scheduler.serialization import Message, decode, decode_as, encode
+
+logger = logging.getLogger(__name__)
+
+# How long the last messages (final stats, an error) may take to reach the frontend
+# once this process is ready to exit.
+_LINGER_MS = 5000
+
+
+class EngineLoop:
+    """Serves the frontend: applies its messages between steps and steps while any
+    request is unfinished; when none is, blocks until a message arrives or a worker
+    ends (it never spins idle)."""
+
+    def __init__(
+        self,
+        engine: EngineCore,
+        executor: MultiprocExecutor,
+        inbox: zmq.Socket,
+        outbox: zmq.Socket,
+    ) -> None:
+        self.engine = engine
+        self.executor = executor
+        self.inbox = inbox
+        self.outbox = outbox
+        # Final deltas of aborted requests, sent with the next batch.
+        self._pending: list[RequestOutputDelta] = []
+        self._stop = False
+        self._idle_poller = zmq.Poller()
+        self._idle_poller.register(inbox, zmq.POLLIN)
+        for sentinel in executor.sentinels:
+            self._idle_poller.register(sentinel, zmq.POLLIN)
+
+    def run(self) -> None:
+        """Serve until ``Shutdown``; a dead worker raises ``WorkerDiedError``."""
+        engine = self.engine
+        while not self._stop:
+            if engine.has_unfinished_requests():
+                # NOTE: a non-blocking look at the inbox between steps (one getsockopt,
+                # about a microsecond); a dying worker is noticed inside the step.
+                self._drain_inbox()
+                if self._stop or not engine.has_unfinished_requests():
+                    continue
+                self._pending.extend(engine.step())
+            else:
+                events = dict(self._idle_poller.poll())
+                if any(sentinel in events for sentinel in self.executor.sentinels):
+                    self.executor.check_workers()
+                self._drain_inbox()
+            self._flush()
+
+    def _drain_inbox(self) -> None:
+        while not self._stop and self.inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._handle(decode(self.inbox.recv()))
+
+    def _handle(self, message: Message) -> None:
+        engine = self.engine
+        if isinstance(message, AddRequest):
+            try:
+                engine.add_request(
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.sampling_params,
+                    frozenset(message.eos_token_ids),
+                    arrival_time_s=message.arrival_time_s,
+                    cache_namespace=message.cache_namespace,
+                )
+            except ValueError as error:
+                self.outbox.send(encode(EngineError(message.request_id, str(error))))
+        elif isinstance(message, AbortRequest):
+            delta = engine.abort_request(message.request_id)
+            if delta is not None:
+                self._pending.append(delta)
+        elif isinstance(message, GetStats):
+            # Deltas first: the stats describe the state after them.
+            self._flush()
+            self.outbox.send(encode(engine_stats(engine)))
+        elif isinstance(message, ResetPrefixCache):
+            engine.reset_prefix_cache()
+        elif isinstance(message, Shutdown):
+            self._stop = True
+        else:
+            raise RuntimeError(f"unexpected {type(message).__name__} from the frontend")
+
+    def _flush(self) -> None:
+        if self._pending:
+            self.outbox.send(encode(OutputBatch(self._pending)))
+            self._pending = []
+
+
+def engine_stats(engine: EngineCore) -> EngineStats:
+    try:
+        engine.check_integrity()
+        integrity_error = None
+    except AssertionError as error:
+        integrity_error = str(error) or repr(error)
+    return EngineStats(engine.stats(), integrity_error)
+
+
+def end_all_requests(engine: EngineCore, finish_reason: str | None) -> list[RequestOutputDelta]:
+    """Abort every waiting, running and swapped request (their blocks return to the
+    pools); each ends with one final delta, marked ``finish_reason`` when given."""
+    deltas = []
+    for request_id in list(engine.scheduler.requests):
+        delta = engine.abort_request(request_id)
+        if delta is not None:
+            if finish_reason is not None:
+                delta.finish_reason = finish_reason
+            deltas.append(delta)
+    return deltas
+
+
+def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zmq.Context) -> int:
+    """Steps 1-5 of the module docstring; returns the exit code."""
+    executor: MultiprocExecutor | None = None
+    engine: EngineCore | None = None
+    exit_code = 0
+    try:
+        executor = MultiprocExecutor(start.worker, start.world_size, start.ipc_dir, context)
+        scheduler_info = {"worker_pids": executor.worker_pids, "ring_name": executor.ring_name}
+        outbox.send(encode(Ready("scheduler", os.getpid(), scheduler_info)))
+        rank0 = executor.wait_until_ready(on_ready=lambda ready: outbox.send(encode(ready)))
+        engine = EngineCore(
+            start.scheduler_config,
+            rank0.info["num_blocks"],
+            start.worker.block_size,
+            executor,
+            seed=start.seed,
+            num_host_blocks=rank0.info["num_host_blocks"],
+            enable_prefix_caching=start.enable_prefix_caching,
+        )
+        outbox.send(encode(Ready("engine", os.getpid(), rank0.info)))
+        EngineLoop(engine, executor, inbox, outbox).run()
+        if engine.has_unfinished_requests():
+            outbox.send(encode(OutputBatch(end_all_requests(engine, None))))
+    except Exception as error:
+        exit_code = 1
+        if not isinstance(error, WorkerDiedError):
+            traceback.print_exc()
+        message = str(error) if isinstance(error, WorkerDiedError) else _scheduler_failure(error)
+        # The cause first, so a receiver knows it before the requests it ends.
+        outbox.send(encode(EngineError(None, message)))
+        if engine is not None:
+            outbox.send(encode(OutputBatch(end_all_requests(engine, "error"))))
+    finally:
+        if engine is not None:
+            outbox.send(encode(engine_stats(engine)))
+        if executor is not None:
+            executor.shutdown()
+    return exit_code
+
+
+def _scheduler_failure(error: Exception) -> str:
+    return f"scheduler (pid {os.getpid()}) failed: {type(error).__name__}: {error}"
+
+
+def main() -> int:
+    start = decode_as(sys.stdin.buffer.read(), StartEngine)
+    die_with_parent(start.frontend_pid)
+    # The frontend turns Ctrl-C into a shutdown; the engine's processes sit in their own
+    # session, but a signal sent to the whole group must not kill them mid-cleanup.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context = zmq.Context(io_threads=1)
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, 0)
+    inbox.connect(start.input_endpoint)
+    outbox = context.socket(zmq.PUSH)
+    # Never block a step on a frontend that reads late: it reads everything eventually.
+    outbox.setsockopt(zmq.SNDHWM, 0)
+    outbox.setsockopt(zmq.LINGER, _LINGER_MS)
+    outbox.connect(start.output_endpoint)
+    try:
+        return serve(start, inbox, outbox, context)
+    finally:
+        inbox.close()
+        outbox.close()
+        context.term()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())
