@@ -11,12 +11,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.tokenizer import Tokenizer
+from pagedserve.gpu_worker.memory import default_kv_cache_bytes
+from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.worker import Worker, parse_dtype
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_core import EngineCore
+from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -26,12 +30,6 @@ PromptType = str | Sequence[int]
 Message = dict[str, Any]
 
 DEFAULT_SWAP_SPACE_BYTES = 1 << 30
-# Without a size from the user the cache takes this share of the memory still available
-# once the weights are loaded, after keeping this much back for activations, the
-# tokenizer and everything else on the machine; and, as vLLM does on CPUs, at most this.
-DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
-DEFAULT_MEMORY_RESERVE_BYTES = 2 << 30
-DEFAULT_MAX_KV_CACHE_BYTES = 4 << 30
 
 
 def _print_progress(event: object) -> None:
@@ -44,6 +42,12 @@ class LLM:
     ``model=None`` is the embedded SmolLM2-135M-Instruct; a path is a local HF directory
     (Llama, Mistral, Qwen2, OPT) or a ``.gguf`` file. The KV cache holds ``num_blocks``
     blocks of ``block_size`` tokens, or as many as fit in ``kv_cache_bytes``.
+
+    ``multiprocess=True`` runs the scheduler and the worker in processes of their own
+    (``engine_client.py``); the tokenizer stays here. Start-up then fails with
+    ``EngineStartupError`` after ``startup_timeout_s``, and a component that dies makes
+    ``generate`` raise ``EngineDeadError``. Call ``shutdown()`` when done (it also runs
+    at interpreter exit).
     """
 
     def __init__(
@@ -63,6 +67,8 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
         device: str = "cpu",
+        multiprocess: bool = False,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
         parse_dtype(dtype)
         if block_size not in (8, 16, 32):
@@ -77,17 +83,21 @@ class LLM:
             raise TypeError(f"swap_space_bytes must be an integer, got {swap_space_bytes!r}")
         if swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
-        self.worker = Worker(
-            resolved.path,
-            dtype,
-            block_size,
-            num_blocks,
-            kv_cache_bytes,
-            device,
-            swap_space_bytes=swap_space_bytes,
-            kv_cache_bytes_from_free_memory=_default_kv_cache_bytes,
-        )
-        model_config = self.worker.model_config
+        self.worker: Worker | None = None
+        if multiprocess:
+            model_config = ModelConfig.from_dir(resolved.path)
+        else:
+            self.worker = Worker(
+                resolved.path,
+                dtype,
+                block_size,
+                num_blocks,
+                kv_cache_bytes,
+                device,
+                swap_space_bytes=swap_space_bytes,
+                kv_cache_bytes_from_free_memory=default_kv_cache_bytes,
+            )
+            model_config = self.worker.model_config
         self.model_config = model_config
         model_limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > model_limit:
@@ -103,27 +113,55 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode,
         )
-        self.engine = EngineCore(
-            scheduler_config,
-            self.worker.num_blocks,
-            block_size,
-            self.worker,
-            seed=seed,
-            num_host_blocks=self.worker.num_host_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-        )
+        self.engine: EngineCore | EngineClient
+        if multiprocess:
+            self.engine = EngineClient(
+                scheduler_config,
+                WorkerSpec(
+                    str(resolved.path),
+                    dtype,
+                    block_size,
+                    num_blocks,
+                    kv_cache_bytes,
+                    device,
+                    swap_space_bytes,
+                ),
+                seed=seed,
+                enable_prefix_caching=enable_prefix_caching,
+                startup_timeout_s=startup_timeout_s,
+            )
+            cache_sizes = (
+                self.engine.num_blocks,
+                self.engine.bytes_per_block,
+                self.engine.num_host_blocks,
+            )
+        else:
+            self.engine = EngineCore(
+                scheduler_config,
+                self.worker.num_blocks,
+                block_size,
+                self.worker,
+                seed=seed,
+                num_host_blocks=self.worker.num_host_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            )
+            cache_sizes = (
+                self.worker.num_blocks,
+                self.worker.kv_cache_spec.bytes_per_block,
+                self.worker.num_host_blocks,
+            )
         self.eos_token_ids = model_config.eos_token_ids
         self._request_counter = itertools.count()
-        spec = self.worker.kv_cache_spec
+        num_device_blocks, bytes_per_block, num_host_blocks = cache_sizes
         logger.info(
             "KV cache: %d blocks of %d tokens, %d bytes per block, %d tokens at most "
             "(%s); host swap pool: %d blocks",
-            self.worker.num_blocks,
+            num_device_blocks,
             block_size,
-            spec.bytes_per_block,
-            self.worker.num_blocks * block_size,
+            bytes_per_block,
+            num_device_blocks * block_size,
             dtype,
-            self.worker.num_host_blocks,
+            num_host_blocks,
         )
 
     # ------------------------------------------------------------------ public API
@@ -142,7 +180,7 @@ class LLM:
         encoded = [self._encode(index, prompt) for index, prompt in enumerate(prompt_list)]
         for index, (token_ids, params) in enumerate(zip(encoded, params_list)):
             try:
-                self.engine.scheduler.check_request_fits(len(token_ids), params.max_tokens)
+                self.engine.check_request_fits(len(token_ids), params.max_tokens)
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
         return self._run(prompt_list, encoded, params_list, cache_namespace)
@@ -178,6 +216,13 @@ class LLM:
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if the block accounting is inconsistent."""
         self.engine.check_integrity()
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes and free what they hold (multi-process mode;
+        in-process there is nothing to stop). Idempotent; runs at interpreter exit too.
+        ``stats()`` and ``check_integrity()`` then report the engine's final state."""
+        if isinstance(self.engine, EngineClient):
+            self.engine.shutdown()
 
     # ------------------------------------------------------------------ internals
 
@@ -321,20 +366,3 @@ def _check_optional_positive(name: str, value: int | None) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _available_memory_bytes() -> int:
-    """MemAvailable (free plus reclaimable page cache), else the free pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _default_kv_cache_bytes() -> int:
-    usable = _available_memory_bytes() - DEFAULT_MEMORY_RESERVE_BYTES
-    return max(0, min(DEFAULT_MAX_KV_CACHE_BYTES, int(usable * DEFAULT_KV_CACHE_MEMORY_FRACTION)))

@@ -1,0 +1,338 @@
+"""The multi-process engine: frontend, scheduler process and worker process, for real.
+
+Same tokens as the in-process engine; a worker or scheduler killed mid-run ends every
+request with an error naming it, promptly; start-up failures name the component; and no
+process, socket directory or shared-memory segment outlives the engine. Processes are
+checked through /proc (a zombie is not a live process: this machine's init does not
+reap orphans, which is not the engine's doing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend.engine_client import EngineDeadError, EngineStartupError
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPT_LENGTHS = [1, 5, 16, 17, 31, 64, 100, 150]
+DEATH_NOTICED_WITHIN_S = 5.0
+
+
+def random_prompts(seed: int, vocab_size: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+# ---------------------------------------------------------------- /proc helpers
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def is_live(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def live_processes_in_group(process_group: int) -> list[int]:
+    """Live processes whose process group is ``process_group``: the scheduler leads its
+    own group, and its workers and helpers belong to it."""
+    pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    return [
+        pid
+        for pid in pids
+        if (fields := _stat_fields(pid)) is not None
+        and int(fields[2]) == process_group
+        and fields[0] not in ("Z", "X")
+    ]
+
+
+def live_schedulers() -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            command = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"pagedserve.scheduler.engine_process" in command and is_live(int(entry)):
+            pids.add(int(entry))
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline_s:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def assert_engine_gone(llm: LLM, scheduler_pid: int, worker_pids: list[int], ring: str | None):
+    assert not llm.engine.is_running
+    assert wait_until(lambda: not live_processes_in_group(scheduler_pid), 5.0), (
+        live_processes_in_group(scheduler_pid)
+    )
+    assert not any(is_live(pid) for pid in [scheduler_pid, *worker_pids])
+    if ring is not None:
+        assert not Path("/dev/shm", ring).exists()
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., LLM]]:
+    """Multi-process LLMs that are shut down when the test ends, whatever happens."""
+    made: list[LLM] = []
+
+    def make(model_dir: Path, **kwargs) -> LLM:
+        llm = LLM(model_dir, multiprocess=True, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_llm(tiny_model_dirs) -> Iterator[LLM]:
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64, multiprocess=True)
+    yield llm
+    llm.shutdown()
+
+
+# ---------------------------------------------------------------- same tokens
+
+
+def test_same_greedy_tokens_as_in_process(tiny_model_dirs, shared_llm):
+    prompts = random_prompts(seed=3)
+    expected = token_ids(LLM(tiny_model_dirs["llama"], num_blocks=64).generate(prompts, GREEDY))
+    assert token_ids(shared_llm.generate(prompts, GREEDY)) == expected
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_same_tokens_under_forced_preemption(tiny_model_dirs, make_llm, mode):
+    # 16 blocks of 16 tokens hold 256 tokens; the eight requests need 70 blocks in all.
+    settings = dict(num_blocks=16, max_num_batched_tokens=64, preemption_mode=mode)
+    prompts = random_prompts(seed=4)
+    in_process = LLM(tiny_model_dirs["llama"], **settings)
+    expected = token_ids(in_process.generate(prompts, GREEDY))
+    llm = make_llm(tiny_model_dirs["llama"], **settings)
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
+    assert llm.stats()[f"num_{mode}_preemptions"] > 0
+    assert llm.stats()["num_preemptions"] == in_process.stats()["num_preemptions"]
+
+
+def test_stats_and_prefix_cache_reset_over_the_wire(shared_llm):
+    prompt = list(range(1, 50))  # three full blocks of 16
+    shared_llm.reset_prefix_cache()
+    before = shared_llm.stats()["prefix_cache_hits"]
+    first = shared_llm.generate(prompt, GREEDY)[0]
+    second = shared_llm.generate(prompt, GREEDY)[0]
+    assert (
+        second.num_cached_tokens == 48 and second.outputs[0].token_ids == first.outputs[0].token_ids
+    )
+    assert shared_llm.stats()["prefix_cache_hits"] == before + 48
+    shared_llm.reset_prefix_cache()
+    assert shared_llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+
+
+def test_request_that_cannot_fit_is_refused_before_it_is_sent(shared_llm):
+    with pytest.raises(ValueError, match="prompts\\[0\\]: prompt is 600 tokens; max_model_len"):
+        shared_llm.generate([[1] * 600], GREEDY)
+
+
+def test_scheduler_never_imports_torch_and_sleeps_when_idle(shared_llm):
+    scheduler_pid = shared_llm.engine.scheduler_pid
+    (worker_pid,) = shared_llm.engine.worker_pids
+    assert "libtorch" not in Path(f"/proc/{scheduler_pid}/maps").read_text()
+    assert "libtorch" in Path(f"/proc/{worker_pid}/maps").read_text()
+    shared_llm.generate([1, 2, 3], GREEDY)
+    used_before = cpu_seconds(scheduler_pid)
+    time.sleep(1.0)
+    # Blocked on its sockets: no clock tick of CPU in a second (one tick is 10 ms).
+    assert cpu_seconds(scheduler_pid) - used_before < 0.02
+
+
+# ---------------------------------------------------------------- deaths
+
+
+def generate_in_thread(llm: LLM, prompts, params, after_steps: int):
+    """Run ``generate`` on a thread; returns (thread, outcome, started) where ``started``
+    is set once ``after_steps`` engine steps have returned outputs."""
+    outcome: dict[str, object] = {}
+    started = threading.Event()
+    engine_step = llm.engine.step
+    steps = 0
+
+    def counting_step():
+        nonlocal steps
+        deltas = engine_step()
+        steps += 1
+        if steps >= after_steps:
+            started.set()
+        return deltas
+
+    llm.engine.step = counting_step
+
+    def run():
+        try:
+            outcome["result"] = llm.generate(prompts, params)
+        except BaseException as error:
+            outcome["error"] = error
+        finally:
+            outcome["ended_s"] = time.monotonic()
+            started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome, started
+
+
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+def test_worker_killed_mid_generation_fails_every_request_and_leaves_nothing(
+    tiny_model_dirs, make_llm
+):
+    llm = make_llm(tiny_model_dirs["llama"], num_blocks=256)
+    engine = llm.engine
+    scheduler_pid, worker_pids = engine.scheduler_pid, engine.worker_pids
+    ring = engine._process.ring_name
+    thread, outcome, started = generate_in_thread(llm, [[i + 1] * 8 for i in range(16)], LONG, 5)
+    assert started.wait(60) and "ended_s" not in outcome, "generate ended before the kill"
+    killed_s = time.monotonic()
+    os.kill(worker_pids[0], signal.SIGKILL)
+    thread.join(DEATH_NOTICED_WITHIN_S + 5)
+    assert not thread.is_alive(), "generate hangs after the worker died"
+    assert outcome["ended_s"] - killed_s < DEATH_NOTICED_WITHIN_S
+    error = outcome["error"]
+    assert isinstance(error, EngineDeadError), error
+    assert (
+        f"worker rank 0 (pid {worker_pids[0]}) died with exit code -9 (killed by SIGKILL)"
+        in str(error)
+    )
+    assert not engine.has_unfinished_requests()
+    assert_engine_gone(llm, scheduler_pid, worker_pids, ring)
+    # The scheduler ended every request before it exited: its final accounting is clean
+    # (the autouse integrity check reads the same final stats).
+    assert llm.stats()["num_free_blocks"] == 256
+    with pytest.raises(EngineDeadError, match="worker rank 0"):
+        llm.generate([1, 2, 3], GREEDY)
+
+
+def test_scheduler_killed_mid_generation_takes_its_workers_along(tiny_model_dirs, make_llm):
+    llm = make_llm(tiny_model_dirs["llama"], num_blocks=256)
+    engine = llm.engine
+    scheduler_pid, worker_pids = engine.scheduler_pid, engine.worker_pids
+    ring = engine._process.ring_name
+    thread, outcome, started = generate_in_thread(llm, [[i + 1] * 8 for i in range(16)], LONG, 5)
+    assert started.wait(60) and "ended_s" not in outcome, "generate ended before the kill"
+    killed_s = time.monotonic()
+    os.kill(scheduler_pid, signal.SIGKILL)
+    thread.join(DEATH_NOTICED_WITHIN_S + 5)
+    assert not thread.is_alive(), "generate hangs after the scheduler died"
+    assert outcome["ended_s"] - killed_s < DEATH_NOTICED_WITHIN_S
+    error = outcome["error"]
+    assert isinstance(error, EngineDeadError), error
+    assert f"scheduler process (pid {scheduler_pid}) died with exit code -9" in str(error)
+    # The worker dies with its parent (PR_SET_PDEATHSIG), the frontend removes the ring.
+    assert_engine_gone(llm, scheduler_pid, worker_pids, ring)
+    assert not llm.engine.stats_available
+
+
+# ---------------------------------------------------------------- start-up
+
+
+def test_worker_that_cannot_load_the_model_fails_start_up_naming_it(tiny_model_dirs, tmp_path):
+    # A valid config.json (the frontend reads it) but no weights (only the worker reads
+    # those): the failure happens inside the worker process.
+    shutil.copy(tiny_model_dirs["llama"] / "config.json", tmp_path / "config.json")
+    schedulers_before = live_schedulers()
+    started_s = time.monotonic()
+    with pytest.raises(EngineStartupError) as raised:
+        LLM(tmp_path, num_blocks=16, multiprocess=True)
+    assert time.monotonic() - started_s < 60
+    message = str(raised.value)
+    assert message.startswith("engine start-up failed: worker rank 0 (pid ")
+    assert "failed to start: ValueError: model: " in message
+    assert "has no *.safetensors or pytorch_model*.bin weight files" in message
+    assert wait_until(lambda: live_schedulers() <= schedulers_before, 5.0)
+
+
+def test_start_up_past_its_timeout_names_what_did_not_come_up(tiny_model_dirs):
+    schedulers_before = live_schedulers()
+    started_s = time.monotonic()
+    with pytest.raises(EngineStartupError) as raised:
+        # Importing torch alone takes the worker longer than this.
+        LLM(tiny_model_dirs["llama"], num_blocks=16, multiprocess=True, startup_timeout_s=0.5)
+    assert time.monotonic() - started_s < 10
+    assert str(raised.value).startswith("engine start-up timed out: ")
+    # Which one is late depends on the machine's load; either way it is named.
+    assert (
+        "worker rank 0 (pid " in str(raised.value)
+        or "the scheduler process (pid " in str(raised.value)
+    ) and "did not report ready within 0.5 s" in str(raised.value)
+    assert wait_until(lambda: live_schedulers() <= schedulers_before, 5.0)
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+def test_shutdown_leaves_no_process_socket_or_shared_memory(tiny_model_dirs, make_llm):
+    llm = make_llm(tiny_model_dirs["llama"], num_blocks=64)
+    engine = llm.engine
+    scheduler_pid, worker_pids = engine.scheduler_pid, engine.worker_pids
+    ring, ipc_dir = engine._process.ring_name, engine._process.ipc_dir
+    assert ring is not None and Path("/dev/shm", ring).exists()
+    expected = llm.generate([[5, 6, 7], [8] * 20], GREEDY)
+    llm.shutdown()
+    assert_engine_gone(llm, scheduler_pid, worker_pids, ring)
+    assert not os.path.exists(ipc_dir)
+    llm.shutdown()  # idempotent
+    # The final counters stay readable; the engine does not.
+    assert llm.stats()["num_free_blocks"] == 64
+    llm.check_integrity()
+    with pytest.raises(EngineDeadError, match="the engine has been shut down"):
+        llm.generate([5, 6, 7], GREEDY)
+    assert len(expected) == 2
+
+
+def test_generation_config_eos_reaches_the_scheduler(tiny_model_dirs, tmp_path, make_llm):
+    # The frontend sends each request's EOS ids (from generation_config.json) with it.
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dirs["llama"], model_dir)
+    reference = LLM(model_dir, num_blocks=64).generate([1, 2, 3], GREEDY)[0].outputs[0]
+    eos = reference.token_ids[5]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    output = make_llm(model_dir, num_blocks=64).generate([1, 2, 3], params)[0].outputs[0]
+    assert output.finish_reason == "stop"
+    assert output.token_ids == reference.token_ids[: reference.token_ids.index(eos) + 1]
