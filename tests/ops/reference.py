@@ -93,3 +93,32 @@ def copy_blocks(
     for src, dst in block_mapping.tolist():
         result[dst] = src_kv_cache[src]
     return result
+
+
+# --- the torch expressions the fused elementwise ops replace (HF's modeling code) ------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, round to x's dtype, scale by the weight."""
+    h = x.float()
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_half(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, head_size: int
+) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` on ``[num_tokens, heads * head_size]`` rows, with
+    float32 ``[max_positions, head_size // 2]`` tables cast to x's dtype first."""
+    num_tokens = x.shape[0]
+    c = cos[positions].to(x.dtype).unsqueeze(1)
+    s = sin[positions].to(x.dtype).unsqueeze(1)
+    x = x.reshape(num_tokens, -1, head_size)
+    x1, x2 = x[..., : head_size // 2], x[..., head_size // 2 :]
+    return torch.cat((x1 * c + (-x2) * s, x2 * c + x1 * s), dim=-1).reshape(num_tokens, -1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

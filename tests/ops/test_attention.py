@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve import _C_cpu
 from pagedserve.gpu_worker import ops
 
 from . import reference
@@ -16,33 +15,6 @@ BLOCK_SIZES = [8, 16, 32]
 DTYPES = [torch.float32, torch.bfloat16]
 # (num_heads, num_kv_heads): plain multi-head and GQA groups of 3 and 4.
 HEAD_LAYOUTS = [(4, 4), (6, 2), (8, 2)]
-
-
-def _available_isas() -> list[str]:
-    current = _C_cpu.isa()
-    available = []
-    for name in ("generic", "avx2", "avx512"):
-        try:
-            _C_cpu.force_isa(name)
-        except ValueError:
-            continue
-        available.append(name)
-    _C_cpu.force_isa(current)
-    return available
-
-
-@pytest.fixture(params=_available_isas())
-def isa(request: pytest.FixtureRequest):
-    previous = _C_cpu.isa()
-    _C_cpu.force_isa(request.param)
-    yield request.param
-    _C_cpu.force_isa(previous)
-
-
-@pytest.fixture
-def restore_threads():
-    yield
-    ops.set_num_threads(torch.get_num_threads())
 
 
 def _decode_lens(block_size: int) -> list[int]:
