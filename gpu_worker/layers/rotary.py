@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.gpu_worker import ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -58,10 +60,11 @@ def _llama3_frequencies(inv_freq: torch.Tensor, parameters: dict[str, Any]) -> t
 
 
 class RotaryEmbedding:
-    """Applies RoPE to query and key rows at given positions.
+    """Applies RoPE to query and key rows at given positions, in place.
 
-    cos/sin are tabulated once in float32 for every position up to ``max_positions``
-    and cast to the activation dtype on use, as HF does.
+    cos/sin are tabulated once in float32 for every position up to ``max_positions``;
+    the fused kernel casts them to the activation dtype and rotates in HF's exact
+    arithmetic (csrc: rotary_embedding).
     """
 
     def __init__(self, head_size: int, max_positions: int, parameters: dict[str, Any]) -> None:
@@ -70,23 +73,10 @@ class RotaryEmbedding:
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         # [max_positions, head_size // 2] each
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        self.cos = freqs.cos().contiguous()
+        self.sin = freqs.sin().contiguous()
 
-    def __call__(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """``query`` [num_tokens, num_heads * head_size], ``key`` [num_tokens,
-        num_kv_heads * head_size]; returns new tensors of the same shapes."""
-        cos = self.cos[positions].to(query.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(query.dtype).unsqueeze(1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        x = x.view(num_tokens, -1, self.head_size)
-        half = self.head_size // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        # Same expression order as HF's q*cos + rotate_half(q)*sin, so fp32 matches bitwise.
-        rotated = torch.cat((x1 * cos + (-x2) * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.view(num_tokens, -1)
+        num_kv_heads * head_size], both views into the qkv output: rotated in place."""
+        ops.rotary_embedding(positions, query, key, self.cos, self.sin)

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.gpu_worker.layers.basic import Linear, RMSNorm, activation
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
@@ -37,7 +38,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query, key = self.rotary(positions, query, key)
+        self.rotary(positions, query, key)
         output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
         return self.o_proj(output)
 
@@ -51,11 +52,19 @@ class LlamaMLP(nn.Module):
         # Rows [gate | up] in one GEMM.
         self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias, dtype)
         self.down_proj = Linear(intermediate, config.hidden_size, bias, dtype)
-        self.act = activation(hf.get("hidden_act", "silu"))
+        act_name = hf.get("hidden_act", "silu")
+        self.act = None if act_name in ("silu", "swish") else activation(act_name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(hidden)
+        if self.act is None:
+            # SiLU(gate) * up in one pass (csrc: silu_and_mul), HF's arithmetic.
+            product = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            ops.silu_and_mul(product, gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            product = self.act(gate) * up
+        return self.down_proj(product)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -68,10 +77,23 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes the previous layer's output and the running residual sum (None before
+        the first layer); returns this layer's. Each residual add is fused with the norm
+        that follows it: ``residual += out; normed = norm(residual)``, HF's arithmetic."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(CausalLM):
@@ -99,9 +121,11 @@ class LlamaForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        self.norm.add_and_norm(hidden, residual)
+        return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
