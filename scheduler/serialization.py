@@ -15,6 +15,8 @@ Encoding choices, and why:
   scheduled counts as four parallel arrays): at hundreds of running requests that packs
   and unpacks faster than one small array per request, and rebuilding the dataclasses is
   a single ``map``.
+- ``OutputBatch.deltas`` likewise: seven columns (one per ``RequestOutputDelta`` field),
+  the logprob columns decoded entry by entry only when a request asked for them.
 - Swap pairs are sent flat, ``[src0, dst0, src1, dst1, ...]``, and decoded with ``zip``:
   they come back as ``tuple[int, int]`` (msgpack itself has no tuple).
 - Floats are msgpack float64, so they round-trip exactly.
@@ -249,6 +251,17 @@ def _check_column(column: Any, element_type: type, length: int, where: str) -> l
     if found and found != {element_type}:
         wrong = sorted(t.__name__ for t in found if t is not element_type)
         raise DecodeError(f"{where}: expected only {element_type.__name__}, found {wrong}")
+    return column
+
+
+def _check_column_of(column: Any, element_types: tuple[type, ...], length: int, where: str) -> list:
+    """``_check_column`` for a column whose elements may be of several types."""
+    _check(column, list, where)
+    if len(column) != length:
+        raise DecodeError(f"{where}: expected {length} entries, got {len(column)}")
+    wrong = set(map(type, column)).difference(element_types)
+    if wrong:
+        raise DecodeError(f"{where}: unexpected {sorted(t.__name__ for t in wrong)}")
     return column
 
 
@@ -569,13 +582,68 @@ def _unpack_ready(value: Any) -> Ready:
 
 
 def _pack_output_batch(batch: OutputBatch) -> list:
-    return [[_pack_request_output_delta(delta) for delta in batch.deltas]]
+    deltas = batch.deltas
+    # NOTE: a Python loop per request and column, as for a plan's running requests.
+    return [
+        [
+            [delta.request_id for delta in deltas],
+            [delta.new_token_ids for delta in deltas],
+            [delta.finished for delta in deltas],
+            [delta.finish_reason for delta in deltas],
+            [_pack_optional_logprobs(delta.logprobs) for delta in deltas],
+            [_pack_optional_logprobs(delta.prompt_logprobs) for delta in deltas],
+            [delta.num_cached_tokens for delta in deltas],
+        ]
+    ]
 
 
 def _unpack_output_batch(value: Any) -> OutputBatch:
-    (deltas,) = _fields(value, "OutputBatch")
-    _check(deltas, list, "OutputBatch.deltas")
-    return OutputBatch([_unpack_request_output_delta(delta) for delta in deltas])
+    (columns,) = _fields(value, "OutputBatch")
+    num_columns = len(WIRE_FIELDS[RequestOutputDelta])
+    if type(columns) is not list or len(columns) != num_columns:
+        raise DecodeError(
+            f"OutputBatch.deltas: expected {num_columns} columns, got {_describe(columns)}"
+        )
+    (
+        request_ids,
+        new_token_ids,
+        finished,
+        finish_reasons,
+        logprobs,
+        prompt_logprobs,
+        num_cached_tokens,
+    ) = columns
+    where = "OutputBatch.deltas."
+    count = len(_check(request_ids, list, where + "request_id"))
+    _check_column(request_ids, str, count, where + "request_id")
+    _check_column(new_token_ids, list, count, where + "new_token_ids")
+    _check_column(finished, bool, count, where + "finished")
+    _check_column_of(finish_reasons, (str, type(None)), count, where + "finish_reason")
+    _check_column_of(logprobs, (list, type(None)), count, where + "logprobs")
+    _check_column_of(prompt_logprobs, (list, type(None)), count, where + "prompt_logprobs")
+    _check_column_of(num_cached_tokens, (int, type(None)), count, where + "num_cached_tokens")
+    # Logprobs are rare: decoded entry by entry only where present.
+    if any(entry is not None for entry in logprobs):
+        logprobs = [_unpack_optional_logprobs(entry, where + "logprobs") for entry in logprobs]
+    if any(entry is not None for entry in prompt_logprobs):
+        prompt_logprobs = [
+            _unpack_optional_logprobs(entry, where + "prompt_logprobs") for entry in prompt_logprobs
+        ]
+    # NOTE: one dataclass __init__ per request: most of the decode time.
+    return OutputBatch(
+        list(
+            map(
+                RequestOutputDelta,
+                request_ids,
+                new_token_ids,
+                finished,
+                finish_reasons,
+                logprobs,
+                prompt_logprobs,
+                num_cached_tokens,
+            )
+        )
+    )
 
 
 # ---------------------------------------------------------------- start-up and control

@@ -14,6 +14,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -266,6 +268,42 @@ def test_scheduler_killed_mid_generation_takes_its_workers_along(tiny_model_dirs
     # The worker dies with its parent (PR_SET_PDEATHSIG), the frontend removes the ring.
     assert_engine_gone(llm, scheduler_pid, worker_pids, ring)
     assert not llm.engine.stats_available
+
+
+FRONTEND_SCRIPT = """
+import sys
+from pagedserve.frontend import LLM
+llm = LLM(sys.argv[1], num_blocks=64, multiprocess=True)
+engine = llm.engine
+print(engine.scheduler_pid, engine.worker_pids[0], engine._process.ring_name,
+      engine._process.ipc_dir, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_frontend_killed_outright_takes_the_engine_along(tiny_model_dirs):
+    frontend = subprocess.Popen(
+        [sys.executable, "-c", FRONTEND_SCRIPT, str(tiny_model_dirs["llama"])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    ipc_dir = None
+    try:
+        scheduler, worker, ring, ipc_dir = frontend.stdout.readline().split()
+        assert Path("/dev/shm", ring).exists()
+        frontend.kill()
+        frontend.wait()
+        # The scheduler dies with its parent (PR_SET_PDEATHSIG), the worker with the
+        # scheduler, and multiprocessing's resource tracker unlinks the ring after them.
+        assert wait_until(lambda: not is_live(int(scheduler)) and not is_live(int(worker)), 5.0)
+        assert wait_until(lambda: not Path("/dev/shm", ring).exists(), 5.0)
+    finally:
+        frontend.kill()
+        frontend.wait()
+        if ipc_dir is not None:
+            # Nobody is left to remove the socket directory: a known leftover.
+            shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- start-up

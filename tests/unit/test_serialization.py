@@ -311,8 +311,24 @@ def _plan_fields(**overrides) -> list:
             r"AddRequest.eos_token_ids: expected only int, found \['str'\]",
         ),
         (
-            _frame(OutputBatch, [["a", [], "yes", None, None, None, None]]),
-            "RequestOutputDelta.finished: expected bool, got str",
+            _frame(OutputBatch, [["a"], [[]], ["yes"], [None], [None], [None], [None]]),
+            r"OutputBatch.deltas.finished: expected only bool, found \['str'\]",
+        ),
+        (
+            _frame(OutputBatch, [["a", "b"], [[], []], [True, False], [None], [None], [None]]),
+            "OutputBatch.deltas: expected 7 columns",
+        ),
+        (
+            _frame(OutputBatch, [["a", "b"], [[], []], [True, False], [None], [None], [None], []]),
+            "OutputBatch.deltas.finish_reason: expected 2 entries, got 1",
+        ),
+        (
+            _frame(OutputBatch, [["a"], [[]], [True], [7], [None], [None], [None]]),
+            r"OutputBatch.deltas.finish_reason: unexpected \['int'\]",
+        ),
+        (
+            _frame(OutputBatch, [["a"], [[5]], [True], [None], [[[[1, 2], [-0.5]]]], [None], [3]]),
+            "TokenLogprobs: 2 token_ids but 1 logprobs",
         ),
         (_frame(EngineStats, [], None), "EngineStats.stats: expected dict, got list"),
         (
