@@ -300,7 +300,9 @@ class EngineClient:
         while (message := self._receive(max(0.0, deadline_s - time.monotonic()))) is not None:
             if isinstance(message, EngineStats):
                 self._last_stats = message
-        self._fail()  # it did not exit in time: killed
+        # It did not exit in time: killed, without asking again.
+        self._process.death_message = self._process.failure
+        self._fail()
         raise EngineDeadError(self._process.failure)
 
     def _fail(self) -> None:

@@ -250,6 +250,34 @@ def test_worker_killed_mid_generation_fails_every_request_and_leaves_nothing(
         llm.generate([1, 2, 3], GREEDY)
 
 
+def test_after_a_worker_death_the_scheduler_names_the_cause_then_ends_each_request(
+    tiny_model_dirs, make_llm
+):
+    # The wire protocol a streaming frontend relies on, read off the socket directly.
+    llm = make_llm(tiny_model_dirs["llama"], num_blocks=256)
+    engine, connection = llm.engine, llm.engine._process
+    request_ids = [f"r{i}" for i in range(4)]
+    for index, request_id in enumerate(request_ids):
+        engine.add_request(request_id, [index + 1] * 8, LONG, frozenset())
+    assert engine.step()  # the requests are running
+    os.kill(engine.worker_pids[0], signal.SIGKILL)
+    messages = []
+    with pytest.raises(EngineDeadError, match="exit code 1"):
+        while (message := connection.receive(DEATH_NOTICED_WITHIN_S)) is not None:
+            messages.append(message)
+    kinds = [type(message).__name__ for message in messages]
+    cause = kinds.index("EngineError")
+    assert kinds[cause:] == ["EngineError", "OutputBatch", "EngineStats"], kinds
+    assert messages[cause].request_id is None
+    assert f"worker rank 0 (pid {engine.worker_pids[0]}) died" in messages[cause].message
+    ended = messages[cause + 1].deltas
+    assert sorted(delta.request_id for delta in ended) == request_ids
+    assert all(delta.finished and delta.finish_reason == "error" for delta in ended)
+    final = messages[cause + 2]
+    assert final.integrity_error is None
+    assert final.stats["num_free_blocks"] == 256 and final.stats["num_running"] == 0
+
+
 def test_scheduler_killed_mid_generation_takes_its_workers_along(tiny_model_dirs, make_llm):
     llm = make_llm(tiny_model_dirs["llama"], num_blocks=256)
     engine = llm.engine
