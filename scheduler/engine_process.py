@@ -46,8 +46,6 @@ from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.multiproc_executor import MultiprocExecutor, WorkerDiedError
 from pagedserve.scheduler.serialization import Message, decode, decode_as, encode
 
-logger = logging.getLogger(__name__)
-
 # How long the last messages (final stats, an error) may take to reach the frontend
 # once this process is ready to exit.
 _LINGER_MS = 5000
@@ -224,5 +222,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING)
+    # The scheduler package's warnings, named, on the inherited stderr.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     sys.exit(main())
