@@ -10,13 +10,16 @@
 namespace pagedserve::cpu {
 namespace {
 
-// Below this many elements a call runs on the calling thread: waking the OpenMP pool and
-// joining it again costs more than the second thread saves (measured with tools/bench_ops.py
-// on 2 cores: a decode step's 576-wide rows break even at about 48 tokens).
-constexpr int64_t kMinParallelElements = int64_t{1} << 15;
+// Below this much work (elements, weighted by their cost relative to an RMSNorm element) a call
+// runs on the calling thread: waking the OpenMP pool and joining it again (a few us) costs more
+// than a second thread saves. Measured on 2 cores, fp32 breaks even at about 20k RMSNorm
+// elements (576-wide rows: 32 tokens), 33k RoPE elements (0.5x) and 7k SiLU elements (2x);
+// bf16/fp16 elements cost 2-3x more and break even earlier, but near break-even either choice
+// costs about the same.
+constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 
-int threads_for(int64_t num_tokens, int64_t elements_per_token) {
-  if (num_tokens * elements_per_token < kMinParallelElements) return 1;
+int threads_for(int64_t num_tokens, int64_t work_per_token) {
+  if (num_tokens * work_per_token < kMinParallelWork) return 1;
   return static_cast<int>(std::min<int64_t>(get_num_threads(), num_tokens));
 }
 
@@ -65,7 +68,7 @@ void fused_add_rms_norm(void* x, int64_t x_token_stride, void* residual,
                          residual,    residual_token_stride,
                          weight,      num_tokens,
                          hidden_size, eps,
-                         dtype,       threads_for(2 * num_tokens, hidden_size)};
+                         dtype,       threads_for(num_tokens, hidden_size)};
   elementwise_kernels().rms_norm(p);
 }
 
@@ -98,17 +101,16 @@ void rotary_embedding(const int64_t* positions, void* query, int64_t query_token
                         sin,
                         num_tokens,
                         dtype,
-                        threads_for(num_tokens, (num_heads + num_kv_heads) * head_size)};
+                        threads_for(num_tokens, (num_heads + num_kv_heads) * head_size / 2)};
   elementwise_kernels().rotary_embedding(p);
 }
 
 void silu_and_mul(void* out, int64_t out_token_stride, const void* x, int64_t x_token_stride,
                   int64_t num_tokens, int64_t intermediate_size, DType dtype) {
   check_rows(num_tokens, intermediate_size, dtype);
-  // exp makes an element cost several times a norm's.
   const SiluAndMulProblem p{
       out,        out_token_stride,  x,     x_token_stride,
-      num_tokens, intermediate_size, dtype, threads_for(4 * num_tokens, intermediate_size)};
+      num_tokens, intermediate_size, dtype, threads_for(num_tokens, 2 * intermediate_size)};
   elementwise_kernels().silu_and_mul(p);
 }
 

@@ -87,6 +87,15 @@ def test_rms_norm_in_place_on_a_long_row(isa):
     _assert_identical(x, expected)
 
 
+def test_rms_norm_accepts_uncommon_valid_arguments():
+    """An integer eps and rows that share memory (read-only x) take the checked slow path."""
+    row = torch.randn(1, 576, generator=torch.Generator().manual_seed(4))
+    weight = torch.nn.Parameter(torch.randn(576), requires_grad=False)
+    out = torch.empty(3, 576)
+    ops.rms_norm(out, row.expand(3, 576), weight, 0)
+    _assert_identical(out, reference.rms_norm(row, weight.data, 0).expand(3, 576))
+
+
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("dtype", DTYPES)
