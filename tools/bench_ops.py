@@ -1,11 +1,16 @@
-"""Microbenchmark of the CPU attention ops (not a test).
+"""Microbenchmark of the CPU ops (not a test).
 
 Decode: batch 64 and 256, context 512, on the embedded model's attention shape (9 query heads,
 3 kv heads, head size 64), bf16 and fp32; prints us/call and GB/s of K/V read. Each call reads
 another layer of a pool larger than the caches, so the K/V comes from memory, as in a real
 decode step. Also a memory-bandwidth reference (a large tensor copy) and prefill figures.
 
+Elementwise: one decoder layer's elementwise work on the embedded model's shapes (hidden 576,
+FFN 1536), HF's torch code against the fused ops, at 1, 64 and 256 tokens, and the sum over a
+layer (2 add + RMSNorm, RoPE, SiLU * up).
+
     .venv/bin/python tools/bench_ops.py [--threads N] [--isa avx512|avx2|generic]
+        [--only attention|elementwise]
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pagedserve import _C_cpu
 from pagedserve.gpu_worker import ops
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
+HIDDEN_SIZE, INTERMEDIATE_SIZE, RMS_NORM_EPS, MAX_POSITIONS = 576, 1536, 1e-5, 8192
 POOL_BYTES = 1 << 30  # >> last-level cache, so every call reads K/V from memory
 
 
@@ -151,6 +157,89 @@ def bench_prefill(q_lens: list[int], dtype: torch.dtype, iters: int) -> None:
     )
 
 
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + RMS_NORM_EPS)
+    return weight * h.to(x.dtype)
+
+
+def torch_rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    c = cos[positions].to(query.dtype).unsqueeze(1)
+    s = sin[positions].to(query.dtype).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.shape[0], -1, HEAD_SIZE)
+        x1, x2 = x[..., : HEAD_SIZE // 2], x[..., HEAD_SIZE // 2 :]
+        return torch.cat((x1 * c + (-x2) * s, x2 * c + x1 * s), dim=-1).flatten(1)
+
+    return rotate(query), rotate(key)
+
+
+def bench_elementwise(num_tokens: int, dtype: torch.dtype, iters: int) -> None:
+    """Each of a layer's elementwise steps: HF's torch code against the fused op."""
+    q_width, kv_width = NUM_HEADS * HEAD_SIZE, NUM_KV_HEADS * HEAD_SIZE
+    weight = (1 + torch.randn(HIDDEN_SIZE) / 4).to(dtype)
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, HEAD_SIZE, 2).float() / HEAD_SIZE))
+    freqs = torch.arange(MAX_POSITIONS).float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    hidden = torch.randn(num_tokens, HIDDEN_SIZE).to(dtype)
+    residual = torch.randn(num_tokens, HIDDEN_SIZE).to(dtype)
+    normed = torch.empty_like(hidden)
+    qkv = torch.randn(num_tokens, q_width + 2 * kv_width).to(dtype)
+    query, key = qkv[:, :q_width], qkv[:, q_width : q_width + kv_width]
+    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,))
+    gate_up = torch.randn(num_tokens, 2 * INTERMEDIATE_SIZE).to(dtype)
+    activated = torch.empty(num_tokens, INTERMEDIATE_SIZE, dtype=dtype)
+
+    def torch_silu_and_mul() -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    steps = [
+        # (name, times per layer, torch, fused)
+        (
+            "rms_norm",
+            0,
+            lambda: torch_rms_norm(hidden, weight),
+            lambda: ops.rms_norm(normed, hidden, weight, RMS_NORM_EPS),
+        ),
+        (
+            "add + rms_norm",
+            2,
+            lambda: torch_rms_norm(residual + hidden, weight),
+            lambda: ops.fused_add_rms_norm(hidden, residual, weight, RMS_NORM_EPS),
+        ),
+        (
+            "rotary_embedding",
+            1,
+            lambda: torch_rotary(positions, query, key, cos, sin),
+            lambda: ops.rotary_embedding(positions, query, key, cos, sin),
+        ),
+        ("silu * up", 1, torch_silu_and_mul, lambda: ops.silu_and_mul(activated, gate_up)),
+    ]
+    layer_torch = layer_fused = 0.0
+    for name, per_layer, torch_fn, fused_fn in steps:
+        torch_seconds, fused_seconds = timed(torch_fn, iters), timed(fused_fn, iters)
+        layer_torch += per_layer * torch_seconds
+        layer_fused += per_layer * fused_seconds
+        print(
+            f"  {name:16s} tokens {num_tokens:4d} {str(dtype):15s}: torch "
+            f"{torch_seconds * 1e6:7.1f} us  fused {fused_seconds * 1e6:7.1f} us  "
+            f"({torch_seconds / fused_seconds:4.1f}x)"
+        )
+    print(
+        f"  per layer        tokens {num_tokens:4d} {str(dtype):15s}: torch "
+        f"{layer_torch * 1e6:7.1f} us  fused {layer_fused * 1e6:7.1f} us  "
+        f"({layer_torch / layer_fused:4.1f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -159,6 +248,7 @@ def main() -> None:
     parser.add_argument(
         "--hugepages", action="store_true", help="also run decode on a pool with huge pages"
     )
+    parser.add_argument("--only", choices=("attention", "elementwise"), default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -166,14 +256,20 @@ def main() -> None:
     if args.isa:
         _C_cpu.force_isa(args.isa)
     print(f"threads {args.threads}, kernels {_C_cpu.isa()}")
-    print(f"memory bandwidth (512 MiB copy): {memory_bandwidth_gbps():.1f} GB/s")
-    for hugepages in (False, True) if args.hugepages else (False,):
+    if args.only != "elementwise":
+        print(f"memory bandwidth (512 MiB copy): {memory_bandwidth_gbps():.1f} GB/s")
+        for hugepages in (False, True) if args.hugepages else (False,):
+            for dtype in (torch.bfloat16, torch.float32):
+                for num_seqs in (64, 256):
+                    bench_decode(num_seqs, 512, dtype, args.iters, hugepages)
         for dtype in (torch.bfloat16, torch.float32):
-            for num_seqs in (64, 256):
-                bench_decode(num_seqs, 512, dtype, args.iters, hugepages)
-    for dtype in (torch.bfloat16, torch.float32):
-        bench_prefill([512], dtype, max(5, args.iters // 5))
-        bench_prefill([128, 256, 64], dtype, max(5, args.iters // 5))
+            bench_prefill([512], dtype, max(5, args.iters // 5))
+            bench_prefill([128, 256, 64], dtype, max(5, args.iters // 5))
+    if args.only != "attention":
+        print("elementwise steps of one decoder layer (per layer: 2 add + norm, RoPE, SiLU * up)")
+        for dtype in (torch.bfloat16, torch.float32):
+            for num_tokens in (1, 64, 256):
+                bench_elementwise(num_tokens, dtype, 4 * args.iters)
 
 
 if __name__ == "__main__":
