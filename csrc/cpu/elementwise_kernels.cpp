@@ -112,8 +112,7 @@ template <typename Source>
 float sum_in_torch_order(int64_t n, Source& source) {
   const int64_t num_vectors = n / kTorchSumLanes;
   const int64_t num_groups = num_vectors / kTorchSumRows;
-  const int64_t level_power =
-      ceil_log2(num_groups) / kTorchSumLevels > 4 ? ceil_log2(num_groups) / kTorchSumLevels : 4;
+  const int64_t level_power = max_i64(4, ceil_log2(num_groups) / kTorchSumLevels);
   const int64_t level_step = int64_t{1} << level_power;
   const int64_t level_mask = level_step - 1;
 
@@ -267,7 +266,7 @@ void rotate_heads(T* row, int64_t num_heads, int64_t head_size, const float* cos
                   const float* sin_row) {
   const int64_t half = head_size / 2;
   for (int64_t i = 0; i < half; i += kWidth) {
-    const int64_t n = half - i < kWidth ? half - i : kWidth;
+    const int64_t n = min_i64(kWidth, half - i);
     const bool full = n == kWidth;
     const VecF c = round_to<T>(full ? VecF::load(cos_row + i) : load_partial(cos_row + i, n));
     const VecF s = round_to<T>(full ? VecF::load(sin_row + i) : load_partial(sin_row + i, n));
