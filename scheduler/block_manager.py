@@ -190,8 +190,14 @@ class BlockManager:
         self.host_block_tables[request_id] = host_ids
         return list(zip(device_ids, host_ids))
 
-    def can_swap_in(self, request_id: str, keep_watermark: bool = True) -> bool:
-        needed = len(self.host_block_tables[request_id])
+    def can_swap_in(
+        self, request_id: str, keep_watermark: bool = True, num_tokens: int = 0
+    ) -> bool:
+        """Whether the request's blocks fit back on the device, with room to grow to
+        ``num_tokens`` tokens in the same step."""
+        needed = max(
+            len(self.host_block_tables[request_id]), blocks_for_tokens(num_tokens, self.block_size)
+        )
         reserve = self.watermark_blocks if keep_watermark else 0
         return needed + reserve <= self.pool.num_free_blocks
 

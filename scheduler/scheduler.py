@@ -169,9 +169,9 @@ class Scheduler:
             request = self.swapped[0]
             num_new = self._num_tokens_to_schedule(request, budget)
             target = request.num_computed_tokens + num_new
-            needed = blocks_for_tokens(target, self.block_manager.block_size)
-            reserve = self.block_manager.watermark_blocks if self.running else 0
-            if num_new == 0 or needed + reserve > self.block_manager.num_free_blocks:
+            if num_new == 0 or not self.block_manager.can_swap_in(
+                request.request_id, bool(self.running), num_tokens=target
+            ):
                 break
             self.swapped.popleft()
             plan.swap_in.extend(self.block_manager.swap_in(request.request_id, bool(self.running)))
