@@ -165,7 +165,9 @@ class EngineClient:
 
     # ------------------------------------------------------------ EngineCore's calls
 
-    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_request_fits(
+        self, num_prompt_tokens: int, max_tokens: int, num_sequences: int = 1
+    ) -> None:
         """Raise ``ValueError`` for a request that could never run to completion (the
         scheduler's own check, on the limits it was started with)."""
         check_request_fits(
@@ -174,6 +176,8 @@ class EngineClient:
             self.scheduler_config.max_model_len,
             self.block_size,
             self.num_blocks,
+            num_sequences,
+            self.scheduler_config.max_num_seqs,
         )
 
     def add_request(

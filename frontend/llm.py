@@ -180,7 +180,9 @@ class LLM:
         encoded = [self._encode(index, prompt) for index, prompt in enumerate(prompt_list)]
         for index, (token_ids, params) in enumerate(zip(encoded, params_list)):
             try:
-                self.engine.check_request_fits(len(token_ids), params.max_tokens)
+                self.engine.check_request_fits(
+                    len(token_ids), params.max_tokens, params.num_sequences
+                )
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
         return self._run(prompt_list, encoded, params_list, cache_namespace)
@@ -245,13 +247,14 @@ class LLM:
                     prompt_token_ids=token_ids,
                     outputs=[
                         CompletionOutput(
-                            0,
+                            index,
                             "",
                             [],
                             None,
                             logprobs=None if params.logprobs is None else [],
                             cumulative_logprob=None if params.logprobs is None else 0.0,
                         )
+                        for index in range(params.n)
                     ],
                     prompt_logprobs=None if params.prompt_logprobs is None else [None],
                 )
@@ -270,9 +273,9 @@ class LLM:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
         for output in outputs.values():
-            completion = output.outputs[0]
             if self.tokenizer is not None:
-                completion.text = self.tokenizer.decode(completion.token_ids)
+                for completion in output.outputs:
+                    completion.text = self.tokenizer.decode(completion.token_ids)
         return [outputs[request_id] for request_id in request_ids]
 
     def _encode(self, index: int, prompt: PromptType) -> list[int]:
@@ -329,21 +332,28 @@ class LLM:
 
 
 def _apply_delta(output: RequestOutput, delta: RequestOutputDelta) -> None:
-    completion = output.outputs[0]
+    completion = output.outputs[delta.index]
     completion.token_ids.extend(delta.new_token_ids)
     if delta.logprobs is not None and completion.logprobs is not None:
         for entry in delta.logprobs:
             completion.logprobs.append(dict(zip(entry.token_ids, entry.logprobs)))
             completion.cumulative_logprob += entry.logprobs[0]
+    if delta.cumulative_logprob is not None:
+        # Ranked outputs (best_of, beams) report their score as a whole.
+        completion.cumulative_logprob = delta.cumulative_logprob
     if delta.prompt_logprobs is not None and output.prompt_logprobs is not None:
         output.prompt_logprobs.extend(
             dict(zip(entry.token_ids, entry.logprobs)) for entry in delta.prompt_logprobs
         )
     if delta.num_cached_tokens is not None:
         output.num_cached_tokens = delta.num_cached_tokens
-    if delta.finished:
+    if delta.finish_reason is not None:
         completion.finish_reason = delta.finish_reason
+    if delta.finished:
         output.finished = True
+        if delta.finish_reason == "abort":
+            for other in output.outputs:
+                other.finish_reason = other.finish_reason or "abort"
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -10,13 +10,14 @@ import torch
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.models.base import CausalLM
 from pagedserve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedserve.scheduler.beam_search import num_candidates
 from pagedserve.scheduler.messages import (
     PromptLogprobsChunk,
     StepPlan,
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, derive_seed
 
 
 @dataclass
@@ -32,6 +33,27 @@ class CachedRequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens to draw at this sample: a request of several parallel samples draws
+        them all at its first token (the scheduler forks it into that many sequences);
+        beams fork from the candidates instead."""
+        params = self.sampling_params
+        if self.num_output_tokens == 0 and not params.use_beam_search:
+            return params.num_sequences
+        return 1
+
+    @property
+    def num_logprobs(self) -> int:
+        """Top tokens to report with each sample (-1: none): what the user asked for, the
+        candidates of a beam, or just the chosen token's for ranking ``best_of``."""
+        params = self.sampling_params
+        if params.use_beam_search:
+            return num_candidates(params.beam_width, len(self.eos_token_ids))
+        if params.logprobs is not None:
+            return params.logprobs
+        return 0 if params.num_sequences > params.n else -1
 
 
 @dataclass
@@ -63,7 +85,10 @@ class ModelInputs:
     positions: torch.Tensor  # int64 [num_tokens]
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_sampling], rows of the hidden states to sample
+    # One per sampled row; an entry drawing several samples appears once per sample.
     sampling_entries: list[_ScheduledEntry]
+    # The seed of each sampled row (None: the request's own).
+    sample_seeds: list[int | None]
     # (entry, first row of its tokens in the batch) for entries scoring prompt positions
     prompt_logprob_entries: list[tuple[_ScheduledEntry, int]]
 
@@ -84,15 +109,21 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            sampled = self.sampler(logits, self._sampling_batch(inputs.sampling_entries))
+            sampled = self.sampler(
+                logits, self._sampling_batch(inputs.sampling_entries, inputs.sample_seeds)
+            )
             prompt_logprobs = {
                 entry.request_id: self._prompt_logprobs(hidden, entry, first_row)
                 for entry, first_row in inputs.prompt_logprob_entries
             }
         token_ids = sampled.token_ids.tolist()
         request_ids = []
+        previous = None
         for entry, token_id in zip(inputs.sampling_entries, token_ids):
-            entry.state.token_ids.append(token_id)
+            # Of several samples of one request, the first continues this sequence.
+            if entry is not previous:
+                entry.state.token_ids.append(token_id)
+            previous = entry
             request_ids.append(entry.request_id)
         return StepResult(
             plan.step_id,
@@ -143,6 +174,7 @@ class ModelRunner:
         slot_parts = []
         logits_indices = []
         sampling_entries = []
+        sample_seeds: list[int | None] = []
         prompt_logprob_entries = []
         max_blocks = max(len(entry.state.block_ids) for entry in entries)
         block_tables = np.zeros((len(entries), max_blocks), dtype=np.int32)
@@ -165,8 +197,17 @@ class ModelRunner:
             seq_lens[row] = end
             query_lens[row] = entry.num_scheduled_tokens
             if entry.samples:
-                logits_indices.append(len(input_ids) - 1)
-                sampling_entries.append(entry)
+                num_samples = entry.state.num_samples
+                logits_indices.extend([len(input_ids) - 1] * num_samples)
+                sampling_entries.extend([entry] * num_samples)
+                if num_samples == 1:
+                    sample_seeds.append(None)
+                else:
+                    seed = entry.state.sampling_params.seed
+                    sample_seeds.extend(
+                        None if seed is None else derive_seed(seed, index)
+                        for index in range(num_samples)
+                    )
 
         prefill_query_lens = query_lens[num_decodes:]
         prefill_start_loc = np.zeros(len(prefill_query_lens) + 1, dtype=np.int32)
@@ -187,12 +228,16 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             sampling_entries=sampling_entries,
+            sample_seeds=sample_seeds,
             prompt_logprob_entries=prompt_logprob_entries,
         )
 
-    def _sampling_batch(self, entries: list[_ScheduledEntry]) -> SamplingBatch:
+    def _sampling_batch(
+        self, entries: list[_ScheduledEntry], sample_seeds: list[int | None]
+    ) -> SamplingBatch:
         states = [entry.state for entry in entries]
         params = [state.sampling_params for state in states]
+        seeds = [(p.seed or 0) if seed is None else seed for p, seed in zip(params, sample_seeds)]
         penalized = [row for row, p in enumerate(params) if p.has_penalties]
         banned = [
             row
@@ -204,11 +249,9 @@ class ModelRunner:
             top_k=np.array([p.top_k for p in params], dtype=np.int64),
             top_p=np.array([p.top_p for p in params], dtype=np.float32),
             min_p=np.array([p.min_p for p in params], dtype=np.float32),
-            seeds=np.array([p.seed or 0 for p in params], dtype=np.uint64),
+            seeds=np.array(seeds, dtype=np.uint64),
             output_positions=np.array([s.num_output_tokens for s in states], dtype=np.int64),
-            num_logprobs=np.array(
-                [-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64
-            ),
+            num_logprobs=np.array([s.num_logprobs for s in states], dtype=np.int64),
             penalty_rows=np.array(penalized, dtype=np.int64),
             repetition_penalties=np.array(
                 [params[r].repetition_penalty for r in penalized], dtype=np.float32
@@ -272,6 +315,6 @@ def _token_logprobs(
     values = sampled.logprobs.tolist()
     result: list[TokenLogprobs | None] = []
     for row, entry in enumerate(entries):
-        k = entry.state.sampling_params.logprobs
-        result.append(None if k is None else TokenLogprobs(ids[row][: k + 1], values[row][: k + 1]))
+        k = entry.state.num_logprobs
+        result.append(None if k < 0 else TokenLogprobs(ids[row][: k + 1], values[row][: k + 1]))
     return result

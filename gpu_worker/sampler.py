@@ -85,7 +85,7 @@ class Sampler:
 
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None)
-        top_k = int(batch.num_logprobs.max())
+        top_k = min(int(batch.num_logprobs.max()), logits.shape[-1])
         chosen = raw_logprobs.gather(1, token_ids[:, None])
         top_values, top_ids = raw_logprobs.topk(top_k, dim=-1)
         return SamplerOutput(

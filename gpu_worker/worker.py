@@ -100,6 +100,9 @@ class Worker:
             ops.swap_blocks(self.kv_cache, self.host_kv_cache, _pairs(plan.swap_out))
         if plan.swap_in:
             ops.swap_blocks(self.host_kv_cache, self.kv_cache, _pairs(plan.swap_in))
+        # Copy-on-write last: a swapped-in block may be the source of a copy.
+        if plan.copy_blocks:
+            ops.copy_blocks(self.kv_cache, _pairs(plan.copy_blocks))
         return self.runner.execute(plan)
 
 

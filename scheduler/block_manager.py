@@ -159,9 +159,62 @@ class BlockManager:
             self.prefix_cache.reset()
             self._block_hashes.clear()
 
-    def can_append(self, request_id: str, num_tokens: int) -> bool:
-        """Whether the request's table can grow to hold ``num_tokens`` tokens in all."""
-        return self.num_new_blocks(request_id, num_tokens) <= self.pool.num_free_blocks
+    def fork(self, parent_id: str, child_id: str) -> list[int]:
+        """Give ``child_id`` the parent's table, sharing every block (ref counts go up,
+        nothing is copied until one of them writes into a shared block)."""
+        if child_id in self.block_tables:
+            raise RuntimeError(f"request {child_id!r} already has a block table")
+        block_ids = list(self.block_tables[parent_id])
+        self.pool.incref(block_ids)
+        self.block_tables[child_id] = block_ids
+        if parent_id in self._block_hashes:
+            self._block_hashes[child_id] = list(self._block_hashes[parent_id])
+        return list(block_ids)
+
+    def needs_copy_on_write(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether the block that the request's next token goes into already holds
+        tokens and is shared with another sequence, so it must be copied first."""
+        if num_computed_tokens % self.block_size == 0:
+            return False  # the next token starts a fresh block
+        table = self.block_tables[request_id]
+        index = num_computed_tokens // self.block_size
+        return index < len(table) and self.pool.ref_count(table[index]) > 1
+
+    def copy_on_write(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None:
+        """Give the request a private copy of the shared block its next token goes
+        into; returns the (source, destination) pair the workers must copy before the
+        step writes, or ``None`` when no copy is needed or no block is free."""
+        if not self.needs_copy_on_write(request_id, num_computed_tokens):
+            return None
+        new_block_ids = self.pool.allocate(1)
+        if new_block_ids is None:
+            return None
+        table = self.block_tables[request_id]
+        index = num_computed_tokens // self.block_size
+        source = table[index]
+        table[index] = new_block_ids[0]
+        self.pool.decref([source])
+        return source, new_block_ids[0]
+
+    def undo_copy_on_write(
+        self, request_id: str, index: int, source: int, destination: int
+    ) -> None:
+        """Take back a ``copy_on_write`` whose copy will not run (its sequence was
+        preempted in the same step): the table points at the shared source again."""
+        table = self.block_tables[request_id]
+        if table[index] != destination:
+            raise RuntimeError(f"block {destination} is not at index {index} of {request_id!r}")
+        self.pool.incref([source])
+        table[index] = source
+        self.pool.decref([destination])
+
+    def can_append(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0) -> bool:
+        """Whether the request's table can grow to hold ``num_tokens`` tokens in all,
+        counting the copy of a shared block its next token would write into."""
+        needed = self.num_new_blocks(request_id, num_tokens)
+        if num_computed_tokens and self.needs_copy_on_write(request_id, num_computed_tokens):
+            needed += 1
+        return needed <= self.pool.num_free_blocks
 
     def append(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow a request's table to hold ``num_tokens`` tokens; return the added ids."""
@@ -172,44 +225,68 @@ class BlockManager:
         self.block_tables[request_id].extend(new_block_ids)
         return new_block_ids
 
-    def can_swap_out(self, request_id: str) -> bool:
-        """Whether the host pool can take all of the request's blocks."""
-        needed = len(self.block_tables[request_id])
+    def _unique_blocks(self, tables: dict[str, list[int]], request_ids: list[str]) -> list[int]:
+        return list(dict.fromkeys(b for rid in request_ids for b in tables[rid]))
+
+    def can_swap_out(self, request_ids: list[str]) -> bool:
+        """Whether the host pool can take all blocks of the requests (a sequence group:
+        blocks they share are copied once)."""
+        needed = len(self._unique_blocks(self.block_tables, request_ids))
         return self.host_pool is not None and needed <= self.host_pool.num_free_blocks
 
-    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move the request's table to host blocks; returns (device, host) pairs to copy
-        before the freed device blocks are reused."""
-        if not self.can_swap_out(request_id):
+    def swap_out(self, request_ids: list[str]) -> list[tuple[int, int]] | None:
+        """Move the requests' tables to host blocks, keeping what they share shared;
+        returns (device, host) pairs to copy before the freed device blocks are reused."""
+        if not self.can_swap_out(request_ids):
             return None
-        device_ids = self.block_tables.pop(request_id)
-        # Its blocks come back under new ids: their hashes are registered anew then.
-        self._block_hashes.pop(request_id, None)
+        device_ids = self._unique_blocks(self.block_tables, request_ids)
         host_ids = self.host_pool.allocate(len(device_ids))
-        self.pool.decref(device_ids)
-        self.host_block_tables[request_id] = host_ids
-        return list(zip(device_ids, host_ids))
+        to_host = dict(zip(device_ids, host_ids))
+        for request_id in request_ids:
+            table = self.block_tables.pop(request_id)
+            # Its blocks come back under new ids: their hashes are registered anew then.
+            self._block_hashes.pop(request_id, None)
+            self.pool.decref(table)
+            host_table = [to_host[block_id] for block_id in table]
+            self.host_block_tables[request_id] = host_table
+        # Each host block starts with one owner; the other sharers add theirs.
+        self.host_pool.incref(_extra_holders(self.host_block_tables, request_ids))
+        return list(to_host.items())
 
     def can_swap_in(
-        self, request_id: str, keep_watermark: bool = True, num_tokens: int = 0
+        self,
+        request_ids: list[str],
+        keep_watermark: bool = True,
+        num_tokens: list[int] | None = None,
     ) -> bool:
-        """Whether the request's blocks fit back on the device, with room to grow to
-        ``num_tokens`` tokens in the same step."""
-        needed = max(
-            len(self.host_block_tables[request_id]), blocks_for_tokens(num_tokens, self.block_size)
-        )
+        """Whether the requests' blocks fit back on the device, with room for request
+        ``i`` to grow to ``num_tokens[i]`` tokens in the same step (and, for a group of
+        several, to copy the shared block each one writes into next)."""
+        needed = len(self._unique_blocks(self.host_block_tables, request_ids))
+        if num_tokens is not None:
+            for request_id, count in zip(request_ids, num_tokens):
+                held = len(self.host_block_tables[request_id])
+                needed += max(0, blocks_for_tokens(count, self.block_size) - held)
+            if len(request_ids) > 1:
+                needed += len(request_ids)
         reserve = self.watermark_blocks if keep_watermark else 0
         return needed + reserve <= self.pool.num_free_blocks
 
-    def swap_in(self, request_id: str, keep_watermark: bool = True) -> list[tuple[int, int]] | None:
-        """Bring a swapped request back to device blocks; returns (host, device) pairs."""
-        if not self.can_swap_in(request_id, keep_watermark):
+    def swap_in(
+        self, request_ids: list[str], keep_watermark: bool = True
+    ) -> list[tuple[int, int]] | None:
+        """Bring swapped requests back to device blocks; returns (host, device) pairs."""
+        if not self.can_swap_in(request_ids, keep_watermark):
             return None
-        host_ids = self.host_block_tables.pop(request_id)
+        host_ids = self._unique_blocks(self.host_block_tables, request_ids)
         device_ids = self.pool.allocate(len(host_ids))
-        self.host_pool.decref(host_ids)
-        self.block_tables[request_id] = device_ids
-        return list(zip(host_ids, device_ids))
+        to_device = dict(zip(host_ids, device_ids))
+        for request_id in request_ids:
+            host_table = self.host_block_tables.pop(request_id)
+            self.host_pool.decref(host_table)
+            self.block_tables[request_id] = [to_device[block_id] for block_id in host_table]
+        self.pool.incref(_extra_holders(self.block_tables, request_ids))
+        return list(to_device.items())
 
     def free(self, request_id: str) -> None:
         """Return every block of the request, device and host (no-op without a table)."""
@@ -230,6 +307,18 @@ class BlockManager:
             self.host_pool.check_integrity(_holders(self.host_block_tables))
         elif self.host_block_tables:
             raise AssertionError("host block tables exist without a host pool")
+
+
+def _extra_holders(tables: dict[str, list[int]], request_ids: list[str]) -> list[int]:
+    """Each block once per holder beyond its first, among ``request_ids``' tables."""
+    seen: set[int] = set()
+    extra = []
+    for request_id in request_ids:
+        for block_id in tables[request_id]:
+            if block_id in seen:
+                extra.append(block_id)
+            seen.add(block_id)
+    return extra
 
 
 def _holders(tables: dict[str, list[int]]) -> dict[int, int]:

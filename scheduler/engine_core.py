@@ -72,9 +72,11 @@ class EngineCore:
         )
         self.scheduler.add_request(request)
 
-    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_request_fits(
+        self, num_prompt_tokens: int, max_tokens: int, num_sequences: int = 1
+    ) -> None:
         """Raise ``ValueError`` for a request that could never run to completion."""
-        self.scheduler.check_request_fits(num_prompt_tokens, max_tokens)
+        self.scheduler.check_request_fits(num_prompt_tokens, max_tokens, num_sequences)
 
     def abort_request(self, request_id: str) -> RequestOutputDelta | None:
         return self.scheduler.abort_request(request_id)

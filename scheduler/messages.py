@@ -60,9 +60,12 @@ class StepPlan:
 
     ``finished_request_ids`` lists requests whose worker-side state must be dropped
     (finished, aborted or preempted since the previous plan); workers apply it first.
-    Then they copy ``swap_out`` pairs (device block -> host block) and ``swap_in`` pairs
-    (host block -> device block), in that order, before the forward pass: a device
-    block freed by a swap-out may be refilled by a swap-in or written in this step.
+    Then they copy ``swap_out`` pairs (device block -> host block), ``swap_in`` pairs
+    (host block -> device block) and ``copy_blocks`` pairs (device -> device: the
+    copy-on-write of a block that sequences share and one of them is about to write),
+    in that order, before the forward pass: a device block freed by a swap-out may be
+    refilled by a swap-in or written in this step, and a swapped-in block may be the
+    source of a copy.
     """
 
     step_id: int
@@ -71,6 +74,7 @@ class StepPlan:
     finished_request_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -85,13 +89,17 @@ class StepPlan:
 
     @property
     def has_work_for_workers(self) -> bool:
-        return not self.is_empty or bool(self.finished_request_ids or self.swap_out or self.swap_in)
+        return not self.is_empty or bool(
+            self.finished_request_ids or self.swap_out or self.swap_in or self.copy_blocks
+        )
 
 
 @dataclass
 class StepResult:
     """What the worker sampled: one token per request whose known tokens are now all in
-    the cache (a partial prefill chunk samples nothing)."""
+    the cache (a partial prefill chunk samples nothing). A request that starts several
+    sequences (``SamplingParams.num_sequences``) gets that many entries, in sequence
+    order, at its first sample."""
 
     step_id: int
     request_ids: list[str] = field(default_factory=list)
@@ -103,7 +111,12 @@ class StepResult:
 
 @dataclass
 class RequestOutputDelta:
-    """New tokens of one request from one step, and whether it has ended."""
+    """New tokens of one output sequence of a request from one step.
+
+    ``index`` says which of the request's outputs (``n > 1``, beams) the tokens extend;
+    ``finish_reason`` is set when that output ends, and ``finished`` when the whole
+    request has (its last delta).
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -112,3 +125,5 @@ class RequestOutputDelta:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     prompt_logprobs: list[TokenLogprobs] | None = None  # new prompt positions, when asked for
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache; on finish
+    index: int = 0
+    cumulative_logprob: float | None = None  # for outputs ranked by it (best_of, beams)

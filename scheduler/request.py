@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, derive_seed
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.sequence_group import SequenceGroup
 
 
 class RequestStatus(enum.Enum):
@@ -50,9 +54,43 @@ class Request:
     # Prompt positions whose logprobs were already reported; a recompute after
     # preemption scores them again, and those repeats are dropped.
     num_prompt_logprobs_reported: int = 1
+    # Requests with several sequences (n > 1, best_of, beams): each sequence is one of
+    # these, with its own id and block table; the group ties them together.
+    group: SequenceGroup | None = None
+    # Which sample of its group this sequence is (its seed derives from it).
+    sample_index: int = 0
+    cumulative_logprob: float = 0.0
+    # Per-token logprobs kept for outputs reported only at the end (best_of > n).
+    output_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    def fork(self, child_id: str, sample_index: int) -> Request:
+        """A new sequence of the same group with this one's tokens so far (its K/V are
+        shared through the block manager's ``fork``)."""
+        params = self.sampling_params
+        if sample_index != self.sample_index and params.seed is not None:
+            params = replace(params, seed=derive_seed(self.group.seed, sample_index))
+        child = Request(
+            request_id=child_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time_s=self.arrival_time_s,
+            max_model_len=self.max_model_len,
+            num_computed_tokens=self.num_computed_tokens,
+            status=self.status,
+            num_preemptions=self.num_preemptions,
+            cache_namespace=self.cache_namespace,
+            num_cached_tokens=self.num_cached_tokens,
+            num_prompt_logprobs_reported=self.num_prompt_logprobs_reported,
+            group=self.group,
+            sample_index=sample_index,
+            cumulative_logprob=self.cumulative_logprob,
+        )
+        child.token_ids = list(self.token_ids)
+        return child
 
     @property
     def num_prompt_tokens(self) -> int:

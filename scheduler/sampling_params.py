@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# A beam step looks at the top (1 + EOS ids) * beam_width tokens of each beam.
+MAX_BEAM_WIDTH = 16
 
 
 @dataclass
@@ -21,6 +23,18 @@ class SamplingParams:
     likely tokens; ``prompt_logprobs=k`` does the same for every prompt token after the
     first. Log-probabilities are those of the model's raw distribution (before
     penalties, temperature and filtering), as in vLLM.
+
+    Several sequences per request share the prompt's KV blocks and copy a shared block
+    only when they first write into it:
+
+    - ``n`` parallel samples; with ``best_of > n``, ``best_of`` are drawn and the ``n``
+      with the highest cumulative log-probability are returned. Sample ``i`` draws with
+      ``derive_seed(seed, i)``, so a seeded request is reproducible as a whole.
+    - ``beam_width > 1``: beam search with HF transformers' semantics (greedy only);
+      ``n`` best beams are returned, scored by cumulative log-probability divided by
+      ``length ** length_penalty``; ``early_stopping`` is True (stop once ``beam_width``
+      hypotheses are done), False (stop when no running beam can beat them, judged at
+      the current length) or "never" (judged at the longest possible length).
     """
 
     max_tokens: int = 16
@@ -37,6 +51,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Several sequences per request, sharing the prompt's KV blocks (see class doc).
+    n: int = 1
+    best_of: int | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -69,6 +89,50 @@ class SamplingParams:
                 _check_int(name, value, minimum=0)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+        self._check_sequences()
+
+    def _check_sequences(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_int("beam_width", self.beam_width, minimum=1)
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be <= {MAX_BEAM_WIDTH}, got {self.beam_width}")
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, minimum=1)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        self.length_penalty = _check_float("length_penalty", self.length_penalty, -1e9, None)
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )
+        if self.use_beam_search:
+            if self.n > self.beam_width:
+                raise ValueError(f"n ({self.n}) must be <= beam_width ({self.beam_width})")
+            if self.best_of is not None and self.best_of != self.beam_width:
+                raise ValueError(
+                    f"best_of ({self.best_of}) is the beam width in beam search; "
+                    f"leave it unset or equal to beam_width ({self.beam_width})"
+                )
+            if self.temperature != 0.0:
+                raise ValueError(
+                    f"beam search is deterministic: temperature must be 0, got {self.temperature}"
+                )
+            if self.logprobs is not None:
+                raise ValueError(
+                    "logprobs is not supported with beam search (each output reports its "
+                    "cumulative_logprob)"
+                )
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs: the beams, or ``best_of`` (default ``n``) samples."""
+        if self.use_beam_search:
+            return self.beam_width
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def is_greedy(self) -> bool:
@@ -81,6 +145,19 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def derive_seed(seed: int, sequence_index: int) -> int:
+    """The seed of sample ``sequence_index`` of a request seeded with ``seed``: sample 0
+    keeps the request's seed (so ``n=1`` draws what it always drew), the others get
+    well-separated seeds that depend only on (seed, index)."""
+    if sequence_index == 0:
+        return seed
+    mask = (1 << 64) - 1
+    z = (seed + sequence_index * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1  # 63 bits: seeds are non-negative int64 on the wire
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -15,6 +15,7 @@ from pagedserve.scheduler.messages import (
     StepResult,
 )
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.sequence_group import SequenceGroup
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +26,18 @@ def check_request_fits(
     max_model_len: int,
     block_size: int,
     total_blocks: int,
+    num_sequences: int = 1,
+    max_num_seqs: int | None = None,
 ) -> None:
     """Raise ``ValueError`` for a request that could never run to completion: its prompt
-    leaves no room to generate within ``max_model_len``, or it needs more blocks than the
-    whole cache of ``total_blocks`` blocks of ``block_size`` tokens. A function of the
-    limits alone, so a frontend in another process checks exactly what the scheduler
-    will."""
+    leaves no room to generate within ``max_model_len``, it needs more blocks than the
+    whole cache of ``total_blocks`` blocks of ``block_size`` tokens, or it runs more
+    sequences (n, best_of, beams) than a batch may hold. A function of the limits alone,
+    so a frontend in another process checks exactly what the scheduler will.
+
+    A request of several sequences must fit with every sequence holding its own blocks:
+    sharing is what usually happens, but after a recompute preemption nothing is shared.
+    """
     if num_prompt_tokens < 1:
         raise ValueError("prompt must contain at least 1 token, got 0")
     if num_prompt_tokens >= max_model_len:
@@ -38,13 +45,19 @@ def check_request_fits(
             f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len} and "
             "must leave room for at least one generated token"
         )
+    if max_num_seqs is not None and num_sequences > max_num_seqs:
+        raise ValueError(
+            f"request runs {num_sequences} sequences (n / best_of / beam_width), but "
+            f"max_num_seqs is {max_num_seqs}"
+        )
     max_total_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
-    needed_blocks = blocks_for_tokens(max_total_tokens, block_size)
+    needed_blocks = blocks_for_tokens(max_total_tokens, block_size) * num_sequences
     if needed_blocks > total_blocks:
+        per_sequence = f" x {num_sequences} sequences" if num_sequences > 1 else ""
         raise ValueError(
             f"request needs up to {max_total_tokens} tokens (prompt {num_prompt_tokens} + "
-            f"max_tokens {max_tokens}) = {needed_blocks} blocks of {block_size} tokens, "
-            f"but the whole KV cache has {total_blocks} blocks "
+            f"max_tokens {max_tokens}){per_sequence} = {needed_blocks} blocks of "
+            f"{block_size} tokens, but the whole KV cache has {total_blocks} blocks "
             f"({total_blocks * block_size} tokens); lower max_tokens or raise kv_cache_bytes"
         )
 
@@ -52,15 +65,21 @@ def check_request_fits(
 class Scheduler:
     """First come, first served continuous batching over a paged KV cache.
 
-    Each step first extends the running requests (oldest first: one token for a decode,
+    Each step first extends the running sequences (oldest first: one token for a decode,
     the next chunk for an unfinished prefill), then admits waiting requests while the
-    token budget, the sequence cap and free blocks allow. When a running request needs a
-    block and none is free, the most recently arrived running request is preempted,
-    all or nothing: by recompute (its blocks are freed and it returns to the front of
-    the queue, to be prefilled again, prompt plus generated tokens) or by swap (its
-    blocks are copied to the host pool and back when there is room). Preempted requests
-    resume ahead of newer arrivals, swapped ones first. Finished requests give their
-    blocks back at once.
+    token budget, the sequence cap and free blocks allow. When a running sequence needs
+    a block and none is free, the most recently arrived running request is preempted,
+    all its sequences together: by recompute (their blocks are freed and they return to
+    the front of the queue, to be prefilled again, prompt plus generated tokens) or by
+    swap (their blocks are copied to the host pool and back when there is room; blocks
+    they share stay shared). By default a single sequence is recomputed and a group of
+    several is swapped. Preempted requests resume ahead of newer arrivals, swapped ones
+    first. Finished sequences give their blocks back at once.
+
+    A request with several sequences (``SamplingParams.num_sequences``) is a
+    ``SequenceGroup``: its sequences are adjacent in every queue, admitted, preempted
+    and resumed together. Forks share blocks; the first write into a shared block
+    copies it (``StepPlan.copy_blocks``).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -69,17 +88,23 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        # Every live sequence, by its id (a request's first sequence has the request's id).
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, SequenceGroup] = {}
         self.num_recompute_preemptions = 0
         self.num_swap_preemptions = 0
         self._step_id = 0
-        # Requests whose full data the workers hold; anything else travels in full.
+        # Sequences whose full data the workers hold; anything else travels in full.
         self._known_to_workers: set[str] = set()
         self._drop_ids_for_workers: list[str] = []
+        # Copy-on-writes of the step being planned: sequence id -> (table index, src, dst).
+        self._step_copies: dict[str, tuple[int, int, int]] = {}
 
     # ----------------------------------------------------------------- admission
 
-    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_request_fits(
+        self, num_prompt_tokens: int, max_tokens: int, num_sequences: int = 1
+    ) -> None:
         """Raise ``ValueError`` for a request that could never run to completion."""
         check_request_fits(
             num_prompt_tokens,
@@ -87,25 +112,35 @@ class Scheduler:
             self.config.max_model_len,
             self.block_manager.block_size,
             self.block_manager.num_total_blocks,
+            num_sequences,
+            self.config.max_num_seqs,
         )
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.check_request_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        params = request.sampling_params
+        self.check_request_fits(request.num_prompt_tokens, params.max_tokens, params.num_sequences)
         self.requests[request.request_id] = request
+        if params.num_sequences > 1:
+            self.groups[request.request_id] = SequenceGroup.create(request)
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> RequestOutputDelta | None:
         """End a request now; returns its final delta, or ``None`` if it is unknown."""
-        request = self.requests.get(request_id)
-        if request is None:
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            sequences = list(group.sequences)
+        elif request_id in self.requests:
+            sequences = [self.requests[request_id]]
+        else:
             return None
-        if request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif request.status == RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        for sequence in sequences:
+            if sequence.status == RequestStatus.WAITING:
+                self.waiting.remove(sequence)
+            elif sequence.status == RequestStatus.SWAPPED:
+                self.swapped.remove(sequence)
+            self._release(sequence, RequestStatus.FINISHED_ABORTED)
         return RequestOutputDelta(request_id, [], finished=True, finish_reason="abort")
 
     @property
@@ -120,6 +155,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Decide the next step. The plan may be empty when nothing is runnable."""
         self._step_id += 1
+        self._step_copies = {}
         plan = StepPlan(step_id=self._step_id)
         budget = self.config.max_num_batched_tokens
         preempted = False
@@ -132,24 +168,17 @@ class Scheduler:
                 index += 1
                 continue
             target = request.num_computed_tokens + num_new
-            while not self.block_manager.can_append(request.request_id, target):
-                victim = self.running.pop()
-                self._preempt(victim, plan)
+            while not self.block_manager.can_append(
+                request.request_id, target, request.num_computed_tokens
+            ):
+                victims = self._pop_newest_running()
+                self._preempt(victims, plan)
                 preempted = True
-                if victim is request:
+                if request in victims:
                     break
             if request.status != RequestStatus.RUNNING:
-                break  # it was the last running request and preempted itself
-            new_block_ids = self.block_manager.append(request.request_id, target)
-            assert new_block_ids is not None
-            plan.cached_requests.append(
-                CachedRequestData(
-                    request_id=request.request_id,
-                    new_block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                    num_scheduled_tokens=num_new,
-                )
-            )
+                break  # it was among the newest running requests and preempted itself
+            self._extend(plan, request, num_new)
             budget -= num_new
             index += 1
 
@@ -163,58 +192,145 @@ class Scheduler:
         self._drop_ids_for_workers = []
         return plan
 
+    def _extend(self, plan: StepPlan, request: Request, num_new: int) -> None:
+        """Give a running sequence slots for ``num_new`` more tokens and put it in the
+        plan: as a delta when the workers know it, in full otherwise."""
+        block_manager = self.block_manager
+        computed = request.num_computed_tokens
+        copy = block_manager.copy_on_write(request.request_id, computed)
+        if copy is not None:
+            plan.copy_blocks.append(copy)
+            self._step_copies[request.request_id] = (computed // block_manager.block_size, *copy)
+            # Its table changed in place: the workers get it anew.
+            self._forget_on_workers(request.request_id)
+        new_block_ids = block_manager.append(request.request_id, computed + num_new)
+        assert new_block_ids is not None
+        if request.request_id in self._known_to_workers:
+            plan.cached_requests.append(
+                CachedRequestData(
+                    request_id=request.request_id,
+                    new_block_ids=new_block_ids,
+                    num_computed_tokens=computed,
+                    num_scheduled_tokens=num_new,
+                )
+            )
+        else:
+            self._send_in_full(plan, request, num_new)
+
     def _swap_in(self, plan: StepPlan, budget: int) -> int:
         """Bring swapped requests back, oldest first, while their blocks fit."""
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            num_new = self._num_tokens_to_schedule(request, budget)
-            target = request.num_computed_tokens + num_new
-            if num_new == 0 or not self.block_manager.can_swap_in(
-                request.request_id, bool(self.running), num_tokens=target
-            ):
+        while self.swapped and budget > 0:
+            sequences = _leading_sequences(self.swapped)
+            if len(self.running) + len(sequences) > self.config.max_num_seqs:
                 break
-            self.swapped.popleft()
-            plan.swap_in.extend(self.block_manager.swap_in(request.request_id, bool(self.running)))
-            self.block_manager.append(request.request_id, target)
-            self._start_running(plan, request, num_new)
-            budget -= num_new
+            targets = []
+            remaining = budget
+            for sequence in sequences:
+                num_new = self._num_tokens_to_schedule(sequence, remaining)
+                targets.append(sequence.num_computed_tokens + num_new)
+                remaining -= num_new
+            if remaining == budget:
+                break
+            ids = [sequence.request_id for sequence in sequences]
+            keep_watermark = bool(self.running)
+            if not self.block_manager.can_swap_in(ids, keep_watermark, targets):
+                break
+            for _ in sequences:
+                self.swapped.popleft()
+            plan.swap_in.extend(self.block_manager.swap_in(ids, keep_watermark))
+            for sequence, target in zip(sequences, targets):
+                sequence.status = RequestStatus.RUNNING
+                self.running.append(sequence)
+                num_new = target - sequence.num_computed_tokens
+                if num_new:
+                    self._extend(plan, sequence, num_new)
+            budget = remaining
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         block_manager = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        while self.waiting and budget > 0:
+            sequences = _leading_sequences(self.waiting)
+            head = sequences[0]
+            # A new group forks up to its full size later; room is kept for it now.
+            group_size = max(len(sequences), head.sampling_params.num_sequences)
+            if len(self.running) + group_size > self.config.max_num_seqs:
+                break
+            if len(sequences) > 1:
+                budget, admitted = self._admit_sequences(plan, sequences, budget)
+                if not admitted:
+                    break
+                continue
             cached_block_ids = []
-            if request.num_computed_tokens == 0:
+            if head.num_computed_tokens == 0:
                 cached_block_ids = block_manager.find_cached_prefix(
-                    request.token_ids, request.cache_namespace
+                    head.token_ids, head.cache_namespace
                 )
             num_cached = len(cached_block_ids) * block_manager.block_size
-            num_new = self._num_tokens_to_schedule(request, budget, num_cached)
+            num_new = self._num_tokens_to_schedule(head, budget, num_cached)
             if num_new == 0:
                 break
             block_ids = block_manager.allocate(
-                request.request_id,
-                request.num_computed_tokens + num_cached + num_new,
+                head.request_id,
+                head.num_computed_tokens + num_cached + num_new,
                 keep_watermark=bool(self.running),
                 cached_block_ids=cached_block_ids,
             )
             if block_ids is None:
                 break
             self.waiting.popleft()
-            if block_manager.prefix_cache is not None and request.num_computed_tokens == 0:
-                block_manager.prefix_cache.record_query(request.num_tokens - 1, num_cached)
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = num_cached
-            request.num_computed_tokens += num_cached
-            self._start_running(plan, request, num_new)
+            self._note_prefix_hit(head, num_cached)
+            head.status = RequestStatus.RUNNING
+            self.running.append(head)
+            self._send_in_full(plan, head, num_new)
             budget -= num_new
         return budget
 
-    def _start_running(self, plan: StepPlan, request: Request, num_new: int) -> None:
-        """Move a request into the running batch and send it to workers in full."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+    def _admit_sequences(
+        self, plan: StepPlan, sequences: list[Request], budget: int
+    ) -> tuple[int, bool]:
+        """Admit the sequences of a group preempted by recompute, all or none: each gets
+        blocks for all its tokens now, and computes them as the token budget allows."""
+        block_manager = self.block_manager
+        needed = sum(
+            blocks_for_tokens(sequence.num_tokens, block_manager.block_size)
+            for sequence in sequences
+        )
+        reserve = block_manager.watermark_blocks if self.running else 0
+        if needed + reserve > block_manager.num_free_blocks:
+            return budget, False
+        for sequence in sequences:
+            self.waiting.popleft()
+            cached_block_ids = block_manager.find_cached_prefix(
+                sequence.token_ids, sequence.cache_namespace
+            )
+            block_ids = block_manager.allocate(
+                sequence.request_id,
+                sequence.num_tokens,
+                keep_watermark=False,
+                cached_block_ids=cached_block_ids,
+            )
+            assert block_ids is not None
+            num_cached = len(cached_block_ids) * block_manager.block_size
+            self._note_prefix_hit(sequence, num_cached)
+            sequence.status = RequestStatus.RUNNING
+            self.running.append(sequence)
+            num_new = self._num_tokens_to_schedule(sequence, budget)
+            if num_new:
+                self._send_in_full(plan, sequence, num_new)
+                budget -= num_new
+        return budget, True
+
+    def _note_prefix_hit(self, request: Request, num_cached: int) -> None:
+        prefix_cache = self.block_manager.prefix_cache
+        if prefix_cache is not None and request.num_computed_tokens == 0:
+            prefix_cache.record_query(request.num_tokens - 1, num_cached)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+        request.num_computed_tokens += num_cached
+
+    def _send_in_full(self, plan: StepPlan, request: Request, num_new: int) -> None:
+        """Put a sequence the workers hold no state for into the plan, in full."""
         self._known_to_workers.add(request.request_id)
         plan.new_requests.append(
             NewRequestData(
@@ -237,54 +353,81 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Take a running request out of the batch, all or nothing: swap its blocks to
-        the host pool, or free them to recompute later. Either way it resumes ahead of
-        newer requests."""
-        mode = self.config.preemption_mode or "recompute"
+    def _pop_newest_running(self) -> list[Request]:
+        """Take the most recently arrived running request out of the batch: its one
+        sequence, or all sequences of its group (they are adjacent)."""
+        group = self.running[-1].group
+        if group is None:
+            return [self.running.pop()]
+        victims = [sequence for sequence in self.running if sequence.group is group]
+        self.running = [sequence for sequence in self.running if sequence.group is not group]
+        return victims
+
+    def _preempt(self, sequences: list[Request], plan: StepPlan) -> None:
+        """Take a request's running sequences out of the batch, all or nothing: swap
+        their blocks to the host pool, or free them to recompute later. Either way it
+        resumes ahead of newer requests."""
+        default_mode = "swap" if len(sequences) > 1 else "recompute"
+        mode = self.config.preemption_mode or default_mode
         reason = "no free KV block"
-        request.num_preemptions += 1
-        self._forget_on_workers(request.request_id)
+        ids = {sequence.request_id for sequence in sequences}
+        # Undo what this step already planned for them: their entries, and the copies
+        # of shared blocks (whose destination a swap-out would otherwise copy unfilled).
+        plan.new_requests = [r for r in plan.new_requests if r.request_id not in ids]
+        plan.cached_requests = [r for r in plan.cached_requests if r.request_id not in ids]
+        for request_id in ids & self._step_copies.keys():
+            index, source, destination = self._step_copies.pop(request_id)
+            self.block_manager.undo_copy_on_write(request_id, index, source, destination)
+            plan.copy_blocks.remove((source, destination))
+        group = sequences[0].group
+        if group is not None:
+            group.pending_candidates.clear()
+        for sequence in sequences:
+            sequence.num_preemptions += 1
+            self._forget_on_workers(sequence.request_id)
+        request_id = group.request_id if group is not None else sequences[0].request_id
         if mode == "swap":
-            pairs = self.block_manager.swap_out(request.request_id)
+            pairs = self.block_manager.swap_out([sequence.request_id for sequence in sequences])
             if pairs is not None:
                 plan.swap_out.extend(pairs)
-                request.status = RequestStatus.SWAPPED
+                for sequence in sequences:
+                    sequence.status = RequestStatus.SWAPPED
                 self.num_swap_preemptions += 1
                 # Victims are taken newest first: pushing each to the front keeps the
                 # queue in arrival order.
-                self.swapped.appendleft(request)
+                self.swapped.extendleft(reversed(sequences))
                 logger.info(
-                    "preempted request %s by swap (%s): %d blocks to host",
-                    request.request_id,
+                    "preempted request %s (%d sequences) by swap (%s): %d blocks to host",
+                    request_id,
+                    len(sequences),
                     reason,
                     len(pairs),
                 )
                 return
             reason += "; host swap pool full, falling back to recompute"
-        self.block_manager.free(request.request_id)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        for sequence in sequences:
+            self.block_manager.free(sequence.request_id)
+            sequence.status = RequestStatus.WAITING
+            sequence.num_computed_tokens = 0
         self.num_recompute_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.extendleft(reversed(sequences))
         logger.info(
-            "preempted request %s by recompute (%s): %d tokens to recompute",
-            request.request_id,
+            "preempted request %s (%d sequences) by recompute (%s): %d tokens to recompute",
+            request_id,
+            len(sequences),
             reason,
-            request.num_tokens,
+            sum(sequence.num_tokens for sequence in sequences),
         )
 
     # ------------------------------------------------------------------ results
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutputDelta]:
-        """Advance the counters of every scheduled request and record sampled tokens."""
-        sampled = {
-            request_id: (token_id, result.logprobs[index] if result.logprobs else None)
-            for index, (request_id, token_id) in enumerate(
-                zip(result.request_ids, result.sampled_token_ids)
-            )
-        }
+        """Advance the counters of every scheduled sequence and record sampled tokens."""
+        rows_of: dict[str, list[int]] = {}
+        for row, request_id in enumerate(result.request_ids):
+            rows_of.setdefault(request_id, []).append(row)
         deltas: list[RequestOutputDelta] = []
+        beam_groups: dict[str, SequenceGroup] = {}
         for scheduled in (*plan.new_requests, *plan.cached_requests):
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -297,32 +440,177 @@ class Scheduler:
                 request.cache_namespace,
             )
             prompt_logprobs = self._new_prompt_logprobs(request, result)
-            if scheduled.request_id not in sampled:
-                # A prefill chunk that did not reach the last prompt token.
+            group = request.group
+            rows = rows_of.get(scheduled.request_id)
+            if rows is None or (group is not None and group.beam_search is not None):
+                # A prefill chunk that did not reach the last prompt token, or a beam
+                # whose next token the group decides below.
                 if prompt_logprobs:
                     deltas.append(
                         RequestOutputDelta(
-                            request.request_id, [], False, prompt_logprobs=prompt_logprobs
+                            _request_id(request), [], False, prompt_logprobs=prompt_logprobs
                         )
                     )
+                if rows is not None:
+                    entry = result.logprobs[rows[0]]
+                    group.pending_candidates[request.request_id] = list(
+                        zip(entry.token_ids[1:], entry.logprobs[1:])
+                    )
+                    beam_groups[group.request_id] = group
                 continue
-            token_id, logprobs = sampled[scheduled.request_id]
-            status = request.append_output_token(token_id)
+            if group is None:
+                deltas.append(self._advance(request, rows[0], result, prompt_logprobs))
+            else:
+                self._advance_samples(request, rows, result, prompt_logprobs, deltas)
+        for group in beam_groups.values():
+            if all(seq.request_id in group.pending_candidates for seq in group.sequences):
+                self._beam_step(group, deltas)
+        return deltas
+
+    def _advance(
+        self, request: Request, row: int, result: StepResult, prompt_logprobs: list | None
+    ) -> RequestOutputDelta:
+        """Record the sampled token of a single-sequence request."""
+        token_id = result.sampled_token_ids[row]
+        logprobs = result.logprobs[row] if result.logprobs else None
+        status = request.append_output_token(token_id)
+        finished = status.is_finished
+        if finished:
+            self._release(request, status)
+        return RequestOutputDelta(
+            request.request_id,
+            [token_id],
+            finished=finished,
+            finish_reason=status.value if finished else None,
+            logprobs=None if logprobs is None else [logprobs],
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=request.num_cached_tokens if finished else None,
+        )
+
+    def _advance_samples(
+        self,
+        request: Request,
+        rows: list[int],
+        result: StepResult,
+        prompt_logprobs: list | None,
+        deltas: list[RequestOutputDelta],
+    ) -> None:
+        """Record the sampled tokens of a parallel-sampling sequence; its first sample
+        comes as ``best_of`` rows, and the sequence forks into that many."""
+        group = request.group
+        sequences = [request]
+        if len(rows) > 1:
+            # Forks copy the tokens before the parent appends its own sample.
+            position = self.running.index(request) + 1
+            for sample_index in range(1, len(rows)):
+                child = request.fork(group.new_child_id(), sample_index)
+                self.block_manager.fork(request.request_id, child.request_id)
+                self.requests[child.request_id] = child
+                group.sequences.append(child)
+                sequences.append(child)
+            self.running[position:position] = sequences[1:]
+        wants_logprobs = request.sampling_params.logprobs is not None
+        for sequence, row in zip(sequences, rows):
+            token_id = result.sampled_token_ids[row]
+            logprobs = result.logprobs[row] if result.logprobs else None
+            if logprobs is not None:
+                sequence.cumulative_logprob += logprobs.logprobs[0]
+                if wants_logprobs and not group.streams_outputs:
+                    sequence.output_logprobs.append(logprobs)
+            status = sequence.append_output_token(token_id)
             finished = status.is_finished
             if finished:
-                self._finish(request, status)
-            deltas.append(
-                RequestOutputDelta(
-                    request.request_id,
-                    [token_id],
-                    finished=finished,
-                    finish_reason=status.value if finished else None,
-                    logprobs=None if logprobs is None else [logprobs],
-                    prompt_logprobs=prompt_logprobs,
-                    num_cached_tokens=request.num_cached_tokens if finished else None,
+                self._release(sequence, status)
+            if group.streams_outputs:
+                deltas.append(
+                    RequestOutputDelta(
+                        group.request_id,
+                        [token_id],
+                        finished=group.is_finished,
+                        finish_reason=status.value if finished else None,
+                        logprobs=[logprobs] if wants_logprobs else None,
+                        prompt_logprobs=prompt_logprobs if sequence is request else None,
+                        num_cached_tokens=sequence.num_cached_tokens if finished else None,
+                        index=sequence.sample_index,
+                        cumulative_logprob=sequence.cumulative_logprob
+                        if logprobs is not None
+                        else None,
+                    )
                 )
-            )
-        return deltas
+            elif prompt_logprobs and sequence is request:
+                deltas.append(
+                    RequestOutputDelta(group.request_id, [], False, prompt_logprobs=prompt_logprobs)
+                )
+        if group.is_finished and not group.streams_outputs:
+            best = group.best_samples()
+            for rank, sequence in enumerate(best):
+                deltas.append(
+                    RequestOutputDelta(
+                        group.request_id,
+                        sequence.output_token_ids,
+                        finished=rank == len(best) - 1,
+                        finish_reason=sequence.status.value,
+                        logprobs=sequence.output_logprobs if wants_logprobs else None,
+                        num_cached_tokens=sequence.num_cached_tokens,
+                        index=rank,
+                        cumulative_logprob=sequence.cumulative_logprob,
+                    )
+                )
+
+    def _beam_step(self, group: SequenceGroup, deltas: list[RequestOutputDelta]) -> None:
+        """All beams of ``group`` have reported their candidates: pick the next beams,
+        forking the beams chosen more than once and dropping those not chosen."""
+        beams = list(group.sequences)
+        first = beams[0]
+        step = group.beam_search.step(
+            beam_scores=[beam.cumulative_logprob for beam in beams],
+            beam_output_token_ids=[beam.output_token_ids for beam in beams],
+            candidates=[group.pending_candidates[beam.request_id] for beam in beams],
+            max_generated_tokens=first.max_total_tokens - first.num_prompt_tokens,
+        )
+        group.pending_candidates.clear()
+        position = min(self.running.index(beam) for beam in beams)
+        self.running = [sequence for sequence in self.running if sequence.group is not group]
+        if step.done:
+            for beam in beams:
+                self._release(beam, RequestStatus.FINISHED_STOPPED)
+            best = group.beam_search.best(group.params.n)
+            for rank, hypothesis in enumerate(best):
+                deltas.append(
+                    RequestOutputDelta(
+                        group.request_id,
+                        hypothesis.output_token_ids,
+                        finished=rank == len(best) - 1,
+                        finish_reason=hypothesis.finish_reason,
+                        num_cached_tokens=first.num_cached_tokens,
+                        index=rank,
+                        cumulative_logprob=hypothesis.cumulative_logprob,
+                    )
+                )
+            return
+        continuing: list[Request] = []
+        reused: set[int] = set()
+        for next_beam in step.next_beams:
+            parent = beams[next_beam.parent]
+            if next_beam.parent in reused:
+                child = parent.fork(group.new_child_id(), parent.sample_index)
+                self.block_manager.fork(parent.request_id, child.request_id)
+                self.requests[child.request_id] = child
+                continuing.append(child)
+            else:
+                reused.add(next_beam.parent)
+                continuing.append(parent)
+        # Tokens are appended only now: forks copied their parent's tokens before.
+        for sequence, next_beam in zip(continuing, step.next_beams):
+            sequence.token_ids.append(next_beam.token_id)
+            sequence.cumulative_logprob = next_beam.score
+            # The workers sampled their own token for it: they get it anew.
+            self._forget_on_workers(sequence.request_id)
+        group.sequences = continuing
+        for index, beam in enumerate(beams):
+            if index not in reused:
+                self._release(beam, RequestStatus.FINISHED_ABORTED)
+        self.running[position:position] = continuing
 
     @staticmethod
     def _new_prompt_logprobs(request: Request, result: StepResult) -> list | None:
@@ -334,15 +622,42 @@ class Scheduler:
         request.num_prompt_logprobs_reported += len(entries)
         return entries or None
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status == RequestStatus.RUNNING:
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        """End one sequence: out of the batch, blocks back, state dropped on workers.
+        The last sequence of a group ends the group."""
+        if request.status == RequestStatus.RUNNING and request in self.running:
             self.running.remove(request)
         request.status = status
         self.block_manager.free(request.request_id)
         self._forget_on_workers(request.request_id)
         del self.requests[request.request_id]
+        group = request.group
+        if group is not None and request in group.sequences:
+            group.sequences.remove(request)
+            if group.beam_search is None and status != RequestStatus.FINISHED_ABORTED:
+                group.finished.append(request)
+            if group.is_finished:
+                self.groups.pop(group.request_id, None)
 
     def _forget_on_workers(self, request_id: str) -> None:
         if request_id in self._known_to_workers:
             self._known_to_workers.discard(request_id)
             self._drop_ids_for_workers.append(request_id)
+
+
+def _leading_sequences(queue: deque[Request]) -> list[Request]:
+    """The queue's first request: its one sequence, or its group's sequences (adjacent
+    at the front)."""
+    head = queue[0]
+    if head.group is None:
+        return [head]
+    sequences = []
+    for request in queue:
+        if request.group is not head.group:
+            break
+        sequences.append(request)
+    return sequences
+
+
+def _request_id(request: Request) -> str:
+    return request.request_id if request.group is None else request.group.request_id

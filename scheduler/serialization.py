@@ -15,7 +15,7 @@ Encoding choices, and why:
   scheduled counts as four parallel arrays): at hundreds of running requests that packs
   and unpacks faster than one small array per request, and rebuilding the dataclasses is
   a single ``map``.
-- ``OutputBatch.deltas`` likewise: seven columns (one per ``RequestOutputDelta`` field),
+- ``OutputBatch.deltas`` likewise: nine columns (one per ``RequestOutputDelta`` field),
   the logprob columns decoded entry by entry only when a request asked for them.
 - Swap pairs are sent flat, ``[src0, dst0, src1, dst1, ...]``, and decoded with ``zip``:
   they come back as ``tuple[int, int]`` (msgpack itself has no tuple).
@@ -118,6 +118,11 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "stop_token_ids",
         "logprobs",
         "prompt_logprobs",
+        "n",
+        "best_of",
+        "beam_width",
+        "length_penalty",
+        "early_stopping",
     ),
     NewRequestData: (
         "request_id",
@@ -142,6 +147,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "finished_request_ids",
         "swap_out",
         "swap_in",
+        "copy_blocks",
     ),
     StepResult: ("step_id", "request_ids", "sampled_token_ids", "logprobs", "prompt_logprobs"),
     RequestOutputDelta: (
@@ -152,6 +158,8 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "logprobs",
         "prompt_logprobs",
         "num_cached_tokens",
+        "index",
+        "cumulative_logprob",
     ),
     AddRequest: (
         "request_id",
@@ -413,11 +421,12 @@ def _pack_step_plan(plan: StepPlan) -> list:
         plan.finished_request_ids,
         list(chain.from_iterable(plan.swap_out)),
         list(chain.from_iterable(plan.swap_in)),
+        list(chain.from_iterable(plan.copy_blocks)),
     ]
 
 
 def _unpack_step_plan(value: Any) -> StepPlan:
-    step_id, new_requests, cached, finished, swap_out, swap_in = _fields(value, "StepPlan")
+    step_id, new_requests, cached, finished, swap_out, swap_in, copies = _fields(value, "StepPlan")
     _check(step_id, int, "StepPlan.step_id")
     _check(new_requests, list, "StepPlan.new_requests")
     _check(cached, list, "StepPlan.cached_requests")
@@ -441,6 +450,7 @@ def _unpack_step_plan(value: Any) -> StepPlan:
         finished_request_ids=finished,
         swap_out=_check_pairs(swap_out, "StepPlan.swap_out"),
         swap_in=_check_pairs(swap_in, "StepPlan.swap_in"),
+        copy_blocks=_check_pairs(copies, "StepPlan.copy_blocks"),
     )
 
 
@@ -491,6 +501,8 @@ def _pack_request_output_delta(delta: RequestOutputDelta) -> list:
         _pack_optional_logprobs(delta.logprobs),
         _pack_optional_logprobs(delta.prompt_logprobs),
         delta.num_cached_tokens,
+        delta.index,
+        delta.cumulative_logprob,
     ]
 
 
@@ -503,6 +515,8 @@ def _unpack_request_output_delta(value: Any) -> RequestOutputDelta:
         logprobs,
         prompt_logprobs,
         num_cached_tokens,
+        index,
+        cumulative_logprob,
     ) = _fields(value, "RequestOutputDelta")
     return RequestOutputDelta(
         request_id=_check(request_id, str, "RequestOutputDelta.request_id"),
@@ -515,6 +529,10 @@ def _unpack_request_output_delta(value: Any) -> RequestOutputDelta:
         ),
         num_cached_tokens=_check(
             num_cached_tokens, (int, type(None)), "RequestOutputDelta.num_cached_tokens"
+        ),
+        index=_check(index, int, "RequestOutputDelta.index"),
+        cumulative_logprob=_check(
+            cumulative_logprob, (float, type(None)), "RequestOutputDelta.cumulative_logprob"
         ),
     )
 
@@ -593,6 +611,8 @@ def _pack_output_batch(batch: OutputBatch) -> list:
             [_pack_optional_logprobs(delta.logprobs) for delta in deltas],
             [_pack_optional_logprobs(delta.prompt_logprobs) for delta in deltas],
             [delta.num_cached_tokens for delta in deltas],
+            [delta.index for delta in deltas],
+            [delta.cumulative_logprob for delta in deltas],
         ]
     ]
 
@@ -612,6 +632,8 @@ def _unpack_output_batch(value: Any) -> OutputBatch:
         logprobs,
         prompt_logprobs,
         num_cached_tokens,
+        indices,
+        cumulative_logprobs,
     ) = columns
     where = "OutputBatch.deltas."
     count = len(_check(request_ids, list, where + "request_id"))
@@ -622,6 +644,8 @@ def _unpack_output_batch(value: Any) -> OutputBatch:
     _check_column_of(logprobs, (list, type(None)), count, where + "logprobs")
     _check_column_of(prompt_logprobs, (list, type(None)), count, where + "prompt_logprobs")
     _check_column_of(num_cached_tokens, (int, type(None)), count, where + "num_cached_tokens")
+    _check_column(indices, int, count, where + "index")
+    _check_column_of(cumulative_logprobs, (float, type(None)), count, where + "cumulative_logprob")
     # Logprobs are rare: decoded entry by entry only where present.
     if any(entry is not None for entry in logprobs):
         logprobs = [_unpack_optional_logprobs(entry, where + "logprobs") for entry in logprobs]
@@ -641,6 +665,8 @@ def _unpack_output_batch(value: Any) -> OutputBatch:
                 logprobs,
                 prompt_logprobs,
                 num_cached_tokens,
+                indices,
+                cumulative_logprobs,
             )
         )
     )

@@ -123,12 +123,12 @@ def test_swap_out_and_in_move_tables_between_pools_with_exact_pairs():
     manager = BlockManager(num_blocks=6, block_size=8, num_host_blocks=4)
     manager.allocate("a", 8)
     assert manager.allocate("b", 20) == [1, 2, 3]
-    assert manager.swap_out("b") == [(1, 0), (2, 1), (3, 2)]
+    assert manager.swap_out(["b"]) == [(1, 0), (2, 1), (3, 2)]
     assert "b" not in manager.block_tables and manager.host_block_tables["b"] == [0, 1, 2]
     assert manager.num_free_blocks == 5 and manager.num_free_host_blocks == 1
     manager.check_integrity()
     manager.allocate("c", 8)  # takes block 4
-    assert manager.swap_in("b") == [(0, 5), (1, 1), (2, 2)]
+    assert manager.swap_in(["b"]) == [(0, 5), (1, 1), (2, 2)]
     assert manager.block_tables["b"] == [5, 1, 2]
     assert manager.num_free_host_blocks == 4
     manager.check_integrity()
@@ -137,18 +137,18 @@ def test_swap_out_and_in_move_tables_between_pools_with_exact_pairs():
 def test_swap_capacity_is_a_value():
     manager = BlockManager(num_blocks=4, block_size=8, num_host_blocks=1)
     manager.allocate("a", 16)
-    assert not manager.can_swap_out("a")
-    assert manager.swap_out("a") is None
+    assert not manager.can_swap_out(["a"])
+    assert manager.swap_out(["a"]) is None
     assert manager.block_tables["a"] == [0, 1]
     without_host = BlockManager(num_blocks=4, block_size=8)
     without_host.allocate("a", 8)
-    assert without_host.swap_out("a") is None
+    assert without_host.swap_out(["a"]) is None
 
 
 def test_free_releases_a_swapped_request():
     manager = BlockManager(num_blocks=4, block_size=8, num_host_blocks=4)
     manager.allocate("a", 16)
-    manager.swap_out("a")
+    manager.swap_out(["a"])
     manager.free("a")
     assert manager.num_free_blocks == 4 and manager.num_free_host_blocks == 4
     manager.check_integrity()

@@ -58,6 +58,11 @@ ALL_SET_PARAMS = SamplingParams(
     stop_token_ids=[7, 8],
     logprobs=5,
     prompt_logprobs=2,
+    n=3,
+    best_of=5,
+)
+BEAM_PARAMS = SamplingParams(
+    temperature=0.0, beam_width=4, n=2, length_penalty=0.5, early_stopping="never"
 )
 TOP = TokenLogprobs(token_ids=[11, 3, 9], logprobs=[-0.125, -1.0e-9, float("-inf")])
 OTHER = TokenLogprobs(token_ids=[4], logprobs=[-2.5])
@@ -86,6 +91,7 @@ FULL_PLAN = StepPlan(
     finished_request_ids=["req-9", "req-10"],
     swap_out=[(5, 0), (6, 1)],
     swap_in=[(2, 7)],
+    copy_blocks=[(3, 9), (4, 11)],
 )
 
 FULL_DELTA = RequestOutputDelta(
@@ -96,6 +102,8 @@ FULL_DELTA = RequestOutputDelta(
     logprobs=[TOP, OTHER],
     prompt_logprobs=[OTHER],
     num_cached_tokens=48,
+    index=3,
+    cumulative_logprob=-1.25,
 )
 WORKER_SPEC = WorkerSpec(
     model_path="/models/tiny-é",
@@ -190,6 +198,7 @@ ROUND_TRIP_CASES = {
     "token-logprobs": TOP,
     "prompt-logprobs-chunk": PromptLogprobsChunk(first_position=1, entries=[TOP, OTHER]),
     "params-all-set": ALL_SET_PARAMS,
+    "params-beam": BEAM_PARAMS,
     "params-defaults": SamplingParams(),
 }
 
@@ -254,6 +263,7 @@ def _plan_fields(**overrides) -> list:
         "finished": [],
         "swap_out": [],
         "swap_in": [],
+        "copy_blocks": [],
     }
     fields.update(overrides)
     return list(fields.values())
@@ -269,7 +279,7 @@ def _plan_fields(**overrides) -> list:
         (msgpack.packb([]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb(["StepPlan"]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb([99, 1]), "unknown message tag 99 .*1=StepPlan"),
-        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 6 fields"),
+        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 7 fields"),
         (_frame(StepPlan, *_plan_fields(step_id="1")), "StepPlan.step_id: expected int, got str"),
         (_frame(StepPlan, *_plan_fields(step_id=True)), "StepPlan.step_id: expected int, got bool"),
         (
@@ -291,7 +301,27 @@ def _plan_fields(**overrides) -> list:
                 AddRequest,
                 "r",
                 [1],
-                [16, 0, -1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, None, False, [], None, None],
+                [
+                    16,
+                    0,
+                    -1.0,
+                    0,
+                    1.0,
+                    0.0,
+                    1.0,
+                    0.0,
+                    0.0,
+                    None,
+                    False,
+                    [],
+                    None,
+                    None,
+                    1,
+                    None,
+                    1,
+                    1.0,
+                    False,
+                ],
                 0.0,
                 [2],
                 None,
@@ -300,7 +330,7 @@ def _plan_fields(**overrides) -> list:
         ),
         (
             _frame(AddRequest, "r", [1], [16], 0.0, [2], None),
-            "SamplingParams: expected an array of 14",
+            "SamplingParams: expected an array of 19",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(), 0.0),
@@ -311,23 +341,31 @@ def _plan_fields(**overrides) -> list:
             r"AddRequest.eos_token_ids: expected only int, found \['str'\]",
         ),
         (
-            _frame(OutputBatch, [["a"], [[]], ["yes"], [None], [None], [None], [None]]),
+            _frame(
+                OutputBatch, [["a"], [[]], ["yes"], [None], [None], [None], [None], [0], [None]]
+            ),
             r"OutputBatch.deltas.finished: expected only bool, found \['str'\]",
         ),
         (
             _frame(OutputBatch, [["a", "b"], [[], []], [True, False], [None], [None], [None]]),
-            "OutputBatch.deltas: expected 7 columns",
+            "OutputBatch.deltas: expected 9 columns",
         ),
         (
-            _frame(OutputBatch, [["a", "b"], [[], []], [True, False], [None], [None], [None], []]),
+            _frame(
+                OutputBatch,
+                [["a", "b"], [[], []], [True, False], [None], [None], [None], [], [], []],
+            ),
             "OutputBatch.deltas.finish_reason: expected 2 entries, got 1",
         ),
         (
-            _frame(OutputBatch, [["a"], [[]], [True], [7], [None], [None], [None]]),
+            _frame(OutputBatch, [["a"], [[]], [True], [7], [None], [None], [None], [0], [None]]),
             r"OutputBatch.deltas.finish_reason: unexpected \['int'\]",
         ),
         (
-            _frame(OutputBatch, [["a"], [[5]], [True], [None], [[[[1, 2], [-0.5]]]], [None], [3]]),
+            _frame(
+                OutputBatch,
+                [["a"], [[5]], [True], [None], [[[[1, 2], [-0.5]]]], [None], [3], [0], [None]],
+            ),
             "TokenLogprobs: 2 token_ids but 1 logprobs",
         ),
         (_frame(EngineStats, [], None), "EngineStats.stats: expected dict, got list"),
