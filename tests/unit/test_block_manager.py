@@ -152,3 +152,77 @@ def test_free_releases_a_swapped_request():
     manager.free("a")
     assert manager.num_free_blocks == 4 and manager.num_free_host_blocks == 4
     manager.check_integrity()
+
+
+def test_fork_shares_blocks_and_copy_on_write_gives_a_private_copy():
+    manager = BlockManager(num_blocks=8, block_size=8)
+    assert manager.allocate("p", 20) == [0, 1, 2]  # tokens 16..19 in block 2
+    assert manager.fork("p", "c") == [0, 1, 2]
+    assert [manager.pool.ref_count(b) for b in (0, 1, 2)] == [2, 2, 2]
+    manager.check_integrity()
+    # Token 20 goes into block 2, which holds tokens and is shared: copy first.
+    assert manager.needs_copy_on_write("c", 20)
+    assert manager.can_append("c", 21, 20)
+    assert manager.copy_on_write("c", 20) == (2, 3)
+    assert manager.block_tables["c"] == [0, 1, 3]
+    assert manager.block_tables["p"] == [0, 1, 2]  # the sibling keeps its block
+    assert manager.pool.ref_count(2) == 1
+    # The parent now holds block 2 alone: it writes in place.
+    assert not manager.needs_copy_on_write("p", 20)
+    assert manager.copy_on_write("p", 20) is None
+    # A write that starts a fresh block never copies.
+    manager.fork("p", "d")
+    assert not manager.needs_copy_on_write("d", 24)
+    manager.check_integrity()
+
+
+def test_copy_on_write_capacity_is_a_value_and_can_be_undone():
+    manager = BlockManager(num_blocks=4, block_size=8)
+    manager.allocate("p", 12)
+    manager.fork("p", "c")
+    manager.allocate("x", 8)
+    assert manager.num_free_blocks == 1
+    # A copy plus a new block for token 16 would need two.
+    assert not manager.can_append("c", 17, 12)
+    assert manager.can_append("c", 16, 12)
+    assert manager.copy_on_write("c", 12) == (1, 3)
+    assert manager.copy_on_write("p", 12) is None  # no longer shared
+    manager.undo_copy_on_write("c", 1, 1, 3)
+    assert manager.block_tables["c"] == [0, 1]
+    assert manager.pool.ref_count(1) == 2 and manager.pool.is_free(3)
+    manager.check_integrity()
+
+
+def test_group_swap_keeps_shared_blocks_shared():
+    manager = BlockManager(num_blocks=8, block_size=8, num_host_blocks=8)
+    manager.allocate("a", 20)  # [0, 1, 2]
+    manager.fork("a", "b")
+    manager.copy_on_write("b", 20)  # b: [0, 1, 3]
+    assert manager.can_swap_out(["a", "b"])
+    # Four distinct blocks travel once each.
+    assert manager.swap_out(["a", "b"]) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert manager.host_block_tables == {"a": [0, 1, 2], "b": [0, 1, 3]}
+    assert [manager.host_pool.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
+    assert manager.num_free_blocks == 8
+    manager.check_integrity()
+    manager.allocate("z", 8)  # takes device block 4, free the longest
+    assert manager.can_swap_in(["a", "b"], keep_watermark=False, num_tokens=[21, 21])
+    pairs = manager.swap_in(["a", "b"])
+    device_of = dict(pairs)
+    assert len(pairs) == 4
+    assert manager.block_tables["a"] == [device_of[0], device_of[1], device_of[2]]
+    assert manager.block_tables["b"] == [device_of[0], device_of[1], device_of[3]]
+    assert manager.pool.ref_count(device_of[0]) == 2
+    assert manager.num_free_host_blocks == 8
+    manager.check_integrity()
+
+
+def test_group_swap_capacity_counts_shared_blocks_once():
+    manager = BlockManager(num_blocks=8, block_size=8, num_host_blocks=3)
+    manager.allocate("a", 20)
+    manager.fork("a", "b")
+    assert manager.can_swap_out(["a", "b"])  # 3 distinct blocks, not 6
+    manager.copy_on_write("b", 20)
+    assert not manager.can_swap_out(["a", "b"])
+    assert manager.swap_out(["a", "b"]) is None
+    manager.check_integrity()

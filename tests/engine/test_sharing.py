@@ -1,0 +1,277 @@
+"""Sequences that share KV blocks: parallel samples, best_of and beam search.
+
+Beam search is checked against HF transformers' own beam search on the same weights
+(float32); the block integrity check (tests/conftest.py) runs after every test.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from pagedserve.frontend import LLM, SamplingParams
+
+PROMPT_LENGTHS = [3, 8, 17, 30]
+
+
+def prompts_for(seed: int, lengths=PROMPT_LENGTHS, vocab_size: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+def hf_beam_search(model, prompt: list[int], params: SamplingParams, eos: int) -> list[list[int]]:
+    """HF's beams for one prompt, each cut after its first EOS (what follows is padding)."""
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            num_beams=params.beam_width,
+            num_return_sequences=params.n,
+            max_new_tokens=params.max_tokens,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+        )
+    beams = []
+    for row in generated[:, len(prompt) :].tolist():
+        beams.append(row[: row.index(eos) + 1] if eos in row else row)
+    return beams
+
+
+@pytest.fixture(scope="module")
+def beam_model_dir(tiny_model_dirs, tmp_path_factory):
+    """The tiny Llama with an EOS token its beams actually produce, so hypotheses end
+    by EOS as well as by length: the EOS is a token HF's best beam emits early on."""
+    path = tmp_path_factory.mktemp("beam") / "llama"
+    shutil.copytree(tiny_model_dirs["llama"], path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt = prompts_for(0)[1]
+    with torch.no_grad():
+        generated = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            num_beams=4,
+            max_new_tokens=8,
+            eos_token_id=None,
+        )
+    eos = generated[0, len(prompt) + 4].item()
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "pad_token_id": eos, "bos_token_id": 1})
+    )
+    return path, eos
+
+
+@pytest.fixture(scope="module")
+def beam_hf_model(beam_model_dir):
+    path, _ = beam_model_dir
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+BEAM_CASES = {
+    "w4-default": SamplingParams(beam_width=4, n=4, temperature=0.0, max_tokens=12),
+    "w2-early": SamplingParams(
+        beam_width=2, n=2, temperature=0.0, max_tokens=12, early_stopping=True
+    ),
+    "w4-never-lp2": SamplingParams(
+        beam_width=4,
+        n=3,
+        temperature=0.0,
+        max_tokens=10,
+        early_stopping="never",
+        length_penalty=2.0,
+    ),
+    "w3-lp0.5": SamplingParams(
+        beam_width=3, n=1, temperature=0.0, max_tokens=14, length_penalty=0.5
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BEAM_CASES))
+def test_beam_search_matches_hf(beam_model_dir, beam_hf_model, case):
+    path, eos = beam_model_dir
+    params = BEAM_CASES[case]
+    prompts = prompts_for(0)
+    llm = LLM(path, block_size=8, num_blocks=256)
+    outputs = llm.generate(prompts, params)
+    finish_reasons = set()
+    for prompt, output in zip(prompts, outputs):
+        assert [c.token_ids for c in output.outputs] == hf_beam_search(
+            beam_hf_model, prompt, params, eos
+        )
+        finish_reasons.update(c.finish_reason for c in output.outputs)
+    if case == "w4-default":
+        # Both ways a hypothesis ends are exercised.
+        assert finish_reasons == {"stop", "length"}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_search_survives_preemption(beam_model_dir, beam_hf_model, mode):
+    path, eos = beam_model_dir
+    params = BEAM_CASES["w4-default"]
+    prompts = prompts_for(0)
+    # 4 beams x 5 blocks each at most; 4 requests at once need far more than 24 blocks.
+    llm = LLM(path, block_size=8, num_blocks=24, preemption_mode=mode)
+    outputs = llm.generate(prompts, params)
+    assert llm.stats()["num_preemptions"] > 0
+    for prompt, output in zip(prompts, outputs):
+        assert [c.token_ids for c in output.outputs] == hf_beam_search(
+            beam_hf_model, prompt, params, eos
+        )
+
+
+def _token_ids(outputs) -> list[list[list[int]]]:
+    return [[completion.token_ids for completion in output.outputs] for output in outputs]
+
+
+def test_parallel_samples_share_the_prompt_and_reproduce(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=256)
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    prompts = prompts_for(2)
+    first = _token_ids(llm.generate(prompts, params))
+    assert first == _token_ids(llm.generate(prompts, params))
+    for samples in first:
+        assert len(samples) == 4 and all(len(sample) == 12 for sample in samples)
+        assert len({tuple(sample) for sample in samples}) == 4  # distinct draws
+    # The same request alone, or beside other requests, draws the same samples.
+    alone = _token_ids(llm.generate(prompts[2], params))
+    assert alone[0] == first[2]
+    mixed = llm.generate(
+        [prompts[2], prompts[0]], [params, SamplingParams(temperature=0.7, max_tokens=5)]
+    )
+    assert _token_ids(mixed)[0] == first[2]
+    # Sample 0 is what n=1 with the same seed draws.
+    single = llm.generate(
+        prompts[2], SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    )
+    assert single[0].outputs[0].token_ids == first[2][0]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_parallel_samples_survive_preemption(tiny_model_dirs, mode):
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    prompts = prompts_for(3)
+    roomy = LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=256)
+    expected = _token_ids(roomy.generate(prompts, params))
+    tight = LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=28, preemption_mode=mode)
+    assert _token_ids(tight.generate(prompts, params)) == expected
+    stats = tight.stats()
+    assert stats[f"num_{mode}_preemptions"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_groups_swap_by_default(tiny_model_dirs):
+    """The paper's default: a single sequence is recomputed, a group is swapped."""
+    llm = LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=28)
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    llm.generate(prompts_for(3), params)
+    assert llm.stats()["num_swap_preemptions"] > 0
+
+
+def test_best_of_returns_the_most_likely_samples(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=256)
+    prompt = prompts_for(4)[2]
+    all_samples = llm.generate(
+        prompt, SamplingParams(n=5, temperature=1.0, seed=9, max_tokens=8, logprobs=0)
+    )[0].outputs
+    best = llm.generate(
+        prompt, SamplingParams(n=2, best_of=5, temperature=1.0, seed=9, max_tokens=8, logprobs=0)
+    )[0].outputs
+    ranked = sorted(all_samples, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in best] == [c.token_ids for c in ranked]
+    assert [c.index for c in best] == [0, 1]
+    for completion in best:
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(entry[token] for entry, token in zip(completion.logprobs, completion.token_ids))
+        )
+
+
+def test_mixed_sharing_under_forced_preemption(beam_model_dir, tiny_model_dirs):
+    """Beams, parallel samples, plain requests and prefix hits in one run with a cache
+    too small for them: same tokens as with room, and every block back at the end."""
+    path, _ = beam_model_dir
+    prompts = prompts_for(6, lengths=[20, 20, 9, 33, 12, 25])
+    prompts[1][:16] = prompts[0][:16]  # a shared prefix of two full blocks
+    params = [
+        SamplingParams(beam_width=3, n=2, temperature=0.0, max_tokens=10),
+        SamplingParams(n=3, temperature=0.9, seed=1, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        SamplingParams(n=2, best_of=3, temperature=1.0, seed=2, max_tokens=9),
+        SamplingParams(beam_width=2, temperature=0.0, max_tokens=12, early_stopping=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=11),
+    ]
+    expected = _token_ids(LLM(path, block_size=8, num_blocks=512).generate(prompts, params))
+    for mode in (None, "recompute", "swap"):
+        llm = LLM(path, block_size=8, num_blocks=20, preemption_mode=mode)
+        assert _token_ids(llm.generate(prompts, params)) == expected, mode
+        assert llm.stats()["num_preemptions"] > 0
+        llm.check_integrity()
+
+
+def test_bad_sharing_parameters_are_rejected(tiny_model_dirs):
+    with pytest.raises(ValueError, match=r"best_of \(2\) must be >= n \(3\)"):
+        SamplingParams(n=3, best_of=2)
+    with pytest.raises(ValueError, match=r"n \(5\) must be <= beam_width \(4\)"):
+        SamplingParams(beam_width=4, n=5, temperature=0.0)
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        SamplingParams(beam_width=4)
+    with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'"):
+        SamplingParams(beam_width=2, temperature=0.0, early_stopping="sometimes")
+    llm = LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=16, max_num_seqs=4)
+    with pytest.raises(ValueError, match="runs 8 sequences .* max_num_seqs is 4"):
+        llm.generate([1, 2, 3], SamplingParams(n=8, max_tokens=4))
+    with pytest.raises(ValueError, match=r"x 4 sequences = 20 blocks .* 16 blocks"):
+        llm.generate([1, 2, 3], SamplingParams(n=4, max_tokens=37))
+
+
+def test_copy_on_write_leaves_the_siblings_cache_unchanged(tiny_model_dirs):
+    """Two samples share the prompt's last, partly filled block; the first to write
+    into it gets a copy, and the other's cached K/V stay as they were."""
+    llm = LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=64)
+    core, kv_cache = llm.engine, llm.engine.executor.kv_cache
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    core.add_request("r", prompts_for(7, lengths=[12])[0], params, llm.eos_token_ids)
+    core.step()  # the prompt's prefill: 12 tokens, block 1 holds tokens 8..11
+    tables = core.block_manager.block_tables
+    assert tables["r"] == tables["r#1"]
+    shared = tables["r"][1]
+    before = kv_cache[shared].clone()
+    first_tokens = [seq.token_ids[12] for seq in core.scheduler.requests.values()]
+    assert first_tokens[0] != first_tokens[1]
+
+    plan = core.scheduler.schedule()
+    assert len(plan.copy_blocks) == 1
+    source, copy = plan.copy_blocks[0]
+    assert source == shared
+    result = core.executor.execute(plan)
+    core.scheduler.update_from_output(plan, result)
+    writer = next(rid for rid, table in tables.items() if table[1] == copy)
+    sibling = next(rid for rid, table in tables.items() if table[1] == shared)
+    assert {writer, sibling} == {"r", "r#1"}
+    # Slots 0..3 (tokens 8..11): the sibling's unchanged, the copy identical.
+    assert torch.equal(kv_cache[shared][..., :4, :], before[..., :4, :])
+    assert torch.equal(kv_cache[copy][..., :4, :], before[..., :4, :])
+    # Slot 4 (token 12): each wrote its own token's K/V into its own block.
+    assert not torch.equal(kv_cache[copy][..., 4, :], kv_cache[shared][..., 4, :])
+    while core.has_unfinished_requests():
+        core.step()
+
+
+@pytest.mark.slow
+def test_embedded_model_beam_search_matches_hf(embedded_model_dir):
+    llm = LLM(kv_cache_bytes=256 << 20)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small"]
+    prompts = [llm.tokenizer.encode(text) for text in texts]
+    params = SamplingParams(beam_width=4, n=4, temperature=0.0, max_tokens=16)
+    outputs = llm.generate(prompts, params)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        embedded_model_dir, dtype=torch.float32
+    )
+    (eos,) = llm.eos_token_ids
+    for prompt, output in zip(prompts, outputs):
+        assert [c.token_ids for c in output.outputs] == hf_beam_search(model, prompt, params, eos)
