@@ -18,7 +18,7 @@ from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.memory import default_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.worker import Worker, parse_dtype
-from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.messages import RequestOutputDelta
@@ -64,6 +64,7 @@ class LLM:
         swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES,
         preemption_mode: str | None = None,
         enable_prefix_caching: bool = True,
+        allocation_policy: str = "paged",
         seed: int = 0,
         cache_dir: str | None = None,
         device: str = "cpu",
@@ -71,6 +72,13 @@ class LLM:
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
         parse_dtype(dtype)
+        if allocation_policy not in ALLOCATION_POLICIES:
+            raise ValueError(
+                f"allocation_policy must be one of {', '.join(ALLOCATION_POLICIES)}, "
+                f"got {allocation_policy!r}"
+            )
+        # The reservation baselines of the paper share nothing, cached prefixes included.
+        enable_prefix_caching = enable_prefix_caching and allocation_policy == "paged"
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32 (tokens), got {block_size!r}")
         _check_optional_positive("kv_cache_bytes", kv_cache_bytes)
@@ -112,6 +120,7 @@ class LLM:
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode,
+            allocation_policy=allocation_policy,
         )
         self.engine: EngineCore | EngineClient
         if multiprocess:
@@ -208,7 +217,11 @@ class LLM:
             output.prompt = tokenizer.apply_chat_template(list(conversation))
         return outputs
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
+        """Scheduler counters (requests, preemptions, blocks, prefix-cache queries and
+        hits in tokens) and the KV memory accounting of finished sequences: fractions
+        of slot-steps holding token states (``kv_utilization``), reserved for later
+        tokens, lost to internal and external fragmentation, and saved by sharing."""
         return self.engine.stats()
 
     def reset_prefix_cache(self) -> None:

@@ -43,10 +43,19 @@ class BlockManager:
         watermark_blocks: int = 0,
         num_host_blocks: int = 0,
         enable_prefix_caching: bool = False,
+        allocation_policy: str = "paged",
     ) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32 (tokens), got {block_size}")
         self.block_size = block_size
+        # "paged" takes any free blocks on demand; the baselines reserve one contiguous
+        # run of block ids at admission (see SchedulerConfig.allocation_policy).
+        self.contiguous = allocation_policy != "paged"
+        if self.contiguous and enable_prefix_caching:
+            raise ValueError(
+                f"allocation_policy {allocation_policy!r} reserves contiguous slots and "
+                "shares nothing; prefix caching needs allocation_policy 'paged'"
+            )
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks > 0 else None
         # Admissions keep this many blocks spare so a newly admitted request does not
@@ -90,7 +99,11 @@ class BlockManager:
         return block_ids
 
     def can_allocate(
-        self, num_tokens: int, keep_watermark: bool = True, cached_block_ids: list[int] = ()
+        self,
+        num_tokens: int,
+        keep_watermark: bool = True,
+        cached_block_ids: list[int] = (),
+        reserve_tokens: int = 0,
     ) -> bool:
         """Whether a new request could get slots for ``num_tokens`` tokens, its first
         blocks being ``cached_block_ids`` (prefix hits, possibly free-but-cached).
@@ -98,7 +111,12 @@ class BlockManager:
         With ``keep_watermark`` the pool must keep ``watermark_blocks`` spare afterwards;
         the caller drops it when nothing is running, since the watermark only protects
         running requests and would otherwise block a request that fits the cache.
+        Contiguous policies need one free run of ``reserve_tokens`` (at least
+        ``num_tokens``) slots.
         """
+        if self.contiguous:
+            needed = blocks_for_tokens(max(num_tokens, reserve_tokens), self.block_size)
+            return needed <= self.pool.largest_free_run()
         needed = blocks_for_tokens(num_tokens, self.block_size) - len(cached_block_ids)
         # A hit on a free cached block takes that block off the free queue too.
         needed += sum(1 for block_id in cached_block_ids if self.pool.is_free(block_id))
@@ -111,11 +129,20 @@ class BlockManager:
         num_tokens: int,
         keep_watermark: bool = True,
         cached_block_ids: list[int] = (),
+        reserve_tokens: int = 0,
     ) -> list[int] | None:
         """Create the block table of a new request with room for ``num_tokens`` tokens,
-        starting with the shared ``cached_block_ids``."""
+        starting with the shared ``cached_block_ids``. Under a contiguous policy the
+        table is the whole reservation of ``reserve_tokens`` slots from the start."""
         if request_id in self.block_tables:
             raise RuntimeError(f"request {request_id!r} already has a block table")
+        if self.contiguous:
+            needed = blocks_for_tokens(max(num_tokens, reserve_tokens), self.block_size)
+            block_ids = self.pool.allocate_contiguous(needed)
+            if block_ids is None:
+                return None
+            self.block_tables[request_id] = block_ids
+            return list(block_ids)
         if not self.can_allocate(num_tokens, keep_watermark, cached_block_ids):
             return None
         for block_id in cached_block_ids:

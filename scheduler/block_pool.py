@@ -52,6 +52,39 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
+    def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
+        """Take ``num_blocks`` free blocks with consecutive ids (first fit, lowest ids
+        first), or ``None`` when no free run is that long: the contiguous reservation of
+        the baselines the paper compares with, fragmentation included."""
+        start = self._first_free_run(num_blocks)
+        if start is None:
+            return None
+        block_ids = list(range(start, start + num_blocks))
+        for block_id in block_ids:
+            del self._free_block_ids[block_id]
+            if self.on_evict is not None:
+                self.on_evict(block_id)
+            self._ref_counts[block_id] = 1
+        return block_ids
+
+    def largest_free_run(self) -> int:
+        """The most blocks one contiguous allocation could get now."""
+        longest = run = 0
+        for count in self._ref_counts:
+            run = run + 1 if count == 0 else 0
+            longest = max(longest, run)
+        return longest
+
+    def _first_free_run(self, num_blocks: int) -> int | None:
+        if num_blocks == 0:
+            return 0
+        run = 0
+        for block_id, count in enumerate(self._ref_counts):
+            run = run + 1 if count == 0 else 0
+            if run == num_blocks:
+                return block_id - num_blocks + 1
+        return None
+
     def revive(self, block_id: int) -> None:
         """Take a free block back out of the queue, keeping its contents (a prefix-cache
         hit on a block no request holds)."""

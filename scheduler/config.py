@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ALLOCATION_POLICIES = ("paged", "max", "pow2", "oracle")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -21,6 +23,11 @@ class SchedulerConfig:
     # None: recompute a preempted single-sequence request, swap a group of several
     # sequences (the paper's default); "recompute" or "swap" forces one.
     preemption_mode: str | None = None
+    # How a request's KV slots are allocated: "paged" (blocks on demand, this engine),
+    # or one of the paper's contiguous-reservation baselines: "max" (max_model_len at
+    # admission), "pow2" (prompt + the power of two at or above max_tokens), "oracle"
+    # (prompt + max_tokens: the actual output length on traces with ignore_eos).
+    allocation_policy: str = "paged"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -36,6 +43,11 @@ class SchedulerConfig:
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be None, 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.allocation_policy not in ALLOCATION_POLICIES:
+            raise ValueError(
+                f"allocation_policy must be one of {', '.join(ALLOCATION_POLICIES)}, "
+                f"got {self.allocation_policy!r}"
             )
         if not 0.0 <= self.watermark_fraction < 1.0:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")

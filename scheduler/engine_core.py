@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from typing import Protocol
 
-from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import RequestOutputDelta, StepPlan, StepResult
 from pagedserve.scheduler.request import Request
@@ -42,7 +42,16 @@ class EngineCore:
             watermark_blocks,
             num_host_blocks=num_host_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            allocation_policy=scheduler_config.allocation_policy,
         )
+        if scheduler_config.allocation_policy == "max":
+            needed = blocks_for_tokens(scheduler_config.max_model_len, block_size)
+            if needed > num_blocks:
+                raise ValueError(
+                    f"allocation_policy 'max' reserves max_model_len "
+                    f"({scheduler_config.max_model_len} tokens = {needed} blocks) per "
+                    f"request, but the KV cache has {num_blocks} blocks; lower max_model_len"
+                )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.executor = executor
         # Requests that sample without a seed get one from here, so a whole run is
@@ -103,7 +112,8 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
+        """Counters, and the memory accounting of finished sequences (fractions)."""
         scheduler = self.scheduler
         prefix_cache = self.block_manager.prefix_cache
         return {
@@ -119,6 +129,7 @@ class EngineCore:
             "num_total_blocks": self.block_manager.num_total_blocks,
             "num_free_host_blocks": self.block_manager.num_free_host_blocks,
             "num_total_host_blocks": self.block_manager.num_total_host_blocks,
+            **scheduler.accounting.summary(),
         }
 
     def check_integrity(self) -> None:

@@ -7,6 +7,7 @@ from collections import deque
 
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.memory_accounting import MemoryAccounting
 from pagedserve.scheduler.messages import (
     CachedRequestData,
     NewRequestData,
@@ -99,6 +100,7 @@ class Scheduler:
         self._drop_ids_for_workers: list[str] = []
         # Copy-on-writes of the step being planned: sequence id -> (table index, src, dst).
         self._step_copies: dict[str, tuple[int, int, int]] = {}
+        self.accounting = MemoryAccounting()
 
     # ----------------------------------------------------------------- admission
 
@@ -121,6 +123,12 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         params = request.sampling_params
         self.check_request_fits(request.num_prompt_tokens, params.max_tokens, params.num_sequences)
+        if self.block_manager.contiguous and params.num_sequences > 1:
+            raise ValueError(
+                f"allocation_policy {self.config.allocation_policy!r} shares no blocks; "
+                f"n={params.n}, best_of={params.best_of}, beam_width={params.beam_width} "
+                "need allocation_policy 'paged'"
+            )
         self.requests[request.request_id] = request
         if params.num_sequences > 1:
             self.groups[request.request_id] = SequenceGroup.create(request)
@@ -275,6 +283,7 @@ class Scheduler:
                 head.num_computed_tokens + num_cached + num_new,
                 keep_watermark=bool(self.running),
                 cached_block_ids=cached_block_ids,
+                reserve_tokens=self._reservation_tokens(head),
             )
             if block_ids is None:
                 break
@@ -285,6 +294,18 @@ class Scheduler:
             self._send_in_full(plan, head, num_new)
             budget -= num_new
         return budget
+
+    def _reservation_tokens(self, request: Request) -> int:
+        """Slots a contiguous policy reserves for the request at admission."""
+        policy = self.config.allocation_policy
+        if policy == "paged":
+            return 0
+        if policy == "max":
+            return self.config.max_model_len
+        max_tokens = request.sampling_params.max_tokens
+        if policy == "pow2":
+            max_tokens = 1 << (max_tokens - 1).bit_length()
+        return min(request.num_prompt_tokens + max_tokens, self.config.max_model_len)
 
     def _admit_sequences(
         self, plan: StepPlan, sequences: list[Request], budget: int
@@ -465,7 +486,26 @@ class Scheduler:
         for group in beam_groups.values():
             if all(seq.request_id in group.pending_candidates for seq in group.sequences):
                 self._beam_step(group, deltas)
+        self._account_step()
         return deltas
+
+    def _account_step(self) -> None:
+        """Tally where the device's KV slots are after this step (see MemoryAccounting)."""
+        block_manager = self.block_manager
+        block_size = block_manager.block_size
+        tables = block_manager.block_tables
+        accounting = self.accounting
+        table_slots = 0
+        for sequence in self.running:
+            slots = len(tables.get(sequence.request_id, ())) * block_size
+            table_slots += slots
+            accounting.record_sequence(sequence.request_id, slots, sequence.num_computed_tokens)
+        pool = block_manager.pool
+        used_slots = (pool.num_blocks - pool.num_free_blocks) * block_size
+        external_slots = 0
+        if block_manager.contiguous and self.waiting:
+            external_slots = (pool.num_free_blocks - pool.largest_free_run()) * block_size
+        accounting.record_step(table_slots, used_slots, external_slots)
 
     def _advance(
         self, request: Request, row: int, result: StepResult, prompt_logprobs: list | None
@@ -630,6 +670,7 @@ class Scheduler:
         request.status = status
         self.block_manager.free(request.request_id)
         self._forget_on_workers(request.request_id)
+        self.accounting.finish_sequence(request.request_id, request.num_tokens)
         del self.requests[request.request_id]
         group = request.group
         if group is not None and request in group.sequences:

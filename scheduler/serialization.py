@@ -184,6 +184,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "enable_chunked_prefill",
         "watermark_fraction",
         "preemption_mode",
+        "allocation_policy",
     ),
     WorkerSpec: (
         "model_path",

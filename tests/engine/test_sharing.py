@@ -275,3 +275,41 @@ def test_embedded_model_beam_search_matches_hf(embedded_model_dir):
     (eos,) = llm.eos_token_ids
     for prompt, output in zip(prompts, outputs):
         assert [c.token_ids for c in output.outputs] == hf_beam_search(model, prompt, params, eos)
+
+
+def test_reservation_policies_give_the_same_tokens_and_waste_more(tiny_model_dirs):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(5, 60))] for _ in range(16)]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(5, 70))
+        for _ in prompts
+    ]
+    utilization = {}
+    expected = None
+    for policy in ("paged", "max", "pow2", "oracle"):
+        llm = LLM(
+            tiny_model_dirs["llama"],
+            block_size=8,
+            num_blocks=100,
+            max_model_len=256,
+            allocation_policy=policy,
+        )
+        tokens = _token_ids(llm.generate(prompts, params))
+        expected = expected or tokens
+        assert tokens == expected, policy
+        stats = llm.stats()
+        utilization[policy] = stats["kv_utilization"]
+        fractions = [value for key, value in stats.items() if key.endswith("_fraction")]
+        assert sum(fractions) + stats["kv_utilization"] == pytest.approx(1.0)
+    assert utilization["paged"] > 0.9
+    assert utilization["paged"] > utilization["oracle"] > utilization["pow2"] > utilization["max"]
+
+
+def test_reservation_policies_reject_what_they_cannot_do(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=64, allocation_policy="oracle")
+    with pytest.raises(ValueError, match="shares no blocks.*need allocation_policy 'paged'"):
+        llm.generate([1, 2, 3], SamplingParams(n=2, max_tokens=4))
+    with pytest.raises(ValueError, match="allocation_policy must be one of paged, max"):
+        LLM(tiny_model_dirs["llama"], allocation_policy="buddy")
+    with pytest.raises(ValueError, match=r"reserves max_model_len \(512 tokens = 64 blocks\)"):
+        LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=32, allocation_policy="max")

@@ -226,3 +226,32 @@ def test_group_swap_capacity_counts_shared_blocks_once():
     assert not manager.can_swap_out(["a", "b"])
     assert manager.swap_out(["a", "b"]) is None
     manager.check_integrity()
+
+
+def test_contiguous_allocation_is_first_fit_and_fragments():
+    pool = BlockPool(10)
+    assert pool.allocate_contiguous(3) == [0, 1, 2]
+    assert pool.allocate_contiguous(4) == [3, 4, 5, 6]
+    assert pool.allocate_contiguous(2) == [7, 8]
+    pool.decref([0, 1, 2])
+    pool.decref([7, 8])
+    # 6 blocks free, but in runs of 3 (0..2) and 3 (7..9): no run of 4.
+    assert pool.num_free_blocks == 6
+    assert pool.largest_free_run() == 3
+    assert pool.allocate_contiguous(4) is None
+    assert pool.allocate_contiguous(3) == [0, 1, 2]
+    pool.check_integrity({block: 1 for block in range(7)})
+
+
+def test_contiguous_policy_reserves_the_whole_range_up_front():
+    manager = BlockManager(num_blocks=10, block_size=8, allocation_policy="max")
+    assert manager.can_allocate(5, reserve_tokens=40)
+    assert manager.allocate("a", 5, reserve_tokens=40) == [0, 1, 2, 3, 4]
+    # Growing inside the reservation needs no block.
+    assert manager.num_new_blocks("a", 40) == 0
+    assert manager.append("a", 40) == []
+    assert not manager.can_allocate(5, reserve_tokens=48)  # 6 blocks, 5 free
+    assert manager.allocate("b", 5, reserve_tokens=48) is None
+    manager.check_integrity()
+    with pytest.raises(ValueError, match="prefix caching needs allocation_policy 'paged'"):
+        BlockManager(10, 8, allocation_policy="oracle", enable_prefix_caching=True)

@@ -121,6 +121,7 @@ SCHEDULER_CONFIG = SchedulerConfig(
     enable_chunked_prefill=False,
     watermark_fraction=0.25,
     preemption_mode="swap",
+    allocation_policy="pow2",
 )
 
 # Every encodable type, with optional fields set and unset.
@@ -370,7 +371,7 @@ def _plan_fields(**overrides) -> list:
         ),
         (_frame(EngineStats, [], None), "EngineStats.stats: expected dict, got list"),
         (
-            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None),
+            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged"),
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (
