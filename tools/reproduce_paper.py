@@ -1,0 +1,478 @@
+"""The vLLM paper's memory experiments, reproduced on this engine with the embedded model.
+
+Everything runs in this one engine; the paper's baselines are its allocation policies
+(``LLM(allocation_policy=...)``): contiguous reservations of max_model_len ("max", as
+Orca (Max)), of the next power of two above the output length ("pow2", Orca (Pow2)) and
+of exactly the prompt plus the actual output length ("oracle", Orca (Oracle): exact
+here because the traces fix every output length and ignore EOS). The KV budget is kept
+small, so memory is what limits the batch, as in the paper.
+
+    (a) kv_utilization   Figure 2: the share of KV slot-steps holding token states, and
+                         where the rest goes, on the ShareGPT-like trace, per policy.
+    (b) sharing_savings  Figure 15: memory saved by sharing (1 - used blocks / blocks
+                         the sequences' tables count) for parallel sampling n = 2, 4, 6
+                         and beam search width 2, 4, 6, ShareGPT- and Alpaca-like.
+    (c) prefix_speedup   Figure 16-17: output-token throughput with automatic prefix
+                         caching over without, for a 1-shot (80-token) and a 5-shot
+                         (341-token) shared prefix (translation-like: short inputs and
+                         outputs after the prefix).
+    (d) rate_ratio       Figure 12: normalized latency (mean of end-to-end latency /
+                         output tokens) against a Poisson request rate, per policy; the
+                         highest rate each keeps under a normalized-latency limit, and
+                         paged's rate over each baseline's.
+
+Examples (from the repository root):
+
+    # Everything, scaled down (about 15 minutes on 2 cores).
+    .venv/bin/python tools/reproduce_paper.py --quick --json docs/bench/paper_quick.json \\
+        --plots docs/paper
+
+    # One experiment.
+    .venv/bin/python tools/reproduce_paper.py --quick --only c
+
+Figures go to stdout as a table, to ``--json`` as one object, and as PNG plots to
+``--plots`` (needs matplotlib: ``pip install -e '.[bench]'``). The machine is shared and
+noisy: (c) and (d) are timings, (a) and (b) are not (they depend on the schedule only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench_offline import FIRST_ORDINARY_TOKEN_ID, machine_info
+from traces import Request, make_trace, trace_stats
+
+from pagedserve.frontend import LLM, SamplingParams
+
+POLICIES = ("paged", "max", "pow2", "oracle")
+BASELINES = POLICIES[1:]
+# Paper section 7.3: the 1-shot prefix is 80 tokens, the 5-shot prefix 341.
+PREFIX_LENGTHS = {"1-shot": 80, "5-shot": 341}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How big each experiment is; --quick shrinks everything."""
+
+    max_model_len: int
+    kv_cache_tokens: int
+    utilization_requests: int
+    sharing_requests: dict[str, int]
+    prefix_requests: int
+    latency_requests: int
+    latency_rate_fractions: tuple[float, ...]
+
+
+FULL = Scale(
+    max_model_len=1024,
+    kv_cache_tokens=12288,
+    utilization_requests=200,
+    sharing_requests={"sharegpt": 16, "alpaca": 64},
+    prefix_requests=64,
+    latency_requests=64,
+    latency_rate_fractions=(0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.25),
+)
+QUICK = Scale(
+    max_model_len=512,
+    kv_cache_tokens=4096,
+    utilization_requests=24,
+    sharing_requests={"sharegpt": 4, "alpaca": 12},
+    prefix_requests=24,
+    latency_requests=24,
+    latency_rate_fractions=(0.1, 0.2, 0.35, 0.5, 0.75, 1.0),
+)
+
+
+def make_llm(scale: Scale, block_size: int, **kwargs: Any) -> LLM:
+    return LLM(
+        model=None,
+        block_size=block_size,
+        num_blocks=scale.kv_cache_tokens // block_size,
+        max_model_len=scale.max_model_len,
+        **kwargs,
+    )
+
+
+def fixed_length_params(request: Request, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def trace(name: str, num_requests: int, scale: Scale, seed: int, vocab_size: int) -> list[Request]:
+    return make_trace(
+        name, num_requests, seed, scale.max_model_len, vocab_size, FIRST_ORDINARY_TOKEN_ID
+    )
+
+
+# ---------------------------------------------------------------- (a) utilization
+
+
+def kv_utilization(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
+    """Figure 2 on the ShareGPT-like trace: one offline run per policy."""
+    results: dict[str, Any] = {}
+    for policy in POLICIES:
+        llm = make_llm(scale, args.block_size, allocation_policy=policy)
+        requests = trace(
+            "sharegpt", scale.utilization_requests, scale, args.seed, llm.model_config.vocab_size
+        )
+        started = time.perf_counter()
+        llm.generate(
+            [r.prompt_token_ids for r in requests], [fixed_length_params(r) for r in requests]
+        )
+        seconds = time.perf_counter() - started
+        stats = llm.stats()
+        results[policy] = {
+            key: stats[key]
+            for key in stats
+            if key.startswith("kv_") and key != "kv_sharing_savings"
+        } | {"seconds": seconds, "num_preemptions": stats["num_preemptions"]}
+        _log(f"(a) {policy}: utilization {stats['kv_utilization']:.1%} in {seconds:.0f} s")
+    results["trace"] = trace_stats(requests).__dict__
+    return results
+
+
+# ---------------------------------------------------------------- (b) sharing
+
+
+def sharing_savings(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
+    """Figure 15: blocks saved by sharing, per trace, for n and beam width 2, 4, 6."""
+    results: dict[str, Any] = {}
+    llm = make_llm(scale, args.block_size, enable_prefix_caching=False)
+    vocab_size = llm.model_config.vocab_size
+    for trace_name, num_requests in scale.sharing_requests.items():
+        requests = trace(trace_name, num_requests, scale, args.seed, vocab_size)
+        for kind in ("parallel", "beam"):
+            for width in (2, 4, 6):
+                # A fresh engine per point: stats() accumulates over the engine's life.
+                llm = make_llm(scale, args.block_size, enable_prefix_caching=False)
+                fits = _fitting(requests, width, llm)
+                if kind == "parallel":
+                    params = [
+                        SamplingParams(
+                            n=width,
+                            temperature=1.0,
+                            seed=index,
+                            max_tokens=r.output_len,
+                            ignore_eos=True,
+                        )
+                        for index, r in enumerate(fits)
+                    ]
+                else:
+                    params = [fixed_length_params(r, beam_width=width) for r in fits]
+                llm.generate([r.prompt_token_ids for r in fits], params)
+                saving = llm.stats()["kv_sharing_savings"]
+                results[f"{trace_name}/{kind}/{width}"] = saving
+                _log(f"(b) {trace_name} {kind} {width}: {saving:.1%} saved ({len(fits)} requests)")
+    return results
+
+
+def _fitting(requests: list[Request], width: int, llm: LLM) -> list[Request]:
+    """The requests whose ``width`` unshared sequences fit the cache (the admission rule)."""
+    block_size = llm.engine.block_manager.block_size
+    num_blocks = llm.engine.block_manager.num_total_blocks
+    return [
+        r
+        for r in requests
+        if width * math.ceil((len(r.prompt_token_ids) + r.output_len) / block_size) <= num_blocks
+    ]
+
+
+# ---------------------------------------------------------------- (c) prefix caching
+
+
+def prefix_speedup(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
+    """Figures 16-17: throughput with prefix caching over without, 1-shot and 5-shot."""
+    results: dict[str, Any] = {}
+    rng = random.Random(args.seed)
+    for shots, prefix_len in PREFIX_LENGTHS.items():
+        runs = {}
+        for caching in (False, True):
+            llm = make_llm(scale, args.block_size, enable_prefix_caching=caching)
+            vocab = llm.model_config.vocab_size
+            prefix = [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab) for _ in range(prefix_len)]
+            requests = _prefixed_requests(prefix, scale.prefix_requests, vocab, seed=args.seed)
+            prompts = [r.prompt_token_ids for r in requests]
+            params = [fixed_length_params(r) for r in requests]
+            # Warm-up, outside the timing. With caching it also stores the prefix's K/V
+            # in advance, as the paper's service provider does for its few-shot prefix.
+            llm.generate(prompts[:1], params[:1])
+            started = time.perf_counter()
+            llm.generate(prompts, params)
+            seconds = time.perf_counter() - started
+            tokens = sum(r.output_len for r in requests)
+            runs["with_caching" if caching else "without_caching"] = {
+                "seconds": seconds,
+                "output_tok_s": tokens / seconds,
+                "prefix_cache_hits": llm.stats()["prefix_cache_hits"],
+            }
+        speedup = runs["with_caching"]["output_tok_s"] / runs["without_caching"]["output_tok_s"]
+        results[shots] = {"speedup": speedup, "prefix_len": prefix_len, **runs}
+        _log(f"(c) {shots}: {speedup:.2f}x with prefix caching")
+    return results
+
+
+def _prefixed_requests(prefix: list[int], count: int, vocab: int, seed: int) -> list[Request]:
+    """Translation-like requests after a shared few-shot prefix: a sentence in (the
+    Alpaca-like input lengths) and about as many tokens out."""
+    inputs = make_trace("alpaca", count, seed, 512, vocab, FIRST_ORDINARY_TOKEN_ID)
+    return [
+        Request(
+            prompt_token_ids=prefix + r.prompt_token_ids, output_len=max(4, len(r.prompt_token_ids))
+        )
+        for r in inputs
+    ]
+
+
+# ---------------------------------------------------------------- (d) rates
+
+
+def rate_ratio(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
+    """Figure 12: normalized latency against Poisson request rates, per policy."""
+    paged = make_llm(scale, args.block_size, allocation_policy="paged")
+    requests = trace(
+        "alpaca", scale.latency_requests, scale, args.seed, paged.model_config.vocab_size
+    )
+    # Rates are fractions of what the paged engine serves offline (all at time 0).
+    started = time.perf_counter()
+    paged.generate(
+        [r.prompt_token_ids for r in requests], [fixed_length_params(r) for r in requests]
+    )
+    capacity_req_s = len(requests) / (time.perf_counter() - started)
+    rates = [fraction * capacity_req_s for fraction in scale.latency_rate_fractions]
+    curves: dict[str, list[tuple[float, float]]] = {}
+    limit = None
+    for policy in POLICIES:
+        llm = (
+            paged
+            if policy == "paged"
+            else make_llm(scale, args.block_size, allocation_policy=policy)
+        )
+        curve = []
+        for rate in rates:
+            latency = normalized_latency(llm, requests, rate, args.seed)
+            curve.append((rate, latency))
+            _log(f"(d) {policy} at {rate:.2f} req/s: {latency * 1e3:.0f} ms/token")
+            if limit is None:
+                # The limit: this many times paged's latency at the lowest rate (no queue).
+                limit = args.latency_limit_factor * latency
+            if latency > 4 * limit:
+                break  # past the knee: higher rates only queue longer
+        curves[policy] = curve
+    sustainable = {policy: _sustainable_rate(curve, limit) for policy, curve in curves.items()}
+    ratios = {
+        baseline: sustainable["paged"] / sustainable[baseline] if sustainable[baseline] else None
+        for baseline in BASELINES
+    }
+    return {
+        "capacity_req_s": capacity_req_s,
+        "latency_limit_s_per_token": limit,
+        "curves": curves,
+        "sustainable_req_s": sustainable,
+        "ratios": ratios,
+        "trace": trace_stats(requests).__dict__,
+    }
+
+
+def normalized_latency(llm: LLM, requests: list[Request], rate: float, seed: int) -> float:
+    """Serve ``requests`` arriving as a Poisson process of ``rate`` per second; the mean
+    over requests of end-to-end latency divided by output tokens."""
+    rng = random.Random(seed)
+    arrivals = []
+    clock = 0.0
+    for _ in requests:
+        clock += rng.expovariate(rate)
+        arrivals.append(clock)
+    engine = llm.engine
+    start = time.monotonic()
+    finished_at: dict[str, float] = {}
+    next_index = 0
+    while next_index < len(requests) or engine.has_unfinished_requests():
+        now = time.monotonic() - start
+        while next_index < len(requests) and arrivals[next_index] <= now:
+            request = requests[next_index]
+            engine.add_request(
+                f"rate-{next_index}",
+                request.prompt_token_ids,
+                fixed_length_params(request),
+                llm.eos_token_ids,
+            )
+            next_index += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[next_index] - (time.monotonic() - start)))
+            continue
+        for delta in engine.step():
+            if delta.finished:
+                finished_at[delta.request_id] = time.monotonic() - start
+    latencies = [
+        (finished_at[f"rate-{index}"] - arrivals[index]) / request.output_len
+        for index, request in enumerate(requests)
+    ]
+    return sum(latencies) / len(latencies)
+
+
+def _sustainable_rate(curve: list[tuple[float, float]], limit: float) -> float:
+    """The rate where the curve crosses ``limit``, interpolated between measured rates."""
+    previous = None
+    for rate, latency in curve:
+        if latency > limit:
+            if previous is None:
+                return 0.0
+            low_rate, low_latency = previous
+            return low_rate + (rate - low_rate) * (limit - low_latency) / (latency - low_latency)
+        previous = (rate, latency)
+    return curve[-1][0]  # never crossed within the measured rates: a lower bound
+
+
+# ---------------------------------------------------------------- output
+
+
+def plot(results: dict[str, Any], directory: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _log("no matplotlib: skipping plots (pip install -e '.[bench]')")
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    if "kv_utilization" in results:
+        data = results["kv_utilization"]
+        categories = [
+            ("kv_utilization", "token states"),
+            ("kv_reservation_fraction", "reservation"),
+            ("kv_internal_fragmentation_fraction", "internal fragmentation"),
+            ("kv_external_fragmentation_fraction", "external fragmentation"),
+        ]
+        figure, axes = plt.subplots(figsize=(6, 3.5))
+        bottoms = [0.0] * len(POLICIES)
+        for key, label in categories:
+            values = [data[policy][key] * 100 for policy in POLICIES]
+            axes.bar(POLICIES, values, bottom=bottoms, label=label)
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+        axes.set_ylabel("KV slot-steps (%)")
+        axes.set_title("(a) KV cache usage, ShareGPT-like")
+        axes.legend(fontsize=7)
+        written.append(_save(figure, directory / "kv_utilization.png"))
+    if "sharing_savings" in results:
+        data = results["sharing_savings"]
+        figure, axes = plt.subplots(figsize=(6, 3.5))
+        for key_prefix in sorted({k.rsplit("/", 1)[0] for k in data}):
+            widths = [2, 4, 6]
+            axes.plot(
+                widths, [data[f"{key_prefix}/{w}"] * 100 for w in widths], "o-", label=key_prefix
+            )
+        axes.set_xlabel("n (parallel) / beam width")
+        axes.set_ylabel("memory saved (%)")
+        axes.set_title("(b) Sharing savings")
+        axes.legend(fontsize=7)
+        written.append(_save(figure, directory / "sharing_savings.png"))
+    if "prefix_speedup" in results:
+        data = results["prefix_speedup"]
+        figure, axes = plt.subplots(figsize=(4, 3.5))
+        axes.bar(list(data), [data[shots]["speedup"] for shots in data])
+        axes.set_ylabel("throughput with / without prefix caching")
+        axes.set_title("(c) Shared prefix")
+        written.append(_save(figure, directory / "prefix_speedup.png"))
+    if "rate_ratio" in results:
+        data = results["rate_ratio"]
+        figure, axes = plt.subplots(figsize=(6, 3.5))
+        for policy, curve in data["curves"].items():
+            rates = [rate for rate, _ in curve]
+            latencies_ms = [latency * 1e3 for _, latency in curve]
+            axes.plot(rates, latencies_ms, "o-", label=policy)
+        axes.axhline(data["latency_limit_s_per_token"] * 1e3, color="grey", linestyle=":")
+        axes.set_yscale("log")
+        axes.set_xlabel("request rate (req/s)")
+        axes.set_ylabel("normalized latency (ms/token)")
+        axes.set_title("(d) Latency against request rate, Alpaca-like")
+        axes.legend(fontsize=7)
+        written.append(_save(figure, directory / "rate_latency.png"))
+    return written
+
+
+def _save(figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The headline figures under the keys docs and issue name."""
+    out: dict[str, Any] = {}
+    if "kv_utilization" in results:
+        out["kv_utilization"] = {
+            policy: results["kv_utilization"][policy]["kv_utilization"] for policy in POLICIES
+        }
+    if "sharing_savings" in results:
+        out["sharing_savings"] = results["sharing_savings"]
+    if "prefix_speedup" in results:
+        out["prefix_speedup"] = {
+            shots: results["prefix_speedup"][shots]["speedup"] for shots in PREFIX_LENGTHS
+        }
+    if "rate_ratio" in results:
+        out["rate_ratio"] = results["rate_ratio"]["ratios"]
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="scale every experiment down")
+    parser.add_argument("--only", default="abcd", help="experiments to run, e.g. 'ac'")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--plots", type=Path, help="write PNG plots into this directory")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--latency-limit-factor",
+        type=float,
+        default=4.0,
+        help="(d): the latency limit, as a multiple of paged's latency at the lowest rate",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    scale = QUICK if args.quick else FULL
+    experiments = {
+        "a": ("kv_utilization", kv_utilization),
+        "b": ("sharing_savings", sharing_savings),
+        "c": ("prefix_speedup", prefix_speedup),
+        "d": ("rate_ratio", rate_ratio),
+    }
+    results: dict[str, Any] = {}
+    for letter in args.only:
+        name, run = experiments[letter]
+        results[name] = run(scale, args)
+    record = {
+        **summary(results),
+        "details": results,
+        "scale": scale.__dict__,
+        "command": " ".join(["tools/reproduce_paper.py", *(argv or sys.argv[1:])]),
+        "machine": machine_info(),
+    }
+    print(json.dumps(summary(results), indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    if args.plots:
+        for path in plot(results, args.plots):
+            _log(f"wrote {path}")
+    return 0
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
