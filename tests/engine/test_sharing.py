@@ -313,3 +313,26 @@ def test_reservation_policies_reject_what_they_cannot_do(tiny_model_dirs):
         LLM(tiny_model_dirs["llama"], allocation_policy="buddy")
     with pytest.raises(ValueError, match=r"reserves max_model_len \(512 tokens = 64 blocks\)"):
         LLM(tiny_model_dirs["llama"], block_size=8, num_blocks=32, allocation_policy="max")
+
+
+def test_sharing_in_multiprocess_mode_matches_in_process(beam_model_dir):
+    path, _ = beam_model_dir
+    prompts = prompts_for(8, lengths=[6, 19])
+    params = [
+        SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=9, logprobs=1),
+        SamplingParams(beam_width=3, n=2, temperature=0.0, max_tokens=9),
+    ]
+    expected = LLM(path, block_size=8, num_blocks=64).generate(prompts, params)
+    llm = LLM(path, block_size=8, num_blocks=64, multiprocess=True)
+    try:
+        outputs = llm.generate(prompts, params)
+        assert _token_ids(outputs) == _token_ids(expected)
+        for got, want in zip(outputs, expected):
+            assert [c.cumulative_logprob for c in got.outputs] == [
+                c.cumulative_logprob for c in want.outputs
+            ]
+        stats = llm.stats()
+        assert stats["kv_sharing_savings"] > 0
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
