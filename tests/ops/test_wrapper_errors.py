@@ -140,7 +140,7 @@ def test_out_shape_and_dtype(decode):
 
 
 def test_non_cpu_tensor(decode):
-    with pytest.raises(ValueError, match="query is on meta; only CPU tensors"):
+    with pytest.raises(ValueError, match="query is on meta; only CPU and CUDA tensors"):
         _decode(decode, query=torch.empty(2, 4, 64, device="meta"))
 
 
