@@ -1,6 +1,6 @@
 // The pagedserve op contract: one set of ops, same semantics and KV layout on every backend
-// (cpu/ with OpenMP + SIMD now, cuda/ later). Nothing here depends on torch: callers pass raw
-// pointers, shapes, strides (in elements) and a dtype code. The Python wrappers in
+// (cpu/ with OpenMP + SIMD, cuda/ with CUDA kernels). Nothing here depends on torch: callers pass
+// raw pointers, shapes, strides (in elements) and a dtype code. The Python wrappers in
 // gpu_worker/ops.py check every argument before calling in; the C++ side still checks what
 // it has to read anyway (slots, block tables, sequence lengths) and throws
 // std::invalid_argument on bad values, before writing anything.
@@ -171,4 +171,84 @@ const char* isa();
 void force_isa(const char* name);
 
 }  // namespace cpu
+
+// --- CUDA ---------------------------------------------------------------------------------------
+// The same ops on device memory (pagedserve._C_cuda, csrc/cuda/), asynchronous on a stream. What
+// differs from cpu:: above:
+// - Every call names the device and the stream (a cudaStream_t) it is enqueued on. Arguments are
+//   checked on the host and throw std::invalid_argument before anything is enqueued; launch
+//   failures throw std::runtime_error.
+// - Values that live in device memory (slots, block tables, sequence lengths, query_start_loc)
+//   are NOT checked: reading them on the host would cost a device-to-host synchronization per
+//   call. The worker builds them from the scheduler's checked tables. A slot past the cache is
+//   skipped rather than written out of bounds.
+// - The caches must be 16-byte aligned (data pointer and block stride): the kernels read K/V in
+//   16-byte vectors.
+// - Block mappings (copy_blocks, swap_blocks) are host arrays, checked as on the CPU.
+namespace cuda {
+
+struct Stream {
+  int device;    // CUDA device ordinal the pointers live on
+  void* stream;  // cudaStream_t on that device (nullptr: the legacy default stream)
+};
+
+void reshape_and_cache(const void* key,           // [num_tokens, num_kv_heads, head_size]
+                       int64_t key_token_stride,  // elements between key[t] and key[t + 1]
+                       const void* value,         // [num_tokens, num_kv_heads, head_size]
+                       int64_t value_token_stride,
+                       const int64_t* slot_mapping,  // device [num_tokens]
+                       int64_t num_tokens, const PagedKVCache& cache, const Stream& stream);
+
+// How paged_attention_decode will run: the partition size it uses (0: single pass) and the
+// float32 workspace it needs (0 for a single pass). requested_partition_size < 0 chooses
+// (split-K when long contexts would leave the GPU's SMs short of work), 0 forces a single pass,
+// N > 0 (a multiple of block_size) forces N tokens per partition. max_context_len is an upper
+// bound of seq_lens known on the host: max_blocks_per_seq * block_size.
+struct DecodePlan {
+  int64_t partition_size;
+  int64_t workspace_floats;  // [num_seqs, num_heads, num_partitions, head_size + 2]
+};
+DecodePlan plan_paged_attention_decode(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                       int64_t head_size, int64_t max_context_len,
+                                       int64_t requested_partition_size, int device);
+
+// Decode attention as cpu::paged_attention_decode, with the plan's partition size (>= 0) and a
+// device workspace of at least the plan's workspace_floats (may be null for a single pass).
+void paged_attention_decode(void* out,  // [num_seqs, num_heads, head_size]
+                            int64_t out_token_stride,
+                            const void* query,  // [num_seqs, num_heads, head_size]
+                            int64_t query_token_stride, int64_t num_heads, float scale,
+                            const PagedKVCache& cache, const BlockTables& tables,
+                            int64_t partition_size, float* workspace, int64_t workspace_floats,
+                            const Stream& stream);
+
+// Prefill attention as cpu::paged_prefill_attention. max_query_len bounds every sequence's
+// query_start_loc[s + 1] - query_start_loc[s] (num_tokens always does): the grid is sized by it.
+void paged_prefill_attention(void* out,  // [num_tokens, num_heads, head_size]
+                             int64_t out_token_stride,
+                             const void* query,  // [num_tokens, num_heads, head_size]
+                             int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
+                             const int32_t* query_start_loc,  // device [num_seqs + 1]
+                             int64_t max_query_len, float scale, const PagedKVCache& cache,
+                             const BlockTables& tables, const Stream& stream);
+
+// Copy-on-write inside one device pool: every pair, all layers, in one launch. block_mapping is
+// the host array (checked as on the CPU); device_block_mapping the same pairs in device memory,
+// which the kernel reads.
+void copy_blocks(void* kv_cache,  // device [num_blocks, block_bytes]
+                 int64_t num_blocks, int64_t block_bytes,
+                 const int64_t* block_mapping,         // host [num_pairs, 2]
+                 const int64_t* device_block_mapping,  // device [num_pairs, 2]
+                 int64_t num_pairs, const Stream& stream);
+
+// Swapping between the device pool and a host pool (pinned for the copies to be asynchronous):
+// one cudaMemcpyAsync per run of consecutive pairs, in order on the stream.
+void swap_blocks(const void* src_kv_cache,  // [src_num_blocks, block_bytes]
+                 int64_t src_num_blocks,
+                 void* dst_kv_cache,  // [dst_num_blocks, block_bytes]
+                 int64_t dst_num_blocks, int64_t block_bytes,
+                 const int64_t* block_mapping,  // host [num_pairs, 2]: (src_block, dst_block)
+                 int64_t num_pairs, const Stream& stream);
+
+}  // namespace cuda
 }  // namespace pagedserve

@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="local HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    engine.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     engine.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
     engine.add_argument("--kv-cache-bytes", type=int, default=None)
     engine.add_argument("--max-tokens", type=int, default=128)
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_bytes,
+            device=args.device,
         )
         worker = llm.worker
         print(

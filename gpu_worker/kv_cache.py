@@ -34,12 +34,16 @@ class KVCacheSpec:
     def num_blocks_for_bytes(self, kv_cache_bytes: int) -> int:
         return kv_cache_bytes // self.bytes_per_block
 
-    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def allocate(
+        self, num_blocks: int, device: torch.device | str = "cpu", pin_memory: bool = False
+    ) -> torch.Tensor:
+        """The pool tensor; ``pin_memory`` (host pools only) makes copies to and from a GPU
+        asynchronous."""
         shape = (num_blocks, self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_size)
         # Left uninitialised: every slot is written before it is read, and untouched
         # pages of a large pool then cost no memory and no start-up time.
-        cache = torch.empty(shape, dtype=self.dtype, device=device)
-        if cache.device.type == "cpu":
+        cache = torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
+        if cache.device.type == "cpu" and not pin_memory:
             _advise_huge_pages(cache)
         return cache
 

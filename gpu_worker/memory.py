@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 # Without a size from the user the cache takes this share of the memory still available
 # once the weights are loaded, after keeping this much back for activations, the
 # tokenizer and everything else on the machine; and, as vLLM does on CPUs, at most this.
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
 DEFAULT_MEMORY_RESERVE_BYTES = 2 << 30
 DEFAULT_MAX_KV_CACHE_BYTES = 4 << 30
+# On a GPU the cache takes this share of the device memory still free once the weights are
+# loaded, after keeping this much back for activations and the allocator's slack.
+DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION = 0.9
+DEFAULT_GPU_MEMORY_RESERVE_BYTES = 2 << 30
 
 
 def available_memory_bytes() -> int:
@@ -29,3 +35,10 @@ def default_kv_cache_bytes() -> int:
     the cache, after its weights are loaded."""
     usable = available_memory_bytes() - DEFAULT_MEMORY_RESERVE_BYTES
     return max(0, min(DEFAULT_MAX_KV_CACHE_BYTES, int(usable * DEFAULT_KV_CACHE_MEMORY_FRACTION)))
+
+
+def default_gpu_kv_cache_bytes(device: torch.device) -> int:
+    """The cache size from the GPU memory free now: call it after the weights are loaded."""
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    usable = free_bytes - DEFAULT_GPU_MEMORY_RESERVE_BYTES
+    return max(0, int(usable * DEFAULT_GPU_KV_CACHE_MEMORY_FRACTION))

@@ -108,7 +108,9 @@ class ModelRunner:
         inputs = self._prepare_inputs(entries)
         with torch.inference_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            # The sampler works on the host (numpy seeds, per-request lists).
+            # NOTE: on a GPU this copy waits for the forward pass: the step's one synchronization.
+            logits = self.model.compute_logits(hidden[inputs.logits_indices]).cpu()
             sampled = self.sampler(
                 logits, self._sampling_batch(inputs.sampling_entries, inputs.sample_seeds)
             )
@@ -213,6 +215,8 @@ class ModelRunner:
         prefill_start_loc = np.zeros(len(prefill_query_lens) + 1, dtype=np.int32)
         np.cumsum(prefill_query_lens, out=prefill_start_loc[1:])
         device = self.device
+        # NOTE: on a GPU, eight small host-to-device copies per step (the GPU is idle here: the
+        # previous step ended in a synchronization); one pinned staging buffer would batch them.
         metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(device),
             num_decode_tokens=num_decodes,
@@ -221,6 +225,7 @@ class ModelRunner:
             prefill_block_tables=torch.from_numpy(block_tables[num_decodes:]).to(device),
             prefill_query_start_loc=torch.from_numpy(prefill_start_loc).to(device),
             prefill_seq_lens=torch.from_numpy(seq_lens[num_decodes:]).to(device),
+            prefill_max_query_len=int(prefill_query_lens.max()) if len(prefill_query_lens) else 0,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -282,7 +287,7 @@ class ModelRunner:
             first_row + positions.start - entry.num_computed_tokens,
             first_row + positions.stop - entry.num_computed_tokens,
         )
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).cpu(), dim=-1)
         targets = torch.tensor(
             entry.state.token_ids[positions.start + 1 : positions.stop + 1], dtype=torch.int64
         )

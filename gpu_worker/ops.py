@@ -7,8 +7,11 @@ argument, the value and what is allowed, and then calls the compiled kernels wit
 pointers. Values the kernels read anyway (slots, block-table entries, sequence lengths) are
 checked in C++ and raise ``ValueError`` before anything is written.
 
-Only CPU tensors are supported for now (``pagedserve._C_cpu``); the CUDA kernels
-(``pagedserve._C_cuda``) land later, until then CUDA tensors raise ``NotImplementedError``.
+CPU tensors run the kernels of ``pagedserve._C_cpu``; CUDA tensors those of
+``pagedserve._C_cuda`` (imported on the first CUDA tensor, see :mod:`cuda_ops`), enqueued on
+torch's current stream. On CUDA, values in device memory (slots, block tables, sequence lengths)
+are not checked: that would synchronize with the device on every call. Block mappings are CPU
+tensors for either device.
 
 A layer's caches are views of the pool tensor
 ``kv_cache [num_blocks, num_layers, 2, num_kv_heads, block_size, head_size]``::
@@ -32,6 +35,7 @@ import math
 import torch
 
 from pagedserve import _C_cpu
+from pagedserve.gpu_worker import cuda_ops
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
@@ -84,7 +88,11 @@ def reshape_and_cache(
     num_tokens = key.shape[0]
     _check_same_length("value", value, "key", num_tokens)
     _check_index_vector("slot_mapping", slot_mapping, torch.int64, num_tokens, "num_tokens")
+    cache.check_same_device(("key", key), ("value", value), ("slot_mapping", slot_mapping))
     if num_tokens == 0:
+        return
+    if cache.is_cuda:
+        cuda_ops.reshape_and_cache(key, value, slot_mapping, cache.args)
         return
     _C_cpu.reshape_and_cache(
         key.data_ptr(),
@@ -152,7 +160,24 @@ def paged_attention_decode(
                 f"{cache.block_size}, got {partition_size}"
             )
         partition = partition_size
+    cache.check_same_device(
+        ("query", query), ("block_tables", block_tables), ("seq_lens", seq_lens), ("out", out)
+    )
     if num_seqs == 0:
+        return out
+    if cache.is_cuda:
+        cuda_ops.paged_attention_decode(
+            out,
+            query,
+            block_tables,
+            seq_lens,
+            scale,
+            partition,
+            cache.args,
+            cache.num_kv_heads,
+            cache.head_size,
+            cache.block_size,
+        )
         return out
     _C_cpu.paged_attention_decode(
         out.data_ptr(),
@@ -181,6 +206,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over their sequences' paged caches.
 
@@ -203,6 +229,9 @@ def paged_prefill_attention(
         seq_lens: int32 ``[num_seqs]``: tokens in the cache incl. this step's.
         scale: softmax scale.
         out: ``[num_tokens, num_heads, head_size]`` like ``query``, or ``None``.
+        max_query_len: the most query tokens any one sequence has (``None``: ``num_tokens``).
+            The CUDA kernel sizes its grid by it without reading ``query_start_loc``; a value
+            below a sequence's length leaves that sequence's last rows unwritten.
 
     Returns:
         ``out``.
@@ -216,9 +245,22 @@ def paged_prefill_attention(
     _check_index_vector("seq_lens", seq_lens, torch.int32, num_seqs, "num_seqs")
     out = _check_or_allocate_out(out, query)
     scale = _check_scale(scale)
+    max_query_len = _check_max_query_len(max_query_len, query.shape[0])
+    cache.check_same_device(
+        ("query", query),
+        ("block_tables", block_tables),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("out", out),
+    )
     if num_seqs == 0:
         if query.shape[0] != 0:
             raise ValueError(f"query has {query.shape[0]} tokens but there are no sequences")
+        return out
+    if cache.is_cuda:
+        cuda_ops.paged_prefill_attention(
+            out, query, block_tables, query_start_loc, seq_lens, scale, max_query_len, cache.args
+        )
         return out
     _C_cpu.paged_prefill_attention(
         out.data_ptr(),
@@ -243,13 +285,17 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy-on-write: copies whole blocks (all layers, K and V) inside one pool.
 
     Args:
-        kv_cache: the pool tensor ``[num_blocks, ...]``, contiguous, any dtype.
-        block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)``; destinations
-            distinct and never also a source.
+        kv_cache: the pool tensor ``[num_blocks, ...]``, contiguous, any dtype; on the CPU or
+            a GPU (all pairs, all layers in one kernel launch).
+        block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` on the CPU
+            (checked on the host); destinations distinct and never also a source.
     """
     _check_pool("kv_cache", kv_cache)
     num_pairs = _check_block_mapping(block_mapping)
     if num_pairs == 0:
+        return
+    if kv_cache.is_cuda:
+        cuda_ops.copy_blocks(kv_cache, block_mapping, _block_bytes(kv_cache))
         return
     _C_cpu.copy_blocks(
         kv_cache.data_ptr(),
@@ -267,9 +313,11 @@ def swap_blocks(
 
     Args:
         src_kv_cache, dst_kv_cache: pool tensors ``[num_blocks, ...]``, contiguous, same
-            dtype and per-block shape; their ``num_blocks`` may differ.
-        block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)``; destinations
-            distinct.
+            dtype and per-block shape; their ``num_blocks`` may differ. Both on the CPU, or one
+            on a GPU and the other on the same GPU or on the CPU (pinned memory makes the copy
+            asynchronous on the current stream; pageable memory makes it synchronous).
+        block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` on the CPU;
+            destinations distinct.
     """
     _check_pool("src_kv_cache", src_kv_cache)
     _check_pool("dst_kv_cache", dst_kv_cache)
@@ -284,7 +332,11 @@ def swap_blocks(
             f"blocks have {tuple(src_kv_cache.shape[1:])}; they must match"
         )
     num_pairs = _check_block_mapping(block_mapping)
+    on_cuda = _check_swap_devices(src_kv_cache, dst_kv_cache)
     if num_pairs == 0:
+        return
+    if on_cuda:
+        cuda_ops.swap_blocks(src_kv_cache, dst_kv_cache, block_mapping, _block_bytes(src_kv_cache))
         return
     _C_cpu.swap_blocks(
         src_kv_cache.data_ptr(),
@@ -318,9 +370,13 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
         _check_rows_like("out", out, "x", x)
         _check_weight(weight, x)
         eps = _check_eps(eps)
+        _check_same_device("x", x, ("out", out), ("weight", weight))
         args = _norm_args(out, x)
     out_stride, x_stride, num_tokens, hidden_size, dtype = args
     if num_tokens == 0:
+        return
+    if x.is_cuda:
+        cuda_ops.rms_norm(out, x, weight, eps)
         return
     _C_cpu.rms_norm(
         out.data_ptr(),
@@ -355,9 +411,13 @@ def fused_add_rms_norm(
         _check_rows_disjoint("x", x)
         _check_weight(weight, x)
         eps = _check_eps(eps)
+        _check_same_device("x", x, ("residual", residual), ("weight", weight))
         args = _norm_args(residual, x)
     residual_stride, x_stride, num_tokens, hidden_size, dtype = args
     if num_tokens == 0:
+        return
+    if x.is_cuda:
+        cuda_ops.fused_add_rms_norm(x, residual, weight, eps)
         return
     _C_cpu.fused_add_rms_norm(
         x.data_ptr(),
@@ -405,6 +465,9 @@ def rotary_embedding(
             )
         _check_same_length("key", key, "query", num_tokens)
         _check_index_vector("positions", positions, torch.int64, num_tokens, "num_tokens")
+        _check_same_device(
+            "query", query, ("key", key), ("positions", positions), ("cos", cos), ("sin", sin)
+        )
         args = (
             query.stride(0),
             num_heads,
@@ -418,6 +481,9 @@ def rotary_embedding(
     query_stride, num_heads, key_stride, num_kv_heads, head_size, max_positions = args[:6]
     num_tokens, dtype = args[6:]
     if num_tokens == 0:
+        return
+    if query.is_cuda:
+        cuda_ops.rotary_embedding(positions, query, key, cos, sin)
         return
     _C_cpu.rotary_embedding(
         positions.data_ptr(),
@@ -462,9 +528,13 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
                 f"{(out.shape[0], 2 * intermediate_size)}"
             )
         _check_rows_disjoint("out", out)
+        _check_same_device("x", x, ("out", out))
         args = _norm_args(out, x)[:3] + (intermediate_size, _DTYPE_CODES[x.dtype])
     out_stride, x_stride, num_tokens, intermediate_size, dtype = args
     if num_tokens == 0:
+        return
+    if x.is_cuda:
+        cuda_ops.silu_and_mul(out, x)
         return
     _C_cpu.silu_and_mul(
         out.data_ptr(),
@@ -485,11 +555,22 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
 class _CacheGeometry:
     """A validated pair of layer caches and the leading kernel arguments they make."""
 
-    __slots__ = ("num_blocks", "num_kv_heads", "block_size", "head_size", "dtype", "args")
+    __slots__ = (
+        "num_blocks",
+        "num_kv_heads",
+        "block_size",
+        "head_size",
+        "dtype",
+        "is_cuda",
+        "device",
+        "args",
+    )
 
     def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_size = key_cache.shape
         self.dtype = key_cache.dtype
+        self.is_cuda = key_cache.is_cuda
+        self.device = key_cache.device
         # key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
         # num_kv_heads, block_size, head_size, dtype (the bindings' order).
         self.args = (
@@ -504,18 +585,69 @@ class _CacheGeometry:
             _DTYPE_CODES[self.dtype],
         )
 
+    def check_same_device(self, *named: tuple[str, torch.Tensor]) -> None:
+        """Every named tensor lives where the caches do."""
+        _check_same_device("key_cache", _DeviceOf(self.device, self.is_cuda), *named)
+
+
+class _DeviceOf:
+    """Stands for a tensor in _check_same_device: its device and whether it is a CUDA one."""
+
+    __slots__ = ("device", "is_cuda", "is_cpu")
+
+    def __init__(self, device: torch.device, is_cuda: bool) -> None:
+        self.device, self.is_cuda, self.is_cpu = device, is_cuda, not is_cuda
+
 
 def _check_device(name: str, tensor: object) -> None:
-    if isinstance(tensor, torch.Tensor) and tensor.is_cpu:
+    if isinstance(tensor, torch.Tensor) and (tensor.is_cpu or tensor.is_cuda):
         return
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type == "cuda":
-        raise NotImplementedError(
-            f"{name} is on {tensor.device}: the CUDA kernels (pagedserve._C_cuda) are not built "
-            "yet; only CPU tensors are supported for now"
+    raise ValueError(f"{name} is on {tensor.device}; only CPU and CUDA tensors are supported")
+
+
+def _check_same_device(
+    reference_name: str, reference: torch.Tensor | _DeviceOf, *named: tuple[str, torch.Tensor]
+) -> None:
+    """Every named tensor is on ``reference``'s device (on the CPU: cheap flag reads only)."""
+    if reference.is_cpu:
+        if all(tensor.is_cpu for _, tensor in named):
+            return
+    else:
+        device = reference.device
+        if all(tensor.device == device for _, tensor in named):
+            return
+    for name, tensor in named:
+        if tensor.device != reference.device:
+            raise ValueError(
+                f"{name} is on {tensor.device} but {reference_name} is on {reference.device}; "
+                "every tensor of an op must be on one device"
+            )
+
+
+def _check_swap_devices(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor) -> bool:
+    """Both pools on the CPU (False), or a GPU pool and one on that GPU or the CPU (True)."""
+    if src_kv_cache.is_cpu and dst_kv_cache.is_cpu:
+        return False
+    if src_kv_cache.is_cuda and dst_kv_cache.is_cuda and src_kv_cache.device != dst_kv_cache.device:
+        raise ValueError(
+            f"src_kv_cache is on {src_kv_cache.device} and dst_kv_cache on "
+            f"{dst_kv_cache.device}; swaps run between one GPU and the host (or inside one GPU)"
         )
-    raise ValueError(f"{name} is on {tensor.device}; only CPU tensors are supported")
+    return True
+
+
+def _check_max_query_len(max_query_len: int | None, num_tokens: int) -> int:
+    if max_query_len is None:
+        return num_tokens
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int):
+        raise TypeError(f"max_query_len must be None or an int, got {type(max_query_len).__name__}")
+    if not 0 <= max_query_len <= num_tokens:
+        raise ValueError(
+            f"max_query_len must be in [0, num_tokens = {num_tokens}], got {max_query_len}"
+        )
+    return max_query_len
 
 
 def _check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
@@ -673,6 +805,16 @@ def _check_scale(scale: float) -> float:
 # raise their messages (or accept a valid but uncommon input).
 
 
+def _one_device(first: torch.Tensor, *others: torch.Tensor) -> bool:
+    """All on the CPU, or all on one CUDA device (the CPU case first: it is the cheap one)."""
+    if first.is_cpu:
+        return all(other.is_cpu for other in others)
+    if not first.is_cuda:
+        return False
+    device = first.device
+    return all(other.device == device for other in others)
+
+
 def _rows_disjoint(shape: torch.Size, strides: tuple[int, ...]) -> bool:
     return strides[1] == 1 and (strides[0] >= shape[1] or shape[0] <= 1)
 
@@ -696,9 +838,7 @@ def _fast_norm_args(
         and written.shape == shape
         and weight.dim() == 1
         and weight.numel() == shape[1]
-        and x.is_cpu
-        and written.is_cpu
-        and weight.is_cpu
+        and _one_device(x, written, weight)
         and dtype in _DTYPE_CODES
         and written.dtype is dtype
         and weight.dtype is dtype
@@ -745,11 +885,7 @@ def _fast_rotary_args(
         and key_shape[0] == num_tokens
         and sin.shape == table_shape
         and positions.shape == (num_tokens,)
-        and positions.is_cpu
-        and query.is_cpu
-        and key.is_cpu
-        and cos.is_cpu
-        and sin.is_cpu
+        and _one_device(query, key, positions, cos, sin)
         and dtype in _DTYPE_CODES
         and key.dtype is dtype
         and positions.dtype is torch.int64
@@ -786,8 +922,7 @@ def _fast_silu_args(out: torch.Tensor, x: torch.Tensor) -> tuple[int, int, int, 
         and out_shape[1] > 0
         and x_shape[0] == out_shape[0]
         and x_shape[1] == 2 * out_shape[1]
-        and out.is_cpu
-        and x.is_cpu
+        and _one_device(x, out)
         and dtype in _DTYPE_CODES
         and out.dtype is dtype
     ):
@@ -896,8 +1031,13 @@ def _check_pool(name: str, kv_cache: torch.Tensor) -> None:
 
 
 def _check_block_mapping(block_mapping: torch.Tensor) -> int:
-    """Checks int64 ``[num_pairs, 2]``, contiguous; returns num_pairs."""
+    """Checks int64 ``[num_pairs, 2]``, contiguous, on the CPU; returns num_pairs."""
     _check_device("block_mapping", block_mapping)
+    if not block_mapping.is_cpu:
+        raise ValueError(
+            f"block_mapping is on {block_mapping.device}; it must be a CPU tensor (the pairs are "
+            "checked on the host) for pools on any device"
+        )
     if block_mapping.dtype != torch.int64:
         raise TypeError(f"block_mapping has dtype {block_mapping.dtype}; expected torch.int64")
     if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:

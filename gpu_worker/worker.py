@@ -1,4 +1,5 @@
-"""One worker: the model's weights, the KV cache tensor and the model runner."""
+"""One worker: the model's weights, the KV cache tensors and the model runner, on the CPU or
+on one CUDA GPU."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker import cuda_ops, ops
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec
+from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.model_runner import ModelRunner
 from pagedserve.gpu_worker.models import build_model
@@ -19,7 +21,7 @@ from pagedserve.scheduler.messages import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
@@ -34,6 +36,12 @@ class Worker:
     The device pool holds ``num_blocks`` blocks, or as many as fit in ``kv_cache_bytes``;
     the host pool, which receives swapped-out requests, as many as fit in
     ``swap_space_bytes``.
+
+    ``device="cuda"`` (or ``"cuda:N"``) puts the weights, the device pool and the step's
+    inputs on that GPU; the host pool is then pinned memory, and swaps run on a stream of
+    their own that the forward pass waits for (an event), so they overlap the host's work
+    on the step's inputs. Without a size, the device pool takes a share of the GPU memory
+    free after the weights.
     """
 
     def __init__(
@@ -47,15 +55,14 @@ class Worker:
         swap_space_bytes: int = 0,
         kv_cache_bytes_from_free_memory: Callable[[], int] | None = None,
     ) -> None:
-        if device != "cpu":
-            raise ValueError(
-                f"device must be 'cpu' (the CUDA path is not built yet), got {device!r}"
-            )
-        self.device = torch.device(device)
+        self.device = _parse_device(device)
         self.model_config = ModelConfig.from_dir(model_path)
         torch_dtype = parse_dtype(dtype)
         started = time.monotonic()
-        self.model = build_model(self.model_config, torch_dtype)
+        # Parameters and tables are created where the model runs; checkpoint tensors are
+        # copied in from the host.
+        with torch.device(self.device):
+            self.model = build_model(self.model_config, torch_dtype)
         self.model.load_weights(iterate_weights(Path(model_path)))
         self.model.eval()
         logger.info(
@@ -71,10 +78,13 @@ class Worker:
         )
         if num_blocks is None:
             if kv_cache_bytes is None:
-                if kv_cache_bytes_from_free_memory is None:
+                if self.device.type == "cuda":
+                    kv_cache_bytes = default_gpu_kv_cache_bytes(self.device)
+                elif kv_cache_bytes_from_free_memory is None:
                     raise ValueError("either num_blocks or kv_cache_bytes must be given")
-                # Measured only now, so the memory the weights took is already gone.
-                kv_cache_bytes = kv_cache_bytes_from_free_memory()
+                else:
+                    # Measured only now, so the memory the weights took is already gone.
+                    kv_cache_bytes = kv_cache_bytes_from_free_memory()
             num_blocks = self.kv_cache_spec.num_blocks_for_bytes(kv_cache_bytes)
             if num_blocks < 1:
                 raise ValueError(
@@ -84,26 +94,71 @@ class Worker:
         self.num_blocks = num_blocks
         self.kv_cache = self.kv_cache_spec.allocate(num_blocks, self.device)
         self.num_host_blocks = self.kv_cache_spec.num_blocks_for_bytes(swap_space_bytes)
-        # NOTE: on a GPU this pool must be pinned host memory for asynchronous copies.
+        on_gpu = self.device.type == "cuda"
+        # Pinned on a GPU machine: only page-locked memory copies asynchronously.
         self.host_kv_cache = (
-            self.kv_cache_spec.allocate(self.num_host_blocks, "cpu")
+            self.kv_cache_spec.allocate(self.num_host_blocks, "cpu", pin_memory=on_gpu)
             if self.num_host_blocks
             else None
         )
+        self.swap_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.model.bind_kv_cache(self.kv_cache)
         self.runner = ModelRunner(self.model, block_size, self.device)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        # Swap-outs first: their device blocks may be refilled by swap-ins or written
-        # by this very step.
+        if plan.swap_out or plan.swap_in:
+            self._swap(plan)
+        # Copy-on-write after the swaps (a swapped-in block may be the source of a copy),
+        # on the compute stream, before the forward pass writes the copies.
+        if plan.copy_blocks:
+            ops.copy_blocks(self.kv_cache, _pairs(plan.copy_blocks))
+        return self.runner.execute(plan)
+
+    def _swap(self, plan: StepPlan) -> None:
+        """Swap-outs first: their device blocks may be refilled by swap-ins or written by this
+        very step. On a GPU both run in order on the swap stream, after the work already queued
+        on the compute stream (earlier steps wrote those blocks), and the compute stream waits
+        for them before this step's forward pass reads or rewrites any block."""
+        if self.swap_stream is None:
+            self._copy_swaps(plan)
+            return
+        compute_stream = torch.cuda.current_stream(self.device)
+        self.swap_stream.wait_stream(compute_stream)
+        with torch.cuda.stream(self.swap_stream):
+            self._copy_swaps(plan)
+        compute_stream.wait_stream(self.swap_stream)
+
+    def _copy_swaps(self, plan: StepPlan) -> None:
         if plan.swap_out:
             ops.swap_blocks(self.kv_cache, self.host_kv_cache, _pairs(plan.swap_out))
         if plan.swap_in:
             ops.swap_blocks(self.host_kv_cache, self.kv_cache, _pairs(plan.swap_in))
-        # Copy-on-write last: a swapped-in block may be the source of a copy.
-        if plan.copy_blocks:
-            ops.copy_blocks(self.kv_cache, _pairs(plan.copy_blocks))
-        return self.runner.execute(plan)
+
+
+def _parse_device(device: str) -> torch.device:
+    """``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` where a GPU and the CUDA kernels exist."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from error
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type != "cuda":
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r}: torch sees no CUDA GPU here (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda})"
+        )
+    if not cuda_ops.is_built():
+        raise ValueError(
+            f"device={device!r}: this build of pagedserve has no CUDA kernels "
+            "(pagedserve._C_cuda); reinstall where nvcc is found"
+        )
+    index = torch.cuda.current_device() if parsed.index is None else parsed.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return torch.device("cuda", index)
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:

@@ -1,12 +1,11 @@
 // Cache writes and block copies of ops.h: plain memcpy, parallel when there is enough to copy.
 #include <omp.h>
 
-#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
+#include "block_mapping.h"
 #include "ops.h"
 
 namespace pagedserve::cpu {
@@ -25,30 +24,6 @@ int64_t element_bytes(DType dtype) {
   }
   throw std::invalid_argument("dtype code " + std::to_string(static_cast<int>(dtype)) +
                               " is not supported (0 float32, 1 bfloat16, 2 float16)");
-}
-
-std::string pair_name(int64_t i, int column) {
-  return "block_mapping[" + std::to_string(i) + "][" + std::to_string(column) + "]";
-}
-
-void check_block(int64_t block, int64_t num_blocks, int64_t pair, int column) {
-  if (block < 0 || block >= num_blocks) {
-    throw std::invalid_argument(pair_name(pair, column) + " = " + std::to_string(block) +
-                                " is outside [0, " + std::to_string(num_blocks) + ")");
-  }
-}
-
-// Returns the destinations sorted; throws if one repeats (parallel copies would race).
-std::vector<int64_t> check_distinct_destinations(const int64_t* block_mapping, int64_t num_pairs) {
-  std::vector<int64_t> destinations(num_pairs);
-  for (int64_t i = 0; i < num_pairs; ++i) destinations[i] = block_mapping[2 * i + 1];
-  std::sort(destinations.begin(), destinations.end());
-  const auto repeated = std::adjacent_find(destinations.begin(), destinations.end());
-  if (repeated != destinations.end()) {
-    throw std::invalid_argument("block_mapping names destination block " +
-                                std::to_string(*repeated) + " more than once");
-  }
-  return destinations;
 }
 
 void copy_pairs(const char* src, char* dst, int64_t block_bytes, const int64_t* block_mapping,
@@ -102,18 +77,7 @@ void reshape_and_cache(const void* key, int64_t key_token_stride, const void* va
 
 void copy_blocks(void* kv_cache, int64_t num_blocks, int64_t block_bytes,
                  const int64_t* block_mapping, int64_t num_pairs) {
-  for (int64_t i = 0; i < num_pairs; ++i) {
-    check_block(block_mapping[2 * i], num_blocks, i, 0);
-    check_block(block_mapping[2 * i + 1], num_blocks, i, 1);
-  }
-  const std::vector<int64_t> destinations = check_distinct_destinations(block_mapping, num_pairs);
-  for (int64_t i = 0; i < num_pairs; ++i) {
-    const int64_t src = block_mapping[2 * i];
-    if (std::binary_search(destinations.begin(), destinations.end(), src)) {
-      throw std::invalid_argument(pair_name(i, 0) + " = " + std::to_string(src) +
-                                  " is also a destination; copies must not chain");
-    }
-  }
+  check_block_mapping(block_mapping, num_pairs, num_blocks, num_blocks, /*same_pool=*/true);
   copy_pairs(static_cast<const char*>(kv_cache), static_cast<char*>(kv_cache), block_bytes,
              block_mapping, num_pairs);
 }
@@ -121,11 +85,8 @@ void copy_blocks(void* kv_cache, int64_t num_blocks, int64_t block_bytes,
 void swap_blocks(const void* src_kv_cache, int64_t src_num_blocks, void* dst_kv_cache,
                  int64_t dst_num_blocks, int64_t block_bytes, const int64_t* block_mapping,
                  int64_t num_pairs) {
-  for (int64_t i = 0; i < num_pairs; ++i) {
-    check_block(block_mapping[2 * i], src_num_blocks, i, 0);
-    check_block(block_mapping[2 * i + 1], dst_num_blocks, i, 1);
-  }
-  check_distinct_destinations(block_mapping, num_pairs);
+  check_block_mapping(block_mapping, num_pairs, src_num_blocks, dst_num_blocks,
+                      /*same_pool=*/false);
   copy_pairs(static_cast<const char*>(src_kv_cache), static_cast<char*>(dst_kv_cache), block_bytes,
              block_mapping, num_pairs);
 }

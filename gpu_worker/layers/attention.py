@@ -27,6 +27,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
     prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], offsets within prefill
     prefill_seq_lens: torch.Tensor  # int32 [num_prefills], tokens in cache incl. new ones
+    prefill_max_query_len: int | None = None  # most new tokens of one prefill (host-side)
 
 
 class PagedAttention:
@@ -77,5 +78,6 @@ class PagedAttention:
                 metadata.prefill_seq_lens,
                 self.scale,
                 out=output[num_decode:],
+                max_query_len=metadata.prefill_max_query_len,
             )
         return output.view(num_tokens, self.num_heads * self.head_size)

@@ -27,7 +27,10 @@ def inverse_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Ten
     """Per-pair rotation frequencies, float32, computed as HF computes them so positions
     rotate by bit-identical angles."""
     base = float(parameters["rope_theta"])
-    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).to(torch.float32) / head_size
+    # On the CPU whatever the default device, as HF computes them at model creation.
+    exponents = (
+        torch.arange(0, head_size, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_size
+    )
     inv_freq = 1.0 / (base**exponents)
     rope_type = parameters["rope_type"]
     if rope_type == "default":
@@ -62,15 +65,16 @@ def _llama3_frequencies(inv_freq: torch.Tensor, parameters: dict[str, Any]) -> t
 class RotaryEmbedding:
     """Applies RoPE to query and key rows at given positions, in place.
 
-    cos/sin are tabulated once in float32 for every position up to ``max_positions``;
-    the fused kernel casts them to the activation dtype and rotates in HF's exact
-    arithmetic (csrc: rotary_embedding).
+    cos/sin are tabulated once in float32 for every position up to ``max_positions``, on the
+    default device (the model's: HF takes cos and sin on the device that runs the model); the
+    fused kernel casts them to the activation dtype and rotates in HF's exact arithmetic
+    (csrc: rotary_embedding).
     """
 
     def __init__(self, head_size: int, max_positions: int, parameters: dict[str, Any]) -> None:
         self.head_size = head_size
-        inv_freq = inverse_frequencies(head_size, parameters)
         positions = torch.arange(max_positions, dtype=torch.float32)
+        inv_freq = inverse_frequencies(head_size, parameters).to(positions.device)
         freqs = positions[:, None] * inv_freq[None, :]
         # [max_positions, head_size // 2] each
         self.cos = freqs.cos().contiguous()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pagedserve.frontend import LLM, SamplingParams
 
@@ -90,8 +91,21 @@ def test_unknown_model_path_names_the_value(tmp_path):
 
 
 def test_unknown_dtype_lists_the_allowed(tiny_model_dirs):
-    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float8'"):
+    with pytest.raises(
+        ValueError, match="dtype must be one of float32, bfloat16, float16, got 'float8'"
+    ):
         LLM(tiny_model_dirs["llama"], dtype="float8")
+
+
+def test_unknown_device_names_the_allowed(tiny_model_dirs):
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
+        LLM(tiny_model_dirs["llama"], device="tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_cuda_device_without_a_gpu_says_so(tiny_model_dirs):
+    with pytest.raises(ValueError, match="device='cuda': torch sees no CUDA GPU here"):
+        LLM(tiny_model_dirs["llama"], device="cuda")
 
 
 def test_unsupported_architecture_lists_the_supported(tmp_path):

@@ -64,15 +64,17 @@ def paged_case(
     dtype: torch.dtype,
     generator: torch.Generator,
     spare_blocks: int = 5,
+    device: str = "cpu",
 ) -> PagedCase:
     num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + spare_blocks
     pool = random_pool(num_blocks, num_kv_heads, block_size, head_size, dtype, generator)
+    pool = pool.to(device)
     return PagedCase(
         pool=pool,
         key_cache=pool[:, 1, 0],
         value_cache=pool[:, 1, 1],
-        block_tables=scrambled_block_tables(seq_lens, block_size, num_blocks, generator),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=scrambled_block_tables(seq_lens, block_size, num_blocks, generator).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )
 
 
@@ -83,17 +85,19 @@ def fused_qkv(
     head_size: int,
     dtype: torch.dtype,
     generator: torch.Generator,
+    device: str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query [T, H, D], key and value [T, KVH, D]: views into one [T, (H + 2 KVH) D] buffer."""
     q_width, kv_width = num_heads * head_size, num_kv_heads * head_size
     qkv = torch.randn(num_tokens, q_width + 2 * kv_width, generator=generator).to(dtype)
+    qkv = qkv.to(device)
     query = qkv[:, :q_width].view(num_tokens, num_heads, head_size)
     key = qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_size)
     value = qkv[:, q_width + kv_width :].view(num_tokens, num_kv_heads, head_size)
     return query, key, value
 
 
-def query_start_loc(q_lens: list[int]) -> torch.Tensor:
+def query_start_loc(q_lens: list[int], device: str = "cpu") -> torch.Tensor:
     loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     loc[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int64), 0).to(torch.int32)
-    return loc
+    return loc.to(device)

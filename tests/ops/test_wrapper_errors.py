@@ -52,6 +52,7 @@ def _prefill(args: dict, query_lens: list[int], **changes) -> torch.Tensor:
         args.get("query_start_loc", query_start_loc(query_lens)),
         args["seq_lens"],
         args["scale"],
+        max_query_len=args.get("max_query_len"),
     )
 
 
@@ -140,7 +141,7 @@ def test_out_shape_and_dtype(decode):
 
 
 def test_non_cpu_tensor(decode):
-    with pytest.raises(ValueError, match="query is on meta; only CPU tensors"):
+    with pytest.raises(ValueError, match="query is on meta; only CPU and CUDA tensors"):
         _decode(decode, query=torch.empty(2, 4, 64, device="meta"))
 
 
@@ -162,6 +163,19 @@ def test_prefill_query_longer_than_sequence(decode):
         ValueError, match=r"query length .* = 6 is outside \[0, seq_lens\[0\] = 5\]"
     ):
         _prefill(decode, [6, 2], query=query)
+
+
+@pytest.mark.parametrize(
+    ("max_query_len", "error", "message"),
+    [
+        (-1, ValueError, r"max_query_len must be in \[0, num_tokens = 2\], got -1"),
+        (3, ValueError, r"max_query_len must be in \[0, num_tokens = 2\], got 3"),
+        (True, TypeError, "max_query_len must be None or an int, got bool"),
+    ],
+)
+def test_prefill_max_query_len(decode, max_query_len, error, message):
+    with pytest.raises(error, match=message):
+        _prefill(decode, [1, 1], max_query_len=max_query_len)
 
 
 def test_prefill_query_start_loc_dtype(decode):

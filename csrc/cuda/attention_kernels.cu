@@ -1,0 +1,489 @@
+// Decode paged attention (ops.h: cuda::paged_attention_decode).
+//
+// One thread block per (partition of a sequence's context, kv head, chunk of that head's query
+// heads); a single pass is the case of one partition spanning the whole context. Its four warps
+// take turns over the context, kUnroll * kRowsPerStep token rows at a time, and all the query
+// heads of the chunk share every K/V row they load (GQA).
+//
+// Coalesced reads: a (block, kv head) tile of the cache is block_size contiguous rows of
+// head_size elements. A warp reads kRowsPerStep consecutive rows per load instruction, each lane
+// a 16-byte vector, so one instruction covers one contiguous span of the tile:
+//
+//   lanes:  [ 0 .. kRowLanes-1 ][ kRowLanes .. 2 kRowLanes-1 ] ...
+//   rows:   [ token t          ][ token t + 1                ] ...   (lanes past a row idle)
+//
+// Each lane holds the query's matching elements, so a row's logit is a sum over its kRowLanes
+// lanes (xor shuffles). Per warp and query head an online softmax keeps the running max m, the
+// sum l and the unnormalized output, lane-distributed like the rows. Logits are kept in base 2:
+// q is scaled by scale * log2(e), so exp2 replaces exp.
+//
+// Split-K: each partition writes its normalized output, max and sum to the workspace; the
+// reduction kernel rescales the partitions to the global max and combines them.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <mutex>
+
+#include "cuda_common.cuh"
+
+namespace pagedserve::cuda {
+namespace {
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
+constexpr int kReduceThreads = 128;
+// Tokens per partition when the partition size is chosen automatically.
+constexpr int64_t kDefaultPartitionSize = 512;
+constexpr float kLog2e = 1.4426950408889634f;
+
+constexpr int next_pow2(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+// How a warp's lanes cover rows of head_size elements of T (see the top of the file).
+template <typename T, int kHeadSize>
+struct RowLayout {
+  static constexpr int kVec = kVecElems<T>;          // elements per 16-byte load
+  static constexpr int kNumVecs = kHeadSize / kVec;  // 16-byte loads per row
+  static constexpr int kRowLanes = kNumVecs >= kWarpSize ? kWarpSize : next_pow2(kNumVecs);
+  static constexpr int kVecsPerLane = kNumVecs >= kWarpSize ? kNumVecs / kWarpSize : 1;
+  static constexpr int kRowsPerStep = kWarpSize / kRowLanes;
+  static constexpr int kLaneElems = kVecsPerLane * kVec;
+  static_assert(kHeadSize % kVec == 0, "a row is whole 16-byte vectors");
+  static_assert(kNumVecs < kWarpSize || kNumVecs % kWarpSize == 0, "rows split evenly");
+
+  // The head dimension of a lane's element e.
+  __device__ static int dim(int lane_in_row, int e) {
+    return (lane_in_row + (e / kVec) * kWarpSize) * kVec + e % kVec;
+  }
+};
+
+struct DecodeArgs {
+  void* out;
+  int64_t out_token_stride;
+  const void* query;
+  int64_t query_token_stride;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t key_block_stride;
+  int64_t value_block_stride;
+  int num_heads;
+  int group_size;       // query heads per kv head
+  int num_head_chunks;  // ceil(group_size / group tile)
+  int block_size;
+  int block_size_log2;
+  float scale_log2;  // softmax scale * log2(e)
+  const int32_t* block_tables;
+  int64_t block_table_stride;
+  const int32_t* seq_lens;
+  int partition_size;  // tokens per partition; 0: one pass over the whole context
+  int max_partitions;
+  float* partial_out;  // [num_seqs, num_heads, max_partitions, head_size]
+  float* partial_max;  // [num_seqs, num_heads, max_partitions]
+  float* partial_sum;  // [num_seqs, num_heads, max_partitions]
+};
+
+// Rows a lane has in flight per chunk: fewer when more query heads (and their accumulators)
+// share the registers.
+template <int kGroupTile, int kVecsPerLane>
+struct UnrollRows {
+  static constexpr int kBase = kGroupTile == 1 ? 8 : kGroupTile == 4 ? 4 : 2;
+  static constexpr int value = kBase / kVecsPerLane > 1 ? kBase / kVecsPerLane : 1;
+};
+
+template <typename T, int kHeadSize, int kGroupTile>
+__global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs args) {
+  using Layout = RowLayout<T, kHeadSize>;
+  constexpr int kVec = Layout::kVec;
+  constexpr int kLaneElems = Layout::kLaneElems;
+  constexpr int kVecsPerLane = Layout::kVecsPerLane;
+  constexpr int kUnroll = UnrollRows<kGroupTile, kVecsPerLane>::value;
+  constexpr int kChunkRows = kUnroll * Layout::kRowsPerStep;
+
+  const int seq = blockIdx.z;
+  const int kv_head = blockIdx.y / args.num_head_chunks;
+  const int first_in_group = (blockIdx.y % args.num_head_chunks) * kGroupTile;
+  const int num_chunk_heads = min(kGroupTile, args.group_size - first_in_group);
+  const int first_head = kv_head * args.group_size + first_in_group;
+  const int partition = blockIdx.x;
+  const int seq_len = args.seq_lens[seq];
+  const int start = partition * args.partition_size;
+  if (args.partition_size > 0 && start >= seq_len) return;  // the reduction skips it
+  const int end = args.partition_size > 0 ? min(seq_len, start + args.partition_size) : seq_len;
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int lane_in_row = lane % Layout::kRowLanes;
+  const int row_in_step = lane / Layout::kRowLanes;
+  const bool lane_active = lane_in_row < Layout::kNumVecs;
+
+  // The query elements this lane multiplies, pre-scaled (base-2 logits).
+  float q[kGroupTile][kLaneElems];
+  const T* query = static_cast<const T*>(args.query) + seq * args.query_token_stride;
+#pragma unroll
+  for (int g = 0; g < kGroupTile; ++g) {
+#pragma unroll
+    for (int e = 0; e < kLaneElems; ++e) {
+      q[g][e] = (g < num_chunk_heads && lane_active)
+                    ? to_float(query[(first_head + g) * kHeadSize + Layout::dim(lane_in_row, e)]) *
+                          args.scale_log2
+                    : 0.0f;
+    }
+  }
+
+  float m[kGroupTile], l[kGroupTile], acc[kGroupTile][kLaneElems];
+#pragma unroll
+  for (int g = 0; g < kGroupTile; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kLaneElems; ++e) acc[g][e] = 0.0f;
+  }
+
+  const int32_t* table = args.block_tables + seq * args.block_table_stride;
+  const int64_t in_block = static_cast<int64_t>(kv_head) * args.block_size * kHeadSize;
+  const T* key_cache = static_cast<const T*>(args.key_cache);
+  const T* value_cache = static_cast<const T*>(args.value_cache);
+
+  for (int chunk = start + warp * kChunkRows; chunk < end; chunk += kDecodeWarps * kChunkRows) {
+    // Issue every load of the chunk before using any.
+    uint4 k_raw[kUnroll][kVecsPerLane], v_raw[kUnroll][kVecsPerLane];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      const int token = chunk + i * Layout::kRowsPerStep + row_in_step;
+      valid[i] = token < end;
+      if (valid[i] && lane_active) {
+        const int64_t block = table[token >> args.block_size_log2];
+        const int64_t row =
+            in_block + static_cast<int64_t>(token & (args.block_size - 1)) * kHeadSize;
+        const T* k_row = key_cache + block * args.key_block_stride + row;
+        const T* v_row = value_cache + block * args.value_block_stride + row;
+#pragma unroll
+        for (int v = 0; v < kVecsPerLane; ++v) {
+          const int offset = (lane_in_row + v * kWarpSize) * kVec;
+          k_raw[i][v] = __ldg(reinterpret_cast<const uint4*>(k_row + offset));
+          v_raw[i][v] = __ldg(reinterpret_cast<const uint4*>(v_row + offset));
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < kVecsPerLane; ++v) {
+          k_raw[i][v] = make_uint4(0, 0, 0, 0);
+          v_raw[i][v] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+
+    float logit[kUnroll][kGroupTile];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      float k[kLaneElems];
+#pragma unroll
+      for (int v = 0; v < kVecsPerLane; ++v) unpack(k_raw[i][v], k + v * kVec, T{});
+#pragma unroll
+      for (int g = 0; g < kGroupTile; ++g) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) dot = fmaf(q[g][e], k[e], dot);
+#pragma unroll
+        for (int offset = Layout::kRowLanes / 2; offset > 0; offset /= 2) {
+          dot += __shfl_xor_sync(kFullMask, dot, offset);
+        }
+        logit[i][g] = valid[i] ? dot : -INFINITY;
+      }
+    }
+
+    float p[kUnroll][kGroupTile];
+#pragma unroll
+    for (int g = 0; g < kGroupTile; ++g) {
+      float chunk_max = logit[0][g];
+#pragma unroll
+      for (int i = 1; i < kUnroll; ++i) chunk_max = fmaxf(chunk_max, logit[i][g]);
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset >= Layout::kRowLanes; offset /= 2) {
+        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(kFullMask, chunk_max, offset));
+      }
+      // The chunk's first row is valid (chunk < end), so new_max is finite.
+      const float new_max = fmaxf(m[g], chunk_max);
+      const float alpha = exp2f(m[g] - new_max);  // 0 while m is -inf
+      m[g] = new_max;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        p[i][g] = exp2f(logit[i][g] - new_max);  // 0 for masked rows
+        sum += p[i][g];
+      }
+      l[g] = l[g] * alpha + sum;
+#pragma unroll
+      for (int e = 0; e < kLaneElems; ++e) acc[g][e] *= alpha;
+    }
+
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      float v[kLaneElems];
+#pragma unroll
+      for (int w = 0; w < kVecsPerLane; ++w) unpack(v_raw[i][w], v + w * kVec, T{});
+#pragma unroll
+      for (int g = 0; g < kGroupTile; ++g) {
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) acc[g][e] = fmaf(p[i][g], v[e], acc[g][e]);
+      }
+    }
+  }
+
+  // Rows of a warp sit in different lane groups: add the groups' sums and outputs (m is already
+  // the same in every lane of the warp).
+#pragma unroll
+  for (int g = 0; g < kGroupTile; ++g) {
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset >= Layout::kRowLanes; offset /= 2) {
+      l[g] += __shfl_xor_sync(kFullMask, l[g], offset);
+#pragma unroll
+      for (int e = 0; e < kLaneElems; ++e) {
+        acc[g][e] += __shfl_xor_sync(kFullMask, acc[g][e], offset);
+      }
+    }
+  }
+
+  __shared__ float warp_max[kDecodeWarps][kGroupTile];
+  __shared__ float warp_sum[kDecodeWarps][kGroupTile];
+  __shared__ float warp_out[kDecodeWarps][kGroupTile][kHeadSize];
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < kGroupTile; ++g) {
+      warp_max[warp][g] = m[g];
+      warp_sum[warp][g] = l[g];
+    }
+  }
+  if (row_in_step == 0 && lane_active) {
+#pragma unroll
+    for (int g = 0; g < kGroupTile; ++g) {
+#pragma unroll
+      for (int e = 0; e < kLaneElems; ++e) {
+        warp_out[warp][g][Layout::dim(lane_in_row, e)] = acc[g][e];
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int index = threadIdx.x; index < num_chunk_heads * kHeadSize; index += kDecodeThreads) {
+    const int g = index / kHeadSize;
+    const int d = index % kHeadSize;
+    float max_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) max_all = fmaxf(max_all, warp_max[w][g]);
+    float sum = 0.0f, out = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      // A warp that saw no row has max -inf and contributes nothing.
+      const float weight = warp_max[w][g] == -INFINITY ? 0.0f : exp2f(warp_max[w][g] - max_all);
+      sum += warp_sum[w][g] * weight;
+      out += warp_out[w][g][d] * weight;
+    }
+    const float result = sum > 0.0f ? out / sum : 0.0f;  // seq_len 0: zeros
+    const int head = first_head + g;
+    if (args.partition_size == 0) {
+      T* out_row = static_cast<T*>(args.out) + seq * args.out_token_stride;
+      out_row[head * kHeadSize + d] = from_float<T>(result);
+    } else {
+      const int64_t slot =
+          (static_cast<int64_t>(seq) * args.num_heads + head) * args.max_partitions + partition;
+      args.partial_out[slot * kHeadSize + d] = result;
+      if (d == 0) {
+        args.partial_max[slot] = max_all;
+        args.partial_sum[slot] = sum;
+      }
+    }
+  }
+}
+
+__device__ float block_reduce(float value, bool is_max, float* scratch) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(kFullMask, value, offset);
+    value = is_max ? fmaxf(value, other) : value + other;
+  }
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (threadIdx.x % kWarpSize == 0) scratch[warp] = value;
+  __syncthreads();
+  value = scratch[0];
+  for (int w = 1; w < num_warps; ++w)
+    value = is_max ? fmaxf(value, scratch[w]) : value + scratch[w];
+  return value;
+}
+
+// Combines a sequence's partitions, one thread block per (head, sequence):
+//   out = sum_p w_p * out_p / sum_p w_p,  w_p = sum_p * 2^(max_p - max_all)
+template <typename T>
+__global__ void __launch_bounds__(kReduceThreads)
+    decode_reduce_kernel(const DecodeArgs args, int head_size) {
+  __shared__ float scratch[kReduceThreads / kWarpSize];
+  const int head = blockIdx.x;
+  const int seq = blockIdx.y;
+  const int num_partitions = static_cast<int>(ceil_div(args.seq_lens[seq], args.partition_size));
+  const int64_t first = (static_cast<int64_t>(seq) * args.num_heads + head) * args.max_partitions;
+  float local_max = -INFINITY;
+  for (int p = threadIdx.x; p < num_partitions; p += blockDim.x) {
+    local_max = fmaxf(local_max, args.partial_max[first + p]);
+  }
+  const float max_all = block_reduce(local_max, true, scratch);
+  float local_sum = 0.0f;
+  for (int p = threadIdx.x; p < num_partitions; p += blockDim.x) {
+    local_sum += args.partial_sum[first + p] * exp2f(args.partial_max[first + p] - max_all);
+  }
+  const float sum = block_reduce(local_sum, false, scratch);
+  const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;  // seq_len 0: zeros
+  T* out_row = static_cast<T*>(args.out) + seq * args.out_token_stride + head * head_size;
+  for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
+    float out = 0.0f;
+    for (int p = 0; p < num_partitions; ++p) {
+      const float weight =
+          args.partial_sum[first + p] * exp2f(args.partial_max[first + p] - max_all);
+      out = fmaf(weight, args.partial_out[(first + p) * head_size + d], out);
+    }
+    out_row[d] = from_float<T>(out * inverse);
+  }
+}
+
+int multiprocessor_count(int device) {
+  static std::mutex mutex;
+  static std::array<int, 64> counts{};
+  if (device < 0 || device >= static_cast<int>(counts.size())) return 132;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (counts[device] == 0) {
+    check_cuda(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute(multiProcessorCount)");
+  }
+  return counts[device];
+}
+
+int group_tile_for(int64_t group_size) { return group_size == 1 ? 1 : group_size <= 4 ? 4 : 8; }
+
+template <typename T, int kHeadSize>
+void launch_decode(const DecodeArgs& args, int group_tile, dim3 grid, cudaStream_t stream) {
+  switch (group_tile) {
+    case 1:
+      decode_kernel<T, kHeadSize, 1><<<grid, kDecodeThreads, 0, stream>>>(args);
+      break;
+    case 4:
+      decode_kernel<T, kHeadSize, 4><<<grid, kDecodeThreads, 0, stream>>>(args);
+      break;
+    default:
+      decode_kernel<T, kHeadSize, 8><<<grid, kDecodeThreads, 0, stream>>>(args);
+      break;
+  }
+}
+
+}  // namespace
+
+DecodePlan plan_paged_attention_decode(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                       int64_t head_size, int64_t max_context_len,
+                                       int64_t requested_partition_size, int device) {
+  int64_t partition_size = requested_partition_size;
+  if (partition_size < 0) {
+    // Split-K only pays when one pass leaves too few thread blocks to fill the SMs several
+    // times over: the partitions' writes and the reduction launch cost a few microseconds.
+    const int64_t group_size = num_heads / std::max<int64_t>(num_kv_heads, 1);
+    const int64_t blocks =
+        num_seqs * num_kv_heads * ceil_div(group_size, group_tile_for(group_size));
+    const bool few_blocks = blocks < 32 * static_cast<int64_t>(multiprocessor_count(device));
+    partition_size =
+        max_context_len > kDefaultPartitionSize && few_blocks ? kDefaultPartitionSize : 0;
+  }
+  if (partition_size == 0) return DecodePlan{0, 0};
+  const int64_t num_partitions = ceil_div(std::max<int64_t>(max_context_len, 1), partition_size);
+  return DecodePlan{partition_size, num_seqs * num_heads * num_partitions * (head_size + 2)};
+}
+
+void paged_attention_decode(void* out, int64_t out_token_stride, const void* query,
+                            int64_t query_token_stride, int64_t num_heads, float scale,
+                            const PagedKVCache& cache, const BlockTables& tables,
+                            int64_t partition_size, float* workspace, int64_t workspace_floats,
+                            const Stream& stream) {
+  check_block_size(cache.block_size);
+  check_cache_alignment(cache);
+  if (cache.num_kv_heads < 1 || num_heads % cache.num_kv_heads != 0) {
+    throw std::invalid_argument("num_heads " + std::to_string(num_heads) +
+                                " is not a multiple of num_kv_heads " +
+                                std::to_string(cache.num_kv_heads));
+  }
+  if (partition_size < 0 || partition_size % cache.block_size != 0) {
+    throw std::invalid_argument("partition_size must be 0 or a positive multiple of block_size " +
+                                std::to_string(cache.block_size) + ", got " +
+                                std::to_string(partition_size));
+  }
+  if (tables.num_seqs > 65535) {
+    throw std::invalid_argument("num_seqs " + std::to_string(tables.num_seqs) +
+                                " is above the kernel's limit of 65535 per call");
+  }
+  if (tables.num_seqs == 0) return;
+  const int64_t max_context_len = tables.max_blocks_per_seq * cache.block_size;
+  const int64_t num_partitions =
+      partition_size > 0 ? ceil_div(std::max<int64_t>(max_context_len, 1), partition_size) : 1;
+  const int64_t needed =
+      partition_size > 0 ? tables.num_seqs * num_heads * num_partitions * (cache.head_size + 2) : 0;
+  if (workspace_floats < needed || (needed > 0 && workspace == nullptr)) {
+    throw std::invalid_argument("the workspace holds " + std::to_string(workspace_floats) +
+                                " floats; this call needs " + std::to_string(needed));
+  }
+  const int64_t group_size = num_heads / cache.num_kv_heads;
+  const int group_tile = group_tile_for(group_size);
+  const int64_t num_head_chunks = ceil_div(group_size, group_tile);
+  if (cache.num_kv_heads * num_head_chunks > 65535) {
+    throw std::invalid_argument("num_kv_heads " + std::to_string(cache.num_kv_heads) +
+                                " is above the kernel's limit");
+  }
+
+  DecodeArgs args{};
+  args.out = out;
+  args.out_token_stride = out_token_stride;
+  args.query = query;
+  args.query_token_stride = query_token_stride;
+  args.key_cache = cache.key_cache;
+  args.value_cache = cache.value_cache;
+  args.key_block_stride = cache.key_block_stride;
+  args.value_block_stride = cache.value_block_stride;
+  args.num_heads = static_cast<int>(num_heads);
+  args.group_size = static_cast<int>(group_size);
+  args.num_head_chunks = static_cast<int>(num_head_chunks);
+  args.block_size = static_cast<int>(cache.block_size);
+  args.block_size_log2 = log2_exact(cache.block_size);
+  args.scale_log2 = scale * kLog2e;
+  args.block_tables = tables.block_tables;
+  args.block_table_stride = tables.row_stride;
+  args.seq_lens = tables.seq_lens;
+  args.partition_size = static_cast<int>(partition_size);
+  args.max_partitions = static_cast<int>(num_partitions);
+  if (partition_size > 0) {
+    const int64_t slots = tables.num_seqs * num_heads * num_partitions;
+    args.partial_out = workspace;
+    args.partial_max = workspace + slots * cache.head_size;
+    args.partial_sum = args.partial_max + slots;
+  }
+
+  DeviceGuard guard(stream.device);
+  const cudaStream_t cuda_stream = to_stream(stream);
+  const dim3 grid(static_cast<unsigned>(num_partitions),
+                  static_cast<unsigned>(cache.num_kv_heads * num_head_chunks),
+                  static_cast<unsigned>(tables.num_seqs));
+  dispatch_dtype(cache.dtype, [&](auto type) {
+    using T = decltype(type);
+    dispatch_head_size(cache.head_size, [&](auto head_size) {
+      launch_decode<T, decltype(head_size)::value>(args, group_tile, grid, cuda_stream);
+    });
+    check_launch("paged_attention_decode kernel");
+    if (partition_size > 0) {
+      const dim3 reduce_grid(static_cast<unsigned>(num_heads),
+                             static_cast<unsigned>(tables.num_seqs));
+      decode_reduce_kernel<T><<<reduce_grid, kReduceThreads, 0, cuda_stream>>>(
+          args, static_cast<int>(cache.head_size));
+      check_launch("paged_attention_decode reduction kernel");
+    }
+  });
+}
+
+}  // namespace pagedserve::cuda

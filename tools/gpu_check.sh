@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The GPU check: ONE prepared run on a lent GPU machine (an H200: Python 3.12, torch with CUDA,
+# nvcc, cmake, ninja, pybind11, scikit-build-core, transformers; no network), in the repository
+# root of a copy of the tree, writing to $OUT. It finishes in under 6 minutes:
+#
+#   1. build pagedserve in place (pip -e, no build isolation, no downloads, CUDA required)
+#   2. pytest -m cuda tests/cuda: every op against the torch references, the engine against HF
+#   3. tools/bench_cuda.py: paged decode GB/s against a device-to-device copy and time against
+#      contiguous SDPA decode; prefill against causal SDPA; cache op bandwidths
+#   4. tools/bench_gpu_e2e.py: Llama-7B-shaped float16 model, ShareGPT-like trace, pagedserve
+#      against HF generate and generate_batch (gets whatever time is left)
+#   5. $OUT/gpu_check.json and $OUT/gpu_check.md: the summary, with the targets checked
+#
+# Packages the image lacks (pyzmq, which the engine imports) travel as wheels in .whl/ (carried
+# by the caller; see the device tool's README) and are installed to /tmp/site.
+#
+#   OUT=/tmp/out bash tools/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+LIMIT_S=${GPU_CHECK_LIMIT_S:-340}  # leave the 6 minutes some slack
+START=$(date +%s)
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+
+elapsed() { echo $(($(date +%s) - START)); }
+left() { echo $((LIMIT_S - $(elapsed))); }
+say() { echo "gpu_check [$(elapsed) s]: $*"; }
+
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+# --- 0. packages the image lacks ---------------------------------------------------------------
+if ! "$PYTHON" -c "import zmq" 2>/dev/null; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    say "pyzmq is missing and .whl/ holds no wheels: the engine cannot be imported"
+  fi
+fi
+
+# --- 1. build ----------------------------------------------------------------------------------
+say "building"
+build_start=$(date +%s)
+build_rc=0
+PAGEDSERVE_BUILD_CUDA=1 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  timeout 220 "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e . || build_rc=$?
+build_s=$(($(date +%s) - build_start))
+say "build rc=$build_rc in $build_s s"
+
+tests_rc=-1 bench_rc=-1 e2e_rc=-1
+if [ "$build_rc" -eq 0 ]; then
+  # --- 2. tests --------------------------------------------------------------------------------
+  say "pytest -m cuda tests/cuda"
+  tests_rc=0
+  timeout 150 "$PYTHON" -m pytest -q -m cuda tests/cuda -p no:cacheprovider \
+    --junitxml="$OUT/pytest.xml" || tests_rc=$?
+
+  # --- 3. kernel microbenchmarks ---------------------------------------------------------------
+  say "tools/bench_cuda.py"
+  bench_rc=0
+  timeout 90 "$PYTHON" tools/bench_cuda.py --json "$OUT/bench_cuda.json" || bench_rc=$?
+
+  # --- 4. end to end, in the time left ---------------------------------------------------------
+  model_dir=/dev/shm/pagedserve-llama7b-random
+  shm_kb=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')
+  if [ "${shm_kb:-0}" -lt $((20 * 1024 * 1024)) ]; then model_dir=/tmp/pagedserve-llama7b-random; fi
+  budget=$(($(left) - 15))
+  if [ "$budget" -gt 60 ]; then
+    say "tools/bench_gpu_e2e.py with $budget s"
+    e2e_rc=0
+    timeout "$budget" "$PYTHON" tools/bench_gpu_e2e.py --model-dir "$model_dir" \
+      --deadline-s $((budget - 45)) --json "$OUT/e2e.json" || e2e_rc=$?
+    rm -rf "$model_dir"
+  else
+    say "no time left for the end-to-end run ($budget s)"
+  fi
+fi
+
+# --- 5. summary --------------------------------------------------------------------------------
+say "summary"
+BUILD_RC=$build_rc BUILD_S=$build_s TESTS_RC=$tests_rc BENCH_RC=$bench_rc E2E_RC=$e2e_rc \
+  TOTAL_S=$(elapsed) OUT="$OUT" "$PYTHON" tools/gpu_check_summary.py
+say "done"
+[ "$build_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ]
