@@ -10,9 +10,10 @@ the same arithmetic path as a model that was never split::
                         -> row-parallel (o_proj, down_proj: partial sums) -> all_reduce
                         -> hidden (replicated again)
 
-The process group: ``gloo`` on CPU, ``nccl`` on CUDA, rendezvous through a file store
-that the scheduler places in the engine's private socket directory (no port to pick,
-nothing left behind: the directory is removed at shutdown).
+The process group: ``gloo`` on CPU (NCCL will serve CUDA ranks once the CUDA worker
+exists), rendezvous through a file store that the scheduler places in the engine's
+private socket directory (no port to pick, nothing left behind: the directory is
+removed at shutdown).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.model_config import ModelConfig
 
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+_BACKENDS = {"cpu": "gloo"}
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,12 @@ def init_tensor_parallel(
     set_threads_per_rank(size)
     if init_method is None:
         raise ValueError(f"tensor parallel size {size} needs a rendezvous (init_method)")
-    dist.init_process_group(
-        _BACKENDS[torch.device(device).type], init_method=init_method, rank=rank, world_size=size
-    )
+    backend = _BACKENDS.get(torch.device(device).type)
+    if backend is None:
+        raise NotImplementedError(
+            f"tensor parallelism on device {device!r}: only CPU ranks (gloo) are built yet"
+        )
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     return TensorParallel(rank, size)
 
 
@@ -99,7 +103,8 @@ def shutdown_tensor_parallel() -> None:
 def set_threads_per_rank(size: int) -> None:
     """Ranks on one CPU share its cores: each takes ``cores // size`` threads (at least
     one) for torch's kernels and for the compiled ops, so none oversubscribes."""
-    num_threads = max(1, len(os.sched_getaffinity(0)) // size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    num_threads = max(1, (cores or 1) // size)
     torch.set_num_threads(num_threads)
     ops.set_num_threads(num_threads)
 
