@@ -1,15 +1,18 @@
 """Weight sharding for tensor parallelism, in one process (no collectives run): every
-rank's shard, put back together, is the full checkpoint tensor; and sizes that cannot
-split a model are refused with the field, its value and the limit."""
+rank's shard, put back together, is the full checkpoint tensor; sizes that cannot split
+a model are refused with the field, its value and the limit; ranks share the cores."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from pagedserve import _C_cpu
+from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -18,7 +21,11 @@ from pagedserve.gpu_worker.layers.linear import (
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models import build_model
-from pagedserve.gpu_worker.parallel import TensorParallel, check_tensor_parallel_size
+from pagedserve.gpu_worker.parallel import (
+    TensorParallel,
+    check_tensor_parallel_size,
+    set_threads_per_rank,
+)
 from pagedserve.gpu_worker.weights import iterate_weights
 
 HEAD_SIZE = 4
@@ -228,3 +235,17 @@ def test_opt_checks_its_ffn_dim(tmp_path):
     )
     with pytest.raises(ValueError, match=r"does not divide the model's ffn_dim=150"):
         check_tensor_parallel_size(config, 4)
+
+
+def test_each_rank_takes_its_share_of_the_cores():
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        set_threads_per_rank(2)
+        assert torch.get_num_threads() == max(1, cores // 2)
+        assert _C_cpu.get_num_threads() == max(1, cores // 2)
+        set_threads_per_rank(cores + 1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+        ops.set_num_threads(before)
