@@ -22,7 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     engine.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     engine.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
-    engine.add_argument("--kv-cache-bytes", type=int, default=None)
+    engine.add_argument(
+        "--kv-cache-bytes", type=int, default=None, help="KV cache size (per tensor-parallel rank)"
+    )
+    engine.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over N worker processes (heads, MLP rows, vocabulary)",
+    )
     engine.add_argument("--max-tokens", type=int, default=128)
     engine.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     engine.add_argument("--seed", type=int, default=None)
@@ -54,14 +62,17 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_bytes,
             device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
-        worker = llm.worker
+        ranks = (
+            f" on each of {llm.tensor_parallel_size} ranks" if llm.tensor_parallel_size > 1 else ""
+        )
         print(
             f"pagedserve: engine ready in {time.monotonic() - started:.1f} s; KV cache "
-            f"{worker.num_blocks} blocks x {args.block_size} tokens "
-            f"({worker.kv_cache_spec.bytes_per_block} bytes each, at most "
-            f"{worker.num_blocks * args.block_size} cached tokens), "
-            f"{worker.num_host_blocks} host swap blocks",
+            f"{llm.num_blocks} blocks x {args.block_size} tokens "
+            f"({llm.bytes_per_block} bytes each{ranks}, at most "
+            f"{llm.num_blocks * args.block_size} cached tokens), "
+            f"{llm.num_host_blocks} host swap blocks",
             file=sys.stderr,
         )
         if args.command == "chat":

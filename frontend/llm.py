@@ -17,6 +17,7 @@ from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.memory import default_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.parallel import check_tensor_parallel_size
 from pagedserve.gpu_worker.worker import Worker, parse_dtype
 from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig
 from pagedserve.scheduler.engine_core import EngineCore
@@ -48,6 +49,12 @@ class LLM:
     ``EngineStartupError`` after ``startup_timeout_s``, and a component that dies makes
     ``generate`` raise ``EngineDeadError``. Call ``shutdown()`` when done (it also runs
     at interpreter exit).
+
+    ``tensor_parallel_size=N`` splits the model over N worker processes (query and KV
+    heads, MLP rows and the vocabulary; each rank's KV cache holds its own heads, so
+    ``kv_cache_bytes`` is per rank). It needs the multi-process engine: with
+    ``multiprocess`` left unset that is chosen for you, as vLLM does; with
+    ``multiprocess=False`` it is an error.
     """
 
     def __init__(
@@ -68,7 +75,8 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
         device: str = "cpu",
-        multiprocess: bool = False,
+        multiprocess: bool | None = None,
+        tensor_parallel_size: int = 1,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
         parse_dtype(dtype)
@@ -79,6 +87,7 @@ class LLM:
             )
         # The reservation baselines of the paper share nothing, cached prefixes included.
         enable_prefix_caching = enable_prefix_caching and allocation_policy == "paged"
+        multiprocess = _choose_multiprocess(multiprocess, tensor_parallel_size)
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32 (tokens), got {block_size!r}")
         _check_optional_positive("kv_cache_bytes", kv_cache_bytes)
@@ -94,6 +103,8 @@ class LLM:
         self.worker: Worker | None = None
         if multiprocess:
             model_config = ModelConfig.from_dir(resolved.path)
+            # Here, before any process starts, so a bad size fails at once.
+            check_tensor_parallel_size(model_config, tensor_parallel_size)
         else:
             self.worker = Worker(
                 resolved.path,
@@ -137,6 +148,7 @@ class LLM:
                 ),
                 seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
+                world_size=tensor_parallel_size,
                 startup_timeout_s=startup_timeout_s,
             )
             cache_sizes = (
@@ -161,16 +173,19 @@ class LLM:
             )
         self.eos_token_ids = model_config.eos_token_ids
         self._request_counter = itertools.count()
-        num_device_blocks, bytes_per_block, num_host_blocks = cache_sizes
+        # Bytes per block are one rank's: each tensor-parallel rank holds its own heads.
+        self.num_blocks, self.bytes_per_block, self.num_host_blocks = cache_sizes
+        self.tensor_parallel_size = tensor_parallel_size
         logger.info(
-            "KV cache: %d blocks of %d tokens, %d bytes per block, %d tokens at most "
-            "(%s); host swap pool: %d blocks",
-            num_device_blocks,
+            "KV cache: %d blocks of %d tokens, %d bytes per block and rank (%d ranks), "
+            "%d tokens at most (%s); host swap pool: %d blocks",
+            self.num_blocks,
             block_size,
-            bytes_per_block,
-            num_device_blocks * block_size,
+            self.bytes_per_block,
+            tensor_parallel_size,
+            self.num_blocks * block_size,
             dtype,
-            num_host_blocks,
+            self.num_host_blocks,
         )
 
     # ------------------------------------------------------------------ public API
@@ -382,6 +397,21 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if all(isinstance(item, int) and not isinstance(item, bool) for item in prompts):
         return [list(prompts)]
     return list(prompts)
+
+
+def _choose_multiprocess(multiprocess: bool | None, tensor_parallel_size: int) -> bool:
+    """Tensor parallelism runs one worker process per rank: unset, ``multiprocess``
+    follows from the size (as vLLM picks its multi-process executor); ``False`` with
+    more than one rank is an error."""
+    _check_optional_positive("tensor_parallel_size", tensor_parallel_size)
+    if multiprocess is None:
+        return tensor_parallel_size > 1
+    if not multiprocess and tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} runs one worker process per rank "
+            "and needs multiprocess=True; leave multiprocess unset to have it chosen"
+        )
+    return bool(multiprocess)
 
 
 def _check_optional_positive(name: str, value: int | None) -> None:

@@ -30,11 +30,15 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def default_kv_cache_bytes() -> int:
+def default_kv_cache_bytes(num_ranks_sharing_memory: int = 1) -> int:
     """The cache size from the memory available now: call it in the process that holds
-    the cache, after its weights are loaded."""
+    the cache, after its weights are loaded. Tensor-parallel ranks on one CPU share its
+    memory: each takes its part of the share (and of the cap). NOTE: ranks measure at
+    slightly different times, so their counts may differ; the scheduler takes the
+    smallest."""
     usable = available_memory_bytes() - DEFAULT_MEMORY_RESERVE_BYTES
-    return max(0, min(DEFAULT_MAX_KV_CACHE_BYTES, int(usable * DEFAULT_KV_CACHE_MEMORY_FRACTION)))
+    share = min(DEFAULT_MAX_KV_CACHE_BYTES, int(usable * DEFAULT_KV_CACHE_MEMORY_FRACTION))
+    return max(0, share // num_ranks_sharing_memory)
 
 
 def default_gpu_kv_cache_bytes(device: torch.device) -> int:

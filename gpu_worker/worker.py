@@ -16,6 +16,7 @@ from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.model_runner import ModelRunner
 from pagedserve.gpu_worker.models import build_model
+from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel, check_tensor_parallel_size
 from pagedserve.gpu_worker.weights import iterate_weights
 from pagedserve.scheduler.messages import StepPlan, StepResult
 
@@ -35,7 +36,9 @@ class Worker:
 
     The device pool holds ``num_blocks`` blocks, or as many as fit in ``kv_cache_bytes``;
     the host pool, which receives swapped-out requests, as many as fit in
-    ``swap_space_bytes``.
+    ``swap_space_bytes``. With tensor parallelism (``parallel``) it is one rank: it holds
+    its share of the weights, and its pools hold its KV heads only, so both byte sizes
+    are this rank's.
 
     ``device="cuda"`` (or ``"cuda:N"``) puts the weights, the device pool and the step's
     inputs on that GPU; the host pool is then pinned memory, and swaps run on a stream of
@@ -54,15 +57,17 @@ class Worker:
         device: str = "cpu",
         swap_space_bytes: int = 0,
         kv_cache_bytes_from_free_memory: Callable[[], int] | None = None,
+        parallel: TensorParallel = SINGLE,
     ) -> None:
         self.device = _parse_device(device)
         self.model_config = ModelConfig.from_dir(model_path)
+        check_tensor_parallel_size(self.model_config, parallel.size)
         torch_dtype = parse_dtype(dtype)
         started = time.monotonic()
         # Parameters and tables are created where the model runs; checkpoint tensors are
         # copied in from the host.
         with torch.device(self.device):
-            self.model = build_model(self.model_config, torch_dtype)
+            self.model = build_model(self.model_config, torch_dtype, parallel)
         self.model.load_weights(iterate_weights(Path(model_path)))
         self.model.eval()
         logger.info(
@@ -71,7 +76,7 @@ class Worker:
 
         self.kv_cache_spec = KVCacheSpec(
             num_layers=self.model_config.num_layers,
-            num_kv_heads=self.model_config.num_kv_heads,
+            num_kv_heads=len(parallel.kv_heads(self.model_config.num_kv_heads)),
             head_size=self.model_config.head_size,
             block_size=block_size,
             dtype=torch_dtype,

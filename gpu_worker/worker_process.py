@@ -1,12 +1,15 @@
 """A worker process's main: build the ``Worker``, report ``Ready``, run every broadcast plan.
 
 The scheduler starts one per rank (``multiprocessing`` spawn context) with one argument,
-an encoded ``StartWorker``. Every rank receives every ``StepPlan`` from the step
-broadcaster and executes it; rank 0 alone sends the ``StepResult`` back (with tensor
-parallelism the ranks will sample the same tokens). The process ends when the
-broadcaster closes (exit code 0) or on a failure, which it reports as an ``EngineError``
-on the result socket before exiting with code 1, so the scheduler can say what went
-wrong rather than only that the worker is gone.
+an encoded ``StartWorker``. With more than one rank they first form a tensor-parallel
+process group (``gpu_worker/parallel.py``), each holding its share of the model. Every
+rank receives every ``StepPlan`` from the step broadcaster and executes it; rank 0 alone
+sends the ``StepResult`` back (every rank gathers the full logits and samples the same
+tokens from them, so every rank's cached tokens are the ones rank 0 reports). The
+process ends when the broadcaster closes (exit code 0) or on a failure, which it
+reports as an ``EngineError`` on the result socket before exiting with code 1, so the
+scheduler can say what went wrong rather than only that the worker is gone. A rank
+whose peer dies fails in its next collective (gloo notices the closed connection).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from pathlib import Path
 import zmq
 
 from pagedserve.gpu_worker.memory import default_kv_cache_bytes
+from pagedserve.gpu_worker.parallel import init_tensor_parallel, shutdown_tensor_parallel
 from pagedserve.gpu_worker.worker import Worker
 from pagedserve.scheduler.broadcast import BroadcastClosedError, BroadcastHandle, StepReceiver
 from pagedserve.scheduler.child_process import die_with_parent
-from pagedserve.scheduler.engine_messages import EngineError, Ready, StartWorker, WorkerSpec
+from pagedserve.scheduler.engine_messages import EngineError, Ready, StartWorker
 from pagedserve.scheduler.messages import StepPlan
 from pagedserve.scheduler.serialization import decode_as, encode
 
@@ -43,7 +47,7 @@ def main(start_frame: bytes) -> None:
     try:
         # Subscribed before the model loads, so the welcome handshake is quick after it.
         receiver = StepReceiver(BroadcastHandle(**start.broadcast), start.rank)
-        worker = build_worker(start.worker)
+        worker = build_worker(start)
         results.send(encode(ready_message(worker, start.rank)))
         # No deadline of its own: the frontend's covers start-up, and kills the engine.
         receiver.wait_ready(float("inf"))
@@ -59,10 +63,18 @@ def main(start_frame: bytes) -> None:
             receiver.close()
         results.close()
         context.term()
+        shutdown_tensor_parallel()
 
 
-def build_worker(spec: WorkerSpec) -> Worker:
-    """The same ``Worker`` the in-process engine builds, from the spec's plain fields."""
+def build_worker(start: StartWorker) -> Worker:
+    """The same ``Worker`` the in-process engine builds, from the spec's plain fields,
+    as rank ``start.rank`` of ``start.world_size`` (joining the process group first)."""
+    spec = start.worker
+    parallel = init_tensor_parallel(
+        start.rank, start.world_size, start.distributed_init_method, spec.device
+    )
+    # Ranks on one CPU share its memory; GPU ranks each have a device of their own.
+    ranks_sharing_memory = start.world_size if spec.device == "cpu" else 1
     return Worker(
         Path(spec.model_path),
         spec.dtype,
@@ -71,7 +83,8 @@ def build_worker(spec: WorkerSpec) -> Worker:
         spec.kv_cache_bytes,
         spec.device,
         swap_space_bytes=spec.swap_space_bytes,
-        kv_cache_bytes_from_free_memory=default_kv_cache_bytes,
+        kv_cache_bytes_from_free_memory=lambda: default_kv_cache_bytes(ranks_sharing_memory),
+        parallel=parallel,
     )
 
 

@@ -148,6 +148,8 @@ class StartWorker:
     ``broadcast`` holds the fields of the step broadcaster's ``BroadcastHandle`` (plain
     strings and ints); ``result_endpoint`` is where the worker sends ``Ready``, its
     ``StepResult``s (rank 0 only) and, before it exits on a failure, an ``EngineError``.
+    With ``world_size`` > 1 the ranks form a tensor-parallel process group that meets at
+    ``distributed_init_method`` (a torch.distributed init method, e.g. ``file://...``).
     """
 
     rank: int
@@ -156,3 +158,4 @@ class StartWorker:
     broadcast: dict[str, Any]
     result_endpoint: str
     worker: WorkerSpec
+    distributed_init_method: str | None = None

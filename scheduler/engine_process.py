@@ -7,7 +7,8 @@ script), it reads one encoded ``StartEngine`` from stdin, then::
     1. connects to the frontend's two sockets, starts the workers
        (``MultiprocExecutor``)                    -> Ready("scheduler", worker pids)
     2. waits for every worker                     -> Ready("worker") each, forwarded
-    3. builds the EngineCore on rank 0's blocks   -> Ready("engine", cache sizes)
+    3. builds the EngineCore on the blocks every
+       rank holds (the smallest count)            -> Ready("engine", cache sizes)
     4. serves: AddRequest / AbortRequest / GetStats / ResetPrefixCache / Shutdown in,
        one OutputBatch per step out
     5. on Shutdown or a failure: ends every request still in flight (on a failure
@@ -163,17 +164,17 @@ def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zm
         executor = MultiprocExecutor(start.worker, start.world_size, start.ipc_dir, context)
         scheduler_info = {"worker_pids": executor.worker_pids, "ring_name": executor.ring_name}
         outbox.send(encode(Ready("scheduler", os.getpid(), scheduler_info)))
-        rank0 = executor.wait_until_ready(on_ready=lambda ready: outbox.send(encode(ready)))
+        cache = executor.wait_until_ready(on_ready=lambda ready: outbox.send(encode(ready)))
         engine = EngineCore(
             start.scheduler_config,
-            rank0.info["num_blocks"],
+            cache["num_blocks"],
             start.worker.block_size,
             executor,
             seed=start.seed,
-            num_host_blocks=rank0.info["num_host_blocks"],
+            num_host_blocks=cache["num_host_blocks"],
             enable_prefix_caching=start.enable_prefix_caching,
         )
-        outbox.send(encode(Ready("engine", os.getpid(), rank0.info)))
+        outbox.send(encode(Ready("engine", os.getpid(), cache)))
         EngineLoop(engine, executor, inbox, outbox).run()
         if engine.has_unfinished_requests():
             outbox.send(encode(OutputBatch(end_all_requests(engine, None))))

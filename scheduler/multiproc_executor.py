@@ -8,10 +8,17 @@ results arrive on. ``execute(plan)`` is the in-process ``Worker.execute`` over t
     StepResult  <- ZeroMQ PULL     <--  ZeroMQ PUSH (rank 0 only)
 
 Workers are started with the ``spawn`` context (their main is
-``gpu_worker/worker_process.py``); this process never imports torch. A worker's exit is
-noticed the moment it happens: each process's sentinel (a pipe that reaches end of file
-when the process ends) is polled together with the result socket, so a dead worker
-raises ``WorkerDiedError`` instead of leaving a step waiting forever.
+``gpu_worker/worker_process.py``); this process never imports torch. With
+``world_size`` > 1 the workers are tensor-parallel ranks: they meet through a
+torch.distributed file store in the engine's private socket directory, and each holds
+its own KV heads in a cache of as many blocks as the others (the scheduler plans one
+block space: it takes the smallest count any rank reports).
+
+A worker's exit is noticed the moment it happens: each process's sentinel (a pipe that
+reaches end of file when the process ends) is polled together with the result socket,
+so a dead worker raises ``WorkerDiedError`` instead of leaving a step waiting forever.
+When one rank dies the others fail in their next collective; the error names the one
+that died first (see ``_death_error``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import zmq
 
@@ -59,16 +67,18 @@ class MultiprocExecutor:
         ipc_dir: str,
         context: zmq.Context,
     ) -> None:
-        if world_size != 1:
-            raise NotImplementedError(
-                f"world_size={world_size}: tensor parallelism is not built yet; use 1"
-            )
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self._broadcaster = StepBroadcaster(world_size, ipc_dir=ipc_dir)
         self._results = context.socket(zmq.PULL)
         self._results.setsockopt(zmq.LINGER, 0)
         result_path = os.path.join(ipc_dir, "results.sock")
         self._results.bind(f"ipc://{result_path}")
+        # The ranks' rendezvous: a file, not a port, so nothing can take it first.
+        init_method = (
+            f"file://{os.path.join(ipc_dir, 'tensor_parallel.store')}" if world_size > 1 else None
+        )
         spawn = multiprocessing.get_context("spawn")
         self._processes: list[BaseProcess] = []
         for rank in range(world_size):
@@ -79,6 +89,7 @@ class MultiprocExecutor:
                 broadcast=dataclasses.asdict(self._broadcaster.handle),
                 result_endpoint=f"ipc://{result_path}",
                 worker=worker_spec,
+                distributed_init_method=init_method,
             )
             # daemon: multiprocessing's own exit handler terminates any left running.
             process = spawn.Process(
@@ -109,12 +120,12 @@ class MultiprocExecutor:
         """The shared-memory segment of the step broadcast, if it uses one."""
         return self._broadcaster.handle.ring_name
 
-    def wait_until_ready(self, on_ready: Callable[[Ready], None]) -> Ready:
+    def wait_until_ready(self, on_ready: Callable[[Ready], None]) -> dict[str, Any]:
         """Wait for every worker's ``Ready`` (each passed to ``on_ready`` as it comes),
-        then for every worker to join the step broadcast. Returns rank 0's ``Ready``.
-        Raises ``WorkerDiedError`` for a worker that ends first. No deadline: loading a
-        model takes what it takes, and the frontend, which owns the start-up deadline,
-        kills the engine when it passes."""
+        then for every worker to join the step broadcast. Returns the cache every rank
+        can hold (``cache_sizes``). Raises ``WorkerDiedError`` for a worker that ends
+        first. No deadline: loading a model takes what it takes, and the frontend, which
+        owns the start-up deadline, kills the engine when it passes."""
         ready: dict[int, Ready] = {}
         while len(ready) < self.world_size:
             message = self._receive(waiting_for="Ready")
@@ -127,7 +138,7 @@ class MultiprocExecutor:
             try:
                 # NOTE: polled in slices so a worker that dies mid-handshake is noticed.
                 self._broadcaster.wait_for_readers(_HANDSHAKE_SLICE_S)
-                return ready[0]
+                return cache_sizes([ready[rank] for rank in range(self.world_size)])
             except TimeoutError:
                 self.check_workers()
 
@@ -148,7 +159,7 @@ class MultiprocExecutor:
             if self._results in events:
                 message = decode(self._results.recv())
                 if isinstance(message, EngineError):
-                    raise WorkerDiedError(message.message)
+                    raise self._death_error(message)
                 return message
             if events:
                 self.check_workers()
@@ -156,21 +167,44 @@ class MultiprocExecutor:
                 raise RuntimeError(f"woke without an event while waiting for {waiting_for}")
 
     def check_workers(self) -> None:
-        """Raise ``WorkerDiedError`` if any worker has ended, with its own last word
-        (an ``EngineError``) when it sent one."""
-        ended = wait(self.sentinels, timeout=0)
-        if not ended:
-            return
+        """Raise ``WorkerDiedError`` if any worker has ended, naming the cause."""
+        if wait(self.sentinels, timeout=0):
+            raise self._death_error(None)
+
+    def _death_error(self, last_word: EngineError | None) -> WorkerDiedError:
+        """What ended the engine, once a worker has ended or sent ``last_word``.
+
+        A worker that fails says why (an ``EngineError``), then exits with code 1; so
+        does a rank whose peer died, in its next collective. A worker that ended any
+        other way (killed, crashed) said nothing and is the cause; otherwise the first
+        word that arrived names it.
+        """
+        # The worker that spoke exits next: wait for it, so that a peer that died
+        # before it (its sentinel a moment behind) is seen too.
+        ended = wait(self.sentinels, timeout=_LAST_WORD_WAIT_S)
         dead = [process for process in self._processes if process.sentinel in ended]
-        # The sentinel closes a moment before the process can be reaped.
-        dead[0].join(_LAST_WORD_WAIT_S)
-        if self._results.poll(_LAST_WORD_WAIT_S * 1000):
+        for process in dead:
+            # The sentinel closes a moment before the process can be reaped.
+            process.join(_LAST_WORD_WAIT_S)
+        silent = [process for process in dead if process.exitcode not in (1, None)]
+        if silent:
+            process = silent[0]
+            rank = self._processes.index(process)
+            return WorkerDiedError(
+                f"worker rank {rank} (pid {process.pid}) died with "
+                f"{describe_exit(process.exitcode)}"
+            )
+        if last_word is None and self._results.poll(_LAST_WORD_WAIT_S * 1000):
             message = decode(self._results.recv())
             if isinstance(message, EngineError):
-                raise WorkerDiedError(f"{message.message} ({describe_exit(dead[0].exitcode)})")
-        rank = self._processes.index(dead[0])
-        raise WorkerDiedError(
-            f"worker rank {rank} (pid {dead[0].pid}) died with {describe_exit(dead[0].exitcode)}"
+                last_word = message
+        if last_word is not None:
+            exit_note = f" ({describe_exit(dead[0].exitcode)})" if dead else ""
+            return WorkerDiedError(last_word.message + exit_note)
+        process = dead[0]
+        return WorkerDiedError(
+            f"worker rank {self._processes.index(process)} (pid {process.pid}) died with "
+            f"{describe_exit(process.exitcode)}"
         )
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -185,6 +219,19 @@ class MultiprocExecutor:
                 process.kill()
                 process.join()
         self._results.close()
+
+
+def cache_sizes(ready_by_rank: list[Ready]) -> dict[str, Any]:
+    """The KV cache the scheduler plans with, from every rank's ``Ready``: the smallest
+    device and host block counts (ranks that sized their pools from free memory may
+    differ; a rank's extra blocks stay unused), and the bytes per block of one rank
+    (every rank holds as many KV heads)."""
+    return {
+        "num_blocks": min(ready.info["num_blocks"] for ready in ready_by_rank),
+        "num_host_blocks": min(ready.info["num_host_blocks"] for ready in ready_by_rank),
+        "bytes_per_block": ready_by_rank[0].info["bytes_per_block"],
+        "tensor_parallel_size": len(ready_by_rank),
+    }
 
 
 def _worker_main(start_frame: bytes) -> None:

@@ -213,6 +213,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "broadcast",
         "result_endpoint",
         "worker",
+        "distributed_init_method",
     ),
 }
 
@@ -734,7 +735,7 @@ def _pack_start_worker(start: StartWorker) -> list:
 
 def _unpack_start_worker(value: Any) -> StartWorker:
     fields = _fields(value, "StartWorker")
-    expected = (int, int, int, dict, str, list)
+    expected = (int, int, int, dict, str, list, (str, type(None)))
     for name, field_value, field_type in zip(WIRE_FIELDS[StartWorker], fields, expected):
         _check(field_value, field_type, f"StartWorker.{name}")
     fields[5] = _unpack_flat(fields[5], WorkerSpec)

@@ -9,7 +9,7 @@ from torch import nn
 from pagedserve.gpu_worker import ops
 
 
-def _empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     # Weights are always loaded from a checkpoint, so initialising them would be waste.
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
@@ -19,8 +19,8 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _empty_parameter(out_features, in_features, dtype=dtype)
-        self.bias = _empty_parameter(out_features, dtype=dtype) if bias else None
+        self.weight = empty_parameter(out_features, in_features, dtype=dtype)
+        self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _empty_parameter(hidden_size, dtype=dtype)
+        self.weight = empty_parameter(hidden_size, dtype=dtype)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +52,8 @@ class LayerNorm(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
-        self.weight = _empty_parameter(hidden_size, dtype=dtype) if elementwise_affine else None
-        self.bias = _empty_parameter(hidden_size, dtype=dtype) if elementwise_affine else None
+        self.weight = empty_parameter(hidden_size, dtype=dtype) if elementwise_affine else None
+        self.bias = empty_parameter(hidden_size, dtype=dtype) if elementwise_affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)

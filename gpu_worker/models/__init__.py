@@ -6,15 +6,19 @@ import torch
 
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import CausalLM
+from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype) -> CausalLM:
+def build_model(
+    config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel = SINGLE
+) -> CausalLM:
+    """The model of ``config``'s family, holding rank ``parallel.rank``'s share of it."""
     if config.family == "llama":
         from pagedserve.gpu_worker.models.llama import LlamaForCausalLM
 
-        return LlamaForCausalLM(config, dtype)
+        return LlamaForCausalLM(config, dtype, parallel)
     if config.family == "opt":
         from pagedserve.gpu_worker.models.opt import OPTForCausalLM
 
-        return OPTForCausalLM(config, dtype)
+        return OPTForCausalLM(config, dtype, parallel)
     raise ValueError(f"model family {config.family!r} has no implementation")

@@ -10,6 +10,7 @@ from torch import nn
 
 from pagedserve.gpu_worker.kv_cache import layer_caches
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
+from pagedserve.gpu_worker.layers.linear import ShardedWeights
 
 
 class CausalLM(nn.Module, abc.ABC):
@@ -41,20 +42,29 @@ class CausalLM(nn.Module, abc.ABC):
 
 
 class WeightLoader:
-    """Copies named tensors into parameters, in slices for fused ones, and checks
-    that every parameter received all of its rows."""
+    """Copies named checkpoint tensors into parameters and checks that every parameter
+    received all of its rows. A tensor-parallel layer (``ShardedWeights``) picks this
+    rank's rows of each full tensor, and where they go in its parameter: a fused layer
+    takes one component (``part``) at a time."""
 
     def __init__(self, model: nn.Module) -> None:
         self.parameters = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
         self._rows_loaded: dict[str, int] = dict.fromkeys(self.parameters, 0)
 
-    def load(self, name: str, tensor: torch.Tensor, row_offset: int | None = None) -> None:
+    def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
         if name not in self.parameters:
             raise ValueError(f"checkpoint tensor maps to unknown parameter {name!r}")
-        parameter = self.parameters[name]
-        target = parameter.data
-        if row_offset is not None:
-            target = target.narrow(0, row_offset, tensor.shape[0])
+        module_name, _, attribute = name.rpartition(".")
+        module = self.modules[module_name]
+        target = self.parameters[name].data
+        if isinstance(module, ShardedWeights):
+            row_offset, tensor = module.shard_of(attribute, tensor, part)
+            # Narrowed to what fits, so a tensor of the wrong shape meets the check below.
+            length = max(0, min(tensor.shape[0], target.shape[0] - row_offset))
+            target = target.narrow(0, row_offset, length)
+        elif part is not None:
+            raise ValueError(f"{name!r} is not a fused parameter, yet got part {part}")
         if target.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor for {name!r} has shape {tuple(tensor.shape)}, "

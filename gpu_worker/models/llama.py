@@ -9,26 +9,57 @@ from torch import nn
 
 from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
-from pagedserve.gpu_worker.layers.basic import Linear, RMSNorm, activation
+from pagedserve.gpu_worker.layers.basic import RMSNorm, activation
+from pagedserve.gpu_worker.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import CausalLM, WeightLoader
+from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    """Over this rank's query and KV heads (all of them without tensor parallelism)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        parallel: TensorParallel,
+    ) -> None:
         super().__init__()
         hf = config.hf_config
-        self.q_size = config.num_heads * config.head_size
-        self.kv_size = config.num_kv_heads * config.head_size
         # Qwen2 always has q/k/v biases; Llama and Mistral have them when the config says.
         qkv_bias = config.architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias"))
         # One GEMM for q, k and v: rows [q | k | v], filled from the three checkpoint tensors.
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bool(hf.get("attention_bias")), dtype)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_size,
+            config.num_heads,
+            config.num_kv_heads,
+            qkv_bias,
+            dtype,
+            parallel,
+        )
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_size,
+            config.hidden_size,
+            bool(hf.get("attention_bias")),
+            dtype,
+            parallel,
+        )
         self.rotary = rotary
         self.attention = PagedAttention(
-            config.num_heads, config.num_kv_heads, config.head_size, config.head_size**-0.5
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            config.head_size,
+            config.head_size**-0.5,
         )
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
@@ -44,14 +75,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel) -> None:
         super().__init__()
         hf = config.hf_config
         intermediate = hf["intermediate_size"]
         bias = bool(hf.get("mlp_bias"))
-        # Rows [gate | up] in one GEMM.
-        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias, dtype)
-        self.down_proj = Linear(intermediate, config.hidden_size, bias, dtype)
+        # Rows [gate | up] in one GEMM (this rank's share of each).
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [intermediate, intermediate], bias, dtype, parallel
+        )
+        self.down_proj = RowParallelLinear(intermediate, config.hidden_size, bias, dtype, parallel)
         act_name = hf.get("hidden_act", "silu")
         self.act = None if act_name in ("silu", "swish") else activation(act_name)
 
@@ -68,13 +101,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        parallel: TensorParallel,
+    ) -> None:
         super().__init__()
         eps = config.hf_config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, rotary, dtype)
+        self.self_attn = LlamaAttention(config, rotary, dtype, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, parallel)
 
     def forward(
         self,
@@ -97,24 +136,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         hf = config.hf_config
         self.config = config
         rotary = RotaryEmbedding(
             config.head_size, config.max_position_embeddings, rope_parameters(hf)
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype, parallel
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, dtype) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, rotary, dtype, parallel) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1e-6), dtype)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        # An untied LM head is a vocabulary table of its own, split the same way.
         self.lm_head = (
             None
             if self.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, dtype)
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, parallel)
         )
 
     def forward(
@@ -128,19 +171,18 @@ class LlamaForCausalLM(CausalLM):
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden_states, weight).float()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
-        q_size, kv_size = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
-        intermediate = self.config.hf_config["intermediate_size"]
+        # checkpoint projection -> (fused parameter, which of its parts)
         fused = {
             "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", q_size),
-            "v_proj": ("qkv_proj", q_size + kv_size),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", intermediate),
+            "up_proj": ("gate_up_proj", 1),
         }
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -150,9 +192,9 @@ class LlamaForCausalLM(CausalLM):
             name = name.removeprefix("model.")
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
-                target, offset = fused[parts[-2]]
+                target, part = fused[parts[-2]]
                 parts[-2] = target
-                loader.load(".".join(parts), tensor, row_offset=offset)
+                loader.load(".".join(parts), tensor, part)
             else:
                 loader.load(name, tensor)
         loader.check_complete()

@@ -9,22 +9,34 @@ from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
 from pagedserve.gpu_worker.layers.basic import LayerNorm, Linear, activation
+from pagedserve.gpu_worker.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import CausalLM, WeightLoader
+from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 # OPT's position table starts with two rows reserved by fairseq; position p uses row p + 2.
 POSITION_OFFSET = 2
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """Over this rank's heads (all of them without tensor parallelism)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel) -> None:
         super().__init__()
         hidden = config.hidden_size
         bias = bool(config.hf_config.get("enable_bias", True))
-        self.qkv_proj = Linear(hidden, 3 * hidden, bias, dtype)
-        self.out_proj = Linear(hidden, hidden, bias, dtype)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, config.head_size, config.num_heads, config.num_heads, bias, dtype, parallel
+        )
+        self.out_proj = RowParallelLinear(hidden, hidden, bias, dtype, parallel)
+        num_heads = self.qkv_proj.num_heads
         self.attention = PagedAttention(
-            config.num_heads, config.num_heads, config.head_size, config.head_size**-0.5
+            num_heads, num_heads, config.head_size, config.head_size**-0.5
         )
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
@@ -36,17 +48,17 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel) -> None:
         super().__init__()
         hf = config.hf_config
         hidden = config.hidden_size
         bias = bool(hf.get("enable_bias", True))
         affine = bool(hf.get("layer_norm_elementwise_affine", True))
         self.norm_before = bool(hf.get("do_layer_norm_before", True))
-        self.self_attn = OPTAttention(config, dtype)
+        self.self_attn = OPTAttention(config, dtype, parallel)
         self.self_attn_layer_norm = LayerNorm(hidden, 1e-5, affine, dtype)
-        self.fc1 = Linear(hidden, hf["ffn_dim"], bias, dtype)
-        self.fc2 = Linear(hf["ffn_dim"], hidden, bias, dtype)
+        self.fc1 = ColumnParallelLinear(hidden, [hf["ffn_dim"]], bias, dtype, parallel)
+        self.fc2 = RowParallelLinear(hf["ffn_dim"], hidden, bias, dtype, parallel)
         self.final_layer_norm = LayerNorm(hidden, 1e-5, affine, dtype)
         self.act = activation(hf.get("activation_function", "relu"))
 
@@ -67,23 +79,25 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         hf = config.hf_config
         hidden = config.hidden_size
         projection = hf.get("word_embed_proj_dim", hidden)
-        self.embed_tokens = nn.Embedding(config.vocab_size, projection, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, projection, dtype, parallel)
+        # Positions, norms and the projections are small: every rank holds all of them.
         self.embed_positions = nn.Embedding(
             config.max_position_embeddings + POSITION_OFFSET, hidden, dtype=dtype
         )
-        for embedding in (self.embed_tokens, self.embed_positions):
-            embedding.weight.requires_grad_(False)
+        self.embed_positions.weight.requires_grad_(False)
         self.project_in = Linear(projection, hidden, False, dtype) if projection != hidden else None
         self.project_out = (
             Linear(hidden, projection, False, dtype) if projection != hidden else None
         )
         self.layers = nn.ModuleList(
-            OPTDecoderLayer(config, dtype) for _ in range(config.num_layers)
+            OPTDecoderLayer(config, dtype, parallel) for _ in range(config.num_layers)
         )
         has_final_norm = bool(hf.get("do_layer_norm_before", True)) and not hf.get(
             "_remove_final_layer_norm", False
@@ -108,21 +122,20 @@ class OPTForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # OPT always ties the LM head to the token embedding.
-        return torch.nn.functional.linear(hidden_states, self.embed_tokens.weight).float()
+        return self.embed_tokens.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
-        hidden = self.embed_positions.weight.shape[1]
-        fused = {"q_proj": 0, "k_proj": hidden, "v_proj": 2 * hidden}
+        fused = {"q_proj": 0, "k_proj": 1, "v_proj": 2}  # parts of qkv_proj
         for name, tensor in weights:
             if name == "lm_head.weight":
                 continue
             name = name.removeprefix("model.").removeprefix("decoder.")
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
-                offset = fused[parts[-2]]
+                part = fused[parts[-2]]
                 parts[-2] = "qkv_proj"
-                loader.load(".".join(parts), tensor, row_offset=offset)
+                loader.load(".".join(parts), tensor, part)
             else:
                 loader.load(name, tensor)
         loader.check_complete()

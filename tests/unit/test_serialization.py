@@ -194,6 +194,15 @@ ROUND_TRIP_CASES = {
         result_endpoint="ipc:///tmp/ps-x/results.sock",
         worker=WORKER_SPEC,
     ),
+    "start-worker-tensor-parallel": StartWorker(
+        rank=1,
+        world_size=2,
+        scheduler_pid=78,
+        broadcast={"ring_name": "r", "local_endpoint": "ipc:///x", "num_local_readers": 2},
+        result_endpoint="ipc:///tmp/ps-x/results.sock",
+        worker=WORKER_SPEC,
+        distributed_init_method="file:///tmp/ps-x/tensor_parallel.store",
+    ),
     "new-request": new_request(ALL_SET_PARAMS, [2]),
     "cached-request": CachedRequestData("req-1", [12, 13], 31, 1),
     "token-logprobs": TOP,
@@ -379,8 +388,12 @@ def _plan_fields(**overrides) -> list:
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
-            _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", []),
+            _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None),
             "WorkerSpec: expected an array of 7 fields",
+        ),
+        (
+            _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),
+            "StartWorker.distributed_init_method: expected str or None, got int",
         ),
         (_frame(EngineError, 7, "boom"), "EngineError.request_id: expected str or None, got int"),
         (

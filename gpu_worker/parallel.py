@@ -1,0 +1,140 @@
+"""Tensor parallelism: this process's rank, the process group, and the collectives.
+
+Each rank is one worker process. The parallel layers (``layers/linear.py``,
+``layers/vocab_embedding.py``) hold a rank's share of each weight and call the
+collectives here; with one rank every collective is the identity, and the layers take
+the same arithmetic path as a model that was never split::
+
+    hidden (replicated) -> column-parallel (q/k/v heads, gate/up rows: a shard each)
+                        -> attention over this rank's heads only
+                        -> row-parallel (o_proj, down_proj: partial sums) -> all_reduce
+                        -> hidden (replicated again)
+
+The process group: ``gloo`` on CPU (NCCL will serve CUDA ranks once the CUDA worker
+exists), rendezvous through a file store that the scheduler places in the engine's
+private socket directory (no port to pick, nothing left behind: the directory is
+removed at shutdown).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker.model_config import ModelConfig
+
+_BACKENDS = {"cpu": "gloo"}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Rank ``rank`` of ``size``: which share of each split dimension this process holds.
+
+    Invariant: every rank calls the same collectives in the same order (they all run the
+    same plan through the same model), so no collective waits for a rank that never
+    comes.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def shard(self, total: int) -> range:
+        """This rank's contiguous share of ``total`` items (heads, rows), ``total``
+        divisible by ``size`` (``check_tensor_parallel_size``)."""
+        per_rank = total // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def kv_heads(self, num_kv_heads: int) -> range:
+        """This rank's KV heads. With fewer KV heads than ranks each head is replicated
+        on ``size / num_kv_heads`` consecutive ranks (as vLLM does), so rank r's query
+        heads still read the KV head they use without tensor parallelism."""
+        if num_kv_heads >= self.size:
+            return self.shard(num_kv_heads)
+        head = self.rank // (self.size // num_kv_heads)
+        return range(head, head + 1)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place; every rank gets the same bits."""
+        if self.size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The ranks' tensors side by side along the last dimension, on every rank."""
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = TensorParallel()
+
+
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str | None, device: str = "cpu"
+) -> TensorParallel:
+    """Join the process group of ``size`` ranks (returns at once for one rank) and give
+    this rank its share of the CPU cores. Blocks until every rank has joined."""
+    if size == 1:
+        return SINGLE
+    set_threads_per_rank(size)
+    if init_method is None:
+        raise ValueError(f"tensor parallel size {size} needs a rendezvous (init_method)")
+    backend = _BACKENDS.get(torch.device(device).type)
+    if backend is None:
+        raise NotImplementedError(
+            f"tensor parallelism on device {device!r}: only CPU ranks (gloo) are built yet"
+        )
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    return TensorParallel(rank, size)
+
+
+def shutdown_tensor_parallel() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_threads_per_rank(size: int) -> None:
+    """Ranks on one CPU share its cores: each takes ``cores // size`` threads (at least
+    one) for torch's kernels and for the compiled ops, so none oversubscribes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    num_threads = max(1, (cores or 1) // size)
+    torch.set_num_threads(num_threads)
+    ops.set_num_threads(num_threads)
+
+
+def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+    """Raise ``ValueError`` naming the field, its value and the limit if the model cannot
+    be split over ``size`` ranks: query heads and the MLP's intermediate rows must divide
+    evenly; KV heads must divide evenly, or divide ``size`` (then they are replicated).
+    The vocabulary needs nothing: its last shard is padded."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    _check_divisible("num_attention_heads", config.num_heads, size)
+    if config.num_kv_heads >= size:
+        _check_divisible("num_key_value_heads", config.num_kv_heads, size)
+    elif size % config.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={size}: the model's num_key_value_heads="
+            f"{config.num_kv_heads} is below it, so each KV head is replicated on "
+            f"tensor_parallel_size / num_key_value_heads ranks, which must be a whole "
+            f"number; use a multiple of {config.num_kv_heads} or a size at most it"
+        )
+    mlp_field = "ffn_dim" if config.family == "opt" else "intermediate_size"
+    _check_divisible(mlp_field, config.hf_config[mlp_field], size)
+
+
+def _check_divisible(field: str, value: int, size: int) -> None:
+    if value % size:
+        divisors = [d for d in range(1, value + 1) if value % d == 0]
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's {field}={value} "
+            f"(each rank holds {field} / tensor_parallel_size of them); "
+            f"sizes that do: {', '.join(map(str, divisors))}"
+        )
