@@ -21,6 +21,15 @@ class SamplingParams:
     likely tokens; ``prompt_logprobs=k`` does the same for every prompt token after the
     first. Log-probabilities are those of the model's raw distribution (before
     penalties, temperature and filtering), as in vLLM.
+
+    The last four fields are the frontend's (the scheduler and workers ignore them).
+    ``stop`` strings end the output where one first appears in the text, even split
+    across tokens (checked only after ``min_tokens``, as EOS is); the text is cut before
+    it unless ``include_stop_str_in_output``, and the token ids run up to the token that
+    completed it. ``skip_special_tokens`` leaves special tokens (EOS, chat markers) out of
+    the text; when they are kept, ``spaces_between_special_tokens=False`` decodes the text
+    between them on its own and joins it to them with nothing in between, as HF's
+    Python tokenizers do (``True`` keeps the tokenizer's own spacing: ``decode``'s).
     """
 
     max_tokens: int = 16
@@ -37,6 +46,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    stop: list[str] | str | None = None  # kept as a list
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -69,6 +82,14 @@ class SamplingParams:
                 _check_int(name, value, minimum=0)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+        self.stop = _check_stop_strings(self.stop)
+        for name in (
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -88,6 +109,21 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    for index, text in enumerate(stop):
+        if not isinstance(text, str):
+            raise TypeError(f"stop[{index}] must be a string, got {text!r}")
+        if not text:
+            raise ValueError(f"stop[{index}] must have at least 1 character, got ''")
+    return list(stop)
 
 
 def _check_float(

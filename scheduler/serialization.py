@@ -118,6 +118,10 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "stop_token_ids",
         "logprobs",
         "prompt_logprobs",
+        "stop",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
     ),
     NewRequestData: (
         "request_id",
@@ -286,6 +290,8 @@ def _unpack_sampling_params(value: Any) -> SamplingParams:
     fields = _fields(value, "SamplingParams")
     _check(fields[10], bool, "SamplingParams.ignore_eos")
     _check(fields[11], list, "SamplingParams.stop_token_ids")
+    # A bare string would pass the dataclass, which accepts one stop string.
+    _check(fields[14], list, "SamplingParams.stop")
     try:
         # The dataclass validates every other field (types and ranges) itself.
         return SamplingParams(*fields)

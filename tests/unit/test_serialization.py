@@ -58,6 +58,10 @@ ALL_SET_PARAMS = SamplingParams(
     stop_token_ids=[7, 8],
     logprobs=5,
     prompt_logprobs=2,
+    stop=["\n\n", "終わり"],
+    include_stop_str_in_output=True,
+    skip_special_tokens=False,
+    spaces_between_special_tokens=False,
 )
 TOP = TokenLogprobs(token_ids=[11, 3, 9], logprobs=[-0.125, -1.0e-9, float("-inf")])
 OTHER = TokenLogprobs(token_ids=[4], logprobs=[-2.5])
@@ -238,8 +242,12 @@ def test_ready_info_tuples_arrive_as_lists():
     assert decoded.info == {"shape": [2, 3]}
 
 
-def _pack_params() -> list:
-    return msgpack.unpackb(encode(SamplingParams()))[1:]
+def _pack_params(**wire_values) -> list:
+    """The default params' wire fields, some replaced by (possibly malformed) values."""
+    fields = msgpack.unpackb(encode(SamplingParams()))[1:]
+    for name, value in wire_values.items():
+        fields[WIRE_FIELDS[SamplingParams].index(name)] = value
+    return fields
 
 
 def _frame(message_type: type, *fields) -> bytes:
@@ -291,7 +299,8 @@ def _plan_fields(**overrides) -> list:
                 AddRequest,
                 "r",
                 [1],
-                [16, 0, -1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, None, False, [], None, None],
+                [16, 0, -1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, None, False, [], None, None]
+                + [[], False, True, True],
                 0.0,
                 [2],
                 None,
@@ -300,7 +309,19 @@ def _plan_fields(**overrides) -> list:
         ),
         (
             _frame(AddRequest, "r", [1], [16], 0.0, [2], None),
-            "SamplingParams: expected an array of 14",
+            "SamplingParams: expected an array of 18",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None),
+            "SamplingParams.stop: expected list, got str",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(stop=["a", ""]), 0.0, [2], None),
+            r"SamplingParams: stop\[1\] must have at least 1 character, got ''",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(skip_special_tokens=1), 0.0, [2], None),
+            "SamplingParams: skip_special_tokens must be a bool, got 1",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(), 0.0),
