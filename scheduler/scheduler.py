@@ -319,7 +319,11 @@ class Scheduler:
                     finish_reason=status.value if finished else None,
                     logprobs=None if logprobs is None else [logprobs],
                     prompt_logprobs=prompt_logprobs,
-                    num_cached_tokens=request.num_cached_tokens if finished else None,
+                    # Known from the first token on; sent then too, for a frontend that
+                    # ends the request itself (a stop string) and never sees the last delta.
+                    num_cached_tokens=request.num_cached_tokens
+                    if finished or request.num_output_tokens == 1
+                    else None,
                 )
             )
         return deltas
