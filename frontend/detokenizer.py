@@ -17,8 +17,10 @@ UTF-8 sequence::
 After an emission the window slides: ``prefix_offset`` to ``read_offset``, ``read_offset``
 to the end. Each step costs two decodes of a few tokens, whatever the output's length.
 Concatenated, the emissions equal ``Tokenizer.decode`` of all the output tokens whenever
-the output is valid UTF-8; when the request ends on an incomplete character, the
-replacement characters are emitted as ``decode`` would.
+the output is valid UTF-8 (when it ends on an incomplete character, the replacement
+characters are emitted as ``decode`` shows them), and for byte-level BPE always. A
+byte-fallback decoder is the exception on invalid UTF-8: it turns a whole run of byte
+tokens into replacement characters, characters already shown included; those stay shown.
 
 Stop strings are looked for in the text each token adds plus the ``len(stop) - 1``
 characters before it, so one split across tokens is found; the first to complete wins.

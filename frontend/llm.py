@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedserve.frontend.detokenizer import IncrementalDetokenizer
 from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
@@ -152,16 +153,17 @@ class LLM:
             )
         self.eos_token_ids = model_config.eos_token_ids
         self._request_counter = itertools.count()
-        num_device_blocks, bytes_per_block, num_host_blocks = cache_sizes
+        # The KV cache as the engine built it (the block count may come from free memory).
+        self.num_blocks, self.bytes_per_block, self.num_host_blocks = cache_sizes
         logger.info(
             "KV cache: %d blocks of %d tokens, %d bytes per block, %d tokens at most "
             "(%s); host swap pool: %d blocks",
-            num_device_blocks,
+            self.num_blocks,
             block_size,
-            bytes_per_block,
-            num_device_blocks * block_size,
+            self.bytes_per_block,
+            self.num_blocks * block_size,
             dtype,
-            num_host_blocks,
+            self.num_host_blocks,
         )
 
     # ------------------------------------------------------------------ public API
@@ -183,6 +185,11 @@ class LLM:
                 self.engine.check_request_fits(len(token_ids), params.max_tokens)
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
+            if params.stop and self.tokenizer is None:
+                raise ValueError(
+                    f"sampling_params.stop={params.stop!r}: stop strings need a tokenizer, "
+                    f"and {str(self.model_path)!r} has none; use stop_token_ids instead"
+                )
         return self._run(prompt_list, encoded, params_list, cache_namespace)
 
     def chat(
@@ -235,6 +242,7 @@ class LLM:
     ) -> list[RequestOutput]:
         request_ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
         outputs: dict[str, RequestOutput] = {}
+        detokenizers: dict[str, IncrementalDetokenizer] = {}  # with a tokenizer only
         try:
             for request_id, prompt, token_ids, params in zip(
                 request_ids, prompts, encoded, params_list
@@ -255,6 +263,8 @@ class LLM:
                     ],
                     prompt_logprobs=None if params.prompt_logprobs is None else [None],
                 )
+                if self.tokenizer is not None:
+                    detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
                 self.engine.add_request(
                     request_id,
                     token_ids,
@@ -262,17 +272,26 @@ class LLM:
                     self.eos_token_ids,
                     cache_namespace=cache_namespace,
                 )
+            params_of = dict(zip(request_ids, params_list))
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    _apply_delta(outputs[delta.request_id], delta)
+                    output = outputs[delta.request_id]
+                    if output.finished:
+                        continue  # a stop string ended it; the engine ran on meanwhile
+                    stopped = _apply_delta(
+                        output,
+                        delta,
+                        detokenizers.get(delta.request_id),
+                        params_of[delta.request_id],
+                        self.eos_token_ids,
+                    )
+                    if stopped and not delta.finished:
+                        # The engine would go on: end the request there and free its blocks.
+                        self.engine.abort_request(delta.request_id)
         finally:
             # An interrupted run (Ctrl-C, an error) must not leave requests holding blocks.
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
-        for output in outputs.values():
-            completion = output.outputs[0]
-            if self.tokenizer is not None:
-                completion.text = self.tokenizer.decode(completion.token_ids)
         return [outputs[request_id] for request_id in request_ids]
 
     def _encode(self, index: int, prompt: PromptType) -> list[int]:
@@ -328,11 +347,26 @@ class LLM:
         return self.tokenizer
 
 
-def _apply_delta(output: RequestOutput, delta: RequestOutputDelta) -> None:
+def _apply_delta(
+    output: RequestOutput,
+    delta: RequestOutputDelta,
+    detokenizer: IncrementalDetokenizer | None,
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+) -> bool:
+    """Add one step's tokens to ``output`` and decode them. Returns True when a stop
+    string ended the output with them: the engine does not know, the caller ends it."""
     completion = output.outputs[0]
-    completion.token_ids.extend(delta.new_token_ids)
+    new_token_ids = delta.new_token_ids
+    num_kept = len(new_token_ids)
+    if detokenizer is not None:
+        num_kept = detokenizer.append(new_token_ids, delta.finished)
+        completion.text = detokenizer.text
+        if num_kept < len(new_token_ids):
+            new_token_ids = new_token_ids[:num_kept]
+    completion.token_ids.extend(new_token_ids)
     if delta.logprobs is not None and completion.logprobs is not None:
-        for entry in delta.logprobs:
+        for entry in delta.logprobs[:num_kept]:
             completion.logprobs.append(dict(zip(entry.token_ids, entry.logprobs)))
             completion.cumulative_logprob += entry.logprobs[0]
     if delta.prompt_logprobs is not None and output.prompt_logprobs is not None:
@@ -341,9 +375,29 @@ def _apply_delta(output: RequestOutput, delta: RequestOutputDelta) -> None:
         )
     if delta.num_cached_tokens is not None:
         output.num_cached_tokens = delta.num_cached_tokens
-    if delta.finished:
-        completion.finish_reason = delta.finish_reason
+    stop_string = None if detokenizer is None else detokenizer.stop_string
+    if stop_string is not None:
+        completion.finish_reason = "stop"
+        completion.stop_reason = stop_string
         output.finished = True
+    elif delta.finished:
+        completion.finish_reason = delta.finish_reason
+        completion.stop_reason = _stop_token(completion, params, eos_token_ids)
+        output.finished = True
+    return stop_string is not None
+
+
+def _stop_token(
+    completion: CompletionOutput, params: SamplingParams, eos_token_ids: frozenset[int]
+) -> int | None:
+    """The stop token that ended a finished output, if one did (``Request``'s order:
+    EOS first, then ``stop_token_ids``)."""
+    if completion.finish_reason != "stop" or not completion.token_ids:
+        return None
+    last = completion.token_ids[-1]
+    if last in params.stop_token_ids and (params.ignore_eos or last not in eos_token_ids):
+        return last
+    return None
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

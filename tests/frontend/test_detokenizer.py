@@ -133,17 +133,29 @@ def test_final_text_equals_decode_and_never_shows_a_split_character(any_tokenize
     assert_only_grows(texts)
 
 
-def test_random_token_streams_end_equal_to_decode(any_tokenizer):
-    """Whatever the tokens, even invalid UTF-8, the finished text is ``decode``'s as long as
-    every character that was shown stays complete (no byte run broken mid-way)."""
+def test_random_cuts_at_character_boundaries_end_equal_to_decode(any_tokenizer):
     tokenizer, raw = any_tokenizer
     rng = random.Random(0)
-    texts = [rng.choice(MIXED_TEXTS) + rng.choice(MIXED_TEXTS) for _ in range(20)]
-    for text in texts:
-        token_ids = raw.encode(text, add_special_tokens=False).ids
-        cut = rng.randrange(1, len(token_ids) + 1)  # may end inside a character
+    for _ in range(20):
+        token_ids = raw.encode(rng.choice(MIXED_TEXTS) * 2, add_special_tokens=False).ids
+        cuts = [
+            n for n in range(1, len(token_ids)) if REPLACEMENT_CHAR not in raw.decode(token_ids[:n])
+        ]
+        cut = rng.choice(cuts)
         final = stream(tokenizer, token_ids[:cut], chunk=rng.choice([1, 2, 5]))[1][-1]
         assert final == raw.decode(token_ids[:cut])
+
+
+def test_byte_level_text_equals_decode_even_for_invalid_utf8(byte_level):
+    """Byte-level decoding replaces each invalid byte run and leaves the rest alone, so
+    any token stream, however broken, ends equal to decode."""
+    tokenizer, raw = byte_level
+    rng = random.Random(1)
+    for _ in range(50):
+        token_ids = [rng.randrange(raw.get_vocab_size()) for _ in range(rng.randrange(1, 30))]
+        params = SamplingParams(skip_special_tokens=rng.random() < 0.5)
+        final = stream(tokenizer, token_ids, params, chunk=rng.choice([1, 3]))[1][-1]
+        assert final == raw.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
 
 def test_output_ending_inside_a_character_shows_replacement_chars_as_decode_does(sentencepiece):
