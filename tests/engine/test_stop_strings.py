@@ -163,3 +163,18 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], num_blocks=16)
     with pytest.raises(ValueError, match=r"sampling_params.stop=\['x'\]: stop strings need a"):
         llm.generate([1, 2, 3], SamplingParams(stop="x"))
+
+
+def test_command_line_stop_across_processes(model_dir, in_process_llm, capsys):
+    from pagedserve.frontend.cli import main
+
+    prompt = "Once upon"
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0)
+    reference = in_process_llm.generate(prompt, params)[0].outputs[0]
+    stop, _ = stop_string_across_a_boundary(in_process_llm, reference.token_ids)
+    arguments = ["generate", "--model", str(model_dir), "--kv-cache-bytes", str(1 << 20)]
+    arguments += ["--max-tokens", str(NUM_TOKENS), "--multiprocess", "--stop", "never"]
+    assert main([*arguments, "--stop", stop, prompt]) == 0
+    assert capsys.readouterr().out == reference.text[: reference.text.find(stop)] + "\n"
+    assert main([*arguments, "--stop", "", prompt]) == 2
+    assert "stop[1] must have at least 1 character" in capsys.readouterr().err
