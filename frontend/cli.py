@@ -34,6 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-tokens", type=int, default=128)
     engine.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     engine.add_argument("--seed", type=int, default=None)
+    engine.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end the output where TEXT first appears (left out of it); repeatable",
+    )
+    engine.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="run the scheduler and the worker in processes of their own",
+    )
     engine.add_argument("--verbose", action="store_true", help="log engine events to stderr")
     commands = parser.add_subparsers(dest="command", required=True)
     chat = commands.add_parser("chat", parents=[engine], help="answer one user message")
@@ -53,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            stop=args.stop,
         )
         started = time.monotonic()
         llm = LLM(
@@ -63,23 +78,27 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_bytes=args.kv_cache_bytes,
             device=args.device,
             tensor_parallel_size=args.tensor_parallel_size,
+            multiprocess=args.multiprocess or None,  # None: chosen by tensor_parallel_size
         )
         ranks = (
             f" on each of {llm.tensor_parallel_size} ranks" if llm.tensor_parallel_size > 1 else ""
         )
-        print(
-            f"pagedserve: engine ready in {time.monotonic() - started:.1f} s; KV cache "
-            f"{llm.num_blocks} blocks x {args.block_size} tokens "
-            f"({llm.bytes_per_block} bytes each{ranks}, at most "
-            f"{llm.num_blocks * args.block_size} cached tokens), "
-            f"{llm.num_host_blocks} host swap blocks",
-            file=sys.stderr,
-        )
-        if args.command == "chat":
-            conversations = [[{"role": "user", "content": text}] for text in args.message]
-            outputs = llm.chat(conversations, params)
-        else:
-            outputs = llm.generate(args.prompt, params)
+        try:
+            print(
+                f"pagedserve: engine ready in {time.monotonic() - started:.1f} s; KV cache "
+                f"{llm.num_blocks} blocks x {args.block_size} tokens "
+                f"({llm.bytes_per_block} bytes each{ranks}, at most "
+                f"{llm.num_blocks * args.block_size} cached tokens), "
+                f"{llm.num_host_blocks} host swap blocks",
+                file=sys.stderr,
+            )
+            if args.command == "chat":
+                conversations = [[{"role": "user", "content": text}] for text in args.message]
+                outputs = llm.chat(conversations, params)
+            else:
+                outputs = llm.generate(args.prompt, params)
+        finally:
+            llm.shutdown()
     except (ValueError, TypeError) as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)
         return 2

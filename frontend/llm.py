@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedserve.frontend.detokenizer import IncrementalDetokenizer
 from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
@@ -209,6 +210,11 @@ class LLM:
                 )
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
+            if params.stop and self.tokenizer is None:
+                raise ValueError(
+                    f"sampling_params.stop={params.stop!r}: stop strings need a tokenizer, "
+                    f"and {str(self.model_path)!r} has none; use stop_token_ids instead"
+                )
         return self._run(prompt_list, encoded, params_list, cache_namespace)
 
     def chat(
@@ -265,6 +271,8 @@ class LLM:
     ) -> list[RequestOutput]:
         request_ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
         outputs: dict[str, RequestOutput] = {}
+        # One per output (request id, index), with a tokenizer only.
+        detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         try:
             for request_id, prompt, token_ids, params in zip(
                 request_ids, prompts, encoded, params_list
@@ -286,6 +294,11 @@ class LLM:
                     ],
                     prompt_logprobs=None if params.prompt_logprobs is None else [None],
                 )
+                if self.tokenizer is not None:
+                    for index in range(params.n):
+                        detokenizers[(request_id, index)] = IncrementalDetokenizer(
+                            self.tokenizer, params
+                        )
                 self.engine.add_request(
                     request_id,
                     token_ids,
@@ -293,17 +306,32 @@ class LLM:
                     self.eos_token_ids,
                     cache_namespace=cache_namespace,
                 )
+            params_of = dict(zip(request_ids, params_list))
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    _apply_delta(outputs[delta.request_id], delta)
+                    output = outputs[delta.request_id]
+                    if output.finished:
+                        continue  # stop strings ended it; the engine ran on meanwhile
+                    if isinstance(output.outputs[delta.index].stop_reason, str):
+                        # A stop string ended this output; its sequence ran on meanwhile.
+                        output.finished = delta.finished
+                        continue
+                    stopped = _apply_delta(
+                        output,
+                        delta,
+                        detokenizers.get((delta.request_id, delta.index)),
+                        params_of[delta.request_id],
+                        self.eos_token_ids,
+                    )
+                    done = all(c.finish_reason is not None for c in output.outputs)
+                    if stopped and done and not output.finished:
+                        # The engine would go on: end the request there and free its blocks.
+                        output.finished = True
+                        self.engine.abort_request(delta.request_id)
         finally:
             # An interrupted run (Ctrl-C, an error) must not leave requests holding blocks.
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
-        for output in outputs.values():
-            if self.tokenizer is not None:
-                for completion in output.outputs:
-                    completion.text = self.tokenizer.decode(completion.token_ids)
         return [outputs[request_id] for request_id in request_ids]
 
     def _encode(self, index: int, prompt: PromptType) -> list[int]:
@@ -359,11 +387,27 @@ class LLM:
         return self.tokenizer
 
 
-def _apply_delta(output: RequestOutput, delta: RequestOutputDelta) -> None:
+def _apply_delta(
+    output: RequestOutput,
+    delta: RequestOutputDelta,
+    detokenizer: IncrementalDetokenizer | None,
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+) -> bool:
+    """Add one step's tokens to ``output`` and decode them. Returns True when a stop
+    string ended the output (``delta.index``) with them: the engine does not know, the
+    caller ends the request once all its outputs have ended."""
     completion = output.outputs[delta.index]
-    completion.token_ids.extend(delta.new_token_ids)
+    new_token_ids = delta.new_token_ids
+    num_kept = len(new_token_ids)
+    if detokenizer is not None:
+        num_kept = detokenizer.append(new_token_ids, delta.finish_reason is not None)
+        completion.text = detokenizer.text
+        if num_kept < len(new_token_ids):
+            new_token_ids = new_token_ids[:num_kept]
+    completion.token_ids.extend(new_token_ids)
     if delta.logprobs is not None and completion.logprobs is not None:
-        for entry in delta.logprobs:
+        for entry in delta.logprobs[:num_kept]:
             completion.logprobs.append(dict(zip(entry.token_ids, entry.logprobs)))
             completion.cumulative_logprob += entry.logprobs[0]
     if delta.cumulative_logprob is not None:
@@ -375,13 +419,32 @@ def _apply_delta(output: RequestOutput, delta: RequestOutputDelta) -> None:
         )
     if delta.num_cached_tokens is not None:
         output.num_cached_tokens = delta.num_cached_tokens
-    if delta.finish_reason is not None:
+    stop_string = None if detokenizer is None else detokenizer.stop_string
+    if stop_string is not None:
+        completion.finish_reason = "stop"
+        completion.stop_reason = stop_string
+    elif delta.finish_reason is not None:
         completion.finish_reason = delta.finish_reason
+        completion.stop_reason = _stop_token(completion, params, eos_token_ids)
     if delta.finished:
         output.finished = True
         if delta.finish_reason == "abort":
             for other in output.outputs:
                 other.finish_reason = other.finish_reason or "abort"
+    return stop_string is not None
+
+
+def _stop_token(
+    completion: CompletionOutput, params: SamplingParams, eos_token_ids: frozenset[int]
+) -> int | None:
+    """The stop token that ended a finished output, if one did (``Request``'s order:
+    EOS first, then ``stop_token_ids``)."""
+    if completion.finish_reason != "stop" or not completion.token_ids:
+        return None
+    last = completion.token_ids[-1]
+    if last in params.stop_token_ids and (params.ignore_eos or last not in eos_token_ids):
+        return last
+    return None
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

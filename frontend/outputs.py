@@ -10,11 +10,14 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS or a stop token), "length", "abort"
+    # "stop" (EOS, a stop token or a stop string), "length", "abort"
+    finish_reason: str | None
     # With SamplingParams.logprobs=k: per generated token, {token id: logprob} holding
     # the chosen token and the k most likely ones.
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # What ended a "stop": the stop string, or the stop token's id; None for EOS.
+    stop_reason: int | str | None = None
 
 
 @dataclass

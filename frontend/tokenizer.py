@@ -14,6 +14,16 @@ class Tokenizer:
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.vocab_size = len(self._tokenizer)
+        # The Rust tokenizer, when there is one: decoding through it directly skips
+        # transformers' per-call overhead (about 3x), paid once per generated token.
+        self._backend = self._tokenizer.backend_tokenizer if self._tokenizer.is_fast else None
+        if self._backend is not None:
+            added_tokens = self._backend.get_added_tokens_decoder().items()
+            special_ids = [token_id for token_id, token in added_tokens if token.special]
+        else:
+            special_ids = self._tokenizer.all_special_ids
+        #: The ids ``decode(..., skip_special_tokens=True)`` leaves out.
+        self.special_token_ids: frozenset[int] = frozenset(special_ids)
 
     @staticmethod
     def exists_in(path: Path) -> bool:
@@ -26,7 +36,17 @@ class Tokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        """The text of ``token_ids``, without transformers' clean-up of spaces before
+        punctuation, which no incremental decoding could reproduce."""
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode(
+            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """A special token's text as written (``<|im_end|>``), without the decoder."""
+        return self._tokenizer.convert_ids_to_tokens(token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if not getattr(self._tokenizer, "chat_template", None):

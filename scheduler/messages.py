@@ -124,6 +124,7 @@ class RequestOutputDelta:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     prompt_logprobs: list[TokenLogprobs] | None = None  # new prompt positions, when asked for
-    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache; on finish
+    # Prompt tokens served by the prefix cache; with the first token and on finish.
+    num_cached_tokens: int | None = None
     index: int = 0
     cumulative_logprob: float | None = None  # for outputs ranked by it (best_of, beams)

@@ -35,6 +35,15 @@ class SamplingParams:
       ``length ** length_penalty``; ``early_stopping`` is True (stop once ``beam_width``
       hypotheses are done), False (stop when no running beam can beat them, judged at
       the current length) or "never" (judged at the longest possible length).
+
+    The last four fields are the frontend's (the scheduler and workers ignore them).
+    ``stop`` strings end the output where one first appears in the text, even split
+    across tokens (checked only after ``min_tokens``, as EOS is); the text is cut before
+    it unless ``include_stop_str_in_output``, and the token ids run up to the token that
+    completed it. ``skip_special_tokens`` leaves special tokens (EOS, chat markers) out of
+    the text; when they are kept, ``spaces_between_special_tokens=False`` decodes the text
+    between them on its own and joins it to them with nothing in between, as HF's
+    Python tokenizers do (``True`` keeps the tokenizer's own spacing: ``decode``'s).
     """
 
     max_tokens: int = 16
@@ -57,6 +66,10 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    stop: list[str] | str | None = None  # kept as a list
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -89,6 +102,14 @@ class SamplingParams:
                 _check_int(name, value, minimum=0)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+        self.stop = _check_stop_strings(self.stop)
+        for name in (
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_sequences()
 
     def _check_sequences(self) -> None:
@@ -165,6 +186,21 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    for index, text in enumerate(stop):
+        if not isinstance(text, str):
+            raise TypeError(f"stop[{index}] must be a string, got {text!r}")
+        if not text:
+            raise ValueError(f"stop[{index}] must have at least 1 character, got ''")
+    return list(stop)
 
 
 def _check_float(

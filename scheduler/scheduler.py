@@ -524,7 +524,11 @@ class Scheduler:
             finish_reason=status.value if finished else None,
             logprobs=None if logprobs is None else [logprobs],
             prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=request.num_cached_tokens if finished else None,
+            # Known from the first token on; sent then too, for a frontend that ends the
+            # request itself (a stop string) and never sees the last delta.
+            num_cached_tokens=request.num_cached_tokens
+            if finished or request.num_output_tokens == 1
+            else None,
         )
 
     def _advance_samples(
@@ -570,7 +574,9 @@ class Scheduler:
                         finish_reason=status.value if finished else None,
                         logprobs=[logprobs] if wants_logprobs else None,
                         prompt_logprobs=prompt_logprobs if sequence is request else None,
-                        num_cached_tokens=sequence.num_cached_tokens if finished else None,
+                        num_cached_tokens=sequence.num_cached_tokens
+                        if finished or sequence.num_output_tokens == 1
+                        else None,
                         index=sequence.sample_index,
                         cumulative_logprob=sequence.cumulative_logprob
                         if logprobs is not None

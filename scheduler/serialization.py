@@ -123,6 +123,10 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "beam_width",
         "length_penalty",
         "early_stopping",
+        "stop",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
     ),
     NewRequestData: (
         "request_id",
@@ -294,8 +298,11 @@ def _pack_sampling_params(params: SamplingParams) -> list:
 
 def _unpack_sampling_params(value: Any) -> SamplingParams:
     fields = _fields(value, "SamplingParams")
-    _check(fields[10], bool, "SamplingParams.ignore_eos")
-    _check(fields[11], list, "SamplingParams.stop_token_ids")
+    names = WIRE_FIELDS[SamplingParams]
+    _check(fields[names.index("ignore_eos")], bool, "SamplingParams.ignore_eos")
+    _check(fields[names.index("stop_token_ids")], list, "SamplingParams.stop_token_ids")
+    # A bare string would pass the dataclass, which accepts one stop string.
+    _check(fields[names.index("stop")], list, "SamplingParams.stop")
     try:
         # The dataclass validates every other field (types and ranges) itself.
         return SamplingParams(*fields)

@@ -60,6 +60,10 @@ ALL_SET_PARAMS = SamplingParams(
     prompt_logprobs=2,
     n=3,
     best_of=5,
+    stop=["\n\n", "終わり"],
+    include_stop_str_in_output=True,
+    skip_special_tokens=False,
+    spaces_between_special_tokens=False,
 )
 BEAM_PARAMS = SamplingParams(
     temperature=0.0, beam_width=4, n=2, length_penalty=0.5, early_stopping="never"
@@ -257,8 +261,12 @@ def test_ready_info_tuples_arrive_as_lists():
     assert decoded.info == {"shape": [2, 3]}
 
 
-def _pack_params() -> list:
-    return msgpack.unpackb(encode(SamplingParams()))[1:]
+def _pack_params(**wire_values) -> list:
+    """The default params' wire fields, some replaced by (possibly malformed) values."""
+    fields = msgpack.unpackb(encode(SamplingParams()))[1:]
+    for name, value in wire_values.items():
+        fields[WIRE_FIELDS[SamplingParams].index(name)] = value
+    return fields
 
 
 def _frame(message_type: type, *fields) -> bytes:
@@ -311,27 +319,7 @@ def _plan_fields(**overrides) -> list:
                 AddRequest,
                 "r",
                 [1],
-                [
-                    16,
-                    0,
-                    -1.0,
-                    0,
-                    1.0,
-                    0.0,
-                    1.0,
-                    0.0,
-                    0.0,
-                    None,
-                    False,
-                    [],
-                    None,
-                    None,
-                    1,
-                    None,
-                    1,
-                    1.0,
-                    False,
-                ],
+                _pack_params(temperature=-1.0),
                 0.0,
                 [2],
                 None,
@@ -340,7 +328,19 @@ def _plan_fields(**overrides) -> list:
         ),
         (
             _frame(AddRequest, "r", [1], [16], 0.0, [2], None),
-            "SamplingParams: expected an array of 19",
+            "SamplingParams: expected an array of 23",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None),
+            "SamplingParams.stop: expected list, got str",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(stop=["a", ""]), 0.0, [2], None),
+            r"SamplingParams: stop\[1\] must have at least 1 character, got ''",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(skip_special_tokens=1), 0.0, [2], None),
+            "SamplingParams: skip_special_tokens must be a bool, got 1",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(), 0.0),
