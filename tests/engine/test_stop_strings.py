@@ -178,3 +178,26 @@ def test_command_line_stop_across_processes(model_dir, in_process_llm, capsys):
     assert capsys.readouterr().out == reference.text[: reference.text.find(stop)] + "\n"
     assert main([*arguments, "--stop", "", prompt]) == 2
     assert "stop[1] must have at least 1 character" in capsys.readouterr().err
+
+
+def test_each_sample_of_a_request_stops_on_its_own(in_process_llm):
+    """n=3 samples: a stop string that one sample's text contains ends that output
+    there; the others run on, and the request ends when all have."""
+    params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=NUM_TOKENS, ignore_eos=True)
+    free = in_process_llm.generate(PROMPTS[0], params)[0].outputs
+    target = free[1]
+    stop, num_tokens = stop_string_across_a_boundary(in_process_llm, target.token_ids)
+    stopped = in_process_llm.generate(
+        PROMPTS[0], SamplingParams(**{**vars(params), "stop": [stop]})
+    )
+    outputs = stopped[0].outputs
+    assert outputs[1].token_ids == target.token_ids[:num_tokens]
+    assert outputs[1].stop_reason == stop and outputs[1].finish_reason == "stop"
+    assert stop not in outputs[1].text
+    for free_output, output in zip(free, outputs):
+        if stop not in free_output.text:
+            assert output.token_ids == free_output.token_ids
+            assert output.finish_reason == "length"
+    assert stopped[0].finished
+    stats = in_process_llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
