@@ -46,6 +46,34 @@ def count_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> i
     return steps
 
 
+def scheduling_us_per_step(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, steps: int
+) -> float:
+    """In-process time per step in ``Scheduler.schedule`` plus ``update_from_output``:
+    the scheduler's own share of a step, whatever process it runs in."""
+    scheduler = llm.engine.scheduler
+    schedule, update = scheduler.schedule, scheduler.update_from_output
+    spent_s = 0.0
+
+    def timed(function):
+        def wrapper(*args):
+            nonlocal spent_s
+            started_s = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                spent_s += time.perf_counter() - started_s
+
+        return wrapper
+
+    scheduler.schedule, scheduler.update_from_output = timed(schedule), timed(update)
+    try:
+        llm.generate(prompts, params)
+    finally:
+        del scheduler.schedule, scheduler.update_from_output
+    return spent_s / steps * 1e6
+
+
 def time_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:
     started_s = time.perf_counter()
     llm.generate(prompts, params)
@@ -68,6 +96,7 @@ def main() -> None:
     multi_process = LLM(args.model, multiprocess=True, **settings)
     try:
         steps = count_steps(in_process, prompts, params)
+        scheduling_us = scheduling_us_per_step(in_process, prompts, params, steps)
         time_generate(multi_process, prompts, params)  # warm-up
         seconds: dict[str, list[float]] = {"in-process": [], "multi-process": []}
         for _ in range(args.repeats):
@@ -86,6 +115,7 @@ def main() -> None:
     ]
     for name, (median_us, best_us) in rows.items():
         print(f"  {name:15}{median_us:10.1f}{best_us:10.1f}")
+    print(f"  scheduler (schedule + update_from_output, in-process): {scheduling_us:.1f} us/step")
 
 
 if __name__ == "__main__":

@@ -168,13 +168,14 @@ def measure_gemm_gflop_s(dtype: torch.dtype, rows: int, inner: int, cols: int) -
 # ---------------------------------------------------------------------------- engines
 
 
-def load_pagedserve(dtype: str, args: argparse.Namespace) -> LLM:
+def load_pagedserve(dtype: str, args: argparse.Namespace, multiprocess: bool = False) -> LLM:
     llm = LLM(
         model=None,
         dtype=dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_bytes=args.kv_cache_bytes,
+        multiprocess=multiprocess,
     )
     run_pagedserve(llm, _warmup_requests())
     return llm
@@ -377,6 +378,8 @@ class TraceRuns:
     hf_generate_batch: EngineRun | None = None
     hf_batch_size: int | None = None
     hf_generate_batch_config: dict[str, int] | None = None
+    # --multiprocess: the same requests through LLM(multiprocess=True), right after.
+    pagedserve_multiprocess: EngineRun | None = None
 
 
 def benchmark_dtype(
@@ -390,13 +393,18 @@ def benchmark_dtype(
     gemm = Gemm(gemm_shape, measure_gemm_gflop_s(getattr(torch, dtype), *gemm_shape))
     _log(f"[{dtype}] GEMM {'x'.join(map(str, gemm_shape))}: {gemm.gflop_s:.0f} GFLOP/s")
     llm = load_pagedserve(dtype, args)
+    split = load_pagedserve(dtype, args, multiprocess=True) if args.multiprocess else None
     hf_model = None if args.skip_peers else load_hf_model(model_path, dtype)
     results = {}
     for trace_name, requests in traces.items():
         _log(f"[{dtype} {trace_name}] pagedserve on {len(requests)} requests")
         pagedserve = run_pagedserve(llm, requests)
+        multiprocess_run = None
+        if split is not None:
+            _log(f"[{dtype} {trace_name}] pagedserve multi-process on {len(requests)} requests")
+            multiprocess_run = run_pagedserve(split, requests)
         if hf_model is None:
-            results[trace_name] = TraceRuns(pagedserve)
+            results[trace_name] = TraceRuns(pagedserve, pagedserve_multiprocess=multiprocess_run)
             continue
         peer_requests = requests[: args.peer_requests]
         if len(peer_requests) == len(requests):
@@ -411,8 +419,16 @@ def benchmark_dtype(
         _log(f"[{dtype} {trace_name}] hf_generate_batch on {len(peer_requests)}, {cb_config}")
         hf_generate_batch = run_hf_generate_batch(hf_model, peer_requests, cb_config)
         results[trace_name] = TraceRuns(
-            pagedserve, pagedserve_subset, hf_generate, hf_generate_batch, batch_size, cb_config
+            pagedserve,
+            pagedserve_subset,
+            hf_generate,
+            hf_generate_batch,
+            batch_size,
+            cb_config,
+            multiprocess_run,
         )
+    if split is not None:
+        split.shutdown()
     return gemm, results
 
 
@@ -451,6 +467,10 @@ def make_record(
         "speedup_vs_hf_generate": speedup(runs.hf_generate),
         "speedup_vs_hf_generate_batch": speedup(runs.hf_generate_batch),
         "fraction_of_ceiling": runs.pagedserve.tokens_per_s / ceiling_tok_s,
+        "pagedserve_multiprocess_tok_s": _rate(runs.pagedserve_multiprocess),
+        "multiprocess_fraction_of_in_process": None
+        if runs.pagedserve_multiprocess is None
+        else runs.pagedserve_multiprocess.tokens_per_s / runs.pagedserve.tokens_per_s,
         "pagedserve_seconds": runs.pagedserve.seconds,
         "max_num_seqs": args.max_num_seqs,
         "command": shlex.join(sys.orig_argv),
@@ -495,6 +515,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
         ("peer", "peer_num_requests", "{}"),
         ("pagedserve", "pagedserve_tok_s", "{:.1f}"),
         ("ps@peer", "pagedserve_peer_subset_tok_s", "{:.1f}"),
+        ("ps_mp", "pagedserve_multiprocess_tok_s", "{:.1f}"),
+        ("mp/in", "multiprocess_fraction_of_in_process", "{:.1%}"),
         ("hf_gen", "hf_generate_tok_s", "{:.1f}"),
         ("hf_gen_batch", "hf_generate_batch_tok_s", "{:.1f}"),
         ("ceiling", "ceiling_tok_s", "{:.0f}"),
@@ -532,6 +554,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{DEFAULT_PEER_REQUESTS}))",
     )
     parser.add_argument("--skip-peers", action="store_true", help="run pagedserve alone")
+    parser.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="also run pagedserve as separate processes (LLM(multiprocess=True)) on each trace",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the trace")
     parser.add_argument("--max-len", type=int, default=1024, help="cap on prompt + output tokens")
     parser.add_argument(

@@ -80,10 +80,13 @@ FULL = Scale(
     latency_requests=64,
     latency_rate_fractions=(0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.25),
 )
+# The ShareGPT-like means (161 in, 338 out) need a 1024-token window: under a 512 cap
+# nearly every request would be cut to exactly the cap, and every policy would reserve
+# the same.
 QUICK = Scale(
-    max_model_len=512,
-    kv_cache_tokens=4096,
-    utilization_requests=24,
+    max_model_len=1024,
+    kv_cache_tokens=8192,
+    utilization_requests=16,
     sharing_requests={"sharegpt": 4, "alpaca": 12},
     prefix_requests=24,
     latency_requests=24,
