@@ -155,3 +155,19 @@ def test_embedded_model_split_over_three_ranks_matches_hf(embedded_model_dir):
         assert outputs[0].outputs[0].text.startswith(" Paris.")
     finally:
         llm.shutdown()
+
+
+def test_shared_blocks_and_beams_across_two_ranks(tiny_model_dirs, make_llm):
+    """Parallel samples, beams and copy-on-write on two ranks: each rank forks and
+    copies its own heads' blocks; tokens and scores as on one rank."""
+    prompts = random_prompts(seed=7)[:3]
+    params = [
+        SamplingParams(n=3, temperature=0.9, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(beam_width=3, n=2, temperature=0.0, max_tokens=10),
+        SamplingParams(n=2, best_of=3, temperature=1.0, seed=4, max_tokens=8, ignore_eos=True),
+    ]
+    single = LLM(tiny_model_dirs["llama"], num_blocks=128).generate(prompts, params)
+    split = make_llm(tiny_model_dirs["llama"], num_blocks=128).generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in split] == [
+        [c.token_ids for c in o.outputs] for o in single
+    ]
