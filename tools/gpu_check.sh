@@ -11,8 +11,11 @@
 #      against HF generate and generate_batch (gets whatever time is left)
 #   5. $OUT/gpu_check.json and $OUT/gpu_check.md: the summary, with the targets checked
 #
-# Packages the image lacks (pyzmq, which the engine imports) travel as wheels in .whl/ (carried
-# by the caller; see the device tool's README) and are installed to /tmp/site.
+# Packages the image may lack (pyzmq and msgpack, which the engine imports) travel as wheels in
+# .whl/, carried by the caller and fetched beforehand on a machine with the registry:
+#   pip download pyzmq msgpack --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_28_x86_64 --no-deps -d .whl
+# They are installed to /tmp/site.
 #
 #   OUT=/tmp/out bash tools/gpu_check.sh
 set -euo pipefail
@@ -34,12 +37,12 @@ export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 # --- 0. packages the image lacks ---------------------------------------------------------------
-if ! "$PYTHON" -c "import zmq" 2>/dev/null; then
+if ! "$PYTHON" -c "import zmq, msgpack" 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   else
-    say "pyzmq is missing and .whl/ holds no wheels: the engine cannot be imported"
+    say "pyzmq or msgpack is missing and .whl/ holds no wheels: the engine cannot be imported"
   fi
 fi
 
