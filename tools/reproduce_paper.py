@@ -432,6 +432,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", default="abcd", help="experiments to run, e.g. 'ac'")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this directory")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="run nothing: merge the details of earlier --json files (experiments run "
+        "separately) into one record, for --json and --plots",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -453,14 +460,22 @@ def main(argv: list[str] | None = None) -> int:
         "d": ("rate_ratio", rate_ratio),
     }
     results: dict[str, Any] = {}
-    for letter in args.only:
-        name, run = experiments[letter]
-        results[name] = run(scale, args)
+    commands = []
+    if args.merge:
+        for path in args.merge:
+            earlier = json.loads(path.read_text())
+            results.update(earlier["details"])
+            commands.append(earlier["command"])
+    else:
+        for letter in args.only:
+            name, run = experiments[letter]
+            results[name] = run(scale, args)
+        commands.append(" ".join(["tools/reproduce_paper.py", *(argv or sys.argv[1:])]))
     record = {
         **summary(results),
         "details": results,
         "scale": scale.__dict__,
-        "command": " ".join(["tools/reproduce_paper.py", *(argv or sys.argv[1:])]),
+        "command": commands[0] if len(commands) == 1 else commands,
         "machine": machine_info(),
     }
     print(json.dumps(summary(results), indent=2))
