@@ -120,7 +120,7 @@ def trace(name: str, num_requests: int, scale: Scale, seed: int, vocab_size: int
 def kv_utilization(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
     """Figure 2 on the ShareGPT-like trace: one offline run per policy."""
     results: dict[str, Any] = {}
-    for policy in POLICIES:
+    for policy in args.policies:
         llm = make_llm(scale, args.block_size, allocation_policy=policy)
         requests = trace(
             "sharegpt", scale.utilization_requests, scale, args.seed, llm.model_config.vocab_size
@@ -356,10 +356,11 @@ def plot(results: dict[str, Any], directory: Path) -> list[Path]:
             ("kv_external_fragmentation_fraction", "external fragmentation"),
         ]
         figure, axes = plt.subplots(figsize=(6, 3.5))
-        bottoms = [0.0] * len(POLICIES)
+        policies = [policy for policy in POLICIES if policy in data]
+        bottoms = [0.0] * len(policies)
         for key, label in categories:
-            values = [data[policy][key] * 100 for policy in POLICIES]
-            axes.bar(POLICIES, values, bottom=bottoms, label=label)
+            values = [data[policy][key] * 100 for policy in policies]
+            axes.bar(policies, values, bottom=bottoms, label=label)
             bottoms = [b + v for b, v in zip(bottoms, values)]
         axes.set_ylabel("KV slot-steps (%)")
         axes.set_title("(a) KV cache usage, ShareGPT-like")
@@ -413,7 +414,9 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "kv_utilization" in results:
         out["kv_utilization"] = {
-            policy: results["kv_utilization"][policy]["kv_utilization"] for policy in POLICIES
+            policy: results["kv_utilization"][policy]["kv_utilization"]
+            for policy in POLICIES
+            if policy in results["kv_utilization"]
         }
     if "sharing_savings" in results:
         out["sharing_savings"] = results["sharing_savings"]
@@ -438,6 +441,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         help="run nothing: merge the details of earlier --json files (experiments run "
         "separately) into one record, for --json and --plots",
+    )
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICIES,
+        default=list(POLICIES),
+        help="(a): the allocation policies to measure",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
