@@ -69,6 +69,8 @@ class Scale:
     prefix_requests: int
     latency_requests: int
     latency_rate_fractions: tuple[float, ...]
+    # (d) needs memory to bind on the short Alpaca-like requests: a smaller cache.
+    latency_kv_cache_tokens: int
 
 
 FULL = Scale(
@@ -79,6 +81,7 @@ FULL = Scale(
     prefix_requests=64,
     latency_requests=64,
     latency_rate_fractions=(0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.25),
+    latency_kv_cache_tokens=4096,
 )
 # The ShareGPT-like means (161 in, 338 out) need a 1024-token window: under a 512 cap
 # nearly every request would be cut to exactly the cap, and every policy would reserve
@@ -89,16 +92,19 @@ QUICK = Scale(
     utilization_requests=16,
     sharing_requests={"sharegpt": 4, "alpaca": 12},
     prefix_requests=24,
-    latency_requests=24,
-    latency_rate_fractions=(0.1, 0.2, 0.35, 0.5, 0.75, 1.0),
+    latency_requests=16,
+    latency_rate_fractions=(0.1, 0.2, 0.4, 0.7, 1.0, 1.4),
+    latency_kv_cache_tokens=2048,
 )
 
 
-def make_llm(scale: Scale, block_size: int, **kwargs: Any) -> LLM:
+def make_llm(
+    scale: Scale, block_size: int, kv_cache_tokens: int | None = None, **kwargs: Any
+) -> LLM:
     return LLM(
         model=None,
         block_size=block_size,
-        num_blocks=scale.kv_cache_tokens // block_size,
+        num_blocks=(kv_cache_tokens or scale.kv_cache_tokens) // block_size,
         max_model_len=scale.max_model_len,
         **kwargs,
     )
@@ -238,7 +244,8 @@ def _prefixed_requests(prefix: list[int], count: int, vocab: int, seed: int) -> 
 
 def rate_ratio(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
     """Figure 12: normalized latency against Poisson request rates, per policy."""
-    paged = make_llm(scale, args.block_size, allocation_policy="paged")
+    kv_tokens = scale.latency_kv_cache_tokens
+    paged = make_llm(scale, args.block_size, kv_tokens, allocation_policy="paged")
     requests = trace(
         "alpaca", scale.latency_requests, scale, args.seed, paged.model_config.vocab_size
     )
