@@ -588,20 +588,16 @@ class Scheduler:
                     RequestOutputDelta(group.request_id, [], False, prompt_logprobs=prompt_logprobs)
                 )
         if group.is_finished and not group.streams_outputs:
-            best = group.best_samples()
-            for rank, sequence in enumerate(best):
-                deltas.append(
-                    RequestOutputDelta(
-                        group.request_id,
-                        sequence.output_token_ids,
-                        finished=rank == len(best) - 1,
-                        finish_reason=sequence.status.value,
-                        logprobs=sequence.output_logprobs if wants_logprobs else None,
-                        num_cached_tokens=sequence.num_cached_tokens,
-                        index=rank,
-                        cumulative_logprob=sequence.cumulative_logprob,
-                    )
+            ranked = [
+                (
+                    sequence.output_token_ids,
+                    sequence.status.value,
+                    sequence.cumulative_logprob,
+                    sequence.output_logprobs if wants_logprobs else None,
                 )
+                for sequence in group.best_samples()
+            ]
+            deltas.extend(_ranked_deltas(group.request_id, ranked, request.num_cached_tokens))
 
     def _beam_step(self, group: SequenceGroup, deltas: list[RequestOutputDelta]) -> None:
         """All beams of ``group`` have reported their candidates: pick the next beams,
@@ -620,19 +616,11 @@ class Scheduler:
         if step.done:
             for beam in beams:
                 self._release(beam, RequestStatus.FINISHED_STOPPED)
-            best = group.beam_search.best(group.params.n)
-            for rank, hypothesis in enumerate(best):
-                deltas.append(
-                    RequestOutputDelta(
-                        group.request_id,
-                        hypothesis.output_token_ids,
-                        finished=rank == len(best) - 1,
-                        finish_reason=hypothesis.finish_reason,
-                        num_cached_tokens=first.num_cached_tokens,
-                        index=rank,
-                        cumulative_logprob=hypothesis.cumulative_logprob,
-                    )
-                )
+            ranked = [
+                (h.output_token_ids, h.finish_reason, h.cumulative_logprob, None)
+                for h in group.beam_search.best(group.params.n)
+            ]
+            deltas.extend(_ranked_deltas(group.request_id, ranked, first.num_cached_tokens))
             return
         continuing: list[Request] = []
         reused: set[int] = set()
@@ -704,6 +692,29 @@ def _leading_sequences(queue: deque[Request]) -> list[Request]:
             break
         sequences.append(request)
     return sequences
+
+
+def _ranked_deltas(
+    request_id: str,
+    ranked: list[tuple[list[int], str, float, list | None]],
+    num_cached_tokens: int,
+) -> list[RequestOutputDelta]:
+    """The final deltas of outputs reported only at the end (best_of > n, beams): one per
+    output, best first, each ``(token ids, finish reason, cumulative logprob, logprobs)``;
+    the last one ends the request."""
+    return [
+        RequestOutputDelta(
+            request_id,
+            token_ids,
+            finished=rank == len(ranked) - 1,
+            finish_reason=finish_reason,
+            logprobs=logprobs,
+            num_cached_tokens=num_cached_tokens,
+            index=rank,
+            cumulative_logprob=cumulative_logprob,
+        )
+        for rank, (token_ids, finish_reason, cumulative_logprob, logprobs) in enumerate(ranked)
+    ]
 
 
 def _request_id(request: Request) -> str:
