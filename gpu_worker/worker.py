@@ -70,8 +70,12 @@ class Worker:
             self.model = build_model(self.model_config, torch_dtype, parallel)
         self.model.load_weights(iterate_weights(Path(model_path)))
         self.model.eval()
+        num_packed = self.model.pack_weights()
         logger.info(
-            "loaded %s in %.1f s", self.model_config.architecture, time.monotonic() - started
+            "loaded %s in %.1f s (%d matrices packed for oneDNN)",
+            self.model_config.architecture,
+            time.monotonic() - started,
+            num_packed,
         )
 
         self.kv_cache_spec = KVCacheSpec(

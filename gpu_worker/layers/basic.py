@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker.layers.packed_weights import PackableLinear
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -14,7 +15,7 @@ def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class Linear(nn.Module):
+class Linear(PackableLinear):
     """``y = x W^T + b`` with ``W`` [out_features, in_features]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -23,7 +24,7 @@ class Linear(nn.Module):
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,8 @@ matching block of W's input columns; the ranks' partial products are summed::
 
 Fused projections (q | k | v, gate | up) are split per component: rank r holds its
 share of each component, side by side (``[q_r | k_r | v_r]``), never a blind slice of
-the fused rows. With one rank every layer is a plain ``F.linear`` over the full weight.
+the fused rows. With one rank every layer is a plain linear over the full weight (packed
+for oneDNN on CPU in bfloat16 and float16: packed_weights.py).
 
 Loading: each layer's ``shard_of(attribute, tensor, part)`` takes a full checkpoint
 tensor (``part``: which component of a fused layer it is) and returns the row offset in
@@ -25,10 +26,9 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from pagedserve.gpu_worker.layers.basic import empty_parameter
+from pagedserve.gpu_worker.layers.packed_weights import PackableLinear
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 
@@ -43,7 +43,7 @@ class ShardedWeights(Protocol):
         the full checkpoint tensor of component ``part``, that this rank keeps)."""
 
 
-class _ColumnShards(nn.Module):
+class _ColumnShards(PackableLinear):
     """A column-parallel layer over fused components: ``component_rows[i]`` are the rows
     of component i's full weight that this rank holds, stored in component order."""
 
@@ -64,7 +64,7 @@ class _ColumnShards(nn.Module):
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
     def shard_of(
         self, attribute: str, tensor: torch.Tensor, part: int | None
@@ -126,7 +126,7 @@ class QKVParallelLinear(_ColumnShards):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """``y = sum_r x_r W_r^T + b``: rank r holds columns ``[r in/N, (r+1) in/N)`` of the
     weight and takes the matching split input (the output of a column-parallel layer);
     the partial products are summed over the ranks, then the bias is added once."""
@@ -147,9 +147,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.linear(x, self.bias)
         # NOTE: one all_reduce per call, a synchronisation of every rank.
-        output = self.parallel.all_reduce(F.linear(x, self.weight))
+        output = self.parallel.all_reduce(self.linear(x, None))
         if self.bias is not None:
             output += self.bias
         return output

@@ -16,6 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.gpu_worker.layers.basic import empty_parameter
+from pagedserve.gpu_worker.layers.packed_weights import (
+    pack_weight,
+    packed_linear,
+    packing_available,
+)
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 
@@ -36,6 +41,17 @@ class VocabParallelEmbedding(nn.Module):
         self.start = min(vocab_size, parallel.rank * self.rows_per_rank)
         self.end = min(vocab_size, self.start + self.rows_per_rank)
         self.weight = empty_parameter(self.rows_per_rank, embedding_dim, dtype=dtype)
+        # The LM head's copy of the table in oneDNN's layout (see packed_weights.py); the
+        # lookup keeps the plain table.
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack_for_logits(self) -> bool:
+        """Adds a packed copy for the LM head (the model asks only the table it reads logits
+        from); True if this device and dtype have a packed path."""
+        if self.packed_weight is not None or not packing_available(self.weight):
+            return False
+        self.packed_weight = pack_weight(self.weight)
+        return True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 [num_tokens] -> [num_tokens, embedding_dim], the same on every rank:
@@ -54,7 +70,10 @@ class VocabParallelEmbedding(nn.Module):
         each rank scores its ids, the scores are gathered side by side (every rank then
         samples the same tokens from the same bits, as vLLM v1 does, so each rank's
         cached tokens stay the ones rank 0 reports) and the padding is dropped."""
-        logits = F.linear(hidden_states, self.weight)
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden_states, self.packed_weight, None)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         if self.parallel.size > 1:
             # NOTE: an all_gather of [rows, vocab_size] per step.
             logits = self.parallel.all_gather(logits)[:, : self.vocab_size].contiguous()

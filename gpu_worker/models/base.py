@@ -11,6 +11,8 @@ from torch import nn
 from pagedserve.gpu_worker.kv_cache import layer_caches
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.linear import ShardedWeights
+from pagedserve.gpu_worker.layers.packed_weights import pack_linear_weights
+from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 
 
 class CausalLM(nn.Module, abc.ABC):
@@ -34,6 +36,16 @@ class CausalLM(nn.Module, abc.ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must
         be covered."""
+
+    @property
+    @abc.abstractmethod
+    def logits_table(self) -> VocabParallelEmbedding:
+        """The vocabulary table the LM head reads (the embedding itself when tied)."""
+
+    def pack_weights(self) -> int:
+        """Once loading is over: packs every matrix that has a faster packed form on this
+        device and dtype (``layers/packed_weights.py``); returns how many it packed."""
+        return pack_linear_weights(self) + self.logits_table.pack_for_logits()
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Point each layer's attention at its key/value views of ``kv_cache``."""

@@ -170,9 +170,12 @@ class LlamaForCausalLM(CausalLM):
         self.norm.add_and_norm(hidden, residual)
         return hidden
 
+    @property
+    def logits_table(self) -> VocabParallelEmbedding:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden_states)
+        return self.logits_table.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

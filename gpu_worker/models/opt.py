@@ -120,9 +120,13 @@ class OPTForCausalLM(CausalLM):
             hidden = self.project_out(hidden)
         return hidden
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    @property
+    def logits_table(self) -> VocabParallelEmbedding:
         # OPT always ties the LM head to the token embedding.
-        return self.embed_tokens.logits(hidden_states)
+        return self.embed_tokens
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_table.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
