@@ -10,8 +10,12 @@ ignored) go through:
                         behind model.generate_batch, given each request's own max_new_tokens)
 
 and a compute ceiling: the GEMM rate this CPU reaches in the same run divided by the model's
-linear-layer FLOPs per output token. Machines are shared and noisy: compare the ratios within
-one run, not figures across runs.
+linear-layer FLOPs per output token. Beside it, the trace's roofline: all its FLOPs
+(prefill and attention included) at that GEMM rate against every decoded token's read of
+its keys' K/V at the memory rate measured in the same run (a 512 MiB copy), the longer of
+the two, as if perfectly overlapped: decode attention streams the whole context's cache
+for every token, which on a small model with long contexts costs as much as the matmuls.
+Machines are shared and noisy: compare the ratios within one run, not figures across runs.
 
 HF peers are slow on a small CPU, so by default they serve only the first `--peer-requests`
 requests (64) of the trace; pagedserve then serves that same subset too, and the speedups
@@ -90,6 +94,7 @@ class ModelFlops:
     body_linear_flops: int  # every linear layer of the decoder blocks
     lm_head_flops: int
     attention_flops_per_context_token: int  # QK^T and PV, per key the token attends to
+    kv_values_per_context_token: int  # K and V of one cached token, every layer
 
     @property
     def linear_flops_per_output_token(self) -> int:
@@ -118,7 +123,9 @@ def model_flops(model_path: Path) -> ModelFlops:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # Per layer and attended key: q.k (2 * head_dim) and p * v (2 * head_dim) for every query head.
     attention_flops = config.num_hidden_layers * config.num_attention_heads * 4 * head_dim
-    return ModelFlops(body_flops, lm_head_flops, attention_flops)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_values = 2 * config.num_hidden_layers * num_kv_heads * head_dim
+    return ModelFlops(body_flops, lm_head_flops, attention_flops, kv_values)
 
 
 def workload_flops(requests: list[Request], flops: ModelFlops) -> int:
@@ -163,6 +170,20 @@ def measure_gemm_gflop_s(dtype: torch.dtype, rows: int, inner: int, cols: int) -
             iterations += 1
         best_seconds = min(best_seconds, elapsed / iterations)
     return 2 * rows * inner * cols / best_seconds / 1e9
+
+
+def measure_memory_gb_s() -> float:
+    """Best of five copies of 512 MiB (far past the caches), read + write bytes per second:
+    what a kernel streaming the KV cache can approach (tools/bench_ops.py measures the same)."""
+    source = torch.ones(1 << 27, dtype=torch.float32)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best_seconds = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        best_seconds = min(best_seconds, time.perf_counter() - start)
+    return 2 * source.numel() * source.element_size() / best_seconds / 1e9
 
 
 # ---------------------------------------------------------------------------- engines
@@ -362,10 +383,11 @@ def machine_info() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Gemm:
-    """The GEMM rate measured in this run, for one dtype."""
+    """The GEMM rate measured in this run, for one dtype, and the memory rate beside it."""
 
     shape: tuple[int, int, int]  # rows, inner, cols
     gflop_s: float
+    memory_gb_s: float  # read + write bytes of a large copy, per second
 
 
 @dataclass(frozen=True)
@@ -390,8 +412,13 @@ def benchmark_dtype(
     args: argparse.Namespace,
 ) -> tuple[Gemm, dict[str, TraceRuns]]:
     """All traces in one dtype: the GEMM rate, then each engine on each trace."""
-    gemm = Gemm(gemm_shape, measure_gemm_gflop_s(getattr(torch, dtype), *gemm_shape))
-    _log(f"[{dtype}] GEMM {'x'.join(map(str, gemm_shape))}: {gemm.gflop_s:.0f} GFLOP/s")
+    gemm = Gemm(
+        gemm_shape, measure_gemm_gflop_s(getattr(torch, dtype), *gemm_shape), measure_memory_gb_s()
+    )
+    _log(
+        f"[{dtype}] GEMM {'x'.join(map(str, gemm_shape))}: {gemm.gflop_s:.0f} GFLOP/s, "
+        f"memory {gemm.memory_gb_s:.1f} GB/s"
+    )
     llm = load_pagedserve(dtype, args)
     split = load_pagedserve(dtype, args, multiprocess=True) if args.multiprocess else None
     hf_model = None if args.skip_peers else load_hf_model(model_path, dtype)
@@ -447,6 +474,17 @@ def make_record(
     workload_ceiling = stats.total_output_tokens / (workload_flops(requests, flops) / gemm_flop_s)
     context = mean_decode_context(requests)
     subset = runs.pagedserve_peer_subset
+    # The roofline of this exact trace: all its FLOPs (prompts, fed-back tokens, LM head,
+    # attention) at the GEMM rate, and every decoded token's read of its keys' K/V at the
+    # memory rate; even perfectly overlapped, the run takes the longer of the two. The FLOP
+    # ceiling alone ignores the second term, which on a small model with long contexts is
+    # as large as the first. Still optimistic: weights re-read every step, prefill's K/V
+    # reads and everything outside the two rates are free.
+    item_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    kv_read_bytes = flops.kv_values_per_context_token * item_bytes * context
+    flop_seconds = workload_flops(requests, flops) / gemm_flop_s
+    kv_read_seconds = kv_read_bytes * stats.total_output_tokens / (gemm.memory_gb_s * 1e9)
+    roofline_tok_s = stats.total_output_tokens / max(flop_seconds, kv_read_seconds)
 
     def speedup(peer: EngineRun | None) -> float | None:
         if peer is None or subset is None:
@@ -467,6 +505,13 @@ def make_record(
         "speedup_vs_hf_generate": speedup(runs.hf_generate),
         "speedup_vs_hf_generate_batch": speedup(runs.hf_generate_batch),
         "fraction_of_ceiling": runs.pagedserve.tokens_per_s / ceiling_tok_s,
+        "memory_gb_s": gemm.memory_gb_s,
+        "kv_read_bytes_per_output_token": kv_read_bytes,
+        "roofline_flop_seconds": flop_seconds,
+        "roofline_kv_read_seconds": kv_read_seconds,
+        "roofline_tok_s": roofline_tok_s,
+        "roofline_fraction_of_ceiling": roofline_tok_s / ceiling_tok_s,
+        "fraction_of_roofline": runs.pagedserve.tokens_per_s / roofline_tok_s,
         "pagedserve_multiprocess_tok_s": _rate(runs.pagedserve_multiprocess),
         "multiprocess_fraction_of_in_process": None
         if runs.pagedserve_multiprocess is None
@@ -521,9 +566,12 @@ def format_table(records: list[dict[str, Any]]) -> str:
         ("hf_gen_batch", "hf_generate_batch_tok_s", "{:.1f}"),
         ("ceiling", "ceiling_tok_s", "{:.0f}"),
         ("of_ceil", "fraction_of_ceiling", "{:.1%}"),
+        ("roofline", "roofline_tok_s", "{:.0f}"),
+        ("of_roof", "fraction_of_roofline", "{:.1%}"),
         ("x_gen", "speedup_vs_hf_generate", "{:.2f}"),
         ("x_gen_batch", "speedup_vs_hf_generate_batch", "{:.2f}"),
         ("GFLOP/s", "gemm_gflop_s", "{:.0f}"),
+        ("GB/s", "memory_gb_s", "{:.1f}"),
     ]
     rows = [[title for title, _, _ in columns]]
     for record in records:

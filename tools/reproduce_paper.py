@@ -69,9 +69,10 @@ class Scale:
     sharing_requests: dict[str, int]
     prefix_requests: int
     latency_requests: int
-    latency_rate_fractions: tuple[float, ...]
     # (d) needs memory to bind on the short Alpaca-like requests: a smaller cache.
     latency_kv_cache_tokens: int
+    latency_rate_step: float  # (d): each rate is the previous one times this
+    latency_max_points: int  # (d): at most this many rates per policy
 
 
 FULL = Scale(
@@ -81,8 +82,9 @@ FULL = Scale(
     sharing_requests={"sharegpt": 16, "alpaca": 64},
     prefix_requests=64,
     latency_requests=64,
-    latency_rate_fractions=(0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.25),
-    latency_kv_cache_tokens=4096,
+    latency_kv_cache_tokens=2048,
+    latency_rate_step=1.3,
+    latency_max_points=8,
 )
 # The ShareGPT-like means (161 in, 338 out) need a 1024-token window: under a 512 cap
 # nearly every request would be cut to exactly the cap, and every policy would reserve
@@ -94,8 +96,9 @@ QUICK = Scale(
     sharing_requests={"sharegpt": 4, "alpaca": 12},
     prefix_requests=24,
     latency_requests=16,
-    latency_rate_fractions=(0.1, 0.2, 0.4, 0.7, 1.0, 1.4),
-    latency_kv_cache_tokens=2048,
+    latency_kv_cache_tokens=1024,
+    latency_rate_step=1.5,
+    latency_max_points=5,
 )
 
 
@@ -255,48 +258,70 @@ def _prefixed_requests(prefix: list[int], count: int, vocab: int, seed: int) -> 
 
 
 def rate_ratio(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
-    """Figure 12: normalized latency against Poisson request rates, per policy."""
+    """Figure 12: normalized latency against Poisson request rates, per policy, and the
+    ratio of the rates each policy sustains under one latency limit.
+
+    Every policy gets the same KV cache (small, so memory binds) and the same requests.
+    Each policy's sweep starts at half the rate it serves offline (all requests at time 0)
+    and multiplies the rate by ``latency_rate_step`` until the latency crosses the limit,
+    so each curve is measured where it turns up and no time goes to rates far past its
+    knee. The limit is ``--latency-limit-factor`` times paged's latency at its first rate.
+    """
     kv_tokens = scale.latency_kv_cache_tokens
-    paged = make_llm(scale, args.block_size, kv_tokens, allocation_policy="paged")
+    engines = {
+        policy: make_llm(scale, args.block_size, kv_tokens, allocation_policy=policy)
+        for policy in POLICIES
+    }
     requests = trace(
-        "alpaca", scale.latency_requests, scale, args.seed, paged.model_config.vocab_size
+        "alpaca", scale.latency_requests, scale, args.seed, engines["paged"].model_config.vocab_size
     )
-    # Rates are fractions of what the paged engine serves offline (all at time 0).
-    started = time.perf_counter()
-    paged.generate(
-        [r.prompt_token_ids for r in requests], [fixed_length_params(r) for r in requests]
-    )
-    capacity_req_s = len(requests) / (time.perf_counter() - started)
-    rates = [fraction * capacity_req_s for fraction in scale.latency_rate_fractions]
+    capacity_req_s = {}
+    for policy, llm in engines.items():
+        started = time.perf_counter()
+        llm.generate(
+            [r.prompt_token_ids for r in requests], [fixed_length_params(r) for r in requests]
+        )
+        capacity_req_s[policy] = len(requests) / (time.perf_counter() - started)
+        _log(f"(d) {policy} offline: {capacity_req_s[policy]:.2f} req/s")
     curves: dict[str, list[tuple[float, float]]] = {}
     limit = None
-    for policy in POLICIES:
-        llm = (
-            paged
-            if policy == "paged"
-            else make_llm(scale, args.block_size, allocation_policy=policy)
-        )
-        curve = []
-        for rate in rates:
+    for policy, llm in engines.items():
+        rate = 0.5 * capacity_req_s[policy]
+        curve: list[tuple[float, float]] = []
+        for _ in range(scale.latency_max_points):
             latency = normalized_latency(llm, requests, rate, args.seed)
             curve.append((rate, latency))
             _log(f"(d) {policy} at {rate:.2f} req/s: {latency * 1e3:.0f} ms/token")
             if limit is None:
-                # The limit: this many times paged's latency at the lowest rate (no queue).
                 limit = args.latency_limit_factor * latency
-            if latency > 4 * limit:
-                break  # past the knee: higher rates only queue longer
-        curves[policy] = curve
+            if latency > limit:
+                if len(curve) > 1 or rate < 0.1 * capacity_req_s[policy]:
+                    break
+                rate /= 2  # over the limit at once: find a rate under it first
+            else:
+                rate *= scale.latency_rate_step
+        curves[policy] = sorted(curve)
+    assert limit is not None
     sustainable = {policy: _sustainable_rate(curve, limit) for policy, curve in curves.items()}
+    crossed = {
+        policy: any(latency > limit for _, latency in curve) for policy, curve in curves.items()
+    }
     ratios = {
         baseline: sustainable["paged"] / sustainable[baseline] if sustainable[baseline] else None
         for baseline in BASELINES
     }
     return {
+        "kv_cache_tokens": kv_tokens,
         "capacity_req_s": capacity_req_s,
+        "offline_throughput_ratios": {
+            baseline: capacity_req_s["paged"] / capacity_req_s[baseline] for baseline in BASELINES
+        },
         "latency_limit_s_per_token": limit,
         "curves": curves,
         "sustainable_req_s": sustainable,
+        # False: the curve stayed under the limit up to its last rate, whose figure is then
+        # only a lower bound of the sustainable rate.
+        "crossed_limit": crossed,
         "ratios": ratios,
         "trace": trace_stats(requests).__dict__,
     }
