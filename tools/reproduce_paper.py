@@ -83,11 +83,13 @@ FULL = Scale(
     sharing_requests={"sharegpt": 16, "alpaca": 64},
     prefix_requests=64,
     latency_trace="sharegpt",
-    latency_requests=96,
-    # max reserves 1024 tokens: 4 requests at a time; paged holds about 12.
-    latency_kv_cache_tokens=4096,
+    # A ShareGPT-like request takes ~300 decode steps: 32 of them at a rate near capacity
+    # run for about a minute (paged) to three (max) on 2 cores, per point.
+    latency_requests=32,
+    # max reserves 1024 tokens: 2 requests at a time; paged holds about 6.
+    latency_kv_cache_tokens=2048,
     latency_rate_step=1.3,
-    latency_max_points=7,
+    latency_max_points=6,
 )
 # The ShareGPT-like means (161 in, 338 out) need a 1024-token window: under a 512 cap
 # nearly every request would be cut to exactly the cap, and every policy would reserve
@@ -159,13 +161,34 @@ def kv_utilization(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- (b) sharing
 
 
+# (b): instructions the model continues into prompts of the trace's lengths.
+PROMPT_OPENINGS = (
+    "Write a story about a lighthouse keeper who",
+    "Explain how a refrigerator keeps food cold.",
+    "The history of the printing press began",
+    "Here is a recipe for a simple vegetable soup:",
+    "Describe the water cycle to a ten-year-old.",
+    "A letter to a friend about moving to a new city:",
+    "The main causes of the First World War were",
+    "How to train for a first marathon:",
+)
+
+
 def sharing_savings(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
-    """Figure 15: blocks saved by sharing, per trace, for n and beam width 2, 4, 6."""
+    """Figure 15: blocks saved by sharing, per trace, for n and beam width 2, 4, 6.
+
+    Beams share what they have in common: how often they fork and die depends on how
+    peaked the model's next-token distributions are, and random token ids (the other
+    experiments' prompts) make them flat. These prompts are text the model wrote itself
+    (``model_written_prompts``), the nearest stand-in for the paper's real requests.
+    """
     results: dict[str, Any] = {}
     llm = make_llm(scale, args, enable_prefix_caching=False)
     vocab_size = llm.model_config.vocab_size
     for trace_name, num_requests in scale.sharing_requests.items():
-        requests = trace(trace_name, num_requests, scale, args.seed, vocab_size)
+        requests = model_written_prompts(
+            llm, trace(trace_name, num_requests, scale, args.seed, vocab_size), args.seed
+        )
         for kind in ("parallel", "beam"):
             for width in (2, 4, 6):
                 # A fresh engine per point: stats() accumulates over the engine's life.
@@ -189,6 +212,36 @@ def sharing_savings(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
                 results[f"{trace_name}/{kind}/{width}"] = saving
                 _log(f"(b) {trace_name} {kind} {width}: {saving:.1%} saved ({len(fits)} requests)")
     return results
+
+
+def model_written_prompts(llm: LLM, requests: list[Request], seed: int) -> list[Request]:
+    """``requests`` with their prompts replaced by text of the same length in tokens that
+    the model wrote (sampled at temperature 1, seeded) after one of PROMPT_OPENINGS."""
+    if llm.tokenizer is None:
+        raise RuntimeError("model-written prompts need the model's tokenizer")
+    openings = [
+        llm.tokenizer.encode(PROMPT_OPENINGS[index % len(PROMPT_OPENINGS)])
+        for index in range(len(requests))
+    ]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=seed + index,
+            max_tokens=max(1, len(request.prompt_token_ids) - len(opening)),
+            ignore_eos=True,
+        )
+        for index, (request, opening) in enumerate(zip(requests, openings))
+    ]
+    outputs = llm.generate(openings, params)
+    return [
+        Request(
+            prompt_token_ids=(opening + list(output.outputs[0].token_ids))[
+                : len(request.prompt_token_ids)
+            ],
+            output_len=request.output_len,
+        )
+        for request, opening, output in zip(requests, openings, outputs)
+    ]
 
 
 def _fitting(requests: list[Request], width: int, llm: LLM) -> list[Request]:
