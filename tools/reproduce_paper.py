@@ -83,11 +83,13 @@ FULL = Scale(
     sharing_requests={"sharegpt": 16, "alpaca": 64},
     prefix_requests=64,
     latency_trace="sharegpt",
-    # A ShareGPT-like request takes ~300 decode steps: 32 of them at a rate near capacity
-    # run for about a minute (paged) to three (max) on 2 cores, per point.
-    latency_requests=32,
-    # max reserves 1024 tokens: 2 requests at a time; paged holds about 6.
-    latency_kv_cache_tokens=2048,
+    # Past capacity a finite trace's queue adds about N / (2 x batch) request latencies at
+    # most; for the curves to cross a 2x limit near capacity N must be several times the
+    # batch paged holds (about 24 ShareGPT-like requests in 8192 tokens). Estimated at about
+    # 1.5 hours on 2 cores; a 2048-token cache is cheaper but there recompute preemptions
+    # (57 for 32 requests) eat paged's advantage.
+    latency_requests=160,
+    latency_kv_cache_tokens=8192,
     latency_rate_step=1.3,
     latency_max_points=6,
 )
