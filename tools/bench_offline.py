@@ -11,10 +11,11 @@ ignored) go through:
 
 and a compute ceiling: the GEMM rate this CPU reaches in the same run divided by the model's
 linear-layer FLOPs per output token. Beside it, the trace's roofline: all its FLOPs
-(prefill and attention included) at that GEMM rate against every decoded token's read of
-its keys' K/V at the memory rate measured in the same run (a 512 MiB copy), the longer of
-the two, as if perfectly overlapped: decode attention streams the whole context's cache
-for every token, which on a small model with long contexts costs as much as the matmuls.
+(prefill and attention included) at that GEMM rate against the memory traffic no schedule
+avoids (every decoded token's read of its keys' K/V, every weight once per step, at least
+as many steps as the longest output) at the memory rate measured in the same run (a 512 MiB
+copy), the longer of the two, as if perfectly overlapped. On a small model with long
+contexts the memory side is the larger.
 Machines are shared and noisy: compare the ratios within one run, not figures across runs.
 
 HF peers are slow on a small CPU, so by default they serve only the first `--peer-requests`
@@ -475,16 +476,22 @@ def make_record(
     context = mean_decode_context(requests)
     subset = runs.pagedserve_peer_subset
     # The roofline of this exact trace: all its FLOPs (prompts, fed-back tokens, LM head,
-    # attention) at the GEMM rate, and every decoded token's read of its keys' K/V at the
-    # memory rate; even perfectly overlapped, the run takes the longer of the two. The FLOP
-    # ceiling alone ignores the second term, which on a small model with long contexts is
-    # as large as the first. Still optimistic: weights re-read every step, prefill's K/V
-    # reads and everything outside the two rates are free.
+    # attention) at the GEMM rate, against the memory traffic no schedule avoids at the
+    # memory rate: every decoded token reads its keys' K/V, and every step reads every
+    # weight once (they are far larger than the caches), with at least as many steps as
+    # the longest output has tokens. Even perfectly overlapped, the run takes the longer of
+    # the two. The FLOP ceiling alone ignores the memory side, which on a small model with
+    # long contexts is the larger. Still optimistic: prefill's K/V reads, activations and
+    # everything outside the two rates are free.
     item_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     kv_read_bytes = flops.kv_values_per_context_token * item_bytes * context
+    weight_bytes = flops.linear_flops_per_output_token // 2 * item_bytes
+    min_steps = max(request.output_len for request in requests)
     flop_seconds = workload_flops(requests, flops) / gemm_flop_s
-    kv_read_seconds = kv_read_bytes * stats.total_output_tokens / (gemm.memory_gb_s * 1e9)
-    roofline_tok_s = stats.total_output_tokens / max(flop_seconds, kv_read_seconds)
+    memory_seconds = (kv_read_bytes * stats.total_output_tokens + weight_bytes * min_steps) / (
+        gemm.memory_gb_s * 1e9
+    )
+    roofline_tok_s = stats.total_output_tokens / max(flop_seconds, memory_seconds)
 
     def speedup(peer: EngineRun | None) -> float | None:
         if peer is None or subset is None:
@@ -508,7 +515,9 @@ def make_record(
         "memory_gb_s": gemm.memory_gb_s,
         "kv_read_bytes_per_output_token": kv_read_bytes,
         "roofline_flop_seconds": flop_seconds,
-        "roofline_kv_read_seconds": kv_read_seconds,
+        "roofline_memory_seconds": memory_seconds,
+        "roofline_weight_read_bytes_per_step": weight_bytes,
+        "roofline_min_steps": min_steps,
         "roofline_tok_s": roofline_tok_s,
         "roofline_fraction_of_ceiling": roofline_tok_s / ceiling_tok_s,
         "fraction_of_roofline": runs.pagedserve.tokens_per_s / roofline_tok_s,
