@@ -327,10 +327,13 @@ def test_sharing_in_multiprocess_mode_matches_in_process(beam_model_dir):
     try:
         outputs = llm.generate(prompts, params)
         assert _token_ids(outputs) == _token_ids(expected)
+        # The same tokens; the log-probabilities to float32 rounding only: requests reach the
+        # engine process over ZeroMQ and may start in different steps, and a float32 GEMM's
+        # last bit depends on how many rows share it.
         for got, want in zip(outputs, expected):
-            assert [c.cumulative_logprob for c in got.outputs] == [
-                c.cumulative_logprob for c in want.outputs
-            ]
+            assert [c.cumulative_logprob for c in got.outputs] == pytest.approx(
+                [c.cumulative_logprob for c in want.outputs], rel=1e-6
+            )
         stats = llm.stats()
         assert stats["kv_sharing_savings"] > 0
         llm.check_integrity()
