@@ -69,6 +69,8 @@ class Scale:
     sharing_requests: dict[str, int]
     prefix_requests: int
     latency_trace: str  # (d): "sharegpt" as the issue's targets, "alpaca" for a fast check
+    # (d): the trace's mean lengths and max_model_len times this (the same shape, cheaper)
+    latency_length_scale: float
     latency_requests: int
     # (d) needs memory to bind: a smaller cache than (a)'s.
     latency_kv_cache_tokens: int
@@ -85,11 +87,12 @@ FULL = Scale(
     latency_trace="sharegpt",
     # Past capacity a finite trace's queue adds about N / (2 x batch) request latencies at
     # most; for the curves to cross a 2x limit near capacity N must be several times the
-    # batch paged holds (about 24 ShareGPT-like requests in 8192 tokens). Estimated at about
-    # 1.5 hours on 2 cores; a 2048-token cache is cheaper but there recompute preemptions
-    # (57 for 32 requests) eat paged's advantage.
+    # batch paged holds. At full length (24 requests in 8192 tokens) that is about 1.5
+    # hours on 2 cores, so the trace, max_model_len and cache are all a quarter: the same
+    # reservation ratios, a quarter of the time.
+    latency_length_scale=0.25,
     latency_requests=160,
-    latency_kv_cache_tokens=8192,
+    latency_kv_cache_tokens=2048,
     latency_rate_step=1.3,
     latency_max_points=6,
 )
@@ -103,6 +106,7 @@ QUICK = Scale(
     sharing_requests={"sharegpt": 4, "alpaca": 12},
     prefix_requests=24,
     latency_trace="alpaca",
+    latency_length_scale=1.0,
     latency_requests=16,
     latency_kv_cache_tokens=1024,
     latency_rate_step=1.5,
@@ -111,14 +115,18 @@ QUICK = Scale(
 
 
 def make_llm(
-    scale: Scale, args: argparse.Namespace, kv_cache_tokens: int | None = None, **kwargs: Any
+    scale: Scale,
+    args: argparse.Namespace,
+    kv_cache_tokens: int | None = None,
+    max_model_len: int | None = None,
+    **kwargs: Any,
 ) -> LLM:
     return LLM(
         model=None,
         dtype=args.dtype,
         block_size=args.block_size,
         num_blocks=(kv_cache_tokens or scale.kv_cache_tokens) // args.block_size,
-        max_model_len=scale.max_model_len,
+        max_model_len=max_model_len or scale.max_model_len,
         **kwargs,
     )
 
@@ -334,15 +342,19 @@ def rate_ratio(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
     The offline capacities, the knee of an endless stream, are reported beside.
     """
     kv_tokens = scale.latency_kv_cache_tokens
+    max_model_len = round(scale.max_model_len * scale.latency_length_scale)
     engines = {
-        policy: make_llm(scale, args, kv_tokens, allocation_policy=policy) for policy in POLICIES
+        policy: make_llm(scale, args, kv_tokens, max_model_len, allocation_policy=policy)
+        for policy in POLICIES
     }
-    requests = trace(
+    requests = make_trace(
         scale.latency_trace,
         scale.latency_requests,
-        scale,
         args.seed,
+        max_model_len,
         engines["paged"].model_config.vocab_size,
+        FIRST_ORDINARY_TOKEN_ID,
+        length_scale=scale.latency_length_scale,
     )
     capacity_req_s = {}
     for policy, llm in engines.items():
@@ -381,6 +393,8 @@ def rate_ratio(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
     }
     return {
         "trace_name": scale.latency_trace,
+        "length_scale": scale.latency_length_scale,
+        "max_model_len": max_model_len,
         "dtype": args.dtype,
         "kv_cache_tokens": kv_tokens,
         "capacity_req_s": capacity_req_s,

@@ -69,8 +69,12 @@ def make_trace(
     max_len: int,
     vocab_size: int,
     first_token_id: int = 3,
+    length_scale: float = 1.0,
 ) -> list[Request]:
     """Draw `num_requests` requests of the `name` trace; the same arguments give the same trace.
+
+    `length_scale` multiplies both mean lengths (with `max_len` scaled alike, the trace keeps
+    its shape at a fraction of the cost: reproduce_paper.py's latency sweep uses 1/4).
 
     Every length is >= 1 and every prompt + output <= `max_len`: the prompt keeps at most
     `max_len - 1` tokens and the output is cut to what is left. Token ids are uniform in
@@ -84,7 +88,13 @@ def make_trace(
         raise ValueError(f"max_len must be >= 2 (one prompt and one output token), got {max_len}")
     if not 0 <= first_token_id < vocab_size:
         raise ValueError(f"first_token_id={first_token_id} is outside [0, {vocab_size})")
+    if not length_scale > 0:
+        raise ValueError(f"length_scale must be > 0, got {length_scale}")
     shape = TRACE_SHAPES[name]
+    if length_scale != 1.0:
+        shape = TraceShape(
+            shape.mean_input_len * length_scale, shape.mean_output_len * length_scale
+        )
     input_mu, output_mu = _calibrated_locations(shape, max_len)
     rng = np.random.default_rng(seed)
     input_lens = _lengths(input_mu, rng.standard_normal(num_requests), max_len - 1)
