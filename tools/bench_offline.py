@@ -472,7 +472,8 @@ def make_record(
     gemm_flop_s = gemm.gflop_s * 1e9
     ceiling_tok_s = gemm_flop_s / flops.linear_flops_per_output_token
     stats = trace_stats(requests)
-    workload_ceiling = stats.total_output_tokens / (workload_flops(requests, flops) / gemm_flop_s)
+    flop_seconds = workload_flops(requests, flops) / gemm_flop_s
+    workload_ceiling = stats.total_output_tokens / flop_seconds
     context = mean_decode_context(requests)
     subset = runs.pagedserve_peer_subset
     # The roofline of this exact trace: all its FLOPs (prompts, fed-back tokens, LM head,
@@ -487,7 +488,6 @@ def make_record(
     kv_read_bytes = flops.kv_values_per_context_token * item_bytes * context
     weight_bytes = flops.linear_flops_per_output_token // 2 * item_bytes
     min_steps = max(request.output_len for request in requests)
-    flop_seconds = workload_flops(requests, flops) / gemm_flop_s
     memory_seconds = (kv_read_bytes * stats.total_output_tokens + weight_bytes * min_steps) / (
         gemm.memory_gb_s * 1e9
     )
