@@ -23,10 +23,14 @@ namespace {
 // step than they gain in parallelism.
 constexpr int64_t kMinAutoPartitionSize = 256;
 
-// Below this much work (cached positions x kv heads for decode, query rows x keys for prefill;
-// tens of microseconds on one core) an op runs on the calling thread: waking the OpenMP pool
-// costs more than it saves.
-constexpr int64_t kMinParallelWork = int64_t{1} << 14;
+// Below this much work an op runs on the calling thread: waking the OpenMP pool costs more
+// than it saves. Decode counts cached positions x kv heads: one unit (a K and a V row for a
+// group of query heads) takes ~0.02 us on one core, and on 2 cores two threads already win
+// from ~400 units (8 sequences of 16 tokens, 3 kv heads: 29 -> 25 us). The old shared
+// threshold of 16k units kept 64 sequences of 64 tokens on one core (265 us vs 2 threads'
+// ~140). Prefill counts query rows x keys, each a fraction of a decode unit.
+constexpr int64_t kMinParallelDecodeWork = int64_t{1} << 9;
+constexpr int64_t kMinParallelPrefillWork = int64_t{1} << 14;
 
 // One ISA variant's kernel tables; its name is attention->isa.
 struct IsaVariant {
@@ -188,7 +192,7 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
   if (tables.num_seqs == 0) return;
   int64_t work = 0;
   for (int64_t s = 0; s < tables.num_seqs; ++s) work += tables.seq_lens[s];
-  if (work * cache.num_kv_heads < kMinParallelWork) p.num_threads = 1;
+  if (work * cache.num_kv_heads < kMinParallelDecodeWork) p.num_threads = 1;
   if (partition_size < 0) partition_size = choose_partition_size(p);
   const AttentionKernels& k = kernels();
   float* ws = workspace(k.decode_workspace_floats(p, partition_size));
@@ -258,7 +262,7 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
     work += planned[i].first;
   }
   if (items.empty()) return;
-  if (work < kMinParallelWork) p.num_threads = 1;
+  if (work < kMinParallelPrefillWork) p.num_threads = 1;
   float* ws = workspace(k.prefill_workspace_floats(p));
   k.prefill_attention(p, query_start_loc, items.data(), static_cast<int64_t>(items.size()), ws);
 }
