@@ -8,6 +8,10 @@ import numpy as np
 import torch
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
+from pagedserve.gpu_worker.layers.gathered_prefill import (
+    plan_gathered_prefill,
+    use_gathered_prefill,
+)
 from pagedserve.gpu_worker.models.base import CausalLM
 from pagedserve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedserve.scheduler.beam_search import num_candidates
@@ -100,6 +104,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.gathered_prefill = use_gathered_prefill(device)
 
     def execute(self, plan: StepPlan) -> StepResult:
         entries = self._apply_plan(plan)
@@ -226,6 +231,15 @@ class ModelRunner:
             prefill_query_start_loc=torch.from_numpy(prefill_start_loc).to(device),
             prefill_seq_lens=torch.from_numpy(seq_lens[num_decodes:]).to(device),
             prefill_max_query_len=int(prefill_query_lens.max()) if len(prefill_query_lens) else 0,
+            prefill_plan=plan_gathered_prefill(
+                block_tables[num_decodes:],
+                prefill_query_lens,
+                seq_lens[num_decodes:],
+                block_size,
+                device,
+            )
+            if self.gathered_prefill and len(prefill_query_lens)
+            else None,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -4,7 +4,9 @@ measured in the same run:
     decode    paged decode attention: achieved GB/s of K/V read against a device-to-device
               copy's GB/s (read + write), and time against torch SDPA decode over the same
               K/V laid out contiguously ([batch, kv_heads, context, head_size])
-    prefill   paged prefill attention against causal torch SDPA (flash) on contiguous K/V
+    prefill   paged prefill attention (the kernel, and the engine's CUDA default: one SDPA call
+              over K/V gathered from the blocks) against causal torch SDPA (flash) on
+              contiguous K/V
     cache     reshape_and_cache, copy_blocks and swap_blocks (device <-> pinned host) GB/s
 
 Every timing is the median of CUDA-event-timed calls after a warm-up. The default decode
@@ -25,10 +27,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker.layers.gathered_prefill import (
+    gathered_prefill_attention,
+    plan_gathered_prefill,
+)
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -182,6 +189,18 @@ def prefill_case(
         ),
         iterations=10,
     )  # fmt: skip
+    plan = plan_gathered_prefill(
+        block_tables.cpu().numpy(),
+        np.full(batch, prompt_len, dtype=np.int32),
+        seq_lens.cpu().numpy(),
+        args.block_size,
+        query.device,
+    )
+    out = torch.empty_like(query)
+    gathered_ms = time_ms(
+        lambda: gathered_prefill_attention(query, key_cache, value_cache, plan, scale, out),
+        iterations=10,
+    )
     keys = contiguous(key_cache, block_tables, prompt_len)
     values = contiguous(value_cache, block_tables, prompt_len)
     query_4d = query.view(batch, prompt_len, num_heads, args.head_size).transpose(1, 2)
@@ -201,8 +220,10 @@ def prefill_case(
         "dtype": args.dtype,
         "paged_ms": paged_ms,
         "paged_tflop_s": flops / paged_ms / 1e9,
+        "gathered_sdpa_ms": gathered_ms,
         "sdpa_causal_ms": sdpa_ms,
         "paged_over_sdpa": paged_ms / sdpa_ms,
+        "gathered_over_sdpa": gathered_ms / sdpa_ms,
     }
 
 

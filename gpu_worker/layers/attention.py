@@ -7,6 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker.layers.gathered_prefill import (
+    GatheredPrefillPlan,
+    gathered_prefill_attention,
+)
 
 
 @dataclass
@@ -28,6 +32,8 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], offsets within prefill
     prefill_seq_lens: torch.Tensor  # int32 [num_prefills], tokens in cache incl. new ones
     prefill_max_query_len: int | None = None  # most new tokens of one prefill (host-side)
+    # Set: prefills run as one SDPA call over gathered K/V (gathered_prefill.py).
+    prefill_plan: GatheredPrefillPlan | None = None
 
 
 class PagedAttention:
@@ -68,7 +74,16 @@ class PagedAttention:
                 self.scale,
                 out=output[:num_decode],
             )
-        if num_decode < num_tokens:
+        if num_decode < num_tokens and metadata.prefill_plan is not None:
+            gathered_prefill_attention(
+                query[num_decode:],
+                key_cache,
+                value_cache,
+                metadata.prefill_plan,
+                self.scale,
+                out=output[num_decode:],
+            )
+        elif num_decode < num_tokens:
             ops.paged_prefill_attention(
                 query[num_decode:],
                 key_cache,

@@ -12,6 +12,7 @@ import transformers
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker import cuda_ops
+from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 
 pytestmark = [
     pytest.mark.cuda,
@@ -76,8 +77,19 @@ def test_greedy_tokens_match_hf_on_the_gpu(tiny_model_dirs, hf_references, famil
 
 def test_chunked_prefill_on_the_gpu_matches_hf(tiny_model_dirs, hf_references):
     llm = LLM(tiny_model_dirs["qwen2"], device="cuda", num_blocks=128, max_num_batched_tokens=40)
+    assert llm.worker.runner.gathered_prefill  # the CUDA default
     outputs = llm.generate(random_prompts(1), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == hf_references["qwen2"]
+
+
+def test_prefill_kernel_on_the_gpu_matches_hf(tiny_model_dirs, hf_references, monkeypatch):
+    # The default CUDA prefill is one SDPA call over gathered K/V; the paged prefill kernel
+    # stays selectable, and both must give HF's tokens (chunks put context under most steps).
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")
+    llm = LLM(tiny_model_dirs["llama"], device="cuda", num_blocks=128, max_num_batched_tokens=40)
+    assert not llm.worker.runner.gathered_prefill
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_references["llama"]
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

@@ -1,0 +1,137 @@
+"""Prefill attention as one torch SDPA call over K/V gathered out of the paged cache.
+
+The paged prefill kernels (csrc/) read the blocks in place but run on CUDA cores (and on
+the CPU's vector units). On a GPU, torch's fused SDPA kernels use tensor cores; the price is
+a copy of each prefilling sequence's K/V into a padded contiguous batch, which is linear in
+the context while attention is quadratic in it. The step's sequences go in one call, padded
+to the longest: a handful of launches per layer however many sequences prefill.
+
+Which path a worker takes is ``PAGEDSERVE_PREFILL_ATTENTION`` (read when the model runner
+starts): ``auto`` (the default: this one on CUDA, the kernel on the CPU), ``kernel`` or
+``sdpa``. The choice is an environment variable, as vLLM's attention backend is, because it
+is a property of the deployment's hardware, not of a request.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+PREFILL_ATTENTION_ENV = "PAGEDSERVE_PREFILL_ATTENTION"
+PREFILL_ATTENTION_CHOICES = ("auto", "kernel", "sdpa")
+
+
+def use_gathered_prefill(device: torch.device) -> bool:
+    """Whether a worker on ``device`` prefills with this module (see the module docstring)."""
+    choice = os.environ.get(PREFILL_ATTENTION_ENV, "auto")
+    if choice not in PREFILL_ATTENTION_CHOICES:
+        raise ValueError(
+            f"{PREFILL_ATTENTION_ENV}={choice!r} is not one of {list(PREFILL_ATTENTION_CHOICES)}"
+        )
+    if choice == "auto":
+        return device.type == "cuda"
+    return choice == "sdpa"
+
+
+@dataclass
+class GatheredPrefillPlan:
+    """Where one step's prefilling sequences sit in a padded batch; shared by every layer.
+
+    S sequences, padded to Q query rows and K key positions each::
+
+        query_rows [S, Q]   the prefill query token of each padded row (0 for padding)
+        key_blocks [S, K]   the cache block of each key position
+        key_offsets [S, K]  its offset in the block
+        key_valid  [S, K]   position < the sequence's length (padding reads block 0, zeroed)
+        mask       [S, 1, Q, K]  causal: query row j of a sequence with `context` cached
+                            tokens before this step sits at position context + j
+        output_rows [T]     for each of the T prefill tokens, its row in the flattened [S * Q]
+    """
+
+    query_rows: torch.Tensor
+    key_blocks: torch.Tensor
+    key_offsets: torch.Tensor
+    key_valid: torch.Tensor
+    mask: torch.Tensor
+    output_rows: torch.Tensor
+
+
+def plan_gathered_prefill(
+    block_tables: np.ndarray,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> GatheredPrefillPlan:
+    """The plan for prefilling sequences with host-side ``block_tables`` [S, max_blocks],
+    ``query_lens`` [S] (new tokens) and ``seq_lens`` [S] (cached tokens incl. the new)."""
+    num_seqs = len(query_lens)
+    max_query = int(query_lens.max())
+    max_keys = int(seq_lens.max())
+    query_starts = np.concatenate(([0], np.cumsum(query_lens)[:-1])).astype(np.int64)
+    rows = np.arange(max_query, dtype=np.int64)
+    query_valid = rows[None, :] < query_lens[:, None]
+    query_rows = np.where(query_valid, query_starts[:, None] + rows[None, :], 0)
+    positions = np.arange(max_keys, dtype=np.int64)
+    key_valid = positions[None, :] < seq_lens[:, None]
+    block_index = np.minimum(positions // block_size, block_tables.shape[1] - 1)
+    blocks = np.take_along_axis(
+        block_tables.astype(np.int64), np.broadcast_to(block_index, (num_seqs, max_keys)), axis=1
+    )
+    key_blocks = np.where(key_valid, blocks, 0)
+    key_offsets = np.broadcast_to(positions % block_size, (num_seqs, max_keys)).copy()
+    query_positions = (seq_lens - query_lens)[:, None] + rows[None, :]  # [S, Q]
+    mask = positions[None, None, :] <= query_positions[:, :, None]  # [S, Q, K]
+    output_rows = (np.arange(num_seqs, dtype=np.int64)[:, None] * max_query + rows[None, :])[
+        query_valid
+    ]
+    return GatheredPrefillPlan(
+        query_rows=torch.from_numpy(query_rows).to(device),
+        key_blocks=torch.from_numpy(key_blocks).to(device),
+        key_offsets=torch.from_numpy(key_offsets).to(device),
+        key_valid=torch.from_numpy(key_valid).to(device),
+        mask=torch.from_numpy(mask[:, None]).to(device),
+        output_rows=torch.from_numpy(output_rows).to(device),
+    )
+
+
+def gathered_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: GatheredPrefillPlan,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of the prefill tokens ``query`` [T, num_heads, head_size] over their
+    sequences' cached K/V (``[num_blocks, num_kv_heads, block_size, head_size]``, this step's
+    already written), into ``out`` [T, num_heads, head_size]."""
+    num_kv_heads, head_size = key_cache.shape[1], key_cache.shape[3]
+    num_heads = query.shape[1]
+    num_seqs, max_query = plan.query_rows.shape
+    padded_query = query[plan.query_rows.view(-1)].view(num_seqs, max_query, num_heads, head_size)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # Two index tensors around a slice: the indexed dims come first, [S, K, kv_heads, D];
+        # only the sequences' rows are copied, never the pool.
+        rows = cache[plan.key_blocks, :, plan.key_offsets, :]
+        # Padding reads block 0, whatever it holds: a fused kernel adds the mask as a bias,
+        # and NaN + -inf is NaN, so padding must hold finite values.
+        rows = rows.masked_fill(~plan.key_valid[:, :, None, None], 0)
+        return rows.transpose(1, 2)
+
+    attended = F.scaled_dot_product_attention(
+        padded_query.transpose(1, 2),
+        gather(key_cache),
+        gather(value_cache),
+        attn_mask=plan.mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [S, num_heads, Q, head_size]
+    flat = attended.transpose(1, 2).reshape(num_seqs * max_query, num_heads, head_size)
+    out.copy_(flat[plan.output_rows])
+    return out
