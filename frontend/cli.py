@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     engine.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    engine.add_argument(
+        "--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (cuda)"
+    )
     engine.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
     engine.add_argument(
         "--kv-cache-bytes", type=int, default=None, help="KV cache size (per tensor-parallel rank)"
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_bytes,
             device=args.device,
+            cuda_graphs=args.cuda_graphs,
             tensor_parallel_size=args.tensor_parallel_size,
             multiprocess=args.multiprocess or None,  # None: chosen by tensor_parallel_size
         )

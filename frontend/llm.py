@@ -56,6 +56,11 @@ class LLM:
     ``kv_cache_bytes`` is per rank). It needs the multi-process engine: with
     ``multiprocess`` left unset that is chosen for you, as vLLM does; with
     ``multiprocess=False`` it is an error.
+
+    ``device="cuda"`` runs the worker on a GPU; ``cuda_graphs=True`` there replays decode
+    steps of up to ``max_num_seqs`` sequences from CUDA graphs captured at start-up
+    (``gpu_worker/cuda_graphs.py``). Prefill attention on a GPU is one torch SDPA call over
+    K/V gathered from the blocks unless ``PAGEDSERVE_PREFILL_ATTENTION=kernel``.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class LLM:
         seed: int = 0,
         cache_dir: str | None = None,
         device: str = "cpu",
+        cuda_graphs: bool = False,
         multiprocess: bool | None = None,
         tensor_parallel_size: int = 1,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
@@ -94,6 +100,14 @@ class LLM:
         _check_optional_positive("kv_cache_bytes", kv_cache_bytes)
         _check_optional_positive("num_blocks", num_blocks)
         _check_optional_positive("max_model_len", max_model_len)
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if cuda_graphs and not str(device).startswith("cuda"):
+            raise ValueError(f"cuda_graphs=True needs device='cuda' (or 'cuda:N'), got {device!r}")
+        # Graphs for every batch the scheduler may form, over block tables of max_model_len
+        # (0: the model's window).
+        graph_max_batch = max_num_seqs if cuda_graphs else 0
+        graph_max_len = max_model_len or 0
         resolved = resolve_model(model, cache_dir=cache_dir, progress=_print_progress)
         self.model_path: Path = resolved.path
         self.tokenizer = Tokenizer(resolved.path) if Tokenizer.exists_in(resolved.path) else None
@@ -116,6 +130,8 @@ class LLM:
                 device,
                 swap_space_bytes=swap_space_bytes,
                 kv_cache_bytes_from_free_memory=default_kv_cache_bytes,
+                cuda_graph_max_batch=graph_max_batch,
+                cuda_graph_max_len=graph_max_len,
             )
             model_config = self.worker.model_config
         self.model_config = model_config
@@ -146,6 +162,8 @@ class LLM:
                     kv_cache_bytes,
                     device,
                     swap_space_bytes,
+                    graph_max_batch,
+                    graph_max_len,
                 ),
                 seed=seed,
                 enable_prefix_caching=enable_prefix_caching,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.gathered_prefill import (
     plan_gathered_prefill,
@@ -105,6 +106,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.gathered_prefill = use_gathered_prefill(device)
+        self.decode_graphs: DecodeGraphs | None = None  # set by the worker when asked
 
     def execute(self, plan: StepPlan) -> StepResult:
         entries = self._apply_plan(plan)
@@ -112,7 +114,11 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id)
         inputs = self._prepare_inputs(entries)
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            hidden = None
+            if self.decode_graphs is not None:
+                hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+            if hidden is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             # The sampler works on the host (numpy seeds, per-request lists).
             # NOTE: on a GPU this copy waits for the forward pass: the step's one synchronization.
             logits = self.model.compute_logits(hidden[inputs.logits_indices]).cpu()

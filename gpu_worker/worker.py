@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.gpu_worker import cuda_ops, ops
+from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec
 from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import ModelConfig
@@ -45,6 +46,10 @@ class Worker:
     their own that the forward pass waits for (an event), so they overlap the host's work
     on the step's inputs. Without a size, the device pool takes a share of the GPU memory
     free after the weights.
+
+    ``cuda_graph_max_batch`` > 0 (CUDA only) captures the decode forward pass as CUDA graphs
+    for batches up to that many sequences whose block tables fit ``cuda_graph_max_len``
+    tokens (see cuda_graphs.py).
     """
 
     def __init__(
@@ -58,8 +63,12 @@ class Worker:
         swap_space_bytes: int = 0,
         kv_cache_bytes_from_free_memory: Callable[[], int] | None = None,
         parallel: TensorParallel = SINGLE,
+        cuda_graph_max_batch: int = 0,
+        cuda_graph_max_len: int = 0,
     ) -> None:
         self.device = _parse_device(device)
+        if cuda_graph_max_batch and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs need device='cuda', got device={device!r}")
         self.model_config = ModelConfig.from_dir(model_path)
         check_tensor_parallel_size(self.model_config, parallel.size)
         torch_dtype = parse_dtype(dtype)
@@ -113,6 +122,21 @@ class Worker:
         self.swap_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.model.bind_kv_cache(self.kv_cache)
         self.runner = ModelRunner(self.model, block_size, self.device)
+        if cuda_graph_max_batch:
+            started = time.monotonic()
+            self.runner.decode_graphs = DecodeGraphs(
+                self.model,
+                self.device,
+                block_size,
+                cuda_graph_max_len or self.model_config.max_position_embeddings,
+                cuda_graph_max_batch,
+            )
+            logger.info(
+                "captured %d decode CUDA graphs (batches up to %d) in %.1f s",
+                len(self.runner.decode_graphs.graphs),
+                cuda_graph_max_batch,
+                time.monotonic() - started,
+            )
 
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.swap_out or plan.swap_in:

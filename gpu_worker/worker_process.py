@@ -85,6 +85,8 @@ def build_worker(start: StartWorker) -> Worker:
         swap_space_bytes=spec.swap_space_bytes,
         kv_cache_bytes_from_free_memory=lambda: default_kv_cache_bytes(ranks_sharing_memory),
         parallel=parallel,
+        cuda_graph_max_batch=spec.cuda_graph_max_batch,
+        cuda_graph_max_len=spec.cuda_graph_max_len,
     )
 
 

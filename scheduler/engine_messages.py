@@ -117,6 +117,8 @@ class WorkerSpec:
     kv_cache_bytes: int | None
     device: str
     swap_space_bytes: int
+    cuda_graph_max_batch: int = 0  # 0: no CUDA graphs
+    cuda_graph_max_len: int = 0  # tokens a captured block table covers
 
 
 @dataclass

@@ -198,6 +198,8 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "kv_cache_bytes",
         "device",
         "swap_space_bytes",
+        "cuda_graph_max_batch",
+        "cuda_graph_max_len",
     ),
     StartEngine: (
         "frontend_pid",
@@ -691,7 +693,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     ResetPrefixCache: (),
     EngineStats: (dict, (str, type(None))),
     SchedulerConfig: (int, int, int, bool, float, (str, type(None))),
-    WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int),
+    WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int),
 }
 
 

@@ -226,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default="/dev/shm/pagedserve-llama7b-random")
     parser.add_argument("--deadline-s", type=float, default=200.0)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--no-cuda-graphs-stage",
+        dest="cuda_graphs_stage",
+        action="store_false",
+        help="skip the last stage: pagedserve with cuda_graphs=True on the peer subset",
+    )
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         _log("no CUDA GPU")
@@ -252,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         models["hf"] = create_model(args)
         return {"model_dir": args.model_dir}
 
-    def load() -> dict[str, Any]:
+    def load(cuda_graphs: bool = False) -> dict[str, Any]:
+        started = time.perf_counter()
         models["llm"] = LLM(
             args.model_dir,
             dtype="float16",
@@ -261,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_len,
+            cuda_graphs=cuda_graphs,
         )
+        load_s = time.perf_counter() - started
         run_pagedserve(models["llm"], requests[:4])  # warm-up: allocator, kernels
-        return {"num_blocks": models["llm"].worker.num_blocks}
+        return {"num_blocks": models["llm"].worker.num_blocks, "load_s": load_s}
 
     report.stage("create_model", create)
     if "hf" not in models:
@@ -284,12 +293,25 @@ def main(argv: list[str] | None = None) -> int:
         "hf_generate", lambda: run_hf_generate(hf_model, peer_requests, args.hf_batch_size)
     )
     report.stage("hf_generate_batch", lambda: run_hf_generate_batch(hf_model, peer_requests, args))
+    if args.cuda_graphs_stage and args.device == "cuda":
+        # Last, so that a failure here costs no other figure: decode steps from CUDA graphs.
+        report.stage("pagedserve_graphs_load", lambda: load(cuda_graphs=True))
+        if "llm" in models:
+            llm = models.pop("llm")
+            report.stage(
+                "pagedserve_graphs_peer_subset", lambda: run_pagedserve(llm, peer_requests)
+            )
+            llm.shutdown()
     stages = report.data["stages"]
     ours = stages.get("pagedserve_peer_subset", {}).get("output_tokens_per_s")
+    ours_graphs = stages.get("pagedserve_graphs_peer_subset", {}).get("output_tokens_per_s")
     for peer in ("hf_generate", "hf_generate_batch"):
         theirs = stages.get(peer, {}).get("output_tokens_per_s")
         if ours and theirs:
             report.data.setdefault("speedup", {})[f"pagedserve_over_{peer}"] = ours / theirs
+        if ours_graphs and theirs:
+            speedups = report.data.setdefault("speedup", {})
+            speedups[f"pagedserve_graphs_over_{peer}"] = ours_graphs / theirs
     report.write()
     return 0
 

@@ -92,6 +92,29 @@ def test_prefill_kernel_on_the_gpu_matches_hf(tiny_model_dirs, hf_references, mo
     assert [o.outputs[0].token_ids for o in outputs] == hf_references["llama"]
 
 
+def test_cuda_graphs_match_hf(tiny_model_dirs, hf_references):
+    llm = LLM(
+        tiny_model_dirs["llama"], device="cuda", num_blocks=256, max_num_seqs=12, cuda_graphs=True
+    )
+    graphs = llm.worker.runner.decode_graphs
+    assert sorted(graphs.graphs) == [1, 2, 4, 8, 12]
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_references["llama"]
+    # 8 prompts of different lengths: decode batches of 8 down to 1, all replayed.
+    assert graphs.num_replays >= NEW_TOKENS - 1
+
+
+def test_cuda_graphs_in_the_multiprocess_engine(tiny_model_dirs, hf_references):
+    llm = LLM(
+        tiny_model_dirs["llama"], device="cuda", num_blocks=256, cuda_graphs=True, multiprocess=True
+    )
+    try:
+        outputs = llm.generate(random_prompts(1), GREEDY)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == hf_references["llama"]
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_on_the_gpu_keeps_tokens(tiny_model_dirs, hf_references, mode):
     # 16 blocks of 16 tokens hold far less than the eight requests need: running requests

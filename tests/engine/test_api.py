@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.gpu_worker.cuda_graphs import graph_batch_sizes
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,21 @@ def test_unknown_device_names_the_allowed(tiny_model_dirs):
 def test_cuda_device_without_a_gpu_says_so(tiny_model_dirs):
     with pytest.raises(ValueError, match="device='cuda': torch sees no CUDA GPU here"):
         LLM(tiny_model_dirs["llama"], device="cuda")
+
+
+def test_cuda_graphs_need_a_cuda_device(tiny_model_dirs):
+    with pytest.raises(ValueError, match="cuda_graphs=True needs device='cuda'.*got 'cpu'"):
+        LLM(tiny_model_dirs["llama"], cuda_graphs=True)
+    with pytest.raises(TypeError, match="cuda_graphs must be a bool, got 'yes'"):
+        LLM(tiny_model_dirs["llama"], cuda_graphs="yes")
+
+
+def test_cuda_graph_batch_sizes_cover_every_batch():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    sizes = graph_batch_sizes(30)
+    assert all(min(s for s in sizes if s >= n) - n < 8 for n in range(1, 31))
 
 
 def test_unsupported_architecture_lists_the_supported(tmp_path):

@@ -117,6 +117,8 @@ WORKER_SPEC = WorkerSpec(
     kv_cache_bytes=1 << 30,
     device="cpu",
     swap_space_bytes=0,
+    cuda_graph_max_batch=64,
+    cuda_graph_max_len=4096,
 )
 SCHEDULER_CONFIG = SchedulerConfig(
     max_num_seqs=8,
@@ -384,12 +386,12 @@ def _plan_fields(**overrides) -> list:
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (
-            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0),
+            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0),
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
             _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None),
-            "WorkerSpec: expected an array of 7 fields",
+            "WorkerSpec: expected an array of 9 fields",
         ),
         (
             _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),
