@@ -137,7 +137,8 @@ def make_llm(
         model=None,
         dtype=args.dtype,
         block_size=args.block_size,
-        num_blocks=(kv_cache_tokens or scale.kv_cache_tokens) // args.block_size,
+        num_blocks=(kv_cache_tokens or args.kv_cache_tokens or scale.kv_cache_tokens)
+        // args.block_size,
         max_model_len=max_model_len or scale.max_model_len,
         **kwargs,
     )
@@ -216,7 +217,12 @@ def sharing_savings(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
     (``model_written_prompts``), the nearest stand-in for the paper's real requests.
     """
     results: dict[str, Any] = {"traces": {}}
-    for trace_name, num_requests in scale.sharing_requests.items():
+    traces = {
+        name: (args.sharing_requests or count)
+        for name, count in scale.sharing_requests.items()
+        if name in args.sharing_traces
+    }
+    for trace_name, num_requests in traces.items():
         real = trace_name == "sharegpt" and args.sharegpt == "real"
         # The real conversations in the paper's window; the synthetic traces in the scale's.
         max_model_len = PAPER_WINDOW if real else scale.max_model_len
@@ -233,11 +239,11 @@ def sharing_savings(scale: Scale, args: argparse.Namespace) -> dict[str, Any]:
             **trace_stats(requests).__dict__,
             "expected_parallel_savings": {
                 width: expected_parallel_savings(requests, width, args.block_size)
-                for width in (2, 4, 6)
+                for width in args.sharing_widths
             },
         }
-        for kind in ("parallel", "beam"):
-            for width in (2, 4, 6):
+        for kind in args.sharing_kinds:
+            for width in args.sharing_widths:
                 # A fresh engine per point: stats() accumulates over the engine's life.
                 llm = make_llm(
                     scale, args, max_model_len=max_model_len, enable_prefix_caching=False
@@ -562,7 +568,9 @@ def plot(results: dict[str, Any], directory: Path) -> list[Path]:
         data = _savings_only(results["sharing_savings"])
         figure, axes = plt.subplots(figsize=(6, 3.5))
         for key_prefix in sorted({k.rsplit("/", 1)[0] for k in data}):
-            widths = [2, 4, 6]
+            widths = sorted(
+                int(k.rsplit("/", 1)[1]) for k in data if k.startswith(key_prefix + "/")
+            )
             axes.plot(
                 widths, [data[f"{key_prefix}/{w}"] * 100 for w in widths], "o-", label=key_prefix
             )
@@ -650,6 +658,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2.0,
         help="(d): the latency limit, as a multiple of paged's latency at its lowest rate (a "
         "finite trace's latency grows by a bounded amount past capacity: keep this low)",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="(a)-(c): the KV cache, instead of the scale's (a larger one runs (b) faster: its "
+        "figures count slot-steps, whatever the concurrency)",
+    )
+    parser.add_argument(
+        "--sharing-traces", nargs="+", default=["sharegpt", "alpaca"], help="(b): the traces"
+    )
+    parser.add_argument(
+        "--sharing-kinds",
+        nargs="+",
+        choices=["parallel", "beam"],
+        default=["parallel", "beam"],
+        help="(b): parallel sampling, beam search or both",
+    )
+    parser.add_argument(
+        "--sharing-widths", type=int, nargs="+", default=[2, 4, 6], help="(b): n / beam widths"
+    )
+    parser.add_argument(
+        "--sharing-requests", type=int, default=None, help="(b): requests per trace"
     )
     parser.add_argument(
         "--sharegpt",

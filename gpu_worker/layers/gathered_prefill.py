@@ -122,7 +122,11 @@ def gathered_prefill_attention(
         # Padding reads block 0, whatever it holds: a fused kernel adds the mask as a bias,
         # and NaN + -inf is NaN, so padding must hold finite values.
         rows = rows.masked_fill(~plan.key_valid[:, :, None, None], 0)
-        return rows.transpose(1, 2)
+        # Each query head's kv head repeated: SDPA's enable_gqa has no fused kernel that also
+        # takes a mask (it would fall back to the unfused math path).
+        rows = rows.transpose(1, 2)
+        group = num_heads // num_kv_heads
+        return rows if group == 1 else rows.repeat_interleave(group, dim=1)
 
     attended = F.scaled_dot_product_attention(
         padded_query.transpose(1, 2),
@@ -130,7 +134,6 @@ def gathered_prefill_attention(
         gather(value_cache),
         attn_mask=plan.mask,
         scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
     )  # [S, num_heads, Q, head_size]
     flat = attended.transpose(1, 2).reshape(num_seqs * max_query, num_heads, head_size)
     out.copy_(flat[plan.output_rows])
