@@ -83,18 +83,20 @@ def plan_gathered_prefill(
         block_tables.astype(np.int64), np.broadcast_to(block_index, (num_seqs, max_keys)), axis=1
     )
     key_blocks = np.where(key_valid, blocks, 0)
-    key_offsets = np.broadcast_to(positions % block_size, (num_seqs, max_keys)).copy()
     query_positions = (seq_lens - query_lens)[:, None] + rows[None, :]  # [S, Q]
-    mask = positions[None, None, :] <= query_positions[:, :, None]  # [S, Q, K]
     output_rows = (np.arange(num_seqs, dtype=np.int64)[:, None] * max_query + rows[None, :])[
         query_valid
     ]
+    # The [S, K] offsets and the [S, 1, Q, K] mask are made where they are used, from
+    # vectors: only the [S, Q] and [S, K] tables cross from the host.
+    device_positions = torch.arange(max_keys, dtype=torch.int64, device=device)
+    device_query_positions = torch.from_numpy(query_positions).to(device)
     return GatheredPrefillPlan(
         query_rows=torch.from_numpy(query_rows).to(device),
         key_blocks=torch.from_numpy(key_blocks).to(device),
-        key_offsets=torch.from_numpy(key_offsets).to(device),
+        key_offsets=(device_positions % block_size).expand(num_seqs, max_keys),
         key_valid=torch.from_numpy(key_valid).to(device),
-        mask=torch.from_numpy(mask[:, None]).to(device),
+        mask=(device_positions <= device_query_positions[:, :, None])[:, None],
         output_rows=torch.from_numpy(output_rows).to(device),
     )
 
