@@ -120,7 +120,8 @@ inline float2 __bfloat1622float2(__nv_bfloat162 b) {
   return {__bfloat162float(b.x), __bfloat162float(b.y)};
 }
 
-// --- device math ----------------------------------------------------------------------------------
+// --- device math
+// ----------------------------------------------------------------------------------
 
 template <typename A, typename B>
 inline auto min(A a, B b) -> std::common_type_t<A, B> {
@@ -237,7 +238,8 @@ inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cud
 
 namespace pagedserve_emu {
 
-// --- fibers ---------------------------------------------------------------------------------------
+// --- fibers
+// ---------------------------------------------------------------------------------------
 
 enum class Wait { kRunnable, kBlockBarrier, kWarpCollective, kExited };
 
@@ -265,9 +267,8 @@ class Stack {
  public:
   Stack() {
     const size_t page = 4096;
-    base_ = static_cast<char*>(
-        mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-             -1, 0));
+    base_ = static_cast<char*>(mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE,
+                                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
     if (base_ == MAP_FAILED) throw std::bad_alloc();
     mprotect(base_, page, PROT_NONE);
     top_ = base_ + page;
@@ -320,8 +321,8 @@ class Block {
     for (int i = 0; i < num_threads_; ++i) {
       threads_[i].stack = stacks[i].get();
       threads_[i].linear = i;
-      threads_[i].index = dim3(i % block_dim.x, (i / block_dim.x) % block_dim.y,
-                               i / (block_dim.x * block_dim.y));
+      threads_[i].index =
+          dim3(i % block_dim.x, (i / block_dim.x) % block_dim.y, i / (block_dim.x * block_dim.y));
     }
     dynamic_shared_bytes_ = dynamic_shared_bytes;
     const char* schedule = std::getenv("PAGEDSERVE_CUDA_EMU_SCHEDULE");
@@ -357,7 +358,8 @@ class Block {
       makecontext(&thread.context, &Block::entry, 0);
     }
     std::vector<int> order(num_threads_);
-    for (int i = 0; i < num_threads_; ++i) order[i] = schedule_ == kReverse ? num_threads_ - 1 - i : i;
+    for (int i = 0; i < num_threads_; ++i)
+      order[i] = schedule_ == kReverse ? num_threads_ - 1 - i : i;
     current_block() = this;
     while (true) {
       if (schedule_ == kRandom) std::shuffle(order.begin(), order.end(), random_);
@@ -389,8 +391,8 @@ class Block {
   }
 
   template <typename T>
-  T warp_collective(Collective op, unsigned mask, T value, int operand, int width,
-                    const char* file, int line) {
+  T warp_collective(Collective op, unsigned mask, T value, int operand, int width, const char* file,
+                    int line) {
     static_assert(sizeof(T) <= sizeof(uint64_t), "a shuffled value is at most 8 bytes");
     Thread& thread = *current_;
     thread.wait = Wait::kWarpCollective;
@@ -467,10 +469,9 @@ class Block {
         if (first == nullptr) {
           first = &thread;
         } else if (thread.line != first->line || std::strcmp(thread.file, first->file) != 0) {
-          fail("threads wait at different __syncthreads: thread " +
-               std::to_string(first->linear) + " at " + site(*first) + ", thread " +
-               std::to_string(thread.linear) + " at " + site(thread) +
-               " (a barrier in code the block does not run uniformly)");
+          fail("threads wait at different __syncthreads: thread " + std::to_string(first->linear) +
+               " at " + site(*first) + ", thread " + std::to_string(thread.linear) + " at " +
+               site(thread) + " (a barrier in code the block does not run uniformly)");
           return false;
         }
       }
@@ -664,7 +665,8 @@ inline void shared_declared(void* pointer, size_t bytes) {
 
 }  // namespace pagedserve_emu
 
-// --- built-in variables and device functions -------------------------------------------------------
+// --- built-in variables and device functions
+// -------------------------------------------------------
 
 #define threadIdx (::pagedserve_emu::current_block()->self().index)
 #define blockIdx (::pagedserve_emu::current_block()->block_idx())
@@ -702,7 +704,6 @@ T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32,
 template <typename T>
 T __shfl_up_sync(unsigned mask, T value, unsigned delta, int width = 32,
                  const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
-  return pagedserve_emu::current_block()->warp_collective(pagedserve_emu::Collective::kShflUp,
-                                                          mask, value, static_cast<int>(delta),
-                                                          width, file, line);
+  return pagedserve_emu::current_block()->warp_collective(
+      pagedserve_emu::Collective::kShflUp, mask, value, static_cast<int>(delta), width, file, line);
 }

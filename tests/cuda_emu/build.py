@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -34,6 +35,9 @@ FLAGS = [
     "-O2",
     "-fPIC",
     "-mf16c",
+    # The kernels reinterpret 16-byte vectors as half2 pairs, as CUDA code does; nvcc keeps
+    # such accesses, g++ under strict aliasing may not.
+    "-fno-strict-aliasing",
     "-Wall",
     "-Wno-unknown-pragmas",
     "-Wno-unused-parameter",
@@ -139,12 +143,15 @@ def _build(name: str, sources: list[Path], bindings: Path) -> Path:
     for (source, _), result in zip(jobs, results):
         if result.returncode != 0:
             raise RuntimeError(f"compiling {source} for the emulator failed:\n{result.stderr}")
-    partial = module.with_suffix(".partial")
+    partial = module.with_suffix(f".partial{os.getpid()}")
     link = [_compiler(), "-shared", *FLAGS, *(str(obj) for _, obj in jobs), "-o", str(partial)]
     result = subprocess.run(link, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"linking {module.name} failed:\n{result.stderr}")
     partial.rename(module)  # whole or absent: a build stopped halfway is not reused
+    for stale in CACHE.glob(f"{name}-*"):  # builds of earlier sources
+        if stale != out_dir:
+            shutil.rmtree(stale, ignore_errors=True)
     return module
 
 

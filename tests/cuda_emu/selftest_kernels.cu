@@ -22,7 +22,8 @@ T* at(uintptr_t address) {
 
 void check(const char* what) {
   const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(error));
+  if (error != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(error));
 }
 
 __global__ void neighbour_kernel(const float* in, float* out, bool with_barrier) {

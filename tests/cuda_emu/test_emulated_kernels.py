@@ -1,0 +1,353 @@
+"""csrc/cuda's kernels, run on the CPU by the CUDA emulator, against the float64 references of
+tests/ops: the kernels' logic (indexing, GQA, split-K, masking, tails, vector widths, barriers)
+is checked on every machine, not only when a GPU is lent. tests/cuda runs the same kernels on a
+GPU; that remains the acceptance for speed and for the GPU's own behaviour.
+
+The calls go through gpu_worker/cuda_ops.py (the wrappers the engine uses) with the emulated
+module in place of pagedserve._C_cuda, so their argument lists are checked against the bindings
+too. The emulator has one device and no streams: every call is on device 0's default stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ops import reference
+from ops.cases import TOLERANCES, fused_qkv, paged_case, query_start_loc, random_pool
+
+from cuda_emu.build import emulated_kernels
+from pagedserve.gpu_worker import cuda_ops, ops
+
+pytestmark = pytest.mark.slow  # the first use compiles the kernels (~25 s)
+
+HEAD_SIZES = [64, 80, 96, 128, 256]
+BLOCK_SIZES = [8, 16, 32]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (num_heads, num_kv_heads): plain multi-head, GQA groups of 3 and 4, and a group of 16 (two
+# chunks of the decode kernel's largest group tile).
+HEAD_LAYOUTS = [(4, 4), (6, 2), (8, 2), (16, 1)]
+SCHEDULES = ["forward", "reverse", "random:7"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """cuda_ops calling the emulated kernels, for this module's tests."""
+    module = emulated_kernels()
+    saved = cuda_ops._module, cuda_ops._stream
+    cuda_ops._module = module
+    cuda_ops._stream = lambda device: (0, 0)  # the emulator's device 0, default stream
+    yield module
+    cuda_ops._module, cuda_ops._stream = saved
+
+
+def _cache_args(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
+    return ops._check_caches(key_cache, value_cache).args
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.double(), expected, **TOLERANCES[dtype])
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.contiguous(), b.contiguous()
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# --- decode ------------------------------------------------------------------------------------
+
+
+def _decode_inputs(seq_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
+    query, _, _ = fused_qkv(len(seq_lens), num_heads, num_kv_heads, head_size, dtype, generator)
+    return case, query
+
+
+def _decode(case, query, scale, partition_size=-1, out=None):
+    out = torch.empty_like(query) if out is None else out
+    _, num_kv_heads, block_size, head_size = case.key_cache.shape
+    cuda_ops.paged_attention_decode(
+        out,
+        query,
+        case.block_tables,
+        case.seq_lens,
+        scale,
+        partition_size,
+        _cache_args(case.key_cache, case.value_cache),
+        num_kv_heads,
+        head_size,
+        block_size,
+    )
+    return out
+
+
+def _decode_reference(case, query, scale):
+    return reference.decode_attention(
+        query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, scale
+    )
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_reference(dtype, head_size, block_size):
+    # Every layout over the grid of dtypes, head sizes and block sizes (not every product).
+    layout = HEAD_LAYOUTS[(HEAD_SIZES.index(head_size) + BLOCK_SIZES.index(block_size)) % 3]
+    num_heads, num_kv_heads = layout
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 100]
+    case, query = _decode_inputs(seq_lens, num_heads, num_kv_heads, block_size, head_size, dtype)
+    scale = head_size**-0.5
+    expected = _decode_reference(case, query, scale)
+    for partition_size in (0, 2 * block_size, -1):
+        _assert_close(_decode(case, query, scale, partition_size), expected, dtype)
+
+
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_gqa_groups(dtype, layout):
+    num_heads, num_kv_heads = layout
+    case, query = _decode_inputs([7, 64, 130], num_heads, num_kv_heads, 16, 128, dtype, seed=1)
+    expected = _decode_reference(case, query, 0.09)
+    for partition_size in (0, 32):
+        _assert_close(_decode(case, query, 0.09, partition_size), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_k_on_long_contexts(dtype):
+    # Lengths below, at and across 512-token partitions, and one far longer than the rest.
+    seq_lens = [1, 511, 512, 513, 1400]
+    case, query = _decode_inputs(seq_lens, 8, 2, 16, 64, dtype, seed=2)
+    expected = _decode_reference(case, query, 0.088)
+    single = _decode(case, query, 0.088, 0)
+    split = _decode(case, query, 0.088, 512)
+    for out in (single, split):
+        _assert_close(out, expected, dtype)
+    tolerance = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else TOLERANCES[dtype]
+    torch.testing.assert_close(split, single, **tolerance)
+
+
+def test_automatic_choice_splits_when_few_sequences_have_long_contexts(kernels):
+    # One sequence of 8 kv heads and 8192 tokens: far too few thread blocks for one pass on the
+    # emulated H200's 132 multiprocessors.
+    partition, workspace = kernels.plan_paged_attention_decode(1, 32, 8, 128, 8192, -1, 0)
+    assert partition > 0 and workspace == 1 * 32 * (8192 // partition) * (128 + 2)
+    assert kernels.plan_paged_attention_decode(64, 32, 32, 128, 256, -1, 0) == (0, 0)
+    assert kernels.plan_paged_attention_decode(1, 32, 8, 128, 8192, 0, 0) == (0, 0)
+    # The automatic choice runs through the wrapper's workspace too.
+    case, query = _decode_inputs([1300, 20], 8, 2, 16, 64, torch.float32, seed=5)
+    _assert_close(_decode(case, query, 0.1), _decode_reference(case, query, 0.1), torch.float32)
+
+
+def test_decode_zero_length_sequence_gives_zeros():
+    case, query = _decode_inputs([5, 0, 17], 4, 2, 8, 64, torch.float32)
+    for partition_size in (0, 8):
+        out = _decode(case, query, 0.125, partition_size)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        _assert_close(out, _decode_reference(case, query, 0.125), torch.float32)
+
+
+def test_decode_writes_into_strided_out_only():
+    case, query = _decode_inputs([9, 40], 6, 2, 16, 80, torch.bfloat16)
+    buffer = torch.full((2, 8 * 80), 7.0, dtype=torch.bfloat16)
+    out = buffer[:, 80 : 7 * 80].view(2, 6, 80)
+    _decode(case, query, 0.1, out=out)
+    _assert_close(out, _decode_reference(case, query, 0.1), torch.bfloat16)
+    assert torch.all(buffer[:, :80] == 7.0) and torch.all(buffer[:, 7 * 80 :] == 7.0)
+
+
+def test_decode_is_the_same_under_every_schedule(monkeypatch):
+    # Threads of a block share memory only through barriers and shuffles: any order of the
+    # threads between them gives the same bits.
+    case, query = _decode_inputs([300, 5, 77], 8, 2, 16, 96, torch.float16, seed=6)
+    results = []
+    for schedule in SCHEDULES:
+        monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_SCHEDULE", schedule)
+        results.append((_decode(case, query, 0.1, 0), _decode(case, query, 0.1, 64)))
+    for single, split in results[1:]:
+        assert torch.equal(single, results[0][0]) and torch.equal(split, results[0][1])
+
+
+# --- prefill -----------------------------------------------------------------------------------
+
+
+def _prefill_inputs(prior, q_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [p + q for p, q in zip(prior, q_lens)]
+    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
+    query, _, _ = fused_qkv(sum(q_lens), num_heads, num_kv_heads, head_size, dtype, generator)
+    return case, query, query_start_loc(q_lens), max(q_lens)
+
+
+def _prefill(case, query, loc, scale, max_query_len):
+    out = torch.empty_like(query)
+    cuda_ops.paged_prefill_attention(
+        out,
+        query,
+        case.block_tables,
+        loc,
+        case.seq_lens,
+        scale,
+        max_query_len,
+        _cache_args(case.key_cache, case.value_cache),
+    )
+    return out
+
+
+def _prefill_reference(case, query, loc, scale):
+    return reference.attention(
+        query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, scale
+    )
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_mixed_batch_matches_reference(dtype, head_size, block_size):
+    layout = HEAD_LAYOUTS[(HEAD_SIZES.index(head_size) + BLOCK_SIZES.index(block_size)) % 4]
+    num_heads, num_kv_heads = layout
+    # Plain prefill, a decode (q_len 1) with context, chunked prefill over cached context,
+    # a prefill of exactly one block plus one token, and a single-token prompt.
+    prior = [0, 13, block_size, 50, 0]
+    q_lens = [37, 1, block_size + 1, 30, 1]
+    case, query, loc, max_len = _prefill_inputs(
+        prior, q_lens, num_heads, num_kv_heads, block_size, head_size, dtype
+    )
+    scale = head_size**-0.5
+    _assert_close(
+        _prefill(case, query, loc, scale, max_len),
+        _prefill_reference(case, query, loc, scale),
+        dtype,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_a_few_hundred_tokens_with_gqa(dtype):
+    case, query, loc, max_len = _prefill_inputs([0, 120], [150, 90], 9, 3, 16, 64, dtype, seed=3)
+    _assert_close(
+        _prefill(case, query, loc, 0.125, max_len),
+        _prefill_reference(case, query, loc, 0.125),
+        dtype,
+    )
+
+
+def test_prefill_skips_sequences_without_new_tokens():
+    case, query, loc, max_len = _prefill_inputs([10, 4, 0], [3, 0, 5], 4, 2, 8, 64, torch.float32)
+    _assert_close(
+        _prefill(case, query, loc, 0.125, max_len),
+        _prefill_reference(case, query, loc, 0.125),
+        torch.float32,
+    )
+
+
+def test_prefill_of_single_tokens_equals_decode():
+    prior = [0, 7, 31, 100]
+    case, query, loc, _ = _prefill_inputs(prior, [1] * 4, 8, 2, 16, 96, torch.float32, seed=4)
+    prefill = _prefill(case, query, loc, 0.1, 1)
+    torch.testing.assert_close(prefill, _decode(case, query, 0.1, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_is_the_same_under_every_schedule(monkeypatch):
+    case, query, loc, max_len = _prefill_inputs(
+        [0, 20], [40, 9], 8, 2, 16, 256, torch.bfloat16, seed=8
+    )
+    results = []
+    for schedule in SCHEDULES:
+        monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_SCHEDULE", schedule)
+        results.append(_prefill(case, query, loc, 0.07, max_len))
+    assert all(torch.equal(result, results[0]) for result in results[1:])
+
+
+# --- cache ops ---------------------------------------------------------------------------------
+
+
+def _reshape_and_cache(key, value, key_cache, value_cache, slots):
+    cuda_ops.reshape_and_cache(key, value, slots, _cache_args(key_cache, value_cache))
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_writes_slots(dtype, head_size, block_size):
+    generator = torch.Generator().manual_seed(0)
+    num_blocks, num_kv_heads, num_tokens = 12, 2, 23
+    pool = random_pool(num_blocks, num_kv_heads, block_size, head_size, dtype, generator)
+    key_cache, value_cache = pool[:, 1, 0], pool[:, 1, 1]
+    _, key, value = fused_qkv(num_tokens, 6, num_kv_heads, head_size, dtype, generator)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[[3, 11, 22]] = -1  # padding tokens
+    expected_key, expected_value = reference.reshape_and_cache(
+        key, value, key_cache.clone(), value_cache.clone(), slots
+    )
+    other_layer = pool[:, 0].clone()
+
+    _reshape_and_cache(key, value, key_cache, value_cache, slots)
+
+    assert _same_bytes(key_cache, expected_key)
+    assert _same_bytes(value_cache, expected_value)
+    assert _same_bytes(pool[:, 0], other_layer)
+
+
+def test_reshape_and_cache_from_unaligned_views():
+    # Keys starting one element into their buffer: the kernel falls back to 2-byte copies.
+    generator = torch.Generator().manual_seed(1)
+    pool = random_pool(4, 2, 8, 80, torch.float16, generator, num_layers=1)
+    key_cache, value_cache = pool[:, 0, 0], pool[:, 0, 1]
+    buffer = torch.randn(5, 1 + 4 * 160, generator=generator).to(torch.float16)
+    key = buffer[:, 1 : 1 + 160].view(5, 2, 80)
+    value = buffer[:, 1 + 160 : 1 + 320].view(5, 2, 80)
+    slots = torch.tensor([0, 9, -1, 31, 17])
+    expected_key, expected_value = reference.reshape_and_cache(
+        key, value, key_cache.clone(), value_cache.clone(), slots
+    )
+    _reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert _same_bytes(key_cache, expected_key) and _same_bytes(value_cache, expected_value)
+
+
+def _copy_blocks(pool, mapping):
+    cuda_ops.copy_blocks(pool, mapping, ops._block_bytes(pool))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_copies_whole_blocks_exactly(dtype):
+    generator = torch.Generator().manual_seed(3)
+    pool = random_pool(10, 1, 16, 64, dtype, generator, num_layers=3)
+    pool.view(-1).view(torch.int16)[:64] = 0x7F81  # NaN payloads arithmetic could change
+    pool.view(-1)[100] = -0.0
+    mapping = torch.tensor([[0, 5], [2, 7], [0, 9]])
+    expected = reference.copy_blocks(pool.clone(), pool.clone(), mapping)
+    _copy_blocks(pool, mapping)
+    assert _same_bytes(pool, expected)
+
+
+def test_copy_blocks_of_large_blocks_spread_over_chunks():
+    generator = torch.Generator().manual_seed(4)
+    pool = random_pool(40, 4, 16, 128, torch.bfloat16, generator)  # 64 KiB blocks: 4 chunks
+    mapping = torch.stack([torch.arange(0, 20), torch.arange(20, 40)], dim=1)
+    expected = reference.copy_blocks(pool.clone(), pool.clone(), mapping)
+    _copy_blocks(pool, mapping)
+    assert _same_bytes(pool, expected)
+
+
+def test_copy_blocks_rejects_bad_mappings_before_any_launch():
+    pool = random_pool(10, 1, 8, 64, torch.float32, torch.Generator().manual_seed(5))
+    before = pool.clone()
+    with pytest.raises(ValueError, match="destination block 3 more than once"):
+        _copy_blocks(pool, torch.tensor([[0, 3], [1, 3]]))
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_blocks_in_runs(dtype):
+    # The emulator's "device" is host memory: this checks the runs of consecutive pairs that
+    # make one copy each, and the bytes.
+    generator = torch.Generator().manual_seed(6)
+    device_pool = random_pool(12, 2, 8, 80, dtype, generator)
+    host_pool = random_pool(6, 2, 8, 80, dtype, generator)
+    swap_out = torch.tensor([[11, 0], [3, 4], [4, 5], [7, 2]])  # (3, 4), (4, 5): one run
+    expected_host = reference.copy_blocks(device_pool, host_pool.clone(), swap_out)
+    cuda_ops.swap_blocks(device_pool, host_pool, swap_out, ops._block_bytes(device_pool))
+    assert _same_bytes(host_pool, expected_host)
+    swap_in = torch.tensor([[0, 1], [4, 6], [2, 2]])
+    expected_device = reference.copy_blocks(host_pool, device_pool.clone(), swap_in)
+    cuda_ops.swap_blocks(host_pool, device_pool, swap_in, ops._block_bytes(host_pool))
+    assert _same_bytes(device_pool, expected_device)
