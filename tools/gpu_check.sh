@@ -11,11 +11,14 @@
 #      against HF generate and generate_batch (gets whatever time is left)
 #   5. $OUT/gpu_check.json and $OUT/gpu_check.md: the summary, with the targets checked
 #
-# Packages the image may lack (pyzmq and msgpack, which the engine imports) travel as wheels in
-# .whl/, carried by the caller and fetched beforehand on a machine with the registry:
-#   pip download pyzmq msgpack --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux_2_28_x86_64 --no-deps -d .whl
-# They are installed to /tmp/site.
+# Packages the image may lack (pyzmq, msgpack, gguf, jinja2 and markupsafe, which the engine
+# imports; pytest and its dependencies) travel as wheels in .whl/, carried by the caller and
+# fetched beforehand on a machine with the registry:
+#   pip download pyzmq msgpack gguf jinja2 markupsafe pytest pluggy iniconfig pygments \
+#       --only-binary=:all: --no-deps -d .whl \
+#       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+#       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any
+# Each one the image lacks is installed to /tmp/site (the image's own versions are kept).
 #
 #   OUT=/tmp/out bash tools/gpu_check.sh
 set -euo pipefail
@@ -37,13 +40,24 @@ export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 # --- 0. packages the image lacks ---------------------------------------------------------------
-if ! "$PYTHON" -c "import zmq, msgpack" 2>/dev/null; then
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  else
-    say "pyzmq or msgpack is missing and .whl/ holds no wheels: the engine cannot be imported"
+missing_wheels=()
+for pair in zmq:pyzmq msgpack:msgpack gguf:gguf jinja2:jinja2 markupsafe:markupsafe \
+  pytest:pytest pluggy:pluggy iniconfig:iniconfig pygments:pygments; do
+  module=${pair%%:*} package=${pair##*:}
+  if ! "$PYTHON" -c "import $module" 2>/dev/null; then
+    wheel=$(compgen -G ".whl/${package}-*.whl" | head -n 1 || true)
+    if [ -n "$wheel" ]; then
+      missing_wheels+=("$wheel")
+    else
+      say "$module is missing and .whl/ holds no wheel of $package: parts of the engine cannot be imported"
+    fi
   fi
+done
+if [ "${#missing_wheels[@]}" -gt 0 ]; then
+  say "installing ${missing_wheels[*]} to /tmp/site"
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    "${missing_wheels[@]}" || say "installing the wheels failed; going on without them"
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 # --- 1. build ----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -132,10 +133,6 @@ template <typename A, typename B>
 inline auto max(A a, B b) -> std::common_type_t<A, B> {
   using C = std::common_type_t<A, B>;
   return static_cast<C>(a) < static_cast<C>(b) ? static_cast<C>(b) : static_cast<C>(a);
-}
-template <typename T>
-inline T __ldg(const T* pointer) {
-  return *pointer;
 }
 
 // --- the runtime API ----------------------------------------------------------------------------
@@ -299,6 +296,24 @@ struct Thread {
   // Where it waits (the source line of the barrier or collective).
   const char* file = "";
   int line = 0;
+  // Global loads through __ldg, for the coalescing statistics: a lane's n-th load at a source
+  // line since its last barrier or collective is one warp-wide load instruction with the other
+  // lanes' n-th loads there.
+  uint64_t epoch = 0;
+  std::map<std::pair<const char*, int>, int> loads_at_site;
+  std::vector<std::tuple<uint64_t, const char*, int, int, uintptr_t, size_t>> loads;
+
+  void passed_sync_point() {
+    ++epoch;
+    loads_at_site.clear();
+  }
+};
+
+// Global loads of one launch, counted as the hardware serves them: in 32-byte sectors.
+struct LoadStats {
+  uint64_t requests = 0;         // warp-wide load instructions
+  uint64_t requested_bytes = 0;  // bytes the lanes asked for
+  uint64_t sectors = 0;          // distinct 32-byte sectors each request touched, summed
 };
 
 class Block;
@@ -351,6 +366,9 @@ class Block {
     std::memset(dynamic_shared_.data(), 0xff, dynamic_shared_.size() * sizeof(double));
     for (Thread& thread : threads_) {
       thread.wait = Wait::kRunnable;
+      thread.epoch = 0;
+      thread.loads_at_site.clear();
+      thread.loads.clear();
       getcontext(&thread.context);
       thread.context.uc_stack.ss_sp = thread.stack->bottom();
       thread.context.uc_stack.ss_size = kStackBytes;
@@ -376,6 +394,7 @@ class Block {
     }
     current_block() = nullptr;
     if (!error_.empty()) throw std::runtime_error(where() + error_);
+    if (record_loads_) count_loads();
   }
 
   Thread& self() { return *current_; }
@@ -388,6 +407,7 @@ class Block {
     current_->file = file;
     current_->line = line;
     yield();
+    current_->passed_sync_point();
   }
 
   template <typename T>
@@ -405,10 +425,21 @@ class Block {
     thread.value = 0;
     std::memcpy(&thread.value, &value, sizeof(T));
     yield();
+    thread.passed_sync_point();
     T result;
     std::memcpy(&result, &thread.result, sizeof(T));
     return result;
   }
+
+  void record_load(const void* pointer, size_t bytes, const char* file, int line) {
+    if (!record_loads_) return;
+    Thread& thread = *current_;
+    const int occurrence = thread.loads_at_site[{file, line}]++;
+    thread.loads.emplace_back(thread.epoch, file, line, occurrence,
+                              reinterpret_cast<uintptr_t>(pointer), bytes);
+  }
+
+  const LoadStats& load_stats() const { return load_stats_; }
 
   template <typename T>
   T* dynamic_shared() {
@@ -587,6 +618,33 @@ class Block {
     return true;
   }
 
+  void count_loads() {
+    const int num_warps = (num_threads_ + kWarp - 1) / kWarp;
+    for (int warp = 0; warp < num_warps; ++warp) {
+      // (epoch, file, line, occurrence) -> the lanes' (address, bytes)
+      std::map<std::tuple<uint64_t, const char*, int, int>,
+               std::vector<std::pair<uintptr_t, size_t>>>
+          requests;
+      for (int lane = 0; lane < kWarp && warp * kWarp + lane < num_threads_; ++lane) {
+        for (const auto& [epoch, file, line, occurrence, address, bytes] :
+             threads_[warp * kWarp + lane].loads) {
+          requests[{epoch, file, line, occurrence}].emplace_back(address, bytes);
+        }
+      }
+      for (const auto& [key, lanes] : requests) {
+        std::unordered_set<uintptr_t> sectors;
+        for (const auto& [address, bytes] : lanes) {
+          load_stats_.requested_bytes += bytes;
+          for (uintptr_t sector = address / 32; sector <= (address + bytes - 1) / 32; ++sector) {
+            sectors.insert(sector);
+          }
+        }
+        load_stats_.requests += 1;
+        load_stats_.sectors += sectors.size();
+      }
+    }
+  }
+
   static std::string site(const Thread& thread) {
     return std::string(thread.file) + ":" + std::to_string(thread.line);
   }
@@ -610,17 +668,21 @@ class Block {
   const std::function<void()>* body_ = nullptr;
   std::string error_;
   std::unordered_set<void*> poisoned_;
+  bool record_loads_ = std::getenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS") != nullptr;
+  LoadStats load_stats_;
 };
 
 // `kernel<<<grid, block, shared_bytes, stream>>>(args...)` becomes
-// `Launcher(grid, block, shared_bytes, stream).run(kernel, args...)` (tests/cuda_emu/build.py).
+// `Launcher(grid, block, shared_bytes, stream).run("kernel", kernel, args...)`
+// (tests/cuda_emu/build.py). With PAGEDSERVE_CUDA_EMU_LOAD_STATS=<file>, each launch appends a
+// JSON line with its __ldg loads' statistics to that file.
 class Launcher {
  public:
   Launcher(dim3 grid, dim3 block, size_t dynamic_shared_bytes = 0, cudaStream_t = nullptr)
       : grid_(grid), block_(block), dynamic_shared_bytes_(dynamic_shared_bytes) {}
 
   template <typename... Params, typename... Args>
-  void run(void (*kernel)(Params...), Args&&... args) {
+  void run(const char* label, void (*kernel)(Params...), Args&&... args) {
     Runtime& state = runtime();
     std::lock_guard<std::mutex> lock(state.launch_mutex);
     if (!valid(state, reinterpret_cast<const void*>(kernel))) {
@@ -635,6 +697,15 @@ class Launcher {
       for (unsigned y = 0; y < grid_.y; ++y) {
         for (unsigned x = 0; x < grid_.x; ++x) block.run(dim3(x, y, z), grid_, body);
       }
+    }
+    if (const char* path = std::getenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS")) {
+      const LoadStats& stats = block.load_stats();
+      std::ofstream out(path, std::ios::app);
+      out << "{\"kernel\": \"" << label << "\", \"grid\": [" << grid_.x << ", " << grid_.y << ", "
+          << grid_.z << "], \"block_threads\": " << block_.x * block_.y * block_.z
+          << ", \"requests\": " << stats.requests
+          << ", \"requested_bytes\": " << stats.requested_bytes
+          << ", \"sectors\": " << stats.sectors << "}\n";
     }
   }
 
@@ -674,6 +745,12 @@ inline void shared_declared(void* pointer, size_t bytes) {
 #define gridDim (::pagedserve_emu::current_block()->grid_dim())
 
 // Default arguments name the call site (the original .cu line, through build.py's #line).
+template <typename T>
+T __ldg(const T* pointer, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  pagedserve_emu::current_block()->record_load(pointer, sizeof(T), file, line);
+  return *pointer;
+}
+
 inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   pagedserve_emu::current_block()->sync_threads(file, line);
 }

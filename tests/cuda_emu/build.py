@@ -81,7 +81,9 @@ def translate(source: str) -> str:
         comma = "" if rest.startswith(")") else ", "
         between = match[0][match[0].rindex(">>>") + 3 : -1]  # whitespace before the "("
         out.append(head[: len(head) - len(kernel)])
-        out.append(f"::pagedserve_emu::Launcher({match[1]}).run({kernel}{comma}{between}")
+        label = " ".join(kernel.split()).replace("\\", "").replace('"', "")
+        launch = f'::pagedserve_emu::Launcher({match[1]}).run("{label}", {kernel}{comma}{between}'
+        out.append(launch)
         position = match.end()
     out.append(source[position:])
     return "".join(out)

@@ -19,6 +19,8 @@ void read_unwritten_shared(uintptr_t out);
 // Launches a kernel with this configuration; returns cudaGetLastError()'s code afterwards.
 int launch_config(int grid_x, int grid_y, int threads, int dynamic_shared_bytes, bool opt_in,
                   uintptr_t out);
+// out[i] = in[i * stride] through __ldg, for the load statistics (PAGEDSERVE_CUDA_EMU_LOAD_STATS).
+void strided_loads(uintptr_t in, uintptr_t out, int n, int stride);
 void convert(uintptr_t in, int64_t n, uintptr_t half_bits, uintptr_t bfloat16_bits);
 
 }  // namespace pagedserve_emu_selftest

@@ -14,5 +14,6 @@ PYBIND11_MODULE(_cuda_emu_selftest, m) {
   m.def("barrier_in_one_warp", &selftest::barrier_in_one_warp);
   m.def("read_unwritten_shared", &selftest::read_unwritten_shared);
   m.def("launch_config", &selftest::launch_config);
+  m.def("strided_loads", &selftest::strided_loads);
   m.def("convert", &selftest::convert);
 }

@@ -87,6 +87,11 @@ __global__ void dynamic_shared_kernel(float* out) {
   }
 }
 
+__global__ void strided_loads_kernel(const float* in, float* out, int n, int stride) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __ldg(in + static_cast<int64_t>(i) * stride);
+}
+
 __global__ void convert_kernel(const float* in, int64_t n, uint16_t* half_bits,
                                uint16_t* bfloat16_bits) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -139,6 +144,11 @@ int launch_config(int grid_x, int grid_y, int threads, int dynamic_shared_bytes,
   }
   dynamic_shared_kernel<<<dim3(grid_x, grid_y), threads, dynamic_shared_bytes>>>(at<float>(out));
   return static_cast<int>(cudaGetLastError());
+}
+
+void strided_loads(uintptr_t in, uintptr_t out, int n, int stride) {
+  strided_loads_kernel<<<(n + 63) / 64, 64>>>(at<const float>(in), at<float>(out), n, stride);
+  check("strided_loads");
 }
 
 void convert(uintptr_t in, int64_t n, uintptr_t half_bits, uintptr_t bfloat16_bits) {

@@ -10,6 +10,8 @@ too. The emulator has one device and no streams: every call is on device 0's def
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from ops import reference
@@ -165,6 +167,29 @@ def test_decode_is_the_same_under_every_schedule(monkeypatch):
         results.append((_decode(case, query, 0.1, 0), _decode(case, query, 0.1, 64)))
     for single, split in results[1:]:
         assert torch.equal(single, results[0][0]) and torch.equal(split, results[0][1])
+
+
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_reads_the_cache_in_whole_sectors(dtype, head_size, monkeypatch, tmp_path):
+    # The kernel's claim (attention_kernels.cu): each warp-wide load covers contiguous spans of
+    # a block's rows, so every 32-byte sector the K/V reads touch is used whole, the condition
+    # for reading the cache near the memory bandwidth (tools/bench_cuda.py measures the rest).
+    stats_path = tmp_path / "loads.jsonl"
+    monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS", str(stats_path))
+    for block_size in BLOCK_SIZES:
+        case, query = _decode_inputs([257, 300, 31], 8, 2, block_size, head_size, dtype)
+        _decode(case, query, 0.1, 0)
+        _decode(case, query, 0.1, 64)
+    launches = [json.loads(line) for line in stats_path.read_text().splitlines()]
+    decode = [launch for launch in launches if launch["kernel"].startswith("decode_kernel")]
+    assert len(decode) == 2 * len(BLOCK_SIZES)
+    for launch in decode:
+        assert launch["requested_bytes"] == launch["sectors"] * 32, launch
+    # Two rows of K and V per token: everything a head needs, read once.
+    tokens = 2 * (257 + 300 + 31)
+    element = torch.tensor([], dtype=dtype).element_size()
+    assert decode[0]["requested_bytes"] == tokens * 2 * head_size * element
 
 
 # --- prefill -----------------------------------------------------------------------------------

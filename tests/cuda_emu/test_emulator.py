@@ -3,6 +3,8 @@ that break CUDA's rules on purpose, which it must report rather than run quietly
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -93,6 +95,26 @@ def test_launch_configurations_are_checked(selftest):
     )
     assert selftest.launch_config(1, 1, 64, 64 * 1024, True, out.data_ptr()) == 0
     assert selftest.launch_config(1, 1, 64, 228 * 1024, True, out.data_ptr()) == INVALID_VALUE
+
+
+@pytest.mark.parametrize(("stride", "efficiency"), [(1, 1.0), (2, 0.5), (8, 0.125), (100, 0.125)])
+def test_load_statistics_count_sectors_per_warp_load(
+    selftest, monkeypatch, tmp_path, stride, efficiency
+):
+    stats_path = tmp_path / "loads.jsonl"
+    monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS", str(stats_path))
+    n = 200  # 3 full blocks of 64 threads and one of 8: 7 warp-wide loads (one of 8 lanes)
+    values = torch.randn(n * stride)
+    out = torch.empty(n)
+    selftest.strided_loads(values.data_ptr(), out.data_ptr(), n, stride)
+    assert torch.equal(out, values[::stride])
+    (line,) = stats_path.read_text().splitlines()
+    stats = json.loads(line)
+    assert stats["kernel"] == "strided_loads_kernel" and stats["grid"] == [4, 1, 1]
+    assert stats["requests"] == 7 and stats["requested_bytes"] == 4 * n
+    # A float per lane: 32 lanes in 4 sectors when contiguous (the tensor starts on a 32-byte
+    # boundary), one sector per lane at a stride of 32 bytes or more.
+    assert stats["requested_bytes"] / (32 * stats["sectors"]) == pytest.approx(efficiency)
 
 
 def test_16_bit_conversions_equal_torch_bit_for_bit(selftest):
