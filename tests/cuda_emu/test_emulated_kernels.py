@@ -128,6 +128,12 @@ def test_split_k_on_long_contexts(dtype):
     torch.testing.assert_close(split, single, **tolerance)
 
 
+def test_split_k_with_more_partitions_than_reduction_threads():
+    # 2100 tokens in partitions of 8: 263 partitions, more than the reduction's 128 threads.
+    case, query = _decode_inputs([2100, 9], 4, 1, 8, 64, torch.float32, seed=9)
+    _assert_close(_decode(case, query, 0.1, 8), _decode_reference(case, query, 0.1), torch.float32)
+
+
 def test_automatic_choice_splits_when_few_sequences_have_long_contexts(kernels):
     # One sequence of 8 kv heads and 8192 tokens: far too few thread blocks for one pass on the
     # emulated H200's 132 multiprocessors.
