@@ -189,8 +189,9 @@ __device__ __forceinline__ void unpack(const uint4& raw, float* out, __nv_bfloat
   }
 }
 
+// Through the read-only data cache (the kernels never write what they read this way).
 __device__ __forceinline__ uint4 load16(const void* pointer) {
-  return *reinterpret_cast<const uint4*>(pointer);
+  return __ldg(reinterpret_cast<const uint4*>(pointer));
 }
 
 }  // namespace pagedserve::cuda

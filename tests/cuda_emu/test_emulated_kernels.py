@@ -177,22 +177,28 @@ def test_decode_is_the_same_under_every_schedule(monkeypatch):
 
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_reads_the_cache_in_whole_sectors(dtype, head_size, monkeypatch, tmp_path):
-    # The kernel's claim (attention_kernels.cu): each warp-wide load covers contiguous spans of
-    # a block's rows, so every 32-byte sector the K/V reads touch is used whole, the condition
-    # for reading the cache near the memory bandwidth (tools/bench_cuda.py measures the rest).
+def test_attention_reads_the_cache_in_whole_sectors(dtype, head_size, monkeypatch, tmp_path):
+    # The kernels' claim (attention_kernels.cu, prefill_kernels.cu): each warp-wide load covers
+    # contiguous spans of a block's rows, so every 32-byte sector the K/V reads touch is used
+    # whole, the condition for reading the cache near the memory bandwidth (tools/bench_cuda.py
+    # measures the rest on a GPU).
     stats_path = tmp_path / "loads.jsonl"
     monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS", str(stats_path))
     for block_size in BLOCK_SIZES:
         case, query = _decode_inputs([257, 300, 31], 8, 2, block_size, head_size, dtype)
         _decode(case, query, 0.1, 0)
         _decode(case, query, 0.1, 64)
+        case, query, loc, max_len = _prefill_inputs(
+            [0, 40], [50, 20], 4, 2, block_size, head_size, dtype
+        )
+        _prefill(case, query, loc, 0.1, max_len)
     launches = [json.loads(line) for line in stats_path.read_text().splitlines()]
     decode = [launch for launch in launches if launch["kernel"].startswith("decode_kernel")]
-    assert len(decode) == 2 * len(BLOCK_SIZES)
-    for launch in decode:
+    prefill = [launch for launch in launches if launch["kernel"].startswith("prefill_kernel")]
+    assert len(decode) == 2 * len(BLOCK_SIZES) and len(prefill) == len(BLOCK_SIZES)
+    for launch in decode + prefill:
         assert launch["requested_bytes"] == launch["sectors"] * 32, launch
-    # Two rows of K and V per token: everything a head needs, read once.
+    # Decode reads each token's K and V rows of each kv head once.
     tokens = 2 * (257 + 300 + 31)
     element = torch.tensor([], dtype=dtype).element_size()
     assert decode[0]["requested_bytes"] == tokens * 2 * head_size * element
