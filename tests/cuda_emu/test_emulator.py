@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cuda_emu.build import emulator_selftest
+from cuda_emu.build import emulator_selftest, translate
 
 pytestmark = pytest.mark.slow  # the first use compiles (~15 s)
 
@@ -135,3 +135,38 @@ def test_16_bit_conversions_equal_torch_bit_for_bit(selftest):
     selftest.convert(nan.data_ptr(), 1, half_bits.data_ptr(), bfloat16_bits.data_ptr())
     assert half_bits[:1].view(torch.float16).isnan().all()
     assert bfloat16_bits[:1].view(torch.bfloat16).isnan().all()
+
+
+def test_translation_of_launches_and_shared_memory_keeps_line_numbers():
+    source = """__global__ void k(float* out) {
+  extern __shared__ float buffer[];
+  __shared__ float tile[4][kWidth + 1];
+}
+void launch(int tile) {
+  switch (tile) {
+    case 4:
+      k<T, 4><<<grid, 128, 0, stream>>>(out);
+      break;
+    default:
+      other_kernel<decltype(v)::value>
+          <<<dim3(1, 2), 64>>>();
+  }
+}
+"""
+    translated = translate(source)
+    assert translated.count("\n") == source.count("\n")
+    assert "float* buffer = ::pagedserve_emu::dynamic_shared<float>();" in translated
+    assert (
+        "static float tile[4][kWidth + 1]; ::pagedserve_emu::shared_declared(tile, sizeof(tile));"
+        in translated
+    )
+    assert (
+        '    case 4:\n      ::pagedserve_emu::Launcher(grid, 128, 0, stream).run("k<T, 4>", '
+        "k<T, 4>, out);" in translated
+    )
+    assert (
+        '::pagedserve_emu::Launcher(dim3(1, 2), 64).run("other_kernel<decltype(v)::value>", '
+        "other_kernel<decltype(v)::value>\n          );" in translated
+    )
+    with pytest.raises(ValueError, match="__shared__ declaration"):
+        translate("__shared__ float x = 0;")
