@@ -24,8 +24,7 @@
 
 namespace pagedserve_emu {
 
-// --- fibers
-// ---------------------------------------------------------------------------------------
+// --- fibers --------------------------------------------------------------------------------------
 
 enum class Wait { kRunnable, kBlockBarrier, kWarpCollective, kExited };
 
@@ -128,7 +127,6 @@ class Block {
       threads_[i].index =
           dim3(i % block_dim.x, (i / block_dim.x) % block_dim.y, i / (block_dim.x * block_dim.y));
     }
-    dynamic_shared_bytes_ = dynamic_shared_bytes;
     const char* schedule = std::getenv("PAGEDSERVE_CUDA_EMU_SCHEDULE");
     std::string name = schedule ? schedule : "forward";
     if (name == "forward") {
@@ -448,7 +446,6 @@ class Block {
   int num_threads_;
   std::vector<Thread> threads_;
   std::vector<double> dynamic_shared_;
-  size_t dynamic_shared_bytes_ = 0;
   Schedule schedule_ = kForward;
   std::mt19937 random_;
   ucontext_t scheduler_;

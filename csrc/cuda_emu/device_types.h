@@ -16,7 +16,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 
-// --- vector and storage types -------------------------------------------------------------------
+// --- vector and storage types --------------------------------------------------------------------
 
 struct dim3 {
   unsigned x, y, z;
@@ -80,8 +80,7 @@ inline float2 __bfloat1622float2(__nv_bfloat162 b) {
   return {__bfloat162float(b.x), __bfloat162float(b.y)};
 }
 
-// --- device math
-// ----------------------------------------------------------------------------------
+// --- device math ---------------------------------------------------------------------------------
 
 template <typename A, typename B>
 inline auto min(A a, B b) -> std::common_type_t<A, B> {

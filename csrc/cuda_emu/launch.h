@@ -72,8 +72,7 @@ inline void shared_declared(void* pointer, size_t bytes) {
 
 }  // namespace pagedserve_emu
 
-// --- built-in variables and device functions
-// -------------------------------------------------------
+// --- built-in variables and device functions -----------------------------------------------------
 
 #define threadIdx (::pagedserve_emu::current_block()->self().index)
 #define blockIdx (::pagedserve_emu::current_block()->block_idx())
