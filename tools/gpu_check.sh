@@ -11,14 +11,16 @@
 #      against HF generate and generate_batch (gets whatever time is left)
 #   5. $OUT/gpu_check.json and $OUT/gpu_check.md: the summary, with the targets checked
 #
-# Packages the image may lack (pyzmq, msgpack, gguf, jinja2 and markupsafe, which the engine
-# imports; pytest and its dependencies) travel as wheels in .whl/, carried by the caller and
-# fetched beforehand on a machine with the registry:
+# Packages the image may lack or have too old (pyzmq, msgpack, gguf, jinja2 and markupsafe,
+# which the engine imports; pytest and its dependencies; scikit-build-core, pathspec and
+# pybind11, which the build needs) travel as wheels in .whl/, carried by the caller and fetched
+# beforehand on a machine with the registry:
 #   pip download pyzmq msgpack gguf jinja2 markupsafe pytest pluggy iniconfig pygments \
-#       --only-binary=:all: --no-deps -d .whl \
+#       scikit-build-core pathspec pybind11 --only-binary=:all: --no-deps -d .whl \
 #       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any
-# Each one the image lacks is installed to /tmp/site (the image's own versions are kept).
+# Each one the image lacks (or has older than the project needs) is installed to /tmp/site,
+# which goes first on PYTHONPATH; the image's other packages are kept.
 #
 #   OUT=/tmp/out bash tools/gpu_check.sh
 set -euo pipefail
@@ -40,19 +42,47 @@ export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 # --- 0. packages the image lacks ---------------------------------------------------------------
+# lacks MODULE DISTRIBUTION MINIMUM: true when the module does not import or the distribution is
+# older than MINIMUM.
+lacks() {
+  "$PYTHON" - "$1" "$2" "$3" <<'PY' 2>/dev/null
+import importlib, importlib.metadata, sys
+module, distribution, minimum = sys.argv[1:]
+try:
+    importlib.import_module(module)
+    version = importlib.metadata.version(distribution)
+except Exception:
+    sys.exit(0)
+def parse(text):
+    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
+sys.exit(0 if parse(version) < parse(minimum) else 1)
+PY
+}
 missing_wheels=()
-for pair in zmq:pyzmq msgpack:msgpack gguf:gguf jinja2:jinja2 markupsafe:markupsafe \
-  pytest:pytest pluggy:pluggy iniconfig:iniconfig pygments:pygments; do
-  module=${pair%%:*} package=${pair##*:}
-  if ! "$PYTHON" -c "import $module" 2>/dev/null; then
-    wheel=$(compgen -G ".whl/${package}-*.whl" | head -n 1 || true)
+# module, distribution, wheel file prefix, minimum version
+while read -r module distribution prefix minimum; do
+  if lacks "$module" "$distribution" "$minimum"; then
+    wheel=$(compgen -G ".whl/${prefix}-*.whl" | head -n 1 || true)
     if [ -n "$wheel" ]; then
       missing_wheels+=("$wheel")
     else
-      say "$module is missing and .whl/ holds no wheel of $package: parts of the engine cannot be imported"
+      say "$distribution >= $minimum is missing and .whl/ holds no wheel of it"
     fi
   fi
-done
+done <<'LIST'
+zmq pyzmq pyzmq 25
+msgpack msgpack msgpack 1.0
+gguf gguf gguf 0.17
+jinja2 jinja2 jinja2 3.1
+markupsafe markupsafe markupsafe 2.0
+pytest pytest pytest 8
+pluggy pluggy pluggy 1.5
+iniconfig iniconfig iniconfig 1
+pygments pygments pygments 2
+scikit_build_core scikit-build-core scikit_build_core 0.10
+pathspec pathspec pathspec 0.10
+pybind11 pybind11 pybind11 2.12
+LIST
 if [ "${#missing_wheels[@]}" -gt 0 ]; then
   say "installing ${missing_wheels[*]} to /tmp/site"
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
