@@ -313,7 +313,7 @@ def test_reshape_and_cache_writes_slots(dtype, head_size, block_size):
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
     slots[[3, 11, 22]] = -1  # padding tokens
     expected_key, expected_value = reference.reshape_and_cache(
-        key, value, key_cache.clone(), value_cache.clone(), slots
+        key, value, key_cache, value_cache, slots
     )
     other_layer = pool[:, 0].clone()
 
@@ -334,7 +334,7 @@ def test_reshape_and_cache_from_unaligned_views():
     value = buffer[:, 1 + 160 : 1 + 320].view(5, 2, 80)
     slots = torch.tensor([0, 9, -1, 31, 17])
     expected_key, expected_value = reference.reshape_and_cache(
-        key, value, key_cache.clone(), value_cache.clone(), slots
+        key, value, key_cache, value_cache, slots
     )
     _reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert _same_bytes(key_cache, expected_key) and _same_bytes(value_cache, expected_value)
@@ -351,7 +351,7 @@ def test_copy_blocks_copies_whole_blocks_exactly(dtype):
     pool.view(-1).view(torch.int16)[:64] = 0x7F81  # NaN payloads arithmetic could change
     pool.view(-1)[100] = -0.0
     mapping = torch.tensor([[0, 5], [2, 7], [0, 9]])
-    expected = reference.copy_blocks(pool.clone(), pool.clone(), mapping)
+    expected = reference.copy_blocks(pool, pool, mapping)
     _copy_blocks(pool, mapping)
     assert _same_bytes(pool, expected)
 
@@ -360,7 +360,7 @@ def test_copy_blocks_of_large_blocks_spread_over_chunks():
     generator = torch.Generator().manual_seed(4)
     pool = random_pool(40, 4, 16, 128, torch.bfloat16, generator)  # 64 KiB blocks: 4 chunks
     mapping = torch.stack([torch.arange(0, 20), torch.arange(20, 40)], dim=1)
-    expected = reference.copy_blocks(pool.clone(), pool.clone(), mapping)
+    expected = reference.copy_blocks(pool, pool, mapping)
     _copy_blocks(pool, mapping)
     assert _same_bytes(pool, expected)
 
@@ -381,10 +381,10 @@ def test_swap_blocks_in_runs(dtype):
     device_pool = random_pool(12, 2, 8, 80, dtype, generator)
     host_pool = random_pool(6, 2, 8, 80, dtype, generator)
     swap_out = torch.tensor([[11, 0], [3, 4], [4, 5], [7, 2]])  # (3, 4), (4, 5): one run
-    expected_host = reference.copy_blocks(device_pool, host_pool.clone(), swap_out)
+    expected_host = reference.copy_blocks(device_pool, host_pool, swap_out)
     cuda_ops.swap_blocks(device_pool, host_pool, swap_out, ops._block_bytes(device_pool))
     assert _same_bytes(host_pool, expected_host)
     swap_in = torch.tensor([[0, 1], [4, 6], [2, 2]])
-    expected_device = reference.copy_blocks(host_pool, device_pool.clone(), swap_in)
+    expected_device = reference.copy_blocks(host_pool, device_pool, swap_in)
     cuda_ops.swap_blocks(host_pool, device_pool, swap_in, ops._block_bytes(host_pool))
     assert _same_bytes(device_pool, expected_device)
