@@ -14,6 +14,7 @@ a parameter), so the plain copy's memory is returned.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -32,9 +33,26 @@ def packing_available(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
         and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and _cpu_packs(weight.dtype)
     )
+
+
+@functools.cache
+def _cpu_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` on this CPU: it refuses where the ISA lacks the dtype's
+    instructions (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, float16 AVX512-FP16 or
+    AVX-NE-CONVERT, e.g. on AVX2-only CPUs), and those CPUs keep ``F.linear``. Asked by
+    packing a small matrix once: torch's own check, whatever its version requires."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    weight = torch.ones(16, 16, dtype=dtype)
+    try:
+        packed_linear(torch.ones(1, 16, dtype=dtype), pack_weight(weight), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,15 @@ from pagedserve.gpu_worker.layers.packed_weights import pack_linear_weights, pac
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.models.base import CausalLM
 
-pytestmark = pytest.mark.skipif(
-    not packing_available(torch.empty(1, 1, dtype=torch.bfloat16)),
-    reason="this torch build has no oneDNN packed linear on CPU",
-)
+
+def _needs_packing(dtype: torch.dtype) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        not packing_available(torch.empty(1, 1, dtype=dtype)),
+        reason=f"no oneDNN packed linear in {dtype} here (this torch build or this CPU's ISA)",
+    )
+
+
+needs_bfloat16_packing = _needs_packing(torch.bfloat16)
 
 
 def _filled(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -44,7 +49,13 @@ def _layers(dtype: torch.dtype) -> list[torch.nn.Module]:
     ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(torch.bfloat16, marks=needs_bfloat16_packing),
+        pytest.param(torch.float16, marks=_needs_packing(torch.float16)),
+    ],
+)
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_layers_compute_what_f_linear_computes(dtype, rows):
     for layer in _layers(dtype):
@@ -61,6 +72,7 @@ def test_packed_layers_compute_what_f_linear_computes(dtype, rows):
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@needs_bfloat16_packing
 def test_packed_lm_head_keeps_the_lookup_table():
     table = VocabParallelEmbedding(100, 32, dtype=torch.bfloat16)
     _filled(table, 7)
@@ -81,6 +93,7 @@ def test_float32_is_never_packed():
     assert all(isinstance(layer.weight, torch.nn.Parameter) for layer in layers)
 
 
+@needs_bfloat16_packing
 def test_bfloat16_engine_packs_every_matrix_and_matches_unpacked(tiny_model_dirs, monkeypatch):
     prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(5 + 9 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
