@@ -47,6 +47,15 @@ _LAYOUT_ROWS = "[num_tokens, hidden_size]"
 _LAYOUT_CACHE = "[num_blocks, num_kv_heads, block_size, head_size]"
 
 
+def _runs_cuda_kernels(tensor: torch.Tensor) -> bool:
+    """Whether the paged ops on this cache or pool run csrc/cuda's kernels (via cuda_ops).
+
+    The emulated engine tests (tests/cuda_emu) replace it to run the CUDA kernels, under the CPU
+    emulator, on CPU tensors; everywhere else the tensor's device decides.
+    """
+    return tensor.is_cuda
+
+
 def set_num_threads(num_threads: int) -> None:
     """Sets the OpenMP threads every op of this module uses (not torch's own count).
 
@@ -294,7 +303,7 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     num_pairs = _check_block_mapping(block_mapping)
     if num_pairs == 0:
         return
-    if kv_cache.is_cuda:
+    if _runs_cuda_kernels(kv_cache):
         cuda_ops.copy_blocks(kv_cache, block_mapping, _block_bytes(kv_cache))
         return
     _C_cpu.copy_blocks(
@@ -332,10 +341,10 @@ def swap_blocks(
             f"blocks have {tuple(src_kv_cache.shape[1:])}; they must match"
         )
     num_pairs = _check_block_mapping(block_mapping)
-    on_cuda = _check_swap_devices(src_kv_cache, dst_kv_cache)
+    _check_swap_devices(src_kv_cache, dst_kv_cache)
     if num_pairs == 0:
         return
-    if on_cuda:
+    if _runs_cuda_kernels(src_kv_cache) or _runs_cuda_kernels(dst_kv_cache):
         cuda_ops.swap_blocks(src_kv_cache, dst_kv_cache, block_mapping, _block_bytes(src_kv_cache))
         return
     _C_cpu.swap_blocks(
@@ -569,7 +578,7 @@ class _CacheGeometry:
     def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_size = key_cache.shape
         self.dtype = key_cache.dtype
-        self.is_cuda = key_cache.is_cuda
+        self.is_cuda = _runs_cuda_kernels(key_cache)
         self.device = key_cache.device
         # key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
         # num_kv_heads, block_size, head_size, dtype (the bindings' order).
@@ -626,16 +635,13 @@ def _check_same_device(
             )
 
 
-def _check_swap_devices(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor) -> bool:
-    """Both pools on the CPU (False), or a GPU pool and one on that GPU or the CPU (True)."""
-    if src_kv_cache.is_cpu and dst_kv_cache.is_cpu:
-        return False
+def _check_swap_devices(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor) -> None:
+    """Both pools on the CPU, or a GPU pool and one on that GPU or the CPU."""
     if src_kv_cache.is_cuda and dst_kv_cache.is_cuda and src_kv_cache.device != dst_kv_cache.device:
         raise ValueError(
             f"src_kv_cache is on {src_kv_cache.device} and dst_kv_cache on "
             f"{dst_kv_cache.device}; swaps run between one GPU and the host (or inside one GPU)"
         )
-    return True
 
 
 def _check_max_query_len(max_query_len: int | None, num_tokens: int) -> int:
