@@ -109,20 +109,23 @@ def test_chunked_prefill_on_and_off_match_hf(tiny_model_dirs, hf_references, chu
     assert [o.outputs[0].token_ids for o in outputs] == hf_references["qwen2"]
 
 
-def test_bfloat16_first_tokens_agree_with_hf_bfloat16(tiny_model_dirs):
+def check_bfloat16_first_tokens_agree_with_hf(model_dir) -> None:
+    """The engine's first greedy tokens in bfloat16 against HF's forward in bfloat16."""
     prompts = random_prompts(2, 512)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_model_dirs["llama"], dtype=torch.bfloat16
-    )
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     with torch.no_grad():
         expected = [int(reference(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
-    llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", num_blocks=128)
+    llm = LLM(model_dir, dtype="bfloat16", num_blocks=128)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     first_tokens = [o.outputs[0].token_ids[0] for o in outputs]
     # bf16 rounding differs between the two implementations, so a rare near-tie may flip.
     agreeing = sum(a == b for a, b in zip(first_tokens, expected))
     assert agreeing >= len(prompts) - 1, (first_tokens, expected)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+
+
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(tiny_model_dirs):
+    check_bfloat16_first_tokens_agree_with_hf(tiny_model_dirs["llama"])
 
 
 EMBEDDED_PROMPTS = [
