@@ -1,9 +1,9 @@
 """The frontend's handle on a multi-process engine: ``EngineCore``'s calls, over ZeroMQ.
 
 ``EngineClient`` has the methods ``LLM`` uses on an ``EngineCore`` (``add_request``,
-``abort_request``, ``has_unfinished_requests``, ``step``, ``stats``, ``check_integrity``,
-``reset_prefix_cache``, ``check_request_fits``), so the offline loop is the same in
-both modes. It starts the scheduler process, which starts the workers::
+``abort_request``, ``stop_sample``, ``has_unfinished_requests``, ``step``, ``stats``,
+``check_integrity``, ``reset_prefix_cache``, ``check_request_fits``), so the offline loop
+is the same in both modes. It starts the scheduler process, which starts the workers::
 
     frontend (this)           scheduler process              worker process(es)
     PUSH input.sock  ------>  PULL   AddRequest, AbortRequest, GetStats, ...
@@ -43,6 +43,7 @@ Lifecycle:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -68,6 +69,7 @@ from pagedserve.scheduler.engine_messages import (
     ResetPrefixCache,
     Shutdown,
     StartEngine,
+    StopSample,
     WorkerSpec,
 )
 from pagedserve.scheduler.messages import RequestOutputDelta
@@ -120,6 +122,9 @@ class EngineClient:
         # still stops its processes, at collection or at interpreter exit.
         self._finalizer = weakref.finalize(self, self._process.stop)
         self._unfinished: set[str] = set()
+        # Outputs ended by stop_sample, per unfinished request: their later deltas were
+        # made before the engine heard, and are dropped (all but a request's final one).
+        self._stopped_samples: dict[str, set[int]] = {}
         self._deltas: list[RequestOutputDelta] = []
         self._last_stats: EngineStats | None = None
         try:
@@ -212,8 +217,18 @@ class EngineClient:
         if request_id not in self._unfinished:
             return
         self._unfinished.discard(request_id)
+        self._stopped_samples.pop(request_id, None)
         if self.is_running:
             self._send(AbortRequest(request_id))
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """End output ``index`` of a parallel-sampling request (see
+        ``EngineCore.stop_sample``). Returns nothing: the output ends for this client at
+        once (its tokens still in flight are dropped), and the request's final delta, when
+        this was its last sample, arrives through ``step`` like any other."""
+        if request_id in self._unfinished and self.is_running:
+            self._stopped_samples.setdefault(request_id, set()).add(index)
+            self._send(StopSample(request_id, index))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
@@ -249,6 +264,7 @@ class EngineClient:
         if final_stats is not None:
             self._last_stats = final_stats
         self._unfinished.clear()
+        self._stopped_samples.clear()
 
     # ------------------------------------------------------------ internals
 
@@ -281,11 +297,18 @@ class EngineClient:
     def _dispatch(self, message: Message) -> None:
         if isinstance(message, OutputBatch):
             unfinished = self._unfinished
+            stopped_samples = self._stopped_samples
             for delta in message.deltas:
-                if delta.request_id in unfinished:
-                    self._deltas.append(delta)
-                    if delta.finished:
-                        unfinished.discard(delta.request_id)
+                if delta.request_id not in unfinished:
+                    continue
+                if stopped_samples and delta.index in stopped_samples.get(delta.request_id, ()):
+                    if not delta.finished:
+                        continue
+                    delta = dataclasses.replace(delta, new_token_ids=[], logprobs=None)
+                self._deltas.append(delta)
+                if delta.finished:
+                    unfinished.discard(delta.request_id)
+                    stopped_samples.pop(delta.request_id, None)
         elif isinstance(message, EngineStats):
             self._last_stats = message
         elif isinstance(message, EngineError) and message.request_id is None:
@@ -293,6 +316,7 @@ class EngineClient:
             self._await_engine_end()
         elif isinstance(message, EngineError):
             self._unfinished.discard(message.request_id)
+            self._stopped_samples.pop(message.request_id, None)
             raise ValueError(f"request {message.request_id!r}: {message.message}")
         else:
             raise RuntimeError(f"unexpected {type(message).__name__} from the scheduler")

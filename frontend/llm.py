@@ -257,8 +257,8 @@ class LLM:
         return outputs
 
     def stats(self) -> dict[str, int | float]:
-        """Scheduler counters (requests, preemptions, blocks, prefix-cache queries and
-        hits in tokens) and the KV memory accounting of finished sequences: fractions
+        """Scheduler counters (requests, preemptions, sampled tokens, blocks, prefix-cache
+        queries and hits in tokens) and the KV memory accounting of finished sequences: fractions
         of slot-steps holding token states (``kv_utilization``), reserved for later
         tokens, lost to internal and external fragmentation, and saved by sharing."""
         return self.engine.stats()
@@ -331,7 +331,8 @@ class LLM:
                     if output.finished:
                         continue  # stop strings ended it; the engine ran on meanwhile
                     if isinstance(output.outputs[delta.index].stop_reason, str):
-                        # A stop string ended this output; its sequence ran on meanwhile.
+                        # A stop string ended this output; across processes, tokens the
+                        # engine made before it heard so may still arrive.
                         output.finished = delta.finished
                         continue
                     stopped = _apply_delta(
@@ -341,11 +342,15 @@ class LLM:
                         params_of[delta.request_id],
                         self.eos_token_ids,
                     )
-                    done = all(c.finish_reason is not None for c in output.outputs)
-                    if stopped and done and not output.finished:
-                        # The engine would go on: end the request there and free its blocks.
+                    if not stopped or output.finished:
+                        continue
+                    # The engine would go on: end the request, or this sample of it, there
+                    # and free the blocks.
+                    if all(c.finish_reason is not None for c in output.outputs):
                         output.finished = True
                         self.engine.abort_request(delta.request_id)
+                    elif self.engine.stop_sample(delta.request_id, delta.index) is not None:
+                        output.finished = True  # the engine's other samples had just ended
         finally:
             # An interrupted run (Ctrl-C, an error) must not leave requests holding blocks.
             for request_id in request_ids:
@@ -414,7 +419,8 @@ def _apply_delta(
 ) -> bool:
     """Add one step's tokens to ``output`` and decode them. Returns True when a stop
     string ended the output (``delta.index``) with them: the engine does not know, the
-    caller ends the request once all its outputs have ended."""
+    caller ends that output's sequence there, or the request once all its outputs have
+    ended."""
     completion = output.outputs[delta.index]
     new_token_ids = delta.new_token_ids
     num_kept = len(new_token_ids)

@@ -90,6 +90,9 @@ class EngineCore:
     def abort_request(self, request_id: str) -> RequestOutputDelta | None:
         return self.scheduler.abort_request(request_id)
 
+    def stop_sample(self, request_id: str, index: int) -> RequestOutputDelta | None:
+        return self.scheduler.stop_sample(request_id, index)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -125,6 +128,7 @@ class EngineCore:
             "num_preemptions": scheduler.num_preemptions,
             "num_recompute_preemptions": scheduler.num_recompute_preemptions,
             "num_swap_preemptions": scheduler.num_swap_preemptions,
+            "num_sampled_tokens": scheduler.num_sampled_tokens,
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_total_blocks": self.block_manager.num_total_blocks,
             "num_free_host_blocks": self.block_manager.num_free_host_blocks,

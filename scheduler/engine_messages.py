@@ -1,6 +1,6 @@
 """Plain messages between the engine's processes, other than the step plan and result.
 
-Frontend -> scheduler: ``AddRequest``, ``AbortRequest``, ``GetStats``,
+Frontend -> scheduler: ``AddRequest``, ``AbortRequest``, ``StopSample``, ``GetStats``,
 ``ResetPrefixCache``, ``Shutdown``. Scheduler -> frontend: ``OutputBatch`` (the
 ``RequestOutputDelta``s of one step), ``EngineStats`` (the answer to ``GetStats``, and the
 scheduler's last word before it exits) and, for a request it could not take or an
@@ -48,6 +48,17 @@ class AbortRequest:
     and answers with the request's final ``RequestOutputDelta``."""
 
     request_id: str
+
+
+@dataclass
+class StopSample:
+    """Output ``index`` of a parallel-sampling request has ended in the frontend (a stop
+    string, which only the frontend's detokenizer can see); the scheduler ends that sample's
+    sequence and frees its blocks while the request's other samples run on. Once every sample
+    has ended, the request's final ``RequestOutputDelta`` follows."""
+
+    request_id: str
+    index: int
 
 
 @dataclass

@@ -9,8 +9,8 @@ script), it reads one encoded ``StartEngine`` from stdin, then::
     2. waits for every worker                     -> Ready("worker") each, forwarded
     3. builds the EngineCore on the blocks every
        rank holds (the smallest count)            -> Ready("engine", cache sizes)
-    4. serves: AddRequest / AbortRequest / GetStats / ResetPrefixCache / Shutdown in,
-       one OutputBatch per step out
+    4. serves: AddRequest / AbortRequest / StopSample / GetStats / ResetPrefixCache /
+       Shutdown in, one OutputBatch per step out
     5. on Shutdown or a failure: ends every request still in flight (on a failure
        after an EngineError naming the cause, each with finish_reason "error"), sends
        its final EngineStats, stops the workers, exits
@@ -42,6 +42,7 @@ from pagedserve.scheduler.engine_messages import (
     ResetPrefixCache,
     Shutdown,
     StartEngine,
+    StopSample,
 )
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.multiproc_executor import MultiprocExecutor, WorkerDiedError
@@ -114,6 +115,10 @@ class EngineLoop:
                 self.outbox.send(encode(EngineError(message.request_id, str(error))))
         elif isinstance(message, AbortRequest):
             delta = engine.abort_request(message.request_id)
+            if delta is not None:
+                self._pending.append(delta)
+        elif isinstance(message, StopSample):
+            delta = engine.stop_sample(message.request_id, message.index)
             if delta is not None:
                 self._pending.append(delta)
         elif isinstance(message, GetStats):

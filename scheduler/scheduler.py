@@ -94,6 +94,9 @@ class Scheduler:
         self.groups: dict[str, SequenceGroup] = {}
         self.num_recompute_preemptions = 0
         self.num_swap_preemptions = 0
+        # Tokens the workers sampled: one per sequence per step that completed its known
+        # tokens (beams: one per beam), kept or not; the engine's decode work.
+        self.num_sampled_tokens = 0
         self._step_id = 0
         # Sequences whose full data the workers hold; anything else travels in full.
         self._known_to_workers: set[str] = set()
@@ -150,6 +153,29 @@ class Scheduler:
                 self.swapped.remove(sequence)
             self._release(sequence, RequestStatus.FINISHED_ABORTED)
         return RequestOutputDelta(request_id, [], finished=True, finish_reason="abort")
+
+    def stop_sample(self, request_id: str, index: int) -> RequestOutputDelta | None:
+        """End output ``index`` of a parallel-sampling request whose samples stream (a stop
+        string found by the frontend): its sequence leaves the batch and frees its blocks,
+        the other samples run on. Returns the request's final delta when that was its last
+        running sample, else ``None`` (also for an unknown request, a sample that has already
+        ended, and beams or ``best_of > n`` samples, which are ranked only at the end)."""
+        group = self.groups.get(request_id)
+        if group is None or not group.streams_outputs:
+            return None
+        sequence = next((seq for seq in group.sequences if seq.sample_index == index), None)
+        if sequence is None:
+            return None
+        if sequence.status == RequestStatus.WAITING:
+            self.waiting.remove(sequence)
+        elif sequence.status == RequestStatus.SWAPPED:
+            self.swapped.remove(sequence)
+        self._release(sequence, RequestStatus.FINISHED_STOPPED)
+        if not group.is_finished:
+            return None
+        return RequestOutputDelta(
+            request_id, [], finished=True, finish_reason="stop", index=sequence.sample_index
+        )
 
     @property
     def num_preemptions(self) -> int:
@@ -444,6 +470,7 @@ class Scheduler:
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutputDelta]:
         """Advance the counters of every scheduled sequence and record sampled tokens."""
+        self.num_sampled_tokens += len(result.sampled_token_ids)
         rows_of: dict[str, list[int]] = {}
         for row, request_id in enumerate(result.request_ids):
             rows_of.setdefault(request_id, []).append(row)

@@ -54,6 +54,7 @@ from pagedserve.scheduler.engine_messages import (
     Shutdown,
     StartEngine,
     StartWorker,
+    StopSample,
     WorkerSpec,
 )
 from pagedserve.scheduler.messages import (
@@ -73,6 +74,7 @@ Message = (
     | RequestOutputDelta
     | AddRequest
     | AbortRequest
+    | StopSample
     | EngineError
     | Shutdown
     | Ready
@@ -174,6 +176,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "cache_namespace",
     ),
     AbortRequest: ("request_id",),
+    StopSample: ("request_id", "index"),
     EngineError: ("request_id", "message"),
     Shutdown: (),
     Ready: ("component", "pid", "info"),
@@ -691,6 +694,7 @@ _OPTIONAL_INT = (int, type(None))
 _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     GetStats: (),
     ResetPrefixCache: (),
+    StopSample: (str, int),
     EngineStats: (dict, (str, type(None))),
     SchedulerConfig: (int, int, int, bool, float, (str, type(None))),
     WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int),
@@ -776,6 +780,7 @@ _CODECS: dict[int, tuple[type, Callable[[Any], list], Callable[[Any], Any]]] = {
     19: (StartWorker, _pack_start_worker, _unpack_start_worker),
     20: _flat_codec(WorkerSpec),
     21: _flat_codec(SchedulerConfig),
+    22: _flat_codec(StopSample),
 }
 
 #: Each encodable type and its wire tag.

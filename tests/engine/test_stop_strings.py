@@ -70,9 +70,7 @@ def record_engine_steps(llm: LLM, monkeypatch) -> list[dict[str, int]]:
     return calls
 
 
-def assert_engine_ended_it(
-    calls: list[dict[str, int]], request_id: str, num_tokens: int, exact: bool
-) -> None:
+def assert_engine_ended_it(calls: list[dict], request_id, num_tokens: int, exact: bool) -> None:
     """No step after the one that brought the stop string's last token hands over more
     of the request. In one process the abort is immediate, so that step brought
     exactly ``num_tokens``; across processes it may carry a few more, already made."""
@@ -180,24 +178,62 @@ def test_command_line_stop_across_processes(model_dir, in_process_llm, capsys):
     assert "stop[1] must have at least 1 character" in capsys.readouterr().err
 
 
-def test_each_sample_of_a_request_stops_on_its_own(in_process_llm):
-    """n=3 samples: a stop string that one sample's text contains ends that output
-    there; the others run on, and the request ends when all have."""
+def check_each_sample_stops_on_its_own(llm: LLM, monkeypatch, exact: bool) -> None:
+    """n=3 samples: a stop string that one sample's text contains ends that output there,
+    and its sequence in the engine (which samples no more of it, and no later step hands
+    over more); the others run on, and the request ends when all have."""
     params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=NUM_TOKENS, ignore_eos=True)
-    free = in_process_llm.generate(PROMPTS[0], params)[0].outputs
+    free = llm.generate(PROMPTS[0], params)[0].outputs
     target = free[1]
-    stop, num_tokens = stop_string_across_a_boundary(in_process_llm, target.token_ids)
-    stopped = in_process_llm.generate(
-        PROMPTS[0], SamplingParams(**{**vars(params), "stop": [stop]})
-    )
+    stop, num_tokens = stop_string_across_a_boundary(llm, target.token_ids)
+    per_sample = record_sample_steps(llm, monkeypatch)
+    sampled_before = llm.stats()["num_sampled_tokens"]
+    stopped = llm.generate(PROMPTS[0], SamplingParams(**{**vars(params), "stop": [stop]}))
     outputs = stopped[0].outputs
+    # The engine sampled each output's tokens, no more (a stopped one's up to its stop); in
+    # one process exactly, across processes maybe a few made before it heard of a stop.
+    sampled = llm.stats()["num_sampled_tokens"] - sampled_before
+    returned = sum(len(output.token_ids) for output in outputs)
+    assert sampled == returned or (not exact and returned < sampled < 3 * NUM_TOKENS)
     assert outputs[1].token_ids == target.token_ids[:num_tokens]
     assert outputs[1].stop_reason == stop and outputs[1].finish_reason == "stop"
     assert stop not in outputs[1].text
+    assert num_tokens < NUM_TOKENS  # the engine would have gone on
+    assert_engine_ended_it(per_sample, (stopped[0].request_id, 1), num_tokens, exact)
     for free_output, output in zip(free, outputs):
         if stop not in free_output.text:
             assert output.token_ids == free_output.token_ids
             assert output.finish_reason == "length"
     assert stopped[0].finished
-    stats = in_process_llm.stats()
+    stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def record_sample_steps(llm: LLM, monkeypatch) -> list[dict[tuple[str, int], int]]:
+    """record_engine_steps per output: keys are (request id, output index)."""
+    calls: list[dict[tuple[str, int], int]] = []
+    step = llm.engine.step
+
+    def recording_step():
+        deltas = step()
+        counts: dict[tuple[str, int], int] = {}
+        for delta in deltas:
+            key = (delta.request_id, delta.index)
+            counts[key] = counts.get(key, 0) + len(delta.new_token_ids)
+        calls.append(counts)
+        return deltas
+
+    monkeypatch.setattr(llm.engine, "step", recording_step)
+    return calls
+
+
+def test_each_sample_of_a_request_stops_on_its_own(in_process_llm, monkeypatch):
+    check_each_sample_stops_on_its_own(in_process_llm, monkeypatch, exact=True)
+
+
+def test_each_sample_stops_on_its_own_across_processes(model_dir, monkeypatch):
+    llm = LLM(model_dir, num_blocks=64, block_size=16, multiprocess=True)
+    try:
+        check_each_sample_stops_on_its_own(llm, monkeypatch, exact=False)
+    finally:
+        llm.shutdown()

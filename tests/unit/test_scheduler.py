@@ -287,3 +287,103 @@ def test_abort_of_a_swapped_request_frees_host_blocks():
     assert scheduler.block_manager.num_free_host_blocks == 4
     assert not scheduler.swapped
     scheduler.block_manager.check_integrity()
+
+
+# --- parallel samples ending one by one (a stop string found by the frontend) -------------
+
+
+def make_group(request_id: str, num_prompt_tokens: int, **params) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(10, 10 + num_prompt_tokens)),
+        sampling_params=SamplingParams(**{"temperature": 1.0, "seed": 1, **params}),
+        eos_token_ids=frozenset({EOS}),
+        arrival_time_s=0.0,
+        max_model_len=256,
+    )
+
+
+def run_group_step(scheduler: Scheduler, token_id: int = 7):
+    """run_step, with a group's first sample as one row per sequence it forks into."""
+    plan = scheduler.schedule()
+    request_ids = []
+    for item in (*plan.new_requests, *plan.cached_requests):
+        request = scheduler.requests[item.request_id]
+        if item.num_computed_tokens + item.num_scheduled_tokens == request.num_tokens:
+            forks = request.group is not None and request.num_output_tokens == 0
+            rows = request.sampling_params.num_sequences if forks else 1
+            request_ids.extend([item.request_id] * rows)
+    result = StepResult(plan.step_id, request_ids, [token_id] * len(request_ids))
+    return plan, scheduler.update_from_output(plan, result)
+
+
+def test_a_stopped_sample_leaves_the_batch_and_frees_its_blocks():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_group("g", 10, n=3, max_tokens=8))
+    run_group_step(scheduler)  # prefill; forks into g, g#1, g#2 sharing 2 blocks
+    run_group_step(scheduler)  # each writes its own copy of the shared last block
+    free_before = scheduler.block_manager.num_free_blocks
+    assert scheduler.stop_sample("g", 1) is None  # the others run on
+    assert scheduler.block_manager.num_free_blocks == free_before + 1  # its own copy
+    scheduler.block_manager.check_integrity()
+    assert scheduler.stop_sample("g", 1) is None  # already ended: nothing happens
+    received: dict[int, int] = {}
+    final = None
+    while scheduler.has_unfinished_requests():
+        plan, deltas = run_group_step(scheduler)
+        assert set(scheduled(plan)) == {"g", "g#2"}
+        for delta in deltas:
+            received[delta.index] = received.get(delta.index, 0) + len(delta.new_token_ids)
+            final = delta
+    assert received == {0: 6, 2: 6}  # 2 of 8 tokens came before the stop
+    assert final.finished and final.finish_reason == "length"
+    assert scheduler.block_manager.num_free_blocks == 16
+    scheduler.block_manager.check_integrity()
+
+
+def test_stopping_the_last_running_sample_ends_the_request():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_group("g", 5, n=3, max_tokens=8))
+    run_group_step(scheduler)
+    assert scheduler.stop_sample("g", 0) is None
+    assert scheduler.stop_sample("g", 2) is None
+    final = scheduler.stop_sample("g", 1)
+    assert (final.request_id, final.index, final.finished, final.finish_reason) == (
+        "g",
+        1,
+        True,
+        "stop",
+    )
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.block_manager.num_free_blocks == 16
+    assert scheduler.stop_sample("g", 1) is None  # unknown now
+
+
+def test_a_waiting_sample_can_be_stopped():
+    # 9 blocks: "b" holds 3; the group "g" grows to 7 (2 shared, a copy-on-write block and a
+    # third block each) and, the newest, is preempted whole by recompute.
+    scheduler = make_scheduler(num_blocks=9, preemption_mode="recompute")
+    scheduler.add_request(make_request("b", 10, max_tokens=12))
+    scheduler.add_request(make_group("g", 10, n=3, max_tokens=12))
+    for _ in range(12):
+        run_group_step(scheduler)
+        if any(seq.group is not None for seq in scheduler.waiting):
+            break
+    assert {seq.request_id for seq in scheduler.waiting} == {"g", "g#1", "g#2"}
+    assert scheduler.stop_sample("g", 2) is None
+    assert {seq.request_id for seq in scheduler.waiting} == {"g", "g#1"}
+    while scheduler.has_unfinished_requests():
+        plan, _ = run_group_step(scheduler)
+        assert "g#2" not in scheduled(plan)
+    assert scheduler.block_manager.num_free_blocks == 9
+
+
+def test_samples_ranked_at_the_end_are_not_stopped_one_by_one():
+    # best_of > n: the frontend sees the samples only once ranked, when all have ended.
+    scheduler = make_scheduler()
+    scheduler.add_request(make_group("g", 5, n=2, best_of=3, max_tokens=8))
+    run_group_step(scheduler)
+    running = list(scheduler.running)
+    assert len(running) == 3
+    assert scheduler.stop_sample("g", 1) is None
+    assert scheduler.running == running

@@ -22,6 +22,7 @@ from pagedserve.scheduler.engine_messages import (
     Shutdown,
     StartEngine,
     StartWorker,
+    StopSample,
     WorkerSpec,
 )
 from pagedserve.scheduler.messages import (
@@ -152,6 +153,7 @@ ROUND_TRIP_CASES = {
     ),
     "add-defaults": AddRequest("r", [1], SamplingParams(), 0.25, eos_token_ids=[]),
     "abort": AbortRequest("r"),
+    "stop-sample": StopSample("r", 2),
     "error-request": EngineError(request_id="r", message="prompt too long: 9000 > 4096"),
     "error-engine": EngineError(request_id=None, message="worker 1 died"),
     "shutdown": Shutdown(),
@@ -397,6 +399,7 @@ def _plan_fields(**overrides) -> list:
             _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),
             "StartWorker.distributed_init_method: expected str or None, got int",
         ),
+        (_frame(StopSample, "r", True), "StopSample.index: expected int, got bool"),
         (_frame(EngineError, 7, "boom"), "EngineError.request_id: expected str or None, got int"),
         (
             _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}),
