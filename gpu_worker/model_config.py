@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedserve.gpu_worker.layers.rotary import rope_context_window, rope_parameters
+
 # HF architecture name -> the model family implemented in gpu_worker/models.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -71,6 +73,8 @@ class ModelConfig:
 
 def _max_positions(hf_config: dict[str, Any]) -> int:
     max_positions = hf_config.get("max_position_embeddings", 2048)
+    # YaRN extends the context past the configured positions (the original times the factor).
+    max_positions = rope_context_window(rope_parameters(hf_config), max_positions)
     # Our kernels attend to the whole context; a sliding-window model is exact only up
     # to its window, so the window bounds the context we accept.
     window = hf_config.get("sliding_window")

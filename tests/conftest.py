@@ -96,6 +96,21 @@ TINY_CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # YaRN (Qwen2.5's long-context setting), with an original context short enough that the
+    # test prompts run past it: the context window becomes 64 x 4 = 256 positions.
+    "yarn_rope": dict(
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+        rope_theta=1000000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        tie_word_embeddings=True,
+    ),
     "opt": dict(
         architectures=["OPTForCausalLM"],
         hidden_size=128,

@@ -9,18 +9,40 @@ import torch
 
 from pagedserve.gpu_worker import ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     """RoPE settings from either config style: transformers 5's ``rope_parameters`` or the
-    older ``rope_theta`` + ``rope_scaling`` pair."""
+    older ``rope_theta`` + ``rope_scaling`` pair, completed as transformers completes them."""
     parameters = dict(hf_config.get("rope_parameters") or {})
     scaling = hf_config.get("rope_scaling") or {}
     parameters = {**scaling, **parameters}
     parameters.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     parameters["rope_type"] = parameters.get("rope_type") or parameters.get("type") or "default"
+    if parameters["rope_type"] in ("llama3", "yarn"):
+        # The pretraining context: a top-level value wins (Phi-3 keeps it there), then the
+        # scaling's own, then the model's.
+        original = hf_config.get("original_max_position_embeddings")
+        if original is None:
+            original = parameters.get(
+                "original_max_position_embeddings", hf_config.get("max_position_embeddings")
+            )
+        parameters["original_max_position_embeddings"] = original
+    if parameters["rope_type"] == "yarn" and parameters.get("factor") is None:
+        # DeepSeek-V3 style: the factor is the extended over the original context.
+        parameters["factor"] = (
+            hf_config["max_position_embeddings"] / parameters["original_max_position_embeddings"]
+        )
     return parameters
+
+
+def rope_context_window(parameters: dict[str, Any], max_position_embeddings: int) -> int:
+    """The positions the model is meant to take: YaRN's extended context (the original times
+    the factor, as vLLM derives it), else ``max_position_embeddings``."""
+    if parameters["rope_type"] == "yarn":
+        return int(parameters["original_max_position_embeddings"] * parameters["factor"])
+    return max_position_embeddings
 
 
 def inverse_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Tensor:
@@ -39,6 +61,8 @@ def inverse_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Ten
         return inv_freq / float(parameters["factor"])
     if rope_type == "llama3":
         return _llama3_frequencies(inv_freq, parameters)
+    if rope_type == "yarn":
+        return _yarn_frequencies(head_size, parameters)
     raise NotImplementedError(
         f"rope_type {rope_type!r} is not supported yet; "
         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -62,6 +86,56 @@ def _llama3_frequencies(inv_freq: torch.Tensor, parameters: dict[str, Any]) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): high-frequency pairs keep their frequency (extrapolation),
+    low-frequency ones are divided by the factor (interpolation), with a linear ramp
+    between the pair dimensions that rotate ``beta_fast`` and ``beta_slow`` times over the
+    original context. Step for step as transformers 5 computes it."""
+    base = float(parameters["rope_theta"])
+    factor = parameters["factor"]
+    original_context = parameters["original_max_position_embeddings"]
+    beta_fast = parameters.get("beta_fast") or 32
+    beta_slow = parameters.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        # The pair dimension that turns num_rotations times over the original context.
+        return (head_size * math.log(original_context / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if parameters.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step, not a division by zero
+    ramp = torch.clamp(
+        (torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, head_size, 2, device="cpu").to(torch.float32) / head_size)
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (factor * pos_freqs)
+    return interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+
+
+def attention_factor(parameters: dict[str, Any]) -> float:
+    """What cos and sin are scaled by (YaRN's attention temperature; 1 for the others)."""
+    if parameters["rope_type"] != "yarn":
+        return 1.0
+    if parameters.get("attention_factor") is not None:
+        return parameters["attention_factor"]
+    factor = parameters["factor"]
+
+    def mscale(scale: float, weight: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    weight, weight_all_dims = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if weight and weight_all_dims:
+        return float(mscale(factor, weight) / mscale(factor, weight_all_dims))
+    return mscale(factor)
+
+
 class RotaryEmbedding:
     """Applies RoPE to query and key rows at given positions, in place.
 
@@ -76,9 +150,10 @@ class RotaryEmbedding:
         positions = torch.arange(max_positions, dtype=torch.float32)
         inv_freq = inverse_frequencies(head_size, parameters).to(positions.device)
         freqs = positions[:, None] * inv_freq[None, :]
-        # [max_positions, head_size // 2] each
-        self.cos = freqs.cos().contiguous()
-        self.sin = freqs.sin().contiguous()
+        # [max_positions, head_size // 2] each; float32 times the factor, as HF scales them.
+        scale = attention_factor(parameters)
+        self.cos = (freqs.cos() * scale).contiguous()
+        self.sin = (freqs.sin() * scale).contiguous()
 
     def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """``query`` [num_tokens, num_heads * head_size], ``key`` [num_tokens,

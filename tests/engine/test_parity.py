@@ -57,11 +57,13 @@ def test_tiny_models_match_hf(tiny_model_dirs, hf_references, family, block_size
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
 
-@pytest.mark.parametrize("family", ["mistral", "llama3_rope"])
+@pytest.mark.parametrize("family", ["mistral", "llama3_rope", "yarn_rope"])
 def test_more_llama_family_configs_match_hf(tiny_model_dirs, hf_references, family):
     llm = LLM(tiny_model_dirs[family], num_blocks=256)
     outputs = llm.generate(random_prompts(1, 512), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == hf_references[family]
+    if family == "yarn_rope":
+        assert llm.model_config.max_position_embeddings == 64 * 4  # YaRN's extended window
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
