@@ -29,11 +29,19 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
                 "original_max_position_embeddings", hf_config.get("max_position_embeddings")
             )
         parameters["original_max_position_embeddings"] = original
-    if parameters["rope_type"] == "yarn" and parameters.get("factor") is None:
-        # DeepSeek-V3 style: the factor is the extended over the original context.
-        parameters["factor"] = (
-            hf_config["max_position_embeddings"] / parameters["original_max_position_embeddings"]
-        )
+    if parameters["rope_type"] == "yarn":
+        original = parameters["original_max_position_embeddings"]
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise ValueError(
+                f"rope original_max_position_embeddings must be an integer >= 1 for YaRN, "
+                f"got {original!r}"
+            )
+        if parameters.get("factor") is None:
+            # DeepSeek-V3 style: the factor is the extended over the original context.
+            parameters["factor"] = hf_config["max_position_embeddings"] / original
+        factor = parameters["factor"]
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+            raise ValueError(f"rope factor must be a number >= 1 for YaRN, got {factor!r}")
     return parameters
 
 

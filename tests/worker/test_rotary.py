@@ -121,3 +121,25 @@ def test_legacy_rope_scaling_keys_are_read():
 def test_unsupported_rope_type_names_the_supported_ones():
     with pytest.raises(NotImplementedError, match="'longrope' is not supported yet.*yarn"):
         inverse_frequencies(HEAD_SIZE, rope_parameters(_hf_config({"rope_type": "longrope"})))
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        (
+            {"factor": 0.5, "original_max_position_embeddings": 64},
+            "rope factor must be a number >= 1 for YaRN, got 0.5",
+        ),
+        (
+            {"factor": "4", "original_max_position_embeddings": 64},
+            "rope factor must be a number >= 1 for YaRN, got '4'",
+        ),
+        (
+            {"factor": 4.0, "original_max_position_embeddings": 0},
+            "original_max_position_embeddings must be an integer >= 1 for YaRN, got 0",
+        ),
+    ],
+)
+def test_bad_yarn_settings_are_named(rope, message):
+    with pytest.raises(ValueError, match=message):
+        rope_parameters(_hf_config({"rope_type": "yarn", "rope_theta": 1e4, **rope}))
