@@ -339,6 +339,15 @@ class EngineClient:
         self.shutdown()
 
 
+def _socket_parent_dir() -> str | None:
+    """Where the engine's socket directory is made: systemd's ``RuntimeDirectory=`` when the
+    service has one (``$RUNTIME_DIRECTORY``, the first of several), which systemd removes
+    when the service stops however it stopped, even by SIGKILL, when nothing of ours is
+    left to clean up; else the temporary directory (``$TMPDIR``, /tmp)."""
+    runtime_directory = os.environ.get("RUNTIME_DIRECTORY")
+    return runtime_directory.split(":")[0] if runtime_directory else None
+
+
 class _SchedulerProcess:
     """The scheduler process and the two sockets to it: everything that must be freed
     even when its ``EngineClient`` is collected without ``shutdown()``.
@@ -357,7 +366,7 @@ class _SchedulerProcess:
         self.death_message: str | None = None
         self.ready = False  # Ready("engine") received: it serves, and can stop in order
         self.stopped = False
-        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-", dir=_socket_parent_dir())
         self.input_endpoint = f"ipc://{self.ipc_dir}/input.sock"
         self.output_endpoint = f"ipc://{self.ipc_dir}/output.sock"
         self.context = zmq.Context(io_threads=1)

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -310,15 +311,19 @@ sys.stdin.read()  # until the test kills this process
 
 
 def test_frontend_killed_outright_takes_the_engine_along(tiny_model_dirs):
+    # As under systemd with RuntimeDirectory=: the sockets go in the directory systemd
+    # removes when the service stops (short, like /run/NAME: socket paths are limited).
+    runtime_directory = Path(tempfile.mkdtemp(prefix="ps-run-"))
     frontend = subprocess.Popen(
         [sys.executable, "-c", FRONTEND_SCRIPT, str(tiny_model_dirs["llama"])],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, "RUNTIME_DIRECTORY": f"{runtime_directory}:/elsewhere"},
     )
-    ipc_dir = None
     try:
         scheduler, worker, ring, ipc_dir = frontend.stdout.readline().split()
+        assert Path(ipc_dir).parent == runtime_directory
         assert Path("/dev/shm", ring).exists()
         frontend.kill()
         frontend.wait()
@@ -329,9 +334,8 @@ def test_frontend_killed_outright_takes_the_engine_along(tiny_model_dirs):
     finally:
         frontend.kill()
         frontend.wait()
-        if ipc_dir is not None:
-            # Nobody is left to remove the socket directory: a known leftover.
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+        # Nobody of ours is left to remove the socket directory: systemd's part.
+        shutil.rmtree(runtime_directory, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- start-up
