@@ -96,21 +96,6 @@ TINY_CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
-    # YaRN (Qwen2.5's long-context setting), with an original context short enough that the
-    # test prompts run past it: the context window becomes 64 x 4 = 256 positions.
-    "yarn_rope": dict(
-        architectures=["Qwen2ForCausalLM"],
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-        rope_theta=1000000.0,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-        tie_word_embeddings=True,
-    ),
     "opt": dict(
         architectures=["OPTForCausalLM"],
         hidden_size=128,
@@ -122,6 +107,14 @@ TINY_CONFIGS = {
         word_embed_proj_dim=128,
     ),
 }
+
+# YaRN (Qwen2.5's long-context setting) on the tiny Qwen2, with an original context short
+# enough that the test prompts run past it: the context window becomes 64 x 4 = 256 positions.
+TINY_CONFIGS["yarn_rope"] = dict(
+    TINY_CONFIGS["qwen2"],
+    rope_theta=1000000.0,
+    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+)
 
 
 def make_tiny_model(family: str, path: Path, seed: int = 0) -> Path:

@@ -53,16 +53,18 @@ def stop_string_across_a_boundary(llm: LLM, token_ids: list[int]) -> tuple[str, 
     raise AssertionError(f"no token boundary to put a stop string on in {full_text!r}")
 
 
-def record_engine_steps(llm: LLM, monkeypatch) -> list[dict[str, int]]:
-    """From now on, per ``engine.step()`` call: the tokens it handed over, per request."""
-    calls: list[dict[str, int]] = []
+def record_engine_steps(llm: LLM, monkeypatch, per_output: bool = False) -> list[dict]:
+    """From now on, per ``engine.step()`` call: the tokens it handed over, per request (or
+    per output: keys ``(request_id, index)``)."""
+    calls: list[dict] = []
     step = llm.engine.step
 
     def recording_step():
         deltas = step()
-        counts: dict[str, int] = {}
+        counts: dict = {}
         for delta in deltas:
-            counts[delta.request_id] = counts.get(delta.request_id, 0) + len(delta.new_token_ids)
+            key = (delta.request_id, delta.index) if per_output else delta.request_id
+            counts[key] = counts.get(key, 0) + len(delta.new_token_ids)
         calls.append(counts)
         return deltas
 
@@ -186,7 +188,7 @@ def check_each_sample_stops_on_its_own(llm: LLM, monkeypatch, exact: bool) -> No
     free = llm.generate(PROMPTS[0], params)[0].outputs
     target = free[1]
     stop, num_tokens = stop_string_across_a_boundary(llm, target.token_ids)
-    per_sample = record_sample_steps(llm, monkeypatch)
+    per_sample = record_engine_steps(llm, monkeypatch, per_output=True)
     sampled_before = llm.stats()["num_sampled_tokens"]
     stopped = llm.generate(PROMPTS[0], SamplingParams(**{**vars(params), "stop": [stop]}))
     outputs = stopped[0].outputs
@@ -207,24 +209,6 @@ def check_each_sample_stops_on_its_own(llm: LLM, monkeypatch, exact: bool) -> No
     assert stopped[0].finished
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-
-
-def record_sample_steps(llm: LLM, monkeypatch) -> list[dict[tuple[str, int], int]]:
-    """record_engine_steps per output: keys are (request id, output index)."""
-    calls: list[dict[tuple[str, int], int]] = []
-    step = llm.engine.step
-
-    def recording_step():
-        deltas = step()
-        counts: dict[tuple[str, int], int] = {}
-        for delta in deltas:
-            key = (delta.request_id, delta.index)
-            counts[key] = counts.get(key, 0) + len(delta.new_token_ids)
-        calls.append(counts)
-        return deltas
-
-    monkeypatch.setattr(llm.engine, "step", recording_step)
-    return calls
 
 
 def test_each_sample_of_a_request_stops_on_its_own(in_process_llm, monkeypatch):

@@ -42,13 +42,16 @@ def scheduled(plan: StepPlan) -> dict[str, int]:
 
 def run_step(scheduler: Scheduler, token_id: int = 7):
     """Schedule a step and answer it as a worker would: one token for each request
-    whose known tokens are all computed after the step."""
+    whose known tokens are all computed after the step (a group's first sample: one per
+    sequence it forks into)."""
     plan = scheduler.schedule()
     request_ids = []
     for item in (*plan.new_requests, *plan.cached_requests):
         request = scheduler.requests[item.request_id]
         if item.num_computed_tokens + item.num_scheduled_tokens == request.num_tokens:
-            request_ids.append(item.request_id)
+            forks = request.group is not None and request.num_output_tokens == 0
+            rows = request.sampling_params.num_sequences if forks else 1
+            request_ids.extend([item.request_id] * rows)
     result = StepResult(plan.step_id, request_ids, [token_id] * len(request_ids))
     return plan, scheduler.update_from_output(plan, result)
 
@@ -303,25 +306,11 @@ def make_group(request_id: str, num_prompt_tokens: int, **params) -> Request:
     )
 
 
-def run_group_step(scheduler: Scheduler, token_id: int = 7):
-    """run_step, with a group's first sample as one row per sequence it forks into."""
-    plan = scheduler.schedule()
-    request_ids = []
-    for item in (*plan.new_requests, *plan.cached_requests):
-        request = scheduler.requests[item.request_id]
-        if item.num_computed_tokens + item.num_scheduled_tokens == request.num_tokens:
-            forks = request.group is not None and request.num_output_tokens == 0
-            rows = request.sampling_params.num_sequences if forks else 1
-            request_ids.extend([item.request_id] * rows)
-    result = StepResult(plan.step_id, request_ids, [token_id] * len(request_ids))
-    return plan, scheduler.update_from_output(plan, result)
-
-
 def test_a_stopped_sample_leaves_the_batch_and_frees_its_blocks():
     scheduler = make_scheduler()
     scheduler.add_request(make_group("g", 10, n=3, max_tokens=8))
-    run_group_step(scheduler)  # prefill; forks into g, g#1, g#2 sharing 2 blocks
-    run_group_step(scheduler)  # each writes its own copy of the shared last block
+    run_step(scheduler)  # prefill; forks into g, g#1, g#2 sharing 2 blocks
+    run_step(scheduler)  # each writes its own copy of the shared last block
     free_before = scheduler.block_manager.num_free_blocks
     assert scheduler.stop_sample("g", 1) is None  # the others run on
     assert scheduler.block_manager.num_free_blocks == free_before + 1  # its own copy
@@ -330,7 +319,7 @@ def test_a_stopped_sample_leaves_the_batch_and_frees_its_blocks():
     received: dict[int, int] = {}
     final = None
     while scheduler.has_unfinished_requests():
-        plan, deltas = run_group_step(scheduler)
+        plan, deltas = run_step(scheduler)
         assert set(scheduled(plan)) == {"g", "g#2"}
         for delta in deltas:
             received[delta.index] = received.get(delta.index, 0) + len(delta.new_token_ids)
@@ -344,7 +333,7 @@ def test_a_stopped_sample_leaves_the_batch_and_frees_its_blocks():
 def test_stopping_the_last_running_sample_ends_the_request():
     scheduler = make_scheduler()
     scheduler.add_request(make_group("g", 5, n=3, max_tokens=8))
-    run_group_step(scheduler)
+    run_step(scheduler)
     assert scheduler.stop_sample("g", 0) is None
     assert scheduler.stop_sample("g", 2) is None
     final = scheduler.stop_sample("g", 1)
@@ -366,14 +355,14 @@ def test_a_waiting_sample_can_be_stopped():
     scheduler.add_request(make_request("b", 10, max_tokens=12))
     scheduler.add_request(make_group("g", 10, n=3, max_tokens=12))
     for _ in range(12):
-        run_group_step(scheduler)
+        run_step(scheduler)
         if any(seq.group is not None for seq in scheduler.waiting):
             break
     assert {seq.request_id for seq in scheduler.waiting} == {"g", "g#1", "g#2"}
     assert scheduler.stop_sample("g", 2) is None
     assert {seq.request_id for seq in scheduler.waiting} == {"g", "g#1"}
     while scheduler.has_unfinished_requests():
-        plan, _ = run_group_step(scheduler)
+        plan, _ = run_step(scheduler)
         assert "g#2" not in scheduled(plan)
     assert scheduler.block_manager.num_free_blocks == 9
 
@@ -382,7 +371,7 @@ def test_samples_ranked_at_the_end_are_not_stopped_one_by_one():
     # best_of > n: the frontend sees the samples only once ranked, when all have ended.
     scheduler = make_scheduler()
     scheduler.add_request(make_group("g", 5, n=2, best_of=3, max_tokens=8))
-    run_group_step(scheduler)
+    run_step(scheduler)
     running = list(scheduler.running)
     assert len(running) == 3
     assert scheduler.stop_sample("g", 1) is None
