@@ -26,5 +26,7 @@ test: $(VENV)/.installed
 test-quick: $(VENV)/.installed
 	$(PYTHON) -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
+# Python with ruff; every tracked C++ / CUDA source with clang-format (.clang-format).
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	git ls-files '*.h' '*.cpp' '*.cu' '*.cuh' | xargs $(VENV)/bin/clang-format --dry-run --Werror
