@@ -376,3 +376,30 @@ def test_samples_ranked_at_the_end_are_not_stopped_one_by_one():
     assert len(running) == 3
     assert scheduler.stop_sample("g", 1) is None
     assert scheduler.running == running
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_copy_on_write_planned_for_a_group_preempted_later_in_the_step_is_undone(mode):
+    # 6 blocks of 8: "b" (20 tokens) holds 3, the group "g" (10 tokens, n=3) shares 2, one is
+    # free. In the first decode step g copies the shared half-full block into the free one,
+    # then g#1 needs a copy too: none is free, and the newest group, g's own, is preempted.
+    scheduler = make_scheduler(num_blocks=6, block_size=8, num_host_blocks=8, preemption_mode=mode)
+    scheduler.add_request(make_request("b", 20, max_tokens=4, arrival=1.0))
+    scheduler.add_request(make_group("g", 10, n=3, max_tokens=6))
+    run_step(scheduler)  # both prefill; g forks into g, g#1, g#2
+    shared = scheduler.block_manager.block_tables["g"][1]
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"b": 1}
+    # g's copy was taken back: no copy runs, and nothing points at its destination.
+    assert plan.copy_blocks == []
+    if mode == "swap":
+        # The group's two shared blocks go to the host once, the shared one included.
+        assert len(plan.swap_out) == 2 and shared in dict(plan.swap_out)
+        assert {seq.request_id for seq in scheduler.swapped} == {"g", "g#1", "g#2"}
+    else:
+        assert {seq.request_id for seq in scheduler.waiting} == {"g", "g#1", "g#2"}
+    scheduler.block_manager.check_integrity()
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+        scheduler.block_manager.check_integrity()
+    assert scheduler.block_manager.num_free_blocks == 6
