@@ -6,6 +6,7 @@ Beam search is checked against HF transformers' own beam search on the same weig
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import shutil
@@ -25,7 +26,16 @@ def prompts_for(seed: int, lengths=PROMPT_LENGTHS, vocab_size: int = 512) -> lis
 
 
 def hf_beam_search(model, prompt: list[int], params: SamplingParams, eos: int) -> list[list[int]]:
-    """HF's beams for one prompt, each cut after its first EOS (what follows is padding)."""
+    """HF's beams for one prompt, each cut after its first EOS or stop token (what follows
+    is padding)."""
+    return hf_beam_search_steps(model, prompt, params, eos)[0]
+
+
+def hf_beam_search_steps(
+    model, prompt: list[int], params: SamplingParams, eos: int
+) -> tuple[list[list[int]], int]:
+    """hf_beam_search, and how many steps HF's search ran."""
+    ends = [eos, *params.stop_token_ids]
     input_ids = torch.tensor([prompt])
     with torch.no_grad():
         generated = model.generate(
@@ -37,11 +47,13 @@ def hf_beam_search(model, prompt: list[int], params: SamplingParams, eos: int) -
             max_new_tokens=params.max_tokens,
             length_penalty=params.length_penalty,
             early_stopping=params.early_stopping,
+            eos_token_id=ends,
         )
     beams = []
     for row in generated[:, len(prompt) :].tolist():
-        beams.append(row[: row.index(eos) + 1] if eos in row else row)
-    return beams
+        end = next((i for i, token in enumerate(row) if token in ends), None)
+        beams.append(row if end is None else row[: end + 1])
+    return beams, generated.shape[1] - len(prompt)
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +351,43 @@ def test_sharing_in_multiprocess_mode_matches_in_process(beam_model_dir):
         llm.check_integrity()
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("early_stopping", [False, True, "never"])
+def test_beam_search_that_fills_its_finished_hypotheses_matches_hf(
+    beam_model_dir, beam_hf_model, early_stopping
+):
+    """A stop token the model emits often: beam_width hypotheses finish while beams still
+    run, so the search ends on HF's rule for early_stopping (no running beam can beat the
+    worst finished one, or at once, or never)."""
+    path, eos = beam_model_dir
+    prompts = prompts_for(0)
+    # The stop token: the one HF's best beam for one prompt repeats most, searching
+    # without stops (9 times in 30 here, and the other prompts' beams reach it too).
+    with torch.no_grad():
+        best = beam_hf_model.generate(
+            torch.tensor([prompts[2]]),
+            do_sample=False,
+            num_beams=3,
+            max_new_tokens=30,
+            eos_token_id=None,
+        )[0, len(prompts[2]) :].tolist()
+    frequent = collections.Counter(token for token in best if token != eos).most_common(1)[0][0]
+    params = SamplingParams(
+        beam_width=3,
+        n=3,
+        temperature=0.0,
+        max_tokens=30,
+        stop_token_ids=[frequent],
+        early_stopping=early_stopping,
+    )
+    llm = LLM(path, block_size=8, num_blocks=256)
+    outputs = llm.generate(prompts, params)
+    hf_steps = []
+    for prompt, output in zip(prompts, outputs):
+        expected, steps = hf_beam_search_steps(beam_hf_model, prompt, params, eos)
+        assert [c.token_ids for c in output.outputs] == expected
+        hf_steps.append(steps)
+    # The search ended at the same step as HF's: one row sampled at the prompt's end, then
+    # one per beam per step.
+    assert llm.stats()["num_sampled_tokens"] == sum(1 + 3 * (steps - 1) for steps in hf_steps)
