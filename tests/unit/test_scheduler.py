@@ -348,23 +348,30 @@ def test_stopping_the_last_running_sample_ends_the_request():
     assert scheduler.stop_sample("g", 1) is None  # unknown now
 
 
-def test_a_waiting_sample_can_be_stopped():
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_preempted_sample_can_be_stopped(mode):
     # 9 blocks: "b" holds 3; the group "g" grows to 7 (2 shared, a copy-on-write block and a
-    # third block each) and, the newest, is preempted whole by recompute.
-    scheduler = make_scheduler(num_blocks=9, preemption_mode="recompute")
+    # third block each) and, the newest, is preempted whole: it waits, or is swapped out.
+    scheduler = make_scheduler(num_blocks=9, num_host_blocks=9, preemption_mode=mode)
     scheduler.add_request(make_request("b", 10, max_tokens=12))
     scheduler.add_request(make_group("g", 10, n=3, max_tokens=12))
+    queue = scheduler.waiting if mode == "recompute" else scheduler.swapped
     for _ in range(12):
         run_step(scheduler)
-        if any(seq.group is not None for seq in scheduler.waiting):
+        if any(seq.group is not None for seq in queue):
             break
-    assert {seq.request_id for seq in scheduler.waiting} == {"g", "g#1", "g#2"}
+    assert {seq.request_id for seq in queue} == {"g", "g#1", "g#2"}
+    host_blocks_held = scheduler.block_manager.num_free_host_blocks
     assert scheduler.stop_sample("g", 2) is None
-    assert {seq.request_id for seq in scheduler.waiting} == {"g", "g#1"}
+    assert {seq.request_id for seq in queue} == {"g", "g#1"}
+    if mode == "swap":  # its own host copies are freed (the shared ones stay)
+        assert scheduler.block_manager.num_free_host_blocks > host_blocks_held
+    scheduler.block_manager.check_integrity()
     while scheduler.has_unfinished_requests():
         plan, _ = run_step(scheduler)
         assert "g#2" not in scheduled(plan)
     assert scheduler.block_manager.num_free_blocks == 9
+    assert scheduler.block_manager.num_free_host_blocks == 9
 
 
 def test_samples_ranked_at_the_end_are_not_stopped_one_by_one():
