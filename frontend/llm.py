@@ -258,9 +258,9 @@ class LLM:
 
     def stats(self) -> dict[str, int | float]:
         """Scheduler counters (requests, preemptions, sampled tokens, blocks, prefix-cache
-        queries and hits in tokens) and the KV memory accounting of finished sequences: fractions
-        of slot-steps holding token states (``kv_utilization``), reserved for later
-        tokens, lost to internal and external fragmentation, and saved by sharing."""
+        queries and hits in tokens) and the KV memory accounting of finished sequences:
+        fractions of slot-steps holding token states (``kv_utilization``), reserved for
+        later tokens, lost to internal and external fragmentation, and saved by sharing."""
         return self.engine.stats()
 
     def reset_prefix_cache(self) -> None:

@@ -147,10 +147,6 @@ class Scheduler:
         else:
             return None
         for sequence in sequences:
-            if sequence.status == RequestStatus.WAITING:
-                self.waiting.remove(sequence)
-            elif sequence.status == RequestStatus.SWAPPED:
-                self.swapped.remove(sequence)
             self._release(sequence, RequestStatus.FINISHED_ABORTED)
         return RequestOutputDelta(request_id, [], finished=True, finish_reason="abort")
 
@@ -166,10 +162,6 @@ class Scheduler:
         sequence = next((seq for seq in group.sequences if seq.sample_index == index), None)
         if sequence is None:
             return None
-        if sequence.status == RequestStatus.WAITING:
-            self.waiting.remove(sequence)
-        elif sequence.status == RequestStatus.SWAPPED:
-            self.swapped.remove(sequence)
         self._release(sequence, RequestStatus.FINISHED_STOPPED)
         if not group.is_finished:
             return None
@@ -684,10 +676,14 @@ class Scheduler:
         return entries or None
 
     def _release(self, request: Request, status: RequestStatus) -> None:
-        """End one sequence: out of the batch, blocks back, state dropped on workers.
-        The last sequence of a group ends the group."""
+        """End one sequence: out of the batch or its queue, blocks back, state dropped on
+        workers. The last sequence of a group ends the group."""
         if request.status == RequestStatus.RUNNING and request in self.running:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         request.status = status
         self.block_manager.free(request.request_id)
         self._forget_on_workers(request.request_id)
