@@ -7,8 +7,8 @@ PYTEST_ARGS ?=
 
 .PHONY: run test test-quick lint
 
-# Rebuilt when the build description or the C++ sources change.
-$(VENV)/.installed: pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
+# Rebuilt when the build description, the C++ sources or the protos change.
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(shell find csrc protos -type f 2>/dev/null)
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	# torch first and pinned: a CPU build of 2.13.0 lies on these machines.
 	$(PYTHON) -m pip install -q torch==2.13.0

@@ -1,5 +1,6 @@
 """``pagedserve``: the command line. ``chat`` answers a message, ``generate`` continues
-a prompt, both on the embedded model unless ``--model`` names another."""
+a prompt, ``serve`` runs the gRPC server; all on the embedded model unless ``--model``
+names another."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ import logging
 import sys
 import time
 
+from pagedserve.frontend.grpc_server import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    ServerConfig,
+    serve,
+)
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -34,36 +41,149 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="split the model over N worker processes (heads, MLP rows, vocabulary)",
     )
-    engine.add_argument("--max-tokens", type=int, default=128)
-    engine.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    engine.add_argument("--seed", type=int, default=None)
     engine.add_argument(
+        "--max-num-seqs", type=int, default=64, help="sequences in one batch, at most"
+    )
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens of a request, at most (default: the model's window)",
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens in one forward pass, at most (default 2048)",
+    )
+    engine.add_argument(
+        "--swap-space-bytes",
+        type=int,
+        default=1 << 30,
+        help="host memory for KV blocks of preempted requests (per rank)",
+    )
+    engine.add_argument(
+        "--preemption-mode",
+        default=None,
+        choices=["recompute", "swap"],
+        help="how to preempt when blocks run out (default: recompute a single sequence, "
+        "swap a group)",
+    )
+    engine.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not share the KV blocks of common prompt prefixes between requests",
+    )
+    engine.add_argument("--verbose", action="store_true", help="log engine events to stderr")
+    request = argparse.ArgumentParser(add_help=False)
+    request.add_argument("--max-tokens", type=int, default=128)
+    request.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    request.add_argument("--seed", type=int, default=None)
+    request.add_argument(
         "--stop",
         action="append",
         default=None,
         metavar="TEXT",
         help="end the output where TEXT first appears (left out of it); repeatable",
     )
-    engine.add_argument(
+    request.add_argument(
         "--multiprocess",
         action="store_true",
         help="run the scheduler and the worker in processes of their own",
     )
-    engine.add_argument("--verbose", action="store_true", help="log engine events to stderr")
     commands = parser.add_subparsers(dest="command", required=True)
-    chat = commands.add_parser("chat", parents=[engine], help="answer one user message")
+    chat = commands.add_parser("chat", parents=[engine, request], help="answer one user message")
     chat.add_argument("message", nargs="+", help="one or more user messages, answered in a batch")
-    generate = commands.add_parser("generate", parents=[engine], help="continue raw prompts")
+    generate = commands.add_parser(
+        "generate", parents=[engine, request], help="continue raw prompts"
+    )
     generate.add_argument("prompt", nargs="+", help="one or more prompts, run as one batch")
+    serve = commands.add_parser(
+        "serve",
+        parents=[engine],
+        help="serve the gRPC API (protos/pagedserve/v1/generation.proto)",
+        description="Serve pagedserve.v1.Generation, grpc.health.v1.Health and reflection. "
+        "SIGTERM drains: new calls are refused, calls in flight finish (up to "
+        "--drain-timeout-s), then the process exits 0; it exits 1 if the engine dies.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=50051, help="0: any free port")
+    serve.add_argument(
+        "--port-file",
+        default=None,
+        help='once serving, write {"port": ..., "pid": ...} here (for --port 0)',
+    )
+    serve.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+        help="generation calls in flight, at most; more get RESOURCE_EXHAUSTED",
+    )
+    serve.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM, how long calls in flight may run on before they are ended",
+    )
+    serve.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=120.0,
+        help="how long the engine's processes may take to load the model",
+    )
     return parser
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        swap_space_bytes=args.swap_space_bytes,
+        preemption_mode=args.preemption_mode,
+        enable_prefix_caching=not args.no_prefix_caching,
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pagedserve.frontend.llm import LLM
+
+    try:
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            max_concurrent_requests=args.max_concurrent_requests,
+            drain_timeout_s=args.drain_timeout_s,
+            port_file=args.port_file,
+        )
+    except ValueError as error:
+        print(f"pagedserve: error: {error}", file=sys.stderr)
+        return 2
+    kwargs = _engine_kwargs(args)
+    # The server is the frontend process: the scheduler and workers always run apart.
+    return serve(
+        lambda: LLM(**kwargs, multiprocess=True, startup_timeout_s=args.startup_timeout_s),
+        config,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        # A server logs each request (an operator's access log); the one-shot commands
+        # only what went wrong.
+        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if args.command == "serve":
+        return _serve(args)
     from pagedserve.frontend.llm import LLM
 
     try:
@@ -75,13 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         started = time.monotonic()
         llm = LLM(
-            model=args.model,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_bytes,
-            device=args.device,
-            cuda_graphs=args.cuda_graphs,
-            tensor_parallel_size=args.tensor_parallel_size,
+            **_engine_kwargs(args),
             multiprocess=args.multiprocess or None,  # None: chosen by tensor_parallel_size
         )
         ranks = (

@@ -90,6 +90,16 @@ class EngineStartupError(RuntimeError):
     """The engine did not come up; the message names the component that did not."""
 
 
+class RequestRefusedError(ValueError):
+    """The scheduler refused one request (it repeats the frontend's checks); the engine
+    runs on. ``request_id`` names it."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id!r}: {message}")
+        self.request_id = request_id
+        self.reason = message
+
+
 class EngineDeadError(RuntimeError):
     """The engine's processes are gone (a component died or failed): every request that
     was in flight has ended. The message names the component and how it ended."""
@@ -126,6 +136,7 @@ class EngineClient:
         # made before the engine heard, and are dropped (all but a request's final one).
         self._stopped_samples: dict[str, set[int]] = {}
         self._deltas: list[RequestOutputDelta] = []
+        self._refusals: list[RequestRefusedError] = []
         self._last_stats: EngineStats | None = None
         try:
             self._process.start(
@@ -233,23 +244,40 @@ class EngineClient:
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
 
-    def step(self) -> list[RequestOutputDelta]:
+    def step(self, *, wait_when_idle: bool = False) -> list[RequestOutputDelta]:
         """Wait for the engine's next outputs; return the deltas of this client's
         unfinished requests (every batch that has arrived). Raises
-        ``EngineDeadError`` if the engine dies."""
-        while self._unfinished and not self._deltas:
-            self._dispatch(self._receive(None))
+        ``EngineDeadError`` if the engine dies, ``RequestRefusedError`` for a request
+        the scheduler refused (the others' deltas come with the next call).
+
+        With a wake-up fd (``set_wakeup_fd``) it returns, possibly with no deltas, as
+        soon as that fd is readable; ``wait_when_idle`` makes it wait (for outputs, the
+        fd, or the engine's death) even with no unfinished request."""
+        while not self._deltas and not self._refusals and (self._unfinished or wait_when_idle):
+            message = self._receive(None, wake=True)
+            if message is None:
+                break  # woken up
+            self._dispatch(message)
         while self._unfinished and (message := self._receive(0)) is not None:
             self._dispatch(message)
+        if self._refusals:
+            raise self._refusals.pop(0)
         deltas, self._deltas = self._deltas, []
         return deltas
 
+    def set_wakeup_fd(self, fd: int) -> None:
+        """Let another thread interrupt ``step``: a readable ``fd`` ends its wait (the
+        caller drains the fd). For a thread that drives the engine and takes calls from
+        others (frontend/async_engine.py)."""
+        self._process.wake_poller.register(fd, zmq.POLLIN)
+        self._process.wakeup_fd = fd
+
     def stats(self) -> dict[str, int]:
-        return self._query_stats().stats
+        return self.query_stats().stats
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if the scheduler's block accounting is inconsistent."""
-        integrity_error = self._query_stats().integrity_error
+        integrity_error = self.query_stats().integrity_error
         if integrity_error is not None:
             raise AssertionError(integrity_error)
 
@@ -265,10 +293,13 @@ class EngineClient:
             self._last_stats = final_stats
         self._unfinished.clear()
         self._stopped_samples.clear()
+        self._refusals.clear()
 
     # ------------------------------------------------------------ internals
 
-    def _query_stats(self) -> EngineStats:
+    def query_stats(self) -> EngineStats:
+        """The scheduler's counters and its block integrity check, in one round trip
+        (after the end: its final ones)."""
         if self.is_running:
             self._last_stats = None
             self._send(GetStats())
@@ -287,9 +318,9 @@ class EngineClient:
             self._fail()
             raise
 
-    def _receive(self, timeout_s: float | None) -> Message | None:
+    def _receive(self, timeout_s: float | None, wake: bool = False) -> Message | None:
         try:
-            return self._process.receive(timeout_s)
+            return self._process.receive(timeout_s, wake)
         except EngineDeadError:
             self._fail()
             raise
@@ -315,9 +346,10 @@ class EngineClient:
             self._process.failure = message.message
             self._await_engine_end()
         elif isinstance(message, EngineError):
+            # Raised by the next step(), wherever it was read (a stats query too).
             self._unfinished.discard(message.request_id)
             self._stopped_samples.pop(message.request_id, None)
-            raise ValueError(f"request {message.request_id!r}: {message.message}")
+            self._refusals.append(RequestRefusedError(message.request_id, message.message))
         else:
             raise RuntimeError(f"unexpected {type(message).__name__} from the scheduler")
 
@@ -381,6 +413,10 @@ class _SchedulerProcess:
         self.from_scheduler.bind(self.output_endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.from_scheduler, zmq.POLLIN)
+        # The same, and a wake-up fd when one is set (EngineClient.set_wakeup_fd).
+        self.wake_poller = zmq.Poller()
+        self.wake_poller.register(self.from_scheduler, zmq.POLLIN)
+        self.wakeup_fd: int | None = None
 
     @property
     def pid(self) -> int:
@@ -405,6 +441,7 @@ class _SchedulerProcess:
         if hasattr(os, "pidfd_open"):
             self.pidfd = os.pidfd_open(self.popen.pid)
             self.poller.register(self.pidfd, zmq.POLLIN)
+            self.wake_poller.register(self.pidfd, zmq.POLLIN)
         try:
             self.popen.stdin.write(encode(start))
             self.popen.stdin.close()
@@ -472,10 +509,10 @@ class _SchedulerProcess:
                 if not self.to_scheduler.poll(_EXIT_POLL_S * 1000, zmq.POLLOUT):
                     self._raise_if_exited()
 
-    def receive(self, timeout_s: float | None) -> Message | None:
+    def receive(self, timeout_s: float | None, wake: bool = False) -> Message | None:
         """The scheduler's next message, or None after ``timeout_s`` (0: only what has
-        arrived). ``EngineDeadError`` once the scheduler has exited and everything it
-        sent has been read."""
+        arrived) or, with ``wake``, once the wake-up fd is readable. ``EngineDeadError``
+        once the scheduler has exited and everything it sent has been read."""
         if self.stopped:
             raise EngineDeadError(self.death_message or "the engine has been shut down")
         deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
@@ -484,10 +521,13 @@ class _SchedulerProcess:
             if self.pidfd is None:
                 # NOTE: no pidfd, so the exit is checked on a timer.
                 wait_s = _EXIT_POLL_S if wait_s is None else min(wait_s, _EXIT_POLL_S)
-            events = dict(self.poller.poll(None if wait_s is None else wait_s * 1000))
+            poller = self.wake_poller if wake else self.poller
+            events = dict(poller.poll(None if wait_s is None else wait_s * 1000))
             if self.from_scheduler in events:
                 return decode(self.from_scheduler.recv())
             self._raise_if_exited()
+            if wake and self.wakeup_fd in events:
+                return None
             if deadline_s is not None and time.monotonic() >= deadline_s:
                 return None
 

@@ -9,22 +9,25 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedserve.frontend.detokenizer import IncrementalDetokenizer
 from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
 from pagedserve.frontend.model_resolver import resolve_model
-from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.request_tracker import EngineAction, RequestTracker
 from pagedserve.frontend.tokenizer import Tokenizer
-from pagedserve.gpu_worker.memory import default_kv_cache_bytes
-from pagedserve.gpu_worker.model_config import ModelConfig
-from pagedserve.gpu_worker.parallel import check_tensor_parallel_size
-from pagedserve.gpu_worker.worker import Worker, parse_dtype
+from pagedserve.gpu_worker.model_config import (
+    ModelConfig,
+    check_dtype_name,
+    check_tensor_parallel_size,
+)
 from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
-from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.gpu_worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
-        parse_dtype(dtype)
+        check_dtype_name(dtype)
         if allocation_policy not in ALLOCATION_POLICIES:
             raise ValueError(
                 f"allocation_policy must be one of {', '.join(ALLOCATION_POLICIES)}, "
@@ -115,12 +118,17 @@ class LLM:
             raise TypeError(f"swap_space_bytes must be an integer, got {swap_space_bytes!r}")
         if swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
-        self.worker: Worker | None = None
+        self.worker: Worker | None = None  # in-process only
         if multiprocess:
             model_config = ModelConfig.from_dir(resolved.path)
             # Here, before any process starts, so a bad size fails at once.
             check_tensor_parallel_size(model_config, tensor_parallel_size)
         else:
+            # Here, not at the top: a multi-process frontend (the gRPC server) never
+            # imports torch; its workers do.
+            from pagedserve.gpu_worker.memory import default_kv_cache_bytes
+            from pagedserve.gpu_worker.worker import Worker
+
             self.worker = Worker(
                 resolved.path,
                 dtype,
@@ -191,6 +199,9 @@ class LLM:
                 self.worker.num_host_blocks,
             )
         self.eos_token_ids = model_config.eos_token_ids
+        self.dtype = dtype
+        self.block_size = block_size
+        self.scheduler_config = scheduler_config
         self._request_counter = itertools.count()
         # Bytes per block are one rank's: each tensor-parallel rank holds its own heads.
         self.num_blocks, self.bytes_per_block, self.num_host_blocks = cache_sizes
@@ -220,7 +231,10 @@ class LLM:
         prefixes only within one ``cache_namespace``."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
-        encoded = [self._encode(index, prompt) for index, prompt in enumerate(prompt_list)]
+        encoded = [
+            self.encode_prompt(prompt, f"prompts[{index}]")
+            for index, prompt in enumerate(prompt_list)
+        ]
         for index, (token_ids, params) in enumerate(zip(encoded, params_list)):
             try:
                 self.engine.check_request_fits(
@@ -246,14 +260,12 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self._require_tokenizer("messages")
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(list(conversation))
-            # The template already wrote the special tokens it wants.
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        texts = [self.render_chat(conversation) for conversation in conversations]
+        # The template already wrote the special tokens it wants.
+        prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outputs = self.generate(prompts, sampling_params)
-        for output, conversation in zip(outputs, conversations):
-            output.prompt = tokenizer.apply_chat_template(list(conversation))
+        for output, text in zip(outputs, texts):
+            output.prompt = text
         return outputs
 
     def stats(self) -> dict[str, int | float]:
@@ -288,35 +300,19 @@ class LLM:
         cache_namespace: str | None = None,
     ) -> list[RequestOutput]:
         request_ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
-        outputs: dict[str, RequestOutput] = {}
-        # One per output (request id, index), with a tokenizer only.
-        detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
+        trackers: dict[str, RequestTracker] = {}
         try:
             for request_id, prompt, token_ids, params in zip(
                 request_ids, prompts, encoded, params_list
             ):
-                outputs[request_id] = RequestOutput(
-                    request_id=request_id,
-                    prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=token_ids,
-                    outputs=[
-                        CompletionOutput(
-                            index,
-                            "",
-                            [],
-                            None,
-                            logprobs=None if params.logprobs is None else [],
-                            cumulative_logprob=None if params.logprobs is None else 0.0,
-                        )
-                        for index in range(params.n)
-                    ],
-                    prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                trackers[request_id] = RequestTracker(
+                    request_id,
+                    prompt if isinstance(prompt, str) else None,
+                    token_ids,
+                    params,
+                    self.tokenizer,
+                    self.eos_token_ids,
                 )
-                if self.tokenizer is not None:
-                    for index in range(params.n):
-                        detokenizers[(request_id, index)] = IncrementalDetokenizer(
-                            self.tokenizer, params
-                        )
                 self.engine.add_request(
                     request_id,
                     token_ids,
@@ -324,59 +320,51 @@ class LLM:
                     self.eos_token_ids,
                     cache_namespace=cache_namespace,
                 )
-            params_of = dict(zip(request_ids, params_list))
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    output = outputs[delta.request_id]
-                    if output.finished:
-                        continue  # stop strings ended it; the engine ran on meanwhile
-                    if isinstance(output.outputs[delta.index].stop_reason, str):
-                        # A stop string ended this output; across processes, tokens the
-                        # engine made before it heard so may still arrive.
-                        output.finished = delta.finished
-                        continue
-                    stopped = _apply_delta(
-                        output,
-                        delta,
-                        detokenizers.get((delta.request_id, delta.index)),
-                        params_of[delta.request_id],
-                        self.eos_token_ids,
-                    )
-                    if not stopped or output.finished:
-                        continue
-                    # The engine would go on: end the request, or this sample of it, there
-                    # and free the blocks.
-                    if all(c.finish_reason is not None for c in output.outputs):
-                        output.finished = True
+                    tracker = trackers[delta.request_id]
+                    action = tracker.apply(delta)
+                    # A stop string ended an output; the engine would go on: end the
+                    # request, or this sample of it, there and free the blocks.
+                    if action is EngineAction.ABORT_REQUEST:
                         self.engine.abort_request(delta.request_id)
-                    elif self.engine.stop_sample(delta.request_id, delta.index) is not None:
-                        output.finished = True  # the engine's other samples had just ended
+                    elif action is EngineAction.STOP_SAMPLE and (
+                        self.engine.stop_sample(delta.request_id, delta.index) is not None
+                    ):
+                        tracker.output.finished = True  # the others had just ended
         finally:
             # An interrupted run (Ctrl-C, an error) must not leave requests holding blocks.
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
-        return [outputs[request_id] for request_id in request_ids]
+        return [trackers[request_id].output for request_id in request_ids]
 
-    def _encode(self, index: int, prompt: PromptType) -> list[int]:
+    def encode_prompt(self, prompt: PromptType, field: str) -> list[int]:
+        """A prompt's token ids: text tokenized, ids checked against the vocabulary.
+        Errors name ``field`` (``prompts[0]``, or a request's field in the server)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError(f"prompts[{index}]: prompt is empty; it needs at least 1 token")
-            return self._require_tokenizer(f"prompts[{index}]").encode(prompt)
+                raise ValueError(f"{field}: prompt is empty; it needs at least 1 token")
+            return self._require_tokenizer(field).encode(prompt)
         token_ids = list(prompt)
         if not token_ids:
-            raise ValueError(f"prompts[{index}]: prompt is empty; it needs at least 1 token")
+            raise ValueError(f"{field}: prompt is empty; it needs at least 1 token")
         vocab_size = self.model_config.vocab_size
         for position, token_id in enumerate(token_ids):
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise TypeError(
-                    f"prompts[{index}][{position}]: token ids must be integers, got {token_id!r}"
+                    f"{field}[{position}]: token ids must be integers, got {token_id!r}"
                 )
             if not 0 <= token_id < vocab_size:
                 raise ValueError(
-                    f"prompts[{index}][{position}]: token id {token_id} is outside the "
+                    f"{field}[{position}]: token id {token_id} is outside the "
                     f"vocabulary [0, {vocab_size})"
                 )
         return token_ids
+
+    def render_chat(self, conversation: list[Message], field: str = "messages") -> str:
+        """The prompt text of a conversation: the model's chat template, ending with the
+        assistant's turn to speak (encode it with ``add_special_tokens=False``)."""
+        return self._require_tokenizer(field).apply_chat_template(list(conversation))
 
     def _as_params_list(
         self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
@@ -408,67 +396,6 @@ class LLM:
                 "pass token ids instead"
             )
         return self.tokenizer
-
-
-def _apply_delta(
-    output: RequestOutput,
-    delta: RequestOutputDelta,
-    detokenizer: IncrementalDetokenizer | None,
-    params: SamplingParams,
-    eos_token_ids: frozenset[int],
-) -> bool:
-    """Add one step's tokens to ``output`` and decode them. Returns True when a stop
-    string ended the output (``delta.index``) with them: the engine does not know, the
-    caller ends that output's sequence there, or the request once all its outputs have
-    ended."""
-    completion = output.outputs[delta.index]
-    new_token_ids = delta.new_token_ids
-    num_kept = len(new_token_ids)
-    if detokenizer is not None:
-        num_kept = detokenizer.append(new_token_ids, delta.finish_reason is not None)
-        completion.text = detokenizer.text
-        if num_kept < len(new_token_ids):
-            new_token_ids = new_token_ids[:num_kept]
-    completion.token_ids.extend(new_token_ids)
-    if delta.logprobs is not None and completion.logprobs is not None:
-        for entry in delta.logprobs[:num_kept]:
-            completion.logprobs.append(dict(zip(entry.token_ids, entry.logprobs)))
-            completion.cumulative_logprob += entry.logprobs[0]
-    if delta.cumulative_logprob is not None:
-        # Ranked outputs (best_of, beams) report their score as a whole.
-        completion.cumulative_logprob = delta.cumulative_logprob
-    if delta.prompt_logprobs is not None and output.prompt_logprobs is not None:
-        output.prompt_logprobs.extend(
-            dict(zip(entry.token_ids, entry.logprobs)) for entry in delta.prompt_logprobs
-        )
-    if delta.num_cached_tokens is not None:
-        output.num_cached_tokens = delta.num_cached_tokens
-    stop_string = None if detokenizer is None else detokenizer.stop_string
-    if stop_string is not None:
-        completion.finish_reason = "stop"
-        completion.stop_reason = stop_string
-    elif delta.finish_reason is not None:
-        completion.finish_reason = delta.finish_reason
-        completion.stop_reason = _stop_token(completion, params, eos_token_ids)
-    if delta.finished:
-        output.finished = True
-        if delta.finish_reason == "abort":
-            for other in output.outputs:
-                other.finish_reason = other.finish_reason or "abort"
-    return stop_string is not None
-
-
-def _stop_token(
-    completion: CompletionOutput, params: SamplingParams, eos_token_ids: frozenset[int]
-) -> int | None:
-    """The stop token that ended a finished output, if one did (``Request``'s order:
-    EOS first, then ``stop_token_ids``)."""
-    if completion.finish_reason != "stop" or not completion.token_ids:
-        return None
-    last = completion.token_ids[-1]
-    if last in params.stop_token_ids and (params.ignore_eos or last not in eos_token_ids):
-        return last
-    return None
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedserve.gpu_worker.layers.rotary import rope_context_window, rope_parameters
+from pagedserve.gpu_worker.layers.rope_config import rope_context_window, rope_parameters
 
 # HF architecture name -> the model family implemented in gpu_worker/models.
 SUPPORTED_ARCHITECTURES = {
@@ -95,3 +95,44 @@ def _eos_token_ids(path: Path, hf_config: dict[str, Any]) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+    """Raise ``ValueError`` naming the field, its value and the limit if the model cannot
+    be split over ``size`` ranks: query heads and the MLP's intermediate rows must divide
+    evenly; KV heads must divide evenly, or divide ``size`` (then they are replicated).
+    The vocabulary needs nothing: its last shard is padded."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    _check_divisible("num_attention_heads", config.num_heads, size)
+    if config.num_kv_heads >= size:
+        _check_divisible("num_key_value_heads", config.num_kv_heads, size)
+    elif size % config.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={size}: the model's num_key_value_heads="
+            f"{config.num_kv_heads} is below it, so each KV head is replicated on "
+            f"tensor_parallel_size / num_key_value_heads ranks, which must be a whole "
+            f"number; use a multiple of {config.num_kv_heads} or a size at most it"
+        )
+    mlp_field = "ffn_dim" if config.family == "opt" else "intermediate_size"
+    _check_divisible(mlp_field, config.hf_config[mlp_field], size)
+
+
+def _check_divisible(field: str, value: int, size: int) -> None:
+    if value % size:
+        divisors = [d for d in range(1, value + 1) if value % d == 0]
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's {field}={value} "
+            f"(each rank holds {field} / tensor_parallel_size of them); "
+            f"sizes that do: {', '.join(map(str, divisors))}"
+        )
+
+
+# The weight and KV cache dtypes a worker runs (gpu_worker/worker.py maps them to torch's).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype_name(dtype: str) -> None:
+    """Raise ``ValueError`` naming the value and the choices for an unknown dtype."""
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")

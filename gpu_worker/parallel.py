@@ -25,7 +25,10 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.gpu_worker import ops
-from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.model_config import (  # noqa: F401 (re-exported)
+    ModelConfig,
+    check_tensor_parallel_size,
+)
 
 _BACKENDS = {"cpu": "gloo"}
 
@@ -107,34 +110,3 @@ def set_threads_per_rank(size: int) -> None:
     num_threads = max(1, (cores or 1) // size)
     torch.set_num_threads(num_threads)
     ops.set_num_threads(num_threads)
-
-
-def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
-    """Raise ``ValueError`` naming the field, its value and the limit if the model cannot
-    be split over ``size`` ranks: query heads and the MLP's intermediate rows must divide
-    evenly; KV heads must divide evenly, or divide ``size`` (then they are replicated).
-    The vocabulary needs nothing: its last shard is padded."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
-    _check_divisible("num_attention_heads", config.num_heads, size)
-    if config.num_kv_heads >= size:
-        _check_divisible("num_key_value_heads", config.num_kv_heads, size)
-    elif size % config.num_kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size={size}: the model's num_key_value_heads="
-            f"{config.num_kv_heads} is below it, so each KV head is replicated on "
-            f"tensor_parallel_size / num_key_value_heads ranks, which must be a whole "
-            f"number; use a multiple of {config.num_kv_heads} or a size at most it"
-        )
-    mlp_field = "ffn_dim" if config.family == "opt" else "intermediate_size"
-    _check_divisible(mlp_field, config.hf_config[mlp_field], size)
-
-
-def _check_divisible(field: str, value: int, size: int) -> None:
-    if value % size:
-        divisors = [d for d in range(1, value + 1) if value % d == 0]
-        raise ValueError(
-            f"tensor_parallel_size={size} does not divide the model's {field}={value} "
-            f"(each rank holds {field} / tensor_parallel_size of them); "
-            f"sizes that do: {', '.join(map(str, divisors))}"
-        )

@@ -14,7 +14,7 @@ from pagedserve.gpu_worker import cuda_ops, ops
 from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec
 from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
-from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.model_config import ModelConfig, check_dtype_name
 from pagedserve.gpu_worker.model_runner import ModelRunner
 from pagedserve.gpu_worker.models import build_model
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel, check_tensor_parallel_size
@@ -27,8 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_dtype_name(dtype)
     return DTYPES[dtype]
 
 

@@ -1,0 +1,187 @@
+"""Between the gRPC API's messages (protos/pagedserve/v1/generation.proto) and the
+engine's: sampling settings in, outputs out (whole, or what is new since the last
+streamed message)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.v1 import generation_pb2 as pb
+
+# Proto3 `optional` fields copied as they are when set (unset: SamplingParams' default).
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "min_tokens",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "n",
+    "best_of",
+    "beam_width",
+    "length_penalty",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+_EARLY_STOPPING = {"": False, "false": False, "true": True, "never": "never"}
+# uint64 on the wire; the engine's generators take seeds below 2**63.
+MAX_SEED = (1 << 63) - 1
+
+FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_proto(
+    message: pb.SamplingParams | None, default: SamplingParams
+) -> SamplingParams:
+    """The request's ``SamplingParams``. ``default`` is the model's (its generation config):
+    all of it when the request sets none, its temperature when the request leaves that
+    unset. Raises ``ValueError`` naming ``sampling.<field>``, the value and the limit."""
+    if message is None:
+        return default
+    kwargs: dict[str, object] = {
+        name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)
+    }
+    kwargs["temperature"] = (
+        message.temperature if message.HasField("temperature") else default.temperature
+    )
+    if message.HasField("seed") and message.seed > MAX_SEED:
+        raise ValueError(f"sampling.seed must be <= {MAX_SEED}, got {message.seed}")
+    early_stopping = message.early_stopping.strip().lower()
+    if early_stopping not in _EARLY_STOPPING:
+        raise ValueError(
+            f"sampling.early_stopping must be one of 'true', 'false', 'never' (or unset), "
+            f"got {message.early_stopping!r}"
+        )
+    kwargs.update(
+        ignore_eos=message.ignore_eos,
+        stop_token_ids=list(message.stop_token_ids),
+        stop=list(message.stop) or None,
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        early_stopping=_EARLY_STOPPING[early_stopping],
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"sampling.{error}") from None
+
+
+def _token_logprobs(entry: dict[int, float]) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(token_ids=list(entry), logprobs=list(entry.values()))
+
+
+def _set_stop_reason(message: pb.Completion, completion: CompletionOutput) -> None:
+    if isinstance(completion.stop_reason, str):
+        message.stop_string = completion.stop_reason
+    elif completion.stop_reason is not None:
+        message.stop_token_id = completion.stop_reason
+
+
+def _usage(output: RequestOutput) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=len(output.prompt_token_ids),
+        completion_tokens=sum(len(c.token_ids) for c in output.outputs),
+        cached_prompt_tokens=output.num_cached_tokens,
+    )
+
+
+def whole_response(client_request_id: str, output: RequestOutput) -> pb.GenerateResponse:
+    """``Generate``'s answer: every output in full."""
+    response = pb.GenerateResponse(
+        request_id=client_request_id,
+        prompt_token_ids=output.prompt_token_ids,
+        finished=output.finished,
+        usage=_usage(output),
+    )
+    if output.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(
+            _token_logprobs(entry) for entry in output.prompt_logprobs if entry is not None
+        )
+    for completion in output.outputs:
+        message = response.outputs.add(
+            index=completion.index,
+            text=completion.text,
+            token_ids=completion.token_ids,
+            finish_reason=FINISH_REASONS.get(completion.finish_reason),
+        )
+        if completion.logprobs is not None:
+            message.logprobs.extend(_token_logprobs(entry) for entry in completion.logprobs)
+        if completion.cumulative_logprob is not None:
+            message.cumulative_logprob = completion.cumulative_logprob
+        _set_stop_reason(message, completion)
+    return response
+
+
+@dataclass
+class _Sent:
+    """How much of one output a stream has sent."""
+
+    text_chars: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+    finished: bool = False
+
+
+@dataclass
+class StreamState:
+    """What ``GenerateStream`` has sent of a request, so each message carries only what
+    is new. The text only grows: the detokenizer holds back what a stop string may cut."""
+
+    client_request_id: str
+    outputs: dict[int, _Sent] = field(default_factory=dict)
+    prompt_sent: bool = False
+    prompt_logprobs_sent: int = 0
+
+    def next_response(self, output: RequestOutput) -> pb.GenerateResponse | None:
+        """The message for what changed since the last one; None when nothing did."""
+        response = pb.GenerateResponse(request_id=self.client_request_id)
+        changed = False
+        if not self.prompt_sent:
+            response.prompt_token_ids.extend(output.prompt_token_ids)
+            self.prompt_sent = changed = True
+        if output.prompt_logprobs is not None:
+            new = [e for e in output.prompt_logprobs[1:][self.prompt_logprobs_sent :]]
+            if new:
+                response.prompt_logprobs.extend(_token_logprobs(entry) for entry in new)
+                self.prompt_logprobs_sent += len(new)
+                changed = True
+        for completion in output.outputs:
+            sent = self.outputs.setdefault(completion.index, _Sent())
+            new_text = completion.text[sent.text_chars :]
+            new_tokens = completion.token_ids[sent.tokens :]
+            new_logprobs = (
+                [] if completion.logprobs is None else completion.logprobs[sent.logprobs :]
+            )
+            newly_finished = completion.finish_reason is not None and not sent.finished
+            if not (new_text or new_tokens or new_logprobs or newly_finished):
+                continue
+            message = response.outputs.add(
+                index=completion.index, text=new_text, token_ids=new_tokens
+            )
+            message.logprobs.extend(_token_logprobs(entry) for entry in new_logprobs)
+            if newly_finished:
+                message.finish_reason = FINISH_REASONS.get(completion.finish_reason)
+                _set_stop_reason(message, completion)
+                if completion.cumulative_logprob is not None:
+                    message.cumulative_logprob = completion.cumulative_logprob
+                sent.finished = True
+            sent.text_chars = len(completion.text)
+            sent.tokens = len(completion.token_ids)
+            sent.logprobs += len(new_logprobs)
+            changed = True
+        if output.finished:
+            response.finished = True
+            response.usage.CopyFrom(_usage(output))
+            changed = True
+        return response if changed else None

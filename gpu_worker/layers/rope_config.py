@@ -1,0 +1,52 @@
+"""RoPE settings as HF configs write them: which scaling, and the context window it gives.
+
+Torch-free, so the frontend process (the gRPC server) can read a model's limits without
+importing the worker; ``rotary.py`` turns these settings into frequencies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from either config style: transformers 5's ``rope_parameters`` or the
+    older ``rope_theta`` + ``rope_scaling`` pair, completed as transformers completes them."""
+    parameters = dict(hf_config.get("rope_parameters") or {})
+    scaling = hf_config.get("rope_scaling") or {}
+    parameters = {**scaling, **parameters}
+    parameters.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    parameters["rope_type"] = parameters.get("rope_type") or parameters.get("type") or "default"
+    if parameters["rope_type"] in ("llama3", "yarn"):
+        # The pretraining context: a top-level value wins (Phi-3 keeps it there), then the
+        # scaling's own, then the model's.
+        original = hf_config.get("original_max_position_embeddings")
+        if original is None:
+            original = parameters.get(
+                "original_max_position_embeddings", hf_config.get("max_position_embeddings")
+            )
+        parameters["original_max_position_embeddings"] = original
+    if parameters["rope_type"] == "yarn":
+        original = parameters["original_max_position_embeddings"]
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise ValueError(
+                f"rope original_max_position_embeddings must be an integer >= 1 for YaRN, "
+                f"got {original!r}"
+            )
+        if parameters.get("factor") is None:
+            # DeepSeek-V3 style: the factor is the extended over the original context.
+            parameters["factor"] = hf_config["max_position_embeddings"] / original
+        factor = parameters["factor"]
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+            raise ValueError(f"rope factor must be a number >= 1 for YaRN, got {factor!r}")
+    return parameters
+
+
+def rope_context_window(parameters: dict[str, Any], max_position_embeddings: int) -> int:
+    """The positions the model is meant to take: YaRN's extended context (the original times
+    the factor, as vLLM derives it), else ``max_position_embeddings``."""
+    if parameters["rope_type"] == "yarn":
+        return int(parameters["original_max_position_embeddings"] * parameters["factor"])
+    return max_position_embeddings
