@@ -1,8 +1,9 @@
 """``pagedserve serve``: the gRPC server (grpc.aio on uvloop) in front of the engine.
 
 This process is the frontend: it validates and tokenizes requests, decodes and streams
-their outputs, and runs no model (it never imports torch); the scheduler and the workers
-run in processes of their own (``async_engine.py``, ``engine_client.py``).
+their outputs, and runs no model (neither weights nor compiled ops load here); the
+scheduler and the workers run in processes of their own (``async_engine.py``,
+``engine_client.py``).
 
 - **Requests** (``pagedserve.v1.Generation``): ``Generate`` (whole result),
   ``GenerateStream`` (what is new, as it is made), ``Tokenize``, ``GetModelInfo``,

@@ -1,0 +1,239 @@
+"""The real server in tests: ``pagedserve serve`` as a child process on 127.0.0.1 (any free
+port, read from ``--port-file``), its scheduler and worker processes, and real gRPC
+clients. After each test the server's block accounting must hold (GetStats)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+# A ChatML template, enough to test chat requests on the tiny tokenizer's byte vocabulary.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tiny_model_dirs, tmp_path_factory) -> Path:
+    """The tiny random Llama with a byte-level tokenizer (its greedy output decodes to
+    text) and a chat template."""
+    path = tmp_path_factory.mktemp("tiny_llama_server")
+    shutil.copytree(tiny_model_dirs["llama"], path, dirs_exist_ok=True)
+    save_for_transformers(byte_level_tokenizer([], vocab_size=512), path, BYTE_LEVEL_SPECIALS)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return path
+
+
+# ---------------------------------------------------------------- /proc
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def is_live(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def live_children(pid: int) -> list[int]:
+    return [
+        child
+        for child in (int(e) for e in os.listdir("/proc") if e.isdigit())
+        if (fields := _stat_fields(child)) is not None
+        and int(fields[1]) == pid
+        and fields[0] not in ("Z", "X")
+    ]
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline_s:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# ---------------------------------------------------------------- the server
+
+
+class ServerProcess:
+    """``pagedserve serve`` in a child process; its log goes to a file for diagnostics."""
+
+    def __init__(
+        self, model_dir: Path, workdir: Path, *flags: str, env: dict[str, str] | None = None
+    ):
+        self.port_file = workdir / "port.json"
+        self.log_path = workdir / "server.log"
+        self.port_file.unlink(missing_ok=True)
+        command = [
+            sys.executable,
+            "-m",
+            "pagedserve.frontend.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--port-file",
+            str(self.port_file),
+            *flags,
+        ]
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        self.port: int | None = None
+        self.channel: grpc.Channel | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_serving(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
+        deadline_s = time.monotonic() + timeout_s
+        while not self.port_file.exists():
+            if self.process.poll() is not None:
+                raise AssertionError(f"server exited {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline_s:
+                self.kill()
+                raise AssertionError(f"server not serving within {timeout_s} s:\n{self.log()}")
+            time.sleep(0.05)
+        self.port = json.loads(self.port_file.read_text())["port"]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        return self
+
+    @property
+    def stub(self) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(self.channel)
+
+    def engine_pids(self) -> list[int]:
+        """The scheduler process and its workers."""
+        schedulers = live_children(self.pid)
+        return schedulers + [w for s in schedulers for w in live_children(s)]
+
+    def stats(self) -> pb.Stats:
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+
+    def assert_blocks_all_free(self, timeout_s: float = 5.0) -> None:
+        """Nothing runs and every block is free (cancellations reach the scheduler
+        asynchronously, so this waits for them a little)."""
+
+        def settled() -> bool:
+            stats = self.stats()
+            engine = stats.engine
+            return (
+                stats.requests_running == 0
+                and engine["num_running"] == engine["num_waiting"] == engine["num_swapped"] == 0
+                and engine["num_free_blocks"] == engine["num_total_blocks"]
+                and engine["num_free_host_blocks"] == engine["num_total_host_blocks"]
+            )
+
+        settled_in_time = wait_until(settled, timeout_s)
+        stats = self.stats()
+        assert stats.integrity_error == "", stats.integrity_error
+        assert settled_in_time, stats
+
+    def terminate(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM (drain), then the exit code; the engine's processes are gone too."""
+        engine_pids = self.engine_pids()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"server did not exit within {timeout_s} s:\n{self.log()}")
+        assert wait_until(lambda: not any(is_live(pid) for pid in engine_pids), 5.0), (
+            f"engine processes left behind: {[p for p in engine_pids if is_live(p)]}"
+        )
+        return code
+
+    def kill(self) -> None:
+        for pid in self.engine_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.process.poll() is None:
+            self.kill()
+        self._log.close()
+
+
+@pytest.fixture
+def start_server(server_model_dir, tmp_path) -> Iterator[Callable[..., ServerProcess]]:
+    """A server of a test's own (fault tests): ``start_server(*flags, env=...)``."""
+    servers: list[ServerProcess] = []
+
+    def start(*flags: str, env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
+        workdir = tmp_path / f"server{len(servers)}"
+        workdir.mkdir()
+        server = ServerProcess(server_model_dir, workdir, *flags, env=env)
+        servers.append(server)
+        return server.wait_serving() if wait else server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def shared_server(server_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    """One server for a module's tests; stopped by SIGTERM at the end, which must drain
+    cleanly (exit 0)."""
+    server = ServerProcess(
+        server_model_dir,
+        tmp_path_factory.mktemp("server"),
+        "--kv-cache-bytes",
+        str(4 << 20),
+        "--max-concurrent-requests",
+        "64",
+    ).wait_serving()
+    yield server
+    try:
+        assert server.terminate() == 0, server.log()
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def server(shared_server) -> Iterator[ServerProcess]:
+    """The module's server, checked after the test: nothing left running, every block free,
+    the accounting consistent."""
+    yield shared_server
+    shared_server.assert_blocks_all_free()

@@ -1,0 +1,277 @@
+"""The gRPC API end to end: a real server process, real gRPC clients on 127.0.0.1.
+
+Outputs are compared with the offline engine in this process on the same weights (and,
+for greedy tokens, with HF transformers); streams must add up to the whole result."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+import transformers
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.v1 import generation_pb2 as pb
+
+PROMPTS = [[5, 300, 301, 302], [400, 7, 7, 401, 402, 403, 404, 405, 406], [9, 10, 11]]
+NUM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def offline(server_model_dir) -> LLM:
+    return LLM(server_model_dir, num_blocks=128)
+
+
+def greedy(max_tokens: int = NUM_TOKENS, **fields) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **fields)
+
+
+def token_request(prompt: list[int], sampling: pb.SamplingParams, **fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling, **fields)
+
+
+def collect_stream(responses) -> tuple[list[pb.GenerateResponse], dict[int, dict]]:
+    """The stream's messages, and per output what they add up to."""
+    messages = list(responses)
+    outputs: dict[int, dict] = {}
+    for message in messages:
+        for completion in message.outputs:
+            output = outputs.setdefault(
+                completion.index,
+                {"text": "", "token_ids": [], "logprobs": [], "finish_reason": 0},
+            )
+            output["text"] += completion.text
+            output["token_ids"] += list(completion.token_ids)
+            output["logprobs"] += [dict(zip(e.token_ids, e.logprobs)) for e in completion.logprobs]
+            if completion.finish_reason:
+                assert not output["finish_reason"], "an output finished twice"
+                output["finish_reason"] = completion.finish_reason
+                which = completion.WhichOneof("stop_reason")
+                output["stop"] = None if which is None else getattr(completion, which)
+    return messages, outputs
+
+
+def test_greedy_tokens_equal_hf_and_the_offline_engine(server, server_model_dir, offline):
+    stub = server.stub
+    futures = [stub.Generate.future(token_request(p, greedy()), timeout=60) for p in PROMPTS]
+    responses = [future.result() for future in futures]
+    expected = offline.generate(
+        PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(server_model_dir)
+    for prompt, response, want in zip(PROMPTS, responses, expected):
+        (completion,) = response.outputs
+        assert list(completion.token_ids) == want.outputs[0].token_ids
+        assert completion.text == want.outputs[0].text
+        assert completion.finish_reason == pb.FINISH_REASON_LENGTH
+        assert list(response.prompt_token_ids) == prompt
+        assert response.finished
+        assert response.usage.prompt_tokens == len(prompt)
+        assert response.usage.completion_tokens == NUM_TOKENS
+        with torch.no_grad():
+            input_ids = torch.tensor([prompt])
+            hf = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=NUM_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert list(completion.token_ids) == hf[0, len(prompt) :].tolist()
+
+
+def test_stream_adds_up_to_the_whole_result(server):
+    sampling = greedy(logprobs=3, prompt_logprobs=2)
+    whole = server.stub.Generate(token_request(PROMPTS[1], sampling, request_id="mine"))
+    messages, outputs = collect_stream(
+        server.stub.GenerateStream(token_request(PROMPTS[1], sampling, request_id="mine"))
+    )
+    assert all(m.request_id == "mine" for m in messages) and whole.request_id == "mine"
+    assert list(messages[0].prompt_token_ids) == PROMPTS[1]
+    assert all(not m.prompt_token_ids for m in messages[1:])
+    assert [m.finished for m in messages] == [False] * (len(messages) - 1) + [True]
+    assert len(messages) > 2  # it streamed, not one message at the end
+    (completion,) = whole.outputs
+    assert outputs[0]["text"] == completion.text
+    assert outputs[0]["token_ids"] == list(completion.token_ids)
+    assert outputs[0]["finish_reason"] == completion.finish_reason == pb.FINISH_REASON_LENGTH
+    whole_logprobs = [dict(zip(e.token_ids, e.logprobs)) for e in completion.logprobs]
+    assert outputs[0]["logprobs"] == whole_logprobs
+    assert len(whole_logprobs) == NUM_TOKENS
+    assert all(len(entry) in (3, 4) for entry in whole_logprobs)  # chosen + top 3
+    streamed_prompt_logprobs = [e for m in messages for e in m.prompt_logprobs]
+    assert len(streamed_prompt_logprobs) == len(whole.prompt_logprobs) == len(PROMPTS[1]) - 1
+    assert messages[-1].usage.completion_tokens == NUM_TOKENS
+
+
+def test_text_prompt_stop_string_and_seeded_samples_as_offline(server, offline):
+    # A stop string that the greedy text contains: output cut before it, as offline.
+    text = "hello world"
+    plain = offline.generate(text, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0))
+    stop = plain[0].outputs[0].text[5:8]
+    assert len(stop) == 3
+    sampling = pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, stop=[stop])
+    want = offline.generate(
+        text, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, stop=[stop])
+    )[0]
+    whole = server.stub.Generate(pb.GenerateRequest(text=text, sampling=sampling))
+    _messages, streamed = collect_stream(
+        server.stub.GenerateStream(pb.GenerateRequest(text=text, sampling=sampling))
+    )
+    assert whole.outputs[0].text == streamed[0]["text"] == want.outputs[0].text
+    assert list(whole.outputs[0].token_ids) == want.outputs[0].token_ids
+    assert whole.outputs[0].stop_string == streamed[0]["stop"] and streamed[0]["stop"]
+    assert whole.outputs[0].stop_string == stop
+    # n = 3 seeded samples: the same draws as offline, streamed or whole.
+    sampling = pb.SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=3, ignore_eos=True)
+    want = offline.generate(
+        PROMPTS[0],
+        SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=3, ignore_eos=True),
+    )[0]
+    whole = server.stub.Generate(token_request(PROMPTS[0], sampling))
+    _messages, streamed = collect_stream(
+        server.stub.GenerateStream(token_request(PROMPTS[0], sampling))
+    )
+    for index in range(3):
+        assert list(whole.outputs[index].token_ids) == want.outputs[index].token_ids
+        assert streamed[index]["token_ids"] == want.outputs[index].token_ids
+
+
+def test_chat_and_tokenize_use_the_chat_template(server, offline):
+    messages = [pb.ChatMessage(role="user", content="hi there")]
+    tokens = server.stub.Tokenize(pb.TokenizeRequest(chat=pb.Chat(messages=messages)))
+    text = offline.render_chat([{"role": "user", "content": "hi there"}])
+    assert text.endswith("<|im_start|>assistant\n")
+    assert list(tokens.token_ids) == offline.tokenizer.encode(text, add_special_tokens=False)
+    response = server.stub.Generate(
+        pb.GenerateRequest(chat=pb.Chat(messages=messages), sampling=greedy(8))
+    )
+    assert list(response.prompt_token_ids) == list(tokens.token_ids)
+    want = offline.chat(
+        [{"role": "user", "content": "hi there"}],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+    )[0]
+    assert list(response.outputs[0].token_ids) == want.outputs[0].token_ids
+    text_tokens = server.stub.Tokenize(pb.TokenizeRequest(text="hello"))
+    assert list(text_tokens.token_ids) == offline.tokenizer.encode("hello")
+
+
+def test_beam_search_and_best_of_rank_like_the_offline_engine(server, offline):
+    sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, beam_width=3, n=2, ignore_eos=True)
+    want = offline.generate(
+        PROMPTS[2],
+        SamplingParams(max_tokens=8, temperature=0.0, beam_width=3, n=2, ignore_eos=True),
+    )[0]
+    whole = server.stub.Generate(token_request(PROMPTS[2], sampling))
+    _messages, streamed = collect_stream(
+        server.stub.GenerateStream(token_request(PROMPTS[2], sampling))
+    )
+    for index in range(2):
+        assert list(whole.outputs[index].token_ids) == want.outputs[index].token_ids
+        assert streamed[index]["token_ids"] == want.outputs[index].token_ids
+        assert whole.outputs[index].cumulative_logprob == pytest.approx(
+            want.outputs[index].cumulative_logprob
+        )
+
+
+def test_many_concurrent_calls_each_end_once(server, offline):
+    """64 calls at once, streamed and whole, with a shared prefix: each gets its tokens
+    and exactly one final message."""
+    prompts = [
+        [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, i] for i in range(32)
+    ]
+    want = offline.generate(
+        prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    )
+    hits_before = server.stats().engine["prefix_cache_hits"]
+
+    def streamed(prompt):
+        return collect_stream(server.stub.GenerateStream(token_request(prompt, greedy(10))))
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        stream_results = list(pool.map(streamed, prompts))
+    whole_futures = [server.stub.Generate.future(token_request(p, greedy(10))) for p in prompts]
+    for (messages, outputs), future, expected in zip(stream_results, whole_futures, want):
+        assert sum(m.finished for m in messages) == 1 and messages[-1].finished
+        assert outputs[0]["token_ids"] == expected.outputs[0].token_ids
+        assert list(future.result().outputs[0].token_ids) == expected.outputs[0].token_ids
+    # The shared 16-token prefix was served from the prefix cache for most calls.
+    assert server.stats().engine["prefix_cache_hits"] - hits_before >= 16 * 32
+
+
+def test_bad_input_names_the_field_value_and_limit(server):
+    stub = server.stub
+    cases = [
+        (pb.GenerateRequest(sampling=greedy()), "prompt: set one of text, token_ids, chat"),
+        (pb.GenerateRequest(text=""), "text: prompt is empty"),
+        (token_request([], greedy()), "token_ids.ids: prompt is empty"),
+        (token_request([1, 2, 999], greedy()), "token_ids.ids[2]: token id 999"),
+        (token_request([1], greedy(top_p=1.5)), "sampling.top_p"),
+        (token_request([1], pb.SamplingParams(max_tokens=0)), "sampling.max_tokens"),
+        (token_request([1], greedy(logprobs=21)), "sampling.logprobs must be <= 20, got 21"),
+        (token_request([1], greedy(early_stopping="maybe")), "sampling.early_stopping"),
+        (token_request([1], greedy(seed=1 << 63)), "sampling.seed must be <="),
+        (token_request([1] * 600, greedy()), "max_model_len is 512"),
+        (token_request([1], greedy(n=100)), "max_num_seqs is 64"),
+        (pb.GenerateRequest(chat=pb.Chat()), "chat.messages is empty"),
+    ]
+    for request, expected in cases:
+        for call in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(request, timeout=30)
+                pytest.fail(f"accepted: {request}")
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+            assert expected in caught.value.details(), (expected, caught.value.details())
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Tokenize(pb.TokenizeRequest())
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The server serves on, and counted the failures.
+    assert server.stub.Generate(token_request([1, 2], greedy(4))).finished
+    assert server.stats().requests_failed >= 2 * len(cases)
+
+
+def test_model_info_health_and_reflection(server, server_model_dir):
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.model == str(server_model_dir)
+    assert info.architecture == "LlamaForCausalLM"
+    assert (info.vocab_size, info.max_model_len, info.block_size) == (512, 512, 16)
+    assert info.num_blocks > 0 and info.max_num_seqs == 64 and info.dtype == "float32"
+    health = health_pb2_grpc.HealthStub(server.channel)
+    for service in ("", "pagedserve.v1.Generation"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    reflection = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+    (reply,) = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_the_server_process_runs_no_model(server):
+    """The frontend process tokenizes and streams; only the workers load the compiled
+    ops and the weights. (It does import torch: transformers' tokenizers import it.)"""
+    maps = open(f"/proc/{server.pid}/maps").read()
+    assert "_C_cpu" not in maps and "model.safetensors" not in maps
+    worker_maps = [open(f"/proc/{pid}/maps").read() for pid in server.engine_pids()]
+    assert any("_C_cpu" in text for text in worker_maps)  # the check can see it
+
+
+def test_cli_serve_help_lists_the_operator_flags():
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedserve.frontend.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    for flag in ("--host", "--port", "--max-concurrent-requests", "--drain-timeout-s"):
+        assert flag in result.stdout
