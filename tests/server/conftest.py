@@ -140,6 +140,18 @@ class ServerProcess:
         schedulers = live_children(self.pid)
         return schedulers + [w for s in schedulers for w in live_children(s)]
 
+    def worker_pids(self) -> list[int]:
+        """The worker processes (multiprocessing spawns them; the scheduler's other child
+        is multiprocessing's resource tracker)."""
+
+        def command(pid: int) -> bytes:
+            try:
+                return Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                return b""
+
+        return [pid for pid in self.engine_pids() if b"spawn_main" in command(pid)]
+
     def stats(self) -> pb.Stats:
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=10)
 
