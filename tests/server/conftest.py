@@ -4,6 +4,7 @@ clients. After each test the server's block accounting must hold (GetStats)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -183,7 +184,9 @@ class ServerProcess:
             code = self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"server did not exit within {timeout_s} s:\n{self.log()}")
+            raise AssertionError(
+                f"server did not exit within {timeout_s} s:\n{self.log()}"
+            ) from None
         assert wait_until(lambda: not any(is_live(pid) for pid in engine_pids), 5.0), (
             f"engine processes left behind: {[p for p in engine_pids if is_live(p)]}"
         )
@@ -191,10 +194,8 @@ class ServerProcess:
 
     def kill(self) -> None:
         for pid in self.engine_pids():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)

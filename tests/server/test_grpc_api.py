@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -259,9 +260,9 @@ def test_model_info_health_and_reflection(server, server_model_dir):
 def test_the_server_process_runs_no_model(server):
     """The frontend process tokenizes and streams; only the workers load the compiled
     ops and the weights. (It does import torch: transformers' tokenizers import it.)"""
-    maps = open(f"/proc/{server.pid}/maps").read()
+    maps = Path(f"/proc/{server.pid}/maps").read_text()
     assert "_C_cpu" not in maps and "model.safetensors" not in maps
-    worker_maps = [open(f"/proc/{pid}/maps").read() for pid in server.engine_pids()]
+    worker_maps = [Path(f"/proc/{pid}/maps").read_text() for pid in server.engine_pids()]
     assert any("_C_cpu" in text for text in worker_maps)  # the check can see it
 
 
