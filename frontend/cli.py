@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long calls in flight may run on before they are ended",
     )
     serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
+        "default: off)",
+    )
+    serve.add_argument(
         "--startup-timeout-s",
         type=float,
         default=120.0,
@@ -162,6 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_concurrent_requests=args.max_concurrent_requests,
             drain_timeout_s=args.drain_timeout_s,
             port_file=args.port_file,
+            metrics_port=args.metrics_port,
         )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)

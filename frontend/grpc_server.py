@@ -19,6 +19,7 @@ scheduler and the workers run in processes of their own (``async_engine.py``,
   signal ends the drain at once.
 - **Engine death**: every call in flight ends with ``UNAVAILABLE`` naming what died, and
   the process exits 1 (systemd's ``Restart=on-failure`` brings it back).
+- **Metrics** (``metrics_port``): Prometheus text at ``/metrics`` (``metrics.py``).
 - **systemd**: ``READY=1`` once serving, ``STOPPING=1`` when draining, ``WATCHDOG=1``
   from the event loop when ``WatchdogSec=`` is set (tools/systemd/pagedserve.service).
 """
@@ -50,6 +51,7 @@ from pagedserve.frontend.grpc_convert import (
     sampling_params_from_proto,
     whole_response,
 )
+from pagedserve.frontend.metrics import ServerMetrics
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -77,12 +79,18 @@ class ServerConfig:
     port: int = 50051  # 0: any free port (written to port_file)
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    # Written once serving: {"port": ..., "pid": ...}, for callers that asked for port 0.
+    # Written once serving: {"port": ..., "pid": ..., "metrics_port": ...}, for callers
+    # that asked for port 0.
     port_file: str | None = None
+    # Prometheus metrics over HTTP at /metrics on host:metrics_port (0: any free port);
+    # None: off.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.max_concurrent_requests < 1:
             raise ValueError(
                 f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
@@ -108,7 +116,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # ------------------------------------------------------------ RPCs
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        async with self._server.call():
+        async with self._server.call(context):
             stream = await self._admit(request, context)
             async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
                 async for _output in outputs:
@@ -118,7 +126,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async with self._server.call():
+        async with self._server.call(context):
             stream = await self._admit(request, context)
             state = StreamState(request.request_id)
             # aclosing: a call that ends early (cancelled while sending) aborts the request
@@ -252,8 +260,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         and the engine's request whenever the call ends first (cancel, deadline)."""
         request_id = stream.output.request_id
         started_s = time.monotonic()
+        first_token_s = None
         try:
             async for output in stream:
+                if first_token_s is None and any(c.token_ids for c in output.outputs):
+                    first_token_s = time.monotonic() - started_s
                 yield output
         except EngineDeadError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine died: {error}")
@@ -264,6 +275,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             self._engine.abort(request_id)  # nothing to do once it finished
         output = stream.output
+        duration_s = time.monotonic() - started_s
+        self._server.metrics.observe_finished(output, first_token_s, duration_s)
         logger.info(
             "%s (client id %r): %d prompt tokens (%d cached), %d output tokens, %s, %.3f s",
             request_id,
@@ -272,7 +285,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             output.num_cached_tokens,
             sum(len(c.token_ids) for c in output.outputs),
             ",".join(str(c.finish_reason) for c in output.outputs),
-            time.monotonic() - started_s,
+            duration_s,
         )
 
 
@@ -284,6 +297,7 @@ class Server:
         self.config = config
         self.engine = AsyncEngine(make_llm, on_dead=self._on_engine_dead)
         self.counters = _Counters()
+        self.metrics = ServerMetrics()
         self.draining = False
         self.default_params = None
         self._exit_code = 0
@@ -295,23 +309,29 @@ class Server:
         self._forced_stop = asyncio.Event()  # a second signal: end the drain now
 
     @contextlib.asynccontextmanager
-    async def call(self) -> AsyncIterator[_Counters]:
+    async def call(self, context) -> AsyncIterator[_Counters]:
         """Count a generation call while it runs, and how it ended."""
         counters = self.counters
         counters.running += 1
+        self.metrics.running.inc()
         self._idle.clear()
+        code = grpc.StatusCode.OK
         try:
             yield counters
         except asyncio.CancelledError:
             counters.cancelled += 1
+            code = grpc.StatusCode.CANCELLED
             raise
         except BaseException:
             counters.failed += 1  # context.abort raises: bad input, overload, death
+            code = context.code() or grpc.StatusCode.UNKNOWN
             raise
         else:
             counters.finished += 1
         finally:
             counters.running -= 1
+            self.metrics.running.dec()
+            self.metrics.calls.labels(code=code.name).inc()
             if counters.running == 0:
                 self._idle.set()
 
@@ -337,6 +357,22 @@ class Server:
             return 1
         for signal_number in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signal_number, self._on_signal, signal_number)
+        metrics_port = None
+        if self.config.metrics_port is not None:
+            try:
+                metrics_port = self.metrics.serve(
+                    self.config.host, self.config.metrics_port, self.engine.stats, loop
+                )
+            except OSError as error:
+                logger.error(
+                    "cannot serve metrics on %s:%d: %s",
+                    self.config.host,
+                    self.config.metrics_port,
+                    error,
+                )
+                await server.stop(None)
+                return 1
+            logger.info("metrics on http://%s:%d/metrics", self.config.host, metrics_port)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         watchdog = asyncio.create_task(self._watchdog())
@@ -361,7 +397,7 @@ class Server:
                 llm.num_blocks,
                 llm.block_size,
             )
-            self._write_port_file(port)
+            self._write_port_file(port, metrics_port)
             systemd_notify.notify("READY=1", f"STATUS=serving on {self.config.host}:{port}")
             await self._stop.wait()
             await self._drain()
@@ -371,6 +407,7 @@ class Server:
             await self._health.enter_graceful_shutdown()
             await server.stop(_FINAL_GRACE_S)
             await self.engine.shutdown()
+            self.metrics.close()
             for signal_number in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signal_number)
         logger.info("stopped (exit code %d)", self._exit_code)
@@ -436,12 +473,13 @@ class Server:
             systemd_notify.notify("WATCHDOG=1")
             await asyncio.sleep(interval_s)
 
-    def _write_port_file(self, port: int) -> None:
+    def _write_port_file(self, port: int, metrics_port: int | None) -> None:
         if self.config.port_file is None:
             return
         path = Path(self.config.port_file)
         temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+        contents = {"port": port, "pid": os.getpid(), "metrics_port": metrics_port}
+        temporary.write_text(json.dumps(contents))
         temporary.replace(path)  # readers never see half a file
 
 

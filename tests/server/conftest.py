@@ -110,6 +110,7 @@ class ServerProcess:
             command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
         self.port: int | None = None
+        self.metrics_port: int | None = None
         self.channel: grpc.Channel | None = None
 
     @property
@@ -128,7 +129,9 @@ class ServerProcess:
                 self.kill()
                 raise AssertionError(f"server not serving within {timeout_s} s:\n{self.log()}")
             time.sleep(0.05)
-        self.port = json.loads(self.port_file.read_text())["port"]
+        served = json.loads(self.port_file.read_text())
+        self.port = served["port"]
+        self.metrics_port = served["metrics_port"]
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         return self
 
@@ -236,6 +239,8 @@ def shared_server(server_model_dir, tmp_path_factory) -> Iterator[ServerProcess]
         str(4 << 20),
         "--max-concurrent-requests",
         "64",
+        "--metrics-port",
+        "0",
     ).wait_serving()
     yield server
     try:

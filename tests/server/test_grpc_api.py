@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -255,6 +256,40 @@ def test_model_info_health_and_reflection(server, server_model_dir):
     )
     names = {s.name for s in reply.list_services_response.service}
     assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def scrape(server) -> dict[str, float]:
+    """The server's /metrics, as {sample name with labels: value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
+    before = scrape(server)
+    server.stub.Generate(token_request(PROMPTS[0], greedy(6)))
+    with pytest.raises(grpc.RpcError):
+        server.stub.Generate(token_request([1], greedy(top_p=2.0)))
+    after = scrape(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew('pagedserve_requests_total{code="OK"}') == 1
+    assert grew('pagedserve_requests_total{code="INVALID_ARGUMENT"}') == 1
+    assert grew("pagedserve_generation_tokens_total") == 6
+    assert grew("pagedserve_prompt_tokens_total") == len(PROMPTS[0])
+    assert grew("pagedserve_time_to_first_token_seconds_count") == 1
+    assert grew("pagedserve_time_per_output_token_seconds_count") == 1
+    assert after["pagedserve_requests_running"] == 0
+    assert after["pagedserve_engine_up"] == 1
+    assert after["pagedserve_engine_num_free_blocks"] == after["pagedserve_engine_num_total_blocks"]
+    assert grew("pagedserve_engine_num_sampled_tokens") == 6
 
 
 def test_the_server_process_runs_no_model(server):

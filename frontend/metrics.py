@@ -1,0 +1,146 @@
+"""Prometheus metrics of the gRPC server (``pagedserve serve --metrics-port N``).
+
+Served over HTTP at ``/metrics`` by prometheus_client's own server (a thread of this
+process), apart from the gRPC port, as gRPC servers such as Triton do. Two kinds:
+
+- the server's own, counted as calls end: calls by outcome (gRPC status), calls running,
+  prompt and generated tokens, and histograms of time to first token, time per output
+  token and call duration;
+- the engine's, read at scrape time (one ``GetStats`` round trip to the scheduler, on
+  the event loop): queue lengths, free and total KV blocks on device and host,
+  preemptions, prefix-cache queries and hits, and the scheduler's other counters.
+
+Each registry is private to its ``ServerMetrics``, so several servers (tests) can live in
+one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.outputs import RequestOutput
+    from pagedserve.scheduler.engine_messages import EngineStats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pagedserve"
+# How long a scrape waits for the scheduler's counters before it reports without them.
+ENGINE_STATS_TIMEOUT_S = 2.0
+# Latency buckets (seconds): from a decode step on a GPU to a long generation on a CPU.
+_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector(Collector):
+    """The scheduler's counters, asked for at each scrape."""
+
+    def __init__(self, read_stats: Callable[[], EngineStats | None]) -> None:
+        self._read_stats = read_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily(
+            f"{PREFIX}_engine_up", "1 when the engine answered this scrape, else 0"
+        )
+        stats = self._read_stats()
+        up.add_metric([], 0.0 if stats is None else 1.0)
+        yield up
+        if stats is None:
+            return
+        for name, value in sorted(stats.stats.items()):
+            metric_name = f"{PREFIX}_engine_{re.sub(r'[^a-zA-Z0-9_]', '_', name)}"
+            family = GaugeMetricFamily(metric_name, f"the scheduler's {name}")
+            family.add_metric([], float(value))
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.calls = Counter(
+            f"{PREFIX}_requests",
+            "generation calls that ended, by gRPC status code",
+            ["code"],
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            f"{PREFIX}_requests_running", "generation calls in flight", registry=self.registry
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "prompt tokens of admitted calls", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens",
+            "tokens generated (all outputs of a call)",
+            registry=self.registry,
+        )
+        self.time_to_first_token_s = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "from admission to the first generated token of a call",
+            buckets=_REQUEST_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.time_per_output_token_s = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "after the first token, seconds per further token of output 0",
+            buckets=_TOKEN_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.duration_s = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "from admission to the end of a call",
+            buckets=_REQUEST_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._http_server = None
+
+    def observe_finished(
+        self, output: RequestOutput, first_token_s: float | None, duration_s: float
+    ) -> None:
+        """A call that ran to its end (``*_s``: seconds since its admission)."""
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+        self.duration_s.observe(duration_s)
+        if first_token_s is not None:
+            self.time_to_first_token_s.observe(first_token_s)
+            num_tokens = len(output.outputs[0].token_ids) if output.outputs else 0
+            if num_tokens > 1:
+                self.time_per_output_token_s.observe(
+                    (duration_s - first_token_s) / (num_tokens - 1)
+                )
+
+    def serve(
+        self,
+        host: str,
+        port: int,
+        engine_stats: Callable[[], asyncio.Future],
+        loop: asyncio.AbstractEventLoop,
+    ) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: any free port); returns the port.
+        ``engine_stats`` is a coroutine function run on ``loop`` at each scrape."""
+
+        def read_stats() -> EngineStats | None:
+            try:
+                future = asyncio.run_coroutine_threadsafe(engine_stats(), loop)
+                return future.result(ENGINE_STATS_TIMEOUT_S)
+            except Exception as error:  # engine down or slow: say so, serve the rest
+                logger.warning("metrics: no engine stats for this scrape: %r", error)
+                return None
+
+        self.registry.register(_EngineCollector(read_stats))
+        self._http_server, _thread = start_http_server(port, host, registry=self.registry)
+        return self._http_server.server_port
+
+    def close(self) -> None:
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None
