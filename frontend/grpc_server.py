@@ -318,7 +318,8 @@ class Server:
         code = grpc.StatusCode.OK
         try:
             yield counters
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client cancelled, its deadline passed, or it went away mid-stream.
             counters.cancelled += 1
             code = grpc.StatusCode.CANCELLED
             raise
