@@ -82,8 +82,12 @@ class RequestStream:
             self._changed.clear()
             if self.error is not None:
                 raise self.error
+            # Read before the yield: the output changes in place, and the last delta may
+            # land while the reader is still sending what it was given; it must get one
+            # more turn to see it.
+            finished = self.tracker.finished
             yield self.tracker.output
-            if self.tracker.finished:
+            if finished:
                 return
 
 
