@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
         "default: off)",
     )
+    serve.add_argument("--tls-cert-file", default=None, help="serve TLS: certificate chain (PEM)")
+    serve.add_argument("--tls-key-file", default=None, help="serve TLS: private key (PEM)")
+    serve.add_argument(
+        "--tls-client-ca-file",
+        default=None,
+        help="mutual TLS: accept only clients whose certificate this CA (PEM) signed",
+    )
     serve.add_argument(
         "--startup-timeout-s",
         type=float,
@@ -170,6 +177,9 @@ def _serve(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout_s,
             port_file=args.port_file,
             metrics_port=args.metrics_port,
+            tls_cert_file=args.tls_cert_file,
+            tls_key_file=args.tls_key_file,
+            tls_client_ca_file=args.tls_client_ca_file,
         )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)

@@ -19,6 +19,7 @@ scheduler and the workers run in processes of their own (``async_engine.py``,
   signal ends the drain at once.
 - **Engine death**: every call in flight ends with ``UNAVAILABLE`` naming what died, and
   the process exits 1 (systemd's ``Restart=on-failure`` brings it back).
+- **TLS** (``tls_cert_file``, ``tls_key_file``; mutual with ``tls_client_ca_file``).
 - **Metrics** (``metrics_port``): Prometheus text at ``/metrics`` (``metrics.py``).
 - **systemd**: ``READY=1`` once serving, ``STOPPING=1`` when draining, ``WATCHDOG=1``
   from the event loop when ``WatchdogSec=`` is set (tools/systemd/pagedserve.service).
@@ -85,6 +86,11 @@ class ServerConfig:
     # Prometheus metrics over HTTP at /metrics on host:metrics_port (0: any free port);
     # None: off.
     metrics_port: int | None = None
+    # TLS: the server's certificate chain and private key (PEM files); with a client CA
+    # file too, clients must present a certificate it signed (mutual TLS). None: plaintext.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -97,6 +103,27 @@ class ServerConfig:
             )
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {path!r} is not a readable file")
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials from the PEM files, or None for plaintext."""
+        if self.tls_cert_file is None:
+            return None
+        client_ca = (
+            None if self.tls_client_ca_file is None else Path(self.tls_client_ca_file).read_bytes()
+        )
+        return grpc.ssl_server_credentials(
+            [(Path(self.tls_key_file).read_bytes(), Path(self.tls_cert_file).read_bytes())],
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
 
 
 class _Counters:
@@ -352,7 +379,11 @@ class Server:
         )
         address = f"{self.config.host}:{self.config.port}"
         try:
-            port = server.add_insecure_port(address)
+            credentials = self.config.server_credentials()
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
         except RuntimeError as error:
             logger.error("cannot listen on %s: %s", address, error)
             return 1

@@ -1,0 +1,81 @@
+"""TLS and mutual TLS: certificates made here with the openssl command (a CA, the server's
+for 127.0.0.1, a client's), a real server and real gRPC clients."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl command")
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tls")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+            "-keyout", "ca.key", "-out", "ca.pem", cwd=folder)  # fmt: skip
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=folder)  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "2", "-extfile", "san.ext",
+                "-out", f"{name}.pem", cwd=folder)  # fmt: skip
+    return folder
+
+
+def generate(channel: grpc.Channel) -> pb.GenerateResponse:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(max_tokens=4)
+    )
+    return pb_grpc.GenerationStub(channel).Generate(request, timeout=30)
+
+
+def test_mutual_tls_serves_clients_with_a_certificate_and_refuses_others(
+    start_server, certificates
+):
+    files = {name: str(certificates / name) for name in ("ca.pem", "server.pem", "server.key")}
+    server = start_server(
+        "--tls-cert-file", files["server.pem"], "--tls-key-file", files["server.key"],
+        "--tls-client-ca-file", files["ca.pem"],
+    )  # fmt: skip
+    target = f"127.0.0.1:{server.port}"
+    ca = (certificates / "ca.pem").read_bytes()
+    with_certificate = grpc.ssl_channel_credentials(
+        root_certificates=ca,
+        private_key=(certificates / "client.key").read_bytes(),
+        certificate_chain=(certificates / "client.pem").read_bytes(),
+    )
+    with grpc.secure_channel(target, with_certificate) as channel:
+        assert generate(channel).finished
+    for channel in (
+        grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca)),
+        grpc.insecure_channel(target),
+    ):
+        with channel, pytest.raises(grpc.RpcError) as caught:
+            generate(channel)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert server.terminate() == 0
+
+
+def test_tls_files_must_come_in_pairs_and_exist(start_server, certificates):
+    server = start_server("--tls-cert-file", str(certificates / "server.pem"), wait=False)
+    assert server.process.wait(60) == 2
+    assert "tls_cert_file and tls_key_file go together" in server.log()
+    server = start_server(
+        "--tls-cert-file", str(certificates / "server.pem"),
+        "--tls-key-file", str(certificates / "missing.key"), wait=False,
+    )  # fmt: skip
+    assert server.process.wait(60) == 2
+    assert "tls_key_file:" in server.log() and "is not a readable file" in server.log()
