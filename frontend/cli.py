@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
         "default: off)",
     )
+    serve.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="GenerateStream: send once this many new tokens are there (the first token and "
+        "the end at once); more cut the server's cost per token (default 1: every step)",
+    )
     serve.add_argument("--tls-cert-file", default=None, help="serve TLS: certificate chain (PEM)")
     serve.add_argument("--tls-key-file", default=None, help="serve TLS: private key (PEM)")
     serve.add_argument(
@@ -177,6 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout_s,
             port_file=args.port_file,
             metrics_port=args.metrics_port,
+            stream_interval_tokens=args.stream_interval,
             tls_cert_file=args.tls_cert_file,
             tls_key_file=args.tls_key_file,
             tls_client_ca_file=args.tls_client_ca_file,

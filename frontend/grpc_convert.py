@@ -143,6 +143,21 @@ class StreamState:
     prompt_sent: bool = False
     prompt_logprobs_sent: int = 0
 
+    def due(self, output: RequestOutput, interval_tokens: int) -> bool:
+        """Whether to send now: the first message (time to first token), at least
+        ``interval_tokens`` new tokens over the outputs, or an output or the request
+        ended. Fewer, larger messages cost the frontend less per token."""
+        if output.finished or not self.prompt_sent or interval_tokens <= 1:
+            return True
+        new_tokens = 0
+        for completion in output.outputs:
+            sent = self.outputs.get(completion.index)
+            sent_tokens = 0 if sent is None else sent.tokens
+            if completion.finish_reason is not None and (sent is None or not sent.finished):
+                return True
+            new_tokens += len(completion.token_ids) - sent_tokens
+        return new_tokens >= interval_tokens
+
     def next_response(self, output: RequestOutput) -> pb.GenerateResponse | None:
         """The message for what changed since the last one; None when nothing did."""
         response = pb.GenerateResponse(request_id=self.client_request_id)

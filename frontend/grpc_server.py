@@ -86,6 +86,9 @@ class ServerConfig:
     # Prometheus metrics over HTTP at /metrics on host:metrics_port (0: any free port);
     # None: off.
     metrics_port: int | None = None
+    # GenerateStream sends a message once this many new tokens are there (the first token
+    # and the end at once): 1 streams every step; more cut the frontend's cost per token.
+    stream_interval_tokens: int = 1
     # TLS: the server's certificate chain and private key (PEM files); with a client CA
     # file too, clients must present a certificate it signed (mutual TLS). None: plaintext.
     tls_cert_file: str | None = None
@@ -100,6 +103,10 @@ class ServerConfig:
         if self.max_concurrent_requests < 1:
             raise ValueError(
                 f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
+            )
+        if self.stream_interval_tokens < 1:
+            raise ValueError(
+                f"stream_interval_tokens must be >= 1, got {self.stream_interval_tokens}"
             )
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
@@ -159,7 +166,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # aclosing: a call that ends early (cancelled while sending) aborts the request
             # now, not when the generator is collected.
             async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
+                interval_tokens = self._server.config.stream_interval_tokens
                 async for output in outputs:
+                    if not state.due(output, interval_tokens):
+                        continue
                     response = state.next_response(output)
                     if response is not None:
                         yield response

@@ -865,6 +865,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the server's --stream-interval: tokens per streamed message (1: every step)",
+    )
     parser.add_argument("--server-log", type=Path, default=None, help="keep the server's log here")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args(argv)
@@ -919,6 +925,8 @@ def main(argv: list[str] | None = None) -> int:
             # The server refuses calls past this many in flight; none may be refused here.
             "--max-concurrent-requests",
             str(max(1024, args.num_requests)),
+            "--stream-interval",
+            str(args.stream_interval),
         ]
         server = ServerProcess(
             server_argv, args.server_log or Path(directory) / "server.log", port_file

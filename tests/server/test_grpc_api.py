@@ -344,3 +344,19 @@ def test_cli_serve_help_lists_the_operator_flags():
     assert result.returncode == 0
     for flag in ("--host", "--port", "--max-concurrent-requests", "--drain-timeout-s"):
         assert flag in result.stdout
+
+
+def test_stream_interval_sends_fewer_larger_messages_with_the_same_result(start_server, offline):
+    server = start_server("--stream-interval", "8")
+    request = token_request(PROMPTS[0], greedy(30))
+    messages, outputs = collect_stream(server.stub.GenerateStream(request))
+    want = offline.generate(
+        PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    )[0]
+    assert outputs[0]["token_ids"] == want.outputs[0].token_ids
+    counts = [sum(len(c.token_ids) for c in m.outputs) for m in messages]
+    assert counts[0] >= 1 and sum(counts) == 30
+    assert all(count >= 8 for count in counts[1:-1]), counts  # the first and last at once
+    assert len(messages) <= 1 + 30 // 8 + 1
+    assert messages[-1].finished and sum(m.finished for m in messages) == 1
+    assert server.terminate() == 0
