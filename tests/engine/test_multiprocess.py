@@ -23,6 +23,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from process_helpers import (
+    is_live,
+    live_processes_in_group,
+    stat_fields,
+    wait_until,
+)
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.engine_client import EngineDeadError, EngineStartupError
@@ -44,33 +50,6 @@ def token_ids(outputs) -> list[list[int]]:
 # ---------------------------------------------------------------- /proc helpers
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2 :].split()
-
-
-def is_live(pid: int) -> bool:
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
-
-
-def live_processes_in_group(process_group: int) -> list[int]:
-    """Live processes whose process group is ``process_group``: the scheduler leads its
-    own group, and its workers and helpers belong to it."""
-    pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-    return [
-        pid
-        for pid in pids
-        if (fields := _stat_fields(pid)) is not None
-        and int(fields[2]) == process_group
-        and fields[0] not in ("Z", "X")
-    ]
-
-
 def live_schedulers() -> set[int]:
     pids = set()
     for entry in os.listdir("/proc"):
@@ -86,17 +65,8 @@ def live_schedulers() -> set[int]:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline_s = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline_s:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def assert_engine_gone(llm: LLM, scheduler_pid: int, worker_pids: list[int], ring: str | None):

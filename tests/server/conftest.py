@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from process_helpers import is_live, live_children, wait_until
 from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.v1 import generation_pb2 as pb
@@ -42,41 +43,6 @@ def server_model_dir(tiny_model_dirs, tmp_path_factory) -> Path:
     config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config))
     return path
-
-
-# ---------------------------------------------------------------- /proc
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2 :].split()
-
-
-def is_live(pid: int) -> bool:
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
-
-
-def live_children(pid: int) -> list[int]:
-    return [
-        child
-        for child in (int(e) for e in os.listdir("/proc") if e.isdigit())
-        if (fields := _stat_fields(child)) is not None
-        and int(fields[1]) == pid
-        and fields[0] not in ("Z", "X")
-    ]
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline_s = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline_s:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # ---------------------------------------------------------------- the server

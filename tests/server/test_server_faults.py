@@ -12,8 +12,8 @@ import time
 
 import grpc
 import pytest
-from conftest import is_live, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from process_helpers import is_live, wait_until
 
 from pagedserve.v1 import generation_pb2 as pb
 
