@@ -127,10 +127,6 @@ class AsyncEngine:
         return await asyncio.shield(self._ready)
 
     @property
-    def is_ready(self) -> bool:
-        return self.llm is not None and self.dead_message is None
-
-    @property
     def num_open_requests(self) -> int:
         return len(self._streams)
 
@@ -265,6 +261,7 @@ class AsyncEngine:
         except BaseException as error:
             if llm is not None:
                 llm.shutdown()
+            self._fail_calls(EngineDeadError(f"the engine did not start: {error}"))
             self._post(self._on_started, None, error)
             self._stopped.set()
             return
