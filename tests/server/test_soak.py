@@ -1,0 +1,132 @@
+"""A bounded soak: 40 s of mixed traffic from 16 client threads against one server, on
+127.0.0.1 only. Each call is one of: a stream read to its end, a whole result, a stream
+cancelled part-way, a call whose deadline passes, bad input, parallel samples with a stop
+string, beam search. Every call must end in exactly one final message or one expected
+error status; afterwards nothing runs, every block is free, the accounting holds, the
+server's memory has not grown without bound, and it drains and exits 0."""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pagedserve.v1 import generation_pb2 as pb
+
+SOAK_S = 40.0
+NUM_CLIENTS = 16
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def one_call(stub, rng: random.Random) -> str:
+    """Make one random call; return what happened (checked here)."""
+    prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(1, 120))]
+    max_tokens = rng.randrange(1, 60)
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+    kind = rng.choice(
+        ["stream", "whole", "cancel", "deadline", "bad", "samples_stop", "beams", "stream"]
+    )
+    try:
+        if kind == "stream":
+            messages = list(stub.GenerateStream(request, timeout=60))
+            assert [m.finished for m in messages].count(True) == 1 and messages[-1].finished
+            assert sum(len(c.token_ids) for m in messages for c in m.outputs) == max_tokens
+        elif kind == "whole":
+            reply = stub.Generate(request, timeout=60)
+            assert reply.finished and len(reply.outputs[0].token_ids) == max_tokens
+        elif kind == "cancel":
+            stream = stub.GenerateStream(request, timeout=60)
+            for _ in range(rng.randrange(0, 3)):
+                if next(stream, None) is None:
+                    break
+            stream.cancel()
+        elif kind == "deadline":
+            # 400 tokens take seconds here; the deadline passes at some point before.
+            long = pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            long_request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=long)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Generate(long_request, timeout=rng.uniform(0.001, 0.3))
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        elif kind == "bad":
+            bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[*prompt, 9999]), sampling=sampling)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Generate(bad, timeout=60)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        elif kind == "samples_stop":
+            sampling = pb.SamplingParams(
+                max_tokens=max_tokens, temperature=0.9, seed=rng.randrange(1000), n=3,
+                stop=["e", "a"],
+            )  # fmt: skip
+            text_request = pb.GenerateRequest(text="hello soak", sampling=sampling)
+            messages = list(stub.GenerateStream(text_request, timeout=60))
+            assert [m.finished for m in messages].count(True) == 1
+            finished = [c.index for m in messages for c in m.outputs if c.finish_reason]
+            assert sorted(finished) == [0, 1, 2]
+        else:
+            sampling = pb.SamplingParams(
+                max_tokens=min(max_tokens, 12), temperature=0.0, beam_width=3, n=2,
+                ignore_eos=True,
+            )  # fmt: skip
+            reply = stub.Generate(
+                pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling),
+                timeout=60,
+            )
+            assert reply.finished and len(reply.outputs) == 2
+    except grpc.RpcError as error:
+        # A deadline may pass on any call when the machine is slow; nothing else may fail.
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (kind, error)
+        return f"{kind}:deadline"
+    return kind
+
+
+@pytest.mark.slow
+def test_soak_mixed_traffic_leaves_nothing_behind(start_server):
+    server = start_server("--kv-cache-bytes", str(1 << 20), "--max-num-seqs", "32")
+    stub = server.stub
+    server.stub.Generate(
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams())
+    )
+    rss_start = rss_bytes(server.pid)
+    outcomes: collections.Counter = collections.Counter()
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+    deadline_s = time.monotonic() + SOAK_S
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < deadline_s and not failures:
+            try:
+                outcome = one_call(stub, rng)
+            except BaseException as error:  # reported below, with the others stopped
+                with lock:
+                    failures.append(error)
+                return
+            with lock:
+                outcomes[outcome] += 1
+
+    threads = [threading.Thread(target=client, args=(seed,)) for seed in range(NUM_CLIENTS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(SOAK_S + 120)
+    assert not any(thread.is_alive() for thread in threads), "a client is stuck"
+    assert not failures, failures[0]
+    assert sum(outcomes.values()) > 100, outcomes
+    server.assert_blocks_all_free()
+    stats = server.stats()
+    assert stats.engine["num_preemptions"] > 0, ("the cache was meant to run short", outcomes)
+    # The frontend keeps no per-request state past a call: its memory settles.
+    assert rss_bytes(server.pid) - rss_start < 64 << 20
+    assert server.terminate() == 0
