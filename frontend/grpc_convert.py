@@ -77,6 +77,26 @@ def sampling_params_from_proto(
         raise ValueError(f"sampling.{error}") from None
 
 
+def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """The request's settings as the server reads them: every field set explicitly, so
+    the server applies exactly ``params`` (the client's side of the conversion above)."""
+    message = pb.SamplingParams(
+        temperature=params.temperature,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=params.stop_token_ids,
+        stop=params.stop or [],
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        early_stopping={True: "true", False: "false"}.get(
+            params.early_stopping, str(params.early_stopping)
+        ),
+    )
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(message, name, value)
+    return message
+
+
 def _token_logprobs(entry: dict[int, float]) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(token_ids=list(entry), logprobs=list(entry.values()))
 

@@ -1,0 +1,224 @@
+"""A Python client of ``pagedserve serve``: the offline API's types over gRPC.
+
+::
+
+    from pagedserve.frontend.client import Client
+    from pagedserve.frontend import SamplingParams
+
+    with Client("127.0.0.1:50051") as client:
+        output = client.generate("The capital of France is", SamplingParams(max_tokens=12))
+        print(output.outputs[0].text)
+        for output in client.stream("Once upon a time", SamplingParams(max_tokens=64)):
+            print(output.outputs[0].text)  # the text so far
+
+``generate`` returns a ``RequestOutput`` as ``LLM.generate`` does; ``stream`` yields the
+same ``RequestOutput`` as it grows (text, token ids and logprobs so far; ``finished`` on the
+last). ``AsyncClient`` has the same calls as coroutines and an async iterator, for load
+tools and asyncio services. Errors are ``grpc.RpcError`` with the server's status
+(``INVALID_ARGUMENT`` naming the field, ``UNAVAILABLE`` while the server drains, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from pagedserve.frontend.grpc_convert import FINISH_REASONS, sampling_params_to_proto
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+PromptType = str | Sequence[int]
+_FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
+
+
+def build_request(
+    prompt: PromptType | list[dict[str, str]],
+    params: SamplingParams | None,
+    request_id: str,
+    cache_namespace: str,
+    chat: bool,
+) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=request_id, cache_namespace=cache_namespace)
+    if chat:
+        request.chat.messages.extend(
+            pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt
+        )
+    elif isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    if params is not None:
+        request.sampling.CopyFrom(sampling_params_to_proto(params))
+    return request
+
+
+def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) -> RequestOutput:
+    """Add one response (a whole result, or a stream's message) to ``output``."""
+    if output is None:
+        output = RequestOutput(response.request_id, None, list(response.prompt_token_ids))
+    elif response.prompt_token_ids:
+        output.prompt_token_ids = list(response.prompt_token_ids)
+    if response.prompt_logprobs:
+        if output.prompt_logprobs is None:
+            output.prompt_logprobs = [None]
+        output.prompt_logprobs.extend(
+            dict(zip(e.token_ids, e.logprobs)) for e in response.prompt_logprobs
+        )
+    for message in response.outputs:
+        while len(output.outputs) <= message.index:
+            output.outputs.append(CompletionOutput(len(output.outputs), "", [], None))
+        completion = output.outputs[message.index]
+        completion.text += message.text
+        completion.token_ids.extend(message.token_ids)
+        if message.logprobs:
+            completion.logprobs = completion.logprobs or []
+            completion.logprobs.extend(dict(zip(e.token_ids, e.logprobs)) for e in message.logprobs)
+        if message.HasField("cumulative_logprob"):
+            completion.cumulative_logprob = message.cumulative_logprob
+        if message.finish_reason:
+            completion.finish_reason = _FINISH_NAMES.get(message.finish_reason)
+            which = message.WhichOneof("stop_reason")
+            completion.stop_reason = None if which is None else getattr(message, which)
+    if response.finished:
+        output.finished = True
+        output.num_cached_tokens = response.usage.cached_prompt_tokens
+    return output
+
+
+class Client:
+    """A blocking client. ``target`` is ``host:port``; ``credentials`` (from
+    ``grpc.ssl_channel_credentials``) for a TLS server."""
+
+    def __init__(
+        self, target: str, credentials: grpc.ChannelCredentials | None = None, **options: Any
+    ) -> None:
+        channel_options = list(options.items())
+        self.channel = (
+            grpc.insecure_channel(target, channel_options)
+            if credentials is None
+            else grpc.secure_channel(target, credentials, channel_options)
+        )
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str = "",
+        cache_namespace: str = "",
+        timeout_s: float | None = None,
+    ) -> RequestOutput:
+        """The whole result; ``params=None`` lets the model's generation config decide."""
+        request = build_request(prompt, params, request_id, cache_namespace, chat=False)
+        return apply_response(None, self.stub.Generate(request, timeout=timeout_s))
+
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str = "",
+        timeout_s: float | None = None,
+    ) -> RequestOutput:
+        """The assistant's turn after ``messages`` (the model's chat template)."""
+        request = build_request(messages, params, request_id, "", chat=True)
+        return apply_response(None, self.stub.Generate(request, timeout=timeout_s))
+
+    def stream(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str = "",
+        cache_namespace: str = "",
+        timeout_s: float | None = None,
+    ) -> Iterator[RequestOutput]:
+        """The result as it grows (one ``RequestOutput``, updated in place). Leaving the
+        loop early cancels the call, which frees its blocks in the server."""
+        request = build_request(prompt, params, request_id, cache_namespace, chat=False)
+        call = self.stub.GenerateStream(request, timeout=timeout_s)
+        output = None
+        try:
+            for response in call:
+                output = apply_response(output, response)
+                yield output
+        finally:
+            call.cancel()  # a no-op once the call has ended
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+
+    def model_info(self) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+
+    def stats(self) -> pb.Stats:
+        return self.stub.GetStats(pb.GetStatsRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The same calls for asyncio (``grpc.aio``); create it inside the running loop."""
+
+    def __init__(
+        self, target: str, credentials: grpc.ChannelCredentials | None = None, **options: Any
+    ) -> None:
+        channel_options = list(options.items())
+        self.channel = (
+            grpc.aio.insecure_channel(target, channel_options)
+            if credentials is None
+            else grpc.aio.secure_channel(target, credentials, channel_options)
+        )
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str = "",
+        cache_namespace: str = "",
+        timeout_s: float | None = None,
+    ) -> RequestOutput:
+        request = build_request(prompt, params, request_id, cache_namespace, chat=False)
+        return apply_response(None, await self.stub.Generate(request, timeout=timeout_s))
+
+    async def stream(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str = "",
+        cache_namespace: str = "",
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        request = build_request(prompt, params, request_id, cache_namespace, chat=False)
+        call = self.stub.GenerateStream(request, timeout=timeout_s)
+        output = None
+        try:
+            async for response in call:
+                output = apply_response(output, response)
+                yield output
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

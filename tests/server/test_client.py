@@ -1,0 +1,99 @@
+"""``pagedserve.frontend.client``: the offline API's types over gRPC, against the offline
+engine on the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend.client import AsyncClient, Client
+from pagedserve.frontend.grpc_convert import sampling_params_from_proto, sampling_params_to_proto
+
+PROMPTS = [[5, 300, 301, 302], [400, 7, 7, 401, 402, 403], "hello world"]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def offline(server_model_dir) -> LLM:
+    return LLM(server_model_dir, num_blocks=128)
+
+
+def same_output(got, want) -> None:
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.finished
+    assert len(got.outputs) == len(want.outputs)
+    for mine, theirs in zip(got.outputs, want.outputs):
+        assert mine.token_ids == theirs.token_ids
+        assert mine.text == theirs.text
+        assert mine.finish_reason == theirs.finish_reason
+        assert mine.stop_reason == theirs.stop_reason
+        if theirs.logprobs is not None:
+            assert [list(e) for e in mine.logprobs] == [list(e) for e in theirs.logprobs]
+            for entry, expected in zip(mine.logprobs, theirs.logprobs):
+                # (Prefix-cache hits and batch shapes move float32 sums in the last bits.)
+                assert list(entry.values()) == pytest.approx(list(expected.values()), abs=1e-5)
+            assert mine.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(max_tokens=10, temperature=0.7, seed=3, top_k=50, top_p=0.9, min_p=0.05),
+        SamplingParams(max_tokens=8, temperature=0.0, beam_width=3, n=2, early_stopping="never"),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=1, n=2, best_of=4, stop=["a", "b"]),
+    ],
+)
+def test_sampling_params_survive_the_wire(params):
+    assert sampling_params_from_proto(sampling_params_to_proto(params), GREEDY) == params
+
+
+def test_generate_stream_and_chat_match_the_offline_engine(server, offline):
+    with Client(f"127.0.0.1:{server.port}") as client:
+        for prompt in PROMPTS:
+            want = offline.generate(prompt, GREEDY)[0]
+            same_output(client.generate(prompt, GREEDY), want)
+            seen = []
+            for output in client.stream(prompt, GREEDY):
+                seen.append(len(output.outputs[0].token_ids))
+            assert seen == sorted(seen) and seen[-1] == 16 and len(seen) > 2
+            same_output(output, want)
+        seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=3, ignore_eos=True)
+        same_output(client.generate(PROMPTS[0], seeded), offline.generate(PROMPTS[0], seeded)[0])
+        messages = [{"role": "user", "content": "hi there"}]
+        chat_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        same_output(client.chat(messages, chat_params), offline.chat(messages, chat_params)[0])
+        assert client.tokenize("hello") == offline.tokenizer.encode("hello")
+        assert client.model_info().vocab_size == 512
+        # Leaving a stream early cancels the call (the fixture then finds every block free).
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        for output in client.stream(PROMPTS[0], long):
+            if len(output.outputs[0].token_ids) >= 3:
+                break
+        with pytest.raises(grpc.RpcError) as caught:
+            client.generate([1, 2, 999], GREEDY)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "token_ids.ids[2]: token id 999" in caught.value.details()
+
+
+def test_async_client_streams_concurrently(server, offline):
+    wants = offline.generate(PROMPTS, GREEDY)
+
+    async def run():
+        async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+
+            async def last(prompt):
+                outputs = [output async for output in client.stream(prompt, GREEDY)]
+                return outputs[-1]
+
+            streamed = await asyncio.gather(*(last(p) for p in PROMPTS))
+            whole = await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))
+            return streamed, whole
+
+    streamed, whole = asyncio.run(run())
+    for got_stream, got_whole, want in zip(streamed, whole, wants):
+        same_output(got_stream, want)
+        same_output(got_whole, want)
