@@ -281,6 +281,20 @@ class EngineClient:
         if integrity_error is not None:
             raise AssertionError(integrity_error)
 
+    def query_stats(self) -> EngineStats:
+        """The scheduler's counters and its block integrity check, in one round trip
+        (after the end: its final ones)."""
+        if self.is_running:
+            self._last_stats = None
+            self._send(GetStats())
+            while self._last_stats is None:
+                self._dispatch(self._receive(None))
+        if self._last_stats is None:
+            raise EngineDeadError(
+                f"no stats: {self._process.death_message or 'the engine has stopped'}"
+            )
+        return self._last_stats
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; applied before any request sent after this call."""
         self._send(ResetPrefixCache())
@@ -296,20 +310,6 @@ class EngineClient:
         self._refusals.clear()
 
     # ------------------------------------------------------------ internals
-
-    def query_stats(self) -> EngineStats:
-        """The scheduler's counters and its block integrity check, in one round trip
-        (after the end: its final ones)."""
-        if self.is_running:
-            self._last_stats = None
-            self._send(GetStats())
-            while self._last_stats is None:
-                self._dispatch(self._receive(None))
-        if self._last_stats is None:
-            raise EngineDeadError(
-                f"no stats: {self._process.death_message or 'the engine has stopped'}"
-            )
-        return self._last_stats
 
     def _send(self, message: Message) -> None:
         try:
