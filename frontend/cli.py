@@ -133,6 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
         "default: off)",
     )
     serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="info (default) logs start-up, each finished call and the drain",
+    )
+    serve.add_argument(
+        "--no-request-log",
+        action="store_true",
+        help="do not log a line per finished call (busy servers; metrics still count them)",
+    )
+    serve.add_argument(
         "--stream-interval",
         type=int,
         default=1,
@@ -185,6 +196,7 @@ def _serve(args: argparse.Namespace) -> int:
             port_file=args.port_file,
             metrics_port=args.metrics_port,
             stream_interval_tokens=args.stream_interval,
+            log_requests=not args.no_request_log,
             tls_cert_file=args.tls_cert_file,
             tls_key_file=args.tls_key_file,
             tls_client_ca_file=args.tls_client_ca_file,
@@ -202,12 +214,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        # A server logs each request (an operator's access log); the one-shot commands
-        # only what went wrong.
-        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    if args.command == "serve":
+        # A server logs each finished call (an operator's access log) unless told not to.
+        level = logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper())
+    else:  # the one-shot commands: only what went wrong
+        level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "serve":
         return _serve(args)
     from pagedserve.frontend.llm import LLM

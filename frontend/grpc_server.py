@@ -89,6 +89,8 @@ class ServerConfig:
     # GenerateStream sends a message once this many new tokens are there (the first token
     # and the end at once): 1 streams every step; more cut the frontend's cost per token.
     stream_interval_tokens: int = 1
+    # An INFO line per finished call (ids, token counts, finish reasons, seconds).
+    log_requests: bool = True
     # TLS: the server's certificate chain and private key (PEM files); with a client CA
     # file too, clients must present a certificate it signed (mutual TLS). None: plaintext.
     tls_cert_file: str | None = None
@@ -314,6 +316,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         output = stream.output
         duration_s = time.monotonic() - started_s
         self._server.metrics.observe_finished(output, first_token_s, duration_s)
+        if not self._server.config.log_requests:
+            return
         logger.info(
             "%s (client id %r): %d prompt tokens (%d cached), %d output tokens, %s, %.3f s",
             request_id,

@@ -347,7 +347,7 @@ def test_cli_serve_help_lists_the_operator_flags():
 
 
 def test_stream_interval_sends_fewer_larger_messages_with_the_same_result(start_server, offline):
-    server = start_server("--stream-interval", "8")
+    server = start_server("--stream-interval", "8", "--no-request-log")
     request = token_request(PROMPTS[0], greedy(30))
     messages, outputs = collect_stream(server.stub.GenerateStream(request))
     want = offline.generate(
@@ -360,3 +360,5 @@ def test_stream_interval_sends_fewer_larger_messages_with_the_same_result(start_
     assert len(messages) <= 1 + 30 // 8 + 1
     assert messages[-1].finished and sum(m.finished for m in messages) == 1
     assert server.terminate() == 0
+    log = server.log()
+    assert "serving" in log and "output tokens" not in log  # no line per call
