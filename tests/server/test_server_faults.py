@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_helpers import is_live, wait_until
 
 from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 # Long enough to still run when the test acts (about 5-10 ms a token on the tiny model).
 LONG = pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -170,3 +171,37 @@ def test_systemd_notifications_ready_stopping_and_watchdog(start_server, tmp_pat
         listener.join(5)
     ready = next(m for m in received if "READY=1" in m)
     assert f"STATUS=serving on 127.0.0.1:{server.port}" in ready
+
+
+def test_while_the_model_loads_health_says_not_serving_and_calls_wait_for_nothing(
+    start_server,
+):
+    with socket.socket() as probe:  # a free port, named up front: no port file yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = start_server("--port", str(port), wait=False)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    statuses = []
+    starting_details = []
+    deadline_s = time.monotonic() + 120
+    while time.monotonic() < deadline_s:
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        except grpc.RpcError:
+            time.sleep(0.02)  # not listening yet
+            continue
+        statuses.append(status)
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            break
+        with pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.GenerationStub(channel).Generate(long_request(), timeout=5)
+        starting_details.append((caught.value.code(), caught.value.details()))
+    assert statuses[-1] == health_pb2.HealthCheckResponse.SERVING
+    # The gRPC port opens before the model has loaded (a worker imports torch for
+    # seconds), so the client saw the start-up state first.
+    assert statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING, statuses
+    assert starting_details[0] == (grpc.StatusCode.UNAVAILABLE, "the engine is still starting")
+    channel.close()
+    server.wait_serving()
+    assert server.terminate() == 0
