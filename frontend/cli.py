@@ -186,6 +186,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def _serve(args: argparse.Namespace) -> int:
     from pagedserve.frontend.llm import LLM
+    from pagedserve.frontend.tokenizer import preload as preload_tokenizer
 
     try:
         config = ServerConfig(
@@ -205,6 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pagedserve: error: {error}", file=sys.stderr)
         return 2
     kwargs = _engine_kwargs(args)
+    preload_tokenizer()
     # The server is the frontend process: the scheduler and workers always run apart.
     return serve(
         lambda: LLM(**kwargs, multiprocess=True, startup_timeout_s=args.startup_timeout_s),

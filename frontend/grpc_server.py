@@ -230,7 +230,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"engine died: {self._engine.dead_message}"
             )
-        if self._engine.llm is None:
+        if not self._server.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still starting")
         return self._engine.llm
 
@@ -340,6 +340,7 @@ class Server:
         self.counters = _Counters()
         self.metrics = ServerMetrics()
         self.draining = False
+        self.serving = False  # the engine is up and the defaults are known
         self.default_params = None
         self._exit_code = 0
         self._stop = asyncio.Event()
@@ -433,6 +434,7 @@ class Server:
             if llm is None:
                 return self._exit_code  # told to stop while the model loaded
             self.default_params = llm.default_sampling_params()
+            self.serving = True
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             logger.info(
                 "serving %s on %s:%d (pid %d); KV cache %d blocks x %d tokens",

@@ -6,6 +6,13 @@ from pathlib import Path
 from typing import Any
 
 
+def preload() -> None:
+    """Import what loading a tokenizer needs (transformers, and torch with it: seconds).
+    The server does this before it opens its port, so its event loop is not starved of
+    the GIL by these imports on the engine thread while it answers health checks."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 class Tokenizer:
     """A thin owner of the HF tokenizer: the one place that turns text into ids."""
 
