@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 import transformers
+from machine import cpu_model
 from traces import TRACE_SHAPES, Request, make_trace, trace_stats
 from transformers import (
     AutoConfig,
@@ -362,15 +363,8 @@ def _chunks(requests: list[Request], size: int) -> Iterator[list[Request]]:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu_model = platform.processor() or "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
     return {
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,

@@ -69,6 +69,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from machine import cpu_model
 from traces import TRACE_SHAPES, Request, make_trace, trace_stats
 
 from pagedserve.frontend import LLM, SamplingParams
@@ -626,15 +627,8 @@ def poisson_arrivals_s(count: int, rate_per_s: float, seed: int) -> list[float]:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu_model = platform.processor() or "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
     return {
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "python_version": platform.python_version(),
         "grpc_version": grpc.__version__,
