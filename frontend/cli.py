@@ -1,5 +1,6 @@
 """``pagedserve``: the command line. ``chat`` answers a message, ``generate`` continues
-a prompt, ``serve`` runs the gRPC server; all on the embedded model unless ``--model``
+a prompt, ``serve`` runs the server (gRPC, and OpenAI-compatible HTTP with
+``--http-port``); all on the embedded model unless ``--model``
 names another."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import logging
 import sys
 import time
 
-from pagedserve.frontend.grpc_server import (
+from pagedserve.frontend.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     ServerConfig,
@@ -101,17 +102,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         parents=[engine],
-        help="serve the gRPC API (protos/pagedserve/v1/generation.proto)",
-        description="Serve pagedserve.v1.Generation, grpc.health.v1.Health and reflection. "
+        help="serve the gRPC API (protos/pagedserve/v1/generation.proto) and, with "
+        "--http-port, the OpenAI-compatible HTTP API",
+        description="Serve pagedserve.v1.Generation, grpc.health.v1.Health and reflection "
+        "(and with --http-port the OpenAI-compatible HTTP API: /v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics). "
         "SIGTERM drains: new calls are refused, calls in flight finish (up to "
         "--drain-timeout-s), then the process exits 0; it exits 1 if the engine dies.",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=50051, help="0: any free port")
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0: any free port")
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API on this port too (0: any free port; "
+        "default: off)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the HTTP API (default: the model as --model names it)",
+    )
     serve.add_argument(
         "--port-file",
         default=None,
-        help='once serving, write {"port": ..., "pid": ...} here (for --port 0)',
+        help='once serving, write {"port": ..., "http_port": ..., "pid": ...} here (for port 0)',
     )
     serve.add_argument(
         "--max-concurrent-requests",
@@ -184,6 +200,13 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
+def _embedded_name() -> str:
+    """The embedded model's name in the HTTP API: its GGUF's, without the quantization."""
+    from pagedserve.frontend.model_resolver import EMBEDDED_GGUF_NAME
+
+    return EMBEDDED_GGUF_NAME.split(".")[0]
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.tokenizer import preload as preload_tokenizer
@@ -192,6 +215,8 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(
             host=args.host,
             port=args.port,
+            http_port=args.http_port,
+            served_model_name=args.served_model_name or args.model or _embedded_name(),
             max_concurrent_requests=args.max_concurrent_requests,
             drain_timeout_s=args.drain_timeout_s,
             port_file=args.port_file,

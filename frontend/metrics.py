@@ -1,9 +1,11 @@
-"""Prometheus metrics of the gRPC server (``pagedserve serve --metrics-port N``).
+"""Prometheus metrics of the server (``pagedserve serve``).
 
-Served over HTTP at ``/metrics`` by prometheus_client's own server (a thread of this
-process), apart from the gRPC port, as gRPC servers such as Triton do. Two kinds:
+Served over HTTP at ``/metrics``: on ``--metrics-port`` by prometheus_client's own server
+(a thread of this process), apart from the gRPC port, as gRPC servers such as Triton do,
+and on the HTTP API's port (``--http-port``) as OpenAI-compatible servers do. Two kinds:
 
-- the server's own, counted as calls end: calls by outcome (gRPC status), calls running,
+- the server's own, counted as calls end: calls by API and outcome (a gRPC status name,
+  for HTTP calls too: ``call_errors.py`` maps them), calls running,
   prompt and generated tokens, and histograms of time to first token, time per output
   token and call duration;
 - the engine's, read at scrape time (one ``GetStats`` round trip to the scheduler, on
@@ -22,7 +24,15 @@ import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -67,8 +77,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.calls = Counter(
             f"{PREFIX}_requests",
-            "generation calls that ended, by gRPC status code",
-            ["code"],
+            "generation calls that ended, by API (grpc, http) and status (gRPC's names)",
+            ["api", "code"],
             registry=self.registry,
         )
         self.running = Gauge(
@@ -117,15 +127,11 @@ class ServerMetrics:
                     (duration_s - first_token_s) / (num_tokens - 1)
                 )
 
-    def serve(
-        self,
-        host: str,
-        port: int,
-        engine_stats: Callable[[], asyncio.Future],
-        loop: asyncio.AbstractEventLoop,
-    ) -> int:
-        """Serve ``/metrics`` on ``host:port`` (0: any free port); returns the port.
-        ``engine_stats`` is a coroutine function run on ``loop`` at each scrape."""
+    def attach_engine(
+        self, engine_stats: Callable[[], asyncio.Future], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """Report the scheduler's counters at each scrape: ``engine_stats`` is a coroutine
+        function run on ``loop``; scrapes run on other threads (``render``, ``serve``)."""
 
         def read_stats() -> EngineStats | None:
             try:
@@ -136,8 +142,17 @@ class ServerMetrics:
                 return None
 
         self.registry.register(_EngineCollector(read_stats))
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: any free port) from a thread of its
+        own; returns the port."""
         self._http_server, _thread = start_http_server(port, host, registry=self.registry)
         return self._http_server.server_port
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type. It blocks while it asks the engine
+        (see ``attach_engine``): call it off the event loop."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def close(self) -> None:
         if self._http_server is not None:

@@ -1,6 +1,6 @@
 """The real server in tests: ``pagedserve serve`` as a child process on 127.0.0.1 (any free
-port, read from ``--port-file``), its scheduler and worker processes, and real gRPC
-clients. After each test the server's block accounting must hold (GetStats)."""
+ports, read from ``--port-file``), its scheduler and worker processes, and real gRPC and
+HTTP clients. After each test the server's block accounting must hold (GetStats)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+SERVED_MODEL_NAME = "tiny-llama"
 # A ChatML template, enough to test chat requests on the tiny tokenizer's byte vocabulary.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -76,6 +77,7 @@ class ServerProcess:
         )
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
         self.channel: grpc.Channel | None = None
 
     @property
@@ -97,8 +99,15 @@ class ServerProcess:
         served = json.loads(self.port_file.read_text())
         self.port = served["port"]
         self.metrics_port = served["metrics_port"]
+        self.http_port = served["http_port"]
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         return self
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP API's root (``--http-port``)."""
+        assert self.http_port is not None, "started without --http-port"
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def stub(self) -> pb_grpc.GenerationStub:
@@ -194,8 +203,8 @@ def start_server(server_model_dir, tmp_path) -> Iterator[Callable[..., ServerPro
 
 @pytest.fixture(scope="module")
 def shared_server(server_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
-    """One server for a module's tests; stopped by SIGTERM at the end, which must drain
-    cleanly (exit 0)."""
+    """One server for a module's tests, both APIs; stopped by SIGTERM at the end, which
+    must drain cleanly (exit 0)."""
     server = ServerProcess(
         server_model_dir,
         tmp_path_factory.mktemp("server"),
@@ -205,6 +214,10 @@ def shared_server(server_model_dir, tmp_path_factory) -> Iterator[ServerProcess]
         "64",
         "--metrics-port",
         "0",
+        "--http-port",
+        "0",
+        "--served-model-name",
+        SERVED_MODEL_NAME,
     ).wait_serving()
     yield server
     try:

@@ -224,8 +224,11 @@ def test_cancel_storm_leaves_no_request_or_block_behind(server, offline):
             stream.cancel()
             return None
         if plan == "cancel_mid":
+            # A stream merges the steps its reader fell behind on, so under this load it
+            # may end in fewer messages than asked for here.
             for _ in range(rng.randrange(1, 4)):
-                next(stream)
+                if next(stream, None) is None:
+                    break
             stream.cancel()
             return None
         return collect_stream(stream)
@@ -313,8 +316,8 @@ def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
     def grew(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert grew('pagedserve_requests_total{code="OK"}') == 1
-    assert grew('pagedserve_requests_total{code="INVALID_ARGUMENT"}') == 1
+    assert grew('pagedserve_requests_total{api="grpc",code="OK"}') == 1
+    assert grew('pagedserve_requests_total{api="grpc",code="INVALID_ARGUMENT"}') == 1
     assert grew("pagedserve_generation_tokens_total") == 6
     assert grew("pagedserve_prompt_tokens_total") == len(PROMPTS[0])
     assert grew("pagedserve_time_to_first_token_seconds_count") == 1

@@ -1,0 +1,399 @@
+"""The HTTP API of ``pagedserve serve --http-port N``: OpenAI-compatible, on aiohttp, in
+the same process and event loop as the gRPC API, sharing its engine, admission limit,
+drain and metrics (``server.py``).
+
+Routes:
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's requests and answers
+  (``openai_protocol.py``); ``"stream": true`` answers with server-sent events, one
+  ``data: {chunk}`` per step (or per ``--stream-interval`` tokens), then
+  ``data: [DONE]``. A client that disconnects ends its requests in the engine at once.
+- ``GET /v1/models`` (and ``/v1/models/{name}``): the one model served.
+- ``POST /tokenize``, ``POST /detokenize``: as vLLM's.
+- ``GET /health``: 200 while serving, 503 while the model loads, when draining, or once
+  the engine died. ``GET /metrics``: Prometheus text. ``GET /version``.
+
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for
+bad input (the message names the field, the value and the limit), 404 for another model
+or route, 429 past ``--max-concurrent-requests``, 503 while starting or draining or once
+the engine died, 500 for a fault of the server's own. A stream that fails after it began
+sends the error as its last event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from pagedserve.frontend import openai_protocol as protocol
+from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
+from pagedserve.frontend.server import MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.outputs import RequestOutput
+    from pagedserve.frontend.server import Server
+
+logger = logging.getLogger("pagedserve.server")
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+# When a refused client may try again (429, 503), in seconds.
+_RETRY_AFTER_S = 1
+
+
+def error_body(error: CallError) -> dict:
+    status = HTTP_STATUS[error.code]
+    return {
+        "error": {
+            "message": error.message,
+            "type": _ERROR_TYPES[status],
+            "param": error.param,
+            "code": status,
+        }
+    }
+
+
+def error_response(error: CallError) -> web.Response:
+    status = HTTP_STATUS[error.code]
+    headers = {"Retry-After": str(_RETRY_AFTER_S)} if status in (429, 503) else None
+    return web.json_response(error_body(error), status=status, headers=headers)
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error in OpenAI's shape, aiohttp's own (404, 405, 413) included."""
+    try:
+        return await handler(request)
+    except CallError as error:
+        return error_response(error)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        code = {404: "NOT_FOUND", 503: "UNAVAILABLE"}.get(error.status, "INVALID_ARGUMENT")
+        body = error_body(CallError(code, f"{request.method} {request.path}: {error.reason}"))
+        body["error"]["code"] = error.status
+        return web.json_response(body, status=error.status)
+
+
+class HttpApi:
+    """The aiohttp application of a ``Server``: bound before the model loads (``/health``
+    answers 503 meanwhile), stopped after the drain."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+        app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=[_errors])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{name:.+}", self._model)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/version", self._version)
+        # handler_cancellation: a client that goes away cancels its handler, which ends
+        # its requests in the engine (the default lets them run to the end unread).
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._set_up = False
+
+    async def bind(self) -> int:
+        """Listen on the configured address; returns the port. ``OSError`` if it cannot."""
+        config = self._server.config
+        await self._runner.setup()
+        self._set_up = True
+        site = web.TCPSite(
+            self._runner,
+            config.host,
+            config.http_port,
+            ssl_context=config.ssl_context(),
+            shutdown_timeout=1.0,  # after the drain, nothing should be left to wait for
+            reuse_port=False,
+        )
+        try:
+            await site.start()
+        except OSError as error:
+            raise OSError(
+                f"cannot listen on {config.host}:{config.http_port} (HTTP): {error.strerror}"
+            ) from None
+        return self._runner.addresses[-1][1]
+
+    async def stop(self) -> None:
+        if self._set_up:
+            await self._runner.cleanup()
+            self._set_up = False
+
+    # ------------------------------------------------------------ generation
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate("completion", request)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate("chat", request)
+
+    async def _generate(self, kind: str, http_request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._generate_counted(kind, http_request)
+        except _StreamFailed as failure:
+            return failure.response
+
+    async def _generate_counted(self, kind: str, http_request: web.Request):
+        server = self._server
+        async with server.call("http"):
+            llm = server.check_admission()
+            body = await _json_body(http_request)
+            api_request = protocol.parse_request(
+                kind,
+                body,
+                llm,
+                server.default_params,
+                server.served_model_name(),
+                http_request.headers.get("X-Request-Id"),
+            )
+            llm = server.check_admission(len(api_request.prompts))
+            for prompt, params in zip(api_request.prompts, api_request.params, strict=True):
+                try:
+                    server.check_fits(llm, prompt.token_ids, params, "stop")
+                except (ValueError, TypeError) as error:
+                    raise CallError("INVALID_ARGUMENT", str(error)) from None
+            streams = []
+            try:
+                for prompt, params in zip(api_request.prompts, api_request.params, strict=True):
+                    streams.append(
+                        server.submit(
+                            "http",
+                            prompt.text,
+                            prompt.token_ids,
+                            params,
+                            api_request.cache_namespace,
+                        )
+                    )
+            except CallError:
+                for stream in streams:
+                    server.engine.abort(stream.output.request_id)
+                raise
+            if api_request.stream:
+                return await self._stream(api_request, streams, http_request)
+            outputs = await self._whole(api_request, streams)
+            return web.json_response(protocol.whole_response(api_request, outputs, llm))
+
+    async def _whole(self, api_request, streams) -> list[RequestOutput]:
+        async def run(stream) -> RequestOutput:
+            outputs = self._server.outputs(stream, api_request.client_request_id)
+            async with contextlib.aclosing(outputs):
+                async for _output in outputs:
+                    pass
+            return stream.output
+
+        tasks = [asyncio.ensure_future(run(stream)) for stream in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # one failed or the call was cancelled: end the others
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream(self, api_request, streams, http_request: web.Request):
+        server = self._server
+        llm = server.engine.llm
+        response_id = protocol.new_id(api_request.kind)
+        texts = protocol.TokenTexts(llm)
+        interval_tokens = server.config.stream_interval_tokens
+        writers = [
+            protocol.StreamWriter(api_request, response_id, i, llm, texts, interval_tokens)
+            for i in range(len(streams))
+        ]
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # proxies: pass events on as they come
+            }
+        )
+        await response.prepare(http_request)
+        failure = None
+        async for chunk in self._chunks(api_request, streams, writers):
+            if isinstance(chunk, CallError):
+                failure = chunk
+                chunk = error_body(chunk)
+            await response.write(_sse(chunk))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        if failure is not None:
+            raise _StreamFailed(failure, response)
+        return response
+
+    async def _chunks(self, api_request, streams, writers) -> AsyncIterator[dict | CallError]:
+        """Every prompt's chunks as they come (one task per prompt feeds a queue), then
+        the usage chunk; or, at the first failure, the error (and nothing after it)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def feed(stream, writer) -> None:
+            try:
+                outputs = self._server.outputs(stream, api_request.client_request_id)
+                async with contextlib.aclosing(outputs):
+                    async for output in outputs:
+                        for chunk in writer.chunks(output):
+                            queue.put_nowait(chunk)
+                queue.put_nowait(done)
+            except CallError as error:
+                queue.put_nowait(error)
+
+        tasks = [
+            asyncio.ensure_future(feed(stream, writer))
+            for stream, writer in zip(streams, writers, strict=True)
+        ]
+        failure: CallError | None = None
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, CallError):
+                    failure = item
+                    break
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if failure is not None:
+            yield failure
+            return
+        if api_request.include_usage:
+            chunk = writers[0].chunk([])
+            chunk["usage"] = protocol.usage([s.output for s in streams])
+            yield chunk
+
+    # ------------------------------------------------------------ the rest
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name != self._server.served_model_name():
+            raise CallError("NOT_FOUND", f"model {name!r} is not served here", "model")
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        llm = self._server.ready_llm()
+        return {
+            "id": self._server.served_model_name(),
+            "object": "model",
+            "created": int(self._server.serving_since_s),
+            "owned_by": "pagedserve",
+            "root": str(llm.model_path),
+            "max_model_len": llm.scheduler_config.max_model_len,
+        }
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        llm = self._server.ready_llm()
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise CallError("INVALID_ARGUMENT", "the request body must be a JSON object", "")
+        try:
+            if "messages" in body:
+                prompt = protocol.chat_prompt(body, llm)
+                token_ids = prompt.token_ids
+            else:
+                text = body.get("prompt")
+                if not isinstance(text, str):
+                    raise CallError(
+                        "INVALID_ARGUMENT",
+                        f"prompt must be a string (or send messages), got {text!r:.100}",
+                        "prompt",
+                    )
+                add_special_tokens = body.get("add_special_tokens", True)
+                if not isinstance(add_special_tokens, bool):
+                    raise CallError(
+                        "INVALID_ARGUMENT",
+                        f"add_special_tokens must be a boolean, got {add_special_tokens!r}",
+                        "add_special_tokens",
+                    )
+                if llm.tokenizer is None:
+                    raise ValueError("prompt: text needs a tokenizer, and this model has none")
+                token_ids = llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except ValueError as error:
+            raise CallError("INVALID_ARGUMENT", str(error), "prompt") from None
+        return web.json_response(
+            {
+                "tokens": token_ids,
+                "count": len(token_ids),
+                "max_model_len": llm.scheduler_config.max_model_len,
+            }
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        llm = self._server.ready_llm()
+        body = await _json_body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list):
+            raise CallError(
+                "INVALID_ARGUMENT", f"tokens must be a list of token ids, got {tokens!r:.100}"
+            )
+        try:
+            token_ids = llm.encode_prompt(tokens, "tokens") if tokens else []
+        except (ValueError, TypeError) as error:
+            raise CallError("INVALID_ARGUMENT", str(error), "tokens") from None
+        if llm.tokenizer is None:
+            raise CallError("INVALID_ARGUMENT", "this model has no tokenizer to decode with")
+        return web.json_response({"prompt": llm.tokenizer.decode(token_ids)})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        server = self._server
+        if server.draining:
+            raise CallError("UNAVAILABLE", "the server is shutting down")
+        server.ready_llm()
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        # It asks the engine over this very loop: render it on another thread.
+        loop = asyncio.get_running_loop()
+        text, content_type = await loop.run_in_executor(None, self._server.metrics.render)
+        response = web.Response(body=text)
+        response.headers["Content-Type"] = content_type
+        return response
+
+    async def _version(self, request: web.Request) -> web.Response:
+        from importlib.metadata import version
+
+        return web.json_response({"version": version("pagedserve")})
+
+
+class _StreamFailed(CallError):
+    """A stream that ended with an error event: the call counts as failed with the
+    error's code, and the response already sent stands."""
+
+    def __init__(self, error: CallError, response: web.StreamResponse) -> None:
+        super().__init__(error.code, error.message, error.param)
+        self.response = response
+
+
+async def _json_body(request: web.Request) -> Any:
+    """The body as JSON, whatever its content type says (as curl -d sends it)."""
+    try:
+        return json.loads(await request.read())
+    except json.JSONDecodeError as error:
+        raise CallError(
+            "INVALID_ARGUMENT", f"the request body is not valid JSON: {error}", ""
+        ) from None
+    except UnicodeDecodeError as error:
+        raise CallError("INVALID_ARGUMENT", f"the request body is not UTF-8: {error}", "") from None

@@ -1,0 +1,695 @@
+"""The OpenAI-compatible HTTP API's messages: JSON bodies in, the engine's requests out;
+the engine's outputs in, OpenAI's JSON out (whole answers and stream chunks).
+
+Requests are read as OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` define
+them, plus the sampling fields vLLM adds (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``best_of``, ``use_beam_search``,
+``prompt_logprobs``, ``cache_salt``...), so clients and load-testing tools written for
+either work unchanged. Bad input raises ``CallError`` (``INVALID_ARGUMENT``) naming the
+field, the value and the limit; fields OpenAI defines that this engine cannot honour
+(tools, logit_bias, JSON response formats, suffix) are refused by name rather than
+ignored; fields nobody defines are ignored and listed in the server's log, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.frontend.call_errors import CallError
+from pagedserve.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.llm import LLM
+    from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("pagedserve.server")
+
+# OpenAI's default for /v1/completions; chat completions default to the rest of the
+# model's context window, as vLLM does.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+# Body field -> SamplingParams field, copied when present and not null.
+_SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "seed": "seed",
+    "min_tokens": "min_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "n": "n",
+    "best_of": "best_of",
+    "length_penalty": "length_penalty",
+    "early_stopping": "early_stopping",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "prompt_logprobs": "prompt_logprobs",
+}
+# Fields read elsewhere in this module, or accepted and without effect here.
+_COMMON_FIELDS = {
+    "model",
+    "stream",
+    "stream_options",
+    "stop",
+    "max_tokens",
+    "use_beam_search",
+    "cache_salt",
+    "request_id",
+    "user",
+    "logprobs",
+    "logit_bias",
+}
+_COMPLETION_FIELDS = {"prompt", "echo", "suffix"}
+_CHAT_FIELDS = {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "add_generation_prompt",
+}
+_CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _invalid(message: str, param: str) -> CallError:
+    return CallError("INVALID_ARGUMENT", message, param)
+
+
+def _sampling_error(error: Exception, names: dict[str, str]) -> CallError:
+    """SamplingParams' message with its field named as the request names it."""
+    message = str(error)
+    name = re.match(r"[a-z_]+", message)
+    param = names.get(name.group(0), name.group(0)) if name else None
+    if param is not None and name is not None and param != name.group(0):
+        message = param + message[len(name.group(0)) :]
+    return CallError("INVALID_ARGUMENT", message, param)
+
+
+def _typed(body: dict, name: str, kinds: tuple[type, ...], what: str, default: Any = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise _invalid(f"{name} must be {what}, got {value!r}", name)
+    if not isinstance(value, kinds):
+        raise _invalid(f"{name} must be {what}, got {value!r}", name)
+    return value
+
+
+def _int_field(body: dict, name: str, minimum: int, maximum: int | None = None) -> int | None:
+    value = _typed(body, name, (int,), "an integer")
+    if value is None:
+        return None
+    if value < minimum or (maximum is not None and value > maximum):
+        limit = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise _invalid(f"{name} must be {limit}, got {value}", name)
+    return value
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its text (None when given as ids) and token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class ApiRequest:
+    """A checked request: its prompts (several for a batched ``/v1/completions``), one
+    ``SamplingParams`` per prompt, and how to answer."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompts: list[Prompt]
+    params: list[SamplingParams]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats: usage on every chunk
+    logprobs: int | None  # how many top alternatives to report per token; None: no logprobs
+    echo: bool  # completions: the prompt before the output (text, and logprobs)
+    cache_namespace: str | None
+    client_request_id: str
+    created_s: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse_request(
+    kind: str,
+    body: Any,
+    llm: LLM,
+    default_params: SamplingParams,
+    served_model_name: str,
+    client_request_id: str | None,
+) -> ApiRequest:
+    """The request ``body`` (decoded JSON) of ``/v1/completions`` (``kind="completion"``)
+    or ``/v1/chat/completions`` (``"chat"``), checked and tokenized."""
+    if not isinstance(body, dict):
+        raise _invalid(f"the request body must be a JSON object, got {type(body).__name__}", "")
+    known = _COMMON_FIELDS | set(_SAMPLING_FIELDS)
+    known |= _COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS
+    ignored = sorted(set(body) - known)
+    if ignored:
+        logger.warning("fields ignored (not part of the %s API): %s", kind, ", ".join(ignored))
+    model = _typed(body, "model", (str,), "a string", served_model_name)
+    if model != served_model_name:
+        raise CallError(
+            "NOT_FOUND",
+            f"model {model!r} is not served here; this server serves {served_model_name!r}",
+            "model",
+        )
+    _refuse_unsupported(kind, body)
+    if kind == "completion":
+        prompts = _completion_prompts(body, llm)
+        logprobs = _int_field(body, "logprobs", 0, MAX_LOGPROBS)
+        echo = _typed(body, "echo", (bool,), "a boolean", False)
+        max_tokens_names = ("max_tokens",)
+    else:
+        prompts = [chat_prompt(body, llm)]
+        logprobs = None
+        if _typed(body, "logprobs", (bool,), "a boolean", False):
+            logprobs = _int_field(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+        elif body.get("top_logprobs") is not None:
+            raise _invalid(
+                f"top_logprobs={body['top_logprobs']!r} needs logprobs: true", "top_logprobs"
+            )
+        echo = False
+        max_tokens_names = ("max_completion_tokens", "max_tokens")
+    stream = _typed(body, "stream", (bool,), "a boolean", False)
+    options = _typed(body, "stream_options", (dict,), "an object", {})
+    if options and not stream:
+        raise _invalid("stream_options is set but stream is not true", "stream_options")
+    include_usage = _typed(options, "include_usage", (bool,), "a boolean", False)
+    continuous_usage = _typed(options, "continuous_usage_stats", (bool,), "a boolean", False)
+    cache_salt = _typed(body, "cache_salt", (str,), "a string")
+    request_id = _typed(body, "request_id", (str,), "a string", client_request_id or "")
+
+    base = _base_params(body, default_params, logprobs, echo, max_tokens_names)
+    max_tokens_name = next((n for n in max_tokens_names if body.get(n) is not None), None)
+    max_model_len = llm.scheduler_config.max_model_len
+    # The most tokens a sequence of this request can hold: the context window, or less
+    # when the whole KV cache is smaller (every sequence may need blocks of its own).
+    max_total_tokens = min(max_model_len, (llm.num_blocks // base.num_sequences) * llm.block_size)
+    params: list[SamplingParams] = []
+    for position, prompt in enumerate(prompts):
+        field_name = "prompt" if len(prompts) == 1 else f"prompt[{position}]"
+        if kind == "chat":
+            field_name = "messages"
+        num_prompt_tokens = len(prompt.token_ids)
+        if num_prompt_tokens >= max_model_len:
+            raise _invalid(
+                f"{field_name}: {num_prompt_tokens} prompt tokens leave no room to generate "
+                f"in the model's context window of {max_model_len} tokens",
+                field_name,
+            )
+        if max_tokens_name is None:
+            default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else max_model_len
+            max_tokens = max(1, min(default, max_total_tokens - num_prompt_tokens))
+            prompt_params = dataclasses.replace(
+                base, max_tokens=max_tokens, min_tokens=min(base.min_tokens, max_tokens)
+            )
+        elif num_prompt_tokens + base.max_tokens > max_model_len:
+            # As OpenAI's API and vLLM's server refuse it (the offline engine and the gRPC
+            # API stop such a request at the window instead).
+            raise _invalid(
+                f"{max_tokens_name}={base.max_tokens}: the model's context window is "
+                f"{max_model_len} tokens and {field_name} takes {num_prompt_tokens}, which "
+                f"leaves at most {max_model_len - num_prompt_tokens}",
+                max_tokens_name,
+            )
+        else:
+            prompt_params = base
+        params.append(prompt_params)
+    return ApiRequest(
+        kind=kind,
+        model=served_model_name,
+        prompts=prompts,
+        params=params,
+        stream=stream,
+        include_usage=include_usage or continuous_usage,
+        continuous_usage=continuous_usage,
+        logprobs=logprobs,
+        echo=echo,
+        cache_namespace=cache_salt,
+        client_request_id=request_id,
+    )
+
+
+def _refuse_unsupported(kind: str, body: dict) -> None:
+    if body.get("logit_bias"):
+        raise _invalid("logit_bias is not supported by this server; leave it unset", "logit_bias")
+    if kind == "completion":
+        if body.get("suffix"):
+            raise _invalid("suffix (insertion) is not supported by this server", "suffix")
+        return
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _invalid(
+                f"{name}: tool and function calling are not supported by this server", name
+            )
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise _invalid(
+                f"{name}={body[name]!r}: tool and function calling are not supported by this "
+                "server",
+                name,
+            )
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise _invalid(
+            f"response_format={response_format!r}: only {{'type': 'text'}} is supported "
+            "(no JSON mode or schemas)",
+            "response_format",
+        )
+    if body.get("add_generation_prompt", True) is not True:
+        raise _invalid(
+            "add_generation_prompt must be true: the prompt always ends with the "
+            "assistant's turn to speak",
+            "add_generation_prompt",
+        )
+
+
+def _base_params(
+    body: dict,
+    default_params: SamplingParams,
+    logprobs: int | None,
+    echo: bool,
+    max_tokens_names: tuple[str, ...],
+) -> SamplingParams:
+    kwargs: dict[str, Any] = {
+        target: body[name]
+        for name, target in _SAMPLING_FIELDS.items()
+        if body.get(name) is not None
+    }
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _invalid(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+        kwargs["stop"] = stop or None
+    use_beam_search = _typed(body, "use_beam_search", (bool,), "a boolean", False)
+    if use_beam_search:
+        # vLLM's convention: best_of (else n) beams, n of them returned.
+        kwargs["beam_width"] = kwargs.pop("best_of", None) or kwargs.get("n", 1)
+        kwargs.setdefault("temperature", 0.0)
+        if kwargs["temperature"] != 0:  # checked as SamplingParams would, named here
+            raise _invalid(
+                f"temperature={kwargs['temperature']!r}: beam search is greedy; set it to 0",
+                "temperature",
+            )
+    elif "length_penalty" in kwargs or "early_stopping" in kwargs:
+        name = "length_penalty" if "length_penalty" in kwargs else "early_stopping"
+        raise _invalid(f"{name} applies to beam search only: set use_beam_search", name)
+    # Unset: the model's generation config decides (as in the gRPC API).
+    kwargs.setdefault("temperature", default_params.temperature)
+    if logprobs is not None:
+        kwargs["logprobs"] = logprobs
+        if echo:
+            kwargs.setdefault("prompt_logprobs", logprobs)
+    names = {"logprobs": "logprobs", "beam_width": "best_of"}
+    for name in max_tokens_names:
+        if body.get(name) is not None:
+            kwargs["max_tokens"] = body[name]
+            names["max_tokens"] = name
+            break
+    else:
+        kwargs["max_tokens"] = 1  # replaced per prompt
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as error:
+        raise _sampling_error(error, names) from None
+
+
+def _completion_prompts(body: dict, llm: LLM) -> list[Prompt]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _invalid("prompt is required: a string, a list of strings, or token ids", "prompt")
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise _invalid(
+            f"prompt must be a string, a list of strings, a list of token ids or a list of "
+            f"lists of token ids, and not empty; got {prompt!r:.200}",
+            "prompt",
+        )
+    prompts = []
+    for position, item in enumerate(items):
+        name = "prompt" if len(items) == 1 else f"prompt[{position}]"
+        if not isinstance(item, (str, list)) or isinstance(item, bool):
+            raise _invalid(f"{name} must be a string or a list of token ids, got {item!r}", name)
+        try:
+            token_ids = llm.encode_prompt(item, name)
+        except (ValueError, TypeError) as error:
+            raise _invalid(str(error), name) from None
+        prompts.append(Prompt(item if isinstance(item, str) else None, token_ids))
+    return prompts
+
+
+def chat_prompt(body: dict, llm: LLM) -> Prompt:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid(
+            f"messages must be a non-empty list of {{role, content}} objects, got "
+            f"{messages!r:.200}",
+            "messages",
+        )
+    conversation = []
+    for position, message in enumerate(messages):
+        name = f"messages[{position}]"
+        if not isinstance(message, dict):
+            raise _invalid(f"{name} must be an object, got {message!r:.200}", name)
+        role = message.get("role")
+        if role not in _CHAT_ROLES:
+            roles = ", ".join(_CHAT_ROLES)
+            raise _invalid(f"{name}.role must be one of {roles}; got {role!r}", f"{name}.role")
+        if message.get("tool_calls"):
+            raise _invalid(f"{name}.tool_calls: tool calls are not supported", f"{name}.tool_calls")
+        conversation.append({"role": role, "content": _message_text(message, name)})
+    try:
+        text = llm.render_chat(conversation, "messages")
+        token_ids = llm.encode_prompt(
+            llm.tokenizer.encode(text, add_special_tokens=False), "messages"
+        )
+    except (ValueError, TypeError) as error:
+        raise _invalid(str(error), "messages") from None
+    return Prompt(text, token_ids)
+
+
+def _message_text(message: dict, name: str) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(
+            f"{name}.content must be a string or a list of text parts, got {content!r:.200}",
+            f"{name}.content",
+        )
+    texts = []
+    for position, part in enumerate(content):
+        part_name = f"{name}.content[{position}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else part
+            raise _invalid(
+                f"{part_name}: only text parts are supported (type 'text'), got {kind!r:.100}",
+                part_name,
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _invalid(f"{part_name}.text must be a string, got {text!r:.100}", part_name)
+        texts.append(text)
+    return "".join(texts)
+
+
+# ---------------------------------------------------------------- answers
+
+
+def new_id(kind: str) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def finish_reason(completion: CompletionOutput) -> str | None:
+    """OpenAI's: "stop" (EOS, a stop token or string) or "length"; an output the
+    engine aborted has none (its call ended with an error instead)."""
+    return completion.finish_reason if completion.finish_reason in ("stop", "length") else None
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+    }
+
+
+class TokenTexts:
+    """Each token's own text, as logprobs report it (``tokenizer.decode([id])``, cached)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._tokenizer = llm.tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            if self._tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda item: -item[1])[:k]
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    entries: list[dict[int, float] | None],
+    k: int,
+    text_offset_start: int,
+    texts: TokenTexts,
+) -> dict:
+    """The legacy completions format: tokens, their logprobs, the top ``k`` per token,
+    and each token's character offset."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset_start
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = texts(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:  # the prompt's first token: nothing predicts it
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(entry.get(token_id))
+        top_logprobs.append({texts(t): lp for t, lp in _top(entry, k)})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: list[int], entries: list[dict[int, float]], k: int, texts: TokenTexts
+) -> dict:
+    """The chat format: per token its text, logprob, UTF-8 bytes and the top ``k``."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        text = texts(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        chosen = item(token_id, entry[token_id])
+        chosen["top_logprobs"] = [item(t, lp) for t, lp in _top(entry, k)]
+        content.append(chosen)
+    return {"content": content}
+
+
+def _stop_reason(completion: CompletionOutput) -> int | str | None:
+    return completion.stop_reason
+
+
+def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) -> dict:
+    """The answer of a call that did not stream: every choice in full."""
+    texts = TokenTexts(llm)
+    choices = []
+    for prompt_index, (prompt, output) in enumerate(zip(request.prompts, outputs, strict=True)):
+        num_outputs = len(output.outputs)
+        for completion in output.outputs:
+            index = prompt_index * num_outputs + completion.index
+            if request.kind == "chat":
+                choice = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": completion.text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason(completion),
+                    "stop_reason": _stop_reason(completion),
+                }
+                if request.logprobs is not None and completion.logprobs is not None:
+                    choice["logprobs"] = chat_logprobs(
+                        completion.token_ids, completion.logprobs, request.logprobs, texts
+                    )
+            else:
+                prefix = _echo_text(request, prompt, output, llm)
+                choice = {
+                    "index": index,
+                    "text": prefix + completion.text,
+                    "logprobs": None,
+                    "finish_reason": finish_reason(completion),
+                    "stop_reason": _stop_reason(completion),
+                }
+                if request.logprobs is not None and completion.logprobs is not None:
+                    token_ids, entries = list(completion.token_ids), list(completion.logprobs)
+                    if request.echo:
+                        token_ids = list(output.prompt_token_ids) + token_ids
+                        entries = list(output.prompt_logprobs or []) + entries
+                    choice["logprobs"] = completion_logprobs(
+                        token_ids, entries, request.logprobs, 0, texts
+                    )
+            choices.append(choice)
+    return {
+        "id": new_id(request.kind),
+        "object": "chat.completion" if request.kind == "chat" else "text_completion",
+        "created": request.created_s,
+        "model": request.model,
+        "choices": choices,
+        "usage": usage(outputs),
+    }
+
+
+def _echo_text(request: ApiRequest, prompt: Prompt, output: RequestOutput, llm: LLM) -> str:
+    if not request.echo:
+        return ""
+    if prompt.text is not None:
+        return prompt.text
+    if llm.tokenizer is None:
+        return ""
+    return llm.tokenizer.decode(list(output.prompt_token_ids), skip_special_tokens=False)
+
+
+@dataclass
+class _ChoiceCursor:
+    """How much of one choice a stream has sent."""
+
+    text_chars: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+class StreamWriter:
+    """The chunks of a streamed answer for one prompt of a request: each carries only
+    what is new since the last, and the first of a chat choice names the role."""
+
+    def __init__(
+        self,
+        request: ApiRequest,
+        response_id: str,
+        prompt_index: int,
+        llm: LLM,
+        texts: TokenTexts,
+        interval_tokens: int,
+    ) -> None:
+        self._request = request
+        self._id = response_id
+        self._prompt_index = prompt_index
+        self._llm = llm
+        self._texts = texts
+        self._interval_tokens = interval_tokens
+        self._cursors: dict[int, _ChoiceCursor] = {}
+
+    def chunks(self, output: RequestOutput) -> list[dict]:
+        """The chunks for what changed (none when too little did for the interval)."""
+        if not self._due(output):
+            return []
+        request = self._request
+        chunks = []
+        num_outputs = len(output.outputs)
+        for completion in output.outputs:
+            cursor = self._cursors.setdefault(completion.index, _ChoiceCursor())
+            new_text = completion.text[cursor.text_chars :]
+            new_tokens = completion.token_ids[cursor.tokens :]
+            new_entries = (
+                [] if completion.logprobs is None else completion.logprobs[cursor.logprobs :]
+            )
+            newly_finished = finish_reason(completion) is not None and not cursor.finished
+            new_logprobs = request.logprobs is not None and bool(new_entries)
+            if cursor.started and not (new_text or new_logprobs or newly_finished):
+                continue  # tokens whose text the detokenizer still holds back
+            index = self._prompt_index * num_outputs + completion.index
+            choice: dict[str, Any] = {"index": index}
+            if request.kind == "chat":
+                delta: dict[str, Any] = {}
+                if not cursor.started:
+                    delta["role"] = "assistant"
+                delta["content"] = new_text
+                choice["delta"] = delta
+                choice["logprobs"] = None
+                if request.logprobs is not None and new_entries:
+                    choice["logprobs"] = chat_logprobs(
+                        new_tokens[: len(new_entries)], new_entries, request.logprobs, self._texts
+                    )
+            else:
+                prefix = ""
+                token_ids, entries = new_tokens[: len(new_entries)], list(new_entries)
+                offset = cursor.text_chars
+                if not cursor.started and request.echo:
+                    prompt = request.prompts[self._prompt_index]
+                    prefix = _echo_text(request, prompt, output, self._llm)
+                    if request.logprobs is not None:
+                        token_ids = list(output.prompt_token_ids) + token_ids
+                        entries = list(output.prompt_logprobs or []) + entries
+                choice["text"] = prefix + new_text
+                choice["logprobs"] = None
+                if request.logprobs is not None and (entries or not cursor.started):
+                    choice["logprobs"] = completion_logprobs(
+                        token_ids, entries, request.logprobs, offset, self._texts
+                    )
+            choice["finish_reason"] = finish_reason(completion) if newly_finished else None
+            choice["stop_reason"] = _stop_reason(completion) if newly_finished else None
+            cursor.started = True
+            cursor.finished = cursor.finished or newly_finished
+            cursor.text_chars = len(completion.text)
+            cursor.tokens = len(completion.token_ids)
+            cursor.logprobs += len(new_entries)
+            chunk = self.chunk([choice])
+            if request.continuous_usage:
+                chunk["usage"] = usage([output])
+            chunks.append(chunk)
+        return chunks
+
+    def chunk(self, choices: list[dict]) -> dict:
+        request = self._request
+        message = {
+            "id": self._id,
+            "object": "chat.completion.chunk" if request.kind == "chat" else "text_completion",
+            "created": request.created_s,
+            "model": request.model,
+            "choices": choices,
+        }
+        if request.include_usage:
+            message["usage"] = None
+        return message
+
+    def _due(self, output: RequestOutput) -> bool:
+        """As ``--stream-interval`` says: the first chunk at once, then once enough new
+        tokens are there, and whenever a choice ends."""
+        if output.finished or self._interval_tokens <= 1 or not self._cursors:
+            return True
+        new_tokens = 0
+        for completion in output.outputs:
+            cursor = self._cursors.get(completion.index)
+            if cursor is None or (finish_reason(completion) is not None and not cursor.finished):
+                return True
+            new_tokens += len(completion.token_ids) - cursor.tokens
+        return new_tokens >= self._interval_tokens

@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP API end to end: a real server process (both APIs on one
+engine), OpenAI's own Python client and plain HTTP on 127.0.0.1.
+
+Outputs are compared with the offline engine in this process on the same weights; streams
+must add up to the whole answer; bad input must name the field."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from conftest import SERVED_MODEL_NAME
+from process_helpers import wait_until
+
+from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.v1 import generation_pb2 as pb
+
+PROMPT_IDS = [5, 300, 301, 302]
+NUM_TOKENS = 20
+# Fields of vLLM's that OpenAI's client passes through as they are.
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def offline(server_model_dir) -> LLM:
+    return LLM(server_model_dir, num_blocks=128)
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    with openai.OpenAI(
+        base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as client:
+        yield client
+
+
+def greedy_params(max_tokens: int = NUM_TOKENS, **fields) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **fields)
+
+
+def post(server, path: str, body, timeout_s: float = 60) -> tuple[int, dict]:
+    """A raw POST (bytes go as they are); the status and the decoded JSON answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        server.http_url + path, data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def get(server, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(server.http_url + path, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def sse_events(server, path: str, body: dict) -> list:
+    """A streamed call read to its end: each event's decoded data ("[DONE]" as is)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        connection.request(
+            "POST", path, json.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        assert response.getheader("Content-Type").startswith("text/event-stream")
+        events = []
+        for raw in response.read().decode().split("\n\n"):
+            if raw.strip():
+                assert raw.startswith("data: "), raw
+                data = raw[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return events
+    finally:
+        connection.close()
+
+
+# ---------------------------------------------------------------- completions
+
+
+def test_completions_equal_the_offline_engine_whole_and_streamed(server, client, offline):
+    want = offline.generate(PROMPT_IDS, greedy_params())[0]
+    whole = client.completions.create(
+        model=SERVED_MODEL_NAME, prompt=PROMPT_IDS, max_tokens=NUM_TOKENS, **GREEDY
+    )
+    assert whole.object == "text_completion" and whole.model == SERVED_MODEL_NAME
+    assert whole.choices[0].text == want.outputs[0].text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(PROMPT_IDS)
+    assert whole.usage.completion_tokens == NUM_TOKENS
+    assert whole.usage.total_tokens == len(PROMPT_IDS) + NUM_TOKENS
+
+    chunks = list(
+        client.completions.create(
+            model=SERVED_MODEL_NAME,
+            prompt=PROMPT_IDS,
+            max_tokens=NUM_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.outputs[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes.count("length") == 1 and finishes[-1] == "length"
+    assert len(chunks) > 3  # streamed as it was made, not all at the end
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == NUM_TOKENS
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_text_prompts_in_a_batch_stop_strings_and_seeded_samples(server, client, offline):
+    prompts = ["hello world", "the cat"]
+    want = offline.generate(prompts, greedy_params())
+    answer = client.completions.create(
+        model=SERVED_MODEL_NAME, prompt=prompts, max_tokens=NUM_TOKENS, **GREEDY
+    )
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert [c.text for c in answer.choices] == [w.outputs[0].text for w in want]
+    # A stop string from the greedy text: cut before it, reported as the stop reason.
+    stop = want[0].outputs[0].text[5:8]
+    cut = offline.generate(
+        prompts[0], SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, stop=[stop])
+    )
+    answer = client.completions.create(
+        model=SERVED_MODEL_NAME, prompt=prompts[0], max_tokens=NUM_TOKENS, stop=stop,
+        temperature=0.0,
+    )  # fmt: skip
+    assert answer.choices[0].text == cut[0].outputs[0].text
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].model_extra["stop_reason"] == stop
+    # n = 3 seeded samples draw what the offline engine draws.
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=7, n=3, ignore_eos=True)
+    want = offline.generate(PROMPT_IDS, params)[0]
+    answer = client.completions.create(
+        model=SERVED_MODEL_NAME, prompt=PROMPT_IDS, max_tokens=10, temperature=0.8, seed=7,
+        n=3, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.text for c in answer.choices] == [o.text for o in want.outputs]
+
+
+def test_completion_logprobs_and_echo(server, offline):
+    want = offline.generate(PROMPT_IDS, greedy_params(6, logprobs=2, prompt_logprobs=2))[0]
+    body = {
+        "prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "logprobs": 2, "echo": True,
+    }  # fmt: skip
+    status, answer = post(server, "/v1/completions", body)
+    assert status == 200, answer
+    logprobs = answer["choices"][0]["logprobs"]
+    num_prompt = len(PROMPT_IDS)
+    assert len(logprobs["tokens"]) == num_prompt + 6
+    assert logprobs["token_logprobs"][0] is None  # nothing predicts the first token
+    for position, entry in enumerate(want.prompt_logprobs[1:], start=1):
+        chosen = PROMPT_IDS[position]
+        assert logprobs["token_logprobs"][position] == pytest.approx(entry[chosen], abs=1e-5)
+    for position, entry in enumerate(want.outputs[0].logprobs):
+        chosen = want.outputs[0].token_ids[position]
+        got = logprobs["token_logprobs"][num_prompt + position]
+        assert got == pytest.approx(entry[chosen], abs=1e-5)
+        top = logprobs["top_logprobs"][num_prompt + position]
+        assert len(top) == 2 and max(top.values()) == pytest.approx(max(entry.values()), abs=1e-5)
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    echoed = answer["choices"][0]["text"]
+    assert echoed.endswith(want.outputs[0].text)
+    assert echoed[: -len(want.outputs[0].text) or None] == offline.tokenizer.decode(
+        PROMPT_IDS, skip_special_tokens=False
+    )
+    # Streamed: the same logprobs, a token at a time.
+    events = sse_events(server, "/v1/completions", {**body, "echo": False, "stream": True})
+    assert events[-1] == "[DONE]"
+    streamed = [
+        lp for e in events[:-1] for c in e["choices"] if c["logprobs"]
+        for lp in c["logprobs"]["token_logprobs"]
+    ]  # fmt: skip
+    assert streamed == pytest.approx(logprobs["token_logprobs"][num_prompt:], abs=1e-6)
+
+
+# ---------------------------------------------------------------- chat
+
+
+def test_chat_completions_use_the_chat_template_as_offline(server, client, offline):
+    messages = [{"role": "user", "content": "hi there"}]
+    want = offline.chat(messages, greedy_params(8))[0]
+    answer = client.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=messages, max_completion_tokens=8, **GREEDY
+    )
+    assert answer.object == "chat.completion"
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == want.outputs[0].text
+    assert answer.usage.prompt_tokens == len(want.prompt_token_ids)
+    # Text parts are joined as one content string.
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+        }
+    ]
+    again = client.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=parts, max_tokens=8, **GREEDY
+    )
+    assert again.choices[0].message.content == want.outputs[0].text
+
+    chunks = list(
+        client.chat.completions.create(
+            model=SERVED_MODEL_NAME, messages=messages, max_tokens=8, stream=True,
+            logprobs=True, top_logprobs=3, **GREEDY,
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(streamed) == 8
+    for item, entry, token_id in zip(
+        streamed, want_logprobs(offline, messages), want.outputs[0].token_ids
+    ):
+        assert item.logprob == pytest.approx(entry[token_id], abs=1e-5)
+        assert len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob == pytest.approx(max(entry.values()), abs=1e-5)
+        assert bytes(item.bytes).decode(errors="replace") == item.token
+
+
+def want_logprobs(offline, messages) -> list[dict[int, float]]:
+    return offline.chat(messages, greedy_params(8, logprobs=3))[0].outputs[0].logprobs
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server, client, offline):
+    """As vLLM: a chat call that names no limit runs to EOS or the end of the window; with
+    ignore_eos it fills the window exactly."""
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+    messages = [{"role": "user", "content": "count"}]
+    answer = client.chat.completions.create(model=SERVED_MODEL_NAME, messages=messages, **GREEDY)
+    window = min(info.max_model_len, info.num_blocks * info.block_size)
+    assert answer.usage.total_tokens == window
+    assert answer.choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------- the rest of the API
+
+
+def test_models_tokenize_detokenize_health_and_version(server, offline):
+    status, body = get(server, "/v1/models")
+    models = json.loads(body)
+    assert status == 200 and [m["id"] for m in models["data"]] == [SERVED_MODEL_NAME]
+    assert models["data"][0]["max_model_len"] > 0
+    status, body = get(server, f"/v1/models/{SERVED_MODEL_NAME}")
+    assert status == 200 and json.loads(body)["id"] == SERVED_MODEL_NAME
+    status, answer = post(server, "/tokenize", {"prompt": "hello"})
+    assert status == 200 and answer["tokens"] == offline.tokenizer.encode("hello")
+    assert answer["count"] == len(answer["tokens"])
+    status, answer = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    text = offline.render_chat([{"role": "user", "content": "hi"}])
+    assert answer["tokens"] == offline.tokenizer.encode(text, add_special_tokens=False)
+    status, answer = post(
+        server,
+        "/detokenize",
+        {"tokens": offline.tokenizer.encode("hello", add_special_tokens=False)},
+    )
+    assert status == 200 and answer["prompt"] == "hello"
+    assert get(server, "/health")[0] == 200
+    status, body = get(server, "/version")
+    assert status == 200 and json.loads(body)["version"]
+
+
+def test_bad_input_gets_openai_errors_naming_the_field(server):
+    cases = [
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
+        ({"prompt": "hi", "top_p": 2}, 400, "top_p", "top_p"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be >= 1"),
+        ({"prompt": "hi", "n": "two"}, 400, "n", "n must be"),
+        ({"prompt": "hi", "logprobs": 21}, 400, "logprobs", "logprobs must be in [0, 20]"),
+        ({"prompt": "hi", "stop": 3}, 400, "stop", "stop must be a string or a list"),
+        ({"prompt": ""}, 400, "prompt", "prompt is empty"),
+        ({"prompt": []}, 400, "prompt", "not empty"),
+        ({"prompt": [1, 99999]}, 400, "prompt", "outside the vocabulary [0, 512)"),
+        ({}, 400, "prompt", "prompt is required"),
+        ({"prompt": "hi", "model": "gpt-9"}, 404, "model", "this server serves 'tiny-llama'"),
+        ({"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
+         "stream is not true"),
+        ({"prompt": [5] * 5000}, 400, "prompt", "context window"),
+        ({"prompt": [5, 6], "max_tokens": 100000}, 400, "max_tokens",
+         "context window is 512 tokens and prompt takes 2, which leaves at most 510"),
+    ]  # fmt: skip
+    for body, status, param, words in cases:
+        got_status, answer = post(server, "/v1/completions", body)
+        assert got_status == status, (body, answer)
+        error = answer["error"]
+        assert words in error["message"], (body, error)
+        assert error["code"] == status
+        if param is not None:
+            assert error["param"] == param, (body, error)
+    user = [{"role": "user", "content": "x"}]
+    image = [{"role": "user", "content": [{"type": "image_url"}]}]
+    chat_cases = [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": image}, "messages[0].content[0]"),
+        ({"messages": user, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": user, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": user, "top_logprobs": 2}, "top_logprobs"),
+    ]  # fmt: skip
+    for body, param in chat_cases:
+        got_status, answer = post(server, "/v1/chat/completions", body)
+        assert got_status == 400 and answer["error"]["param"] == param, (body, answer)
+    got_status, answer = post(server, "/v1/completions", b"{not json")
+    assert got_status == 400 and "not valid JSON" in answer["error"]["message"]
+    got_status, answer = post(server, "/v1/completions", [1, 2])
+    assert got_status == 400 and "JSON object" in answer["error"]["message"]
+    got_status, body = get(server, "/v1/nothing")
+    assert got_status == 404 and json.loads(body)["error"]["code"] == 404
+    got_status, body = get(server, "/v1/completions")  # GET on a POST route
+    assert got_status == 405 and "error" in json.loads(body)
+
+
+def test_both_apis_share_one_engine_and_the_metrics(server, client, offline):
+    want = offline.generate(PROMPT_IDS, greedy_params(8))[0]
+    sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def over_grpc():
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT_IDS), sampling=sampling)
+        return list(server.stub.Generate(request, timeout=60).outputs[0].token_ids)
+
+    def over_http():
+        answer = client.completions.create(
+            model=SERVED_MODEL_NAME, prompt=PROMPT_IDS, max_tokens=8, **GREEDY
+        )
+        return answer.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        grpc_calls = [pool.submit(over_grpc) for _ in range(6)]
+        http_calls = [pool.submit(over_http) for _ in range(6)]
+        assert all(f.result() == want.outputs[0].token_ids for f in grpc_calls)
+        assert all(f.result() == want.outputs[0].text for f in http_calls)
+    status, body = get(server, "/metrics")
+    text = body.decode()
+    assert status == 200
+    assert 'pagedserve_requests_total{api="http",code="OK"}' in text
+    assert 'pagedserve_requests_total{api="grpc",code="OK"}' in text
+    assert "pagedserve_engine_num_total_blocks" in text  # the scheduler's, at scrape time
+    assert server.stats().requests_running == 0
+
+
+def test_a_client_that_disconnects_mid_stream_ends_its_request(server):
+    sampled_before = server.stats().engine["num_sampled_tokens"]
+    cancelled_before = server.stats().requests_cancelled
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    body = {"prompt": PROMPT_IDS, "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    connection.request("POST", "/v1/completions", json.dumps(body))
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")
+    connection.close()  # gone mid-stream
+    assert wait_until(lambda: server.stats().requests_cancelled == cancelled_before + 1, 10)
+    sampled = server.stats().engine["num_sampled_tokens"] - sampled_before
+    assert sampled < 500  # the engine stopped it, it did not run to max_tokens
+
+
+# ---------------------------------------------------------------- a server of its own
+
+
+def test_overload_and_drain_over_http(start_server):
+    server = start_server("--http-port", "0", "--max-concurrent-requests", "2")
+    long_body = {"prompt": PROMPT_IDS, "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+                 "stream": True}  # fmt: skip
+    connections = []
+    for _ in range(2):
+        connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+        connection.request("POST", "/v1/completions", json.dumps(long_body))
+        response = connection.getresponse()
+        assert response.readline().startswith(b"data: ")
+        connections.append((connection, response))
+    status, answer = post(server, "/v1/completions", {"prompt": "hi"})
+    assert status == 429 and "max_concurrent_requests is 2" in answer["error"]["message"]
+    # SIGTERM: /health turns 503 and new calls are refused, the streams in flight end whole.
+    started_s = time.monotonic()
+    os.kill(server.pid, signal.SIGTERM)
+    assert wait_until(lambda: get(server, "/health")[0] == 503, 10)
+    status, answer = post(server, "/v1/completions", {"prompt": "hi"})
+    assert status == 503 and "shutting down" in answer["error"]["message"]
+    for connection, response in connections:
+        rest = response.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]")
+        events = [json.loads(e[6:]) for e in rest.split("\n\n") if e.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        connection.close()
+    assert server.terminate() == 0
+    assert time.monotonic() - started_s < 30
+
+
+def test_a_busy_http_port_exits_1(start_server):
+    first = start_server("--http-port", "0")
+    second = start_server("--http-port", str(first.http_port), wait=False)
+    assert second.process.wait(60) == 1
+    assert f"cannot listen on 127.0.0.1:{first.http_port} (HTTP)" in second.log()
+    assert first.terminate() == 0
