@@ -412,3 +412,27 @@ def test_a_busy_http_port_exits_1(start_server):
     assert second.process.wait(60) == 1
     assert f"cannot listen on 127.0.0.1:{first.http_port} (HTTP)" in second.log()
     assert first.terminate() == 0
+
+
+def test_a_worker_killed_mid_stream_ends_http_calls_with_an_error_event(start_server):
+    server = start_server("--http-port", "0")
+    long_body = {"prompt": PROMPT_IDS, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps({**long_body, "stream": True}))
+    response = connection.getresponse()
+    assert response.readline().startswith(b"data: ")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(post, server, "/v1/completions", long_body)
+        assert wait_until(lambda: server.stats().requests_running == 2, 10)
+        (worker_pid,) = server.worker_pids()
+        os.kill(worker_pid, signal.SIGKILL)
+        # The stream's last events: the error, then [DONE].
+        events = [e for e in response.read().decode().split("\n\n") if e.strip()]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][len("data: ") :])["error"]
+        assert error["code"] == 503 and f"worker rank 0 (pid {worker_pid}) died" in error["message"]
+        # The call that waited for a whole answer gets a 503 naming the same.
+        status, answer = whole.result(30)
+        assert status == 503 and "died" in answer["error"]["message"]
+    connection.close()
+    assert server.process.wait(30) == 1

@@ -1,10 +1,15 @@
 """TLS and mutual TLS: certificates made here with the openssl command (a CA, the server's
-for 127.0.0.1, a client's), a real server and real gRPC clients."""
+for 127.0.0.1, a client's), a real server and real gRPC and HTTPS clients."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
+from http import client as http_client
 from pathlib import Path
 
 import grpc
@@ -42,13 +47,22 @@ def generate(channel: grpc.Channel) -> pb.GenerateResponse:
     return pb_grpc.GenerationStub(channel).Generate(request, timeout=30)
 
 
+def https_completion(port: int, context: ssl.SSLContext | None, scheme: str = "https") -> dict:
+    request = urllib.request.Request(
+        f"{scheme}://127.0.0.1:{port}/v1/completions",
+        data=json.dumps({"prompt": [5, 6, 7], "max_tokens": 4}).encode(),
+    )
+    with urllib.request.urlopen(request, timeout=30, context=context) as response:
+        return json.loads(response.read())
+
+
 def test_mutual_tls_serves_clients_with_a_certificate_and_refuses_others(
     start_server, certificates
 ):
     files = {name: str(certificates / name) for name in ("ca.pem", "server.pem", "server.key")}
     server = start_server(
         "--tls-cert-file", files["server.pem"], "--tls-key-file", files["server.key"],
-        "--tls-client-ca-file", files["ca.pem"],
+        "--tls-client-ca-file", files["ca.pem"], "--http-port", "0",
     )  # fmt: skip
     target = f"127.0.0.1:{server.port}"
     ca = (certificates / "ca.pem").read_bytes()
@@ -66,6 +80,15 @@ def test_mutual_tls_serves_clients_with_a_certificate_and_refuses_others(
         with channel, pytest.raises(grpc.RpcError) as caught:
             generate(channel)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    # The HTTP API takes the same files: HTTPS with a client certificate, nothing else.
+    context = ssl.create_default_context(cafile=files["ca.pem"])
+    without_certificate = ssl.create_default_context(cafile=files["ca.pem"])
+    context.load_cert_chain(str(certificates / "client.pem"), str(certificates / "client.key"))
+    assert https_completion(server.http_port, context)["usage"]["completion_tokens"] == 4
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        https_completion(server.http_port, without_certificate)
+    with pytest.raises((urllib.error.URLError, ConnectionError, http_client.HTTPException)):
+        https_completion(server.http_port, None, scheme="http")
     assert server.terminate() == 0
 
 

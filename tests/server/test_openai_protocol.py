@@ -1,0 +1,121 @@
+"""The HTTP API's request reading and chunking (frontend/openai_protocol.py), in this
+process on the tiny model's real engine: what the end-to-end tests cannot pin down
+exactly (defaults, limits, the names in errors, when a stream chunk is due)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend.call_errors import CallError
+from pagedserve.frontend.openai_protocol import StreamWriter, TokenTexts, parse_request
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+
+GREEDY_DEFAULT = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(server_model_dir) -> LLM:
+    return LLM(server_model_dir, num_blocks=40)  # 640 tokens: more than the 512 window
+
+
+def parse(llm, body, kind="completion", default=GREEDY_DEFAULT):
+    return parse_request(kind, body, llm, default, "m", None)
+
+
+def refusal(llm, body, kind="completion") -> CallError:
+    with pytest.raises(CallError) as caught:
+        parse(llm, body, kind)
+    return caught.value
+
+
+def test_defaults_follow_openai_and_the_model(llm):
+    request = parse(llm, {"prompt": [5, 6, 7]})
+    assert request.params[0].max_tokens == 16  # OpenAI's completions default
+    assert request.params[0].temperature == 0.0  # the model's default, as gRPC's
+    sampled = parse(llm, {"prompt": [5]}, default=SamplingParams(temperature=0.7))
+    assert sampled.params[0].temperature == 0.7
+    assert parse(llm, {"prompt": [5], "temperature": 1.2}).params[0].temperature == 1.2
+    # Chat: the rest of the window by default.
+    chat = parse(llm, {"messages": [{"role": "user", "content": "hi"}]}, "chat")
+    assert chat.params[0].max_tokens == 512 - len(chat.prompts[0].token_ids)
+    explicit = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}
+    assert parse(llm, explicit, "chat").params[0].max_tokens == 3
+
+
+def test_the_default_limit_fits_the_cache_for_every_sequence(llm):
+    # n = 2 sequences may each need their own blocks: 40 // 2 = 20 blocks = 320 tokens.
+    chat = parse(llm, {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "chat")
+    assert chat.params[0].max_tokens == 320 - len(chat.prompts[0].token_ids)
+    llm.engine.check_request_fits(
+        len(chat.prompts[0].token_ids), chat.params[0].max_tokens, chat.params[0].num_sequences
+    )
+
+
+def test_batched_prompts_get_one_params_each(llm):
+    request = parse(llm, {"prompt": ["hello", [5, 6]], "max_tokens": 4})
+    assert [p.text for p in request.prompts] == ["hello", None]
+    assert request.prompts[1].token_ids == [5, 6]
+    assert [p.max_tokens for p in request.params] == [4, 4]
+    error = refusal(llm, {"prompt": ["ok", [5, 99999]]})
+    assert error.param == "prompt[1]" and "outside the vocabulary" in error.message
+
+
+def test_beam_search_as_vllm_spells_it(llm):
+    request = parse(llm, {"prompt": [5], "use_beam_search": True, "best_of": 3, "n": 2})
+    params = request.params[0]
+    assert (params.beam_width, params.n, params.temperature) == (3, 2, 0.0)
+    error = refusal(llm, {"prompt": [5], "use_beam_search": True, "temperature": 0.5})
+    assert error.param == "temperature" and "beam search is greedy" in error.message
+    error = refusal(llm, {"prompt": [5], "length_penalty": 0.5})
+    assert error.param == "length_penalty" and "use_beam_search" in error.message
+
+
+def test_errors_use_the_requests_own_field_names(llm):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    error = refusal(llm, {**chat, "max_completion_tokens": 0}, "chat")
+    assert error.param == "max_completion_tokens"
+    assert error.message.startswith("max_completion_tokens must be >= 1")
+    error = refusal(llm, {**chat, "logprobs": True, "top_logprobs": 25}, "chat")
+    assert error.param == "top_logprobs" and "in [0, 20], got 25" in error.message
+    error = refusal(llm, {"prompt": [5], "min_tokens": 9, "max_tokens": 3})
+    assert error.param == "min_tokens"
+    error = refusal(llm, {"prompt": [5], "echo": "yes"})
+    assert error.param == "echo" and "must be a boolean" in error.message
+    error = refusal(llm, {"prompt": [5], "model": "other"})
+    assert error.code == "NOT_FOUND"
+
+
+def test_unknown_fields_are_ignored_and_logged(llm, caplog):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.server"):
+        request = parse(llm, {"prompt": [5], "frobnicate": 1, "user": "u1"})
+    assert request.params[0].max_tokens == 16
+    assert "frobnicate" in caplog.text and "user" not in caplog.text
+
+
+def grown(output: RequestOutput, token_ids: list[int], text: str, finish=None) -> RequestOutput:
+    output.outputs[0].token_ids = list(token_ids)
+    output.outputs[0].text = text
+    output.outputs[0].finish_reason = finish
+    output.finished = finish is not None
+    return output
+
+
+def test_stream_chunks_carry_what_is_new_and_respect_the_interval(llm):
+    request = parse(llm, {"prompt": [5, 6], "max_tokens": 6, "stream": True}, "completion")
+    writer = StreamWriter(request, "cmpl-x", 0, llm, TokenTexts(llm), interval_tokens=3)
+    output = RequestOutput(
+        "r", None, [5, 6], outputs=[CompletionOutput(0, "", [], None)], finished=False
+    )
+    first = writer.chunks(grown(output, [10], "a"))  # the first token goes at once
+    assert [c["choices"][0]["text"] for c in first] == ["a"]
+    assert writer.chunks(grown(output, [10, 11], "ab")) == []  # 1 new token < 3
+    assert writer.chunks(grown(output, [10, 11, 12], "abc")) == []  # 2 new
+    due = writer.chunks(grown(output, [10, 11, 12, 13], "abcd"))  # 3 new
+    assert [c["choices"][0]["text"] for c in due] == ["bcd"]
+    end = writer.chunks(grown(output, [10, 11, 12, 13, 14], "abcde", finish="length"))
+    assert end[0]["choices"][0]["text"] == "e"
+    assert end[0]["choices"][0]["finish_reason"] == "length"
+    assert all(c["id"] == "cmpl-x" and c["object"] == "text_completion" for c in first + end)
