@@ -8,6 +8,7 @@ from __future__ import annotations
 # code -> HTTP status
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
     "NOT_FOUND": 404,
     "RESOURCE_EXHAUSTED": 429,
     "UNAVAILABLE": 503,

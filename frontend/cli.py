@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
+from pagedserve.frontend.api_key import ENVIRONMENT_VARIABLE as API_KEY_ENVIRONMENT_VARIABLE
 from pagedserve.frontend.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -174,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="mutual TLS: accept only clients whose certificate this CA (PEM) signed",
     )
     serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENVIRONMENT_VARIABLE) or None,
+        help="generation calls of both APIs must send 'Authorization: Bearer KEY' (gRPC: "
+        f"metadata); default ${API_KEY_ENVIRONMENT_VARIABLE}, which keeps it out of `ps`; "
+        "health, metrics and version stay open",
+    )
+    serve.add_argument(
         "--startup-timeout-s",
         type=float,
         default=120.0,
@@ -226,6 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
             tls_cert_file=args.tls_cert_file,
             tls_key_file=args.tls_key_file,
             tls_client_ca_file=args.tls_client_ca_file,
+            api_key=args.api_key,
         )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)

@@ -89,13 +89,25 @@ def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) 
     return output
 
 
+def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """What every call sends to a server started with ``--api-key``."""
+    return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
+
+
 class Client:
     """A blocking client. ``target`` is ``host:port``; ``credentials`` (from
-    ``grpc.ssl_channel_credentials``) for a TLS server."""
+    ``grpc.ssl_channel_credentials``) for a TLS server; ``api_key`` for a server started
+    with ``--api-key``."""
 
     def __init__(
-        self, target: str, credentials: grpc.ChannelCredentials | None = None, **options: Any
+        self,
+        target: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        *,
+        api_key: str | None = None,
+        **options: Any,
     ) -> None:
+        self._metadata = _metadata(api_key)
         channel_options = list(options.items())
         self.channel = (
             grpc.insecure_channel(target, channel_options)
@@ -115,7 +127,9 @@ class Client:
     ) -> RequestOutput:
         """The whole result; ``params=None`` lets the model's generation config decide."""
         request = build_request(prompt, params, request_id, cache_namespace, chat=False)
-        return apply_response(None, self.stub.Generate(request, timeout=timeout_s))
+        return apply_response(
+            None, self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
+        )
 
     def chat(
         self,
@@ -127,7 +141,9 @@ class Client:
     ) -> RequestOutput:
         """The assistant's turn after ``messages`` (the model's chat template)."""
         request = build_request(messages, params, request_id, "", chat=True)
-        return apply_response(None, self.stub.Generate(request, timeout=timeout_s))
+        return apply_response(
+            None, self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
+        )
 
     def stream(
         self,
@@ -141,7 +157,7 @@ class Client:
         """The result as it grows (one ``RequestOutput``, updated in place). Leaving the
         loop early cancels the call, which frees its blocks in the server."""
         request = build_request(prompt, params, request_id, cache_namespace, chat=False)
-        call = self.stub.GenerateStream(request, timeout=timeout_s)
+        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
         output = None
         try:
             for response in call:
@@ -151,13 +167,15 @@ class Client:
             call.cancel()  # a no-op once the call has ended
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+        return list(
+            self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self._metadata).token_ids
+        )
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata)
 
     def stats(self) -> pb.Stats:
-        return self.stub.GetStats(pb.GetStatsRequest())
+        return self.stub.GetStats(pb.GetStatsRequest(), metadata=self._metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -173,8 +191,14 @@ class AsyncClient:
     """The same calls for asyncio (``grpc.aio``); create it inside the running loop."""
 
     def __init__(
-        self, target: str, credentials: grpc.ChannelCredentials | None = None, **options: Any
+        self,
+        target: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        *,
+        api_key: str | None = None,
+        **options: Any,
     ) -> None:
+        self._metadata = _metadata(api_key)
         channel_options = list(options.items())
         self.channel = (
             grpc.aio.insecure_channel(target, channel_options)
@@ -193,7 +217,9 @@ class AsyncClient:
         timeout_s: float | None = None,
     ) -> RequestOutput:
         request = build_request(prompt, params, request_id, cache_namespace, chat=False)
-        return apply_response(None, await self.stub.Generate(request, timeout=timeout_s))
+        return apply_response(
+            None, await self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
+        )
 
     async def stream(
         self,
@@ -205,7 +231,7 @@ class AsyncClient:
         timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         request = build_request(prompt, params, request_id, cache_namespace, chat=False)
-        call = self.stub.GenerateStream(request, timeout=timeout_s)
+        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
         output = None
         try:
             async for response in call:

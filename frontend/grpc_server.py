@@ -12,6 +12,9 @@ drain and engine (``server.py``).
 - **Health** (``grpc.health.v1.Health``): ``NOT_SERVING`` while the model loads and while
   draining, ``SERVING`` in between; reflection lists the services.
 - **TLS** (``tls_cert_file``, ``tls_key_file``; mutual with ``tls_client_ca_file``).
+- **API key** (``api_key``): ``pagedserve.v1.Generation`` calls without metadata
+  ``authorization: Bearer <key>`` end with ``UNAUTHENTICATED``; health and reflection
+  stay open.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.async_engine import RequestStream
 from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.engine_client import EngineDeadError
@@ -56,6 +60,39 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )
+
+
+class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Ends the Generation service's calls that do not carry the key (other services:
+    health and reflection, pass)."""
+
+    def __init__(self, api_key: str) -> None:
+        self._api_key = api_key
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if bearer_matches(metadata.get("authorization"), self._api_key):
+            return handler
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+        async def refuse_stream(request, context):
+            await refuse(request, context)
+            yield  # never reached: an async generator, as a streaming handler must be
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                refuse_stream,
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            refuse, handler.request_deserializer, handler.response_serializer
+        )
 
 
 def _grpc_code(context):
@@ -214,12 +251,14 @@ class GrpcApi:
 
     def __init__(self, server: Server) -> None:
         self._server = server
+        api_key = server.config.api_key
         self._grpc = grpc.aio.server(
+            interceptors=[] if api_key is None else [_ApiKeyInterceptor(api_key)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared port
-            ]
+            ],
         )
         self._health = health.aio.HealthServicer()
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(server), self._grpc)

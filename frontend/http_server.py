@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from pagedserve.frontend import openai_protocol as protocol
+from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 
@@ -43,6 +44,7 @@ logger = logging.getLogger("pagedserve.server")
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -90,13 +92,34 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response(body, status=error.status)
 
 
+# Open without the API key: probes, scrapers and version checks hold none.
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def _api_key_check(api_key: str):
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if request.path not in _OPEN_PATHS and not bearer_matches(
+            request.headers.get("Authorization"), api_key
+        ):
+            response = error_response(CallError("UNAUTHENTICATED", UNAUTHENTICATED_MESSAGE))
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        return await handler(request)
+
+    return check
+
+
 class HttpApi:
     """The aiohttp application of a ``Server``: bound before the model loads (``/health``
     answers 503 meanwhile), stopped after the drain."""
 
     def __init__(self, server: Server) -> None:
         self._server = server
-        app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=[_errors])
+        middlewares = [_errors]
+        if server.config.api_key is not None:
+            middlewares.append(_api_key_check(server.config.api_key))
+        app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=middlewares)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)

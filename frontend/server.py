@@ -93,6 +93,9 @@ class ServerConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
+    # Generation calls of both APIs must send "Authorization: Bearer <api_key>"
+    # (``api_key.py``); None: no key asked for.
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):
@@ -109,6 +112,8 @@ class ServerConfig:
             )
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty; leave it unset or give a secret")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name is empty; leave it unset or name the model")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

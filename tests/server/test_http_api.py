@@ -15,12 +15,15 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 from conftest import SERVED_MODEL_NAME
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_helpers import wait_until
 
 from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend.client import Client
 from pagedserve.v1 import generation_pb2 as pb
 
 PROMPT_IDS = [5, 300, 301, 302]
@@ -436,3 +439,47 @@ def test_a_worker_killed_mid_stream_ends_http_calls_with_an_error_event(start_se
         assert status == 503 and "died" in answer["error"]["message"]
     connection.close()
     assert server.process.wait(30) == 1
+
+
+def test_an_api_key_guards_generation_in_both_apis(start_server):
+    key = "s3cret-key"
+    server = start_server("--http-port", "0", env={"PAGEDSERVE_API_KEY": key})
+    body = json.dumps({"prompt": PROMPT_IDS, "max_tokens": 3}).encode()
+
+    def complete(headers: dict[str, str]) -> int:
+        request = urllib.request.Request(
+            f"{server.http_url}/v1/completions", data=body, headers=headers
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            assert error.headers["WWW-Authenticate"] == "Bearer"
+            assert json.loads(error.read())["error"]["type"] == "authentication_error"
+            return error.code
+
+    assert complete({}) == 401
+    assert complete({"Authorization": "Bearer wrong"}) == 401
+    assert complete({"Authorization": f"Basic {key}"}) == 401
+    assert complete({"Authorization": f"Bearer {key}"}) == 200
+    assert get(server, "/health")[0] == 200  # probes and scrapers hold no key
+    assert get(server, "/metrics")[0] == 200
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key=key, max_retries=0) as client:
+        assert client.models.list().data[0].id
+    # gRPC: the same key as metadata; health stays open.
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=PROMPT_IDS), sampling=pb.SamplingParams(max_tokens=3)
+    )
+    for call in (server.stub.Generate, lambda r, **kw: list(server.stub.GenerateStream(r, **kw))):
+        with pytest.raises(grpc.RpcError) as caught:
+            call(request, timeout=30)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "API key" in caught.value.details()
+    health = health_pb2_grpc.HealthStub(server.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+    with Client(f"127.0.0.1:{server.port}", api_key=key) as client:
+        assert (
+            len(client.generate(PROMPT_IDS, SamplingParams(max_tokens=3)).outputs[0].token_ids) == 3
+        )
+        assert list(client.stream(PROMPT_IDS, SamplingParams(max_tokens=3)))[-1].finished
+    assert server.terminate() == 0
