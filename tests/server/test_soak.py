@@ -1,13 +1,17 @@
 """A bounded soak: 40 s of mixed traffic from 16 client threads against one server, on
-127.0.0.1 only. Each call is one of: a stream read to its end, a whole result, a stream
-cancelled part-way, a call whose deadline passes, bad input, parallel samples with a stop
-string, beam search. Every call must end in exactly one final message or one expected
-error status; afterwards nothing runs, every block is free, the accounting holds, the
-server's memory has not grown without bound, and it drains and exits 0."""
+127.0.0.1 only, over both APIs. Each call is one of: a stream read to its end, a whole
+result, a stream cancelled part-way, a call whose deadline passes, bad input, parallel
+samples with a stop string, beam search (gRPC); a streamed or whole completion, a client
+that disconnects mid-stream, bad input (HTTP). Every call must end in exactly one final
+message or one expected error status; afterwards nothing runs, every block is free, the
+accounting holds, the server's memory has not grown without bound, and it drains and
+exits 0."""
 
 from __future__ import annotations
 
 import collections
+import http.client
+import json
 import random
 import threading
 import time
@@ -29,12 +33,46 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def one_call(stub, rng: random.Random) -> str:
-    """Make one random call; return what happened (checked here)."""
+def one_http_call(port: int, rng: random.Random, prompt: list[int], max_tokens: int) -> str:
+    """One random call of the OpenAI-compatible API; return what happened (checked here)."""
+    kind = rng.choice(["http_stream", "http_whole", "http_disconnect", "http_bad"])
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if kind == "http_bad":
+        body["top_p"] = 1.5
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        stream = kind in ("http_stream", "http_disconnect")
+        connection.request("POST", "/v1/completions", json.dumps({**body, "stream": stream}))
+        response = connection.getresponse()
+        if kind == "http_bad":
+            assert response.status == 400 and b"top_p" in response.read()
+            return kind
+        assert response.status == 200, response.read()
+        if kind == "http_disconnect":
+            response.readline()
+            return kind  # the connection closes below, mid-stream
+        if kind == "http_whole":
+            answer = json.loads(response.read())
+            assert answer["usage"]["completion_tokens"] == max_tokens
+            return kind
+        events = [e for e in response.read().decode().split("\n\n") if e.strip()]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+        assert finishes.count("length") == 1 and finishes[-1] == "length", chunks[-1]
+        return kind
+    finally:
+        connection.close()
+
+
+def one_call(stub, http_port: int, rng: random.Random) -> str:
+    """Make one random call over either API; return what happened (checked here)."""
     prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(1, 120))]
     max_tokens = rng.randrange(1, 60)
     sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+    if rng.random() < 0.35:
+        return one_http_call(http_port, rng, prompt, max_tokens)
     kind = rng.choice(
         ["stream", "whole", "cancel", "deadline", "bad", "samples_stop", "beams", "stream"]
     )
@@ -93,7 +131,9 @@ def one_call(stub, rng: random.Random) -> str:
 
 @pytest.mark.slow
 def test_soak_mixed_traffic_leaves_nothing_behind(start_server):
-    server = start_server("--kv-cache-bytes", str(1 << 20), "--max-num-seqs", "32")
+    server = start_server(
+        "--kv-cache-bytes", str(1 << 20), "--max-num-seqs", "32", "--http-port", "0"
+    )  # fmt: skip
     stub = server.stub
     server.stub.Generate(
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams())
@@ -108,7 +148,7 @@ def test_soak_mixed_traffic_leaves_nothing_behind(start_server):
         rng = random.Random(seed)
         while time.monotonic() < deadline_s and not failures:
             try:
-                outcome = one_call(stub, rng)
+                outcome = one_call(stub, server.http_port, rng)
             except BaseException as error:  # reported below, with the others stopped
                 with lock:
                     failures.append(error)
@@ -124,6 +164,7 @@ def test_soak_mixed_traffic_leaves_nothing_behind(start_server):
     assert not any(thread.is_alive() for thread in threads), "a client is stuck"
     assert not failures, failures[0]
     assert sum(outcomes.values()) > 100, outcomes
+    assert outcomes["http_stream"] and outcomes["http_disconnect"], outcomes
     server.assert_blocks_all_free()
     stats = server.stats()
     assert stats.engine["num_preemptions"] > 0, ("the cache was meant to run short", outcomes)
