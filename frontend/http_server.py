@@ -212,7 +212,10 @@ class HttpApi:
             if api_request.stream:
                 return await self._stream(api_request, streams, http_request)
             outputs = await self._whole(api_request, streams)
-            return web.json_response(protocol.whole_response(api_request, outputs, llm))
+            return web.json_response(
+                protocol.whole_response(api_request, outputs, llm),
+                headers=_request_id_header(http_request),
+            )
 
     async def _whole(self, api_request, streams) -> list[RequestOutput]:
         async def run(stream) -> RequestOutput:
@@ -233,7 +236,7 @@ class HttpApi:
     async def _stream(self, api_request, streams, http_request: web.Request):
         server = self._server
         llm = server.engine.llm
-        response_id = protocol.new_id(api_request.kind)
+        response_id = protocol.response_id(api_request)
         texts = protocol.TokenTexts(llm)
         interval_tokens = server.config.stream_interval_tokens
         writers = [
@@ -245,6 +248,7 @@ class HttpApi:
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",  # proxies: pass events on as they come
+                **_request_id_header(http_request),
             }
         )
         await response.prepare(http_request)
@@ -408,6 +412,12 @@ class _StreamFailed(CallError):
     def __init__(self, error: CallError, response: web.StreamResponse) -> None:
         super().__init__(error.code, error.message, error.param)
         self.response = response
+
+
+def _request_id_header(request: web.Request) -> dict[str, str]:
+    """The client's ``X-Request-Id``, echoed (tracing across proxies)."""
+    request_id = request.headers.get("X-Request-Id")
+    return {} if request_id is None else {"X-Request-Id": request_id}
 
 
 async def _json_body(request: web.Request) -> Any:

@@ -424,8 +424,12 @@ def _message_text(message: dict, name: str) -> str:
 # ---------------------------------------------------------------- answers
 
 
-def new_id(kind: str) -> str:
-    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+def response_id(request: ApiRequest) -> str:
+    """The answer's id: the client's request id (``X-Request-Id`` or ``request_id``) after
+    OpenAI's prefix, as vLLM names it, so a client can match answers to requests; a
+    random one when the client named none."""
+    prefix = "cmpl-" if request.kind == "completion" else "chatcmpl-"
+    return prefix + (request.client_request_id or uuid.uuid4().hex)
 
 
 def finish_reason(completion: CompletionOutput) -> str | None:
@@ -557,7 +561,7 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
                     )
             choices.append(choice)
     return {
-        "id": new_id(request.kind),
+        "id": response_id(request),
         "object": "chat.completion" if request.kind == "chat" else "text_completion",
         "created": request.created_s,
         "model": request.model,

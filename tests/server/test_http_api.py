@@ -258,6 +258,24 @@ def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server, client,
 # ---------------------------------------------------------------- the rest of the API
 
 
+def test_answers_carry_the_clients_request_id(server, client):
+    headers = {"X-Request-Id": "trace-42"}
+    raw = client.completions.with_raw_response.create(
+        model=SERVED_MODEL_NAME, prompt=PROMPT_IDS, max_tokens=2, extra_headers=headers
+    )
+    assert raw.headers["X-Request-Id"] == "trace-42"
+    assert raw.parse().id == "cmpl-trace-42"
+    chunks = list(
+        client.chat.completions.create(
+            model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2, stream=True, extra_body={"request_id": "chat-7"},
+        )
+    )  # fmt: skip
+    assert {c.id for c in chunks} == {"chatcmpl-chat-7"}
+    anonymous = client.completions.create(model=SERVED_MODEL_NAME, prompt=[5], max_tokens=1)
+    assert anonymous.id.startswith("cmpl-") and len(anonymous.id) > 20
+
+
 def test_models_tokenize_detokenize_health_and_version(server, offline):
     status, body = get(server, "/v1/models")
     models = json.loads(body)
