@@ -1,30 +1,50 @@
-"""What the gRPC frontend costs: ``pagedserve serve`` under load against the offline API.
+"""What the server's frontends cost: ``pagedserve serve`` under load against the offline API.
 
-Starts a real server (``python -m pagedserve.frontend.cli serve --port 0``) and sends it a
-synthetic trace (tools/traces.py: random prompt token ids, fixed output lengths with EOS
-ignored, greedy) over gRPC (``GenerateStream``, a grpc.aio client, 127.0.0.1 only), all at
-once or as Poisson arrivals (``--request-rate``). Per request it measures the time to first
-token (TTFT), the time per output token after the first (TPOT: (latency - TTFT) / (tokens -
-1)) and the end-to-end latency; over the run, output tokens/s and requests/s. Every request
-must end with exactly one message with ``finished`` set, as its last, carrying exactly its
-output length (token ids and usage, finish reason LENGTH); anything else is counted by kind,
-failed calls by status code. After each server run ``GetStats`` must show no integrity error
-and every KV block free.
+Starts a real server (``python -m pagedserve.frontend.cli serve --port 0``, and
+``--http-port 0`` when the HTTP API is benchmarked) and sends it a synthetic trace
+(tools/traces.py: random prompt token ids, fixed output lengths with EOS ignored, greedy),
+all at once or as Poisson arrivals (``--request-rate``), 127.0.0.1 only, over the API that
+``--api`` names:
+
+- ``grpc`` (the default): ``GenerateStream`` calls, a grpc.aio client on one channel. Every
+  request must end with exactly one message with ``finished`` set, as its last, carrying
+  exactly its output length (token ids and usage, finish reason LENGTH).
+- ``http``: the OpenAI-compatible API, ``POST /v1/completions`` streamed as server-sent
+  events, the same prompts as token ids, with ``stream_options.include_usage``; an aiohttp
+  client with a connection per call in flight (HTTP/1.1 carries one call at a time), opened
+  before the clock starts. Every request must end with exactly one chunk with a
+  ``finish_reason`` ("length"), then a usage chunk with exactly its output length, then
+  ``data: [DONE]``. Its chunks carry text, not token ids: the usage chunk counts its tokens,
+  and its text is what is compared with the offline run's.
+- ``both``: every repeat over each, on the same server, the first of the two alternating
+  between repeats so that the machine's drift weighs on both alike.
+
+Per request it measures the time to first token (TTFT; over HTTP, the first chunk of the
+choice, which leaves with the first token even when the detokenizer still holds its text
+back), the time per output token after the first (TPOT: (latency - TTFT) / (tokens - 1))
+and the end-to-end latency (to the last message; over HTTP, ``[DONE]``); over the run,
+output tokens/s and requests/s. Anything else than the ending above is counted by kind,
+failed calls by status (gRPC's code; over HTTP ``HTTP <status>``, or the exception's name
+when the connection failed). After each server run ``GetStats`` (over gRPC, whichever API
+carried the calls) must show no integrity error and every KV block free.
 
 The peer, in the same run on the same trace and engine settings (the server's block count
 included): ``LLM(model, multiprocess=True).generate`` on the same prompts, the same
-scheduler and worker processes with no gRPC and no asyncio. The ratio of output tokens/s,
-server over offline, is what the frontend costs: protobuf, the event loop, the engine
-thread, one message per request and engine step, and this client, which shares the cores.
-The offline peer always gets every request at once, so the ratio means that only with the
-default ``--request-rate inf``; at a finite rate the offline figure is the capacity.
+scheduler and worker processes with no server and no asyncio. The ratio of output tokens/s,
+server over offline, is what the frontend costs: for gRPC protobuf and gRPC's core, for
+HTTP JSON, server-sent events and aiohttp; for both the event loop, the engine thread, one
+message per request and engine step, and this client, which shares the cores. With
+``--api both``, http over grpc compares the two frontends on one server in one run. The
+offline peer always gets every request at once, so the ratios over it mean that only with
+the default ``--request-rate inf``; at a finite rate the offline figure is the capacity.
 
-Server and offline runs alternate ``--repeats`` times, after a warm-up of each (oneDNN
-builds kernels for new shapes in the first steps); medians are reported. Each repeat uses a
-cache namespace of its own, so prefix caching (on unless ``--no-prefix-caching``) never
-serves a prompt from an earlier repeat. Each server run and each offline run is cut off at
-``--timeout-s``: requests still open are cancelled and counted. The first run with a problem
-ends the repeats. Machines are shared and noisy: read the ratio within one run.
+Server and offline runs alternate ``--repeats`` times, after a warm-up of each (of each API
+benchmarked; oneDNN builds kernels for new shapes in the first steps); medians are reported.
+Each run on the server uses a cache namespace of its own, so prefix caching (on unless
+``--no-prefix-caching``) never serves a prompt from an earlier run or from the other API.
+Each server run and each offline run is cut off at ``--timeout-s``: requests still open are
+cancelled and counted. The first run with a problem ends the repeats. Machines are shared
+and noisy: read the ratio within one run.
 
 Example (from the repository root), on the tests' tiny Llama (no tokenizer needed: prompts
 are token ids); about a minute on 2 cores:
@@ -34,6 +54,8 @@ are token ids); about a minute on 2 cores:
         make_tiny_model('llama', Path('/tmp/tiny-llama'))"
     .venv/bin/python tools/bench_server.py --model /tmp/tiny-llama --num-requests 128 \\
         --length-scale 0.25 --max-len 256
+
+The same over both APIs, gRPC and HTTP figures side by side: add ``--api both``.
 
 Without ``--model``, the embedded SmolLM2-135M-Instruct (slower: use small counts; on a
 CPU without native bfloat16 (no AVX512-BF16 or AMX, as on this AMD EPYC), keep float32):
@@ -62,11 +84,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import grpc
 import numpy as np
 from machine import cpu_model
@@ -96,6 +119,13 @@ SERVER_LOG_TAIL_LINES = 40
 MAX_MESSAGE_BYTES = 64 << 20
 PERCENTILES = (50, 90, 99)
 MAX_PROBLEM_EXAMPLES = 8
+# What starts each server-sent event of /v1/completions (JSON, or [DONE] at the end).
+SSE_DATA = b"data: "
+# --api: the APIs each repeat runs over, in the order of the even repeats (odd ones reverse it).
+API_CHOICES = {"grpc": ("grpc",), "http": ("http",), "both": ("grpc", "http")}
+# The prefix of each API's keys in the record: the gRPC API's keep the names they had before
+# the HTTP API was benchmarked ("server_tok_s_median", "server_runs"...).
+RECORD_PREFIXES = {"grpc": "server", "http": "http"}
 
 T = TypeVar("T")
 
@@ -157,6 +187,14 @@ class EngineSettings:
 # ---------------------------------------------------------------------------- the server
 
 
+@dataclass(frozen=True)
+class Ports:
+    """Where the server listens, as its port file says."""
+
+    grpc: int
+    http: int | None  # None: started without --http-port
+
+
 class ServerProcess:
     """``pagedserve serve`` in a subprocess, logging to a file; ``stop`` sends SIGTERM and
     returns its exit status."""
@@ -169,8 +207,8 @@ class ServerProcess:
         self.exit_code: int | None = None
         self.stop_note = ""
 
-    def start(self, startup_timeout_s: float) -> int:
-        """Start the server and wait for its port file; the port."""
+    def start(self, startup_timeout_s: float) -> Ports:
+        """Start the server and wait for its port file; its ports."""
         parent_pid = os.getpid()
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -199,7 +237,7 @@ class ServerProcess:
                         f"port file {self.port_file} names pid {written['pid']}, the server "
                         f"is pid {self.process.pid}"
                     )
-                return int(written["port"])
+                return Ports(written["port"], written["http_port"])
             time.sleep(PORT_FILE_POLL_S)
         raise RuntimeError(
             f"no port file from the server within --startup-timeout-s={startup_timeout_s:g}"
@@ -263,8 +301,9 @@ async def model_info(port: int) -> pb.ModelInfo:
 
 
 @dataclass
-class StreamResult:
-    """One GenerateStream call as the client saw it (perf_counter seconds)."""
+class CallResult:
+    """One streamed call as the client saw it, whichever API carried it (perf_counter
+    seconds)."""
 
     expected_tokens: int
     sent_s: float | None = None
@@ -275,16 +314,13 @@ class StreamResult:
     num_final_messages: int = 0
     message_after_final: bool = False
     usage_tokens: int | None = None
-    finish_reason: int | None = None
-    other_output_index: bool = False
-    prompt_echo_ok: bool | None = None
-    request_id_ok: bool = True
-    token_ids: list[int] = field(default_factory=list)
     # Set when --timeout-s passed with the call still open (or not yet sent).
     cut_off: bool = False
-    # The status code's name when the call failed; "TIMEOUT" when --timeout-s cut it off,
-    # "NOT_SENT" when its arrival lay past it, "CANCELLED_IN_CLIENT" when grpc.aio raised
-    # CancelledError in a call this tool did not cancel.
+    # How the call failed: gRPC's status code's name; over HTTP "HTTP <status>" ("... in
+    # the stream" for an error event after a 200), or aiohttp's exception's name when the
+    # connection failed. "TIMEOUT" when --timeout-s cut it off, "NOT_SENT" when its arrival
+    # lay past it, "CANCELLED_IN_CLIENT" when grpc.aio raised CancelledError in a call this
+    # tool did not cancel.
     status: str | None = None
 
     def problem(self) -> str | None:
@@ -297,6 +333,24 @@ class StreamResult:
             return "several final messages"
         if self.message_after_final:
             return "messages after the final one"
+        return self.output_problem()
+
+    def output_problem(self) -> str | None:
+        """What is wrong with a call that ended as it should, in the API's own terms."""
+        raise NotImplementedError
+
+
+@dataclass
+class StreamResult(CallResult):
+    """One GenerateStream call."""
+
+    finish_reason: int | None = None
+    other_output_index: bool = False
+    prompt_echo_ok: bool | None = None
+    request_id_ok: bool = True
+    token_ids: list[int] = field(default_factory=list)
+
+    def output_problem(self) -> str | None:
         if self.num_tokens != self.expected_tokens:
             return "wrong token count"
         if self.usage_tokens != self.expected_tokens:
@@ -309,6 +363,43 @@ class StreamResult:
             return "prompt_token_ids not echoed"
         if not self.request_id_ok:
             return "request_id not echoed"
+        return None
+
+
+@dataclass
+class CompletionStreamResult(CallResult):
+    """One streamed ``POST /v1/completions``: messages are its JSON chunks; the final one
+    is the chunk with a ``finish_reason``, and what comes after it may be the usage chunk
+    and ``[DONE]`` only. The chunks carry text, so ``num_tokens`` is the usage chunk's."""
+
+    done: bool = False  # data: [DONE] came
+    finish_reason: str | None = None
+    other_choice_index: bool = False
+    prompt_tokens_ok: bool | None = None  # usage.prompt_tokens against the prompt sent
+    response_id: str | None = None  # the first chunk's id, which every chunk must carry
+    response_id_ok: bool = True
+    # Lines that are neither a data: event with a JSON object or [DONE], nor the blank
+    # line that ends an event.
+    unreadable_lines: int = 0
+    text: str = ""
+
+    def output_problem(self) -> str | None:
+        if not self.done:
+            return "no [DONE]"
+        if self.usage_tokens is None:
+            return "no usage chunk"
+        if self.usage_tokens != self.expected_tokens:
+            return "wrong usage.completion_tokens"
+        if self.finish_reason != "length":
+            return "finish reason not length"
+        if self.other_choice_index:
+            return "choice index other than 0"
+        if not self.prompt_tokens_ok:
+            return "usage.prompt_tokens not the prompt's length"
+        if not self.response_id_ok:
+            return "chunk ids differ"
+        if self.unreadable_lines:
+            return "unreadable lines"
         return None
 
 
@@ -367,6 +458,115 @@ async def stream_one(
         result.status = "CANCELLED_IN_CLIENT"
 
 
+def completion_body(request: Request, namespace: str) -> dict[str, Any]:
+    """What ``generate_request`` asks over gRPC, as ``POST /v1/completions`` asks it (no
+    ``model``: the one served)."""
+    return {
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        # A last chunk with the usage: the only token count a completion stream carries.
+        "stream_options": {"include_usage": True},
+        "cache_salt": namespace,  # the server's cache namespace, as vLLM names it
+    }
+
+
+async def complete_one(
+    session: aiohttp.ClientSession,
+    body: dict[str, Any],
+    request_id: str,
+    send_at_s: float,
+    result: CompletionStreamResult,
+) -> None:
+    """Send at ``send_at_s`` and record the events that come back into ``result`` (kept
+    whole if the task is cancelled part way)."""
+    await asyncio.sleep(max(0.0, send_at_s - time.perf_counter()))
+    result.sent_s = time.perf_counter()
+    try:
+        async with session.post(
+            "/v1/completions", json=body, headers={"X-Request-Id": request_id}
+        ) as response:
+            if response.status != 200:
+                result.status = f"HTTP {response.status}"
+                return
+            async for line in response.content:
+                now_s = time.perf_counter()
+                event = line.strip()
+                if not event:
+                    continue  # the blank line that ends an event
+                result.last_message_s = now_s
+                if result.done:
+                    result.message_after_final = True
+                if not event.startswith(SSE_DATA):
+                    result.unreadable_lines += 1
+                    continue
+                data = event[len(SSE_DATA) :]
+                if data == b"[DONE]":
+                    result.done = True
+                    continue
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    chunk = None
+                if not isinstance(chunk, dict):
+                    result.unreadable_lines += 1
+                    continue
+                result.num_messages += 1
+                failure = chunk.get("error")
+                if failure is not None:
+                    # A stream that failed once it had begun: the status was 200 by then.
+                    result.status = f"HTTP {failure.get('code')} in the stream"
+                    continue
+                if result.response_id is None:
+                    result.response_id = chunk.get("id")
+                elif chunk.get("id") != result.response_id:
+                    result.response_id_ok = False
+                for choice in chunk.get("choices", ()):
+                    if result.num_final_messages:
+                        result.message_after_final = True
+                    if choice.get("index") != 0:
+                        result.other_choice_index = True
+                    if result.first_token_s is None:
+                        # The choice's first chunk leaves with the engine's first token, its
+                        # text empty when the detokenizer holds it back (part of a character)
+                        # or the model has no tokenizer: gRPC's first token, as near as HTTP
+                        # shows it.
+                        result.first_token_s = now_s
+                    result.text += choice.get("text") or ""
+                    if choice.get("finish_reason") is not None:
+                        result.num_final_messages += 1
+                        result.finish_reason = choice["finish_reason"]
+                usage = chunk.get("usage")
+                if usage is not None:
+                    result.usage_tokens = usage.get("completion_tokens")
+                    result.num_tokens = result.usage_tokens or 0
+                    result.prompt_tokens_ok = usage.get("prompt_tokens") == len(body["prompt"])
+    except aiohttp.ClientError as error:
+        result.status = type(error).__name__
+    except asyncio.CancelledError:
+        # Only --timeout-s cancels a call. Leaving the response unread closes its connection
+        # (aiohttp reuses none part way through a body), which ends the request in the
+        # engine, as a client that goes away does; that frees its blocks.
+        result.status = "TIMEOUT"
+        raise
+
+
+async def open_connections(session: aiohttp.ClientSession, count: int) -> None:
+    """Fill the session's pool with ``count`` connections, by as many concurrent
+    ``GET /health``: HTTP/1.1 carries one call at a time on a connection, so a run needs one
+    per call in flight; made here, before the clock starts, their set-up counts in no call's
+    time (as the gRPC channel's does not). The pool closes those idle for 15 s (aiohttp's
+    keep-alive, well before the server's): at a finite rate a call may then open its own."""
+
+    async def health() -> None:
+        async with session.get("/health") as response:
+            response.raise_for_status()
+
+    await asyncio.wait_for(asyncio.gather(*(health() for _ in range(count))), UNARY_TIMEOUT_S)
+
+
 @dataclass
 class Latencies:
     """Per-request figures of one run, milliseconds, over the requests that completed."""
@@ -384,7 +584,7 @@ def _summary(values_ms: list[float]) -> dict[str, float]:
     return summary
 
 
-def latencies(results: list[StreamResult]) -> Latencies:
+def latencies(results: Sequence[CallResult]) -> Latencies:
     ttft_ms, tpot_ms, e2e_ms = [], [], []
     for result in results:
         if result.problem() is not None:
@@ -414,7 +614,9 @@ class ServerRun:
     stats_problems: list[str]
     # The first few requests with a problem, as the client saw them (seconds from the start).
     problem_examples: list[dict[str, Any]] = field(default_factory=list)
+    # Each request's output: token ids over gRPC, text over HTTP (its chunks carry no ids).
     output_token_ids: list[list[int]] = field(repr=False, default_factory=list)
+    output_texts: list[str] = field(repr=False, default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -454,46 +656,115 @@ def block_problems(engine: dict[str, float], integrity_error: str) -> list[str]:
     return problems
 
 
+async def replay(
+    send: Callable[[int, float], Coroutine[Any, Any, None]],
+    arrivals_s: list[float],
+    results: Sequence[CallResult],
+    timeout_s: float,
+) -> tuple[float, bool]:
+    """Start ``send(index, send_at_s)`` for every request, to send at its arrival (seconds
+    from the start), wait at most ``timeout_s`` for all of them and cancel those still open.
+    Returns the start (perf_counter seconds) and whether any request was cut off."""
+    start_s = time.perf_counter()
+    tasks = [
+        asyncio.create_task(send(index, start_s + arrival_s))
+        for index, arrival_s in enumerate(arrivals_s)
+    ]
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task, result in zip(tasks, results):
+        if task in pending:
+            result.cut_off = True
+            if result.sent_s is None:
+                result.status = "NOT_SENT"
+            task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=CANCEL_GRACE_S)
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # a fault of this tool, not the server's
+    return start_s, bool(pending)
+
+
+async def replay_grpc(
+    stub: pb_grpc.GenerationStub,
+    requests: list[Request],
+    arrivals_s: list[float],
+    namespace: str,
+    tag: str,
+    timeout_s: float,
+) -> tuple[list[StreamResult], float, bool]:
+    """``replay`` as GenerateStream calls on ``stub``'s channel; the results too."""
+    results = [StreamResult(request.output_len) for request in requests]
+
+    def send(index: int, send_at_s: float) -> Coroutine[Any, Any, None]:
+        request = requests[index]
+        message = generate_request(index, request, namespace, tag)
+        return stream_one(stub, message, request.prompt_token_ids, send_at_s, results[index])
+
+    start_s, cut_off = await replay(send, arrivals_s, results, timeout_s)
+    return results, start_s, cut_off
+
+
+async def replay_http(
+    http_port: int,
+    requests: list[Request],
+    arrivals_s: list[float],
+    namespace: str,
+    tag: str,
+    timeout_s: float,
+) -> tuple[list[CompletionStreamResult], float, bool]:
+    """``replay`` as streamed ``POST /v1/completions``; the results too."""
+    results = [CompletionStreamResult(request.output_len) for request in requests]
+    async with aiohttp.ClientSession(
+        base_url=f"http://127.0.0.1:{http_port}",
+        # No limit on connections: every call in flight needs one of its own.
+        connector=aiohttp.TCPConnector(limit=0),
+        # --timeout-s bounds the run; aiohttp's default (5 minutes a call) would end a
+        # longer stream as a fault of this tool.
+        timeout=aiohttp.ClientTimeout(total=None),
+    ) as session:
+        await open_connections(session, len(requests))
+
+        def send(index: int, send_at_s: float) -> Coroutine[Any, Any, None]:
+            body = completion_body(requests[index], namespace)
+            return complete_one(session, body, f"{tag}-{index}", send_at_s, results[index])
+
+        start_s, cut_off = await replay(send, arrivals_s, results, timeout_s)
+    return results, start_s, cut_off
+
+
 async def run_server(
-    port: int,
+    api: str,
+    ports: Ports,
     requests: list[Request],
     arrivals_s: list[float],
     namespace: str,
     tag: str,
     timeout_s: float,
 ) -> ServerRun:
-    """Send ``requests`` at ``arrivals_s`` (seconds from the start), wait at most
-    ``timeout_s`` for all of them, then check the server's stats."""
-    async with _channel(port) as channel:
+    """Send ``requests`` over ``api`` at ``arrivals_s`` (seconds from the start), wait at
+    most ``timeout_s`` for all of them, then check the server's stats (over gRPC, which
+    serves them whichever API carried the calls)."""
+    async with _channel(ports.grpc) as channel:
         stub = pb_grpc.GenerationStub(channel)
         # One connection, made before the clock starts: its set-up is not a request's.
         await asyncio.wait_for(channel.channel_ready(), UNARY_TIMEOUT_S)
-        results = [StreamResult(request.output_len) for request in requests]
-        start_s = time.perf_counter()
-        tasks = [
-            asyncio.create_task(
-                stream_one(
-                    stub,
-                    generate_request(index, request, namespace, tag),
-                    request.prompt_token_ids,
-                    start_s + arrival_s,
-                    result,
-                )
+        results: Sequence[CallResult]
+        if api == "grpc":
+            grpc_results, start_s, cut_off = await replay_grpc(
+                stub, requests, arrivals_s, namespace, tag, timeout_s
             )
-            for index, (request, arrival_s, result) in enumerate(zip(requests, arrivals_s, results))
-        ]
-        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
-        for task, result in zip(tasks, results):
-            if task in pending:
-                result.cut_off = True
-                if result.sent_s is None:
-                    result.status = "NOT_SENT"
-                task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=CANCEL_GRACE_S)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # a fault of this tool, not the server's
+            results = grpc_results
+            output_token_ids = [result.token_ids for result in grpc_results]
+            output_texts = []
+        else:
+            assert ports.http is not None
+            http_results, start_s, cut_off = await replay_http(
+                ports.http, requests, arrivals_s, namespace, tag, timeout_s
+            )
+            results = http_results
+            output_token_ids = []
+            output_texts = [result.text for result in http_results]
         ends_s = [r.last_message_s for r in results if r.last_message_s is not None]
         seconds = (max(ends_s) if ends_s else time.perf_counter()) - start_s
         stats = await stub.GetStats(pb.GetStatsRequest(), timeout=UNARY_TIMEOUT_S)
@@ -501,7 +772,7 @@ async def run_server(
         # cancelled, the first answer must already show every block free.
         deadline_s = time.monotonic() + CANCEL_GRACE_S
         while (
-            pending
+            cut_off
             and (stats.requests_running or block_problems(dict(stats.engine), ""))
             and time.monotonic() < deadline_s
         ):
@@ -524,14 +795,15 @@ async def run_server(
             for index, result in enumerate(results)
             if result.problem() is not None
         ][:MAX_PROBLEM_EXAMPLES],
-        output_token_ids=[result.token_ids for result in results],
+        output_token_ids=output_token_ids,
+        output_texts=output_texts,
     )
 
 
-def _example(index: int, result: StreamResult, start_s: float) -> dict[str, Any]:
+def _example(index: int, result: CallResult, start_s: float) -> dict[str, Any]:
     example: dict[str, Any] = {"index": index, "problem": result.problem()}
     for name, value in vars(result).items():
-        if name == "token_ids":
+        if name in ("token_ids", "text"):
             continue
         if name.endswith("_s") and value is not None:
             value = value - start_s
@@ -547,6 +819,8 @@ class OfflineRun:
     problems: dict[str, int]
     stats_problems: list[str]
     output_token_ids: list[list[int]] = field(repr=False, default_factory=list)
+    # Empty when the model has no tokenizer: then no output has text to compare.
+    output_texts: list[str] = field(repr=False, default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -607,6 +881,7 @@ def run_offline(llm: LLM, requests: list[Request], namespace: str, timeout_s: fl
         problems=dict(problems),
         stats_problems=block_problems({k: float(v) for k, v in stats.items()}, integrity_error),
         output_token_ids=[list(output.outputs[0].token_ids) for output in outputs],
+        output_texts=[] if llm.tokenizer is None else [o.outputs[0].text for o in outputs],
     )
 
 
@@ -632,6 +907,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python_version": platform.python_version(),
         "grpc_version": grpc.__version__,
+        "aiohttp_version": aiohttp.__version__,
         # Other processes on the cores slow both sides; a 1-minute load above cpu_count
         # means the figures are low, the ratio less so.
         "load_average_1m": os.getloadavg()[0],
@@ -647,6 +923,47 @@ def _median_of(runs: list[ServerRun], figure: str, statistic: str) -> float | No
     return _median([v for v in values if v is not None])
 
 
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def _equal_outputs(server_outputs: list[Any], offline_outputs: list[Any]) -> list[int]:
+    """[how many equal the offline run's, how many there are]."""
+    return [sum(s == o for s, o in zip(server_outputs, offline_outputs)), len(offline_outputs)]
+
+
+def _api_figures(prefix: str, runs: list[ServerRun], offline_tok_s: float | None) -> dict[str, Any]:
+    """One API's figures, as the record keys them."""
+    tok_s = _median([run.tokens_per_s for run in runs])
+    return {
+        f"{prefix}_tok_s_median": tok_s,
+        f"{prefix}_over_offline": _ratio(tok_s, offline_tok_s),
+        f"{prefix}_req_s_median": _median([run.requests_per_s for run in runs]),
+        # Medians over the runs of each run's statistic.
+        f"{prefix}_latency_ms": {
+            figure: {
+                statistic: _median_of(runs, figure, statistic)
+                for statistic in ("mean", *(f"p{p}" for p in PERCENTILES))
+            }
+            for figure in ("ttft_ms", "tpot_ms", "e2e_ms")
+        },
+        f"{prefix}_runs": [
+            {
+                "tok_s": run.tokens_per_s,
+                "req_s": run.requests_per_s,
+                "seconds": run.seconds,
+                "output_tokens": run.output_tokens,
+                "problems": run.problems,
+                "latencies": asdict(run.latencies),
+                "stats": run.stats,
+                "stats_problems": run.stats_problems,
+                "problem_examples": run.problem_examples,
+            }
+            for run in runs
+        ],
+    }
+
+
 def make_record(
     args: argparse.Namespace,
     engine: EngineSettings,
@@ -654,26 +971,28 @@ def make_record(
     info: pb.ModelInfo | None,
     requests: list[Request],
     warmup: dict[str, Any],
-    server_runs: list[ServerRun],
+    server_runs: dict[str, list[ServerRun]],
     offline_runs: list[OfflineRun],
     server: ServerProcess,
     load_before: float,
     error: str | None,
 ) -> dict[str, Any]:
-    server_tok_s = _median([run.tokens_per_s for run in server_runs])
+    """``server_runs``: each API's runs, by API (those of --api)."""
     offline_tok_s = _median([run.tokens_per_s for run in offline_runs])
-    # The last repeat that ran on both sides. Batches differ between the two (arrival order,
+    # The last repeat that ran on every side (an offline run follows the repeat's server
+    # runs only once they all went well). Batches differ between the sides (arrival order,
     # timing) and floating-point sums with them, so a greedy output may part ways at a near
     # tie: a sanity figure, not a check.
+    last_repeat = len(offline_runs) - 1
     matching = None
-    if offline_runs:
-        server_ids = server_runs[len(offline_runs) - 1].output_token_ids
-        offline_ids = offline_runs[-1].output_token_ids
-        matching = [sum(s == o for s, o in zip(server_ids, offline_ids)), len(offline_ids)]
+    if offline_runs and "grpc" in server_runs:
+        matching = _equal_outputs(
+            server_runs["grpc"][last_repeat].output_token_ids, offline_runs[-1].output_token_ids
+        )
     failures = []
     if error is not None:
         failures.append(error)
-    for label, runs in (("server", server_runs), ("offline", offline_runs)):
+    for label, runs in [*server_runs.items(), ("offline", offline_runs)]:
         for index, run in enumerate(runs):
             failures += [f"{label} run {index}: {kind} x{n}" for kind, n in run.problems.items()]
             failures += [f"{label} run {index}: {problem}" for problem in run.stats_problems]
@@ -682,7 +1001,7 @@ def make_record(
         failures.append(f"server exit code {server.exit_code} {server.stop_note}".rstrip())
     elif server.stop_note:
         failures.append(f"server {server.stop_note}")
-    return {
+    record = {
         "command": shlex.join(sys.orig_argv),
         # str: a Path, and an infinite rate (JSON has no infinity).
         "settings": {
@@ -703,35 +1022,10 @@ def make_record(
             "max_num_seqs": info.max_num_seqs,
         },
         "trace_stats": asdict(trace_stats(requests)) if requests else None,
-        "server_tok_s_median": server_tok_s,
+        # The gRPC API's (empty with --api http).
+        **_api_figures(RECORD_PREFIXES["grpc"], server_runs.get("grpc", []), offline_tok_s),
         "offline_tok_s_median": offline_tok_s,
-        "server_over_offline": server_tok_s / offline_tok_s
-        if server_tok_s and offline_tok_s
-        else None,
-        "server_req_s_median": _median([run.requests_per_s for run in server_runs]),
         "offline_req_s_median": _median([run.requests_per_s for run in offline_runs]),
-        # Medians over the runs of each run's statistic.
-        "server_latency_ms": {
-            figure: {
-                statistic: _median_of(server_runs, figure, statistic)
-                for statistic in ("mean", *(f"p{p}" for p in PERCENTILES))
-            }
-            for figure in ("ttft_ms", "tpot_ms", "e2e_ms")
-        },
-        "server_runs": [
-            {
-                "tok_s": run.tokens_per_s,
-                "req_s": run.requests_per_s,
-                "seconds": run.seconds,
-                "output_tokens": run.output_tokens,
-                "problems": run.problems,
-                "latencies": asdict(run.latencies),
-                "stats": run.stats,
-                "stats_problems": run.stats_problems,
-                "problem_examples": run.problem_examples,
-            }
-            for run in server_runs
-        ],
         "offline_runs": [
             {
                 "tok_s": run.tokens_per_s,
@@ -743,63 +1037,98 @@ def make_record(
             }
             for run in offline_runs
         ],
-        "outputs_equal_offline": matching,
-        "warmup": warmup,
-        "server_exit_code": server.exit_code,
-        "server_stop_note": server.stop_note,
-        "failures": failures,
-        "ok": not failures,
-        "machine": {**machine_info(), "load_average_1m_before": load_before},
+        "outputs_equal_offline": matching,  # the gRPC API's, token ids
     }
+    if "http" in server_runs:
+        prefix = RECORD_PREFIXES["http"]
+        record.update(_api_figures(prefix, server_runs["http"], offline_tok_s))
+        grpc_tok_s = record[f"{RECORD_PREFIXES['grpc']}_tok_s_median"]
+        record[f"{prefix}_over_grpc"] = _ratio(record[f"{prefix}_tok_s_median"], grpc_tok_s)
+        # Texts: the chunks carry no token ids. None without a tokenizer (no text).
+        record[f"{prefix}_outputs_equal_offline"] = (
+            _equal_outputs(
+                server_runs["http"][last_repeat].output_texts, offline_runs[-1].output_texts
+            )
+            if offline_runs and offline_runs[-1].output_texts
+            else None
+        )
+    record.update(
+        {
+            "warmup": warmup,
+            "server_exit_code": server.exit_code,
+            "server_stop_note": server.stop_note,
+            "failures": failures,
+            "ok": not failures,
+            "machine": {**machine_info(), "load_average_1m_before": load_before},
+        }
+    )
+    return record
 
 
 def format_summary(record: dict[str, Any]) -> str:
     settings, stats = record["settings"], record["trace_stats"]
+    apis = API_CHOICES[settings["api"]]
     lines = []
     if stats is not None:
+        counts = ", ".join(f"{len(record[f'{RECORD_PREFIXES[api]}_runs'])} {api}" for api in apis)
         lines.append(
             f"{stats['num_requests']} requests ({settings['trace']} x{settings['length_scale']:g}: "
             f"mean {stats['mean_input_len']:.0f} in / {stats['mean_output_len']:.0f} out), "
             f"rate {settings['request_rate']} req/s, "
-            f"{len(record['server_runs'])} server and {len(record['offline_runs'])} offline runs"
+            f"{counts} and {len(record['offline_runs'])} offline runs"
         )
+    # Each side's figures, by its name in the summary.
+    prefixes = {api: RECORD_PREFIXES[api] for api in apis} | {"offline": "offline"}
 
-    def figures(key: str) -> str:
-        return ", ".join(f"{run[key]:.1f}" for run in record[f"{side}_runs"])
+    def figures(prefix: str, key: str) -> str:
+        return ", ".join(f"{run[key]:.1f}" for run in record[f"{prefix}_runs"])
 
     lines.append(f"  {'':10}{'tok/s':>10}{'req/s':>10}   runs (tok/s)")
-    for side in ("server", "offline"):
-        tok_s, req_s = record[f"{side}_tok_s_median"], record[f"{side}_req_s_median"]
+    for side, prefix in prefixes.items():
+        tok_s, req_s = record[f"{prefix}_tok_s_median"], record[f"{prefix}_req_s_median"]
         if tok_s is not None:
-            lines.append(f"  {side:10}{tok_s:10.1f}{req_s:10.2f}   {figures('tok_s')}")
-    if record["server_over_offline"] is not None:
-        lines.append(f"  server / offline: {record['server_over_offline']:.3f}")
-    latency = record["server_latency_ms"]
-    for figure, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "latency")):
-        values = latency[figure]
-        if values["p50"] is not None:
+            lines.append(f"  {side:10}{tok_s:10.1f}{req_s:10.2f}   {figures(prefix, 'tok_s')}")
+    for api in apis:
+        ratio = record[f"{RECORD_PREFIXES[api]}_over_offline"]
+        if ratio is not None:
+            lines.append(f"  {api} / offline: {ratio:.3f}")
+    http_over_grpc = record.get(f"{RECORD_PREFIXES['http']}_over_grpc")
+    if http_over_grpc is not None:
+        lines.append(f"  http / grpc: {http_over_grpc:.3f}")
+    for api in apis:
+        latency = record[f"{RECORD_PREFIXES[api]}_latency_ms"]
+        for figure, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "latency")):
+            values = latency[figure]
+            if values["p50"] is not None:
+                lines.append(
+                    f"  {api} {label:8} median {values['p50']:8.1f} ms, p90 "
+                    f"{values['p90']:8.1f}, p99 {values['p99']:8.1f} (medians over runs)"
+                )
+    for key, what in (
+        ("outputs_equal_offline", "grpc outputs (token ids)"),
+        (f"{RECORD_PREFIXES['http']}_outputs_equal_offline", "http outputs (text)"),
+    ):
+        if record.get(key) is not None:
+            equal, total = record[key]
+            lines.append(f"  {what} equal to the offline run's: {equal} of {total}")
+    for api in apis:
+        runs = record[f"{RECORD_PREFIXES[api]}_runs"]
+        if runs:
+            last = runs[-1]["stats"]["engine"]
             lines.append(
-                f"  server {label:8} median {values['p50']:8.1f} ms, p90 {values['p90']:8.1f}, "
-                f"p99 {values['p99']:8.1f} (medians over runs)"
+                f"  GetStats after the last {api} run: {last.get('num_free_blocks', 0):.0f} of "
+                f"{last.get('num_total_blocks', 0):.0f} KV blocks free"
             )
-    if record["outputs_equal_offline"] is not None:
-        equal, total = record["outputs_equal_offline"]
-        lines.append(f"  outputs equal to the offline run's: {equal} of {total}")
-    last = record["server_runs"][-1]["stats"]["engine"] if record["server_runs"] else None
-    if last is not None:
-        lines.append(
-            f"  GetStats after the last run: {last.get('num_free_blocks', 0):.0f} of "
-            f"{last.get('num_total_blocks', 0):.0f} KV blocks free"
-        )
     lines.append(
         f"  server exit code {record['server_exit_code']} {record['server_stop_note']}".rstrip()
     )
     if record["failures"]:
         lines.append("FAILED:")
         lines += [f"  {failure}" for failure in record["failures"]]
-        for index, run in enumerate(record["server_runs"]):
-            for example in run["problem_examples"][:3]:
-                lines.append(f"  server run {index}, request {example}")
+        for api in apis:
+            for index, run in enumerate(record[f"{RECORD_PREFIXES[api]}_runs"]):
+                for example in run["problem_examples"][:3]:
+                    lines.append(f"  {api} run {index}, request {example}")
     else:
         lines.append("every request complete and exact, every block free: ok")
     machine = record["machine"]
@@ -818,6 +1147,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default=None, help="local HF directory or .gguf (default: the embedded model)"
     )
+    parser.add_argument(
+        "--api",
+        default="grpc",
+        choices=sorted(API_CHOICES),
+        help="what carries the calls: gRPC GenerateStream, the OpenAI-compatible HTTP API's "
+        "streamed /v1/completions, or both in every repeat (their order alternating)",
+    )
     parser.add_argument("--trace", default="sharegpt", choices=sorted(TRACE_SHAPES))
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument(
@@ -835,7 +1171,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=math.inf,
         help="Poisson arrivals per second (inf: every request at once)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="server and offline runs each")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="server (of each API) and offline runs each"
+    )
     parser.add_argument(
         "--warmup-requests", type=int, default=8, help="first requests of the trace, untimed"
     )
@@ -893,10 +1231,11 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         enable_prefix_caching=not args.no_prefix_caching,
     )
+    apis = API_CHOICES[args.api]
     info: pb.ModelInfo | None = None
     requests: list[Request] = []
     warmup: dict[str, Any] = {}
-    server_runs: list[ServerRun] = []
+    server_runs: dict[str, list[ServerRun]] = {api: [] for api in apis}
     offline_runs: list[OfflineRun] = []
     error: str | None = None
     llm: LLM | None = None
@@ -922,16 +1261,21 @@ def main(argv: list[str] | None = None) -> int:
             "--stream-interval",
             str(args.stream_interval),
         ]
+        if "http" in apis:
+            server_argv += ["--http-port", "0"]
         server = ServerProcess(
             server_argv, args.server_log or Path(directory) / "server.log", port_file
         )
         try:
             _log(f"starting the server: {shlex.join(server_argv)}")
-            port = server.start(args.startup_timeout_s)
-            info = run_async(model_info(port))
+            ports = server.start(args.startup_timeout_s)
+            if "http" in apis and ports.http is None:
+                raise RuntimeError(f"the server's port file {port_file} names no http_port")
+            info = run_async(model_info(ports.grpc))
+            http_note = "" if ports.http is None else f" and HTTP port {ports.http}"
             _log(
-                f"serving {info.model} on port {port}: {info.num_blocks} blocks x "
-                f"{info.block_size} tokens, max_model_len {info.max_model_len}"
+                f"serving {info.model} on gRPC port {ports.grpc}{http_note}: {info.num_blocks} "
+                f"blocks x {info.block_size} tokens, max_model_len {info.max_model_len}"
             )
             max_len = min(args.max_len, info.max_model_len)
             requests = make_trace(
@@ -952,12 +1296,23 @@ def main(argv: list[str] | None = None) -> int:
             warm = requests[: args.warmup_requests]
             if warm:
                 _log(f"warm-up: {len(warm)} requests on each")
-                run = run_async(
-                    run_server(port, warm, [0.0] * len(warm), "warmup", "warmup", args.timeout_s)
-                )
+                problems = []
+                for api in apis:
+                    namespace = f"warmup-{api}"
+                    run = run_async(
+                        run_server(
+                            api,
+                            ports,
+                            warm,
+                            [0.0] * len(warm),
+                            namespace,
+                            namespace,
+                            args.timeout_s,
+                        )
+                    )
+                    problems += [f"{api} warm-up: {kind} x{n}" for kind, n in run.problems.items()]
+                    problems += [f"{api} warm-up: {p}" for p in run.stats_problems]
                 offline = run_offline(llm, warm, "warmup", args.timeout_s)
-                problems = [f"server warm-up: {kind} x{n}" for kind, n in run.problems.items()]
-                problems += [f"server warm-up: {p}" for p in run.stats_problems]
                 problems += [
                     f"offline warm-up: {kind} x{n}" for kind, n in offline.problems.items()
                 ]
@@ -966,18 +1321,24 @@ def main(argv: list[str] | None = None) -> int:
                 if problems:
                     raise RuntimeError("the warm-up failed: " + "; ".join(problems))
             for repeat in range(args.repeats):
-                namespace = f"repeat-{repeat}"
-                run = run_async(
-                    run_server(port, requests, arrivals_s, namespace, namespace, args.timeout_s)
-                )
-                server_runs.append(run)
-                _log(
-                    f"server run {repeat}: {run.tokens_per_s:.1f} tok/s, {run.seconds:.2f} s"
-                    + ("" if run.ok else f"; problems {run.problems} {run.stats_problems}")
-                )
+                # Each API first in every other repeat: the machine's drift weighs on both.
+                for api in apis if repeat % 2 == 0 else apis[::-1]:
+                    namespace = f"repeat-{repeat}-{api}"
+                    run = run_async(
+                        run_server(
+                            api, ports, requests, arrivals_s, namespace, namespace, args.timeout_s
+                        )
+                    )
+                    server_runs[api].append(run)
+                    _log(
+                        f"{api} run {repeat}: {run.tokens_per_s:.1f} tok/s, {run.seconds:.2f} s"
+                        + ("" if run.ok else f"; problems {run.problems} {run.stats_problems}")
+                    )
+                    if not run.ok:
+                        break
                 if not run.ok:
                     break
-                offline = run_offline(llm, requests, namespace, args.timeout_s)
+                offline = run_offline(llm, requests, f"repeat-{repeat}", args.timeout_s)
                 offline_runs.append(offline)
                 _log(
                     f"offline run {repeat}: {offline.tokens_per_s:.1f} tok/s, "
