@@ -345,8 +345,19 @@ def test_cli_serve_help_lists_the_operator_flags():
         timeout=60,
     )
     assert result.returncode == 0
-    for flag in ("--host", "--port", "--max-concurrent-requests", "--drain-timeout-s"):
+    for flag in (
+        "--host", "--port", "--http-port", "--served-model-name", "--api-key",
+        "--max-concurrent-requests", "--drain-timeout-s",
+    ):  # fmt: skip
         assert flag in result.stdout
+    # A flag out of range is refused before anything starts, naming it (exit 2).
+    bad = subprocess.run(
+        [sys.executable, "-m", "pagedserve.frontend.cli", "serve", "--http-port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "http_port must be in [0, 65535], got 70000" in bad.stderr
 
 
 def test_stream_interval_sends_fewer_larger_messages_with_the_same_result(start_server, offline):
