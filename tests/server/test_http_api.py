@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -500,4 +501,50 @@ def test_an_api_key_guards_generation_in_both_apis(start_server):
             len(client.generate(PROMPT_IDS, SamplingParams(max_tokens=3)).outputs[0].token_ids) == 3
         )
         assert list(client.stream(PROMPT_IDS, SamplingParams(max_tokens=3)))[-1].finished
+    assert server.terminate() == 0
+
+
+def test_while_the_model_loads_http_answers_503_then_serves(start_server):
+    with socket.socket() as probe:  # a free port, named up front: no port file yet
+        probe.bind(("127.0.0.1", 0))
+        http_port = probe.getsockname()[1]
+    server = start_server("--http-port", str(http_port), wait=False)
+    server.http_port = http_port
+    statuses, refusals = [], []
+    deadline_s = time.monotonic() + 120
+    while time.monotonic() < deadline_s:
+        try:
+            status = get(server, "/health")[0]
+        except OSError:
+            time.sleep(0.02)  # not listening yet
+            continue
+        statuses.append(status)
+        if status == 200:
+            break
+        refusals.append(post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}))
+    assert statuses[0] == 503 and statuses[-1] == 200, statuses
+    assert refusals and all(status in (503, 200) for status, _ in refusals)
+    assert any(
+        status == 503 and answer["error"]["message"] == "the engine is still starting"
+        for status, answer in refusals
+    ), refusals
+    server.wait_serving()
+    assert server.terminate() == 0
+
+
+def test_the_drain_timeout_ends_an_http_stream_with_an_error_event(start_server):
+    # No time to drain: the stream (450 tokens, of which it has read one) is ended at once.
+    server = start_server("--http-port", "0", "--drain-timeout-s", "0")
+    body = {"prompt": PROMPT_IDS, "max_tokens": 450, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(body))
+    response = connection.getresponse()
+    assert response.readline().startswith(b"data: ")
+    os.kill(server.pid, signal.SIGTERM)
+    events = [e for e in response.read().decode().split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert error["code"] == 503 and "drain timeout 0 s" in error["message"]
+    connection.close()
     assert server.terminate() == 0
