@@ -186,6 +186,7 @@ class HttpApi:
                 server.default_params,
                 server.served_model_name(),
                 http_request.headers.get("X-Request-Id"),
+                server.config.max_concurrent_requests,
             )
             llm = server.check_admission(len(api_request.prompts))
             for prompt, params in zip(api_request.prompts, api_request.params, strict=True):

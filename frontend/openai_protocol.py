@@ -155,9 +155,12 @@ def parse_request(
     default_params: SamplingParams,
     served_model_name: str,
     client_request_id: str | None,
+    max_prompts: int = 1024,
 ) -> ApiRequest:
     """The request ``body`` (decoded JSON) of ``/v1/completions`` (``kind="completion"``)
-    or ``/v1/chat/completions`` (``"chat"``), checked and tokenized."""
+    or ``/v1/chat/completions`` (``"chat"``), checked and tokenized. A batch of more than
+    ``max_prompts`` prompts (the server's limit of requests in flight) is refused before
+    anything is tokenized: it could never be admitted."""
     if not isinstance(body, dict):
         raise _invalid(f"the request body must be a JSON object, got {type(body).__name__}", "")
     known = _COMMON_FIELDS | set(_SAMPLING_FIELDS)
@@ -174,7 +177,7 @@ def parse_request(
         )
     _refuse_unsupported(kind, body)
     if kind == "completion":
-        prompts = _completion_prompts(body, llm)
+        prompts = _completion_prompts(body, llm, max_prompts)
         logprobs = _int_field(body, "logprobs", 0, MAX_LOGPROBS)
         echo = _typed(body, "echo", (bool,), "a boolean", False)
         max_tokens_names = ("max_tokens",)
@@ -335,7 +338,7 @@ def _base_params(
         raise _sampling_error(error, names) from None
 
 
-def _completion_prompts(body: dict, llm: LLM) -> list[Prompt]:
+def _completion_prompts(body: dict, llm: LLM, max_prompts: int) -> list[Prompt]:
     prompt = body.get("prompt")
     if prompt is None:
         raise _invalid("prompt is required: a string, a list of strings, or token ids", "prompt")
@@ -349,6 +352,12 @@ def _completion_prompts(body: dict, llm: LLM) -> list[Prompt]:
         raise _invalid(
             f"prompt must be a string, a list of strings, a list of token ids or a list of "
             f"lists of token ids, and not empty; got {prompt!r:.200}",
+            "prompt",
+        )
+    if len(items) > max_prompts:
+        raise _invalid(
+            f"prompt: a batch of {len(items)} prompts; this server takes at most "
+            f"{max_prompts} (its max_concurrent_requests)",
             "prompt",
         )
     prompts = []

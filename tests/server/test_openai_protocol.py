@@ -61,6 +61,10 @@ def test_batched_prompts_get_one_params_each(llm):
     assert [p.max_tokens for p in request.params] == [4, 4]
     error = refusal(llm, {"prompt": ["ok", [5, 99999]]})
     assert error.param == "prompt[1]" and "outside the vocabulary" in error.message
+    with pytest.raises(CallError) as caught:
+        parse_request("completion", {"prompt": ["a"] * 5}, llm, GREEDY_DEFAULT, "m", None, 4)
+    assert caught.value.param == "prompt"
+    assert "a batch of 5 prompts; this server takes at most 4" in caught.value.message
 
 
 def test_beam_search_as_vllm_spells_it(llm):
