@@ -90,6 +90,13 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         body = error_body(CallError(code, f"{request.method} {request.path}: {error.reason}"))
         body["error"]["code"] = error.status
         return web.json_response(body, status=error.status)
+    except Exception as error:  # a fault of ours: still an answer in OpenAI's shape
+        logger.exception("%s %s failed", request.method, request.path)
+        return error_response(_internal_error(error))
+
+
+def _internal_error(error: Exception) -> CallError:
+    return CallError("INTERNAL", f"internal server error ({type(error).__name__}: {error})")
 
 
 # Open without the API key: probes, scrapers and version checks hold none.
@@ -281,6 +288,9 @@ class HttpApi:
                 queue.put_nowait(done)
             except CallError as error:
                 queue.put_nowait(error)
+            except Exception as error:  # a fault of ours: the stream must still end
+                logger.exception("stream of %s failed", stream.output.request_id)
+                queue.put_nowait(_internal_error(error))
 
         tasks = [
             asyncio.ensure_future(feed(stream, writer))
