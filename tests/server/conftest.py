@@ -53,7 +53,11 @@ class ServerProcess:
     """``pagedserve serve`` in a child process; its log goes to a file for diagnostics."""
 
     def __init__(
-        self, model_dir: Path, workdir: Path, *flags: str, env: dict[str, str] | None = None
+        self,
+        model_dir: Path | None,
+        workdir: Path,
+        *flags: str,
+        env: dict[str, str] | None = None,
     ):
         self.port_file = workdir / "port.json"
         self.log_path = workdir / "server.log"
@@ -63,8 +67,7 @@ class ServerProcess:
             "-m",
             "pagedserve.frontend.cli",
             "serve",
-            "--model",
-            str(model_dir),
+            *([] if model_dir is None else ["--model", str(model_dir)]),  # None: embedded
             "--port",
             "0",
             "--port-file",
