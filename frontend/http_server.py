@@ -261,11 +261,15 @@ class HttpApi:
         )
         await response.prepare(http_request)
         failure = None
-        async for chunk in self._chunks(api_request, streams, writers):
-            if isinstance(chunk, CallError):
-                failure = chunk
-                chunk = error_body(chunk)
-            await response.write(_sse(chunk))
+        # aclosing: a client gone while a chunk is written ends the requests now, not when
+        # the generator is collected.
+        chunks = self._chunks(api_request, streams, writers)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if isinstance(chunk, CallError):
+                    failure = chunk
+                    chunk = error_body(chunk)
+                await response.write(_sse(chunk))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         if failure is not None:
