@@ -221,10 +221,17 @@ def parse_request(
             )
         if max_tokens_name is None:
             default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else max_model_len
-            max_tokens = max(1, min(default, max_total_tokens - num_prompt_tokens))
-            prompt_params = dataclasses.replace(
-                base, max_tokens=max_tokens, min_tokens=min(base.min_tokens, max_tokens)
-            )
+            room = max(1, max_total_tokens - num_prompt_tokens)
+            if base.min_tokens > room:
+                raise _invalid(
+                    f"min_tokens={base.min_tokens}: {field_name} takes {num_prompt_tokens} "
+                    f"of the {max_total_tokens} tokens a sequence can hold here, which "
+                    f"leaves at most {room}",
+                    "min_tokens",
+                )
+            # An unset max_tokens never undercuts min_tokens.
+            max_tokens = min(max(default, base.min_tokens), room)
+            prompt_params = dataclasses.replace(base, max_tokens=max_tokens)
         elif num_prompt_tokens + base.max_tokens > max_model_len:
             # As OpenAI's API and vLLM's server refuse it (the offline engine and the gRPC
             # API stop such a request at the window instead).
@@ -331,7 +338,9 @@ def _base_params(
             names["max_tokens"] = name
             break
     else:
-        kwargs["max_tokens"] = 1  # replaced per prompt
+        # Replaced per prompt; as large as min_tokens meanwhile, which it must not undercut.
+        min_tokens = kwargs.get("min_tokens")
+        kwargs["max_tokens"] = min_tokens if isinstance(min_tokens, int) and min_tokens > 1 else 1
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:

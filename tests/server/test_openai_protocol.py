@@ -43,6 +43,11 @@ def test_defaults_follow_openai_and_the_model(llm):
     assert chat.params[0].max_tokens == 512 - len(chat.prompts[0].token_ids)
     explicit = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}
     assert parse(llm, explicit, "chat").params[0].max_tokens == 3
+    # An unset max_tokens rises to min_tokens, within the room the prompt leaves.
+    raised = parse(llm, {"prompt": [5], "min_tokens": 40}).params[0]
+    assert (raised.min_tokens, raised.max_tokens) == (40, 40)
+    error = refusal(llm, {"prompt": [5] * 500, "min_tokens": 40})
+    assert error.param == "min_tokens" and "leaves at most 12" in error.message
 
 
 def test_the_default_limit_fits_the_cache_for_every_sequence(llm):
