@@ -46,6 +46,23 @@ Each server run and each offline run is cut off at ``--timeout-s``: requests sti
 cancelled and counted. The first run with a problem ends the repeats. Machines are shared
 and noisy: read the ratio within one run.
 
+With ``--target-url URL`` it starts nothing and replays the trace over HTTP (``--api http``,
+the only API it takes there) against a server already running at URL: pagedserve, or any
+OpenAI-compatible server that takes token-id prompts and vLLM's ``ignore_eos`` (vLLM,
+SGLang); a load generator for operators, and a way to measure a peer on the same trace.
+``--model-name`` is the ``model`` sent (default: the first of the target's
+``GET /v1/models``), ``--vocab-size`` the vocabulary the prompts' ids are drawn from
+(required: no such server reports it), and the entry's ``max_model_len``, where it has one,
+bounds ``--max-len``. There is no offline peer and no ``GetStats`` check (the target's engine
+is not this tool's to see: the JSON says ``"offline": null`` and has no ratio over it), but
+every call is checked as above, which is what makes a peer's figure comparable: exactly one
+chunk with a finish reason ("length"), a usage chunk with the trace's output length, then
+``[DONE]``. The target outlives this run, so each run's ``cache_salt`` (vLLM's name for the
+cache namespace) and request ids start with an id of this invocation of its own: an earlier
+invocation's prompts in the target's prefix cache never serve this one's. A target that
+ignores ``cache_salt`` serves every repeat after the first from its prefix cache: turn
+prefix caching off there, or keep to ``--repeats 1``.
+
 Example (from the repository root), on the tests' tiny Llama (no tokenizer needed: prompts
 are token ids); about a minute on 2 cores:
 
@@ -62,6 +79,12 @@ CPU without native bfloat16 (no AVX512-BF16 or AMX, as on this AMD EPYC), keep f
 
     .venv/bin/python tools/bench_server.py --num-requests 16 --length-scale 0.25 \\
         --max-len 256
+
+Against a server already running (here ``pagedserve serve --http-port 8000``, on the embedded
+model, whose vocabulary is 49152 tokens; for vLLM or SGLang, their port and model's):
+
+    .venv/bin/python tools/bench_server.py --target-url http://127.0.0.1:8000 \\
+        --vocab-size 49152 --num-requests 16 --length-scale 0.25 --max-len 256
 
 Exit status: 0 when every check held, 1 otherwise (the summary and the JSON say which).
 """
@@ -83,11 +106,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 import grpc
@@ -126,6 +151,21 @@ API_CHOICES = {"grpc": ("grpc",), "http": ("http",), "both": ("grpc", "http")}
 # The prefix of each API's keys in the record: the gRPC API's keep the names they had before
 # the HTTP API was benchmarked ("server_tok_s_median", "server_runs"...).
 RECORD_PREFIXES = {"grpc": "server", "http": "http"}
+# What configures the server this tool starts: with --target-url, which starts none, these
+# would do nothing, so they are refused there unless left at their defaults.
+STARTED_SERVER_OPTIONS = (
+    "model",
+    "dtype",
+    "block_size",
+    "max_num_seqs",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "kv_cache_bytes",
+    "no_prefix_caching",
+    "stream_interval",
+    "server_log",
+    "startup_timeout_s",
+)
 
 T = TypeVar("T")
 
@@ -297,6 +337,31 @@ async def model_info(port: int) -> pb.ModelInfo:
         return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=UNARY_TIMEOUT_S)
 
 
+async def target_model_card(base_url: str, model_name: str | None) -> dict[str, Any]:
+    """The target's ``GET /v1/models`` entry for ``model_name`` (None: its first)."""
+    async with (
+        aiohttp.ClientSession(
+            base_url=base_url, timeout=aiohttp.ClientTimeout(total=UNARY_TIMEOUT_S)
+        ) as session,
+        session.get("/v1/models") as response,
+    ):
+        if response.status != 200:
+            raise RuntimeError(
+                f"GET {base_url}/v1/models answered HTTP {response.status}: "
+                f"{(await response.text())[:200]}"
+            )
+        cards = (await response.json(content_type=None)).get("data") or []
+    if not cards:
+        raise RuntimeError(f"GET {base_url}/v1/models lists no model")
+    if model_name is None:
+        return cards[0]
+    for card in cards:
+        if card.get("id") == model_name:
+            return card
+    served = ", ".join(repr(card.get("id")) for card in cards)
+    raise RuntimeError(f"--model-name {model_name!r} is not served at {base_url}: {served}")
+
+
 # ---------------------------------------------------------------------------- requests
 
 
@@ -458,10 +523,10 @@ async def stream_one(
         result.status = "CANCELLED_IN_CLIENT"
 
 
-def completion_body(request: Request, namespace: str) -> dict[str, Any]:
-    """What ``generate_request`` asks over gRPC, as ``POST /v1/completions`` asks it (no
-    ``model``: the one served)."""
-    return {
+def completion_body(request: Request, namespace: str, model: str | None) -> dict[str, Any]:
+    """What ``generate_request`` asks over gRPC, as ``POST /v1/completions`` asks it;
+    ``model`` None sends none, which a started server (it serves one) takes as its own."""
+    body: dict[str, Any] = {
         "prompt": request.prompt_token_ids,
         "max_tokens": request.output_len,
         "temperature": 0.0,
@@ -471,6 +536,9 @@ def completion_body(request: Request, namespace: str) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
         "cache_salt": namespace,  # the server's cache namespace, as vLLM names it
     }
+    if model is not None:
+        body["model"] = model
+    return body
 
 
 async def complete_one(
@@ -605,12 +673,15 @@ def latencies(results: Sequence[CallResult]) -> Latencies:
 
 @dataclass
 class ServerRun:
+    """One run of the trace on a server: one this tool started, or the --target-url's."""
+
     num_requests: int
     output_tokens: int  # received, over every call
     seconds: float  # first send to last message received
     problems: dict[str, int]  # kind -> requests; empty when all is well
     latencies: Latencies
-    stats: dict[str, Any]  # GetStats after the run
+    # GetStats after the run; None on a --target-url, whose engine this tool cannot see.
+    stats: dict[str, Any] | None
     stats_problems: list[str]
     # The first few requests with a problem, as the client saw them (seconds from the start).
     problem_examples: list[dict[str, Any]] = field(default_factory=list)
@@ -706,17 +777,19 @@ async def replay_grpc(
 
 
 async def replay_http(
-    http_port: int,
+    base_url: str,
+    model: str | None,
     requests: list[Request],
     arrivals_s: list[float],
     namespace: str,
     tag: str,
     timeout_s: float,
 ) -> tuple[list[CompletionStreamResult], float, bool]:
-    """``replay`` as streamed ``POST /v1/completions``; the results too."""
+    """``replay`` as streamed ``POST /v1/completions`` to the server at ``base_url``, asking
+    for ``model`` (None: the one served); the results too."""
     results = [CompletionStreamResult(request.output_len) for request in requests]
     async with aiohttp.ClientSession(
-        base_url=f"http://127.0.0.1:{http_port}",
+        base_url=base_url,
         # No limit on connections: every call in flight needs one of its own.
         connector=aiohttp.TCPConnector(limit=0),
         # --timeout-s bounds the run; aiohttp's default (5 minutes a call) would end a
@@ -726,7 +799,7 @@ async def replay_http(
         await open_connections(session, len(requests))
 
         def send(index: int, send_at_s: float) -> Coroutine[Any, Any, None]:
-            body = completion_body(requests[index], namespace)
+            body = completion_body(requests[index], namespace, model)
             return complete_one(session, body, f"{tag}-{index}", send_at_s, results[index])
 
         start_s, cut_off = await replay(send, arrivals_s, results, timeout_s)
@@ -760,13 +833,18 @@ async def run_server(
         else:
             assert ports.http is not None
             http_results, start_s, cut_off = await replay_http(
-                ports.http, requests, arrivals_s, namespace, tag, timeout_s
+                f"http://127.0.0.1:{ports.http}",
+                None,
+                requests,
+                arrivals_s,
+                namespace,
+                tag,
+                timeout_s,
             )
             results = http_results
             output_token_ids = []
             output_texts = [result.text for result in http_results]
-        ends_s = [r.last_message_s for r in results if r.last_message_s is not None]
-        seconds = (max(ends_s) if ends_s else time.perf_counter()) - start_s
+        seconds = _run_seconds(results, start_s)
         stats = await stub.GetStats(pb.GetStatsRequest(), timeout=UNARY_TIMEOUT_S)
         # A cancelled call's abort reaches the engine a moment after the cancel; with none
         # cancelled, the first answer must already show every block free.
@@ -778,17 +856,61 @@ async def run_server(
         ):
             await asyncio.sleep(STATS_POLL_S)
             stats = await stub.GetStats(pb.GetStatsRequest(), timeout=UNARY_TIMEOUT_S)
-    problems = Counter(p for p in (r.problem() for r in results) if p is not None)
     stats_problems = block_problems(dict(stats.engine), stats.integrity_error)
     if stats.requests_running:
         stats_problems.append(f"requests_running = {stats.requests_running} after the run")
+    return _server_run(
+        results,
+        start_s,
+        seconds,
+        stats_record(stats),
+        stats_problems,
+        output_token_ids,
+        output_texts,
+    )
+
+
+async def run_target(
+    base_url: str,
+    model: str,
+    requests: list[Request],
+    arrivals_s: list[float],
+    namespace: str,
+    tag: str,
+    timeout_s: float,
+) -> ServerRun:
+    """``run_server`` over HTTP on a server this tool did not start: the same calls, checked
+    alike, but no stats after them (nothing says what the target's engine holds)."""
+    results, start_s, _ = await replay_http(
+        base_url, model, requests, arrivals_s, namespace, tag, timeout_s
+    )
+    # No outputs kept: there is no offline run to compare them with.
+    return _server_run(results, start_s, _run_seconds(results, start_s), None, [], [], [])
+
+
+def _run_seconds(results: Sequence[CallResult], start_s: float) -> float:
+    """From ``start_s`` to the last message of any call (to now when none came)."""
+    ends_s = [r.last_message_s for r in results if r.last_message_s is not None]
+    return (max(ends_s) if ends_s else time.perf_counter()) - start_s
+
+
+def _server_run(
+    results: Sequence[CallResult],
+    start_s: float,
+    seconds: float,
+    stats: dict[str, Any] | None,
+    stats_problems: list[str],
+    output_token_ids: list[list[int]],
+    output_texts: list[str],
+) -> ServerRun:
+    problems = Counter(p for p in (r.problem() for r in results) if p is not None)
     return ServerRun(
-        num_requests=len(requests),
+        num_requests=len(results),
         output_tokens=sum(r.num_tokens for r in results),
         seconds=seconds,
         problems=dict(problems),
         latencies=latencies(results),
-        stats=stats_record(stats),
+        stats=stats,
         stats_problems=stats_problems,
         problem_examples=[
             _example(index, result, start_s)
@@ -932,12 +1054,16 @@ def _equal_outputs(server_outputs: list[Any], offline_outputs: list[Any]) -> lis
     return [sum(s == o for s, o in zip(server_outputs, offline_outputs)), len(offline_outputs)]
 
 
-def _api_figures(prefix: str, runs: list[ServerRun], offline_tok_s: float | None) -> dict[str, Any]:
-    """One API's figures, as the record keys them."""
+def _api_figures(
+    prefix: str, runs: list[ServerRun], offline_tok_s: float | None, *, over_offline: bool = True
+) -> dict[str, Any]:
+    """One API's figures, as the record keys them; ``over_offline`` False leaves out the
+    ratio over the offline peer (a --target-url run has none)."""
     tok_s = _median([run.tokens_per_s for run in runs])
-    return {
-        f"{prefix}_tok_s_median": tok_s,
-        f"{prefix}_over_offline": _ratio(tok_s, offline_tok_s),
+    figures: dict[str, Any] = {f"{prefix}_tok_s_median": tok_s}
+    if over_offline:
+        figures[f"{prefix}_over_offline"] = _ratio(tok_s, offline_tok_s)
+    return figures | {
         f"{prefix}_req_s_median": _median([run.requests_per_s for run in runs]),
         # Medians over the runs of each run's statistic.
         f"{prefix}_latency_ms": {
@@ -993,9 +1119,7 @@ def make_record(
     if error is not None:
         failures.append(error)
     for label, runs in [*server_runs.items(), ("offline", offline_runs)]:
-        for index, run in enumerate(runs):
-            failures += [f"{label} run {index}: {kind} x{n}" for kind, n in run.problems.items()]
-            failures += [f"{label} run {index}: {problem}" for problem in run.stats_problems]
+        failures += _run_failures(label, runs)
     failures += warmup.get("problems", [])
     if server.exit_code != 0:
         failures.append(f"server exit code {server.exit_code} {server.stop_note}".rstrip())
@@ -1003,10 +1127,7 @@ def make_record(
         failures.append(f"server {server.stop_note}")
     record = {
         "command": shlex.join(sys.orig_argv),
-        # str: a Path, and an infinite rate (JSON has no infinity).
-        "settings": {
-            k: str(v) if isinstance(v, Path) or v == math.inf else v for k, v in vars(args).items()
-        },
+        "settings": _settings_record(args),
         "engine": asdict(engine),
         "server_argv": server_argv,
         "model_info": None
@@ -1065,20 +1186,77 @@ def make_record(
     return record
 
 
+def make_target_record(
+    args: argparse.Namespace,
+    card: dict[str, Any] | None,
+    invocation_id: str,
+    requests: list[Request],
+    warmup: dict[str, Any],
+    runs: list[ServerRun],
+    load_before: float,
+    error: str | None,
+) -> dict[str, Any]:
+    """The record of a --target-url run: the HTTP API's figures under ``make_record``'s
+    keys; what a target cannot give (the offline peer, GetStats) is there as null, not
+    left out."""
+    failures = [] if error is None else [error]
+    failures += _run_failures("http", runs)
+    failures += warmup.get("problems", [])
+    return {
+        "command": shlex.join(sys.orig_argv),
+        "settings": _settings_record(args),
+        "target_url": args.target_url,
+        # Its GET /v1/models entry, as it gave it (None when that failed).
+        "target_model": card,
+        # What starts this invocation's cache_salt values and request ids on the target.
+        "invocation_id": invocation_id,
+        "trace_stats": asdict(trace_stats(requests)) if requests else None,
+        **_api_figures(RECORD_PREFIXES["http"], runs, None, over_offline=False),
+        # Neither an offline peer nor GetStats (each run's "stats" is null): nothing here
+        # can start the target's engine with its settings or see its KV blocks.
+        "offline": None,
+        "server_stats_checked": False,
+        "warmup": warmup,
+        "failures": failures,
+        "ok": not failures,
+        "machine": {**machine_info(), "load_average_1m_before": load_before},
+    }
+
+
+def _settings_record(args: argparse.Namespace) -> dict[str, Any]:
+    # str: a Path, and an infinite rate (JSON has no infinity).
+    return {k: str(v) if isinstance(v, Path) or v == math.inf else v for k, v in vars(args).items()}
+
+
+def _run_failures(label: str, runs: Sequence[ServerRun | OfflineRun]) -> list[str]:
+    failures = []
+    for index, run in enumerate(runs):
+        failures += [f"{label} run {index}: {kind} x{n}" for kind, n in run.problems.items()]
+        failures += [f"{label} run {index}: {problem}" for problem in run.stats_problems]
+    return failures
+
+
 def format_summary(record: dict[str, Any]) -> str:
     settings, stats = record["settings"], record["trace_stats"]
     apis = API_CHOICES[settings["api"]]
+    target_url = record.get("target_url")  # None: on a server this tool started
     lines = []
     if stats is not None:
         counts = ", ".join(f"{len(record[f'{RECORD_PREFIXES[api]}_runs'])} {api}" for api in apis)
+        peer = (
+            f"and {len(record['offline_runs'])} offline runs"
+            if target_url is None
+            else f"runs on {target_url} (model {record['target_model']['id']})"
+        )
         lines.append(
             f"{stats['num_requests']} requests ({settings['trace']} x{settings['length_scale']:g}: "
             f"mean {stats['mean_input_len']:.0f} in / {stats['mean_output_len']:.0f} out), "
-            f"rate {settings['request_rate']} req/s, "
-            f"{counts} and {len(record['offline_runs'])} offline runs"
+            f"rate {settings['request_rate']} req/s, {counts} {peer}"
         )
     # Each side's figures, by its name in the summary.
-    prefixes = {api: RECORD_PREFIXES[api] for api in apis} | {"offline": "offline"}
+    prefixes = {api: RECORD_PREFIXES[api] for api in apis}
+    if target_url is None:
+        prefixes["offline"] = "offline"
 
     def figures(prefix: str, key: str) -> str:
         return ", ".join(f"{run[key]:.1f}" for run in record[f"{prefix}_runs"])
@@ -1089,7 +1267,7 @@ def format_summary(record: dict[str, Any]) -> str:
         if tok_s is not None:
             lines.append(f"  {side:10}{tok_s:10.1f}{req_s:10.2f}   {figures(prefix, 'tok_s')}")
     for api in apis:
-        ratio = record[f"{RECORD_PREFIXES[api]}_over_offline"]
+        ratio = record.get(f"{RECORD_PREFIXES[api]}_over_offline")
         if ratio is not None:
             lines.append(f"  {api} / offline: {ratio:.3f}")
     http_over_grpc = record.get(f"{RECORD_PREFIXES['http']}_over_grpc")
@@ -1111,17 +1289,23 @@ def format_summary(record: dict[str, Any]) -> str:
         if record.get(key) is not None:
             equal, total = record[key]
             lines.append(f"  {what} equal to the offline run's: {equal} of {total}")
-    for api in apis:
-        runs = record[f"{RECORD_PREFIXES[api]}_runs"]
-        if runs:
-            last = runs[-1]["stats"]["engine"]
-            lines.append(
-                f"  GetStats after the last {api} run: {last.get('num_free_blocks', 0):.0f} of "
-                f"{last.get('num_total_blocks', 0):.0f} KV blocks free"
-            )
-    lines.append(
-        f"  server exit code {record['server_exit_code']} {record['server_stop_note']}".rstrip()
-    )
+    if target_url is not None:
+        lines.append(
+            "  no offline peer and no GetStats check: the target's engine is not this tool's "
+            "to start or see"
+        )
+    else:
+        for api in apis:
+            runs = record[f"{RECORD_PREFIXES[api]}_runs"]
+            if runs:
+                last = runs[-1]["stats"]["engine"]
+                lines.append(
+                    f"  GetStats after the last {api} run: {last.get('num_free_blocks', 0):.0f} "
+                    f"of {last.get('num_total_blocks', 0):.0f} KV blocks free"
+                )
+        lines.append(
+            f"  server exit code {record['server_exit_code']} {record['server_stop_note']}".rstrip()
+        )
     if record["failures"]:
         lines.append("FAILED:")
         lines += [f"  {failure}" for failure in record["failures"]]
@@ -1129,6 +1313,8 @@ def format_summary(record: dict[str, Any]) -> str:
             for index, run in enumerate(record[f"{RECORD_PREFIXES[api]}_runs"]):
                 for example in run["problem_examples"][:3]:
                     lines.append(f"  {api} run {index}, request {example}")
+    elif target_url is not None:
+        lines.append("every request complete and exact: ok")
     else:
         lines.append("every request complete and exact, every block free: ok")
     machine = record["machine"]
@@ -1142,6 +1328,19 @@ def format_summary(record: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------- main
 
 
+def target_url(text: str) -> str:
+    """--target-url: the server's root, as scheme://host:port (the paths are this tool's)."""
+    url = urlsplit(text)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise argparse.ArgumentTypeError(f"an http:// or https:// URL with a host, got {text!r}")
+    if url.path not in ("", "/") or url.query or url.fragment:
+        raise argparse.ArgumentTypeError(
+            f"the server's root, without the path of its API (this tool sends to "
+            f"/v1/completions), got {text!r}"
+        )
+    return f"{url.scheme}://{url.netloc}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -1149,10 +1348,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--api",
-        default="grpc",
+        default=None,
         choices=sorted(API_CHOICES),
         help="what carries the calls: gRPC GenerateStream, the OpenAI-compatible HTTP API's "
-        "streamed /v1/completions, or both in every repeat (their order alternating)",
+        "streamed /v1/completions, or both in every repeat (their order alternating); "
+        "default grpc, and http with --target-url, the only one it takes",
+    )
+    parser.add_argument(
+        "--target-url",
+        type=target_url,
+        default=None,
+        help="start no server: replay the trace over HTTP on the OpenAI-compatible server "
+        "already running here (pagedserve, vLLM, SGLang...), e.g. http://127.0.0.1:8000; "
+        "no offline peer, no GetStats",
+    )
+    parser.add_argument(
+        "--model-name",
+        default=None,
+        help="with --target-url: the model to ask for (default: the first of its /v1/models)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="with --target-url (and required there): the model's vocabulary size, which the "
+        "prompts' token ids stay below",
     )
     parser.add_argument("--trace", default="sharegpt", choices=sorted(TRACE_SHAPES))
     parser.add_argument("--num-requests", type=int, default=64)
@@ -1206,6 +1426,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--server-log", type=Path, default=None, help="keep the server's log here")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args(argv)
+    if args.target_url is None:
+        given = [name for name in ("model_name", "vocab_size") if getattr(args, name) is not None]
+        if given:
+            parser.error(
+                f"--{given[0].replace('_', '-')} is for --target-url only: a server this tool "
+                "starts names its model and reports its vocabulary"
+            )
+        args.api = args.api or "grpc"
+    else:
+        if args.api not in (None, "http"):
+            parser.error(
+                f"--target-url takes --api http only (its calls go over HTTP), got --api {args.api}"
+            )
+        args.api = "http"
+        if args.vocab_size is None:
+            parser.error(
+                "--target-url needs --vocab-size: the prompts' token ids must lie in the "
+                "target's vocabulary, which its GET /v1/models does not report"
+            )
+        if args.vocab_size <= FIRST_ORDINARY_TOKEN_ID:
+            parser.error(
+                f"--vocab-size must be > {FIRST_ORDINARY_TOKEN_ID}: the prompts' token ids are "
+                f"drawn from [{FIRST_ORDINARY_TOKEN_ID}, vocab-size), got {args.vocab_size}"
+            )
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name in STARTED_SERVER_OPTIONS
+            if getattr(args, name) != parser.get_default(name)
+        ]
+        if given:
+            parser.error(
+                f"--target-url starts no server, so {', '.join(given)} would do nothing: "
+                "set the target's engine where it runs"
+            )
     for name in ("num_requests", "repeats", "max_len", "max_num_seqs", "kv_cache_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -1221,6 +1475,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     load_before = os.getloadavg()[0]
+    if args.target_url is None:
+        record = bench_started_server(args, load_before)
+    else:
+        record = bench_target(args, load_before)
+    print(format_summary(record))
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if record["ok"] else 1
+
+
+def bench_started_server(args: argparse.Namespace, load_before: float) -> dict[str, Any]:
+    """Start the server, then the warm-up and the repeats on it and offline; the record."""
     engine = EngineSettings(
         model=args.model,
         dtype=args.dtype,
@@ -1357,7 +1624,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
             if server.exit_code != 0 or server.stop_note or error is not None:
                 print(server.log_tail(), file=sys.stderr)
-    record = make_record(
+    return make_record(
         args,
         engine,
         server_argv,
@@ -1370,11 +1637,86 @@ def main(argv: list[str] | None = None) -> int:
         load_before,
         error,
     )
-    print(format_summary(record))
-    if args.json is not None:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0 if record["ok"] else 1
+
+
+def bench_target(args: argparse.Namespace, load_before: float) -> dict[str, Any]:
+    """--target-url: the warm-up and the repeats over HTTP on a server already running,
+    nothing else; the record."""
+    # The target outlives this invocation, and an earlier one of the same trace (the same
+    # seed: the same prompts) left them in its prefix cache: each run's cache_salt starts
+    # with this invocation's own id, and its request ids with it, which keeps them apart
+    # from those of another invocation running on the target at the same time.
+    invocation_id = uuid.uuid4().hex[:12]
+    card: dict[str, Any] | None = None
+    requests: list[Request] = []
+    warmup: dict[str, Any] = {}
+    runs: list[ServerRun] = []
+    error: str | None = None
+    try:
+        card = run_async(target_model_card(args.target_url, args.model_name))
+        model = card["id"]
+        max_len = args.max_len
+        # vLLM's and SGLang's entries have it too; a prompt + output past it is refused.
+        if isinstance(card.get("max_model_len"), int):
+            max_len = min(max_len, card["max_model_len"])
+        _log(
+            f"target {args.target_url}, model {model!r} (owned by {card.get('owned_by')}, "
+            f"max_model_len {card.get('max_model_len')}); invocation {invocation_id}"
+        )
+        requests = make_trace(
+            args.trace,
+            args.num_requests,
+            args.seed,
+            max_len,
+            args.vocab_size,
+            FIRST_ORDINARY_TOKEN_ID,
+            length_scale=args.length_scale,
+        )
+        arrivals_s = poisson_arrivals_s(len(requests), args.request_rate, args.seed)
+        warm = requests[: args.warmup_requests]
+        if warm:
+            _log(f"warm-up: {len(warm)} requests")
+            namespace = f"{invocation_id}-warmup-http"
+            run = run_async(
+                run_target(
+                    args.target_url,
+                    model,
+                    warm,
+                    [0.0] * len(warm),
+                    namespace,
+                    namespace,
+                    args.timeout_s,
+                )
+            )
+            problems = [f"http warm-up: {kind} x{n}" for kind, n in run.problems.items()]
+            warmup = {"requests": len(warm), "problems": problems}
+            if problems:
+                raise RuntimeError("the warm-up failed: " + "; ".join(problems))
+        for repeat in range(args.repeats):
+            namespace = f"{invocation_id}-repeat-{repeat}-http"
+            run = run_async(
+                run_target(
+                    args.target_url,
+                    model,
+                    requests,
+                    arrivals_s,
+                    namespace,
+                    namespace,
+                    args.timeout_s,
+                )
+            )
+            runs.append(run)
+            _log(
+                f"http run {repeat}: {run.tokens_per_s:.1f} tok/s, {run.seconds:.2f} s"
+                + ("" if run.ok else f"; problems {run.problems}")
+            )
+            if not run.ok:
+                break
+    except (Exception, KeyboardInterrupt) as caught:
+        # Reported with whatever was measured before it.
+        error = f"{type(caught).__name__}: {caught}"
+        _log(f"stopped early: {error}")
+    return make_target_record(args, card, invocation_id, requests, warmup, runs, load_before, error)
 
 
 def _log(message: str) -> None:
