@@ -336,6 +336,8 @@ class HttpApi:
         return web.json_response(self._model_card())
 
     def _model_card(self) -> dict:
+        """OpenAI's fields, and the limits a request must fit (``max_model_len``, as vLLM
+        reports it; ``vocab_size``, which token-id prompts must stay below)."""
         llm = self._server.ready_llm()
         return {
             "id": self._server.served_model_name(),
@@ -344,6 +346,7 @@ class HttpApi:
             "owned_by": "pagedserve",
             "root": str(llm.model_path),
             "max_model_len": llm.scheduler_config.max_model_len,
+            "vocab_size": llm.model_config.vocab_size,
         }
 
     async def _tokenize(self, request: web.Request) -> web.Response:

@@ -52,8 +52,9 @@ OpenAI-compatible server that takes token-id prompts and vLLM's ``ignore_eos`` (
 SGLang); a load generator for operators, and a way to measure a peer on the same trace.
 ``--model-name`` is the ``model`` sent (default: the first of the target's
 ``GET /v1/models``), ``--vocab-size`` the vocabulary the prompts' ids are drawn from
-(required: no such server reports it), and the entry's ``max_model_len``, where it has one,
-bounds ``--max-len``. There is no offline peer and no ``GetStats`` check (the target's engine
+(default: the entry's ``vocab_size``, which pagedserve reports and vLLM and SGLang do not:
+give it for those), and the entry's ``max_model_len``, where it has one, bounds
+``--max-len``. There is no offline peer and no ``GetStats`` check (the target's engine
 is not this tool's to see: the JSON says ``"offline": null`` and has no ratio over it), but
 every call is checked as above, which is what makes a peer's figure comparable: exactly one
 chunk with a finish reason ("length"), a usage chunk with the trace's output length, then
@@ -80,11 +81,11 @@ CPU without native bfloat16 (no AVX512-BF16 or AMX, as on this AMD EPYC), keep f
     .venv/bin/python tools/bench_server.py --num-requests 16 --length-scale 0.25 \\
         --max-len 256
 
-Against a server already running (here ``pagedserve serve --http-port 8000``, on the embedded
-model, whose vocabulary is 49152 tokens; for vLLM or SGLang, their port and model's):
+Against a server already running (here ``pagedserve serve --http-port 8000``; for vLLM or
+SGLang, their port, and ``--vocab-size`` of their model: 49152 for SmolLM2):
 
     .venv/bin/python tools/bench_server.py --target-url http://127.0.0.1:8000 \\
-        --vocab-size 49152 --num-requests 16 --length-scale 0.25 --max-len 256
+        --num-requests 16 --length-scale 0.25 --max-len 256
 
 Exit status: 0 when every check held, 1 otherwise (the summary and the JSON say which).
 """
@@ -1371,8 +1372,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--vocab-size",
         type=int,
         default=None,
-        help="with --target-url (and required there): the model's vocabulary size, which the "
-        "prompts' token ids stay below",
+        help="with --target-url: the model's vocabulary size, which the prompts' token ids "
+        "stay below (default: the vocab_size of its /v1/models entry, which pagedserve "
+        "reports; vLLM and SGLang need it given)",
     )
     parser.add_argument("--trace", default="sharegpt", choices=sorted(TRACE_SHAPES))
     parser.add_argument("--num-requests", type=int, default=64)
@@ -1440,12 +1442,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"--target-url takes --api http only (its calls go over HTTP), got --api {args.api}"
             )
         args.api = "http"
-        if args.vocab_size is None:
-            parser.error(
-                "--target-url needs --vocab-size: the prompts' token ids must lie in the "
-                "target's vocabulary, which its GET /v1/models does not report"
-            )
-        if args.vocab_size <= FIRST_ORDINARY_TOKEN_ID:
+        if args.vocab_size is not None and args.vocab_size <= FIRST_ORDINARY_TOKEN_ID:
             parser.error(
                 f"--vocab-size must be > {FIRST_ORDINARY_TOKEN_ID}: the prompts' token ids are "
                 f"drawn from [{FIRST_ORDINARY_TOKEN_ID}, vocab-size), got {args.vocab_size}"
@@ -1659,6 +1656,14 @@ def bench_target(args: argparse.Namespace, load_before: float) -> dict[str, Any]
         # vLLM's and SGLang's entries have it too; a prompt + output past it is refused.
         if isinstance(card.get("max_model_len"), int):
             max_len = min(max_len, card["max_model_len"])
+        # pagedserve's entry reports its vocabulary; vLLM's and SGLang's do not.
+        vocab_size = args.vocab_size or card.get("vocab_size")
+        if not isinstance(vocab_size, int) or vocab_size <= FIRST_ORDINARY_TOKEN_ID:
+            raise RuntimeError(
+                f"--target-url needs --vocab-size here: the prompts' token ids must lie in "
+                f"the target's vocabulary, and its GET /v1/models entry for {model!r} does "
+                f"not report one (vocab_size: {card.get('vocab_size')!r})"
+            )
         _log(
             f"target {args.target_url}, model {model!r} (owned by {card.get('owned_by')}, "
             f"max_model_len {card.get('max_model_len')}); invocation {invocation_id}"
@@ -1668,7 +1673,7 @@ def bench_target(args: argparse.Namespace, load_before: float) -> dict[str, Any]
             args.num_requests,
             args.seed,
             max_len,
-            args.vocab_size,
+            vocab_size,
             FIRST_ORDINARY_TOKEN_ID,
             length_scale=args.length_scale,
         )

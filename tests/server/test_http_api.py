@@ -282,6 +282,7 @@ def test_models_tokenize_detokenize_health_and_version(server, offline):
     models = json.loads(body)
     assert status == 200 and [m["id"] for m in models["data"]] == [SERVED_MODEL_NAME]
     assert models["data"][0]["max_model_len"] > 0
+    assert models["data"][0]["vocab_size"] == 512
     status, body = get(server, f"/v1/models/{SERVED_MODEL_NAME}")
     assert status == 200 and json.loads(body)["id"] == SERVED_MODEL_NAME
     status, answer = post(server, "/tokenize", {"prompt": "hello"})
