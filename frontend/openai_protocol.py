@@ -143,6 +143,9 @@ class ApiRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats: usage on every chunk
     logprobs: int | None  # how many top alternatives to report per token; None: no logprobs
     echo: bool  # completions: the prompt before the output (text, and logprobs)
+    # vLLM's prompt_logprobs: each choice reports the prompt's logprobs (its first chunk,
+    # when streamed).
+    prompt_logprobs: bool
     cache_namespace: str | None
     client_request_id: str
     created_s: int = field(default_factory=lambda: int(time.time()))
@@ -254,6 +257,7 @@ def parse_request(
         continuous_usage=continuous_usage,
         logprobs=logprobs,
         echo=echo,
+        prompt_logprobs=body.get("prompt_logprobs") is not None,
         cache_namespace=cache_salt,
         client_request_id=request_id,
     )
@@ -536,6 +540,20 @@ def chat_logprobs(
     return {"content": content}
 
 
+def prompt_logprobs(output: RequestOutput, texts: TokenTexts) -> list[dict | None]:
+    """vLLM's format: per prompt token (None for the first, which nothing predicts), each
+    token id's logprob and text."""
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {"logprob": logprob, "decoded_token": texts(token_id)}
+            for token_id, logprob in entry.items()
+        }
+        for entry in output.prompt_logprobs or []
+    ]
+
+
 def _stop_reason(completion: CompletionOutput) -> int | str | None:
     return completion.stop_reason
 
@@ -577,6 +595,8 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
                     choice["logprobs"] = completion_logprobs(
                         token_ids, entries, request.logprobs, 0, texts
                     )
+            if request.prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs(output, texts)
             choices.append(choice)
     return {
         "id": response_id(request),
@@ -646,6 +666,11 @@ class StreamWriter:
             )
             newly_finished = finish_reason(completion) is not None and not cursor.finished
             new_logprobs = request.logprobs is not None and bool(new_entries)
+            if not cursor.started and not (new_tokens or newly_finished):
+                # The prompt still being prefilled (a chunked prefill reports its prompt
+                # logprobs piece by piece): a choice starts with its first token, when the
+                # prompt's are all there.
+                continue
             if cursor.started and not (new_text or new_logprobs or newly_finished):
                 continue  # tokens whose text the detokenizer still holds back
             index = self._prompt_index * num_outputs + completion.index
@@ -679,6 +704,8 @@ class StreamWriter:
                     )
             choice["finish_reason"] = finish_reason(completion) if newly_finished else None
             choice["stop_reason"] = _stop_reason(completion) if newly_finished else None
+            if request.prompt_logprobs and not cursor.started:
+                choice["prompt_logprobs"] = prompt_logprobs(output, self._texts)
             cursor.started = True
             cursor.finished = cursor.finished or newly_finished
             cursor.text_chars = len(completion.text)
@@ -711,7 +738,9 @@ class StreamWriter:
         new_tokens = 0
         for completion in output.outputs:
             cursor = self._cursors.get(completion.index)
-            if cursor is None or (finish_reason(completion) is not None and not cursor.finished):
+            if cursor is None or not cursor.started:
+                return True  # its first token goes at once (time to first token)
+            if finish_reason(completion) is not None and not cursor.finished:
                 return True
             new_tokens += len(completion.token_ids) - cursor.tokens
         return new_tokens >= self._interval_tokens

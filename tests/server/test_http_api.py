@@ -185,6 +185,12 @@ def test_completion_logprobs_and_echo(server, offline):
     assert echoed[: -len(want.outputs[0].text) or None] == offline.tokenizer.decode(
         PROMPT_IDS, skip_special_tokens=False
     )
+    # vLLM's prompt_logprobs, without echo: per choice, keyed by token id.
+    status, answer = post(server, "/v1/completions", {**body, "echo": False, "prompt_logprobs": 2})
+    reported = answer["choices"][0]["prompt_logprobs"]
+    assert reported[0] is None and len(reported) == len(PROMPT_IDS)
+    for entry, want_entry in zip(reported[1:], want.prompt_logprobs[1:]):
+        assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(want_entry)
     # Streamed: the same logprobs, a token at a time.
     events = sse_events(server, "/v1/completions", {**body, "echo": False, "stream": True})
     assert events[-1] == "[DONE]"

@@ -128,3 +128,23 @@ def test_stream_chunks_carry_what_is_new_and_respect_the_interval(llm):
     assert end[0]["choices"][0]["text"] == "e"
     assert end[0]["choices"][0]["finish_reason"] == "length"
     assert all(c["id"] == "cmpl-x" and c["object"] == "text_completion" for c in first + end)
+
+
+def test_a_streamed_choice_starts_with_its_first_token_and_the_whole_prompts_logprobs(llm):
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "stream": True, "prompt_logprobs": 1}
+    request = parse(llm, body)
+    writer = StreamWriter(request, "cmpl-y", 0, llm, TokenTexts(llm), interval_tokens=8)
+    output = RequestOutput(
+        "r", None, [5, 6, 7], outputs=[CompletionOutput(0, "", [], None)], finished=False
+    )
+    # A chunked prefill reports the prompt's logprobs piece by piece, before any token.
+    output.prompt_logprobs = [None, {6: -1.5, 9: -0.5}]
+    assert writer.chunks(output) == []
+    output.prompt_logprobs.append({7: -2.0})
+    first = writer.chunks(grown(output, [10], "a"))  # at once, despite the interval of 8
+    assert len(first) == 1 and first[0]["choices"][0]["text"] == "a"
+    reported = first[0]["choices"][0]["prompt_logprobs"]
+    assert reported[0] is None and len(reported) == 3
+    assert reported[1]["6"]["logprob"] == -1.5 and reported[2]["7"]["logprob"] == -2.0
+    later = writer.chunks(grown(output, [10, 11, 12, 13], "abcd", finish="length"))
+    assert "prompt_logprobs" not in later[0]["choices"][0]
