@@ -92,6 +92,7 @@ Exit status: 0 when every check held, 1 otherwise (the summary and the JSON say 
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import contextlib
@@ -367,7 +368,7 @@ async def target_model_card(base_url: str, model_name: str | None) -> dict[str, 
 
 
 @dataclass
-class CallResult:
+class CallResult(abc.ABC):
     """One streamed call as the client saw it, whichever API carried it (perf_counter
     seconds)."""
 
@@ -401,9 +402,9 @@ class CallResult:
             return "messages after the final one"
         return self.output_problem()
 
+    @abc.abstractmethod
     def output_problem(self) -> str | None:
         """What is wrong with a call that ended as it should, in the API's own terms."""
-        raise NotImplementedError
 
 
 @dataclass
