@@ -89,6 +89,13 @@ def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) 
     return output
 
 
+def _channel(channels: Any, target: str, credentials, options: dict[str, Any]):
+    """A channel from ``grpc`` or ``grpc.aio`` (``channels``), which make them alike."""
+    if credentials is None:
+        return channels.insecure_channel(target, list(options.items()))
+    return channels.secure_channel(target, credentials, list(options.items()))
+
+
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     """What every call sends to a server started with ``--api-key``."""
     return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
@@ -108,12 +115,7 @@ class Client:
         **options: Any,
     ) -> None:
         self._metadata = _metadata(api_key)
-        channel_options = list(options.items())
-        self.channel = (
-            grpc.insecure_channel(target, channel_options)
-            if credentials is None
-            else grpc.secure_channel(target, credentials, channel_options)
-        )
+        self.channel = _channel(grpc, target, credentials, options)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def generate(
@@ -199,12 +201,7 @@ class AsyncClient:
         **options: Any,
     ) -> None:
         self._metadata = _metadata(api_key)
-        channel_options = list(options.items())
-        self.channel = (
-            grpc.aio.insecure_channel(target, channel_options)
-            if credentials is None
-            else grpc.aio.secure_channel(target, credentials, channel_options)
-        )
+        self.channel = _channel(grpc.aio, target, credentials, options)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     async def generate(

@@ -554,10 +554,6 @@ def prompt_logprobs(output: RequestOutput, texts: TokenTexts) -> list[dict | Non
     ]
 
 
-def _stop_reason(completion: CompletionOutput) -> int | str | None:
-    return completion.stop_reason
-
-
 def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) -> dict:
     """The answer of a call that did not stream: every choice in full."""
     texts = TokenTexts(llm)
@@ -572,7 +568,7 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
                     "message": {"role": "assistant", "content": completion.text},
                     "logprobs": None,
                     "finish_reason": finish_reason(completion),
-                    "stop_reason": _stop_reason(completion),
+                    "stop_reason": completion.stop_reason,
                 }
                 if request.logprobs is not None and completion.logprobs is not None:
                     choice["logprobs"] = chat_logprobs(
@@ -585,7 +581,7 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
                     "text": prefix + completion.text,
                     "logprobs": None,
                     "finish_reason": finish_reason(completion),
-                    "stop_reason": _stop_reason(completion),
+                    "stop_reason": completion.stop_reason,
                 }
                 if request.logprobs is not None and completion.logprobs is not None:
                     token_ids, entries = list(completion.token_ids), list(completion.logprobs)
@@ -703,7 +699,7 @@ class StreamWriter:
                         token_ids, entries, request.logprobs, offset, self._texts
                     )
             choice["finish_reason"] = finish_reason(completion) if newly_finished else None
-            choice["stop_reason"] = _stop_reason(completion) if newly_finished else None
+            choice["stop_reason"] = completion.stop_reason if newly_finished else None
             if request.prompt_logprobs and not cursor.started:
                 choice["prompt_logprobs"] = prompt_logprobs(output, self._texts)
             cursor.started = True
