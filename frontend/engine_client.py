@@ -76,6 +76,7 @@ from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import check_request_fits
 from pagedserve.scheduler.serialization import Message, decode, encode
+from pagedserve.scheduler.structured_output import GrammarVocabulary
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0  # loading a model takes seconds, a large one minutes
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
@@ -122,6 +123,7 @@ class EngineClient:
         world_size: int = 1,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+        grammar_vocabulary: GrammarVocabulary | None = None,
     ) -> None:
         if not startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s!r}")
@@ -150,6 +152,7 @@ class EngineClient:
                     enable_prefix_caching=enable_prefix_caching,
                     world_size=world_size,
                     worker=worker_spec,
+                    grammar_vocabulary=grammar_vocabulary,
                 )
             )
             engine_ready = self._process.wait_until_ready(startup_timeout_s)

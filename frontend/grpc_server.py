@@ -202,7 +202,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     request.sampling if request.HasField("sampling") else None,
                     server.default_params,
                 )
-                server.check_fits(llm, token_ids, params, "sampling.stop")
+                server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")
             except (ValueError, TypeError) as error:
                 raise CallError("INVALID_ARGUMENT", str(error)) from None
             return server.submit("grpc", prompt, token_ids, params, request.cache_namespace or None)

@@ -25,6 +25,7 @@ from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.structured_output import GrammarVocabulary, grammar_text
 
 if TYPE_CHECKING:
     from pagedserve.gpu_worker.worker import Worker
@@ -158,6 +159,15 @@ class LLM:
             preemption_mode=preemption_mode,
             allocation_policy=allocation_policy,
         )
+        # What structured output matches grammars over (None: no tokenizer, no grammars).
+        tokenizer_json = self.tokenizer.backend_json() if self.tokenizer is not None else None
+        self.grammar_vocabulary = (
+            None
+            if tokenizer_json is None
+            else GrammarVocabulary(
+                tokenizer_json, model_config.vocab_size, sorted(model_config.eos_token_ids)
+            )
+        )
         self.engine: EngineCore | EngineClient
         if multiprocess:
             self.engine = EngineClient(
@@ -177,6 +187,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 world_size=tensor_parallel_size,
                 startup_timeout_s=startup_timeout_s,
+                grammar_vocabulary=self.grammar_vocabulary,
             )
             cache_sizes = (
                 self.engine.num_blocks,
@@ -192,6 +203,7 @@ class LLM:
                 seed=seed,
                 num_host_blocks=self.worker.num_host_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                grammar_vocabulary=self.grammar_vocabulary,
             )
             cache_sizes = (
                 self.worker.num_blocks,
@@ -247,6 +259,7 @@ class LLM:
                     f"sampling_params.stop={params.stop!r}: stop strings need a tokenizer, "
                     f"and {str(self.model_path)!r} has none; use stop_token_ids instead"
                 )
+            self.check_structured_outputs(params, "sampling_params")
         return self._run(prompt_list, encoded, params_list, cache_namespace)
 
     def chat(
@@ -337,6 +350,23 @@ class LLM:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
         return [trackers[request_id].output for request_id in request_ids]
+
+    def check_structured_outputs(self, params: SamplingParams, field: str) -> None:
+        """``ValueError`` naming the field when ``params`` asks for structured output this
+        engine cannot give: a constraint that does not compile, or a model without a
+        tokenizer. Checked here so the request never reaches the scheduler."""
+        structured = params.structured_outputs
+        if structured is None:
+            return
+        if self.grammar_vocabulary is None:
+            raise ValueError(
+                f"{field}.structured_outputs: grammars are matched over the model's "
+                f"tokenizer, and {str(self.model_path)!r} has none (or only a slow one)"
+            )
+        try:
+            grammar_text(structured)
+        except ValueError as error:
+            raise ValueError(f"{field}.{error}") from None
 
     def encode_prompt(self, prompt: PromptType, field: str) -> list[int]:
         """A prompt's token ids: text tokenized, ids checked against the vocabulary.

@@ -202,13 +202,21 @@ class Server:
         return llm
 
     @staticmethod
-    def check_fits(llm: LLM, token_ids: list[int], params: SamplingParams, stop_field: str) -> None:
-        """``ValueError`` for a request the engine could never run (it names the limit)."""
+    def check_fits(
+        llm: LLM,
+        token_ids: list[int],
+        params: SamplingParams,
+        stop_field: str,
+        params_field: str,
+    ) -> None:
+        """``ValueError`` for a request the engine could never run (it names the limit), or
+        whose structured output it cannot give (named under ``params_field``)."""
         if params.stop and llm.tokenizer is None:
             raise ValueError(
                 f"{stop_field}={params.stop!r}: stop strings need a tokenizer, and "
                 f"{str(llm.model_path)!r} has none; use stop token ids instead"
             )
+        llm.check_structured_outputs(params, params_field)
         llm.engine.check_request_fits(len(token_ids), params.max_tokens, params.num_sequences)
 
     def submit(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,16 @@ class Tokenizer:
         return self._tokenizer.decode(
             token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+    def backend_json(self) -> str | None:
+        """The Rust tokenizer serialized (``tokenizer.json``'s format, added tokens
+        included), without padding or truncation; None for a slow tokenizer."""
+        if self._backend is None:
+            return None
+        backend = copy.copy(self._backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
 
     def token_text(self, token_id: int) -> str:
         """A special token's text as written (``<|im_end|>``), without the decoder."""

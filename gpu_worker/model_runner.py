@@ -123,7 +123,10 @@ class ModelRunner:
             # NOTE: on a GPU this copy waits for the forward pass: the step's one synchronization.
             logits = self.model.compute_logits(hidden[inputs.logits_indices]).cpu()
             sampled = self.sampler(
-                logits, self._sampling_batch(inputs.sampling_entries, inputs.sample_seeds)
+                logits,
+                self._sampling_batch(
+                    inputs.sampling_entries, inputs.sample_seeds, plan.token_bitmasks
+                ),
             )
             prompt_logprobs = {
                 entry.request_id: self._prompt_logprobs(hidden, entry, first_row)
@@ -258,9 +261,16 @@ class ModelRunner:
         )
 
     def _sampling_batch(
-        self, entries: list[_ScheduledEntry], sample_seeds: list[int | None]
+        self,
+        entries: list[_ScheduledEntry],
+        sample_seeds: list[int | None],
+        token_bitmasks: dict[str, bytes],
     ) -> SamplingBatch:
         states = [entry.state for entry in entries]
+        # Every row of an entry drawing several samples starts from the same grammar state.
+        grammar_rows = [
+            row for row, entry in enumerate(entries) if entry.request_id in token_bitmasks
+        ]
         params = [state.sampling_params for state in states]
         seeds = [(p.seed or 0) if seed is None else seed for p, seed in zip(params, sample_seeds)]
         penalized = [row for row, p in enumerate(params) if p.has_penalties]
@@ -297,6 +307,13 @@ class ModelRunner:
             ],
             banned_rows=np.array(banned, dtype=np.int64),
             banned_token_ids=[_banned_token_ids(states[r]) for r in banned],
+            grammar_rows=np.array(grammar_rows, dtype=np.int64),
+            allowed_token_bits=np.frombuffer(
+                b"".join(token_bitmasks[entries[r].request_id] for r in grammar_rows),
+                dtype=np.uint8,
+            ).reshape(len(grammar_rows), -1)
+            if grammar_rows
+            else np.empty((0, 0), dtype=np.uint8),
         )
 
     def _prompt_logprobs(

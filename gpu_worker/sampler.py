@@ -6,7 +6,7 @@ Every operation works on whole tensors of rows; the only Python loops are over t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,6 +54,12 @@ class SamplingBatch:
     # Rows that may not stop yet (min_tokens), and the token ids they may not pick.
     banned_rows: np.ndarray  # int64 [b]
     banned_token_ids: list[np.ndarray]  # b arrays
+    # Rows under a grammar (structured output), and the tokens each may pick: bit t of
+    # row i's little-endian bytes set when token t is allowed (StepPlan.token_bitmasks).
+    grammar_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    allowed_token_bits: np.ndarray = field(  # uint8 [g, ceil(vocab / 32) * 4]
+        default_factory=lambda: np.empty((0, 0), dtype=np.uint8)
+    )
 
 
 @dataclass
@@ -73,10 +79,10 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if batch.penalty_rows.size:
             apply_penalties(logits, batch)
+        if batch.grammar_rows.size:
+            apply_grammar_masks(logits, batch)
         if batch.banned_rows.size:
-            rows = np.repeat(batch.banned_rows, [ids.size for ids in batch.banned_token_ids])
-            columns = np.concatenate(batch.banned_token_ids)
-            logits[torch.from_numpy(rows), torch.from_numpy(columns)] = float("-inf")
+            ban_stop_tokens(logits, batch)
 
         # NOTE: max(dim).indices, not argmax: the same first-maximum index (NaN included),
         # measured 1.75x faster on CPU for [64, 49152] float32 (~1 ms a decode step).
@@ -95,6 +101,34 @@ class Sampler:
             torch.cat((token_ids[:, None], top_ids), dim=1),
             torch.cat((chosen, top_values), dim=1),
         )
+
+
+def apply_grammar_masks(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Every token a row's grammar does not allow gets -inf. In place."""
+    vocab_size = logits.shape[1]
+    allowed = np.unpackbits(batch.allowed_token_bits, axis=1, bitorder="little")[:, :vocab_size]
+    rows = torch.from_numpy(batch.grammar_rows)
+    logits[rows] = logits[rows].masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))
+
+
+def ban_stop_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """EOS and stop tokens get -inf on rows short of min_tokens. In place.
+
+    Where a grammar allows nothing but those tokens (the output is complete), the grammar
+    wins: that row keeps them, since a row with no token left could only pick one outside
+    its grammar."""
+    rows = torch.from_numpy(
+        np.repeat(batch.banned_rows, [ids.size for ids in batch.banned_token_ids])
+    )
+    columns = torch.from_numpy(np.concatenate(batch.banned_token_ids))
+    kept = logits[rows, columns]
+    logits[rows, columns] = float("-inf")
+    if batch.grammar_rows.size:
+        banned_rows = torch.from_numpy(batch.banned_rows)
+        emptied = torch.isneginf(logits[banned_rows]).all(dim=-1)
+        if emptied.any():
+            restore = emptied[torch.searchsorted(banned_rows, rows)]
+            logits[rows[restore], columns[restore]] = kept[restore]
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:

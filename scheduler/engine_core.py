@@ -13,6 +13,7 @@ from pagedserve.scheduler.messages import RequestOutputDelta, StepPlan, StepResu
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.structured_output import GrammarVocabulary, StructuredOutput
 
 
 class Executor(Protocol):
@@ -34,7 +35,10 @@ class EngineCore:
         seed: int = 0,
         num_host_blocks: int = 0,
         enable_prefix_caching: bool = False,
+        grammar_vocabulary: GrammarVocabulary | None = None,
     ) -> None:
+        """``grammar_vocabulary`` (the model's tokenizer) lets requests ask for structured
+        output; without it such a request is refused."""
         watermark_blocks = int(scheduler_config.watermark_fraction * num_blocks)
         self.block_manager = BlockManager(
             num_blocks,
@@ -52,7 +56,9 @@ class EngineCore:
                     f"({scheduler_config.max_model_len} tokens = {needed} blocks) per "
                     f"request, but the KV cache has {num_blocks} blocks; lower max_model_len"
                 )
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(
+            scheduler_config, self.block_manager, StructuredOutput(grammar_vocabulary)
+        )
         self.executor = executor
         # Requests that sample without a seed get one from here, so a whole run is
         # reproducible from the engine's seed and each request's draws stay its own.

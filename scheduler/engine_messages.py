@@ -19,6 +19,7 @@ from typing import Any
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.structured_output import GrammarVocabulary
 
 
 @dataclass
@@ -140,7 +141,8 @@ class StartEngine:
     (ipc:// in ``ipc_dir``, a directory only this engine uses); the scheduler binds its
     own sockets in ``ipc_dir`` too. ``frontend_pid`` lets the scheduler check that its
     parent is still the one that started it. There is no start-up deadline here: the
-    frontend owns it, and kills the engine when it passes.
+    frontend owns it, and kills the engine when it passes. ``grammar_vocabulary`` (None
+    for a model without a tokenizer) is what structured output matches grammars over.
     """
 
     frontend_pid: int
@@ -152,6 +154,7 @@ class StartEngine:
     enable_prefix_caching: bool
     world_size: int
     worker: WorkerSpec
+    grammar_vocabulary: GrammarVocabulary | None = None
 
 
 @dataclass

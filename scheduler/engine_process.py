@@ -178,6 +178,7 @@ def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zm
             seed=start.seed,
             num_host_blocks=cache["num_host_blocks"],
             enable_prefix_caching=start.enable_prefix_caching,
+            grammar_vocabulary=start.grammar_vocabulary,
         )
         outbox.send(encode(Ready("engine", os.getpid(), cache)))
         EngineLoop(engine, executor, inbox, outbox).run()

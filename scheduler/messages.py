@@ -66,6 +66,10 @@ class StepPlan:
     in that order, before the forward pass: a device block freed by a swap-out may be
     refilled by a swap-in or written in this step, and a swapped-in block may be the
     source of a copy.
+
+    ``token_bitmasks`` maps each sequence that samples under a grammar in this step to
+    the tokens it may pick: bit ``t`` of the little-endian int32 words set when token
+    ``t`` is allowed (``scheduler/structured_output.py``).
     """
 
     step_id: int
@@ -75,6 +79,7 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    token_bitmasks: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:

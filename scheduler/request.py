@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,9 @@ from pagedserve.scheduler.sampling_params import SamplingParams, derive_seed
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.sequence_group import SequenceGroup
+    from pagedserve.scheduler.structured_output import GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +66,8 @@ class Request:
     cumulative_logprob: float = 0.0
     # Per-token logprobs kept for outputs reported only at the end (best_of > n).
     output_logprobs: list = field(default_factory=list)
+    # Where the output stands in its grammar (SamplingParams.structured_outputs).
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -88,6 +94,7 @@ class Request:
             group=self.group,
             sample_index=sample_index,
             cumulative_logprob=self.cumulative_logprob,
+            grammar=None if self.grammar is None else self.grammar.fork(),
         )
         child.token_ids = list(self.token_ids)
         return child
@@ -117,6 +124,20 @@ class Request:
         """Record a sampled token and return the status it leaves the request in."""
         self.token_ids.append(token_id)
         params = self.sampling_params
+        if self.grammar is not None:
+            if not self.grammar.accept(token_id):
+                # The sampler allows only the grammar's tokens, so this is an engine fault;
+                # the output so far is still inside the grammar.
+                logger.error(
+                    "request %s: token %d is outside its grammar (%s); stopping it",
+                    self.request_id,
+                    token_id,
+                    self.grammar.error,
+                )
+                return RequestStatus.FINISHED_STOPPED
+            if self.grammar.is_finished:
+                # Nothing may follow: the output is complete (even with ignore_eos).
+                return RequestStatus.FINISHED_STOPPED
         # The sampler masks EOS and stop tokens until min_tokens are out; this keeps
         # the rule true for tokens that arrive any other way.
         may_stop = self.num_output_tokens > params.min_tokens

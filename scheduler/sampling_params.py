@@ -2,11 +2,98 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 # A beam step looks at the top (1 + EOS ids) * beam_width tokens of each beam.
 MAX_BEAM_WIDTH = 16
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language, vLLM's ``StructuredOutputsParams``: set exactly
+    one of ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice`` (the
+    output is one of these strings), ``grammar`` (Lark or GBNF) or ``json_object=True``
+    (any JSON object).
+
+    At each step the sampler may pick only tokens that keep the output a prefix of a
+    string of the language (``scheduler/structured_output.py``), and EOS only where the
+    output is complete; a request whose output completes the language ends there
+    (finish reason ``stop``), even with ``ignore_eos``. ``max_tokens`` can still cut it
+    short (finish reason ``length``). A JSON schema's ``"x-guidance"`` key takes
+    llguidance's options (whitespace, for one).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            if isinstance(self.json, dict):
+                # Kept as text: the form that crosses processes, and a copy the caller
+                # cannot change under us.
+                self.json = json.dumps(self.json)
+            elif not isinstance(self.json, str):
+                raise TypeError(
+                    f"structured_outputs.json must be a JSON schema (a dict or its text), "
+                    f"got {self.json!r}"
+                )
+            try:
+                schema = json.loads(self.json)
+            except ValueError as error:
+                raise ValueError(
+                    f"structured_outputs.json is not valid JSON: {error}"
+                ) from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(
+                    f"structured_outputs.json must be a JSON schema (an object), got {schema!r}"
+                )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"structured_outputs.{name} must be a string, got {value!r}")
+            if value == "":
+                raise ValueError(f"structured_outputs.{name} must not be empty")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of strings, "
+                    f"got {self.choice!r}"
+                )
+            self.choice = list(self.choice)
+            for index, text in enumerate(self.choice):
+                if not isinstance(text, str):
+                    raise TypeError(
+                        f"structured_outputs.choice[{index}] must be a string, got {text!r}"
+                    )
+        if not isinstance(self.json_object, bool):
+            raise TypeError(
+                f"structured_outputs.json_object must be a bool, got {self.json_object!r}"
+            )
+        chosen = [name for name in STRUCTURED_OUTPUT_KINDS if self._is_set(name)]
+        if len(chosen) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                + (", ".join(chosen) if chosen else "none")
+            )
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is True if name == "json_object" else value is not None
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if self._is_set(name))
 
 
 @dataclass
@@ -35,6 +122,9 @@ class SamplingParams:
       ``length ** length_penalty``; ``early_stopping`` is True (stop once ``beam_width``
       hypotheses are done), False (stop when no running beam can beat them, judged at
       the current length) or "never" (judged at the longest possible length).
+
+    ``structured_outputs`` constrains what the output may be (``StructuredOutputsParams``:
+    a JSON schema, a regex, a choice of strings, a grammar); not with beam search.
 
     The last four fields are the frontend's (the scheduler and workers ignore them).
     ``stop`` strings end the output where one first appears in the text, even split
@@ -66,6 +156,7 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    structured_outputs: StructuredOutputsParams | None = None
     stop: list[str] | str | None = None  # kept as a list
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -103,6 +194,13 @@ class SamplingParams:
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
         self.stop = _check_stop_strings(self.stop)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise TypeError(
+                f"structured_outputs must be a StructuredOutputsParams, "
+                f"got {self.structured_outputs!r}"
+            )
         for name in (
             "include_stop_str_in_output",
             "skip_special_tokens",
@@ -142,6 +240,11 @@ class SamplingParams:
                 raise ValueError(
                     "logprobs is not supported with beam search (each output reports its "
                     "cumulative_logprob)"
+                )
+            if self.structured_outputs is not None:
+                raise ValueError(
+                    "structured_outputs is not supported with beam search (beams are "
+                    "chosen from the unconstrained candidates)"
                 )
 
     @property

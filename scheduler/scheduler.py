@@ -17,6 +17,7 @@ from pagedserve.scheduler.messages import (
 )
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sequence_group import SequenceGroup
+from pagedserve.scheduler.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,15 @@ class Scheduler:
     copies it (``StepPlan.copy_blocks``).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        structured_output: StructuredOutput | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.structured_output = structured_output or StructuredOutput(None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -132,6 +139,8 @@ class Scheduler:
                 f"n={params.n}, best_of={params.best_of}, beam_width={params.beam_width} "
                 "need allocation_policy 'paged'"
             )
+        if params.structured_outputs is not None:
+            request.grammar = self.structured_output.new_matcher(params.structured_outputs)
         self.requests[request.request_id] = request
         if params.num_sequences > 1:
             self.groups[request.request_id] = SequenceGroup.create(request)
@@ -216,7 +225,18 @@ class Scheduler:
 
         plan.finished_request_ids = self._drop_ids_for_workers
         self._drop_ids_for_workers = []
+        self._add_token_bitmasks(plan)
         return plan
+
+    def _add_token_bitmasks(self, plan: StepPlan) -> None:
+        """The grammar's allowed tokens for each constrained sequence that samples in this
+        step (one whose scheduled tokens reach its last known token)."""
+        for scheduled in (*plan.new_requests, *plan.cached_requests):
+            request = self.requests[scheduled.request_id]
+            if request.grammar is None:
+                continue
+            if scheduled.num_computed_tokens + scheduled.num_scheduled_tokens == request.num_tokens:
+                plan.token_bitmasks[request.request_id] = request.grammar.allowed_token_bitmask()
 
     def _extend(self, plan: StepPlan, request: Request, num_new: int) -> None:
         """Give a running sequence slots for ``num_new`` more tokens and put it in the

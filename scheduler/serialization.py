@@ -66,7 +66,8 @@ from pagedserve.scheduler.messages import (
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.scheduler.structured_output import GrammarVocabulary
 
 Message = (
     StepPlan
@@ -91,6 +92,8 @@ Message = (
     | TokenLogprobs
     | PromptLogprobsChunk
     | SamplingParams
+    | StructuredOutputsParams
+    | GrammarVocabulary
 )
 MessageT = TypeVar("MessageT")
 
@@ -125,11 +128,14 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "beam_width",
         "length_penalty",
         "early_stopping",
+        "structured_outputs",
         "stop",
         "include_stop_str_in_output",
         "skip_special_tokens",
         "spaces_between_special_tokens",
     ),
+    StructuredOutputsParams: ("json", "regex", "choice", "grammar", "json_object"),
+    GrammarVocabulary: ("tokenizer_json", "vocab_size", "eos_token_ids"),
     NewRequestData: (
         "request_id",
         "token_ids",
@@ -154,6 +160,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "swap_out",
         "swap_in",
         "copy_blocks",
+        "token_bitmasks",
     ),
     StepResult: ("step_id", "request_ids", "sampled_token_ids", "logprobs", "prompt_logprobs"),
     RequestOutputDelta: (
@@ -214,6 +221,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "enable_prefix_caching",
         "world_size",
         "worker",
+        "grammar_vocabulary",
     ),
     StartWorker: (
         "rank",
@@ -295,16 +303,23 @@ def _check_pairs(flat: Any, where: str) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------- nested types
 
 _sampling_params_fields = attrgetter(*WIRE_FIELDS[SamplingParams])
+_STRUCTURED_OUTPUTS_INDEX = WIRE_FIELDS[SamplingParams].index("structured_outputs")
 
 
 def _pack_sampling_params(params: SamplingParams) -> list:
-    return list(_sampling_params_fields(params))
+    fields = list(_sampling_params_fields(params))
+    if params.structured_outputs is not None:
+        fields[_STRUCTURED_OUTPUTS_INDEX] = _pack_flat(params.structured_outputs)
+    return fields
 
 
 def _unpack_sampling_params(value: Any) -> SamplingParams:
     fields = _fields(value, "SamplingParams")
     names = WIRE_FIELDS[SamplingParams]
     _check(fields[names.index("ignore_eos")], bool, "SamplingParams.ignore_eos")
+    structured = fields[_STRUCTURED_OUTPUTS_INDEX]
+    if structured is not None:
+        fields[_STRUCTURED_OUTPUTS_INDEX] = _unpack_flat(structured, StructuredOutputsParams)
     _check(fields[names.index("stop_token_ids")], list, "SamplingParams.stop_token_ids")
     # A bare string would pass the dataclass, which accepts one stop string.
     _check(fields[names.index("stop")], list, "SamplingParams.stop")
@@ -436,11 +451,14 @@ def _pack_step_plan(plan: StepPlan) -> list:
         list(chain.from_iterable(plan.swap_out)),
         list(chain.from_iterable(plan.swap_in)),
         list(chain.from_iterable(plan.copy_blocks)),
+        plan.token_bitmasks,
     ]
 
 
 def _unpack_step_plan(value: Any) -> StepPlan:
-    step_id, new_requests, cached, finished, swap_out, swap_in, copies = _fields(value, "StepPlan")
+    step_id, new_requests, cached, finished, swap_out, swap_in, copies, bitmasks = _fields(
+        value, "StepPlan"
+    )
     _check(step_id, int, "StepPlan.step_id")
     _check(new_requests, list, "StepPlan.new_requests")
     _check(cached, list, "StepPlan.cached_requests")
@@ -454,6 +472,8 @@ def _unpack_step_plan(value: Any) -> StepPlan:
     _check_column(num_scheduled, int, num_cached, "StepPlan.cached_requests.num_scheduled_tokens")
     finished = _check(finished, list, "StepPlan.finished_request_ids")
     _check_column(finished, str, len(finished), "StepPlan.finished_request_ids")
+    _check(bitmasks, dict, "StepPlan.token_bitmasks")
+    _check_column(list(bitmasks.values()), bytes, len(bitmasks), "StepPlan.token_bitmasks")
     return StepPlan(
         step_id=step_id,
         new_requests=[_unpack_new_request(request) for request in new_requests],
@@ -465,6 +485,7 @@ def _unpack_step_plan(value: Any) -> StepPlan:
         swap_out=_check_pairs(swap_out, "StepPlan.swap_out"),
         swap_in=_check_pairs(swap_in, "StepPlan.swap_in"),
         copy_blocks=_check_pairs(copies, "StepPlan.copy_blocks"),
+        token_bitmasks=bitmasks,
     )
 
 
@@ -698,6 +719,14 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     EngineStats: (dict, (str, type(None))),
     SchedulerConfig: (int, int, int, bool, float, (str, type(None))),
     WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int),
+    StructuredOutputsParams: (
+        (str, type(None)),
+        (str, type(None)),
+        (list, type(None)),
+        (str, type(None)),
+        bool,
+    ),
+    GrammarVocabulary: (str, int, list),
 }
 
 
@@ -727,16 +756,20 @@ def _pack_start_engine(start: StartEngine) -> list:
     fields = _pack_flat(start)
     fields[4] = _pack_flat(start.scheduler_config)
     fields[8] = _pack_flat(start.worker)
+    if start.grammar_vocabulary is not None:
+        fields[9] = _pack_flat(start.grammar_vocabulary)
     return fields
 
 
 def _unpack_start_engine(value: Any) -> StartEngine:
     fields = _fields(value, "StartEngine")
-    expected = (int, str, str, str, list, int, bool, int, list)
+    expected = (int, str, str, str, list, int, bool, int, list, (list, type(None)))
     for name, field_value, field_type in zip(WIRE_FIELDS[StartEngine], fields, expected):
         _check(field_value, field_type, f"StartEngine.{name}")
     fields[4] = _unpack_flat(fields[4], SchedulerConfig)
     fields[8] = _unpack_flat(fields[8], WorkerSpec)
+    if fields[9] is not None:
+        fields[9] = _unpack_flat(fields[9], GrammarVocabulary)
     return StartEngine(*fields)
 
 

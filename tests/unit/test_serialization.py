@@ -34,7 +34,7 @@ from pagedserve.scheduler.messages import (
     StepResult,
     TokenLogprobs,
 )
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.scheduler.serialization import (
     MESSAGE_TAGS,
     WIRE_FIELDS,
@@ -43,6 +43,7 @@ from pagedserve.scheduler.serialization import (
     decode_as,
     encode,
 )
+from pagedserve.scheduler.structured_output import GrammarVocabulary
 
 ALL_SET_PARAMS = SamplingParams(
     max_tokens=77,
@@ -65,6 +66,7 @@ ALL_SET_PARAMS = SamplingParams(
     include_stop_str_in_output=True,
     skip_special_tokens=False,
     spaces_between_special_tokens=False,
+    structured_outputs=StructuredOutputsParams(json={"type": "object", "title": "é"}),
 )
 BEAM_PARAMS = SamplingParams(
     temperature=0.0, beam_width=4, n=2, length_penalty=0.5, early_stopping="never"
@@ -97,6 +99,7 @@ FULL_PLAN = StepPlan(
     swap_out=[(5, 0), (6, 1)],
     swap_in=[(2, 7)],
     copy_blocks=[(3, 9), (4, 11)],
+    token_bitmasks={"req-1": b"\x00\xff\x10\x00", "req-é-0": b"\xff" * 8},
 )
 
 FULL_DELTA = RequestOutputDelta(
@@ -194,6 +197,18 @@ ROUND_TRIP_CASES = {
         world_size=1,
         worker=WORKER_SPEC,
     ),
+    "start-engine-grammar": StartEngine(
+        frontend_pid=77,
+        input_endpoint="ipc:///tmp/ps-x/input.sock",
+        output_endpoint="ipc:///tmp/ps-x/output.sock",
+        ipc_dir="/tmp/ps-x",
+        scheduler_config=SCHEDULER_CONFIG,
+        seed=0,
+        enable_prefix_caching=False,
+        world_size=2,
+        worker=WORKER_SPEC,
+        grammar_vocabulary=GrammarVocabulary('{"model": {"vocab": {"é": 0}}}', 49152, [0, 2]),
+    ),
     "start-worker": StartWorker(
         rank=0,
         world_size=1,
@@ -218,6 +233,16 @@ ROUND_TRIP_CASES = {
     "params-all-set": ALL_SET_PARAMS,
     "params-beam": BEAM_PARAMS,
     "params-defaults": SamplingParams(),
+    "params-regex": SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"\d+")),
+    "params-choice": SamplingParams(
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no", "peut-être"])
+    ),
+    "params-grammar": SamplingParams(
+        structured_outputs=StructuredOutputsParams(grammar='start: "a"+')
+    ),
+    "params-json-object": SamplingParams(
+        structured_outputs=StructuredOutputsParams(json_object=True)
+    ),
 }
 
 
@@ -286,6 +311,7 @@ def _plan_fields(**overrides) -> list:
         "swap_out": [],
         "swap_in": [],
         "copy_blocks": [],
+        "token_bitmasks": {},
     }
     fields.update(overrides)
     return list(fields.values())
@@ -301,7 +327,7 @@ def _plan_fields(**overrides) -> list:
         (msgpack.packb([]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb(["StepPlan"]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb([99, 1]), "unknown message tag 99 .*1=StepPlan"),
-        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 7 fields"),
+        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 8 fields"),
         (_frame(StepPlan, *_plan_fields(step_id="1")), "StepPlan.step_id: expected int, got str"),
         (_frame(StepPlan, *_plan_fields(step_id=True)), "StepPlan.step_id: expected int, got bool"),
         (
@@ -319,6 +345,38 @@ def _plan_fields(**overrides) -> list:
         (_frame(StepPlan, *_plan_fields(swap_out=[1, 2, 3])), r"swap_out: expected \(src, dst\)"),
         (_frame(StepPlan, *_plan_fields(new_requests=[["r"]])), "NewRequestData: expected an"),
         (
+            _frame(StepPlan, *_plan_fields(token_bitmasks={"a": "ff"})),
+            r"StepPlan.token_bitmasks: expected only bytes, found \['str'\]",
+        ),
+        (
+            _frame(StepPlan, *_plan_fields(token_bitmasks=[b"\xff"])),
+            "StepPlan.token_bitmasks: expected dict, got list",
+        ),
+        (
+            _frame(
+                AddRequest,
+                "r",
+                [1],
+                _pack_params(structured_outputs=[None, "a+", ["x"], None, False]),
+                0.0,
+                [2],
+                None,
+            ),
+            "StructuredOutputsParams: structured_outputs must set exactly one of .*regex, choice",
+        ),
+        (
+            _frame(
+                AddRequest,
+                "r",
+                [1],
+                _pack_params(structured_outputs=[None, 5, None, None, False]),
+                0.0,
+                [2],
+                None,
+            ),
+            "StructuredOutputsParams.regex: expected str or None, got int",
+        ),
+        (
             _frame(
                 AddRequest,
                 "r",
@@ -332,7 +390,7 @@ def _plan_fields(**overrides) -> list:
         ),
         (
             _frame(AddRequest, "r", [1], [16], 0.0, [2], None),
-            "SamplingParams: expected an array of 23",
+            "SamplingParams: expected an array of 24",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None),
