@@ -49,9 +49,7 @@ class StructuredOutputsParams:
             try:
                 schema = json.loads(self.json)
             except ValueError as error:
-                raise ValueError(
-                    f"structured_outputs.json is not valid JSON: {error}"
-                ) from None
+                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(
                     f"structured_outputs.json must be a JSON schema (an object), got {schema!r}"

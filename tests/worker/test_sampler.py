@@ -28,6 +28,8 @@ def make_batch(rows: int, **overrides) -> SamplingBatch:
         penalty_output_tokens=[],
         banned_rows=np.zeros(0, np.int64),
         banned_token_ids=[],
+        grammar_rows=np.zeros(0, np.int64),
+        allowed_token_bits=np.zeros((0, 0), np.uint8),
     )
     for name, value in overrides.items():
         fields[name] = (
@@ -186,3 +188,62 @@ def test_uniforms_depend_only_on_seed_and_position():
     assert request_uniforms(seeds[:1], positions[:1])[0] == u[0]
     draws = request_uniforms(np.full(20000, 7, np.uint64), np.arange(20000))
     assert abs(draws.mean() - 0.5) < 0.01  # roughly uniform
+
+
+def bitmask_rows(allowed: list[list[int]], vocab: int = VOCAB) -> np.ndarray:
+    """Rows of allowed-token bits as the scheduler sends them (little-endian int32 words)."""
+    words = (vocab + 31) // 32
+    bits = np.zeros((len(allowed), words * 32), dtype=np.uint8)
+    for row, ids in enumerate(allowed):
+        bits[row, ids] = 1
+    return np.packbits(bits, axis=1, bitorder="little")
+
+
+def test_grammar_masks_restrict_greedy_and_random_rows_to_allowed_tokens():
+    logits = fixed_logits(4, seed=3)
+    allowed = [[5, 9, 40], [63], [0, 1, 2, 3]]
+    batch = make_batch(
+        4,
+        temperatures=[0.0, 1.0, 0.7, 0.0],
+        top_k=[0, 0, 2, 0],
+        grammar_rows=[0, 1, 2],
+        allowed_token_bits=bitmask_rows(allowed),
+    )
+    out = Sampler()(logits.clone(), batch).token_ids.tolist()
+    assert out[0] == max(allowed[0], key=lambda t: logits[0, t].item())
+    assert out[1] == 63
+    # A random row draws from its allowed tokens only, by the reference inverse CDF over
+    # the top-2 of them (top-k applies after the mask).
+    top2 = sorted(allowed[2], key=lambda t: -logits[2, t].item())[:2]
+    probs = softmax(logits[2, top2].numpy() / 0.7)
+    uniform = request_uniforms(batch.seeds[2:3], batch.output_positions[2:3])[0]
+    assert out[2] == top2[reference_draw(probs, uniform)]
+    assert out[3] == logits[3].argmax().item()  # unconstrained
+
+
+def test_logprobs_stay_those_of_the_unconstrained_distribution():
+    logits = fixed_logits(1, seed=4)
+    batch = make_batch(
+        1, num_logprobs=[3], grammar_rows=[0], allowed_token_bits=bitmask_rows([[7, 8]])
+    )
+    out = Sampler()(logits.clone(), batch)
+    raw = torch.log_softmax(logits, dim=-1)
+    chosen = out.token_ids.item()
+    assert chosen in (7, 8)
+    assert out.logprobs[0, 0].item() == pytest.approx(raw[0, chosen].item(), abs=1e-6)
+    assert out.logprob_token_ids[0, 1:].tolist() == raw[0].topk(3).indices.tolist()
+
+
+def test_min_tokens_never_empties_a_row_its_grammar_has_completed():
+    logits = fixed_logits(2, seed=5)
+    # Row 0's grammar allows only EOS (2) or stop token 4; row 1's allows more.
+    batch = make_batch(
+        2,
+        grammar_rows=[0, 1],
+        allowed_token_bits=bitmask_rows([[2, 4], [2, 4, 30]]),
+        banned_rows=[0, 1],
+        banned_token_ids=[np.array([2, 4]), np.array([2, 4])],
+    )
+    out = Sampler()(logits.clone(), batch).token_ids.tolist()
+    assert out[0] == max((2, 4), key=lambda t: logits[0, t].item())  # the grammar wins
+    assert out[1] == 30  # the ban holds where something else is allowed
