@@ -24,7 +24,7 @@ from pagedserve.gpu_worker.model_config import (
 from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, token_ids_outside_vocabulary
 from pagedserve.scheduler.structured_output import GrammarVocabulary, grammar_text
 
 if TYPE_CHECKING:
@@ -259,6 +259,7 @@ class LLM:
                     f"sampling_params.stop={params.stop!r}: stop strings need a tokenizer, "
                     f"and {str(self.model_path)!r} has none; use stop_token_ids instead"
                 )
+            self.check_token_ids(params, "sampling_params")
             self.check_structured_outputs(params, "sampling_params")
         return self._run(prompt_list, encoded, params_list, cache_namespace)
 
@@ -350,6 +351,13 @@ class LLM:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
         return [trackers[request_id].output for request_id in request_ids]
+
+    def check_token_ids(self, params: SamplingParams, field: str) -> None:
+        """``ValueError`` naming the field when ``logit_bias`` or ``allowed_token_ids``
+        names a token id the model does not have."""
+        error = token_ids_outside_vocabulary(params, self.model_config.vocab_size)
+        if error is not None:
+            raise ValueError(f"{field}.{error}")
 
     def check_structured_outputs(self, params: SamplingParams, field: str) -> None:
         """``ValueError`` naming the field when ``params`` asks for structured output this

@@ -274,6 +274,8 @@ class ModelRunner:
         params = [state.sampling_params for state in states]
         seeds = [(p.seed or 0) if seed is None else seed for p, seed in zip(params, sample_seeds)]
         penalized = [row for row, p in enumerate(params) if p.has_penalties]
+        biased = [row for row, p in enumerate(params) if p.logit_bias]
+        restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
         banned = [
             row
             for row, (state, p) in enumerate(zip(states, params))
@@ -307,6 +309,15 @@ class ModelRunner:
             ],
             banned_rows=np.array(banned, dtype=np.int64),
             banned_token_ids=[_banned_token_ids(states[r]) for r in banned],
+            bias_rows=np.array(biased, dtype=np.int64),
+            bias_token_ids=[np.fromiter(params[r].logit_bias, dtype=np.int64) for r in biased],
+            bias_values=[
+                np.fromiter(params[r].logit_bias.values(), dtype=np.float32) for r in biased
+            ],
+            allowed_rows=np.array(restricted, dtype=np.int64),
+            allowed_token_ids=[
+                np.array(params[r].allowed_token_ids, dtype=np.int64) for r in restricted
+            ],
             grammar_rows=np.array(grammar_rows, dtype=np.int64),
             allowed_token_bits=np.frombuffer(
                 b"".join(token_bitmasks[entries[r].request_id] for r in grammar_rows),

@@ -54,6 +54,13 @@ class SamplingBatch:
     # Rows that may not stop yet (min_tokens), and the token ids they may not pick.
     banned_rows: np.ndarray  # int64 [b]
     banned_token_ids: list[np.ndarray]  # b arrays
+    # Rows with a logit_bias: the token ids and the bias added to each.
+    bias_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    bias_token_ids: list[np.ndarray] = field(default_factory=list)  # int64 arrays
+    bias_values: list[np.ndarray] = field(default_factory=list)  # float32 arrays
+    # Rows with allowed_token_ids, and those ids.
+    allowed_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    allowed_token_ids: list[np.ndarray] = field(default_factory=list)  # int64 arrays
     # Rows under a grammar (structured output), and the tokens each may pick: bit t of
     # row i's little-endian bytes set when token t is allowed (StepPlan.token_bitmasks).
     grammar_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
@@ -79,6 +86,11 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if batch.penalty_rows.size:
             apply_penalties(logits, batch)
+        if batch.bias_rows.size:
+            rows, columns = _flatten_rows(batch.bias_rows, batch.bias_token_ids)
+            logits[rows, columns] += torch.from_numpy(np.concatenate(batch.bias_values))
+        if batch.allowed_rows.size:
+            keep_only_allowed_tokens(logits, batch)
         if batch.grammar_rows.size:
             apply_grammar_masks(logits, batch)
         if batch.banned_rows.size:
@@ -103,6 +115,23 @@ class Sampler:
         )
 
 
+def _flatten_rows(
+    rows: np.ndarray, token_ids: list[np.ndarray]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs of per-row token lists, for one advanced-indexing op."""
+    repeated = np.repeat(rows, [ids.size for ids in token_ids])
+    return torch.from_numpy(repeated), torch.from_numpy(np.concatenate(token_ids))
+
+
+def keep_only_allowed_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Every token outside a row's allowed_token_ids gets -inf. In place."""
+    local_rows, columns = _flatten_rows(np.arange(batch.allowed_rows.size), batch.allowed_token_ids)
+    allowed = torch.zeros(batch.allowed_rows.size, logits.shape[1], dtype=torch.bool)
+    allowed[local_rows, columns] = True
+    rows = torch.from_numpy(batch.allowed_rows)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 def apply_grammar_masks(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """Every token a row's grammar does not allow gets -inf. In place."""
     vocab_size = logits.shape[1]
@@ -114,16 +143,13 @@ def apply_grammar_masks(logits: torch.Tensor, batch: SamplingBatch) -> None:
 def ban_stop_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """EOS and stop tokens get -inf on rows short of min_tokens. In place.
 
-    Where a grammar allows nothing but those tokens (the output is complete), the grammar
+    Where a grammar (or allowed_token_ids) allows nothing but those tokens, the grammar
     wins: that row keeps them, since a row with no token left could only pick one outside
-    its grammar."""
-    rows = torch.from_numpy(
-        np.repeat(batch.banned_rows, [ids.size for ids in batch.banned_token_ids])
-    )
-    columns = torch.from_numpy(np.concatenate(batch.banned_token_ids))
+    what it allows."""
+    rows, columns = _flatten_rows(batch.banned_rows, batch.banned_token_ids)
     kept = logits[rows, columns]
     logits[rows, columns] = float("-inf")
-    if batch.grammar_rows.size:
+    if batch.grammar_rows.size or batch.allowed_rows.size:
         banned_rows = torch.from_numpy(batch.banned_rows)
         emptied = torch.isneginf(logits[banned_rows]).all(dim=-1)
         if emptied.any():

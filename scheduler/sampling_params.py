@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,9 @@ class SamplingParams:
 
     ``structured_outputs`` constrains what the output may be (``StructuredOutputsParams``:
     a JSON schema, a regex, a choice of strings, a grammar); not with beam search.
+    ``logit_bias`` adds its value to the logit of each token id it names, after the
+    penalties; ``allowed_token_ids`` lets only those tokens be picked (as vLLM). Neither
+    changes the reported logprobs (the raw distribution's).
 
     The last four fields are the frontend's (the scheduler and workers ignore them).
     ``stop`` strings end the output where one first appears in the text, even split
@@ -155,6 +159,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     stop: list[str] | str | None = None  # kept as a list
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -192,6 +198,16 @@ class SamplingParams:
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
         self.stop = _check_stop_strings(self.stop)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids, "
+                    f"got {self.allowed_token_ids!r}"
+                )
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids[]", token_id, minimum=0)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -287,6 +303,34 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    checked = {}
+    for token_id, value in bias.items():
+        _check_int("logit_bias key", token_id, minimum=0)
+        value = _check_float(f"logit_bias[{token_id}]", value, -math.inf, None)
+        if math.isinf(value):
+            raise ValueError(f"logit_bias[{token_id}] must be finite, got {value}")
+        checked[token_id] = value
+    return checked or None
+
+
+def token_ids_outside_vocabulary(params: SamplingParams, vocab_size: int) -> str | None:
+    """Which of ``params``'s token-id fields names an id the model does not have, as an
+    error message (None when all are inside ``[0, vocab_size)``)."""
+    for name, token_ids in (
+        ("logit_bias", params.logit_bias or ()),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
+        outside = [token_id for token_id in token_ids if token_id >= vocab_size]
+        if outside:
+            return f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+    return None
 
 
 def _check_stop_strings(stop: object) -> list[str]:

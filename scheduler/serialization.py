@@ -129,6 +129,8 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "length_penalty",
         "early_stopping",
         "structured_outputs",
+        "logit_bias",
+        "allowed_token_ids",
         "stop",
         "include_stop_str_in_output",
         "skip_special_tokens",
@@ -304,12 +306,16 @@ def _check_pairs(flat: Any, where: str) -> list[tuple[int, int]]:
 
 _sampling_params_fields = attrgetter(*WIRE_FIELDS[SamplingParams])
 _STRUCTURED_OUTPUTS_INDEX = WIRE_FIELDS[SamplingParams].index("structured_outputs")
+_LOGIT_BIAS_INDEX = WIRE_FIELDS[SamplingParams].index("logit_bias")
 
 
 def _pack_sampling_params(params: SamplingParams) -> list:
     fields = list(_sampling_params_fields(params))
     if params.structured_outputs is not None:
         fields[_STRUCTURED_OUTPUTS_INDEX] = _pack_flat(params.structured_outputs)
+    if params.logit_bias is not None:
+        # Two parallel lists: msgpack maps here take only string keys (strict_map_key).
+        fields[_LOGIT_BIAS_INDEX] = [list(params.logit_bias), list(params.logit_bias.values())]
     return fields
 
 
@@ -320,6 +326,16 @@ def _unpack_sampling_params(value: Any) -> SamplingParams:
     structured = fields[_STRUCTURED_OUTPUTS_INDEX]
     if structured is not None:
         fields[_STRUCTURED_OUTPUTS_INDEX] = _unpack_flat(structured, StructuredOutputsParams)
+    bias = fields[_LOGIT_BIAS_INDEX]
+    if bias is not None:
+        _check(bias, list, "SamplingParams.logit_bias")
+        if len(bias) != 2 or len(_check(bias[0], list, "SamplingParams.logit_bias")) != len(
+            _check(bias[1], list, "SamplingParams.logit_bias")
+        ):
+            raise DecodeError(
+                "SamplingParams.logit_bias: expected [token ids, biases] of one length"
+            )
+        fields[_LOGIT_BIAS_INDEX] = dict(zip(bias[0], bias[1]))
     _check(fields[names.index("stop_token_ids")], list, "SamplingParams.stop_token_ids")
     # A bare string would pass the dataclass, which accepts one stop string.
     _check(fields[names.index("stop")], list, "SamplingParams.stop")

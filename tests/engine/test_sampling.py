@@ -136,3 +136,65 @@ def test_repetition_penalty_changes_a_repetitive_greedy_path(tiny_model_dirs):
 def test_bad_sampling_values_name_field_value_and_limit(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
+
+
+def hf_greedy_with(path, prompt: list[int], num_tokens: int, adjust) -> list[int]:
+    """HF's greedy path with ``adjust(logits)`` applied to each step's float32 logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            adjust(logits)
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+def test_logit_bias_and_allowed_token_ids_match_hf_with_the_same_adjustment(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    llm = LLM(path, num_blocks=64)
+    plain = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    favourite = plain.outputs[0].token_ids[0]
+    bias = {favourite: -100.0, 300: 4.0, 301: 3.5}
+    allowed = [5, 17, 300, 301, 302, 450]
+
+    def biased(logits):
+        for token_id, value in bias.items():
+            logits[token_id] += value
+
+    def restricted(logits):
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[allowed] = True
+        logits.masked_fill_(~keep, float("-inf"))
+
+    base = dict(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    with_bias, with_allowed = llm.generate(
+        [PROMPTS[0], PROMPTS[0]],
+        [
+            SamplingParams(**base, logit_bias=bias),
+            SamplingParams(**base, allowed_token_ids=allowed),
+        ],
+    )
+    assert with_bias.outputs[0].token_ids == hf_greedy_with(path, PROMPTS[0], 12, biased)
+    assert favourite not in with_bias.outputs[0].token_ids
+    assert with_allowed.outputs[0].token_ids == hf_greedy_with(path, PROMPTS[0], 12, restricted)
+    assert set(with_allowed.outputs[0].token_ids) <= set(allowed)
+    # Logprobs stay those of the unadjusted distribution.
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        raw = torch.log_softmax(model(torch.tensor([PROMPTS[0]])).logits[0, -1].float(), dim=-1)
+    for completion in (with_bias.outputs[0], with_allowed.outputs[0]):
+        first_token = completion.token_ids[0]
+        assert completion.logprobs[0][first_token] == pytest.approx(
+            raw[first_token].item(), abs=1e-4
+        )
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_queueing(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=16)
+    with pytest.raises(
+        ValueError, match=r"sampling_params.logit_bias: token id 512 is outside the vocabulary"
+    ):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={512: 1.0}))
+    with pytest.raises(ValueError, match=r"sampling_params.allowed_token_ids: token id 9999"):
+        llm.generate(PROMPTS[0], SamplingParams(allowed_token_ids=[1, 9999]))

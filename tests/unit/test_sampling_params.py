@@ -1,11 +1,12 @@
-"""SamplingParams' frontend fields: stop strings and special-token handling, validated
-where the user hands them in, with the field, the value and the limit named."""
+"""SamplingParams' frontend fields (stop strings, special-token handling) and token-id
+fields (logit_bias, allowed_token_ids), validated where the user hands them in, with the
+field, the value and the limit named."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, token_ids_outside_vocabulary
 
 
 def test_stop_defaults_to_no_stop_strings_and_a_single_string_becomes_a_list():
@@ -33,8 +34,29 @@ def test_special_token_defaults_are_vllms():
         (dict(include_stop_str_in_output=1), TypeError, "include_stop_str_in_output must be a"),
         (dict(skip_special_tokens="no"), TypeError, "skip_special_tokens must be a bool, got 'no'"),
         (dict(spaces_between_special_tokens=None), TypeError, "spaces_between_special_tokens"),
+        (dict(logit_bias=[(1, 2.0)]), TypeError, "logit_bias must be a dict of token id -> bias"),
+        (dict(logit_bias={-1: 1.0}), ValueError, "logit_bias key must be >= 0, got -1"),
+        (dict(logit_bias={True: 1.0}), TypeError, "logit_bias key must be an integer, got True"),
+        (dict(logit_bias={"5": 1.0}), TypeError, "logit_bias key must be an integer, got '5'"),
+        (dict(logit_bias={5: "x"}), TypeError, r"logit_bias\[5\] must be a number, got 'x'"),
+        (dict(logit_bias={5: float("inf")}), ValueError, r"logit_bias\[5\] must be finite"),
+        (dict(logit_bias={5: float("nan")}), ValueError, r"logit_bias\[5\] must be >= -inf"),
+        (dict(allowed_token_ids=[]), ValueError, "allowed_token_ids must be a non-empty list"),
+        (dict(allowed_token_ids=[3, -4]), ValueError, r"allowed_token_ids\[\] must be >= 0"),
     ],
 )
 def test_bad_frontend_fields_name_field_value_and_limit(kwargs, error, match):
     with pytest.raises(error, match=match):
         SamplingParams(**kwargs)
+
+
+def test_token_ids_outside_the_vocabulary_are_named():
+    params = SamplingParams(logit_bias={3: 1.0, 600: -1.0}, allowed_token_ids=[1, 2])
+    assert token_ids_outside_vocabulary(params, 512) == (
+        "logit_bias: token id 600 is outside the vocabulary [0, 512)"
+    )
+    params = SamplingParams(allowed_token_ids=[1, 512])
+    assert token_ids_outside_vocabulary(params, 512) == (
+        "allowed_token_ids: token id 512 is outside the vocabulary [0, 512)"
+    )
+    assert token_ids_outside_vocabulary(SamplingParams(logit_bias={}), 512) is None

@@ -67,6 +67,8 @@ ALL_SET_PARAMS = SamplingParams(
     skip_special_tokens=False,
     spaces_between_special_tokens=False,
     structured_outputs=StructuredOutputsParams(json={"type": "object", "title": "é"}),
+    logit_bias={5: -100.0, 2**31: 0.125},
+    allowed_token_ids=[1, 5, 2**31],
 )
 BEAM_PARAMS = SamplingParams(
     temperature=0.0, beam_width=4, n=2, length_penalty=0.5, early_stopping="never"
@@ -377,6 +379,14 @@ def _plan_fields(**overrides) -> list:
             "StructuredOutputsParams.regex: expected str or None, got int",
         ),
         (
+            _frame(AddRequest, "r", [1], _pack_params(logit_bias=[[1, 2], [0.5]]), 0.0, [2], None),
+            r"SamplingParams.logit_bias: expected \[token ids, biases\] of one length",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(logit_bias={"1": 0.5}), 0.0, [2], None),
+            "SamplingParams.logit_bias: expected list, got dict",
+        ),
+        (
             _frame(
                 AddRequest,
                 "r",
@@ -390,7 +400,7 @@ def _plan_fields(**overrides) -> list:
         ),
         (
             _frame(AddRequest, "r", [1], [16], 0.0, [2], None),
-            "SamplingParams: expected an array of 24",
+            "SamplingParams: expected an array of 26",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None),

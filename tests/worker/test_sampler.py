@@ -28,6 +28,11 @@ def make_batch(rows: int, **overrides) -> SamplingBatch:
         penalty_output_tokens=[],
         banned_rows=np.zeros(0, np.int64),
         banned_token_ids=[],
+        bias_rows=np.zeros(0, np.int64),
+        bias_token_ids=[],
+        bias_values=[],
+        allowed_rows=np.zeros(0, np.int64),
+        allowed_token_ids=[],
         grammar_rows=np.zeros(0, np.int64),
         allowed_token_bits=np.zeros((0, 0), np.uint8),
     )
@@ -247,3 +252,49 @@ def test_min_tokens_never_empties_a_row_its_grammar_has_completed():
     out = Sampler()(logits.clone(), batch).token_ids.tolist()
     assert out[0] == max((2, 4), key=lambda t: logits[0, t].item())  # the grammar wins
     assert out[1] == 30  # the ban holds where something else is allowed
+
+
+def test_logit_bias_shifts_the_greedy_pick_and_the_sampled_distribution():
+    logits = fixed_logits(2, seed=6)
+    weakest = int(logits[0].argmin())
+    bias = {weakest: 100.0, int(logits[0].argmax()): -5.0}
+    batch = make_batch(
+        2,
+        temperatures=[0.0, 0.8],
+        bias_rows=[0, 1],
+        bias_token_ids=[np.fromiter(bias, np.int64), np.array([3, 9])],
+        bias_values=[np.fromiter(bias.values(), np.float32), np.array([1.5, -2.0], np.float32)],
+    )
+    out = Sampler()(logits.clone(), batch).token_ids.tolist()
+    assert out[0] == weakest
+    biased = logits[1].clone()
+    biased[3] += 1.5
+    biased[9] -= 2.0
+    uniform = request_uniforms(batch.seeds[1:2], batch.output_positions[1:2])[0]
+    assert out[1] == reference_draw(softmax(biased.numpy() / 0.8), uniform)
+
+
+def test_allowed_token_ids_restrict_each_row_to_its_own_list():
+    logits = fixed_logits(3, seed=7)
+    batch = make_batch(
+        3,
+        temperatures=[0.0, 1.0, 0.0],
+        allowed_rows=[0, 1],
+        allowed_token_ids=[np.array([4, 50, 60]), np.array([10, 11])],
+    )
+    out = Sampler()(logits.clone(), batch).token_ids.tolist()
+    assert out[0] == max((4, 50, 60), key=lambda t: logits[0, t].item())
+    assert out[1] in (10, 11)
+    assert out[2] == logits[2].argmax().item()
+
+
+def test_min_tokens_never_empties_a_row_whose_allowed_tokens_are_all_stop_tokens():
+    logits = fixed_logits(1, seed=8)
+    batch = make_batch(
+        1,
+        allowed_rows=[0],
+        allowed_token_ids=[np.array([2])],
+        banned_rows=[0],
+        banned_token_ids=[np.array([2])],
+    )
+    assert Sampler()(logits.clone(), batch).token_ids.tolist() == [2]
