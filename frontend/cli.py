@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from pagedserve.frontend.api_key import ENVIRONMENT_VARIABLE as API_KEY_ENVIRONMENT_VARIABLE
 from pagedserve.frontend.server import (
@@ -18,7 +19,7 @@ from pagedserve.frontend.server import (
     ServerConfig,
     serve,
 )
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="end the output where TEXT first appears (left out of it); repeatable",
     )
+    constraint = request.add_argument_group(
+        "structured output", "constrain the output (at most one; TEXT or @FILE)"
+    )
+    constraint.add_argument(
+        "--json-schema", metavar="SCHEMA", help="a JSON schema the output must follow"
+    )
+    constraint.add_argument(
+        "--json-object", action="store_true", help="the output is any JSON object"
+    )
+    constraint.add_argument("--regex", help="a regular expression the output must match")
+    constraint.add_argument(
+        "--choice", action="append", metavar="TEXT", help="the output is one of these; repeatable"
+    )
+    constraint.add_argument("--grammar", help="a Lark or GBNF grammar the output must follow")
     request.add_argument(
         "--multiprocess",
         action="store_true",
@@ -249,6 +264,41 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The constraint the flags ask for (None: none); ``@path`` reads a file."""
+
+    def text(value: str | None) -> str | None:
+        if value is None or not value.startswith("@"):
+            return value
+        try:
+            return Path(value[1:]).read_text()
+        except OSError as error:
+            raise ValueError(f"cannot read {value[1:]!r}: {error.strerror}") from None
+
+    fields = {
+        "json": text(args.json_schema),
+        "regex": text(args.regex),
+        "choice": args.choice,
+        "grammar": text(args.grammar),
+        "json_object": args.json_object,
+    }
+    flags = {
+        "json": "--json-schema",
+        "regex": "--regex",
+        "choice": "--choice",
+        "grammar": "--grammar",
+        "json_object": "--json-object",
+    }
+    given = [flags[name] for name, value in fields.items() if value]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(
+            f"give at most one of the structured output flags, got {' and '.join(given)}"
+        )
+    return StructuredOutputsParams(**fields)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -267,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=args.temperature,
             seed=args.seed,
             stop=args.stop,
+            structured_outputs=_structured_outputs(args),
         )
         started = time.monotonic()
         llm = LLM(

@@ -233,3 +233,25 @@ def test_a_model_without_a_tokenizer_refuses_constraints(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], num_blocks=16, block_size=16)
     with pytest.raises(ValueError, match="structured_outputs: grammars are matched over"):
         llm.generate(PROMPTS[0], greedy(CONSTRAINTS["choice"]))
+
+
+def test_command_line_flags(model_dir, llm, tmp_path, capsys):
+    from pagedserve.frontend.cli import main
+
+    prompt = "Once upon"
+    arguments = ["generate", "--model", str(model_dir), "--kv-cache-bytes", str(1 << 20)]
+    arguments += ["--max-tokens", str(MAX_TOKENS)]
+    expected = llm.generate(prompt, greedy(CONSTRAINTS["regex"]))[0].outputs[0].text
+    assert main([*arguments, "--regex", REGEX, prompt]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(PERSON_SCHEMA))
+    expected = llm.generate(prompt, greedy(CONSTRAINTS["json"]))[0].outputs[0].text
+    assert main([*arguments, "--json-schema", f"@{schema_file}", prompt]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert main([*arguments, "--regex", "a", "--choice", "b", prompt]) == 2
+    assert "at most one of the structured output flags, got --regex and --choice" in (
+        capsys.readouterr().err
+    )
+    assert main([*arguments, "--grammar", f"@{tmp_path / 'missing.lark'}", prompt]) == 2
+    assert "cannot read" in capsys.readouterr().err
