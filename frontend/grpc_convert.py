@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.scheduler.structured_output import grammar_text
 from pagedserve.v1 import generation_pb2 as pb
 
 # Proto3 `optional` fields copied as they are when set (unset: SamplingParams' default).
@@ -33,6 +34,15 @@ _OPTIONAL_FIELDS = (
 _EARLY_STOPPING = {"": False, "false": False, "true": True, "never": "never"}
 # uint64 on the wire; the engine's generators take seeds below 2**63.
 MAX_SEED = (1 << 63) - 1
+
+# StructuredOutputs' constraint (the proto's oneof) -> StructuredOutputsParams' field.
+_STRUCTURED_KINDS = {
+    "json_schema": "json",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -71,10 +81,49 @@ def sampling_params_from_proto(
         include_stop_str_in_output=message.include_stop_str_in_output,
         early_stopping=_EARLY_STOPPING[early_stopping],
     )
+    if message.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = _structured_outputs_from_proto(message.structured_outputs)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
         raise ValueError(f"sampling.{error}") from None
+
+
+def _structured_outputs_from_proto(message: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """The constraint, compiled here so that an error names the proto's field
+    (``sampling.structured_outputs.json_schema``, not the engine's ``json``)."""
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError(
+            "sampling.structured_outputs is set but names no constraint; set one of "
+            + ", ".join(_STRUCTURED_KINDS)
+        )
+    if kind == "json_object" and not message.json_object:
+        raise ValueError(
+            "sampling.structured_outputs.json_object must be true (any JSON object); leave "
+            "structured_outputs unset for unconstrained output"
+        )
+    engine_kind = _STRUCTURED_KINDS[kind]
+    value = getattr(message, kind)
+    if kind == "choice":
+        value = list(value.choices)
+    try:
+        params = StructuredOutputsParams(**{engine_kind: value})
+        grammar_text(params)
+    except (ValueError, TypeError) as error:
+        text = str(error)
+        prefix = f"structured_outputs.{engine_kind}"
+        raise ValueError(f"sampling.structured_outputs.{kind}{text.removeprefix(prefix)}") from None
+    return params
+
+
+def _structured_outputs_to_proto(params: StructuredOutputsParams) -> pb.StructuredOutputs:
+    kind = params.kind
+    if kind == "choice":
+        return pb.StructuredOutputs(choice=pb.ChoiceList(choices=params.choice))
+    if kind == "json":
+        return pb.StructuredOutputs(json_schema=params.json)  # JSON text once constructed
+    return pb.StructuredOutputs(**{kind: getattr(params, kind)})
 
 
 def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -94,6 +143,8 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         value = getattr(params, name)
         if value is not None:
             setattr(message, name, value)
+    if params.structured_outputs is not None:
+        message.structured_outputs.CopyFrom(_structured_outputs_to_proto(params.structured_outputs))
     return message
 
 

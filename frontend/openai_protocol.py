@@ -5,10 +5,13 @@ Requests are read as OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` d
 them, plus the sampling fields vLLM adds (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``best_of``, ``use_beam_search``,
 ``prompt_logprobs``, ``cache_salt``...), so clients and load-testing tools written for
-either work unchanged. Bad input raises ``CallError`` (``INVALID_ARGUMENT``) naming the
-field, the value and the limit; fields OpenAI defines that this engine cannot honour
-(tools, logit_bias, JSON response formats, suffix) are refused by name rather than
-ignored; fields nobody defines are ignored and listed in the server's log, as vLLM does.
+either work unchanged. Structured output comes as OpenAI's ``response_format`` (JSON
+object or schema), vLLM's ``structured_outputs`` object, or vLLM's older ``guided_json``,
+``guided_regex``, ``guided_choice`` and ``guided_grammar``; one constraint per request.
+Bad input raises ``CallError`` (``INVALID_ARGUMENT``) naming the field, the value and the
+limit; fields OpenAI defines that this engine cannot honour (tools, logit_bias, suffix)
+are refused by name rather than ignored; fields nobody defines are ignored and listed in
+the server's log, as vLLM does.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.call_errors import CallError
-from pagedserve.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.scheduler.sampling_params import (
+    MAX_LOGPROBS,
+    STRUCTURED_OUTPUT_KINDS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from pagedserve.scheduler.structured_output import grammar_text
 
 if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
@@ -69,6 +78,12 @@ _COMMON_FIELDS = {
     "user",
     "logprobs",
     "logit_bias",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 }
 _COMPLETION_FIELDS = {"prompt", "echo", "suffix"}
 _CHAT_FIELDS = {
@@ -80,10 +95,16 @@ _CHAT_FIELDS = {
     "functions",
     "function_call",
     "parallel_tool_calls",
-    "response_format",
     "add_generation_prompt",
 }
 _CHAT_ROLES = ("system", "developer", "user", "assistant")
+# vLLM's older structured-output fields -> StructuredOutputsParams' field.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def _invalid(message: str, param: str) -> CallError:
@@ -204,7 +225,8 @@ def parse_request(
     cache_salt = _typed(body, "cache_salt", (str,), "a string")
     request_id = _typed(body, "request_id", (str,), "a string", client_request_id or "")
 
-    base = _base_params(body, default_params, logprobs, echo, max_tokens_names)
+    structured = _structured_outputs(body, llm)
+    base = _base_params(body, default_params, logprobs, echo, max_tokens_names, structured)
     max_tokens_name = next((n for n in max_tokens_names if body.get(n) is not None), None)
     max_model_len = llm.scheduler_config.max_model_len
     # The most tokens a sequence of this request can hold: the context window, or less
@@ -282,13 +304,6 @@ def _refuse_unsupported(kind: str, body: dict) -> None:
                 "server",
                 name,
             )
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise _invalid(
-            f"response_format={response_format!r}: only {{'type': 'text'}} is supported "
-            "(no JSON mode or schemas)",
-            "response_format",
-        )
     if body.get("add_generation_prompt", True) is not True:
         raise _invalid(
             "add_generation_prompt must be true: the prompt always ends with the "
@@ -297,12 +312,123 @@ def _refuse_unsupported(kind: str, body: dict) -> None:
         )
 
 
+# A constraint as the request gave it: the field to name in errors, StructuredOutputsParams'
+# field, and its value.
+_Constraint = tuple[str, str, Any]
+
+
+def _structured_outputs(body: dict, llm: LLM) -> tuple[str, StructuredOutputsParams] | None:
+    """The request's structured output and the field it came in, or None (no constraint).
+    The constraint is compiled here, so an error names the field the client used
+    (``guided_regex does not compile: ...``)."""
+    constraints = _response_format_constraints(body) + _structured_outputs_constraints(body)
+    constraints += [
+        (name, kind, body[name])
+        for name, kind in _GUIDED_FIELDS.items()
+        if body.get(name) is not None
+    ]
+    if not constraints:
+        return None
+    if len(constraints) > 1:
+        names = " and ".join(name for name, _, _ in constraints)
+        raise _invalid(
+            f"one structured output constraint per request, got {names}", constraints[1][0]
+        )
+    ((name, kind, value),) = constraints
+    if llm.grammar_vocabulary is None:
+        raise _invalid(
+            f"{name}: structured output is matched over the model's tokenizer, and "
+            f"{str(llm.model_path)!r} has none (or only a slow one)",
+            name,
+        )
+    try:
+        params = StructuredOutputsParams(**{kind: value})
+        grammar_text(params)
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        prefix = f"structured_outputs.{kind}"
+        if message.startswith(prefix):
+            message = name + message[len(prefix) :]
+        raise _invalid(message, name) from None
+    return name, params
+
+
+def _response_format_constraints(body: dict) -> list[_Constraint]:
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON
+    schema (``json_schema.name`` required, as OpenAI and vLLM require it; ``strict`` and
+    ``description`` change nothing here: the schema is always enforced)."""
+    response_format = _typed(body, "response_format", (dict,), "an object")
+    if response_format is None:
+        return []
+    kind = response_format.get("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "json_object", True)]
+    if kind != "json_schema":
+        raise _invalid(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format.type",
+        )
+    json_schema = response_format.get("json_schema")
+    if not isinstance(json_schema, dict):
+        raise _invalid(
+            "response_format.json_schema must be an object with name and schema, got "
+            f"{json_schema!r:.200}",
+            "response_format.json_schema",
+        )
+    name = json_schema.get("name")
+    if not isinstance(name, str) or not name:
+        raise _invalid(
+            f"response_format.json_schema.name must be a non-empty string, got {name!r:.100}",
+            "response_format.json_schema.name",
+        )
+    schema = json_schema.get("schema")
+    if not isinstance(schema, dict):
+        # vLLM runs such a request unconstrained; refused here, as an ignored schema would
+        # be (use type json_object for any JSON object).
+        raise _invalid(
+            "response_format.json_schema.schema must be a JSON schema (an object), got "
+            f"{schema!r:.200}; for any JSON object use response_format type 'json_object'",
+            "response_format.json_schema.schema",
+        )
+    return [("response_format.json_schema.schema", "json", schema)]
+
+
+def _structured_outputs_constraints(body: dict) -> list[_Constraint]:
+    """vLLM's ``structured_outputs`` object: exactly one of its constraint fields. Its
+    other fields (whitespace and backend options, structural tags) are refused by name
+    unless unset (null or false, which clients that send every field do)."""
+    structured = _typed(body, "structured_outputs", (dict,), "an object")
+    if structured is None:
+        return []
+    constraints = []
+    for key, value in structured.items():
+        if value is None or value is False:
+            continue
+        name = f"structured_outputs.{key}"
+        if key not in STRUCTURED_OUTPUT_KINDS:
+            raise _invalid(
+                f"{name} is not supported by this server; set one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}",
+                name,
+            )
+        constraints.append((name, key, value))
+    if not constraints:
+        raise _invalid(
+            f"structured_outputs must set one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; got none",
+            "structured_outputs",
+        )
+    return constraints
+
+
 def _base_params(
     body: dict,
     default_params: SamplingParams,
     logprobs: int | None,
     echo: bool,
     max_tokens_names: tuple[str, ...],
+    structured: tuple[str, StructuredOutputsParams] | None,
 ) -> SamplingParams:
     kwargs: dict[str, Any] = {
         target: body[name]
@@ -336,6 +462,8 @@ def _base_params(
         if echo:
             kwargs.setdefault("prompt_logprobs", logprobs)
     names = {"logprobs": "logprobs", "beam_width": "best_of"}
+    if structured is not None:
+        names["structured_outputs"], kwargs["structured_outputs"] = structured
     for name in max_tokens_names:
         if body.get(name) is not None:
             kwargs["max_tokens"] = body[name]

@@ -343,7 +343,7 @@ def test_bad_input_gets_openai_errors_naming_the_field(server):
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": image}, "messages[0].content[0]"),
         ({"messages": user, "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": user, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": user, "response_format": {"type": "json_mode"}}, "response_format.type"),
         ({"messages": user, "top_logprobs": 2}, "top_logprobs"),
     ]  # fmt: skip
     for body, param in chat_cases:
