@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
     "OPTForCausalLM": "opt",
 }
 

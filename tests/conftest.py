@@ -96,6 +96,19 @@ TINY_CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # Qwen3: per-head q/k norms; head_dim (64) is not hidden_size / heads (32); GQA.
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
     "opt": dict(
         architectures=["OPTForCausalLM"],
         hidden_size=128,
@@ -116,6 +129,12 @@ TINY_CONFIGS["yarn_rope"] = dict(
     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
 )
 
+# Qwen3's small checkpoints tie the LM head to the embedding; attention_bias adds q/k/v
+# and o_proj biases, which Qwen3 (unlike Qwen2) has only when the config says.
+TINY_CONFIGS["qwen3_tied_bias"] = dict(
+    TINY_CONFIGS["qwen3"], tie_word_embeddings=True, attention_bias=True
+)
+
 
 def make_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
     """Save a randomly initialised HF model of ``family`` to ``path``.
@@ -132,6 +151,7 @@ def make_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
         "LlamaForCausalLM": transformers.LlamaConfig,
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
         "OPTForCausalLM": transformers.OPTConfig,
     }[architecture]
     config = config_class(**config_kwargs)

@@ -1,4 +1,5 @@
-"""The Llama family: Llama, Mistral and Qwen2 (GQA, RoPE, RMSNorm, gated SiLU MLP)."""
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 (GQA, RoPE, RMSNorm, gated SiLU MLP;
+Qwen3 adds an RMSNorm over each query and key head before RoPE)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import CausalLM, WeightLoader
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
+
+# Architectures that RMS-normalise each query and key head (``self_attn.q_norm`` /
+# ``k_norm``, one weight of head_size shared by all heads) between projection and RoPE.
+_PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM"})
 
 
 class LlamaAttention(nn.Module):
@@ -54,6 +59,12 @@ class LlamaAttention(nn.Module):
             dtype,
             parallel,
         )
+        # Each rank holds whole heads, so the per-head norm weights are replicated, not split.
+        per_head_norm = config.architecture in _PER_HEAD_QK_NORM
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
+        self.k_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
+        self.head_size = config.head_size
         self.rotary = rotary
         self.attention = PagedAttention(
             self.qkv_proj.num_heads,
@@ -69,9 +80,21 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            query = _norm_each_head(self.q_norm, query, self.head_size)
+            key = _norm_each_head(self.k_norm, key, self.head_size)
         self.rotary(positions, query, key)
         output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
         return self.o_proj(output)
+
+
+def _norm_each_head(norm: RMSNorm, rows: torch.Tensor, head_size: int) -> torch.Tensor:
+    """``rows`` [num_tokens, num_heads * head_size] -> a new tensor of that shape, each
+    head's vector RMS-normalised on its own (HF's ``q_norm(q.view(..., head_size))``)."""
+    # NOTE: a copy of q (or k) per layer: in the fused qkv output one token's heads and the
+    # next token's are not one stride apart, and the norm kernel takes rows of one stride.
+    heads = rows.reshape(-1, head_size)
+    return norm(heads).view(rows.shape[0], -1)
 
 
 class LlamaMLP(nn.Module):

@@ -48,7 +48,7 @@ def hf_references(tiny_model_dirs):
     }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "opt"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_tiny_models_match_hf(tiny_model_dirs, hf_references, family, block_size):
     llm = LLM(tiny_model_dirs[family], block_size=block_size, num_blocks=256)
@@ -57,7 +57,7 @@ def test_tiny_models_match_hf(tiny_model_dirs, hf_references, family, block_size
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
 
-@pytest.mark.parametrize("family", ["mistral", "llama3_rope", "yarn_rope"])
+@pytest.mark.parametrize("family", ["mistral", "llama3_rope", "yarn_rope", "qwen3_tied_bias"])
 def test_more_llama_family_configs_match_hf(tiny_model_dirs, hf_references, family):
     llm = LLM(tiny_model_dirs[family], num_blocks=256)
     outputs = llm.generate(random_prompts(1, 512), GREEDY)
@@ -126,8 +126,9 @@ def check_bfloat16_first_tokens_agree_with_hf(model_dir) -> None:
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
 
 
-def test_bfloat16_first_tokens_agree_with_hf_bfloat16(tiny_model_dirs):
-    check_bfloat16_first_tokens_agree_with_hf(tiny_model_dirs["llama"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(tiny_model_dirs, family):
+    check_bfloat16_first_tokens_agree_with_hf(tiny_model_dirs[family])
 
 
 EMBEDDED_PROMPTS = [

@@ -47,7 +47,7 @@ def make_llm():
         llm.shutdown()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "llama3_rope", "opt"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "llama3_rope", "qwen3", "opt"])
 def test_two_ranks_give_the_same_greedy_tokens_as_one(tiny_model_dirs, make_llm, family):
     prompts = random_prompts(seed=5)
     expected = token_ids(LLM(tiny_model_dirs[family], num_blocks=128).generate(prompts, GREEDY))

@@ -144,10 +144,11 @@ def test_vocab_shards_cover_every_id_once_and_pad_the_last():
         layers[0].shard_of("weight", table[:9], None)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "opt"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "opt", "qwen3", "qwen3_tied_bias"])
 def test_model_ranks_load_shards_of_the_checkpoint(tiny_model_dirs, family):
-    """Through the model's own loader: q/k/v (with qwen2's biases) and gate/up of every
-    layer, put back together from the two ranks, are the checkpoint's tensors."""
+    """Through the model's own loader: q/k/v (with their biases where the checkpoint has
+    them) and gate/up of every layer, put back together from the two ranks, are the
+    checkpoint's tensors; Qwen3's per-head q/k norms are whole on every rank."""
     path = tiny_model_dirs[family]
     config = ModelConfig.from_dir(path)
     checkpoint = load_file(path / "model.safetensors")
@@ -159,7 +160,8 @@ def test_model_ranks_load_shards_of_the_checkpoint(tiny_model_dirs, family):
     prefix = "model.decoder." if family == "opt" else "model."
     for index in range(config.num_layers):
         attentions = [model.layers[index].self_attn for model in models]
-        for suffix in ("weight", "bias") if family != "llama" else ("weight",):
+        has_bias = f"{prefix}layers.{index}.self_attn.q_proj.bias" in checkpoint
+        for suffix in ("weight", "bias") if has_bias else ("weight",):
             pieces = [split_qkv(a.qkv_proj, getattr(a.qkv_proj, suffix)) for a in attentions]
             for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
                 full = checkpoint[f"{prefix}layers.{index}.self_attn.{name}.{suffix}"]
@@ -168,6 +170,10 @@ def test_model_ranks_load_shards_of_the_checkpoint(tiny_model_dirs, family):
                     assert all(torch.equal(shard, full) for shard in shards)  # replicated
                 else:
                     assert torch.equal(torch.cat(shards), full)
+        if config.architecture == "Qwen3ForCausalLM":
+            for name in ("q_norm", "k_norm"):
+                full = checkpoint[f"{prefix}layers.{index}.self_attn.{name}.weight"]
+                assert all(torch.equal(getattr(a, name).weight, full) for a in attentions)
         if family != "opt":
             gate_ups = [model.layers[index].mlp.gate_up_proj.weight.chunk(2) for model in models]
             for part, name in enumerate(("gate_proj", "up_proj")):
