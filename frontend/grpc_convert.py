@@ -83,6 +83,10 @@ def sampling_params_from_proto(
     )
     if message.HasField("structured_outputs"):
         kwargs["structured_outputs"] = _structured_outputs_from_proto(message.structured_outputs)
+    if message.logit_bias:
+        kwargs["logit_bias"] = dict(message.logit_bias)
+    if message.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(message.allowed_token_ids)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
@@ -145,6 +149,10 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
             setattr(message, name, value)
     if params.structured_outputs is not None:
         message.structured_outputs.CopyFrom(_structured_outputs_to_proto(params.structured_outputs))
+    if params.logit_bias:
+        message.logit_bias.update(params.logit_bias)
+    if params.allowed_token_ids:
+        message.allowed_token_ids.extend(params.allowed_token_ids)
     return message
 
 

@@ -198,7 +198,7 @@ class HttpApi:
             llm = server.check_admission(len(api_request.prompts))
             for prompt, params in zip(api_request.prompts, api_request.params, strict=True):
                 try:
-                    server.check_fits(llm, prompt.token_ids, params, "stop", "request")
+                    server.check_fits(llm, prompt.token_ids, params, "stop", "")
                 except (ValueError, TypeError) as error:
                     raise CallError("INVALID_ARGUMENT", str(error)) from None
             streams = []

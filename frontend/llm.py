@@ -46,7 +46,7 @@ class LLM:
     """An engine on one machine: tokenizer, scheduler and worker as plain objects.
 
     ``model=None`` is the embedded SmolLM2-135M-Instruct; a path is a local HF directory
-    (Llama, Mistral, Qwen2, OPT) or a ``.gguf`` file. The KV cache holds ``num_blocks``
+    (Llama, Mistral, Qwen2, Qwen3, OPT) or a ``.gguf`` file. The KV cache holds ``num_blocks``
     blocks of ``block_size`` tokens, or as many as fit in ``kv_cache_bytes``.
 
     ``multiprocess=True`` runs the scheduler and the worker in processes of their own
@@ -353,11 +353,12 @@ class LLM:
         return [trackers[request_id].output for request_id in request_ids]
 
     def check_token_ids(self, params: SamplingParams, field: str) -> None:
-        """``ValueError`` naming the field when ``logit_bias`` or ``allowed_token_ids``
-        names a token id the model does not have."""
+        """``ValueError`` naming the field (under ``field``, the parameters' own name; ""
+        for none) when ``logit_bias`` or ``allowed_token_ids`` names a token id the model
+        does not have."""
         error = token_ids_outside_vocabulary(params, self.model_config.vocab_size)
         if error is not None:
-            raise ValueError(f"{field}.{error}")
+            raise ValueError(f"{field}.{error}" if field else error)
 
     def check_structured_outputs(self, params: SamplingParams, field: str) -> None:
         """``ValueError`` naming the field when ``params`` asks for structured output this
@@ -367,14 +368,15 @@ class LLM:
         if structured is None:
             return
         if self.grammar_vocabulary is None:
+            name = f"{field}.structured_outputs" if field else "structured_outputs"
             raise ValueError(
-                f"{field}.structured_outputs: grammars are matched over the model's "
-                f"tokenizer, and {str(self.model_path)!r} has none (or only a slow one)"
+                f"{name}: grammars are matched over the model's tokenizer, and "
+                f"{str(self.model_path)!r} has none (or only a slow one)"
             )
         try:
             grammar_text(structured)
         except ValueError as error:
-            raise ValueError(f"{field}.{error}") from None
+            raise ValueError(f"{field}.{error}" if field else str(error)) from None
 
     def encode_prompt(self, prompt: PromptType, field: str) -> list[int]:
         """A prompt's token ids: text tokenized, ids checked against the vocabulary.

@@ -4,14 +4,15 @@ the engine's outputs in, OpenAI's JSON out (whole answers and stream chunks).
 Requests are read as OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` define
 them, plus the sampling fields vLLM adds (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``best_of``, ``use_beam_search``,
-``prompt_logprobs``, ``cache_salt``...), so clients and load-testing tools written for
-either work unchanged. Structured output comes as OpenAI's ``response_format`` (JSON
-object or schema), vLLM's ``structured_outputs`` object, or vLLM's older ``guided_json``,
-``guided_regex``, ``guided_choice`` and ``guided_grammar``; one constraint per request.
-Bad input raises ``CallError`` (``INVALID_ARGUMENT``) naming the field, the value and the
-limit; fields OpenAI defines that this engine cannot honour (tools, logit_bias, suffix)
-are refused by name rather than ignored; fields nobody defines are ignored and listed in
-the server's log, as vLLM does.
+``prompt_logprobs``, ``allowed_token_ids``, ``cache_salt``...), so clients and load-testing
+tools written for either work unchanged. Structured output comes as OpenAI's
+``response_format`` (JSON object or schema), vLLM's ``structured_outputs`` object, or
+vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``;
+one constraint per request. ``logit_bias`` values are clamped to [-100, 100], as vLLM
+does. Bad input raises ``CallError`` (``INVALID_ARGUMENT``) naming the field, the value
+and the limit; fields OpenAI defines that this engine cannot honour (tools, suffix) are
+refused by name rather than ignored; fields nobody defines are ignored and listed in the
+server's log, as vLLM does.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ _SAMPLING_FIELDS = {
     "skip_special_tokens": "skip_special_tokens",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "prompt_logprobs": "prompt_logprobs",
+    "allowed_token_ids": "allowed_token_ids",
 }
 # Fields read elsewhere in this module, or accepted and without effect here.
 _COMMON_FIELDS = {
@@ -286,8 +288,6 @@ def parse_request(
 
 
 def _refuse_unsupported(kind: str, body: dict) -> None:
-    if body.get("logit_bias"):
-        raise _invalid("logit_bias is not supported by this server; leave it unset", "logit_bias")
     if kind == "completion":
         if body.get("suffix"):
             raise _invalid("suffix (insertion) is not supported by this server", "suffix")
@@ -422,6 +422,32 @@ def _structured_outputs_constraints(body: dict) -> list[_Constraint]:
     return constraints
 
 
+# OpenAI's range for a logit_bias value; vLLM clamps to it, and so does this server.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys, so strings) -> bias,
+    each clamped to [-100, 100] as vLLM does."""
+    bias = _typed(body, "logit_bias", (dict,), "an object of token id -> bias")
+    if bias is None:
+        return None
+    result = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if token_id < 0 or str(token_id) != key.strip():
+            raise _invalid(
+                f"logit_bias: key {key!r} is not a token id (a non-negative integer)", "logit_bias"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _invalid(f"logit_bias[{key!r}] must be a number, got {value!r}", "logit_bias")
+        result[token_id] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+    return result
+
+
 def _base_params(
     body: dict,
     default_params: SamplingParams,
@@ -435,6 +461,9 @@ def _base_params(
         for name, target in _SAMPLING_FIELDS.items()
         if body.get(name) is not None
     }
+    logit_bias = _logit_bias(body)
+    if logit_bias:
+        kwargs["logit_bias"] = logit_bias
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):

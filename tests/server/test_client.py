@@ -45,6 +45,7 @@ def same_output(got, want) -> None:
         SamplingParams(max_tokens=10, temperature=0.7, seed=3, top_k=50, top_p=0.9, min_p=0.05),
         SamplingParams(max_tokens=8, temperature=0.0, beam_width=3, n=2, early_stopping="never"),
         SamplingParams(max_tokens=8, temperature=1.0, seed=1, n=2, best_of=4, stop=["a", "b"]),
+        SamplingParams(logit_bias={5: -100.0, 70000: 0.25}, allowed_token_ids=[5, 9, 70000]),
     ],
 )
 def test_sampling_params_survive_the_wire(params):
@@ -63,6 +64,12 @@ def test_generate_stream_and_chat_match_the_offline_engine(server, offline):
             same_output(output, want)
         seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=3, ignore_eos=True)
         same_output(client.generate(PROMPTS[0], seeded), offline.generate(PROMPTS[0], seeded)[0])
+        steered = SamplingParams(
+            max_tokens=12, temperature=0.0, logit_bias={300: 5.0}, allowed_token_ids=[7, 300, 301]
+        )
+        want = offline.generate(PROMPTS[0], steered)[0]
+        assert set(want.outputs[0].token_ids) <= {7, 300, 301}
+        same_output(client.generate(PROMPTS[0], steered), want)
         messages = [{"role": "user", "content": "hi there"}]
         chat_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         same_output(client.chat(messages, chat_params), offline.chat(messages, chat_params)[0])

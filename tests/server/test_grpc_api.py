@@ -258,6 +258,12 @@ def test_bad_input_names_the_field_value_and_limit(server):
         (token_request([1] * 600, greedy()), "max_model_len is 512"),
         (token_request([1], greedy(n=100)), "max_num_seqs is 64"),
         (pb.GenerateRequest(chat=pb.Chat()), "chat.messages is empty"),
+        (
+            token_request([1], greedy(logit_bias={600: 1.0})),
+            "sampling.logit_bias: token id 600 is outside the vocabulary [0, 512)",
+        ),
+        (token_request([1], greedy(logit_bias={5: float("inf")})), "sampling.logit_bias[5]"),
+        (token_request([1], greedy(allowed_token_ids=[3, 512])), "sampling.allowed_token_ids"),
     ]
     for request, expected in cases:
         for call in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):

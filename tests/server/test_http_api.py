@@ -127,6 +127,33 @@ def test_completions_equal_the_offline_engine_whole_and_streamed(server, client,
     assert len({c.id for c in chunks}) == 1
 
 
+def test_logit_bias_and_allowed_token_ids_equal_the_offline_engine(server, client, offline):
+    plain = offline.generate(PROMPT_IDS, greedy_params())[0].outputs[0].token_ids
+    # OpenAI's range is [-100, 100]; a bias past it is clamped, as vLLM does.
+    bias = {plain[0]: -100.0, 300: 6.5}
+    allowed = [5, 17, 300, 301, 302, 450]
+    for fields, wire in (
+        (dict(logit_bias=bias), dict(logit_bias={str(plain[0]): -1000, "300": 6.5})),
+        (dict(allowed_token_ids=allowed), dict(extra_body={"allowed_token_ids": allowed})),
+    ):
+        want = offline.generate(PROMPT_IDS, greedy_params(**fields))[0].outputs[0]
+        extra = {**GREEDY["extra_body"], **wire.pop("extra_body", {})}
+        answer = client.completions.create(
+            model=SERVED_MODEL_NAME,
+            prompt=PROMPT_IDS,
+            max_tokens=NUM_TOKENS,
+            temperature=0.0,
+            extra_body=extra,
+            **wire,
+        )
+        assert answer.choices[0].text == want.text, fields
+        assert want.token_ids != plain
+    assert (
+        plain[0]
+        not in offline.generate(PROMPT_IDS, greedy_params(logit_bias=bias))[0].outputs[0].token_ids
+    )
+
+
 def test_text_prompts_in_a_batch_stop_strings_and_seeded_samples(server, client, offline):
     prompts = ["hello world", "the cat"]
     want = offline.generate(prompts, greedy_params())
@@ -321,7 +348,13 @@ def test_bad_input_gets_openai_errors_naming_the_field(server):
         ({"prompt": [1, 99999]}, 400, "prompt", "outside the vocabulary [0, 512)"),
         ({}, 400, "prompt", "prompt is required"),
         ({"prompt": "hi", "model": "gpt-9"}, 404, "model", "this server serves 'tiny-llama'"),
-        ({"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "'x' is not a token id"),
+        ({"prompt": "hi", "logit_bias": {"5": "up"}}, 400, "logit_bias", "must be a number"),
+        ({"prompt": "hi", "logit_bias": {"600": 1}}, 400, None,
+         "logit_bias: token id 600 is outside the vocabulary [0, 512)"),
+        ({"prompt": "hi", "allowed_token_ids": [1, 600]}, 400, None,
+         "allowed_token_ids: token id 600 is outside the vocabulary"),
+        ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "non-empty list"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
          "stream is not true"),
         ({"prompt": [5] * 5000}, 400, "prompt", "context window"),
