@@ -231,6 +231,8 @@ class Scheduler:
     def _add_token_bitmasks(self, plan: StepPlan) -> None:
         """The grammar's allowed tokens for each constrained sequence that samples in this
         step (one whose scheduled tokens reach its last known token)."""
+        # NOTE: one llguidance mask per constrained sequence, serially on this thread while
+        # the workers wait for the plan (tools/bench_structured_output.py measures it).
         for scheduled in (*plan.new_requests, *plan.cached_requests):
             request = self.requests[scheduled.request_id]
             if request.grammar is None:
