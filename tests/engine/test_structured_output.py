@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from grammar_cases import CHOICES, GRAMMAR, PERSON_SCHEMA, REGEX
 from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, SamplingParams
@@ -25,22 +26,6 @@ from pagedserve.scheduler.sampling_params import StructuredOutputsParams
 
 VOCAB_SIZE = 512
 MAX_TOKENS = 64
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-    },
-    "required": ["name", "age", "pet"],
-    "additionalProperties": False,
-    # llguidance's default lets whitespace run between tokens, and a random model's
-    # favourite token may be one; compact JSON makes the schema end.
-    "x-guidance": {"whitespace_flexible": False},
-}
-CHOICES = ["alpha", "beta", "gamma delta"]
-REGEX = r"[a-f]{2,5}-\d\d"
-GRAMMAR = 'start: "(" item ("," item)* ")"\nitem: /[xyz]/ | start'
 CONSTRAINTS = {
     "json": StructuredOutputsParams(json=PERSON_SCHEMA),
     "regex": StructuredOutputsParams(regex=REGEX),

@@ -121,7 +121,9 @@ def test_completions_equal_the_offline_engine_whole_and_streamed(server, client,
     assert text == want.outputs[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes.count("length") == 1 and finishes[-1] == "length"
-    assert len(chunks) > 3  # streamed as it was made, not all at the end
+    # Streamed as it was made: the first token goes out alone, before the rest exists (a
+    # reader that falls behind gets the steps it missed merged, so no more is certain).
+    assert len([c for c in chunks if c.choices]) >= 2 and chunks[0].choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == NUM_TOKENS
     assert all(c.usage is None for c in chunks[:-1])
     assert len({c.id for c in chunks}) == 1
@@ -478,7 +480,10 @@ def test_a_busy_http_port_exits_1(start_server):
 
 def test_a_worker_killed_mid_stream_ends_http_calls_with_an_error_event(start_server):
     server = start_server("--http-port", "0")
-    long_body = {"prompt": PROMPT_IDS, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    # Batches of 8 long prompts per call: on the tiny model one 400-token request can end
+    # (~1 ms a step) before the second call is in flight.
+    prompts = [[5 + index, 300, 301, 302] for index in range(8)]
+    long_body = {"prompt": prompts, "max_tokens": 500, "temperature": 0, "ignore_eos": True}
     connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
     connection.request("POST", "/v1/completions", json.dumps({**long_body, "stream": True}))
     response = connection.getresponse()

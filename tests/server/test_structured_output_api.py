@@ -16,6 +16,7 @@ import grpc
 import openai
 import pytest
 from conftest import SERVED_MODEL_NAME
+from grammar_cases import CHOICES, GRAMMAR, PERSON_SCHEMA, REGEX
 from test_http_api import post, sse_events
 
 from pagedserve.frontend import LLM, SamplingParams, StructuredOutputsParams
@@ -28,22 +29,6 @@ from pagedserve.v1 import generation_pb2 as pb
 PROMPT_IDS = [5, 300, 301, 302]
 # Enough for every constraint below to complete: each test checks it did ("stop").
 MAX_TOKENS = 64
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-    },
-    "required": ["name", "age", "pet"],
-    "additionalProperties": False,
-    # llguidance lets whitespace run between JSON tokens by default (as vLLM does), and a
-    # random model's favourite token may be one; compact JSON makes the schema end.
-    "x-guidance": {"whitespace_flexible": False},
-}
-CHOICES = ["alpha", "beta", "gamma delta"]
-REGEX = r"[a-f]{2,5}-[0-9]{2}"
-GRAMMAR = 'start: "(" item ("," item)* ")"\nitem: /[xyz]/ | start'
 # A prompt whose greedy answer under json_object is an object with a key (most prompts'
 # is "{}", and some ramble whitespace past any max_tokens: any JSON object allows it).
 JSON_OBJECT_PROMPT_IDS = [151, 97, 99, 423]
