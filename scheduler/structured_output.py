@@ -50,31 +50,37 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of ``params``; ``ValueError`` naming the field when the
     constraint does not compile (a bad regex, an invalid schema, a grammar's syntax).
     Needs no tokenizer, so the frontend checks requests with it before admitting them."""
+    from llguidance import LLMatcher
+
+    grammar = _unchecked_grammar_text(params)
+    error = LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise ValueError(f"structured_outputs.{params.kind} does not compile: {error.strip()}")
+    return grammar
+
+
+def _unchecked_grammar_text(params: StructuredOutputsParams) -> str:
+    """``params`` in llguidance's grammar format, not yet checked for compiling (the matcher
+    built from it checks that too: the scheduler need not parse the grammar twice)."""
     import llguidance
     from llguidance import LLMatcher
 
     kind = params.kind
-    field_name = f"structured_outputs.{kind}"
     try:
         if kind == "json":
-            grammar = LLMatcher.grammar_from_json_schema(params.json)
-        elif kind == "json_object":
-            grammar = LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
-        elif kind == "regex":
-            grammar = LLMatcher.grammar_from_regex(params.regex)
-        elif kind == "choice":
+            return LLMatcher.grammar_from_json_schema(params.json)
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(params.regex)
+        if kind == "choice":
             # Each choice is matched as a literal string (no regex meaning).
-            grammar = LLMatcher.grammar_from_lark(
+            return LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(text) for text in params.choice)
             )
-        else:
-            grammar = llguidance.grammar_from("grammar", params.grammar)
+        return llguidance.grammar_from("grammar", params.grammar)
     except ValueError as error:
-        raise ValueError(f"{field_name}: {error}") from None
-    error = LLMatcher.validate_grammar(grammar, None)
-    if error:
-        raise ValueError(f"{field_name} does not compile: {error.strip()}")
-    return grammar
+        raise ValueError(f"structured_outputs.{kind}: {error}") from None
 
 
 class GrammarMatcher:
@@ -131,7 +137,7 @@ class StructuredOutput:
             )
         from llguidance import LLMatcher
 
-        grammar = grammar_text(params)
+        grammar = _unchecked_grammar_text(params)
         matcher = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=_MATCHER_LOG_LEVEL)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error().strip()}")
