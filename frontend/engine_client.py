@@ -124,6 +124,7 @@ class EngineClient:
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         grammar_vocabulary: GrammarVocabulary | None = None,
+        structured_outputs_disable_any_whitespace: bool = False,
     ) -> None:
         if not startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s!r}")
@@ -153,6 +154,9 @@ class EngineClient:
                     world_size=world_size,
                     worker=worker_spec,
                     grammar_vocabulary=grammar_vocabulary,
+                    structured_outputs_disable_any_whitespace=(
+                        structured_outputs_disable_any_whitespace
+                    ),
                 )
             )
             engine_ready = self._process.wait_until_ready(startup_timeout_s)

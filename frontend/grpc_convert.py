@@ -112,7 +112,9 @@ def _structured_outputs_from_proto(message: pb.StructuredOutputs) -> StructuredO
     if kind == "choice":
         value = list(value.choices)
     try:
-        params = StructuredOutputsParams(**{engine_kind: value})
+        params = StructuredOutputsParams(
+            **{engine_kind: value}, disable_any_whitespace=message.disable_any_whitespace
+        )
         grammar_text(params)
     except (ValueError, TypeError) as error:
         text = str(error)
@@ -122,12 +124,15 @@ def _structured_outputs_from_proto(message: pb.StructuredOutputs) -> StructuredO
 
 
 def _structured_outputs_to_proto(params: StructuredOutputsParams) -> pb.StructuredOutputs:
+    message = pb.StructuredOutputs(disable_any_whitespace=params.disable_any_whitespace)
     kind = params.kind
     if kind == "choice":
-        return pb.StructuredOutputs(choice=pb.ChoiceList(choices=params.choice))
-    if kind == "json":
-        return pb.StructuredOutputs(json_schema=params.json)  # JSON text once constructed
-    return pb.StructuredOutputs(**{kind: getattr(params, kind)})
+        message.choice.choices.extend(params.choice)
+    elif kind == "json":
+        message.json_schema = params.json  # JSON text once constructed
+    else:
+        setattr(message, kind, getattr(params, kind))
+    return message
 
 
 def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:

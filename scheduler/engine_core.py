@@ -36,9 +36,12 @@ class EngineCore:
         num_host_blocks: int = 0,
         enable_prefix_caching: bool = False,
         grammar_vocabulary: GrammarVocabulary | None = None,
+        structured_output: StructuredOutput | None = None,
     ) -> None:
         """``grammar_vocabulary`` (the model's tokenizer) lets requests ask for structured
-        output; without it such a request is refused."""
+        output; without it such a request is refused. ``structured_output``, made by the
+        caller, replaces it: the scheduler process makes one while its workers load, so
+        its grammar tokenizer builds meanwhile."""
         watermark_blocks = int(scheduler_config.watermark_fraction * num_blocks)
         self.block_manager = BlockManager(
             num_blocks,
@@ -56,9 +59,11 @@ class EngineCore:
                     f"({scheduler_config.max_model_len} tokens = {needed} blocks) per "
                     f"request, but the KV cache has {num_blocks} blocks; lower max_model_len"
                 )
-        self.scheduler = Scheduler(
-            scheduler_config, self.block_manager, StructuredOutput(grammar_vocabulary)
-        )
+        if structured_output is None:
+            structured_output = StructuredOutput(grammar_vocabulary)
+        elif grammar_vocabulary is not None:
+            raise ValueError("give grammar_vocabulary or structured_output, not both")
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, structured_output)
         self.executor = executor
         # Requests that sample without a seed get one from here, so a whole run is
         # reproducible from the engine's seed and each request's draws stay its own.

@@ -142,7 +142,8 @@ class StartEngine:
     own sockets in ``ipc_dir`` too. ``frontend_pid`` lets the scheduler check that its
     parent is still the one that started it. There is no start-up deadline here: the
     frontend owns it, and kills the engine when it passes. ``grammar_vocabulary`` (None
-    for a model without a tokenizer) is what structured output matches grammars over.
+    for a model without a tokenizer) is what structured output matches grammars over;
+    ``structured_outputs_disable_any_whitespace`` makes every request's JSON compact.
     """
 
     frontend_pid: int
@@ -155,6 +156,7 @@ class StartEngine:
     world_size: int
     worker: WorkerSpec
     grammar_vocabulary: GrammarVocabulary | None = None
+    structured_outputs_disable_any_whitespace: bool = False
 
 
 @dataclass

@@ -8,7 +8,8 @@ script), it reads one encoded ``StartEngine`` from stdin, then::
        (``MultiprocExecutor``)                    -> Ready("scheduler", worker pids)
     2. waits for every worker                     -> Ready("worker") each, forwarded
     3. builds the EngineCore on the blocks every
-       rank holds (the smallest count)            -> Ready("engine", cache sizes)
+       rank holds (the smallest count), once the
+       grammar tokenizer (built during 2) is done -> Ready("engine", cache sizes)
     4. serves: AddRequest / AbortRequest / StopSample / GetStats / ResetPrefixCache /
        Shutdown in, one OutputBatch per step out
     5. on Shutdown or a failure: ends every request still in flight (on a failure
@@ -47,6 +48,7 @@ from pagedserve.scheduler.engine_messages import (
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.multiproc_executor import MultiprocExecutor, WorkerDiedError
 from pagedserve.scheduler.serialization import Message, decode, decode_as, encode
+from pagedserve.scheduler.structured_output import StructuredOutput
 
 # How long the last messages (final stats, an error) may take to reach the frontend
 # once this process is ready to exit.
@@ -169,6 +171,11 @@ def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zm
         executor = MultiprocExecutor(start.worker, start.world_size, start.ipc_dir, context)
         scheduler_info = {"worker_pids": executor.worker_pids, "ring_name": executor.ring_name}
         outbox.send(encode(Ready("scheduler", os.getpid(), scheduler_info)))
+        # Made after the workers are spawned: its grammar tokenizer builds on a thread
+        # (holding the GIL, StructuredOutput's NOTE) while this thread only waits for them.
+        structured_output = StructuredOutput(
+            start.grammar_vocabulary, start.structured_outputs_disable_any_whitespace
+        )
         cache = executor.wait_until_ready(on_ready=lambda ready: outbox.send(encode(ready)))
         engine = EngineCore(
             start.scheduler_config,
@@ -178,8 +185,11 @@ def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zm
             seed=start.seed,
             num_host_blocks=cache["num_host_blocks"],
             enable_prefix_caching=start.enable_prefix_caching,
-            grammar_vocabulary=start.grammar_vocabulary,
+            structured_output=structured_output,
         )
+        # Ready only once the grammar tokenizer is: built later, in the loop, it would pause
+        # every stream.
+        structured_output.wait_until_built()
         outbox.send(encode(Ready("engine", os.getpid(), cache)))
         EngineLoop(engine, executor, inbox, outbox).run()
         if engine.has_unfinished_requests():

@@ -28,6 +28,13 @@ class StructuredOutputsParams:
     (finish reason ``stop``), even with ``ignore_eos``. ``max_tokens`` can still cut it
     short (finish reason ``length``). A JSON schema's ``"x-guidance"`` key takes
     llguidance's options (whitespace, for one).
+
+    ``disable_any_whitespace`` (vLLM's option) makes ``json`` and ``json_object`` compact:
+    no whitespace between JSON tokens, so a model cannot loop on it until ``max_tokens``
+    (llguidance's ``whitespace_flexible: false``; a schema's own ``x-guidance`` setting
+    wins). The other kinds ignore it: their grammar already says where whitespace goes.
+    The engine's ``structured_outputs_disable_any_whitespace`` turns it on for every
+    request.
     """
 
     json: str | dict[str, Any] | None = None
@@ -35,6 +42,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.json is not None:
@@ -73,10 +81,11 @@ class StructuredOutputsParams:
                     raise TypeError(
                         f"structured_outputs.choice[{index}] must be a string, got {text!r}"
                     )
-        if not isinstance(self.json_object, bool):
-            raise TypeError(
-                f"structured_outputs.json_object must be a bool, got {self.json_object!r}"
-            )
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}"
+                )
         chosen = [name for name in STRUCTURED_OUTPUT_KINDS if self._is_set(name)]
         if len(chosen) != 1:
             raise ValueError(

@@ -136,7 +136,14 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "skip_special_tokens",
         "spaces_between_special_tokens",
     ),
-    StructuredOutputsParams: ("json", "regex", "choice", "grammar", "json_object"),
+    StructuredOutputsParams: (
+        "json",
+        "regex",
+        "choice",
+        "grammar",
+        "json_object",
+        "disable_any_whitespace",
+    ),
     GrammarVocabulary: ("tokenizer_json", "vocab_size", "eos_token_ids"),
     NewRequestData: (
         "request_id",
@@ -224,6 +231,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "world_size",
         "worker",
         "grammar_vocabulary",
+        "structured_outputs_disable_any_whitespace",
     ),
     StartWorker: (
         "rank",
@@ -741,6 +749,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         (list, type(None)),
         (str, type(None)),
         bool,
+        bool,
     ),
     GrammarVocabulary: (str, int, list),
 }
@@ -779,7 +788,7 @@ def _pack_start_engine(start: StartEngine) -> list:
 
 def _unpack_start_engine(value: Any) -> StartEngine:
     fields = _fields(value, "StartEngine")
-    expected = (int, str, str, str, list, int, bool, int, list, (list, type(None)))
+    expected = (int, str, str, str, list, int, bool, int, list, (list, type(None)), bool)
     for name, field_value, field_type in zip(WIRE_FIELDS[StartEngine], fields, expected):
         _check(field_value, field_type, f"StartEngine.{name}")
     fields[4] = _unpack_flat(fields[4], SchedulerConfig)

@@ -32,6 +32,12 @@ CONSTRAINTS = {
     "choice": StructuredOutputsParams(choice=CHOICES),
     "grammar": StructuredOutputsParams(grammar=GRAMMAR),
 }
+# The person schema without its own whitespace setting: compact only by the request's flag.
+LOOSE_PERSON_SCHEMA = {key: value for key, value in PERSON_SCHEMA.items() if key != "x-guidance"}
+COMPACT_CONSTRAINTS = {
+    "json-compact": StructuredOutputsParams(json=LOOSE_PERSON_SCHEMA, disable_any_whitespace=True),
+    "json_object-compact": StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+}
 PROMPTS = [[5, 300, 301, 302], [400, 7, 7, 401, 402, 403, 404, 405, 406], [17, 18, 19]]
 
 
@@ -76,8 +82,13 @@ def reference(model_dir):
     hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=VOCAB_SIZE)
     eos = hf_tokenizer.eos_token_id
+    compact = {"whitespace_flexible": False}
     grammars = {
         "json": LLMatcher.grammar_from_json_schema(PERSON_SCHEMA),
+        "json-compact": LLMatcher.grammar_from_json_schema(LOOSE_PERSON_SCHEMA, defaults=compact),
+        "json_object-compact": LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=compact
+        ),
         "regex": LLMatcher.grammar_from_regex(REGEX),
         "choice": llguidance.grammar_from("choice", CHOICES),
         "grammar": LLMatcher.grammar_from_lark(GRAMMAR),
@@ -198,6 +209,41 @@ def test_json_object_gives_an_object(llm):
             assert isinstance(json.loads(completion.text), dict)
         else:  # a random model may ramble inside a string; it is still an object's prefix
             assert completion.text.lstrip().startswith("{")
+
+
+def whitespace_outside_strings(text: str) -> str:
+    """The whitespace of a JSON text (or of a prefix of one) outside its strings."""
+    found, in_string, escaped = [], False, False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped = char == "\\"
+            in_string = char != '"'
+        elif char == '"':
+            in_string = True
+        elif char.isspace():
+            found.append(char)
+    return "".join(found)
+
+
+@pytest.mark.parametrize("kind", COMPACT_CONSTRAINTS)
+def test_disable_any_whitespace_gives_compact_json(llm, reference, kind):
+    outputs = llm.generate(PROMPTS, greedy(COMPACT_CONSTRAINTS[kind]))
+    for output, prompt in zip(outputs, PROMPTS):
+        completion = output.outputs[0]
+        assert completion.token_ids == reference(prompt, kind)[0], prompt
+        assert whitespace_outside_strings(completion.text) == "", completion.text
+        if kind == "json-compact":  # json_object may ramble inside a string until max_tokens
+            assert completion.finish_reason == "stop" and is_valid("json", completion.text)
+
+
+def test_without_it_this_model_loops_on_whitespace(llm):
+    """What the option is for (and what makes the test above able to fail)."""
+    loose = greedy(StructuredOutputsParams(json=LOOSE_PERSON_SCHEMA))
+    completion = llm.generate(PROMPTS[1], loose)[0].outputs[0]
+    assert completion.finish_reason == "length"
+    assert len(whitespace_outside_strings(completion.text)) > MAX_TOKENS // 2
 
 
 def test_across_processes_the_output_is_the_same(model_dir, reference):

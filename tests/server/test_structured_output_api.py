@@ -34,6 +34,10 @@ MAX_TOKENS = 64
 JSON_OBJECT_PROMPT_IDS = [151, 97, 99, 423]
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+# The person schema without its own whitespace setting: on PROMPT_IDS the model then
+# loops on whitespace until max_tokens, unless the request sets disable_any_whitespace.
+LOOSE_PERSON_SCHEMA = {key: value for key, value in PERSON_SCHEMA.items() if key != "x-guidance"}
+COMPACT_PERSON = StructuredOutputsParams(json=LOOSE_PERSON_SCHEMA, disable_any_whitespace=True)
 
 
 def is_person(text: str) -> bool:
@@ -218,6 +222,22 @@ def test_json_object_answers_a_json_object(server, client, offline):
         assert choice.text == want.outputs[0].text
 
 
+def compact_person_answer(offline: LLM):
+    """The offline engine's answer to COMPACT_PERSON, checked to differ from the answer
+    without the flag (so an API that dropped the flag could not pass)."""
+    want = offline.generate(PROMPT_IDS, constrained(COMPACT_PERSON))[0].outputs[0]
+    assert want.finish_reason == "stop" and is_person(want.text), want.text
+    loose = StructuredOutputsParams(json=LOOSE_PERSON_SCHEMA)
+    assert offline.generate(PROMPT_IDS, constrained(loose))[0].outputs[0].text != want.text
+    return want
+
+
+def test_disable_any_whitespace_reaches_the_engine_over_grpc(server, grpc_client, offline):
+    want = compact_person_answer(offline)
+    answer = grpc_client.generate(PROMPT_IDS, constrained(COMPACT_PERSON)).outputs[0]
+    assert (answer.token_ids, answer.finish_reason) == (want.token_ids, "stop")
+
+
 def test_several_samples_each_keep_the_constraint(server, client):
     answer = client.chat.completions.create(
         model=SERVED_MODEL_NAME,
@@ -369,8 +389,10 @@ def test_grpc_refuses_a_bad_constraint_naming_the_field(server, grpc_client):
         StructuredOutputsParams(choice=CHOICES),
         StructuredOutputsParams(grammar=GRAMMAR),
         StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex=REGEX, disable_any_whitespace=True),
+        COMPACT_PERSON,
     ],
-    ids=lambda structured: structured.kind,
+    ids=lambda structured: structured.kind + "-compact" * structured.disable_any_whitespace,
 )
 def test_structured_outputs_survive_the_wire(structured):
     params = SamplingParams(temperature=0.5, seed=1, structured_outputs=structured)

@@ -210,6 +210,7 @@ ROUND_TRIP_CASES = {
         world_size=2,
         worker=WORKER_SPEC,
         grammar_vocabulary=GrammarVocabulary('{"model": {"vocab": {"é": 0}}}', 49152, [0, 2]),
+        structured_outputs_disable_any_whitespace=True,
     ),
     "start-worker": StartWorker(
         rank=0,
@@ -244,6 +245,11 @@ ROUND_TRIP_CASES = {
     ),
     "params-json-object": SamplingParams(
         structured_outputs=StructuredOutputsParams(json_object=True)
+    ),
+    "params-json-compact": SamplingParams(
+        structured_outputs=StructuredOutputsParams(
+            json={"type": "array"}, disable_any_whitespace=True
+        )
     ),
 }
 
@@ -359,7 +365,7 @@ def _plan_fields(**overrides) -> list:
                 AddRequest,
                 "r",
                 [1],
-                _pack_params(structured_outputs=[None, "a+", ["x"], None, False]),
+                _pack_params(structured_outputs=[None, "a+", ["x"], None, False, False]),
                 0.0,
                 [2],
                 None,
@@ -371,12 +377,24 @@ def _plan_fields(**overrides) -> list:
                 AddRequest,
                 "r",
                 [1],
-                _pack_params(structured_outputs=[None, 5, None, None, False]),
+                _pack_params(structured_outputs=[None, 5, None, None, False, False]),
                 0.0,
                 [2],
                 None,
             ),
             "StructuredOutputsParams.regex: expected str or None, got int",
+        ),
+        (
+            _frame(
+                AddRequest,
+                "r",
+                [1],
+                _pack_params(structured_outputs=[None, "a+", None, None, False, 1]),
+                0.0,
+                [2],
+                None,
+            ),
+            "StructuredOutputsParams.disable_any_whitespace: expected bool, got int",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(logit_bias=[[1, 2], [0.5]]), 0.0, [2], None),

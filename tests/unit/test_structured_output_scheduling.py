@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -69,6 +70,11 @@ def choice(*texts: str) -> StructuredOutputsParams:
         ({"regex": ""}, ValueError, "structured_outputs.regex must not be empty"),
         ({"grammar": b"x"}, TypeError, "structured_outputs.grammar must be a string"),
         ({"json_object": 1}, TypeError, "structured_outputs.json_object must be a bool"),
+        (
+            {"regex": "a", "disable_any_whitespace": None},
+            TypeError,
+            "structured_outputs.disable_any_whitespace must be a bool, got None",
+        ),
     ],
 )
 def test_params_name_the_field_that_is_wrong(kwargs, error, match):
@@ -145,6 +151,80 @@ def test_a_fork_moves_on_its_own(structured, tokenizer):
     assert parent.accept(token_id(tokenizer, "yes"))
     assert parent.is_finished and not child.is_finished
     assert child.accept(token_id(tokenizer, "no")) and child.is_finished
+
+
+# ------------------------------------------------------------------ disable_any_whitespace
+
+
+def whitespace_allowed_after_brace(structured: StructuredOutput, tokenizer, **kwargs) -> bool:
+    """Whether a space may follow a JSON output's opening ``{``."""
+    matcher = structured.new_matcher(StructuredOutputsParams(**kwargs))
+    assert matcher.accept(token_id(tokenizer, "{"))
+    return token_id(tokenizer, " ") in allowed_ids(matcher.allowed_token_bitmask())
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    "constraint", [{"json_object": True}, {"json": SCHEMA}], ids=["json_object", "json"]
+)
+def test_disable_any_whitespace_makes_json_compact(structured, tokenizer, constraint):
+    assert whitespace_allowed_after_brace(structured, tokenizer, **constraint)
+    assert not whitespace_allowed_after_brace(
+        structured, tokenizer, **constraint, disable_any_whitespace=True
+    )
+
+
+def test_a_schema_s_own_whitespace_setting_wins(structured, tokenizer):
+    schema = {**SCHEMA, "x-guidance": {"whitespace_flexible": True}}
+    assert whitespace_allowed_after_brace(
+        structured, tokenizer, json=schema, disable_any_whitespace=True
+    )
+
+
+def test_the_engine_default_turns_it_on_for_every_request(tokenizer):
+    vocabulary = GrammarVocabulary(tokenizer.to_str(), VOCAB_SIZE, [EOS])
+    compact = StructuredOutput(vocabulary, disable_any_whitespace=True)
+    assert not whitespace_allowed_after_brace(compact, tokenizer, json_object=True)
+    assert not whitespace_allowed_after_brace(compact, tokenizer, json={"type": "object"})
+
+
+def test_other_constraints_ignore_it(structured, tokenizer):
+    matcher = structured.new_matcher(
+        StructuredOutputsParams(regex="a b", disable_any_whitespace=True)
+    )
+    assert matcher.accept(token_id(tokenizer, "a"))
+    assert allowed_ids(matcher.allowed_token_bitmask()) == [token_id(tokenizer, " ")]
+
+
+# ------------------------------------------------------------------ the grammar tokenizer
+
+
+def test_the_grammar_tokenizer_builds_before_any_constrained_request(tokenizer, monkeypatch):
+    """Built at the first constrained request, it would pause every stream then."""
+    import llguidance
+
+    started = threading.Event()
+    build = llguidance.LLTokenizer
+
+    def recording_build(*args, **kwargs):
+        started.set()
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", recording_build)
+    structured = StructuredOutput(GrammarVocabulary(tokenizer.to_str(), VOCAB_SIZE, [EOS]))
+    # No request has asked for a matcher: the build must have started on its own.
+    assert started.wait(timeout=60)
+    assert structured.wait_until_built()
+    assert structured.new_matcher(choice("yes")).accept(token_id(tokenizer, "yes"))
+
+
+def test_a_tokenizer_llguidance_cannot_read_fails_each_constrained_request():
+    structured = StructuredOutput(GrammarVocabulary('{"model": 1}', VOCAB_SIZE, [EOS]))
+    assert not structured.wait_until_built()  # the engine itself runs on
+    with pytest.raises(ValueError, match="structured_outputs.choice: the model's tokenizer could"):
+        structured.new_matcher(choice("a"))
 
 
 # ------------------------------------------------------------------ in the scheduler
