@@ -339,11 +339,20 @@ async def model_info(port: int) -> pb.ModelInfo:
         return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=UNARY_TIMEOUT_S)
 
 
-async def target_model_card(base_url: str, model_name: str | None) -> dict[str, Any]:
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """The HTTP headers that carry ``api_key`` (the target's --api-key), if any."""
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
+async def target_model_card(
+    base_url: str, model_name: str | None, api_key: str | None = None
+) -> dict[str, Any]:
     """The target's ``GET /v1/models`` entry for ``model_name`` (None: its first)."""
     async with (
         aiohttp.ClientSession(
-            base_url=base_url, timeout=aiohttp.ClientTimeout(total=UNARY_TIMEOUT_S)
+            base_url=base_url,
+            timeout=aiohttp.ClientTimeout(total=UNARY_TIMEOUT_S),
+            headers=bearer_headers(api_key),
         ) as session,
         session.get("/v1/models") as response,
     ):
@@ -786,12 +795,14 @@ async def replay_http(
     namespace: str,
     tag: str,
     timeout_s: float,
+    api_key: str | None = None,
 ) -> tuple[list[CompletionStreamResult], float, bool]:
     """``replay`` as streamed ``POST /v1/completions`` to the server at ``base_url``, asking
     for ``model`` (None: the one served); the results too."""
     results = [CompletionStreamResult(request.output_len) for request in requests]
     async with aiohttp.ClientSession(
         base_url=base_url,
+        headers=bearer_headers(api_key),
         # No limit on connections: every call in flight needs one of its own.
         connector=aiohttp.TCPConnector(limit=0),
         # --timeout-s bounds the run; aiohttp's default (5 minutes a call) would end a
@@ -880,11 +891,12 @@ async def run_target(
     namespace: str,
     tag: str,
     timeout_s: float,
+    api_key: str | None = None,
 ) -> ServerRun:
     """``run_server`` over HTTP on a server this tool did not start: the same calls, checked
     alike, but no stats after them (nothing says what the target's engine holds)."""
     results, start_s, _ = await replay_http(
-        base_url, model, requests, arrivals_s, namespace, tag, timeout_s
+        base_url, model, requests, arrivals_s, namespace, tag, timeout_s, api_key
     )
     # No outputs kept: there is no offline run to compare them with.
     return _server_run(results, start_s, _run_seconds(results, start_s), None, [], [], [])
@@ -1365,6 +1377,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "no offline peer, no GetStats",
     )
     parser.add_argument(
+        "--api-key",
+        default=None,
+        help="with --target-url: the target's API key, sent as 'Authorization: Bearer KEY' "
+        "(default: $PAGEDSERVE_API_KEY, which keeps it out of ps)",
+    )
+    parser.add_argument(
         "--model-name",
         default=None,
         help="with --target-url: the model to ask for (default: the first of its /v1/models)",
@@ -1430,11 +1448,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args(argv)
     if args.target_url is None:
-        given = [name for name in ("model_name", "vocab_size") if getattr(args, name) is not None]
+        given = [
+            name
+            for name in ("model_name", "vocab_size", "api_key")
+            if getattr(args, name) is not None
+        ]
         if given:
             parser.error(
                 f"--{given[0].replace('_', '-')} is for --target-url only: a server this tool "
-                "starts names its model and reports its vocabulary"
+                "starts asks for no key, names its model and reports its vocabulary"
             )
         args.api = args.api or "grpc"
     else:
@@ -1443,6 +1465,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"--target-url takes --api http only (its calls go over HTTP), got --api {args.api}"
             )
         args.api = "http"
+        args.api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
         if args.vocab_size is not None and args.vocab_size <= FIRST_ORDINARY_TOKEN_ID:
             parser.error(
                 f"--vocab-size must be > {FIRST_ORDINARY_TOKEN_ID}: the prompts' token ids are "
@@ -1651,7 +1674,7 @@ def bench_target(args: argparse.Namespace, load_before: float) -> dict[str, Any]
     runs: list[ServerRun] = []
     error: str | None = None
     try:
-        card = run_async(target_model_card(args.target_url, args.model_name))
+        card = run_async(target_model_card(args.target_url, args.model_name, args.api_key))
         model = card["id"]
         max_len = args.max_len
         # vLLM's and SGLang's entries have it too; a prompt + output past it is refused.
@@ -1692,6 +1715,7 @@ def bench_target(args: argparse.Namespace, load_before: float) -> dict[str, Any]
                     namespace,
                     namespace,
                     args.timeout_s,
+                    args.api_key,
                 )
             )
             problems = [f"http warm-up: {kind} x{n}" for kind, n in run.problems.items()]
@@ -1709,6 +1733,7 @@ def bench_target(args: argparse.Namespace, load_before: float) -> dict[str, Any]
                     namespace,
                     namespace,
                     args.timeout_s,
+                    args.api_key,
                 )
             )
             runs.append(run)
