@@ -19,6 +19,7 @@ from pagedserve.frontend.server import (
     ServerConfig,
     serve,
 )
+from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -78,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not share the KV blocks of common prompt prefixes between requests",
     )
+    engine.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEXT",
+        help="a Jinja chat template (a file, or the template itself) instead of the model's",
+    )
+    engine.add_argument(
+        "--structured-outputs-disable-any-whitespace",
+        action="store_true",
+        help="JSON constraints (a schema, a JSON object) allow no whitespace between JSON "
+        "tokens, for every request",
+    )
     engine.add_argument("--verbose", action="store_true", help="log engine events to stderr")
     request = argparse.ArgumentParser(add_help=False)
     request.add_argument("--max-tokens", type=int, default=128)
@@ -128,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout-s), then the process exits 0; it exits 1 if the engine dies.",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let the model decide to call tools (tool_choice 'auto', the default when a chat "
+        "request gives tools); needs --tool-call-parser",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call format: hermes (Hermes, Qwen2.5, Qwen3: <tool_call> "
+        "blocks) or llama3_json (Llama 3.1+ JSON calls)",
+    )
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0: any free port")
     serve.add_argument(
         "--http-port",
@@ -221,7 +247,30 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         cuda_graphs=args.cuda_graphs,
         tensor_parallel_size=args.tensor_parallel_size,
+        chat_template=_chat_template(args.chat_template),
+        structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
     )
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's template, or the template given inline (as vLLM
+    takes it)."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        is_file = path.is_file()
+    except OSError:  # an inline template too long to be a file's name (ENAMETOOLONG)
+        is_file = False
+    if is_file:
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    print(
+        f"pagedserve: error: --chat-template {value!r:.200} is neither a file nor a template",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
 
 
 def _embedded_name() -> str:
@@ -235,6 +284,13 @@ def _serve(args: argparse.Namespace) -> int:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.tokenizer import preload as preload_tokenizer
 
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        print(
+            "pagedserve: error: --enable-auto-tool-choice and --tool-call-parser go together "
+            "(the parser reads the calls the model decides to make)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = ServerConfig(
             host=args.host,
@@ -251,6 +307,7 @@ def _serve(args: argparse.Namespace) -> int:
             tls_key_file=args.tls_key_file,
             tls_client_ca_file=args.tls_client_ca_file,
             api_key=args.api_key,
+            tool_call_parser=args.tool_call_parser,
         )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)

@@ -25,7 +25,11 @@ from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.sampling_params import SamplingParams, token_ids_outside_vocabulary
-from pagedserve.scheduler.structured_output import GrammarVocabulary, grammar_text
+from pagedserve.scheduler.structured_output import (
+    GrammarVocabulary,
+    StructuredOutput,
+    grammar_text,
+)
 
 if TYPE_CHECKING:
     from pagedserve.gpu_worker.worker import Worker
@@ -65,6 +69,13 @@ class LLM:
     steps of up to ``max_num_seqs`` sequences from CUDA graphs captured at start-up
     (``gpu_worker/cuda_graphs.py``). Prefill attention on a GPU is one torch SDPA call over
     K/V gathered from the blocks unless ``PAGEDSERVE_PREFILL_ATTENTION=kernel``.
+
+    ``chat_template``: a Jinja chat template used instead of the model's own (one that
+    shows tools to the model, say).
+
+    ``structured_outputs_disable_any_whitespace=True`` sets
+    ``StructuredOutputsParams.disable_any_whitespace`` for every request: JSON constraints
+    then allow no whitespace between JSON tokens (vLLM's option of that name).
     """
 
     def __init__(
@@ -89,6 +100,8 @@ class LLM:
         multiprocess: bool | None = None,
         tensor_parallel_size: int = 1,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        chat_template: str | None = None,
+        structured_outputs_disable_any_whitespace: bool = False,
     ) -> None:
         check_dtype_name(dtype)
         if allocation_policy not in ALLOCATION_POLICIES:
@@ -106,6 +119,11 @@ class LLM:
         _check_optional_positive("max_model_len", max_model_len)
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if not isinstance(structured_outputs_disable_any_whitespace, bool):
+            raise TypeError(
+                "structured_outputs_disable_any_whitespace must be a bool, got "
+                f"{structured_outputs_disable_any_whitespace!r}"
+            )
         if cuda_graphs and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs device='cuda' (or 'cuda:N'), got {device!r}")
         # Graphs for every batch the scheduler may form, over block tables of max_model_len
@@ -114,7 +132,9 @@ class LLM:
         graph_max_len = max_model_len or 0
         resolved = resolve_model(model, cache_dir=cache_dir, progress=_print_progress)
         self.model_path: Path = resolved.path
-        self.tokenizer = Tokenizer(resolved.path) if Tokenizer.exists_in(resolved.path) else None
+        self.tokenizer = (
+            Tokenizer(resolved.path, chat_template) if Tokenizer.exists_in(resolved.path) else None
+        )
         if isinstance(swap_space_bytes, bool) or not isinstance(swap_space_bytes, int):
             raise TypeError(f"swap_space_bytes must be an integer, got {swap_space_bytes!r}")
         if swap_space_bytes < 0:
@@ -188,6 +208,7 @@ class LLM:
                 world_size=tensor_parallel_size,
                 startup_timeout_s=startup_timeout_s,
                 grammar_vocabulary=self.grammar_vocabulary,
+                structured_outputs_disable_any_whitespace=structured_outputs_disable_any_whitespace,
             )
             cache_sizes = (
                 self.engine.num_blocks,
@@ -203,7 +224,9 @@ class LLM:
                 seed=seed,
                 num_host_blocks=self.worker.num_host_blocks,
                 enable_prefix_caching=enable_prefix_caching,
-                grammar_vocabulary=self.grammar_vocabulary,
+                structured_output=StructuredOutput(
+                    self.grammar_vocabulary, structured_outputs_disable_any_whitespace
+                ),
             )
             cache_sizes = (
                 self.worker.num_blocks,
@@ -267,14 +290,17 @@ class LLM:
         self,
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of
-        ``{"role", "content"}`` dicts) or several, then generate the assistant's turn."""
+        """Apply the chat template to one conversation (a list of ``{"role", "content"}``
+        dicts) or several, then generate the assistant's turn. ``tools`` (OpenAI's
+        function tools) go to the template; the output stays text (the HTTP server reads
+        tool calls out of it)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self._require_tokenizer("messages")
-        texts = [self.render_chat(conversation) for conversation in conversations]
+        texts = [self.render_chat(conversation, tools=tools) for conversation in conversations]
         # The template already wrote the special tokens it wants.
         prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outputs = self.generate(prompts, sampling_params)
@@ -401,10 +427,16 @@ class LLM:
                 )
         return token_ids
 
-    def render_chat(self, conversation: list[Message], field: str = "messages") -> str:
-        """The prompt text of a conversation: the model's chat template, ending with the
-        assistant's turn to speak (encode it with ``add_special_tokens=False``)."""
-        return self._require_tokenizer(field).apply_chat_template(list(conversation))
+    def render_chat(
+        self,
+        conversation: list[Message],
+        field: str = "messages",
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of a conversation: the chat template, ending with the
+        assistant's turn to speak (encode it with ``add_special_tokens=False``); ``tools``
+        (OpenAI's function tools) go to the template."""
+        return self._require_tokenizer(field).apply_chat_template(list(conversation), tools)
 
     def _as_params_list(
         self, params: SamplingParams | Sequence[SamplingParams] | None, count: int

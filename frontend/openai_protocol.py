@@ -9,8 +9,9 @@ tools written for either work unchanged. Structured output comes as OpenAI's
 ``response_format`` (JSON object or schema), vLLM's ``structured_outputs`` object, or
 vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``;
 one constraint per request. ``logit_bias`` values are clamped to [-100, 100], as vLLM
-does. Bad input raises ``CallError`` (``INVALID_ARGUMENT``) naming the field, the value
-and the limit; fields OpenAI defines that this engine cannot honour (tools, suffix) are
+does. Chat requests may give ``tools`` and ``tool_choice`` (``tool_calls.py``). Bad input
+raises ``CallError`` (``INVALID_ARGUMENT``) naming the field, the value and the limit;
+fields OpenAI defines that this engine cannot honour (suffix, the deprecated functions) are
 refused by name rather than ignored; fields nobody defines are ignored and listed in the
 server's log, as vLLM does.
 """
@@ -25,7 +26,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
+from pagedserve.frontend import tool_calls
 from pagedserve.frontend.call_errors import CallError
+from pagedserve.frontend.tool_calls import ToolCallError, ToolCalling, ToolCallStream
 from pagedserve.scheduler.sampling_params import (
     MAX_LOGPROBS,
     STRUCTURED_OUTPUT_KINDS,
@@ -99,7 +104,7 @@ _CHAT_FIELDS = {
     "parallel_tool_calls",
     "add_generation_prompt",
 }
-_CHAT_ROLES = ("system", "developer", "user", "assistant")
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # vLLM's older structured-output fields -> StructuredOutputsParams' field.
 _GUIDED_FIELDS = {
     "guided_json": "json",
@@ -171,6 +176,8 @@ class ApiRequest:
     prompt_logprobs: bool
     cache_namespace: str | None
     client_request_id: str
+    # Chat requests with tools (tool_choice other than "none"): how to read the calls.
+    tool_calling: ToolCalling | None = None
     created_s: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -182,11 +189,13 @@ def parse_request(
     served_model_name: str,
     client_request_id: str | None,
     max_prompts: int = 1024,
+    tool_call_parser: str | None = None,
 ) -> ApiRequest:
     """The request ``body`` (decoded JSON) of ``/v1/completions`` (``kind="completion"``)
     or ``/v1/chat/completions`` (``"chat"``), checked and tokenized. A batch of more than
     ``max_prompts`` prompts (the server's limit of requests in flight) is refused before
-    anything is tokenized: it could never be admitted."""
+    anything is tokenized: it could never be admitted. ``tool_call_parser``: the server's
+    reader of calls in the model's own format, for ``tool_choice="auto"``; None: off."""
     if not isinstance(body, dict):
         raise _invalid(f"the request body must be a JSON object, got {type(body).__name__}", "")
     known = _COMMON_FIELDS | set(_SAMPLING_FIELDS)
@@ -202,6 +211,7 @@ def parse_request(
             "model",
         )
     _refuse_unsupported(kind, body)
+    tool_calling = _tool_calling(body, tool_call_parser) if kind == "chat" else None
     if kind == "completion":
         prompts = _completion_prompts(body, llm, max_prompts)
         logprobs = _int_field(body, "logprobs", 0, MAX_LOGPROBS)
@@ -228,7 +238,18 @@ def parse_request(
     request_id = _typed(body, "request_id", (str,), "a string", client_request_id or "")
 
     structured = _structured_outputs(body, llm)
+    if tool_calling is not None and tool_calling.constraint() is not None:
+        structured = _tool_constraint(tool_calling, structured, llm)
     base = _base_params(body, default_params, logprobs, echo, max_tokens_names, structured)
+    if (
+        tool_calling is not None
+        and body.get("skip_special_tokens") is None
+        and llm.tokenizer is not None
+        and tool_calling.uses_special_tokens(llm.tokenizer.special_token_texts)
+    ):
+        # The parser finds calls by markers the tokenizer counts as special (Qwen's
+        # <tool_call>): the output text keeps them, as vLLM's parsers ask.
+        base = dataclasses.replace(base, skip_special_tokens=False)
     max_tokens_name = next((n for n in max_tokens_names if body.get(n) is not None), None)
     max_model_len = llm.scheduler_config.max_model_len
     # The most tokens a sequence of this request can hold: the context window, or less
@@ -284,6 +305,7 @@ def parse_request(
         prompt_logprobs=body.get("prompt_logprobs") is not None,
         cache_namespace=cache_salt,
         client_request_id=request_id,
+        tool_calling=tool_calling,
     )
 
 
@@ -292,16 +314,12 @@ def _refuse_unsupported(kind: str, body: dict) -> None:
         if body.get("suffix"):
             raise _invalid("suffix (insertion) is not supported by this server", "suffix")
         return
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise _invalid(
-                f"{name}: tool and function calling are not supported by this server", name
-            )
-    for name in ("tool_choice", "function_call"):
+    # OpenAI's deprecated forms of tools and tool_choice.
+    for name in ("functions", "function_call"):
         if body.get(name) not in (None, "none"):
             raise _invalid(
-                f"{name}={body[name]!r}: tool and function calling are not supported by this "
-                "server",
+                f"{name} is deprecated by OpenAI and not supported here: give the functions as "
+                "tools (type 'function') and choose with tool_choice",
                 name,
             )
     if body.get("add_generation_prompt", True) is not True:
@@ -310,6 +328,57 @@ def _refuse_unsupported(kind: str, body: dict) -> None:
             "assistant's turn to speak",
             "add_generation_prompt",
         )
+
+
+def _tool_calling(body: dict, tool_call_parser: str | None) -> ToolCalling | None:
+    """The request's tool calling; None without tools or with tool_choice "none"."""
+    tools = body.get("tools")
+    tool_choice = body.get("tool_choice")
+    parallel = _typed(body, "parallel_tool_calls", (bool,), "a boolean", True)
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise _invalid(
+                f"tool_choice={tool_choice!r:.200} needs tools to choose from", "tool_choice"
+            )
+        return None
+    try:
+        calling = ToolCalling(
+            tool_calls.parse_tools(tools), tool_choice, parallel, tool_call_parser
+        )
+    except ToolCallError as error:
+        raise _invalid(str(error), error.field) from None
+    return None if calling.mode == "none" else calling
+
+
+def _tool_constraint(
+    calling: ToolCalling,
+    structured: tuple[str, StructuredOutputsParams] | None,
+    llm: LLM,
+) -> tuple[str, StructuredOutputsParams]:
+    """The structured output that makes a required or named tool choice's calls: the
+    output is constrained to the calls' JSON."""
+    constraint = calling.constraint()
+    assert constraint is not None
+    name, schema = constraint
+    if structured is not None:
+        raise _invalid(
+            f"tool_choice={'required' if calling.mode == 'required' else 'a named function'} "
+            f"constrains the output to the calls, and {structured[0]} sets another constraint; "
+            "give one",
+            structured[0],
+        )
+    if llm.grammar_vocabulary is None:
+        raise _invalid(
+            f"tool_choice: a required or named tool choice constrains the output over the "
+            f"model's tokenizer, and {str(llm.model_path)!r} has none (or only a slow one)",
+            "tool_choice",
+        )
+    params = StructuredOutputsParams(json=schema)
+    try:
+        grammar_text(params)
+    except (ValueError, TypeError) as error:
+        raise _invalid(f"{name}: {error}", name) from None
+    return "tool_choice", params
 
 
 # A constraint as the request gave it: the field to name in errors, StructuredOutputsParams'
@@ -342,7 +411,9 @@ def _structured_outputs(body: dict, llm: LLM) -> tuple[str, StructuredOutputsPar
             name,
         )
     try:
-        params = StructuredOutputsParams(**{kind: value})
+        params = StructuredOutputsParams(
+            **{kind: value}, disable_any_whitespace=_disable_any_whitespace(body)
+        )
         grammar_text(params)
     except (ValueError, TypeError) as error:
         message = str(error)
@@ -396,9 +467,10 @@ def _response_format_constraints(body: dict) -> list[_Constraint]:
 
 
 def _structured_outputs_constraints(body: dict) -> list[_Constraint]:
-    """vLLM's ``structured_outputs`` object: exactly one of its constraint fields. Its
-    other fields (whitespace and backend options, structural tags) are refused by name
-    unless unset (null or false, which clients that send every field do)."""
+    """vLLM's ``structured_outputs`` object: exactly one of its constraint fields, and
+    ``disable_any_whitespace`` (``_disable_any_whitespace``). Its other fields (backend
+    options, structural tags) are refused by name unless unset (null or false, which
+    clients that send every field do)."""
     structured = _typed(body, "structured_outputs", (dict,), "an object")
     if structured is None:
         return []
@@ -407,6 +479,10 @@ def _structured_outputs_constraints(body: dict) -> list[_Constraint]:
         if value is None or value is False:
             continue
         name = f"structured_outputs.{key}"
+        if key == "disable_any_whitespace":
+            if value is not True:
+                raise _invalid(f"{name} must be a boolean, got {value!r:.100}", name)
+            continue
         if key not in STRUCTURED_OUTPUT_KINDS:
             raise _invalid(
                 f"{name} is not supported by this server; set one of "
@@ -420,6 +496,14 @@ def _structured_outputs_constraints(body: dict) -> list[_Constraint]:
             "structured_outputs",
         )
     return constraints
+
+
+def _disable_any_whitespace(body: dict) -> bool:
+    """``structured_outputs.disable_any_whitespace``, already checked by
+    ``_structured_outputs_constraints``. One constraint per request, so when it is true
+    the constraint is the one in ``structured_outputs``."""
+    structured = body.get("structured_outputs")
+    return isinstance(structured, dict) and structured.get("disable_any_whitespace") is True
 
 
 # OpenAI's range for a logit_bias value; vLLM clamps to it, and so does this server.
@@ -544,6 +628,8 @@ def _completion_prompts(body: dict, llm: LLM, max_prompts: int) -> list[Prompt]:
 
 
 def chat_prompt(body: dict, llm: LLM) -> Prompt:
+    """The prompt of a chat request: its messages (and tools, when it gives them) through
+    the model's chat template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid(
@@ -560,16 +646,27 @@ def chat_prompt(body: dict, llm: LLM) -> Prompt:
         if role not in _CHAT_ROLES:
             roles = ", ".join(_CHAT_ROLES)
             raise _invalid(f"{name}.role must be one of {roles}; got {role!r}", f"{name}.role")
-        if message.get("tool_calls"):
-            raise _invalid(f"{name}.tool_calls: tool calls are not supported", f"{name}.tool_calls")
-        conversation.append({"role": role, "content": _message_text(message, name)})
+        entry = {"role": role, "content": _message_text(message, name)}
+        try:
+            entry.update(tool_calls.chat_message_tool_fields(message, name))
+        except ToolCallError as error:
+            raise _invalid(str(error), error.field) from None
+        conversation.append(entry)
+    tools = None
+    if body.get("tools") is not None:
+        try:
+            tools = [tool.definition for tool in tool_calls.parse_tools(body["tools"])]
+        except ToolCallError as error:
+            raise _invalid(str(error), error.field) from None
     try:
-        text = llm.render_chat(conversation, "messages")
+        text = llm.render_chat(conversation, "messages", tools=tools)
         token_ids = llm.encode_prompt(
             llm.tokenizer.encode(text, add_special_tokens=False), "messages"
         )
     except (ValueError, TypeError) as error:
         raise _invalid(str(error), "messages") from None
+    except TemplateError as error:  # the template's raise_exception: messages it cannot show
+        raise _invalid(f"messages: the chat template refused them: {error}", "messages") from None
     return Prompt(text, token_ids)
 
 
@@ -720,11 +817,18 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
         for completion in output.outputs:
             index = prompt_index * num_outputs + completion.index
             if request.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+                reason = finish_reason(completion)
+                if request.tool_calling is not None:
+                    message, parsed = tool_calls.whole_message(
+                        request.tool_calling, completion.text
+                    )
+                    reason = request.tool_calling.finish_reason(reason, parsed)
                 choice = {
                     "index": index,
-                    "message": {"role": "assistant", "content": completion.text},
+                    "message": message,
                     "logprobs": None,
-                    "finish_reason": finish_reason(completion),
+                    "finish_reason": reason,
                     "stop_reason": completion.stop_reason,
                 }
                 if request.logprobs is not None and completion.logprobs is not None:
@@ -780,6 +884,7 @@ class _ChoiceCursor:
     logprobs: int = 0
     started: bool = False
     finished: bool = False
+    tool_calls: ToolCallStream | None = None  # a chat request with tools
 
 
 class StreamWriter:
@@ -811,28 +916,41 @@ class StreamWriter:
         chunks = []
         num_outputs = len(output.outputs)
         for completion in output.outputs:
-            cursor = self._cursors.setdefault(completion.index, _ChoiceCursor())
+            cursor = self._cursors.get(completion.index)
+            if cursor is None:
+                cursor = self._cursors[completion.index] = _ChoiceCursor()
+                if request.tool_calling is not None:
+                    cursor.tool_calls = ToolCallStream(request.tool_calling)
             new_text = completion.text[cursor.text_chars :]
             new_tokens = completion.token_ids[cursor.tokens :]
             new_entries = (
                 [] if completion.logprobs is None else completion.logprobs[cursor.logprobs :]
             )
-            newly_finished = finish_reason(completion) is not None and not cursor.finished
+            reason = finish_reason(completion)
+            newly_finished = reason is not None and not cursor.finished
             new_logprobs = request.logprobs is not None and bool(new_entries)
+            call_deltas: list[dict] = []
+            if cursor.tool_calls is not None:
+                # The content is what the tool-call reader settled, not the raw text.
+                new_text, call_deltas = cursor.tool_calls.feed(completion.text, reason is not None)
+                reason = request.tool_calling.finish_reason(reason, cursor.tool_calls.last)
             if not cursor.started and not (new_tokens or newly_finished):
                 # The prompt still being prefilled (a chunked prefill reports its prompt
                 # logprobs piece by piece): a choice starts with its first token, when the
                 # prompt's are all there.
                 continue
-            if cursor.started and not (new_text or new_logprobs or newly_finished):
-                continue  # tokens whose text the detokenizer still holds back
+            if cursor.started and not (new_text or call_deltas or new_logprobs or newly_finished):
+                continue  # tokens whose text the detokenizer (or tool-call reader) holds back
             index = self._prompt_index * num_outputs + completion.index
             choice: dict[str, Any] = {"index": index}
             if request.kind == "chat":
                 delta: dict[str, Any] = {}
                 if not cursor.started:
                     delta["role"] = "assistant"
-                delta["content"] = new_text
+                if new_text or not call_deltas:
+                    delta["content"] = new_text
+                if call_deltas:
+                    delta["tool_calls"] = call_deltas
                 choice["delta"] = delta
                 choice["logprobs"] = None
                 if request.logprobs is not None and new_entries:
@@ -855,7 +973,7 @@ class StreamWriter:
                     choice["logprobs"] = completion_logprobs(
                         token_ids, entries, request.logprobs, offset, self._texts
                     )
-            choice["finish_reason"] = finish_reason(completion) if newly_finished else None
+            choice["finish_reason"] = reason if newly_finished else None
             choice["stop_reason"] = completion.stop_reason if newly_finished else None
             if request.prompt_logprobs and not cursor.started:
                 choice["prompt_logprobs"] = prompt_logprobs(output, self._texts)

@@ -49,6 +49,7 @@ from pagedserve.frontend.async_engine import AsyncEngine, RequestStream
 from pagedserve.frontend.call_errors import CallError, ServerDrainingError
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.metrics import ServerMetrics
+from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
@@ -96,12 +97,20 @@ class ServerConfig:
     # Generation calls of both APIs must send "Authorization: Bearer <api_key>"
     # (``api_key.py``); None: no key asked for.
     api_key: str | None = None
+    # The model's tool-call format, read for tool_choice "auto" (``tool_calls.py``);
+    # None: only "none", "required" and named functions.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.max_concurrent_requests < 1:
             raise ValueError(
                 f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"

@@ -17,10 +17,12 @@ def preload() -> None:
 class Tokenizer:
     """A thin owner of the HF tokenizer: the one place that turns text into ids."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, chat_template: str | None = None) -> None:
+        """``chat_template``: a Jinja template used instead of the model's own."""
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self._chat_template = chat_template
         self.vocab_size = len(self._tokenizer)
         # The Rust tokenizer, when there is one: decoding through it directly skips
         # transformers' per-call overhead (about 3x), paid once per generated token.
@@ -32,6 +34,10 @@ class Tokenizer:
             special_ids = self._tokenizer.all_special_ids
         #: The ids ``decode(..., skip_special_tokens=True)`` leaves out.
         self.special_token_ids: frozenset[int] = frozenset(special_ids)
+        #: Their texts as written (``<|im_end|>``).
+        self.special_token_texts: frozenset[str] = frozenset(
+            self.token_text(token_id) for token_id in special_ids
+        )
 
     @staticmethod
     def exists_in(path: Path) -> bool:
@@ -66,9 +72,18 @@ class Tokenizer:
         """A special token's text as written (``<|im_end|>``), without the decoder."""
         return self._tokenizer.convert_ids_to_tokens(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        if not getattr(self._tokenizer, "chat_template", None):
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The conversation as the template writes it, ending with the assistant's turn;
+        ``tools`` (OpenAI's function tools) go to the template, which may show them."""
+        template = self._chat_template or getattr(self._tokenizer, "chat_template", None)
+        if not template:
             raise ValueError("messages: this model's tokenizer has no chat template")
         return self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages,
+            tools=tools,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=True,
         )

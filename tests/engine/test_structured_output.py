@@ -246,6 +246,32 @@ def test_without_it_this_model_loops_on_whitespace(llm):
     assert len(whitespace_outside_strings(completion.text)) > MAX_TOKENS // 2
 
 
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "multi-process"])
+def test_the_engine_wide_default_makes_every_json_request_compact(
+    model_dir, reference, multiprocess
+):
+    llm = LLM(
+        model_dir,
+        num_blocks=128,
+        block_size=16,
+        multiprocess=multiprocess,
+        structured_outputs_disable_any_whitespace=True,
+    )
+    try:
+        constraints = {
+            "json-compact": StructuredOutputsParams(json=LOOSE_PERSON_SCHEMA),
+            "json_object-compact": StructuredOutputsParams(json_object=True),
+            "regex": CONSTRAINTS["regex"],  # no JSON: as without the default
+        }
+        outputs = llm.generate(
+            [PROMPTS[0]] * len(constraints), [greedy(c) for c in constraints.values()]
+        )
+        for output, kind in zip(outputs, constraints):
+            assert output.outputs[0].token_ids == reference(PROMPTS[0], kind)[0], kind
+    finally:
+        llm.shutdown()
+
+
 def test_across_processes_the_output_is_the_same(model_dir, reference):
     llm = LLM(model_dir, num_blocks=128, block_size=16, multiprocess=True)
     try:
@@ -286,3 +312,18 @@ def test_command_line_flags(model_dir, llm, tmp_path, capsys):
     )
     assert main([*arguments, "--grammar", f"@{tmp_path / 'missing.lark'}", prompt]) == 2
     assert "cannot read" in capsys.readouterr().err
+    schema_file.write_text(json.dumps(LOOSE_PERSON_SCHEMA))
+    expected = llm.generate(prompt, greedy(COMPACT_CONSTRAINTS["json-compact"]))
+    loose = llm.generate(prompt, greedy(StructuredOutputsParams(json=LOOSE_PERSON_SCHEMA)))
+    assert loose[0].outputs[0].text != expected[0].outputs[0].text  # the flag matters here
+    flag = "--structured-outputs-disable-any-whitespace"
+    assert main([*arguments, flag, "--json-schema", f"@{schema_file}", prompt]) == 0
+    assert capsys.readouterr().out == expected[0].outputs[0].text + "\n"
+
+
+def test_serve_passes_the_whitespace_flag_to_the_engine():
+    from pagedserve.frontend.cli import _engine_kwargs, build_parser
+
+    for flags, expected in (([], False), (["--structured-outputs-disable-any-whitespace"], True)):
+        args = build_parser().parse_args(["serve", *flags])
+        assert _engine_kwargs(args)["structured_outputs_disable_any_whitespace"] is expected

@@ -377,7 +377,7 @@ def test_bad_input_gets_openai_errors_naming_the_field(server):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": image}, "messages[0].content[0]"),
-        ({"messages": user, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": user, "tools": [{"type": "function"}]}, "tools[0].function"),
         ({"messages": user, "response_format": {"type": "json_mode"}}, "response_format.type"),
         ({"messages": user, "top_logprobs": 2}, "top_logprobs"),
     ]  # fmt: skip

@@ -4,13 +4,19 @@ exactly (defaults, limits, the names in errors, when a stream chunk is due)."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.call_errors import CallError
-from pagedserve.frontend.openai_protocol import StreamWriter, TokenTexts, parse_request
+from pagedserve.frontend.openai_protocol import (
+    StreamWriter,
+    TokenTexts,
+    parse_request,
+    whole_response,
+)
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 
 GREEDY_DEFAULT = SamplingParams(temperature=0.0)
@@ -148,3 +154,70 @@ def test_a_streamed_choice_starts_with_its_first_token_and_the_whole_prompts_log
     assert reported[1]["6"]["logprob"] == -1.5 and reported[2]["7"]["logprob"] == -2.0
     later = writer.chunks(grown(output, [10, 11, 12, 13], "abcd", finish="length"))
     assert "prompt_logprobs" not in later[0]["choices"][0]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tool_choice_becomes_a_constraint_or_a_reader(llm):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL]}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    request = parse(llm, {**chat, "tool_choice": named}, "chat")
+    constraint = request.params[0].structured_outputs
+    assert constraint is not None
+    assert json.loads(constraint.json) == WEATHER_TOOL["function"]["parameters"]
+    required = parse(llm, {**chat, "tool_choice": "required"}, "chat")
+    assert json.loads(required.params[0].structured_outputs.json)["type"] == "array"
+    # "auto" reads the model's format; without a parser on the server it is refused.
+    auto = parse_request("chat", chat, llm, GREEDY_DEFAULT, "m", None, 8, "hermes")
+    assert auto.tool_calling.mode == "auto" and auto.params[0].structured_outputs is None
+    assert refusal(llm, chat, "chat").param == "tool_choice"
+    none = parse(llm, {**chat, "tool_choice": "none"}, "chat")
+    assert none.tool_calling is None and none.params[0].structured_outputs is None
+    # The template got the tools (this one ignores them: the same prompt either way).
+    assert (
+        none.prompts[0].token_ids
+        == parse(llm, {"messages": chat["messages"]}, "chat").prompts[0].token_ids
+    )
+    two = {**chat, "tool_choice": "required", "response_format": {"type": "json_object"}}
+    error = refusal(llm, two, "chat")
+    assert error.param == "response_format" and "give one" in error.message
+    error = refusal(llm, {**chat, "tools": None, "tool_choice": "required"}, "chat")
+    assert error.param == "tool_choice" and "needs tools" in error.message
+    error = refusal(llm, {**chat, "functions": [WEATHER_TOOL["function"]]}, "chat")
+    assert error.param == "functions" and "tools" in error.message
+
+
+def test_streamed_tool_calls_add_up_to_the_whole_answer(llm):
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [WEATHER_TOOL],
+        "stream": True,
+    }
+    request = parse_request("chat", body, llm, GREEDY_DEFAULT, "m", None, 8, "hermes")
+    writer = StreamWriter(request, "chatcmpl-t", 0, llm, TokenTexts(llm), interval_tokens=1)
+    output = RequestOutput("r", None, [5], outputs=[CompletionOutput(0, "", [], None)])
+    text = 'On it.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    deltas = []
+    for end in range(1, len(text) + 1):
+        finish = "stop" if end == len(text) else None
+        for chunk in writer.chunks(grown(output, list(range(end)), text[:end], finish)):
+            deltas.append(chunk["choices"][0])
+    assert deltas[0]["delta"]["role"] == "assistant"
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "On it."
+    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["tool_calls"]
+    # Held-back text (a tag, the call being written) sends no empty chunks.
+    assert all(d["delta"] or d["finish_reason"] for d in deltas)
+    whole = whole_response(request, [grown(output, [1], text, "stop")], llm)
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "On it."
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'

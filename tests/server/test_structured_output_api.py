@@ -238,6 +238,21 @@ def test_disable_any_whitespace_reaches_the_engine_over_grpc(server, grpc_client
     assert (answer.token_ids, answer.finish_reason) == (want.token_ids, "stop")
 
 
+def test_disable_any_whitespace_reaches_the_engine_over_http(server, client, offline):
+    want = compact_person_answer(offline)
+    answer = client.completions.create(
+        model=SERVED_MODEL_NAME,
+        prompt=PROMPT_IDS,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={
+            "structured_outputs": {"json": LOOSE_PERSON_SCHEMA, "disable_any_whitespace": True}
+        },
+    )
+    (choice,) = answer.choices
+    assert (choice.text, choice.finish_reason) == (want.text, "stop")
+
+
 def test_several_samples_each_keep_the_constraint(server, client):
     answer = client.chat.completions.create(
         model=SERVED_MODEL_NAME,
@@ -300,6 +315,10 @@ def test_bad_constraints_are_refused_naming_the_field_used(server, client):
          "structured_outputs.whitespace_pattern", "is not supported by this server"),
         ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object",
          "structured_outputs.json_object must be a bool"),
+        ({"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}},
+         "structured_outputs.disable_any_whitespace", "must be a boolean, got 'yes'"),
+        ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs",
+         "must set one of"),
         # One constraint per request, however it came.
         ({"response_format": schema, "guided_regex": "a+"}, "guided_regex",
          "one structured output constraint per request, got "

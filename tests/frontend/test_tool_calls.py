@@ -1,0 +1,288 @@
+"""Tool calling's request reading and output reading (frontend/tool_calls.py), without a
+model: tools and tool_choice checked with the field named; the schemas that make required
+and named calls compile and admit exactly the calls; each parser on the model formats it
+reads; and a stream, fed the output a character at a time, adds up to the whole answer."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+from tiny_tokenizers import byte_level_tokenizer
+
+from pagedserve.frontend.tool_calls import (
+    ParsedCall,
+    ParsedOutput,
+    ToolCallError,
+    ToolCalling,
+    ToolCallStream,
+    chat_message_tool_fields,
+    parse_tools,
+    whole_message,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+TOOLS = parse_tools([WEATHER, TIME])
+
+
+def calling(tool_choice, parser=None, parallel=True) -> ToolCalling:
+    return ToolCalling(TOOLS, tool_choice, parallel, parser)
+
+
+def field_of(tools=None, tool_choice="auto", parser="hermes") -> str:
+    with pytest.raises(ToolCallError) as caught:
+        ToolCalling(
+            parse_tools(tools if tools is not None else [WEATHER]), tool_choice, True, parser
+        )
+    return caught.value.field
+
+
+def test_tools_are_checked_naming_the_field():
+    assert field_of(tools=[]) == "tools"
+    assert field_of(tools=[{"type": "code_interpreter"}]) == "tools[0].type"
+    assert field_of(tools=[WEATHER, {"type": "function"}]) == "tools[1].function"
+    bad_name = {"type": "function", "function": {"name": "get weather"}}
+    assert field_of(tools=[bad_name]) == "tools[0].function.name"
+    assert field_of(tools=[WEATHER, WEATHER]) == "tools[1].function.name"
+    bad_parameters = {"type": "function", "function": {"name": "f", "parameters": "x"}}
+    assert field_of(tools=[bad_parameters]) == "tools[0].function.parameters"
+    bad_description = {"type": "function", "function": {"name": "f", "description": 3}}
+    assert field_of(tools=[bad_description]) == "tools[0].function.description"
+
+
+def test_tool_choice_is_checked_naming_the_field():
+    assert field_of(tool_choice="sometimes") == "tool_choice"
+    assert field_of(tool_choice={"type": "function"}) == "tool_choice"
+    named_other = {"type": "function", "function": {"name": "get_time"}}
+    assert field_of(tool_choice=named_other) == "tool_choice.function.name"
+    # "auto" (also the default) reads the model's own format: the server must have a parser.
+    assert field_of(tool_choice="auto", parser=None) == "tool_choice"
+    assert field_of(tool_choice=None, parser=None) == "tool_choice"
+    for mode in ("none", "required"):
+        assert ToolCalling(TOOLS, mode, True, None).mode == mode
+    named = calling({"type": "function", "function": {"name": "get_time"}})
+    assert named.mode == "named" and named.named is not None and named.named.name == "get_time"
+
+
+def test_the_template_gets_openais_tool_definitions():
+    # As the client wrote them, in its order (templates print them), without unknown fields.
+    shuffled = {"parameters": {"type": "object"}, "name": "f", "x-private": 1}
+    tools = parse_tools([WEATHER, TIME, {"type": "function", "function": shuffled}])
+    assert [tool.definition for tool in tools] == [
+        WEATHER,
+        TIME,
+        {"type": "function", "function": {"parameters": {"type": "object"}, "name": "f"}},
+    ]
+    assert list(tools[2].definition["function"]) == ["parameters", "name"]
+    assert tools[1].parameters["properties"] == {}  # no parameters: none may be given
+
+
+def matches(schema: dict, text: str) -> bool:
+    """Whether llguidance, given ``schema``, accepts ``text`` as a whole output (over a
+    byte-per-token vocabulary, so the text is checked exactly, whatever its tokens)."""
+    vocabulary = byte_level_tokenizer([])
+    tokenizer = llguidance.LLTokenizer(vocabulary.to_str(), n_vocab=vocabulary.get_vocab_size())
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(schema))
+    assert not matcher.get_error(), matcher.get_error()
+    tokens = vocabulary.encode(text).ids
+    return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
+
+
+def test_required_and_named_schemas_admit_exactly_the_calls():
+    name, schema = calling("required").constraint()
+    assert name == "tools"
+    paris = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}]'
+    two = paris[:-1] + ', {"name": "get_time", "parameters": {}}]'
+    assert matches(schema, paris) and matches(schema, two)
+    assert not matches(schema, "[]")  # at least one call
+    assert not matches(schema, '[{"name": "get_date", "parameters": {}}]')  # not a tool
+    assert not matches(schema, '[{"name": "get_weather", "parameters": {"unit": "C"}}]')
+    assert not matches(schema, '[{"name": "get_time", "parameters": {"x": 1}}]')
+    _, single = calling("required", parallel=False).constraint()
+    assert matches(single, paris) and not matches(single, two)
+    name, named = calling({"type": "function", "function": {"name": "get_weather"}}).constraint()
+    assert name == "tools[0].function.parameters"
+    assert matches(named, '{"city": "Rome"}') and not matches(named, '{"unit": "F"}')
+    assert calling("none").constraint() is None
+    assert calling("auto", "hermes").constraint() is None
+
+
+HERMES_TEXTS = [
+    "No call here.",
+    "<tool_call>\n" + json.dumps({"name": "get_time", "arguments": {}}) + "\n</tool_call>",
+    "Checking.\n<tool_call>\n"
+    + json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
+    + "\n</tool_call>\n<tool_call>\n"
+    + json.dumps({"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}})
+    + "\n</tool_call>",
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nDone, one more: '
+    '<tool_call>{"name": "get_time"}',  # the output ended inside a block
+    "A <tool_call>not json</tool_call> and < signs <tool_",
+    "a < b <tool_call>",
+]
+
+
+def test_hermes_reads_calls_and_keeps_the_rest_as_content():
+    hermes = calling("auto", "hermes")
+    assert hermes.parse(HERMES_TEXTS[0], True) == ParsedOutput("No call here.")
+    assert hermes.parse(HERMES_TEXTS[1], True) == ParsedOutput("", [ParsedCall("get_time", "{}")])
+    two = hermes.parse(HERMES_TEXTS[2], True)
+    assert two.content == "Checking.\n"
+    assert two.calls == [
+        ParsedCall("get_weather", '{"city": "Paris"}'),
+        ParsedCall("get_weather", '{"city": "Rome", "unit": "C"}'),
+    ]
+    cut = hermes.parse(HERMES_TEXTS[3], True)
+    assert cut.content == "\nDone, one more: "
+    assert cut.calls == [ParsedCall("get_time", "{}"), ParsedCall("get_time", "{}")]
+    # A block without a call stays as written; so does a half-written tag at the end.
+    junk = hermes.parse(HERMES_TEXTS[4], True)
+    assert junk == ParsedOutput("A <tool_call>not json</tool_call> and < signs <tool_")
+    assert hermes.parse(HERMES_TEXTS[5], True) == ParsedOutput("a < b <tool_call>")
+    # While streaming, a possible tag start and an open block are held back.
+    assert hermes.parse("Sure <tool", False).content == "Sure "
+    assert hermes.parse("Sure <tool_call>{", False) == ParsedOutput("Sure ")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    single = calling("auto", "hermes", parallel=False)
+    assert [c.arguments for c in single.parse(HERMES_TEXTS[2], True).calls] == ['{"city": "Paris"}']
+
+
+LLAMA_TEXTS = [
+    "The weather is fine.",
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '<|python_tag|>{"name": "get_time", "parameters": {}}; '
+    '{"name": "get_weather", "parameters": {"city": "Lima"}}',
+    '{"name": "get_weather", "parameters": {"city": "Os',  # cut short: not a call
+    "  {not json at all}",
+]
+
+
+def test_llama3_json_reads_whole_outputs_of_calls():
+    llama = calling("auto", "llama3_json")
+    assert llama.parse(LLAMA_TEXTS[0], True) == ParsedOutput("The weather is fine.")
+    assert llama.parse(LLAMA_TEXTS[1], True).calls == [
+        ParsedCall("get_weather", '{"city": "Oslo"}')
+    ]
+    assert [c.name for c in llama.parse(LLAMA_TEXTS[2], True).calls] == ["get_time", "get_weather"]
+    assert llama.parse(LLAMA_TEXTS[3], True) == ParsedOutput(LLAMA_TEXTS[3])
+    assert llama.parse(LLAMA_TEXTS[4], True) == ParsedOutput(LLAMA_TEXTS[4])
+    assert llama.parse("The", False) == ParsedOutput("The")  # text: streams at once
+    assert llama.parse("<|py", False) == ParsedOutput("")  # undecided
+
+
+REQUIRED_TEXTS = [
+    '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+    '{"name": "get_time", "parameters": {}}]',
+    '[ {"name": "get_time", "parameters": {}} , {"name": "get_weather", "parameters": {"ci',
+    '[{"name": "get_weather", "param',  # cut short before any call: content
+]
+
+
+def test_required_reads_each_complete_call():
+    required = calling("required")
+    assert required.parse(REQUIRED_TEXTS[0], True).calls == [
+        ParsedCall("get_weather", '{"city": "Paris"}'),
+        ParsedCall("get_time", "{}"),
+    ]
+    assert required.parse(REQUIRED_TEXTS[1], True) == ParsedOutput(
+        "", [ParsedCall("get_time", "{}")]
+    )
+    assert required.parse(REQUIRED_TEXTS[2], True) == ParsedOutput(REQUIRED_TEXTS[2])
+    assert required.parse(REQUIRED_TEXTS[2], False) == ParsedOutput("")
+
+
+CASES = (
+    [("auto", "hermes", text) for text in HERMES_TEXTS]
+    + [("auto", "llama3_json", text) for text in LLAMA_TEXTS]
+    + [("required", None, text) for text in REQUIRED_TEXTS]
+    + [({"type": "function", "function": {"name": "get_weather"}}, None, '{"city": "Oslo"}')]
+    + [("none", None, HERMES_TEXTS[2])]
+)
+
+
+@pytest.mark.parametrize(("tool_choice", "parser", "text"), CASES)
+def test_a_stream_adds_up_to_the_whole_answer(tool_choice, parser, text):
+    """Fed a character at a time, each partial reading only extends the last, and the
+    deltas join into the whole answer's content and calls."""
+    reader = calling(tool_choice, parser)
+    whole, parsed = whole_message(reader, text)
+    stream = ToolCallStream(reader)
+    content, calls, ids = "", [], []
+    for end in range(1, len(text) + 1):
+        new_content, deltas = stream.feed(text[:end], final=end == len(text))
+        content += new_content
+        for delta in deltas:
+            if delta["index"] == len(calls):
+                assert delta["id"].startswith("call_") and delta["type"] == "function"
+                calls.append({"name": delta["function"]["name"], "arguments": ""})
+                ids.append(delta["id"])
+            else:
+                assert "id" not in delta and "name" not in delta["function"]
+            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    assert content == parsed.content
+    assert calls == [{"name": c.name, "arguments": c.arguments} for c in parsed.calls]
+    assert len(set(ids)) == len(ids)
+    if parsed.calls:
+        assert whole["tool_calls"][0]["function"]["name"] == parsed.calls[0].name
+        assert whole["content"] == (parsed.content or None)
+    else:
+        assert "tool_calls" not in whole and whole["content"] == text
+
+
+def test_finish_reason_says_tool_calls_when_the_model_chose_to_call():
+    call = ParsedOutput("", [ParsedCall("get_time", "{}")])
+    assert calling("auto", "hermes").finish_reason("stop", call) == "tool_calls"
+    assert calling("required").finish_reason("stop", call) == "tool_calls"
+    assert calling("required").finish_reason("length", call) == "length"
+    assert calling("auto", "hermes").finish_reason("stop", ParsedOutput("hi")) == "stop"
+    named = calling({"type": "function", "function": {"name": "get_time"}})
+    assert named.finish_reason("stop", call) == "stop"  # as OpenAI ends a forced call
+
+
+def test_tool_messages_reach_the_template_with_arguments_as_objects():
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    }  # fmt: skip
+    assert chat_message_tool_fields(assistant, "messages[1]") == {
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                "id": "call_1",
+            }
+        ]
+    }
+    result = {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+    assert chat_message_tool_fields(result, "messages[2]") == {"tool_call_id": "call_1"}
+
+    def field(message) -> str:
+        with pytest.raises(ToolCallError) as caught:
+            chat_message_tool_fields(message, "messages[1]")
+        return caught.value.field
+
+    assert field({"role": "tool", "content": "x"}) == "messages[1].tool_call_id"
+    bad_arguments = json.loads(json.dumps(assistant))
+    bad_arguments["tool_calls"][0]["function"]["arguments"] = "{city: Paris"
+    assert field(bad_arguments) == "messages[1].tool_calls[0].function.arguments"
+    assert field({"role": "user", "tool_calls": []}) == "messages[1].tool_calls"
+    assert field({"role": "assistant", "tool_calls": [{"x": 1}]}) == "messages[1].tool_calls[0]"
