@@ -6,6 +6,7 @@ names another."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ from pagedserve.frontend.server import (
     serve,
 )
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
+from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -78,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-prefix-caching",
         action="store_true",
         help="do not share the KV blocks of common prompt prefixes between requests",
+    )
+    engine.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding by prompt lookup, as vLLM takes it: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
     engine.add_argument(
         "--chat-template",
@@ -248,8 +258,20 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         cuda_graphs=args.cuda_graphs,
         tensor_parallel_size=args.tensor_parallel_size,
         chat_template=_chat_template(args.chat_template),
+        speculative_config=args.speculative_config,
         structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
     )
+
+
+def _speculative_config(value: str) -> dict:
+    """``--speculative-config``: vLLM's JSON object, checked here so a mistake is a usage
+    error before the model loads."""
+    try:
+        config = json.loads(value)
+        SpeculativeConfig.from_dict(config)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return config
 
 
 def _chat_template(value: str | None) -> str | None:

@@ -24,6 +24,7 @@ from pagedserve.gpu_worker.model_config import (
 from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
+from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.sampling_params import SamplingParams, token_ids_outside_vocabulary
 from pagedserve.scheduler.structured_output import (
     GrammarVocabulary,
@@ -40,6 +41,18 @@ PromptType = str | Sequence[int]
 Message = dict[str, Any]
 
 DEFAULT_SWAP_SPACE_BYTES = 1 << 30
+
+
+def _speculative_fields(config: dict[str, Any] | None) -> dict[str, int]:
+    """``SchedulerConfig``'s speculation fields from vLLM's ``speculative_config``."""
+    if config is None:
+        return {}
+    checked = SpeculativeConfig.from_dict(config)
+    return {
+        "num_speculative_tokens": checked.num_speculative_tokens,
+        "prompt_lookup_max": checked.prompt_lookup_max,
+        "prompt_lookup_min": checked.prompt_lookup_min,
+    }
 
 
 def _print_progress(event: object) -> None:
@@ -73,6 +86,14 @@ class LLM:
     ``chat_template``: a Jinja chat template used instead of the model's own (one that
     shows tools to the model, say).
 
+    ``speculative_config`` (vLLM's form: ``{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``) turns on speculative decoding by
+    prompt lookup: a decoding sequence whose last tokens occurred before proposes what
+    followed them, and one forward pass checks those drafts; the output is what decoding
+    a token at a time gives, the same tokens for the same seed
+    (``scheduler/ngram_proposer.py``). Sequences of n > 1, best_of, beam search or
+    structured output decode a token at a time.
+
     ``structured_outputs_disable_any_whitespace=True`` sets
     ``StructuredOutputsParams.disable_any_whitespace`` for every request: JSON constraints
     then allow no whitespace between JSON tokens (vLLM's option of that name).
@@ -101,6 +122,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         chat_template: str | None = None,
+        speculative_config: dict[str, Any] | None = None,
         structured_outputs_disable_any_whitespace: bool = False,
     ) -> None:
         check_dtype_name(dtype)
@@ -178,6 +200,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode,
             allocation_policy=allocation_policy,
+            **_speculative_fields(speculative_config),
         )
         # What structured output matches grammars over (None: no tokenizer, no grammars).
         tokenizer_json = self.tokenizer.backend_json() if self.tokenizer is not None else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -67,11 +67,30 @@ class _ScheduledEntry:
     state: CachedRequestState
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # Draft tokens scheduled after the last known token (StepPlan.spec_token_ids).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this step computes the last known token, so a new one is sampled."""
-        return self.num_computed_tokens + self.num_scheduled_tokens == len(self.state.token_ids)
+        end = self.num_computed_tokens + self.num_scheduled_tokens
+        return end == len(self.state.token_ids) + len(self.spec_token_ids)
+
+    def draft_states(self) -> list[CachedRequestState]:
+        """The state each position of a speculating entry samples from: the sequence as
+        it would be had the drafts before that position been accepted (penalties,
+        min_tokens and the seeded draw depend on the tokens so far)."""
+        state = self.state
+        return [state] + [
+            CachedRequestState(
+                state.token_ids + self.spec_token_ids[:count],
+                state.num_prompt_tokens,
+                state.block_ids,
+                state.sampling_params,
+                state.eos_token_ids,
+            )
+            for count in range(1, len(self.spec_token_ids) + 1)
+        ]
 
     @property
     def prompt_logprob_positions(self) -> range:
@@ -90,8 +109,11 @@ class ModelInputs:
     positions: torch.Tensor  # int64 [num_tokens]
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_sampling], rows of the hidden states to sample
-    # One per sampled row; an entry drawing several samples appears once per sample.
+    # One per sampled row; an entry drawing several samples, or speculating, appears once
+    # per row (consecutively).
     sampling_entries: list[_ScheduledEntry]
+    # The state each row samples from (a speculating entry's rows: its draft_states).
+    sampling_states: list[CachedRequestState]
     # The seed of each sampled row (None: the request's own).
     sample_seeds: list[int | None]
     # (entry, first row of its tokens in the batch) for entries scoring prompt positions
@@ -125,7 +147,10 @@ class ModelRunner:
             sampled = self.sampler(
                 logits,
                 self._sampling_batch(
-                    inputs.sampling_entries, inputs.sample_seeds, plan.token_bitmasks
+                    inputs.sampling_entries,
+                    inputs.sampling_states,
+                    inputs.sample_seeds,
+                    plan.token_bitmasks,
                 ),
             )
             prompt_logprobs = {
@@ -133,19 +158,13 @@ class ModelRunner:
                 for entry, first_row in inputs.prompt_logprob_entries
             }
         token_ids = sampled.token_ids.tolist()
-        request_ids = []
-        previous = None
-        for entry, token_id in zip(inputs.sampling_entries, token_ids):
-            # Of several samples of one request, the first continues this sequence.
-            if entry is not previous:
-                entry.state.token_ids.append(token_id)
-            previous = entry
-            request_ids.append(entry.request_id)
+        rows = _emitted_rows(inputs.sampling_entries, token_ids)
+        logprobs = _token_logprobs(sampled, inputs.sampling_states)
         return StepResult(
             plan.step_id,
-            request_ids,
-            token_ids,
-            logprobs=_token_logprobs(sampled, inputs.sampling_entries),
+            [inputs.sampling_entries[row].request_id for row in rows],
+            [token_ids[row] for row in rows],
+            logprobs=[logprobs[row] for row in rows] if logprobs else [],
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -164,7 +183,11 @@ class ModelRunner:
             self.requests[new.request_id] = state
             entries.append(
                 _ScheduledEntry(
-                    new.request_id, state, new.num_computed_tokens, new.num_scheduled_tokens
+                    new.request_id,
+                    state,
+                    new.num_computed_tokens,
+                    new.num_scheduled_tokens,
+                    plan.spec_token_ids.get(new.request_id, []),
                 )
             )
         for cached in plan.cached_requests:
@@ -176,6 +199,7 @@ class ModelRunner:
                     state,
                     cached.num_computed_tokens,
                     cached.num_scheduled_tokens,
+                    plan.spec_token_ids.get(cached.request_id, []),
                 )
             )
         # Decodes first: the attention layer runs the decode kernel on that prefix.
@@ -190,6 +214,7 @@ class ModelRunner:
         slot_parts = []
         logits_indices = []
         sampling_entries = []
+        sampling_states = []
         sample_seeds: list[int | None] = []
         prompt_logprob_entries = []
         max_blocks = max(len(entry.state.block_ids) for entry in entries)
@@ -203,6 +228,8 @@ class ModelRunner:
             if entry.prompt_logprob_positions:
                 prompt_logprob_entries.append((entry, len(input_ids)))
             input_ids.extend(entry.state.token_ids[start:end])
+            if entry.spec_token_ids:
+                input_ids.extend(entry.spec_token_ids)
             block_ids = np.asarray(entry.state.block_ids, dtype=np.int64)
             block_tables[row, : len(block_ids)] = block_ids
             positions = np.arange(start, end, dtype=np.int64)
@@ -212,10 +239,18 @@ class ModelRunner:
             )
             seq_lens[row] = end
             query_lens[row] = entry.num_scheduled_tokens
-            if entry.samples:
+            if entry.spec_token_ids:
+                # A row per position: the last known token's, then each draft's.
+                num_rows = len(entry.spec_token_ids) + 1
+                logits_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
+                sampling_entries.extend([entry] * num_rows)
+                sampling_states.extend(entry.draft_states())
+                sample_seeds.extend([None] * num_rows)
+            elif entry.samples:
                 num_samples = entry.state.num_samples
                 logits_indices.extend([len(input_ids) - 1] * num_samples)
                 sampling_entries.extend([entry] * num_samples)
+                sampling_states.extend([entry.state] * num_samples)
                 if num_samples == 1:
                     sample_seeds.append(None)
                 else:
@@ -256,6 +291,7 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             sampling_entries=sampling_entries,
+            sampling_states=sampling_states,
             sample_seeds=sample_seeds,
             prompt_logprob_entries=prompt_logprob_entries,
         )
@@ -263,10 +299,10 @@ class ModelRunner:
     def _sampling_batch(
         self,
         entries: list[_ScheduledEntry],
+        states: list[CachedRequestState],
         sample_seeds: list[int | None],
         token_bitmasks: dict[str, bytes],
     ) -> SamplingBatch:
-        states = [entry.state for entry in entries]
         # Every row of an entry drawing several samples starts from the same grammar state.
         grammar_rows = [
             row for row, entry in enumerate(entries) if entry.request_id in token_bitmasks
@@ -359,15 +395,42 @@ def _banned_token_ids(state: CachedRequestState) -> np.ndarray:
     return np.array(sorted(banned), dtype=np.int64)
 
 
+def _emitted_rows(entries: list[_ScheduledEntry], token_ids: list[int]) -> list[int]:
+    """The rows whose tokens the step emits, and each sequence's tokens appended: every
+    row of a request drawing several samples (the first continues this sequence); of a
+    speculating entry's rows, those whose sampled token agreed with the draft at that
+    position, then the first that did not (or the one after the last draft)."""
+    rows = []
+    row = 0
+    while row < len(entries):
+        entry = entries[row]
+        drafts = entry.spec_token_ids
+        if drafts:
+            for position in range(len(drafts) + 1):
+                rows.append(row + position)
+                entry.state.token_ids.append(token_ids[row + position])
+                if position == len(drafts) or token_ids[row + position] != drafts[position]:
+                    break
+            row += len(drafts) + 1
+            continue
+        entry.state.token_ids.append(token_ids[row])
+        rows.append(row)
+        row += 1
+        while row < len(entries) and entries[row] is entry:
+            rows.append(row)
+            row += 1
+    return rows
+
+
 def _token_logprobs(
-    sampled: SamplerOutput, entries: list[_ScheduledEntry]
+    sampled: SamplerOutput, states: list[CachedRequestState]
 ) -> list[TokenLogprobs | None]:
     if sampled.logprobs is None:
         return []
     ids = sampled.logprob_token_ids.tolist()
     values = sampled.logprobs.tolist()
     result: list[TokenLogprobs | None] = []
-    for row, entry in enumerate(entries):
-        k = entry.state.num_logprobs
+    for row, state in enumerate(states):
+        k = state.num_logprobs
         result.append(None if k < 0 else TokenLogprobs(ids[row][: k + 1], values[row][: k + 1]))
     return result

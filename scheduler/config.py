@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
+
 ALLOCATION_POLICIES = ("paged", "max", "pow2", "oracle")
 
 
@@ -28,6 +30,11 @@ class SchedulerConfig:
     # admission), "pow2" (prompt + the power of two at or above max_tokens), "oracle"
     # (prompt + max_tokens: the actual output length on traces with ignore_eos).
     allocation_policy: str = "paged"
+    # Speculative decoding by prompt lookup (``ngram_proposer.py``): draft tokens per
+    # sequence per step, at most (0: off), and the suffix lengths looked up.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -48,6 +55,24 @@ class SchedulerConfig:
             raise ValueError(
                 f"allocation_policy must be one of {', '.join(ALLOCATION_POLICIES)}, "
                 f"got {self.allocation_policy!r}"
+            )
+        if (
+            isinstance(self.num_speculative_tokens, bool)
+            or not isinstance(self.num_speculative_tokens, int)
+            or self.num_speculative_tokens < 0
+        ):
+            raise ValueError(
+                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}"
+            )
+        if self.num_speculative_tokens:
+            # Validates the three (vLLM's names, in its messages).
+            SpeculativeConfig(
+                self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
+            )
+        if self.num_speculative_tokens and self.allocation_policy != "paged":
+            raise ValueError(
+                f"speculative decoding needs allocation_policy 'paged' (draft tokens take "
+                f"blocks on demand), got {self.allocation_policy!r}"
             )
         if not 0.0 <= self.watermark_fraction < 1.0:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")

@@ -140,6 +140,8 @@ class EngineCore:
             "num_recompute_preemptions": scheduler.num_recompute_preemptions,
             "num_swap_preemptions": scheduler.num_swap_preemptions,
             "num_sampled_tokens": scheduler.num_sampled_tokens,
+            "num_draft_tokens": scheduler.num_draft_tokens,
+            "num_accepted_tokens": scheduler.num_accepted_tokens,
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_total_blocks": self.block_manager.num_total_blocks,
             "num_free_host_blocks": self.block_manager.num_free_host_blocks,

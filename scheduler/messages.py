@@ -70,6 +70,10 @@ class StepPlan:
     ``token_bitmasks`` maps each sequence that samples under a grammar in this step to
     the tokens it may pick: bit ``t`` of the little-endian int32 words set when token
     ``t`` is allowed (``scheduler/structured_output.py``).
+
+    ``spec_token_ids`` maps each decoding sequence that speculates in this step to its
+    draft tokens (``scheduler/ngram_proposer.py``): its scheduled tokens are its last
+    token followed by them, and the worker samples at every one of those positions.
     """
 
     step_id: int
@@ -80,6 +84,7 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     token_bitmasks: dict[str, bytes] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -104,7 +109,9 @@ class StepResult:
     """What the worker sampled: one token per request whose known tokens are now all in
     the cache (a partial prefill chunk samples nothing). A request that starts several
     sequences (``SamplingParams.num_sequences``) gets that many entries, in sequence
-    order, at its first sample."""
+    order, at its first sample. A speculating sequence gets one entry per token it emits,
+    in order: the draft tokens its sampling agreed with, then the token sampled where it
+    first did not (or after the last draft)."""
 
     step_id: int
     request_ids: list[str] = field(default_factory=list)

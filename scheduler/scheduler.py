@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from pagedserve.scheduler import ngram_proposer
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.memory_accounting import MemoryAccounting
@@ -102,8 +103,12 @@ class Scheduler:
         self.num_recompute_preemptions = 0
         self.num_swap_preemptions = 0
         # Tokens the workers sampled: one per sequence per step that completed its known
-        # tokens (beams: one per beam), kept or not; the engine's decode work.
+        # tokens (beams: one per beam), kept or not; the engine's decode work. With
+        # speculation, the tokens emitted (drafts accepted, plus one).
         self.num_sampled_tokens = 0
+        # Speculative decoding: draft tokens scored, and those the sampling agreed with.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self._step_id = 0
         # Sequences whose full data the workers hold; anything else travels in full.
         self._known_to_workers: set[str] = set()
@@ -203,6 +208,12 @@ class Scheduler:
                 index += 1
                 continue
             target = request.num_computed_tokens + num_new
+            drafts = self._draft_tokens(request, num_new, budget)
+            num_left = len(self.running) - index
+            if drafts and self._drafts_fit(request, target, len(drafts), num_left):
+                num_new += len(drafts)
+                target += len(drafts)
+                plan.spec_token_ids[request.request_id] = drafts
             while not self.block_manager.can_append(
                 request.request_id, target, request.num_computed_tokens
             ):
@@ -227,6 +238,42 @@ class Scheduler:
         self._drop_ids_for_workers = []
         self._add_token_bitmasks(plan)
         return plan
+
+    def _draft_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence that may speculate: within the token
+        budget and the sequence's room, so every emitted token fits max_tokens."""
+        config = self.config
+        if (
+            not config.num_speculative_tokens
+            or num_new != 1
+            or request.num_computed_tokens + 1 != request.num_tokens
+            or request.group is not None  # n > 1, best_of, beams: one token a step
+            or request.grammar is not None  # masks exist for the next token only
+        ):
+            return []
+        room = min(
+            config.num_speculative_tokens,
+            budget - 1,
+            request.max_total_tokens - request.num_tokens - 1,
+        )
+        return ngram_proposer.propose(
+            request.token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+
+    def _drafts_fit(self, request: Request, target: int, num_drafts: int, num_left: int) -> bool:
+        """Whether a sequence's drafts fit: in the slots its table already has, or in new
+        blocks that still leave one for each of the ``num_left - 1`` running sequences
+        after it. A guess never takes a block another sequence needs (never causes a
+        preemption)."""
+        block_manager = self.block_manager
+        request_id = request.request_id
+        needed = block_manager.num_new_blocks(request_id, target + num_drafts)
+        extra = needed - block_manager.num_new_blocks(request_id, target)
+        if extra == 0:
+            return True
+        if block_manager.needs_copy_on_write(request_id, request.num_computed_tokens):
+            needed += 1
+        return needed + num_left - 1 <= block_manager.num_free_blocks
 
     def _add_token_bitmasks(self, plan: StepPlan) -> None:
         """The grammar's allowed tokens for each constrained sequence that samples in this
@@ -436,6 +483,8 @@ class Scheduler:
         # of shared blocks (whose destination a swap-out would otherwise copy unfilled).
         plan.new_requests = [r for r in plan.new_requests if r.request_id not in ids]
         plan.cached_requests = [r for r in plan.cached_requests if r.request_id not in ids]
+        for request_id in ids:
+            plan.spec_token_ids.pop(request_id, None)
         for request_id in ids & self._step_copies.keys():
             index, source, destination = self._step_copies.pop(request_id)
             self.block_manager.undo_copy_on_write(request_id, index, source, destination)
@@ -494,16 +543,27 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += scheduled.num_scheduled_tokens
+            rows = rows_of.get(scheduled.request_id)
+            num_computed = scheduled.num_scheduled_tokens
+            drafts = plan.spec_token_ids.get(scheduled.request_id)
+            if drafts and rows:
+                # Rows: the accepted drafts, then one sampled token. The rejected drafts'
+                # K/V were written but count for nothing; later tokens overwrite them.
+                num_accepted = len(rows) - 1
+                num_computed -= len(drafts) - num_accepted
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += num_accepted
+            request.num_computed_tokens += num_computed
             self.block_manager.cache_full_blocks(
                 request.request_id,
                 request.token_ids,
-                request.num_computed_tokens,
+                # Accepted drafts are computed before _advance appends them: their block
+                # is registered at the next step.
+                min(request.num_computed_tokens, request.num_tokens),
                 request.cache_namespace,
             )
             prompt_logprobs = self._new_prompt_logprobs(request, result)
             group = request.group
-            rows = rows_of.get(scheduled.request_id)
             if rows is None or (group is not None and group.beam_search is not None):
                 # A prefill chunk that did not reach the last prompt token, or a beam
                 # whose next token the group decides below.
@@ -521,7 +581,7 @@ class Scheduler:
                     beam_groups[group.request_id] = group
                 continue
             if group is None:
-                deltas.append(self._advance(request, rows[0], result, prompt_logprobs))
+                deltas.append(self._advance(request, rows, result, prompt_logprobs))
             else:
                 self._advance_samples(request, rows, result, prompt_logprobs, deltas)
         for group in beam_groups.values():
@@ -549,21 +609,30 @@ class Scheduler:
         accounting.record_step(table_slots, used_slots, external_slots)
 
     def _advance(
-        self, request: Request, row: int, result: StepResult, prompt_logprobs: list | None
+        self, request: Request, rows: list[int], result: StepResult, prompt_logprobs: list | None
     ) -> RequestOutputDelta:
-        """Record the sampled token of a single-sequence request."""
-        token_id = result.sampled_token_ids[row]
-        logprobs = result.logprobs[row] if result.logprobs else None
-        status = request.append_output_token(token_id)
+        """Record the sampled tokens of a single-sequence request (several when it
+        speculated), up to the one that ends it."""
+        token_ids = []
+        logprobs = []
+        status = RequestStatus.RUNNING
+        for row in rows:
+            token_ids.append(result.sampled_token_ids[row])
+            entry = result.logprobs[row] if result.logprobs else None
+            if entry is not None:
+                logprobs.append(entry)
+            status = request.append_output_token(token_ids[-1])
+            if status.is_finished:
+                break
         finished = status.is_finished
         if finished:
             self._release(request, status)
         return RequestOutputDelta(
             request.request_id,
-            [token_id],
+            token_ids,
             finished=finished,
             finish_reason=status.value if finished else None,
-            logprobs=None if logprobs is None else [logprobs],
+            logprobs=logprobs or None,
             prompt_logprobs=prompt_logprobs,
             # Known from the first token on; sent then too, for a frontend that ends the
             # request itself (a stop string) and never sees the last delta.

@@ -170,6 +170,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "swap_in",
         "copy_blocks",
         "token_bitmasks",
+        "spec_token_ids",
     ),
     StepResult: ("step_id", "request_ids", "sampled_token_ids", "logprobs", "prompt_logprobs"),
     RequestOutputDelta: (
@@ -208,6 +209,9 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "watermark_fraction",
         "preemption_mode",
         "allocation_policy",
+        "num_speculative_tokens",
+        "prompt_lookup_max",
+        "prompt_lookup_min",
     ),
     WorkerSpec: (
         "model_path",
@@ -476,11 +480,12 @@ def _pack_step_plan(plan: StepPlan) -> list:
         list(chain.from_iterable(plan.swap_in)),
         list(chain.from_iterable(plan.copy_blocks)),
         plan.token_bitmasks,
+        plan.spec_token_ids,
     ]
 
 
 def _unpack_step_plan(value: Any) -> StepPlan:
-    step_id, new_requests, cached, finished, swap_out, swap_in, copies, bitmasks = _fields(
+    step_id, new_requests, cached, finished, swap_out, swap_in, copies, bitmasks, drafts = _fields(
         value, "StepPlan"
     )
     _check(step_id, int, "StepPlan.step_id")
@@ -498,6 +503,8 @@ def _unpack_step_plan(value: Any) -> StepPlan:
     _check_column(finished, str, len(finished), "StepPlan.finished_request_ids")
     _check(bitmasks, dict, "StepPlan.token_bitmasks")
     _check_column(list(bitmasks.values()), bytes, len(bitmasks), "StepPlan.token_bitmasks")
+    _check(drafts, dict, "StepPlan.spec_token_ids")
+    _check_column(list(drafts.values()), list, len(drafts), "StepPlan.spec_token_ids")
     return StepPlan(
         step_id=step_id,
         new_requests=[_unpack_new_request(request) for request in new_requests],
@@ -510,6 +517,7 @@ def _unpack_step_plan(value: Any) -> StepPlan:
         swap_in=_check_pairs(swap_in, "StepPlan.swap_in"),
         copy_blocks=_check_pairs(copies, "StepPlan.copy_blocks"),
         token_bitmasks=bitmasks,
+        spec_token_ids=drafts,
     )
 
 
@@ -741,7 +749,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     ResetPrefixCache: (),
     StopSample: (str, int),
     EngineStats: (dict, (str, type(None))),
-    SchedulerConfig: (int, int, int, bool, float, (str, type(None))),
+    SchedulerConfig: (int, int, int, bool, float, (str, type(None)), str, int, int, int),
     WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int),
     StructuredOutputsParams: (
         (str, type(None)),

@@ -102,6 +102,7 @@ FULL_PLAN = StepPlan(
     swap_in=[(2, 7)],
     copy_blocks=[(3, 9), (4, 11)],
     token_bitmasks={"req-1": b"\x00\xff\x10\x00", "req-é-0": b"\xff" * 8},
+    spec_token_ids={"req-2": [7, 8, 2**31 + 5], "req-1": [0]},
 )
 
 FULL_DELTA = RequestOutputDelta(
@@ -133,7 +134,10 @@ SCHEDULER_CONFIG = SchedulerConfig(
     enable_chunked_prefill=False,
     watermark_fraction=0.25,
     preemption_mode="swap",
-    allocation_policy="pow2",
+    allocation_policy="paged",
+    num_speculative_tokens=5,
+    prompt_lookup_max=6,
+    prompt_lookup_min=3,
 )
 
 # Every encodable type, with optional fields set and unset.
@@ -320,6 +324,7 @@ def _plan_fields(**overrides) -> list:
         "swap_in": [],
         "copy_blocks": [],
         "token_bitmasks": {},
+        "spec_token_ids": {},
     }
     fields.update(overrides)
     return list(fields.values())
@@ -335,7 +340,7 @@ def _plan_fields(**overrides) -> list:
         (msgpack.packb([]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb(["StepPlan"]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb([99, 1]), "unknown message tag 99 .*1=StepPlan"),
-        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 8 fields"),
+        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 9 fields"),
         (_frame(StepPlan, *_plan_fields(step_id="1")), "StepPlan.step_id: expected int, got str"),
         (_frame(StepPlan, *_plan_fields(step_id=True)), "StepPlan.step_id: expected int, got bool"),
         (
@@ -359,6 +364,10 @@ def _plan_fields(**overrides) -> list:
         (
             _frame(StepPlan, *_plan_fields(token_bitmasks=[b"\xff"])),
             "StepPlan.token_bitmasks: expected dict, got list",
+        ),
+        (
+            _frame(StepPlan, *_plan_fields(spec_token_ids={"a": 3})),
+            r"StepPlan.spec_token_ids: expected only list, found \['int'\]",
         ),
         (
             _frame(
@@ -470,7 +479,7 @@ def _plan_fields(**overrides) -> list:
         ),
         (_frame(EngineStats, [], None), "EngineStats.stats: expected dict, got list"),
         (
-            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged"),
+            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged", 0, 4, 2),
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (

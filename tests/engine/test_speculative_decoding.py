@@ -1,0 +1,189 @@
+"""Speculative decoding by prompt lookup through the engine: the output is what decoding
+a token at a time gives (HF's greedy tokens; the same seeded samples under penalties,
+bias and min_tokens; the same logprobs), whatever stops it, under preemption and chunked
+prefill, beside sequences that do not speculate, and across processes; and drafts were
+really proposed and accepted (else the comparisons would prove nothing)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_parity import NEW_TOKENS, hf_greedy
+
+from pagedserve.frontend import LLM, SamplingParams
+
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def repetitive_prompts(seed: int, count: int = 6) -> list[list[int]]:
+    """Random prompts, some repeating a random phrase: lookups hit both in the prompt
+    and in the tiny models' greedy output, which soon cycles."""
+    rng = random.Random(seed)
+    prompts = []
+    for index in range(count):
+        phrase = [rng.randrange(3, 512) for _ in range(rng.randrange(3, 12))]
+        prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(1, 40))]
+        prompts.append(prompt + phrase * (index % 3) + phrase[: index % 4])
+    return prompts
+
+
+def outputs(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
+    return [
+        (list(c.token_ids), c.finish_reason)
+        for output in llm.generate(prompts, params)
+        for c in output.outputs
+    ]
+
+
+def assert_speculated(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_draft_tokens"] > 0, stats
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "opt"])
+def test_greedy_tokens_equal_hf(tiny_model_dirs, family):
+    prompts = repetitive_prompts(1)
+    llm = LLM(tiny_model_dirs[family], num_blocks=256, speculative_config=SPECULATIVE)
+    got = [tokens for tokens, _ in outputs(llm, prompts, GREEDY)]
+    assert got == hf_greedy(tiny_model_dirs[family], prompts)
+    assert_speculated(llm)
+    # Fewer steps than tokens: accepted drafts came without a forward pass of their own.
+    stats = llm.stats()
+    assert stats["num_sampled_tokens"] == NEW_TOKENS * len(prompts)
+
+
+@pytest.fixture(scope="module")
+def plain_llama(tiny_model_dirs) -> LLM:
+    return LLM(tiny_model_dirs["llama"], num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def speculative_llama(tiny_model_dirs) -> LLM:
+    return LLM(tiny_model_dirs["llama"], num_blocks=256, speculative_config=SPECULATIVE)
+
+
+# Random samples repeat themselves (so drafts get accepted, and rejected) when few tokens
+# are allowed.
+FEW = list(range(10, 14))
+SAMPLED = [
+    SamplingParams(max_tokens=40, temperature=0.8, seed=11, allowed_token_ids=FEW),
+    SamplingParams(
+        max_tokens=40, temperature=1.0, top_p=0.9, top_k=3, seed=5, allowed_token_ids=FEW
+    ),
+    SamplingParams(
+        max_tokens=40,
+        temperature=0.7,
+        seed=3,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+        allowed_token_ids=FEW,
+    ),
+    SamplingParams(max_tokens=40, temperature=0.0, presence_penalty=0.3, min_tokens=30),
+    SamplingParams(max_tokens=40, temperature=0.0, logit_bias={7: 4.0, 9: -100.0}),
+    # EOS (2) allowed too: banned until 12 tokens are out, at draft positions as well.
+    SamplingParams(
+        max_tokens=40,
+        temperature=0.9,
+        seed=9,
+        min_p=0.05,
+        min_tokens=12,
+        allowed_token_ids=[2, *FEW],
+    ),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=range(len(SAMPLED)))
+def test_seeded_samples_and_logits_processors_equal_plain_decoding(
+    plain_llama, speculative_llama, params
+):
+    """Each position samples from the sequence as it would be had the drafts before it
+    been accepted: the same penalties, bans and seeded draws as one token at a time."""
+    prompts = repetitive_prompts(2)
+    before = speculative_llama.stats()["num_accepted_tokens"]
+    assert outputs(speculative_llama, prompts, params) == outputs(plain_llama, prompts, params)
+    assert speculative_llama.stats()["num_accepted_tokens"] > before
+
+
+def test_logprobs_equal_plain_decoding(plain_llama, speculative_llama):
+    params = SamplingParams(max_tokens=30, temperature=0.0, logprobs=3, ignore_eos=True)
+    prompts = repetitive_prompts(3)
+    before = speculative_llama.stats()["num_accepted_tokens"]
+    for got, want in zip(
+        speculative_llama.generate(prompts, params), plain_llama.generate(prompts, params)
+    ):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for got_entry, want_entry in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert got_entry.keys() == want_entry.keys()
+            for token_id, logprob in want_entry.items():
+                assert got_entry[token_id] == pytest.approx(logprob, abs=1e-4)
+    assert speculative_llama.stats()["num_accepted_tokens"] > before
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_output_there(plain_llama, speculative_llama):
+    prompts = repetitive_prompts(4)
+    free = outputs(plain_llama, prompts, GREEDY)
+    # Stop on a token each output generates late: it may arrive as an accepted draft.
+    stops = sorted({tokens[-5] for tokens, _ in free})
+    stopped = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=stops)
+    got = outputs(speculative_llama, prompts, stopped)
+    assert got == outputs(plain_llama, prompts, stopped)
+    assert all(reason == "stop" and len(tokens) < NEW_TOKENS for tokens, reason in got)
+    for max_tokens in (13, 2, 1):  # drafts never run past max_tokens
+        short = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        got = outputs(speculative_llama, prompts, short)
+        assert got == [(tokens[:max_tokens], "length") for tokens, _ in free]
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preemption_and_chunked_prefill_keep_the_tokens(tiny_model_dirs, preemption_mode):
+    prompts = repetitive_prompts(5, count=10)
+    params = GREEDY
+    small = dict(
+        num_blocks=32,
+        block_size=8,
+        max_num_batched_tokens=48,
+        preemption_mode=preemption_mode,
+    )
+    speculative = LLM(tiny_model_dirs["qwen3"], **small, speculative_config=SPECULATIVE)
+    plain = LLM(tiny_model_dirs["qwen3"], num_blocks=256)
+    assert outputs(speculative, prompts, params) == outputs(plain, prompts, params)
+    assert speculative.stats()["num_preemptions"] > 0
+    assert_speculated(speculative)
+
+
+def test_sequences_that_do_not_speculate_run_beside_those_that_do(plain_llama, speculative_llama):
+    prompts = repetitive_prompts(6, count=3)
+    mixed = [
+        GREEDY,
+        SamplingParams(max_tokens=20, temperature=0.9, n=2, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=12, beam_width=3, temperature=0.0, ignore_eos=True),
+    ]
+    for _ in range(2):  # the second run also hits the prefix cache
+        got = [o.outputs for o in speculative_llama.generate(prompts, mixed)]
+        want = [o.outputs for o in plain_llama.generate(prompts, mixed)]
+        assert [[c.token_ids for c in cs] for cs in got] == [
+            [c.token_ids for c in cs] for cs in want
+        ]
+
+
+@pytest.mark.slow
+def test_across_processes_and_tensor_parallel_ranks(tiny_model_dirs, plain_llama):
+    prompts = repetitive_prompts(7)
+    params = SamplingParams(max_tokens=32, temperature=0.8, seed=2, allowed_token_ids=FEW)
+    want = outputs(plain_llama, prompts, params) + outputs(plain_llama, prompts, GREEDY)
+    for size in (1, 2):
+        llm = LLM(
+            tiny_model_dirs["llama"],
+            num_blocks=128,
+            multiprocess=True,
+            tensor_parallel_size=size,
+            speculative_config=SPECULATIVE,
+        )
+        try:
+            assert outputs(llm, prompts, params) + outputs(llm, prompts, GREEDY) == want
+            assert_speculated(llm)
+        finally:
+            llm.shutdown()
