@@ -91,8 +91,8 @@ class LLM:
     prompt lookup: a decoding sequence whose last tokens occurred before proposes what
     followed them, and one forward pass checks those drafts; the output is what decoding
     a token at a time gives, the same tokens for the same seed
-    (``scheduler/ngram_proposer.py``). Sequences of n > 1, best_of, beam search or
-    structured output decode a token at a time.
+    (``scheduler/ngram_proposer.py``); under structured output the tokens the grammar
+    forces come first. Sequences of n > 1, best_of or beam search decode a token at a time.
 
     ``structured_outputs_disable_any_whitespace=True`` sets
     ``StructuredOutputsParams.disable_any_whitespace`` for every request: JSON constraints

@@ -356,7 +356,7 @@ class ModelRunner:
             ],
             grammar_rows=np.array(grammar_rows, dtype=np.int64),
             allowed_token_bits=np.frombuffer(
-                b"".join(token_bitmasks[entries[r].request_id] for r in grammar_rows),
+                b"".join(_row_bitmasks(entries, grammar_rows, token_bitmasks)),
                 dtype=np.uint8,
             ).reshape(len(grammar_rows), -1)
             if grammar_rows
@@ -393,6 +393,27 @@ def _banned_token_ids(state: CachedRequestState) -> np.ndarray:
     if not params.ignore_eos:
         banned.update(state.eos_token_ids)
     return np.array(sorted(banned), dtype=np.int64)
+
+
+def _row_bitmasks(
+    entries: list[_ScheduledEntry], rows: list[int], token_bitmasks: dict[str, bytes]
+) -> list[bytes]:
+    """Each grammar row's allowed-token mask: its entry's (every sample of a request that
+    draws several starts from the same state), or for a speculating entry the mask of
+    that row's position (StepPlan.token_bitmasks holds one per position)."""
+    masks = []
+    for row in rows:
+        entry = entries[row]
+        mask = token_bitmasks[entry.request_id]
+        if entry.spec_token_ids:
+            first_row = row
+            while first_row > 0 and entries[first_row - 1] is entry:
+                first_row -= 1
+            size = len(mask) // (len(entry.spec_token_ids) + 1)
+            position = row - first_row
+            mask = mask[position * size : (position + 1) * size]
+        masks.append(mask)
+    return masks
 
 
 def _emitted_rows(entries: list[_ScheduledEntry], token_ids: list[int]) -> list[int]:

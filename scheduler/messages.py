@@ -69,7 +69,8 @@ class StepPlan:
 
     ``token_bitmasks`` maps each sequence that samples under a grammar in this step to
     the tokens it may pick: bit ``t`` of the little-endian int32 words set when token
-    ``t`` is allowed (``scheduler/structured_output.py``).
+    ``t`` is allowed (``scheduler/structured_output.py``); a speculating sequence's holds
+    one such mask per position it samples, concatenated.
 
     ``spec_token_ids`` maps each decoding sequence that speculates in this step to its
     draft tokens (``scheduler/ngram_proposer.py``): its scheduled tokens are its last

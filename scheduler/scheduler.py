@@ -248,7 +248,6 @@ class Scheduler:
             or num_new != 1
             or request.num_computed_tokens + 1 != request.num_tokens
             or request.group is not None  # n > 1, best_of, beams: one token a step
-            or request.grammar is not None  # masks exist for the next token only
         ):
             return []
         room = min(
@@ -256,9 +255,19 @@ class Scheduler:
             budget - 1,
             request.max_total_tokens - request.num_tokens - 1,
         )
-        return ngram_proposer.propose(
-            request.token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        if room < 1:
+            return []
+        grammar = request.grammar
+        # Under a grammar, the tokens it forces come first (jump-forward, checked like
+        # any draft); then prompt lookup, cut where the grammar would refuse a draft.
+        drafts = grammar.forced_tokens()[:room] if grammar is not None else []
+        if not drafts:
+            drafts = ngram_proposer.propose(
+                request.token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        if grammar is not None and drafts:
+            drafts = drafts[: grammar.usable_drafts(drafts)]
+        return drafts
 
     def _drafts_fit(self, request: Request, target: int, num_drafts: int, num_left: int) -> bool:
         """Whether a sequence's drafts fit: in the slots its table already has, or in new
@@ -284,7 +293,12 @@ class Scheduler:
             request = self.requests[scheduled.request_id]
             if request.grammar is None:
                 continue
-            if scheduled.num_computed_tokens + scheduled.num_scheduled_tokens == request.num_tokens:
+            drafts = plan.spec_token_ids.get(request.request_id)
+            if drafts:  # a mask for every position it samples
+                plan.token_bitmasks[request.request_id] = request.grammar.draft_bitmasks(drafts)
+            elif (
+                scheduled.num_computed_tokens + scheduled.num_scheduled_tokens == request.num_tokens
+            ):
                 plan.token_bitmasks[request.request_id] = request.grammar.allowed_token_bitmask()
 
     def _extend(self, plan: StepPlan, request: Request, num_new: int) -> None:

@@ -121,6 +121,42 @@ class GrammarMatcher:
     def fork(self) -> GrammarMatcher:
         return GrammarMatcher(self._matcher.deep_copy(), self._num_words)
 
+    # ---------------------------------------------------- speculative decoding
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (a JSON key, punctuation): speculation's best
+        drafts, since sampling under the mask can hardly disagree."""
+        return self._matcher.compute_ff_tokens()
+
+    def usable_drafts(self, drafts: list[int]) -> int:
+        """How many of ``drafts`` a speculating sequence may score: each allowed after the
+        ones before it, and none after which the grammar is complete (that position would
+        have no token to allow). The matcher ends where it began."""
+        matcher = self._matcher
+        usable = 0
+        for token_id in drafts:
+            if not matcher.consume_token(token_id):
+                break
+            if matcher.is_stopped():
+                matcher.rollback(1)
+                break
+            usable += 1
+        if usable:
+            matcher.rollback(usable)
+        return usable
+
+    def draft_bitmasks(self, drafts: list[int]) -> bytes:
+        """The allowed-token bitmasks at the ``len(drafts) + 1`` positions a speculating
+        sequence samples (after 0, 1, ... of its drafts), concatenated; the drafts must be
+        usable (``usable_drafts``). The matcher ends where it began."""
+        masks = [self.allowed_token_bitmask()]
+        for token_id in drafts:
+            self._matcher.consume_token(token_id)
+            masks.append(self.allowed_token_bitmask())
+        if drafts:
+            self._matcher.rollback(len(drafts))
+        return b"".join(masks)
+
 
 class StructuredOutput:
     """Builds grammar matchers over one model's vocabulary.

@@ -1,17 +1,23 @@
 """Speculative decoding by prompt lookup through the engine: the output is what decoding
 a token at a time gives (HF's greedy tokens; the same seeded samples under penalties,
 bias and min_tokens; the same logprobs), whatever stops it, under preemption and chunked
-prefill, beside sequences that do not speculate, and across processes; and drafts were
-really proposed and accepted (else the comparisons would prove nothing)."""
+prefill, beside sequences that do not speculate, under grammars, and across processes; and
+drafts were really proposed and accepted (else the comparisons would prove nothing)."""
 
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 from test_parity import NEW_TOKENS, hf_greedy
+from test_structured_output import CONSTRAINTS
+from test_structured_output import PROMPTS as STRUCTURED_PROMPTS
+from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.scheduler.sampling_params import StructuredOutputsParams
 
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -187,3 +193,39 @@ def test_across_processes_and_tensor_parallel_ranks(tiny_model_dirs, plain_llama
             assert_speculated(llm)
         finally:
             llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def byte_model_dir(tiny_model_dirs, tmp_path_factory) -> Path:
+    """The tiny Llama with a byte-level tokenizer: grammars force many tokens."""
+    path = tmp_path_factory.mktemp("tiny_llama_bytes")
+    shutil.copytree(tiny_model_dirs["llama"], path, dirs_exist_ok=True)
+    return save_for_transformers(
+        byte_level_tokenizer([], vocab_size=512), path, BYTE_LEVEL_SPECIALS
+    )
+
+
+def test_structured_output_speculates_on_forced_and_looked_up_tokens(byte_model_dir):
+    """Under a grammar the drafts are the tokens it forces (then prompt lookup), each
+    position sampled under its own mask: the output is plain decoding's, and a JSON schema's
+    keys and punctuation come as accepted drafts."""
+    speculative = LLM(byte_model_dir, num_blocks=128, speculative_config=SPECULATIVE)
+    plain = LLM(byte_model_dir, num_blocks=128)
+    constraints = {
+        **CONSTRAINTS,
+        "json_object": StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+    }
+    for kind, constraint in constraints.items():
+        for sampling in (
+            dict(temperature=0.0),
+            dict(temperature=0.8, seed=3),
+            dict(temperature=0.0, repetition_penalty=1.2, min_tokens=4),
+        ):
+            params = SamplingParams(max_tokens=64, structured_outputs=constraint, **sampling)
+            before = speculative.stats()["num_accepted_tokens"]
+            got = outputs(speculative, STRUCTURED_PROMPTS, params)
+            assert got == outputs(plain, STRUCTURED_PROMPTS, params), (kind, sampling)
+            if kind in ("json", "choice"):  # forced keys, punctuation, choice tails
+                assert speculative.stats()["num_accepted_tokens"] > before, (kind, sampling)
+    stats = speculative.stats()
+    assert stats["num_accepted_tokens"] / stats["num_draft_tokens"] > 0.5, stats
