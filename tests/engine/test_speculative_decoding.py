@@ -229,3 +229,21 @@ def test_structured_output_speculates_on_forced_and_looked_up_tokens(byte_model_
                 assert speculative.stats()["num_accepted_tokens"] > before, (kind, sampling)
     stats = speculative.stats()
     assert stats["num_accepted_tokens"] / stats["num_draft_tokens"] > 0.5, stats
+
+
+def test_stop_strings_inside_accepted_drafts_cut_the_text_there(byte_model_dir):
+    speculative = LLM(byte_model_dir, num_blocks=128, speculative_config=SPECULATIVE)
+    plain = LLM(byte_model_dir, num_blocks=128)
+    prompts = [[100, 101, 102] * 6, [300, 301, 302], list(b"the cat and the dog and the cat ")]
+    long = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    free = plain.generate(prompts, long)
+    # A two-character string each output writes late: it may end inside a step's drafts.
+    stops = sorted({o.outputs[0].text[-6:-4] for o in free})
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, stop=stops)
+    got = speculative.generate(prompts, params)
+    want = plain.generate(prompts, params)
+    assert [(o.outputs[0].text, o.outputs[0].token_ids) for o in got] == [
+        (o.outputs[0].text, o.outputs[0].token_ids) for o in want
+    ]
+    assert all(o.outputs[0].stop_reason in stops for o in got)
+    assert speculative.stats()["num_accepted_tokens"] > 0
