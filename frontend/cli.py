@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from pagedserve.frontend.api_key import ENVIRONMENT_VARIABLE as API_KEY_ENVIRONMENT_VARIABLE
+from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -156,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let the model decide to call tools (tool_choice 'auto', the default when a chat "
         "request gives tools); needs --tool-call-parser",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split a reasoning model's thinking (<think>...</think>) from its chat answers into "
+        "reasoning_content: qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and distills)",
     )
     serve.add_argument(
         "--tool-call-parser",
@@ -330,6 +338,7 @@ def _serve(args: argparse.Namespace) -> int:
             tls_client_ca_file=args.tls_client_ca_file,
             api_key=args.api_key,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)

@@ -195,6 +195,7 @@ class HttpApi:
                 http_request.headers.get("X-Request-Id"),
                 server.config.max_concurrent_requests,
                 server.config.tool_call_parser,
+                server.config.reasoning_parser,
             )
             llm = server.check_admission(len(api_request.prompts))
             for prompt, params in zip(api_request.prompts, api_request.params, strict=True):

@@ -30,6 +30,7 @@ from jinja2 import TemplateError
 
 from pagedserve.frontend import tool_calls
 from pagedserve.frontend.call_errors import CallError
+from pagedserve.frontend.reasoning import ReasoningParser, ReasoningStream
 from pagedserve.frontend.tool_calls import ToolCallError, ToolCalling, ToolCallStream
 from pagedserve.scheduler.sampling_params import (
     MAX_LOGPROBS,
@@ -102,6 +103,7 @@ _CHAT_FIELDS = {
     "functions",
     "function_call",
     "parallel_tool_calls",
+    "include_reasoning",
     "add_generation_prompt",
 }
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -178,6 +180,10 @@ class ApiRequest:
     client_request_id: str
     # Chat requests with tools (tool_choice other than "none"): how to read the calls.
     tool_calling: ToolCalling | None = None
+    # Chat requests on a server with --reasoning-parser: how to split thinking from the
+    # answer, and whether to report the thinking (vLLM's include_reasoning).
+    reasoning: ReasoningParser | None = None
+    include_reasoning: bool = True
     created_s: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -190,12 +196,15 @@ def parse_request(
     client_request_id: str | None,
     max_prompts: int = 1024,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> ApiRequest:
     """The request ``body`` (decoded JSON) of ``/v1/completions`` (``kind="completion"``)
     or ``/v1/chat/completions`` (``"chat"``), checked and tokenized. A batch of more than
     ``max_prompts`` prompts (the server's limit of requests in flight) is refused before
     anything is tokenized: it could never be admitted. ``tool_call_parser``: the server's
-    reader of calls in the model's own format, for ``tool_choice="auto"``; None: off."""
+    reader of calls in the model's own format, for ``tool_choice="auto"``; None: off.
+    ``reasoning_parser``: the server's splitter of a reasoning model's thinking from its
+    answer (chat only); None: off."""
     if not isinstance(body, dict):
         raise _invalid(f"the request body must be a JSON object, got {type(body).__name__}", "")
     known = _COMMON_FIELDS | set(_SAMPLING_FIELDS)
@@ -212,6 +221,8 @@ def parse_request(
         )
     _refuse_unsupported(kind, body)
     tool_calling = _tool_calling(body, tool_call_parser) if kind == "chat" else None
+    reasoning = ReasoningParser(reasoning_parser) if kind == "chat" and reasoning_parser else None
+    include_reasoning = _typed(body, "include_reasoning", (bool,), "a boolean", True)
     if kind == "completion":
         prompts = _completion_prompts(body, llm, max_prompts)
         logprobs = _int_field(body, "logprobs", 0, MAX_LOGPROBS)
@@ -241,14 +252,16 @@ def parse_request(
     if tool_calling is not None and tool_calling.constraint() is not None:
         structured = _tool_constraint(tool_calling, structured, llm)
     base = _base_params(body, default_params, logprobs, echo, max_tokens_names, structured)
+    markers = (() if tool_calling is None else tool_calling.markers) + (
+        () if reasoning is None else reasoning.markers
+    )
     if (
-        tool_calling is not None
-        and body.get("skip_special_tokens") is None
+        body.get("skip_special_tokens") is None
         and llm.tokenizer is not None
-        and tool_calling.uses_special_tokens(llm.tokenizer.special_token_texts)
+        and any(marker in llm.tokenizer.special_token_texts for marker in markers)
     ):
-        # The parser finds calls by markers the tokenizer counts as special (Qwen's
-        # <tool_call>): the output text keeps them, as vLLM's parsers ask.
+        # The parsers find calls and thinking by markers the tokenizer may count as
+        # special: the output text keeps them, as vLLM's parsers ask.
         base = dataclasses.replace(base, skip_special_tokens=False)
     max_tokens_name = next((n for n in max_tokens_names if body.get(n) is not None), None)
     max_model_len = llm.scheduler_config.max_model_len
@@ -306,6 +319,8 @@ def parse_request(
         cache_namespace=cache_salt,
         client_request_id=request_id,
         tool_calling=tool_calling,
+        reasoning=reasoning,
+        include_reasoning=include_reasoning,
     )
 
 
@@ -817,13 +832,20 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
         for completion in output.outputs:
             index = prompt_index * num_outputs + completion.index
             if request.kind == "chat":
-                message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+                text = completion.text
+                reasoning = None
+                if request.reasoning is not None:
+                    split = request.reasoning.parse(text, final=True)
+                    text, reasoning = split.content, split.reasoning
+                message: dict[str, Any] = {"role": "assistant", "content": text}
                 reason = finish_reason(completion)
                 if request.tool_calling is not None:
-                    message, parsed = tool_calls.whole_message(
-                        request.tool_calling, completion.text
-                    )
+                    message, parsed = tool_calls.whole_message(request.tool_calling, text)
                     reason = request.tool_calling.finish_reason(reason, parsed)
+                if request.reasoning is not None:
+                    message["content"] = message["content"] or None
+                    if request.include_reasoning:
+                        message["reasoning_content"] = reasoning or None
                 choice = {
                     "index": index,
                     "message": message,
@@ -885,6 +907,7 @@ class _ChoiceCursor:
     started: bool = False
     finished: bool = False
     tool_calls: ToolCallStream | None = None  # a chat request with tools
+    reasoning: ReasoningStream | None = None  # a server with a reasoning parser
 
 
 class StreamWriter:
@@ -921,6 +944,8 @@ class StreamWriter:
                 cursor = self._cursors[completion.index] = _ChoiceCursor()
                 if request.tool_calling is not None:
                     cursor.tool_calls = ToolCallStream(request.tool_calling)
+                if request.reasoning is not None:
+                    cursor.reasoning = ReasoningStream(request.reasoning)
             new_text = completion.text[cursor.text_chars :]
             new_tokens = completion.token_ids[cursor.tokens :]
             new_entries = (
@@ -930,24 +955,35 @@ class StreamWriter:
             newly_finished = reason is not None and not cursor.finished
             new_logprobs = request.logprobs is not None and bool(new_entries)
             call_deltas: list[dict] = []
+            new_reasoning = ""
+            answer = completion.text
+            if cursor.reasoning is not None:
+                # The thinking apart; the answer is what the splitter settled.
+                new_reasoning, new_text = cursor.reasoning.feed(answer, reason is not None)
+                answer = cursor.reasoning.content
+                if not request.include_reasoning:
+                    new_reasoning = ""
             if cursor.tool_calls is not None:
                 # The content is what the tool-call reader settled, not the raw text.
-                new_text, call_deltas = cursor.tool_calls.feed(completion.text, reason is not None)
+                new_text, call_deltas = cursor.tool_calls.feed(answer, reason is not None)
                 reason = request.tool_calling.finish_reason(reason, cursor.tool_calls.last)
             if not cursor.started and not (new_tokens or newly_finished):
                 # The prompt still being prefilled (a chunked prefill reports its prompt
                 # logprobs piece by piece): a choice starts with its first token, when the
                 # prompt's are all there.
                 continue
-            if cursor.started and not (new_text or call_deltas or new_logprobs or newly_finished):
-                continue  # tokens whose text the detokenizer (or tool-call reader) holds back
+            news = new_text or new_reasoning or call_deltas or new_logprobs or newly_finished
+            if cursor.started and not news:
+                continue  # tokens whose text the detokenizer (or a parser) holds back
             index = self._prompt_index * num_outputs + completion.index
             choice: dict[str, Any] = {"index": index}
             if request.kind == "chat":
                 delta: dict[str, Any] = {}
                 if not cursor.started:
                     delta["role"] = "assistant"
-                if new_text or not call_deltas:
+                if new_reasoning:
+                    delta["reasoning_content"] = new_reasoning
+                if new_text or not (call_deltas or new_reasoning):
                     delta["content"] = new_text
                 if call_deltas:
                     delta["tool_calls"] = call_deltas

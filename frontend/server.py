@@ -49,6 +49,7 @@ from pagedserve.frontend.async_engine import AsyncEngine, RequestStream
 from pagedserve.frontend.call_errors import CallError, ServerDrainingError
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.metrics import ServerMetrics
+from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
@@ -100,6 +101,9 @@ class ServerConfig:
     # The model's tool-call format, read for tool_choice "auto" (``tool_calls.py``);
     # None: only "none", "required" and named functions.
     tool_call_parser: str | None = None
+    # Splits a reasoning model's thinking from its chat answers (``reasoning.py``);
+    # None: the answer is the whole output.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):
@@ -110,6 +114,11 @@ class ServerConfig:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
         if self.max_concurrent_requests < 1:
             raise ValueError(

@@ -308,10 +308,10 @@ class ToolCalling:
             schema["maxItems"] = 1
         return "tools", schema
 
-    def uses_special_tokens(self, special_texts: set[str]) -> bool:
-        """Whether the parser's markers are special tokens (the output text must keep
-        them, ``skip_special_tokens=False``)."""
-        return any(marker in special_texts for marker in self._reader.markers)
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The texts the reader finds calls by (the output text must keep them)."""
+        return self._reader.markers
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         """The content and calls in a choice's output ``text``; ``final``: the output is
@@ -456,7 +456,7 @@ class _RequiredReader(_OutputReader):
         return ParsedOutput("", calls)
 
 
-def _partial_marker_chars(text: str, marker: str) -> int:
+def partial_marker_chars(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` could begin ``marker``."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-length:]):
@@ -485,7 +485,7 @@ class _HermesReader(_OutputReader):
             if start < 0:
                 tail = text[position:]
                 if not final:  # held back: the start of a block may be arriving
-                    tail = tail[: len(tail) - _partial_marker_chars(tail, self.START)]
+                    tail = tail[: len(tail) - partial_marker_chars(tail, self.START)]
                 if not (after_block and not tail.strip()):
                     content.append(tail)
                 break

@@ -221,3 +221,42 @@ def test_streamed_tool_calls_add_up_to_the_whole_answer(llm):
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "On it."
     assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+@pytest.mark.parametrize("include_reasoning", [True, False])
+def test_thinking_streams_apart_and_tool_calls_are_read_from_the_answer(llm, include_reasoning):
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [WEATHER_TOOL],
+        "stream": True,
+        "include_reasoning": include_reasoning,
+    }
+    request = parse_request("chat", body, llm, GREEDY_DEFAULT, "m", None, 8, "hermes", "qwen3")
+    writer = StreamWriter(request, "chatcmpl-r", 0, llm, TokenTexts(llm), interval_tokens=1)
+    output = RequestOutput("r", None, [5], outputs=[CompletionOutput(0, "", [], None)])
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    text = "<think>Weather: ask the tool.</think>On it." + call
+    deltas = []
+    for end in range(1, len(text) + 1):
+        finish = "stop" if end == len(text) else None
+        for chunk in writer.chunks(grown(output, list(range(end)), text[:end], finish)):
+            deltas.append(chunk["choices"][0]["delta"])
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    assert reasoning == ("Weather: ask the tool." if include_reasoning else "")
+    assert "".join(d.get("content") or "" for d in deltas) == "On it."
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    whole = whole_response(request, [grown(output, [1], text, "stop")], llm)
+    message = whole["choices"][0]["message"]
+    assert message["content"] == "On it." and len(message["tool_calls"]) == 1
+    assert message.get("reasoning_content") == (
+        "Weather: ask the tool." if include_reasoning else None
+    )
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    # Thinking only (cut short): no answer.
+    no_tools = {key: value for key, value in body.items() if key != "tools"}
+    thinking = parse_request(
+        "chat", no_tools, llm, GREEDY_DEFAULT, "m", None, 8, None, "deepseek_r1"
+    )
+    body_only = whole_response(thinking, [grown(output, [1], "Hmm", "length")], llm)
+    assert body_only["choices"][0]["message"]["content"] is None

@@ -1,0 +1,84 @@
+"""Reasoning models' thinking, apart from their answer, as vLLM's ``--reasoning-parser``
+serves it: a chat answer's ``message.reasoning_content`` holds what the model wrote between
+``<think>`` and ``</think>``, and ``message.content`` the rest (streams send
+``delta.reasoning_content`` then ``delta.content``).
+
+- ``qwen3`` (Qwen3, QwQ): the output thinks when it starts with ``<think>``, until
+  ``</think>`` or its end; an output that does not start so (thinking switched off) is all
+  answer.
+- ``deepseek_r1`` (DeepSeek-R1 and its distills, whose chat template opens the ``<think>``
+  itself): the output thinks from its start (a ``<think>`` there is skipped) until
+  ``</think>``; one that never closes it is all thinking.
+
+Like tool calls (``tool_calls.py``), one reading serves whole answers and streams:
+``parse(text, final)`` reports only what more text cannot change, so a stream's deltas add
+up to the whole answer. The tool-call reader then reads the answer part only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.frontend.tool_calls import partial_marker_chars
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+@dataclass(frozen=True)
+class SplitOutput:
+    reasoning: str
+    content: str
+
+
+class ReasoningParser:
+    """Splits a choice's output into its thinking and its answer."""
+
+    def __init__(self, name: str) -> None:
+        if name not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}"
+            )
+        self.name = name
+        self.markers = (THINK_START, THINK_END)
+
+    def parse(self, text: str, final: bool) -> SplitOutput:
+        """The thinking and the answer in ``text``; with ``final=False`` only what more
+        text cannot change (a possible marker start is held back)."""
+        if self.name == "qwen3":
+            if not text.startswith(THINK_START):
+                if not final and THINK_START.startswith(text):
+                    return SplitOutput("", "")  # it may still open
+                return SplitOutput("", text)
+            body_start = len(THINK_START)
+        else:
+            if not final and text and THINK_START.startswith(text):
+                return SplitOutput("", "")  # a leading <think> may be arriving
+            body_start = len(THINK_START) if text.startswith(THINK_START) else 0
+        end = text.find(THINK_END, body_start)
+        if end < 0:
+            reasoning = text[body_start:]
+            if not final:
+                reasoning = reasoning[: len(reasoning) - partial_marker_chars(reasoning, THINK_END)]
+            return SplitOutput(reasoning, "")
+        return SplitOutput(text[body_start:end], text[end + len(THINK_END) :])
+
+
+class ReasoningStream:
+    """One streamed choice's thinking and answer: what each chunk adds to either."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self._parser = parser
+        self._reasoning_chars = 0
+        #: The answer so far (settled), which the tool-call reader reads in turn.
+        self.content = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """New thinking and new answer text, given the choice's whole output so far."""
+        split = self._parser.parse(text, final)
+        reasoning = split.reasoning[self._reasoning_chars :]
+        self._reasoning_chars = len(split.reasoning)
+        content = split.content[len(self.content) :]
+        self.content = split.content
+        return reasoning, content

@@ -1,0 +1,59 @@
+"""Reasoning parsers (frontend/reasoning.py): thinking apart from the answer for Qwen3's
+and DeepSeek-R1's formats, and a stream that adds up to the whole answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.frontend.reasoning import ReasoningParser, ReasoningStream, SplitOutput
+
+QWEN3 = ReasoningParser("qwen3")
+DEEPSEEK = ReasoningParser("deepseek_r1")
+
+CASES = [
+    # (text, qwen3's split, deepseek_r1's split)
+    (
+        "<think>\nCount the rs.\n</think>\n\nThree.",
+        SplitOutput("\nCount the rs.\n", "\n\nThree."),
+        SplitOutput("\nCount the rs.\n", "\n\nThree."),
+    ),
+    # The template opened <think> (R1), or thinking was off (Qwen3): no start tag.
+    ("Count them.</think>Three.", SplitOutput("", "Count them.</think>Three."),
+     SplitOutput("Count them.", "Three.")),
+    ("Just the answer.", SplitOutput("", "Just the answer."), SplitOutput("Just the answer.", "")),
+    # Cut short while thinking.
+    ("<think>Hmm, let me", SplitOutput("Hmm, let me", ""), SplitOutput("Hmm, let me", "")),
+    ("<think></think>Fast.", SplitOutput("", "Fast."), SplitOutput("", "Fast.")),
+    # Marker-like text that is not a marker stays where it is.
+    ("<thinking> aloud", SplitOutput("", "<thinking> aloud"), SplitOutput("<thinking> aloud", "")),
+    ("<think>a </thin b</think>c", SplitOutput("a </thin b", "c"), SplitOutput("a </thin b", "c")),
+    ("<", SplitOutput("", "<"), SplitOutput("<", "")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "qwen3", "deepseek"), CASES)
+def test_whole_outputs_split_as_each_format_says(text, qwen3, deepseek):
+    assert QWEN3.parse(text, final=True) == qwen3
+    assert DEEPSEEK.parse(text, final=True) == deepseek
+
+
+@pytest.mark.parametrize("parser", [QWEN3, DEEPSEEK], ids=["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("text", [case[0] for case in CASES])
+def test_a_stream_adds_up_to_the_whole_answer(parser, text):
+    stream = ReasoningStream(parser)
+    reasoning = content = ""
+    for end in range(1, len(text) + 1):
+        new_reasoning, new_content = stream.feed(text[:end], final=end == len(text))
+        reasoning += new_reasoning
+        content += new_content
+        assert stream.content == content
+    assert SplitOutput(reasoning, content) == parser.parse(text, final=True)
+
+
+def test_markers_are_held_back_while_they_may_be_arriving():
+    assert QWEN3.parse("<thi", final=False) == SplitOutput("", "")
+    assert QWEN3.parse("<think>abc</th", final=False) == SplitOutput("abc", "")
+    assert DEEPSEEK.parse("<th", final=False) == SplitOutput("", "")
+    assert DEEPSEEK.parse("plan </thi", final=False) == SplitOutput("plan ", "")
+    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+        ReasoningParser("o1")

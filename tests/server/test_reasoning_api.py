@@ -1,0 +1,76 @@
+"""A reasoning model's thinking apart from its answer (``--reasoning-parser``) over the
+real server: the whole answer's ``reasoning_content`` and ``content``, a stream's deltas
+adding up to them, ``include_reasoning: false``, and completions left raw. The tiny random
+model writes garbage when free, so a regex (structured output) makes it write the format."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from conftest import SERVED_MODEL_NAME
+from test_http_api import post, sse_events
+
+FORCED = r"Paris is big\.</think>It is Paris\."
+BODY = {
+    "model": SERVED_MODEL_NAME,
+    "messages": [{"role": "user", "content": "Capital of France?"}],
+    "max_tokens": 40,
+    "temperature": 0,
+    "structured_outputs": {"regex": FORCED},
+}
+
+
+@pytest.fixture
+def thinking_server(start_server):
+    server = start_server(
+        "--http-port", "0", "--served-model-name", SERVED_MODEL_NAME,
+        "--reasoning-parser", "deepseek_r1", "--kv-cache-bytes", str(4 << 20),
+    )  # fmt: skip
+    yield server
+    server.assert_blocks_all_free()
+
+
+def test_thinking_and_answer_come_apart_whole_and_streamed(thinking_server):
+    status, answer = post(thinking_server, "/v1/chat/completions", BODY)
+    assert status == 200, answer
+    message = answer["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Paris is big.", "It is Paris.")
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+    events = sse_events(thinking_server, "/v1/chat/completions", {**BODY, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Paris is big."
+    assert "".join(d.get("content") or "" for d in deltas) == "It is Paris."
+    # The thinking streams first; no delta mixes a marker into either part.
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert not any(d.get("reasoning_content") for d in deltas[first_content:])
+    assert not any("<" in (d.get("content") or "") + d.get("reasoning_content", "") for d in deltas)
+
+    status, hidden = post(
+        thinking_server, "/v1/chat/completions", {**BODY, "include_reasoning": False}
+    )
+    assert "reasoning_content" not in hidden["choices"][0]["message"]
+    assert hidden["choices"][0]["message"]["content"] == "It is Paris."
+
+    # OpenAI's client keeps the field (an extra of its message model).
+    client = openai.OpenAI(
+        base_url=f"{thinking_server.http_url}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    with client:
+        fields = {key: value for key, value in BODY.items() if key != "structured_outputs"}
+        chat = client.chat.completions.create(
+            **fields, extra_body={"structured_outputs": BODY["structured_outputs"]}
+        )
+    assert chat.choices[0].message.reasoning_content == "Paris is big."
+
+    # Completions are text continuation: no splitting.
+    completion = {"model": SERVED_MODEL_NAME, "prompt": "x", "max_tokens": 40, "temperature": 0}
+    status, raw = post(
+        thinking_server, "/v1/completions", {**completion, "structured_outputs": {"regex": FORCED}}
+    )
+    assert raw["choices"][0]["text"] == "Paris is big.</think>It is Paris."
+
+
+def test_a_bad_include_reasoning_is_refused_by_name(thinking_server):
+    status, answer = post(thinking_server, "/v1/chat/completions", {**BODY, "include_reasoning": 1})
+    assert status == 400 and answer["error"]["param"] == "include_reasoning", answer
