@@ -172,3 +172,19 @@ def test_bfloat16_first_tokens_match_hf(tiny_model_dirs):
             agreeing += int(logits.argmax().item() == tokens[0])
     # bfloat16 rounding may flip a near-tie; most first tokens must agree.
     assert agreeing >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_speculative_decoding_on_the_gpu_matches_hf(tiny_model_dirs, hf_references, cuda_graphs):
+    # Verification steps run the prefill path beside graph-replayed plain decodes.
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        device="cuda",
+        num_blocks=256,
+        max_num_seqs=12,
+        cuda_graphs=cuda_graphs,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+    )
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_references["llama"]
+    assert llm.stats()["num_accepted_tokens"] > 0
