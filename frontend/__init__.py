@@ -8,13 +8,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.frontend.lora_request import LoRARequest
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -211,6 +211,7 @@ class EngineClient:
         eos_token_ids: frozenset[int],
         arrival_time_s: float | None = None,
         cache_namespace: str | None = None,
+        lora_id: int = 0,
     ) -> None:
         """Queue a request. A request the scheduler refuses (it repeats the frontend's
         checks) makes a later ``step()`` raise ``ValueError``."""
@@ -224,6 +225,7 @@ class EngineClient:
                 time.monotonic() if arrival_time_s is None else arrival_time_s,
                 eos_token_ids=sorted(eos_token_ids),
                 cache_namespace=cache_namespace,
+                lora_id=lora_id,
             )
         )
         self._unfinished.add(request_id)

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
+from pagedserve.frontend.lora_request import LoRARequest
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.request_tracker import EngineAction, RequestTracker
 from pagedserve.frontend.tokenizer import Tokenizer
+from pagedserve.gpu_worker.lora import check_adapter_files, check_lora_support
 from pagedserve.gpu_worker.model_config import (
     ModelConfig,
     check_dtype_name,
@@ -39,8 +41,37 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int]
 Message = dict[str, Any]
+# A request's LoRA adapter: its name, a LoRARequest, or None for the base model.
+LoRARef = str | LoRARequest | None
 
 DEFAULT_SWAP_SPACE_BYTES = 1 << 30
+
+
+def _check_lora_modules(
+    lora_modules: dict[str, str | os.PathLike[str]] | None,
+    model_path: Path,
+    tensor_parallel_size: int,
+    cuda_graph_max_batch: int,
+) -> list[tuple[str, str]]:
+    """``lora_modules`` as (name, directory) pairs, checked before any process starts:
+    names, files and configs, and that this model and engine can serve adapters (the
+    weights' shapes are checked when the worker loads them)."""
+    if not lora_modules:
+        return []
+    if not isinstance(lora_modules, dict):
+        raise TypeError(
+            f"lora_modules must be a dict of name -> adapter directory, got {lora_modules!r}"
+        )
+    check_lora_support(
+        ModelConfig.from_dir(model_path).architecture, tensor_parallel_size, cuda_graph_max_batch
+    )
+    adapters = []
+    for name, path in lora_modules.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"lora_modules: adapter names must be non-empty strings, got {name!r}")
+        check_adapter_files(name, path)
+        adapters.append((name, str(Path(path).resolve())))
+    return adapters
 
 
 def _speculative_fields(config: dict[str, Any] | None) -> dict[str, int]:
@@ -123,6 +154,7 @@ class LLM:
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         chat_template: str | None = None,
         speculative_config: dict[str, Any] | None = None,
+        lora_modules: dict[str, str | os.PathLike[str]] | None = None,
         structured_outputs_disable_any_whitespace: bool = False,
     ) -> None:
         check_dtype_name(dtype)
@@ -162,6 +194,15 @@ class LLM:
         if swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
         self.worker: Worker | None = None  # in-process only
+        # LoRA adapter name -> id (1, 2, ...: the workers load them in this order).
+        self.lora_ids: dict[str, int] = {}
+        self.lora_paths: dict[str, str] = {}
+        adapters = _check_lora_modules(
+            lora_modules, resolved.path, tensor_parallel_size, graph_max_batch
+        )
+        for lora_id, (name, path) in enumerate(adapters, start=1):
+            self.lora_ids[name] = lora_id
+            self.lora_paths[name] = path
         if multiprocess:
             model_config = ModelConfig.from_dir(resolved.path)
             # Here, before any process starts, so a bad size fails at once.
@@ -183,6 +224,7 @@ class LLM:
                 kv_cache_bytes_from_free_memory=default_kv_cache_bytes,
                 cuda_graph_max_batch=graph_max_batch,
                 cuda_graph_max_len=graph_max_len,
+                lora_modules=adapters,
             )
             model_config = self.worker.model_config
         self.model_config = model_config
@@ -225,6 +267,7 @@ class LLM:
                     swap_space_bytes,
                     graph_max_batch,
                     graph_max_len,
+                    [list(adapter) for adapter in adapters],
                 ),
                 seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
@@ -283,12 +326,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_namespace: str | None = None,
+        lora_request: LoRARef | Sequence[LoRARef] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) as one continuously batched run;
         returns one ``RequestOutput`` per prompt, in order. Requests share cached prompt
-        prefixes only within one ``cache_namespace``."""
+        prefixes only within one ``cache_namespace``. ``lora_request``: the LoRA adapter
+        (a name or a ``LoRARequest``; None: the base model), or one per prompt."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
+        lora_ids = self.lora_ids_of(lora_request, len(prompt_list))
         encoded = [
             self.encode_prompt(prompt, f"prompts[{index}]")
             for index, prompt in enumerate(prompt_list)
@@ -307,13 +353,14 @@ class LLM:
                 )
             self.check_token_ids(params, "sampling_params")
             self.check_structured_outputs(params, "sampling_params")
-        return self._run(prompt_list, encoded, params_list, cache_namespace)
+        return self._run(prompt_list, encoded, params_list, cache_namespace, lora_ids)
 
     def chat(
         self,
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARef | Sequence[LoRARef] = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of ``{"role", "content"}``
         dicts) or several, then generate the assistant's turn. ``tools`` (OpenAI's
@@ -326,7 +373,7 @@ class LLM:
         texts = [self.render_chat(conversation, tools=tools) for conversation in conversations]
         # The template already wrote the special tokens it wants.
         prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        outputs = self.generate(prompts, sampling_params)
+        outputs = self.generate(prompts, sampling_params, lora_request=lora_request)
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
@@ -361,12 +408,14 @@ class LLM:
         encoded: list[list[int]],
         params_list: list[SamplingParams],
         cache_namespace: str | None = None,
+        lora_ids: list[int] | None = None,
     ) -> list[RequestOutput]:
         request_ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
+        lora_ids = lora_ids or [0] * len(prompts)
         trackers: dict[str, RequestTracker] = {}
         try:
-            for request_id, prompt, token_ids, params in zip(
-                request_ids, prompts, encoded, params_list
+            for request_id, prompt, token_ids, params, lora_id in zip(
+                request_ids, prompts, encoded, params_list, lora_ids
             ):
                 trackers[request_id] = RequestTracker(
                     request_id,
@@ -382,6 +431,7 @@ class LLM:
                     params,
                     self.eos_token_ids,
                     cache_namespace=cache_namespace,
+                    lora_id=lora_id,
                 )
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
@@ -474,6 +524,51 @@ class LLM:
                 f"sampling_params: got {len(params)} for {count} prompts; pass one or one each"
             )
         return params
+
+    def lora_id(self, lora_request: LoRARef, field: str = "lora_request") -> int:
+        """The id of the adapter ``lora_request`` names (0: the base model); ``ValueError``
+        naming ``field`` for one this engine does not serve."""
+        if lora_request is None:
+            return 0
+        if isinstance(lora_request, LoRARequest):
+            name = lora_request.lora_name
+        elif isinstance(lora_request, str):
+            name = lora_request
+        else:
+            raise TypeError(
+                f"{field} must be an adapter name or a LoRARequest, got {lora_request!r}"
+            )
+        lora_id = self.lora_ids.get(name)
+        if lora_id is None:
+            served = ", ".join(self.lora_ids) or "none (start with lora_modules)"
+            raise ValueError(f"{field}: no LoRA adapter named {name!r} here; adapters: {served}")
+        if isinstance(lora_request, LoRARequest):
+            path = lora_request.lora_path
+            if path is not None and Path(path).resolve() != Path(self.lora_paths[name]).resolve():
+                raise ValueError(
+                    f"{field}: adapter {name!r} was loaded from {self.lora_paths[name]}, not "
+                    f"{path}; adapters load at start-up (lora_modules)"
+                )
+            if lora_request.lora_int_id not in (None, lora_id):
+                raise ValueError(
+                    f"{field}: adapter {name!r} has id {lora_id} here, not "
+                    f"{lora_request.lora_int_id}"
+                )
+        return lora_id
+
+    def lora_ids_of(self, lora_request: LoRARef | Sequence[LoRARef], count: int) -> list[int]:
+        """One adapter id per prompt: the same for all, or one each from a list."""
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != count:
+                raise ValueError(
+                    f"lora_request: got {len(lora_request)} for {count} prompts; pass one or "
+                    "one each"
+                )
+            return [
+                self.lora_id(item, f"lora_request[{index}]")
+                for index, item in enumerate(lora_request)
+            ]
+        return [self.lora_id(lora_request)] * count
 
     def default_sampling_params(self) -> SamplingParams:
         """As HF does, the model's generation_config.json decides: greedy unless it sets

@@ -13,6 +13,7 @@ from pagedserve.gpu_worker.layers.gathered_prefill import (
     plan_gathered_prefill,
     use_gathered_prefill,
 )
+from pagedserve.gpu_worker.lora import LoRABatch
 from pagedserve.gpu_worker.models.base import CausalLM
 from pagedserve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedserve.scheduler.beam_search import num_candidates
@@ -34,6 +35,7 @@ class CachedRequestState:
     block_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: list[int]
+    lora_id: int = 0  # 0: the base model
 
     @property
     def num_output_tokens(self) -> int:
@@ -121,8 +123,16 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int,
+        device: torch.device,
+        lora_batch: LoRABatch | None = None,
+    ) -> None:
         self.model = model
+        # Which token rows each LoRA adapter takes in a step (None: no adapters loaded).
+        self.lora_batch = lora_batch
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
@@ -135,6 +145,8 @@ class ModelRunner:
         if not entries:
             return StepResult(step_id=plan.step_id)
         inputs = self._prepare_inputs(entries)
+        if self.lora_batch is not None:
+            self.lora_batch.groups = self._lora_groups(entries)
         with torch.inference_mode():
             hidden = None
             if self.decode_graphs is not None:
@@ -179,6 +191,7 @@ class ModelRunner:
                 list(new.block_ids),
                 new.sampling_params,
                 list(new.eos_token_ids),
+                new.lora_id,
             )
             self.requests[new.request_id] = state
             entries.append(
@@ -295,6 +308,22 @@ class ModelRunner:
             sample_seeds=sample_seeds,
             prompt_logprob_entries=prompt_logprob_entries,
         )
+
+    def _lora_groups(self, entries: list[_ScheduledEntry]) -> list[tuple[int, torch.Tensor | None]]:
+        """Each adapter's token rows in this step's inputs (entries in input order)."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for entry in entries:
+            end = start + entry.num_scheduled_tokens
+            if entry.state.lora_id:
+                rows.setdefault(entry.state.lora_id, []).extend(range(start, end))
+            start = end
+        if len(rows) == 1 and len(next(iter(rows.values()))) == start:
+            return [(next(iter(rows)), None)]  # one adapter has every token: no indexing
+        return [
+            (lora_id, torch.tensor(token_rows, dtype=torch.int64, device=self.device))
+            for lora_id, token_rows in rows.items()
+        ]
 
     def _sampling_batch(
         self,

@@ -13,6 +13,7 @@ import torch
 from pagedserve.gpu_worker import cuda_ops, ops
 from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec
+from pagedserve.gpu_worker.lora import check_lora_support, load_adapters
 from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import ModelConfig, check_dtype_name
 from pagedserve.gpu_worker.model_runner import ModelRunner
@@ -64,7 +65,10 @@ class Worker:
         parallel: TensorParallel = SINGLE,
         cuda_graph_max_batch: int = 0,
         cuda_graph_max_len: int = 0,
+        lora_modules: list[tuple[str, str]] | None = None,
     ) -> None:
+        """``lora_modules``: (name, PEFT LoRA adapter directory) pairs, adapter ids 1, 2,
+        ... in order."""
         self.device = _parse_device(device)
         if cuda_graph_max_batch and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs need device='cuda', got device={device!r}")
@@ -77,6 +81,10 @@ class Worker:
         with torch.device(self.device):
             self.model = build_model(self.model_config, torch_dtype, parallel)
         self.model.load_weights(iterate_weights(Path(model_path)))
+        lora_batch = None
+        if lora_modules:
+            check_lora_support(self.model_config.architecture, parallel.size, cuda_graph_max_batch)
+            lora_batch = load_adapters(self.model, list(lora_modules))
         self.model.eval()
         num_packed = self.model.pack_weights()
         logger.info(
@@ -120,7 +128,7 @@ class Worker:
         )
         self.swap_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.model.bind_kv_cache(self.kv_cache)
-        self.runner = ModelRunner(self.model, block_size, self.device)
+        self.runner = ModelRunner(self.model, block_size, self.device, lora_batch)
         if cuda_graph_max_batch:
             started = time.monotonic()
             self.runner.decode_graphs = DecodeGraphs(

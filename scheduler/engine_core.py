@@ -77,8 +77,14 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         arrival_time_s: float | None = None,
         cache_namespace: str | None = None,
+        lora_id: int = 0,
     ) -> None:
-        """Queue a request; raises ``ValueError`` if it could never run."""
+        """Queue a request; raises ``ValueError`` if it could never run. ``lora_id``: the
+        LoRA adapter (1, 2, ...: the workers' ``lora_modules`` in order; 0: none)."""
+        if lora_id:
+            # K/V computed through an adapter is not the base model's, nor another's:
+            # prefixes are shared only within one adapter (and one namespace).
+            cache_namespace = f"{cache_namespace or ''}\x00lora:{lora_id}"
         if not sampling_params.is_greedy and sampling_params.seed is None:
             sampling_params = replace(sampling_params, seed=self._seed_rng.getrandbits(63))
         request = Request(
@@ -89,6 +95,7 @@ class EngineCore:
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
             max_model_len=self.scheduler.config.max_model_len,
             cache_namespace=cache_namespace,
+            lora_id=lora_id,
         )
         self.scheduler.add_request(request)
 

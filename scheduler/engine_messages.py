@@ -41,6 +41,7 @@ class AddRequest:
     arrival_time_s: float
     eos_token_ids: list[int]
     cache_namespace: str | None = None
+    lora_id: int = 0  # the LoRA adapter (WorkerSpec.lora_modules[lora_id - 1]); 0: none
 
 
 @dataclass
@@ -131,6 +132,8 @@ class WorkerSpec:
     swap_space_bytes: int
     cuda_graph_max_batch: int = 0  # 0: no CUDA graphs
     cuda_graph_max_len: int = 0  # tokens a captured block table covers
+    # LoRA adapters as [name, PEFT directory] pairs; adapter id k is the k-th (from 1).
+    lora_modules: list[list[str]] = field(default_factory=list)
 
 
 @dataclass

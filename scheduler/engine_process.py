@@ -112,6 +112,7 @@ class EngineLoop:
                     frozenset(message.eos_token_ids),
                     arrival_time_s=message.arrival_time_s,
                     cache_namespace=message.cache_namespace,
+                    lora_id=message.lora_id,
                 )
             except ValueError as error:
                 self.outbox.send(encode(EngineError(message.request_id, str(error))))

@@ -42,6 +42,7 @@ class NewRequestData:
     num_scheduled_tokens: int
     sampling_params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
+    lora_id: int = 0  # the LoRA adapter the worker applies; 0: the base model
 
 
 @dataclass

@@ -68,6 +68,8 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     # Where the output stands in its grammar (SamplingParams.structured_outputs).
     grammar: GrammarMatcher | None = None
+    # The LoRA adapter its tokens run through (0: the base model).
+    lora_id: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -95,6 +97,7 @@ class Request:
             sample_index=sample_index,
             cumulative_logprob=self.cumulative_logprob,
             grammar=None if self.grammar is None else self.grammar.fork(),
+            lora_id=self.lora_id,
         )
         child.token_ids = list(self.token_ids)
         return child

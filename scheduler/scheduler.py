@@ -464,6 +464,7 @@ class Scheduler:
                 num_scheduled_tokens=num_new,
                 sampling_params=request.sampling_params,
                 eos_token_ids=sorted(request.eos_token_ids),
+                lora_id=request.lora_id,
             )
         )
 

@@ -154,6 +154,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "num_scheduled_tokens",
         "sampling_params",
         "eos_token_ids",
+        "lora_id",
     ),
     CachedRequestData: (
         "request_id",
@@ -191,6 +192,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "arrival_time_s",
         "eos_token_ids",
         "cache_namespace",
+        "lora_id",
     ),
     AbortRequest: ("request_id",),
     StopSample: ("request_id", "index"),
@@ -223,6 +225,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "swap_space_bytes",
         "cuda_graph_max_batch",
         "cuda_graph_max_len",
+        "lora_modules",
     ),
     StartEngine: (
         "frontend_pid",
@@ -404,6 +407,7 @@ def _pack_new_request(request: NewRequestData) -> list:
         request.num_scheduled_tokens,
         _pack_sampling_params(request.sampling_params),
         request.eos_token_ids,
+        request.lora_id,
     ]
 
 
@@ -418,8 +422,10 @@ def _unpack_new_request(value: Any) -> NewRequestData:
         num_scheduled_tokens,
         sampling_params,
         eos_token_ids,
+        lora_id,
     ) = fields
     _check(request_id, str, "NewRequestData.request_id")
+    _check(lora_id, int, "NewRequestData.lora_id")
     _check(token_ids, list, "NewRequestData.token_ids")
     _check(num_prompt_tokens, int, "NewRequestData.num_prompt_tokens")
     _check(block_ids, list, "NewRequestData.block_ids")
@@ -435,6 +441,7 @@ def _unpack_new_request(value: Any) -> NewRequestData:
         num_scheduled_tokens,
         _unpack_sampling_params(sampling_params),
         eos_token_ids,
+        lora_id,
     )
 
 
@@ -614,6 +621,7 @@ def _pack_add_request(request: AddRequest) -> list:
         # A frozenset or a tuple from the caller travels as the list msgpack knows.
         list(request.eos_token_ids),
         request.cache_namespace,
+        request.lora_id,
     ]
 
 
@@ -625,6 +633,7 @@ def _unpack_add_request(value: Any) -> AddRequest:
         arrival_time_s,
         eos_token_ids,
         cache_namespace,
+        lora_id,
     ) = _fields(value, "AddRequest")
     # A few ids: checked one by one, unlike the prompt's tokens.
     _check(eos_token_ids, list, "AddRequest.eos_token_ids")
@@ -636,6 +645,7 @@ def _unpack_add_request(value: Any) -> AddRequest:
         arrival_time_s=_check(arrival_time_s, float, "AddRequest.arrival_time_s"),
         eos_token_ids=eos_token_ids,
         cache_namespace=_check(cache_namespace, (str, type(None)), "AddRequest.cache_namespace"),
+        lora_id=_check(lora_id, int, "AddRequest.lora_id"),
     )
 
 
@@ -750,7 +760,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     StopSample: (str, int),
     EngineStats: (dict, (str, type(None))),
     SchedulerConfig: (int, int, int, bool, float, (str, type(None)), str, int, int, int),
-    WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int),
+    WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int, list),
     StructuredOutputsParams: (
         (str, type(None)),
         (str, type(None)),

@@ -15,11 +15,14 @@ a parameter), so the plain copy's memory is returned.
 from __future__ import annotations
 
 import functools
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedserve.gpu_worker.lora import LoRALayer
 
 # The row count oneDNN tunes the blocked layout for. Decode batches (8-256 rows) run
 # equally fast with any hint measured; prefill chunks of max_num_batched_tokens (2048 by
@@ -78,6 +81,8 @@ class PackableLinear(nn.Module):
     weight: torch.Tensor
     bias: torch.Tensor | None
     weight_packed: bool = False
+    # LoRA adapters' products on this layer (gpu_worker/lora.py), added to its output.
+    lora: LoRALayer | None = None
 
     def pack(self) -> bool:
         """Packs ``weight`` when this device and dtype have a packed path; True if so."""
@@ -91,8 +96,12 @@ class PackableLinear(nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_packed:
-            return packed_linear(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+            y = packed_linear(x, self.weight, bias)
+        else:
+            y = F.linear(x, self.weight, bias)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
 
 
 def pack_linear_weights(model: nn.Module) -> int:

@@ -87,6 +87,7 @@ def new_request(params: SamplingParams, eos: list[int]) -> NewRequestData:
         num_scheduled_tokens=5,
         sampling_params=params,
         eos_token_ids=eos,
+        lora_id=2,
     )
 
 
@@ -126,6 +127,7 @@ WORKER_SPEC = WorkerSpec(
     swap_space_bytes=0,
     cuda_graph_max_batch=64,
     cuda_graph_max_len=4096,
+    lora_modules=[["sql", "/adapters/sql-é"], ["chat", "/adapters/chat"]],
 )
 SCHEDULER_CONFIG = SchedulerConfig(
     max_num_seqs=8,
@@ -158,7 +160,13 @@ ROUND_TRIP_CASES = {
     "delta-full": FULL_DELTA,
     "delta-unset": RequestOutputDelta(request_id="a", new_token_ids=[], finished=False),
     "add-full": AddRequest(
-        "r", [1, 2, 3], ALL_SET_PARAMS, 1234.5, eos_token_ids=[2, 32000], cache_namespace="t-1"
+        "r",
+        [1, 2, 3],
+        ALL_SET_PARAMS,
+        1234.5,
+        eos_token_ids=[2, 32000],
+        cache_namespace="t-1",
+        lora_id=3,
     ),
     "add-defaults": AddRequest("r", [1], SamplingParams(), 0.25, eos_token_ids=[]),
     "abort": AbortRequest("r"),
@@ -378,6 +386,7 @@ def _plan_fields(**overrides) -> list:
                 0.0,
                 [2],
                 None,
+                0,
             ),
             "StructuredOutputsParams: structured_outputs must set exactly one of .*regex, choice",
         ),
@@ -390,6 +399,7 @@ def _plan_fields(**overrides) -> list:
                 0.0,
                 [2],
                 None,
+                0,
             ),
             "StructuredOutputsParams.regex: expected str or None, got int",
         ),
@@ -402,15 +412,18 @@ def _plan_fields(**overrides) -> list:
                 0.0,
                 [2],
                 None,
+                0,
             ),
             "StructuredOutputsParams.disable_any_whitespace: expected bool, got int",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(logit_bias=[[1, 2], [0.5]]), 0.0, [2], None),
+            _frame(
+                AddRequest, "r", [1], _pack_params(logit_bias=[[1, 2], [0.5]]), 0.0, [2], None, 0
+            ),
             r"SamplingParams.logit_bias: expected \[token ids, biases\] of one length",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(logit_bias={"1": 0.5}), 0.0, [2], None),
+            _frame(AddRequest, "r", [1], _pack_params(logit_bias={"1": 0.5}), 0.0, [2], None, 0),
             "SamplingParams.logit_bias: expected list, got dict",
         ),
         (
@@ -422,31 +435,32 @@ def _plan_fields(**overrides) -> list:
                 0.0,
                 [2],
                 None,
+                0,
             ),
             "SamplingParams: temperature must be >= 0.0, got -1.0",
         ),
         (
-            _frame(AddRequest, "r", [1], [16], 0.0, [2], None),
+            _frame(AddRequest, "r", [1], [16], 0.0, [2], None, 0),
             "SamplingParams: expected an array of 26",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None),
+            _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None, 0),
             "SamplingParams.stop: expected list, got str",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(stop=["a", ""]), 0.0, [2], None),
+            _frame(AddRequest, "r", [1], _pack_params(stop=["a", ""]), 0.0, [2], None, 0),
             r"SamplingParams: stop\[1\] must have at least 1 character, got ''",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(skip_special_tokens=1), 0.0, [2], None),
+            _frame(AddRequest, "r", [1], _pack_params(skip_special_tokens=1), 0.0, [2], None, 0),
             "SamplingParams: skip_special_tokens must be a bool, got 1",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(), 0.0),
-            "AddRequest: expected an array of 6 fields",
+            "AddRequest: expected an array of 7 fields",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2, "3"], None),
+            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2, "3"], None, 0),
             r"AddRequest.eos_token_ids: expected only int, found \['str'\]",
         ),
         (
@@ -483,12 +497,12 @@ def _plan_fields(**overrides) -> list:
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (
-            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0),
+            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0, []),
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
             _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None),
-            "WorkerSpec: expected an array of 9 fields",
+            "WorkerSpec: expected an array of 10 fields",
         ),
         (
             _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),

@@ -1,0 +1,224 @@
+"""LoRA adapters served beside the base model (vLLM's multi-LoRA), on the Llama family.
+
+Each adapter is a PEFT LoRA directory (``adapter_config.json``, ``adapter_model.safetensors``),
+loaded once at start-up; adapter ``k`` (from 1; 0 is the base model) adds
+``scale * (x A_k^T) B_k^T`` to each projection it targets, ``scale = lora_alpha / r``
+(``/ sqrt(r)`` with rsLoRA). A step's tokens may belong to different adapters: before
+the forward pass the model runner sets, per adapter in the batch, which token rows are
+its (``LoRABatch``); every targeted linear layer then adds each adapter's product to its
+rows only, one pair of small matmuls per adapter present, never a per-token gather of
+weights. The base weights are untouched (and stay packed for oneDNN).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import: the frontend checks adapters without it
+    import torch
+    from torch import nn
+
+# A checkpoint projection -> (the model's module under a decoder layer, its part when fused).
+TARGET_MODULES = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", None),
+}
+LORA_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+_WEIGHTS_FILE = "adapter_model.safetensors"
+_CONFIG_FILE = "adapter_config.json"
+
+
+@dataclass
+class LoRABatch:
+    """Which token rows of the step belong to which adapter: ``(adapter id, rows)``,
+    rows None when the adapter has every token (no indexing at all). Empty: no adapter
+    in this step."""
+
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+
+@dataclass
+class _Product:
+    """One adapter's low-rank product on one (part of a) layer's output."""
+
+    out_offset: int  # where the part starts in the layer's output features
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out_part, r], scaled
+
+
+class LoRALayer:
+    """The adapters of one linear layer; ``add`` runs after the layer's own product."""
+
+    def __init__(self, batch: LoRABatch) -> None:
+        self.batch = batch
+        self.products: dict[int, list[_Product]] = {}
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``y += scale (x A^T) B^T`` for each adapter's rows, in place."""
+        for adapter_id, rows in self.batch.groups:
+            for product in self.products.get(adapter_id, ()):
+                end = product.out_offset + product.b.shape[0]
+                if rows is None:
+                    y[:, product.out_offset : end] += (x @ product.a.T) @ product.b.T
+                else:
+                    y[rows, product.out_offset : end] += (x[rows] @ product.a.T) @ product.b.T
+
+
+def check_lora_support(architecture: str, tensor_parallel_size: int, cuda_graphs: int) -> None:
+    """Raise ``ValueError`` where adapters cannot be served (the frontend checks first)."""
+    if architecture not in LORA_ARCHITECTURES:
+        raise ValueError(
+            f"lora_modules: LoRA adapters are served on {', '.join(LORA_ARCHITECTURES)}, "
+            f"not {architecture}"
+        )
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"lora_modules: LoRA adapters need tensor_parallel_size 1, got {tensor_parallel_size}"
+        )
+    if cuda_graphs:
+        raise ValueError("lora_modules: LoRA adapters do not run in CUDA graphs; drop cuda_graphs")
+
+
+def check_adapter_files(name: str, path: str | Path) -> None:
+    """The checks that need no model: a PEFT LoRA directory with a supported config and
+    a weights file (raises ``ValueError`` naming the adapter)."""
+    path = Path(path)
+    _read_config(name, path)
+    if not (path / _WEIGHTS_FILE).is_file():
+        raise ValueError(f"lora_modules[{name!r}]: {path / _WEIGHTS_FILE} is missing")
+
+
+def _read_config(name: str, path: Path) -> tuple[float, list[str]]:
+    config_file = path / _CONFIG_FILE
+    if not config_file.is_file():
+        raise ValueError(
+            f"lora_modules[{name!r}]: {config_file} is missing (a PEFT LoRA directory)"
+        )
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"lora_modules[{name!r}]: peft_type is {config['peft_type']!r}, not LORA")
+    for key, allowed in (("bias", ("none", None)), ("fan_in_fan_out", (False, None))):
+        if config.get(key) not in allowed:
+            raise ValueError(
+                f"lora_modules[{name!r}]: {key}={config.get(key)!r} is not supported "
+                f"(only {allowed[0]!r})"
+            )
+    if config.get("modules_to_save"):
+        raise ValueError(
+            f"lora_modules[{name!r}]: modules_to_save={config['modules_to_save']!r} is not "
+            "supported: an adapter may only add low-rank products to projections"
+        )
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+        raise ValueError(
+            f"lora_modules[{name!r}]: r={rank!r} and lora_alpha={alpha!r} must be a positive "
+            "integer and a number"
+        )
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError(
+            f"lora_modules[{name!r}]: per-module rank_pattern / alpha_pattern is not supported"
+        )
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    unknown = sorted(set(targets) - set(TARGET_MODULES))
+    if unknown:
+        raise ValueError(
+            f"lora_modules[{name!r}]: target_modules {', '.join(unknown)} are not supported; "
+            f"an adapter may target {', '.join(TARGET_MODULES)}"
+        )
+    return scale, list(targets)
+
+
+def _weight_name(name: str) -> tuple[int, str, str] | None:
+    """(layer index, projection, "lora_A" | "lora_B") of a PEFT tensor name."""
+    parts = name.split(".")
+    try:
+        layer = int(parts[parts.index("layers") + 1])
+    except (ValueError, IndexError):
+        return None
+    if len(parts) < 3 or parts[-1] != "weight" or parts[-2] not in ("lora_A", "lora_B"):
+        return None
+    return layer, parts[-3], parts[-2]
+
+
+def load_adapters(model: nn.Module, adapters: list[tuple[str, str]]) -> LoRABatch:
+    """Load the ``(name, directory)`` adapters (ids 1, 2, ... in that order) into
+    ``model``'s targeted layers; returns the batch mapping the runner sets each step."""
+    from safetensors.torch import load_file
+
+    batch = LoRABatch()
+    layers = model.layers
+    weight = model.embed_tokens.weight
+    for adapter_id, (name, path_text) in enumerate(adapters, start=1):
+        path = Path(path_text)
+        scale, _ = _read_config(name, path)
+        weights_file = path / _WEIGHTS_FILE
+        if not weights_file.is_file():
+            raise ValueError(f"lora_modules[{name!r}]: {weights_file} is missing")
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for tensor_name, tensor in load_file(str(weights_file)).items():
+            parsed = _weight_name(tensor_name)
+            if parsed is None:
+                raise ValueError(
+                    f"lora_modules[{name!r}]: tensor {tensor_name!r} is not a LoRA A or B "
+                    "weight of a decoder layer"
+                )
+            layer, projection, which = parsed
+            if projection not in TARGET_MODULES:
+                raise ValueError(
+                    f"lora_modules[{name!r}]: tensor {tensor_name!r} targets {projection!r}; "
+                    f"an adapter may target {', '.join(TARGET_MODULES)}"
+                )
+            if layer >= len(layers):
+                raise ValueError(
+                    f"lora_modules[{name!r}]: tensor {tensor_name!r} names layer {layer}; "
+                    f"the model has {len(layers)}"
+                )
+            pairs.setdefault((layer, projection), {})[which] = tensor
+        for (layer, projection), pair in sorted(pairs.items()):
+            if set(pair) != {"lora_A", "lora_B"}:
+                raise ValueError(
+                    f"lora_modules[{name!r}]: layer {layer} {projection} lacks its "
+                    f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight"
+                )
+            module_path, part = TARGET_MODULES[projection]
+            module = layers[layer].get_submodule(module_path)
+            a, b = pair["lora_A"], pair["lora_B"]
+            if part is None:
+                out_offset, out_size = 0, module.weight.shape[0]
+            else:
+                out_offset = module.component_offsets[part]
+                out_size = module.component_offsets[part + 1] - out_offset
+            in_size = module.weight.shape[1]
+            if a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != b.shape[1]:
+                raise ValueError(
+                    f"lora_modules[{name!r}]: layer {layer} {projection}: lora_A "
+                    f"{tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the model's "
+                    f"[{out_size}, {in_size}] projection"
+                )
+            if module.lora is None:
+                module.lora = LoRALayer(batch)
+            module.lora.products.setdefault(adapter_id, []).append(
+                _Product(
+                    out_offset,
+                    a.to(device=weight.device, dtype=weight.dtype),
+                    (b * scale).to(device=weight.device, dtype=weight.dtype),
+                )
+            )
+    return batch
