@@ -128,6 +128,11 @@ class LLM:
     ``structured_outputs_disable_any_whitespace=True`` sets
     ``StructuredOutputsParams.disable_any_whitespace`` for every request: JSON constraints
     then allow no whitespace between JSON tokens (vLLM's option of that name).
+
+    ``lora_modules={"name": "/path/to/adapter"}`` serves PEFT LoRA adapters beside the base
+    model (Llama family, one rank, no CUDA graphs), loaded at start-up; a request picks one
+    with ``generate(..., lora_request="name")`` (or a ``LoRARequest``), and requests of
+    different adapters share a batch (``gpu_worker/lora.py``) but never cached prefixes.
     """
 
     def __init__(
