@@ -137,8 +137,10 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_namespace: str | None = None,
+        lora_id: int = 0,
     ) -> RequestStream:
-        """Queue a request (already validated); its stream reports what it makes."""
+        """Queue a request (already validated); its stream reports what it makes.
+        ``lora_id``: the LoRA adapter (``LLM.lora_ids``; 0: the base model)."""
         if self.dead_message is not None:
             raise EngineDeadError(self.dead_message)
         if self.llm is None:
@@ -154,7 +156,12 @@ class AsyncEngine:
         token_ids = list(prompt_token_ids)
         self._call(
             lambda engine: engine.add_request(
-                request_id, token_ids, params, eos_token_ids, cache_namespace=cache_namespace
+                request_id,
+                token_ids,
+                params,
+                eos_token_ids,
+                cache_namespace=cache_namespace,
+                lora_id=lora_id,
             )
         )
         return stream

@@ -91,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
     engine.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="serve PEFT LoRA adapters beside the base model (the HTTP API's model NAME "
+        "selects one; chat / generate: --lora NAME)",
+    )
+    engine.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEXT",
@@ -107,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     request.add_argument("--max-tokens", type=int, default=128)
     request.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     request.add_argument("--seed", type=int, default=None)
+    request.add_argument(
+        "--lora", default=None, metavar="NAME", help="run through this --lora-modules adapter"
+    )
     request.add_argument(
         "--stop",
         action="append",
@@ -267,8 +279,17 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         chat_template=_chat_template(args.chat_template),
         speculative_config=args.speculative_config,
+        lora_modules=dict(args.lora_modules) if args.lora_modules else None,
         structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
     )
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """``--lora-modules NAME=PATH``."""
+    name, equals, path = value.partition("=")
+    if not equals or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
 
 
 def _speculative_config(value: str) -> dict:
@@ -426,9 +447,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.command == "chat":
                 conversations = [[{"role": "user", "content": text}] for text in args.message]
-                outputs = llm.chat(conversations, params)
+                outputs = llm.chat(conversations, params, lora_request=args.lora)
             else:
-                outputs = llm.generate(args.prompt, params)
+                outputs = llm.generate(args.prompt, params, lora_request=args.lora)
         finally:
             llm.shutdown()
     except (ValueError, TypeError) as error:

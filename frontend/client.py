@@ -41,8 +41,11 @@ def build_request(
     request_id: str,
     cache_namespace: str,
     chat: bool,
+    lora_adapter: str = "",
 ) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=request_id, cache_namespace=cache_namespace)
+    request = pb.GenerateRequest(
+        request_id=request_id, cache_namespace=cache_namespace, lora_adapter=lora_adapter
+    )
     if chat:
         request.chat.messages.extend(
             pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt
@@ -125,10 +128,13 @@ class Client:
         *,
         request_id: str = "",
         cache_namespace: str = "",
+        lora_adapter: str = "",
         timeout_s: float | None = None,
     ) -> RequestOutput:
         """The whole result; ``params=None`` lets the model's generation config decide."""
-        request = build_request(prompt, params, request_id, cache_namespace, chat=False)
+        request = build_request(
+            prompt, params, request_id, cache_namespace, chat=False, lora_adapter=lora_adapter
+        )
         return apply_response(
             None, self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         )
@@ -140,9 +146,12 @@ class Client:
         *,
         request_id: str = "",
         timeout_s: float | None = None,
+        lora_adapter: str = "",
     ) -> RequestOutput:
         """The assistant's turn after ``messages`` (the model's chat template)."""
-        request = build_request(messages, params, request_id, "", chat=True)
+        request = build_request(
+            messages, params, request_id, "", chat=True, lora_adapter=lora_adapter
+        )
         return apply_response(
             None, self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         )
@@ -154,11 +163,14 @@ class Client:
         *,
         request_id: str = "",
         cache_namespace: str = "",
+        lora_adapter: str = "",
         timeout_s: float | None = None,
     ) -> Iterator[RequestOutput]:
         """The result as it grows (one ``RequestOutput``, updated in place). Leaving the
         loop early cancels the call, which frees its blocks in the server."""
-        request = build_request(prompt, params, request_id, cache_namespace, chat=False)
+        request = build_request(
+            prompt, params, request_id, cache_namespace, chat=False, lora_adapter=lora_adapter
+        )
         call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
         output = None
         try:
@@ -211,9 +223,12 @@ class AsyncClient:
         *,
         request_id: str = "",
         cache_namespace: str = "",
+        lora_adapter: str = "",
         timeout_s: float | None = None,
     ) -> RequestOutput:
-        request = build_request(prompt, params, request_id, cache_namespace, chat=False)
+        request = build_request(
+            prompt, params, request_id, cache_namespace, chat=False, lora_adapter=lora_adapter
+        )
         return apply_response(
             None, await self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         )
@@ -225,9 +240,12 @@ class AsyncClient:
         *,
         request_id: str = "",
         cache_namespace: str = "",
+        lora_adapter: str = "",
         timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        request = build_request(prompt, params, request_id, cache_namespace, chat=False)
+        request = build_request(
+            prompt, params, request_id, cache_namespace, chat=False, lora_adapter=lora_adapter
+        )
         call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
         output = None
         try:

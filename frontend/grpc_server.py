@@ -205,7 +205,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")
             except (ValueError, TypeError) as error:
                 raise CallError("INVALID_ARGUMENT", str(error)) from None
-            return server.submit("grpc", prompt, token_ids, params, request.cache_namespace or None)
+            try:
+                lora_id = llm.lora_id(request.lora_adapter or None, "lora_adapter")
+            except ValueError as error:
+                raise CallError("NOT_FOUND", str(error)) from None
+            return server.submit(
+                "grpc", prompt, token_ids, params, request.cache_namespace or None, lora_id
+            )
         except CallError as error:
             await context.abort(grpc.StatusCode[error.code], error.message)
 

@@ -213,6 +213,7 @@ class HttpApi:
                             prompt.token_ids,
                             params,
                             api_request.cache_namespace,
+                            api_request.lora_id,
                         )
                     )
             except CallError:
@@ -329,27 +330,36 @@ class HttpApi:
     # ------------------------------------------------------------ the rest
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return web.json_response({"object": "list", "data": self._model_cards()})
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        if name != self._server.served_model_name():
-            raise CallError("NOT_FOUND", f"model {name!r} is not served here", "model")
-        return web.json_response(self._model_card())
+        for card in self._model_cards():
+            if card["id"] == name:
+                return web.json_response(card)
+        raise CallError("NOT_FOUND", f"model {name!r} is not served here", "model")
 
-    def _model_card(self) -> dict:
-        """OpenAI's fields, and the limits a request must fit (``max_model_len``, as vLLM
-        reports it; ``vocab_size``, which token-id prompts must stay below)."""
+    def _model_cards(self) -> list[dict]:
+        """The base model's card, then one per LoRA adapter (``parent``: the base model,
+        ``root``: the adapter's directory, as vLLM lists them). OpenAI's fields, and the
+        limits a request must fit (``max_model_len``, as vLLM reports it; ``vocab_size``,
+        which token-id prompts must stay below)."""
         llm = self._server.ready_llm()
-        return {
+        base = {
             "id": self._server.served_model_name(),
             "object": "model",
             "created": int(self._server.serving_since_s),
             "owned_by": "pagedserve",
             "root": str(llm.model_path),
+            "parent": None,
             "max_model_len": llm.scheduler_config.max_model_len,
             "vocab_size": llm.model_config.vocab_size,
         }
+        adapters = [
+            {**base, "id": name, "root": path, "parent": base["id"]}
+            for name, path in llm.lora_paths.items()
+        ]
+        return [base, *adapters]
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         llm = self._server.ready_llm()

@@ -178,6 +178,8 @@ class ApiRequest:
     prompt_logprobs: bool
     cache_namespace: str | None
     client_request_id: str
+    # The LoRA adapter the request's ``model`` names (0: the base model).
+    lora_id: int = 0
     # Chat requests with tools (tool_choice other than "none"): how to read the calls.
     tool_calling: ToolCalling | None = None
     # Chat requests on a server with --reasoning-parser: how to split thinking from the
@@ -213,10 +215,12 @@ def parse_request(
     if ignored:
         logger.warning("fields ignored (not part of the %s API): %s", kind, ", ".join(ignored))
     model = _typed(body, "model", (str,), "a string", served_model_name)
-    if model != served_model_name:
+    lora_id = 0 if model == served_model_name else llm.lora_ids.get(model)
+    if lora_id is None:
+        served = ", ".join([repr(served_model_name), *map(repr, llm.lora_ids)])
         raise CallError(
             "NOT_FOUND",
-            f"model {model!r} is not served here; this server serves {served_model_name!r}",
+            f"model {model!r} is not served here; this server serves {served}",
             "model",
         )
     _refuse_unsupported(kind, body)
@@ -307,7 +311,8 @@ def parse_request(
         params.append(prompt_params)
     return ApiRequest(
         kind=kind,
-        model=served_model_name,
+        model=model,
+        lora_id=lora_id,
         prompts=prompts,
         params=params,
         stream=stream,

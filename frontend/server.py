@@ -245,11 +245,12 @@ class Server:
         token_ids: list[int],
         params: SamplingParams,
         cache_namespace: str | None,
+        lora_id: int = 0,
     ) -> RequestStream:
         """Queue a checked request under a new engine id (``<api>-<n>``)."""
         try:
             return self.engine.submit(
-                f"{api}-{next(self._ids)}", prompt, token_ids, params, cache_namespace
+                f"{api}-{next(self._ids)}", prompt, token_ids, params, cache_namespace, lora_id
             )
         except EngineDeadError as error:
             raise CallError("UNAVAILABLE", f"engine died: {error}") from None
