@@ -81,10 +81,12 @@ class EngineCore:
     ) -> None:
         """Queue a request; raises ``ValueError`` if it could never run. ``lora_id``: the
         LoRA adapter (1, 2, ...: the workers' ``lora_modules`` in order; 0: none)."""
-        if lora_id:
+        if lora_id or cache_namespace is not None:
             # K/V computed through an adapter is not the base model's, nor another's:
-            # prefixes are shared only within one adapter (and one namespace).
-            cache_namespace = f"{cache_namespace or ''}\x00lora:{lora_id}"
+            # prefixes are shared only within one (adapter, namespace). Joined into one
+            # key injectively: the adapter id and the first NUL are the engine's, so no
+            # namespace a client picks (cache_salt is any string) names another adapter's.
+            cache_namespace = f"{lora_id}\x00{cache_namespace or ''}"
         if not sampling_params.is_greedy and sampling_params.seed is None:
             sampling_params = replace(sampling_params, seed=self._seed_rng.getrandbits(63))
         request = Request(

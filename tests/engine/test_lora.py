@@ -1,0 +1,496 @@
+"""Multi-LoRA serving: greedy tokens under PEFT LoRA adapters equal HF transformers + peft.
+
+Each adapter is made here with ``peft`` (an independent reference for LoRA) on a tiny
+random model and saved as ``save_pretrained`` writes it. PEFT starts ``lora_B`` at zero,
+which makes an adapter change nothing (a test of it could not fail), so both ``lora_A``
+and ``lora_B`` are redrawn wide enough that the greedy tokens differ from the base
+model's; every test that compares with a reference also checks that they do.
+The reference is ``PeftModel.from_pretrained(base, adapter)`` generating greedily in
+float32, one prompt at a time (no padding effects), EOS off.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import transformers
+from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
+
+from pagedserve.frontend import LLM, LoRARequest, SamplingParams
+from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
+
+NEW_TOKENS = 24
+PROMPT_LENGTHS = [1, 5, 16, 17, 31, 64, 100, 150]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Wide enough that every prompt's greedy tokens change (the product adds about as much
+# as the base projection on these tiny models), yet no overflow in float32.
+LORA_STD = 0.1
+# Adapter name -> its PEFT config. lora_alpha differs from r so that a wrong scale shows;
+# with rsLoRA the scale is alpha / sqrt(r) = 4, not alpha / r = 2.
+ADAPTERS = {
+    "all_r8": dict(target_modules=ALL_MODULES, r=8, lora_alpha=16),
+    "all_r16": dict(target_modules=ALL_MODULES, r=16, lora_alpha=8),
+    "qv_rslora_r4": dict(target_modules=["q_proj", "v_proj"], r=4, lora_alpha=8, use_rslora=True),
+}
+
+
+def random_prompts(seed: int, lengths: Sequence[int] = PROMPT_LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(n)] for n in lengths]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def make_lora_adapter(model_dir: Path, path: Path, seed: int, **config) -> Path:
+    """Save a PEFT LoRA adapter (``peft.LoraConfig(**config)``) for the HF model in
+    ``model_dir`` to ``path``, its A and B drawn with std ``LORA_STD``."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(lora_dropout=0.0, **config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * LORA_STD)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompts) -> list[list[int]]:
+    """HF transformers (+ peft when ``adapter_dir``), one prompt at a time, EOS off."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # exactly NEW_TOKENS, like ignore_eos
+    model.generation_config.pad_token_id = 0
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir)
+    outputs = []
+    # One thread: on a shared machine, tiny models' ops run several times faster so.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for prompt in prompts:
+            input_ids = torch.tensor([prompt])
+            with torch.no_grad():
+                generated = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    finally:
+        torch.set_num_threads(num_threads)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dirs, tmp_path_factory) -> Callable[[str, str], Path]:
+    """``adapter_dir(family, name)``: the adapter ``ADAPTERS[name]`` for that tiny model,
+    made on first use."""
+    root = tmp_path_factory.mktemp("lora_adapters")
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, name: str) -> Path:
+        if (family, name) not in made:
+            seed = list(ADAPTERS).index(name) + 1
+            path = root / f"{family}_{name}"
+            made[family, name] = make_lora_adapter(
+                tiny_model_dirs[family], path, seed, **ADAPTERS[name]
+            )
+        return made[family, name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dirs, adapter_dir) -> Callable[..., list[list[int]]]:
+    """``reference(family, adapter name or None, prompts)``: HF's greedy tokens, each
+    prompt computed once per module."""
+    cache: dict[tuple, list[int]] = {}
+
+    def tokens(family: str, name: str | None, prompts) -> list[list[int]]:
+        missing = list({tuple(p) for p in prompts if (family, name, tuple(p)) not in cache})
+        if missing:
+            path = None if name is None else adapter_dir(family, name)
+            for prompt, output in zip(missing, hf_greedy(tiny_model_dirs[family], path, missing)):
+                cache[family, name, prompt] = output
+        return [cache[family, name, tuple(p)] for p in prompts]
+
+    return tokens
+
+
+def lora_modules(adapter_dir, family: str, *names: str) -> dict[str, str]:
+    return {name: str(adapter_dir(family, name)) for name in names}
+
+
+def assert_adapter_changes_every_prompt(adapter_tokens, base_tokens) -> None:
+    """Without this an adapter the engine ignored would pass."""
+    assert all(a != b for a, b in zip(adapter_tokens, base_tokens, strict=True)), (
+        adapter_tokens,
+        base_tokens,
+    )
+
+
+def request_name(request) -> str | None:
+    return request.lora_name if isinstance(request, LoRARequest) else request
+
+
+# Base-model prompts beside two adapters of different ranks (16, and 4 with rsLoRA),
+# named by string and by LoRARequest.
+MIXED_REQUESTS = [
+    None,
+    "all_r16",
+    "qv_rslora_r4",
+    None,
+    LoRARequest("all_r16"),
+    LoRARequest("qv_rslora_r4"),
+    "all_r16",
+    "qv_rslora_r4",
+]
+
+
+def expected_mixed(reference, family: str, prompts) -> list[list[int]]:
+    return [
+        reference(family, request_name(request), [prompt])[0]
+        for prompt, request in zip(prompts, MIXED_REQUESTS, strict=True)
+    ]
+
+
+# ---------------------------------------------------------------- same tokens as peft
+
+
+@pytest.mark.parametrize("name", ["all_r8", "qv_rslora_r4"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "qwen3", pytest.param("qwen2", marks=pytest.mark.slow)]
+)
+def test_adapter_tokens_match_hf_peft(tiny_model_dirs, adapter_dir, reference, family, name):
+    prompts = random_prompts(1, [1, 16, 31, 100])
+    llm = LLM(
+        tiny_model_dirs[family],
+        num_blocks=256,
+        lora_modules=lora_modules(adapter_dir, family, name),
+    )
+    expected = reference(family, name, prompts)
+    assert token_ids(llm.generate(prompts, GREEDY, lora_request=name)) == expected
+    assert_adapter_changes_every_prompt(expected, reference(family, None, prompts))
+    # The same engine still serves the base model.
+    assert token_ids(llm.generate(prompts, GREEDY)) == reference(family, None, prompts)
+
+
+def test_one_batch_mixes_the_base_model_and_two_adapters(tiny_model_dirs, adapter_dir, reference):
+    prompts = random_prompts(2)
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=256,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16", "qv_rslora_r4"),
+    )
+    outputs = llm.generate(prompts, GREEDY, lora_request=MIXED_REQUESTS)
+    expected = expected_mixed(reference, "llama", prompts)
+    assert token_ids(outputs) == expected
+    with_adapter = [i for i, request in enumerate(MIXED_REQUESTS) if request is not None]
+    assert_adapter_changes_every_prompt(
+        [expected[i] for i in with_adapter],
+        reference("llama", None, [prompts[i] for i in with_adapter]),
+    )
+
+
+def test_chat_under_an_adapter(tiny_model_dirs, adapter_dir, reference, tmp_path):
+    model_dir = shutil.copytree(tiny_model_dirs["llama"], tmp_path / "llama_chat")
+    save_for_transformers(byte_level_tokenizer([], vocab_size=512), model_dir, BYTE_LEVEL_SPECIALS)
+    chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    llm = LLM(
+        model_dir,
+        num_blocks=64,
+        chat_template=chat_template,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r8"),
+    )
+    messages = [{"role": "user", "content": "Tell me about paged attention."}]
+    output = llm.chat(messages, GREEDY, lora_request="all_r8")[0]
+    expected = reference("llama", "all_r8", [output.prompt_token_ids])
+    assert [output.outputs[0].token_ids] == expected
+    base = llm.chat(messages, GREEDY)[0]
+    assert base.prompt_token_ids == output.prompt_token_ids
+    assert [base.outputs[0].token_ids] == reference("llama", None, [base.prompt_token_ids])
+    assert_adapter_changes_every_prompt(expected, [base.outputs[0].token_ids])
+
+
+def test_beam_search_under_an_adapter_matches_hf_peft(tiny_model_dirs, adapter_dir):
+    # Beams fork sequences (and share their blocks): every fork runs through the adapter.
+    params = SamplingParams(beam_width=3, n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = random_prompts(6, [8, 30])
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dirs["llama"], dtype=torch.float32
+    )
+    model = peft.PeftModel.from_pretrained(model, adapter_dir("llama", "all_r16"))
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            input_ids = torch.tensor([prompt])
+            generated = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                num_beams=params.beam_width,
+                num_return_sequences=params.n,
+                max_new_tokens=params.max_tokens,
+                length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            expected.append(generated[:, len(prompt) :].tolist())
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=64,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16"),
+    )
+    outputs = llm.generate(prompts, params, lora_request="all_r16")
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == expected
+    base = llm.generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in base] != expected
+
+
+# ---------------------------------------------------------------- prefix caching
+
+
+def test_prefix_cache_is_shared_within_an_adapter_never_across(
+    tiny_model_dirs, adapter_dir, reference
+):
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=64,
+        block_size=8,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16", "qv_rslora_r4"),
+    )
+    prompt = random_prompts(3, [41])[0]  # 5 full blocks of 8
+    names = [None, "all_r16", "qv_rslora_r4"]
+    first = {name: llm.generate(prompt, GREEDY, lora_request=name)[0] for name in names}
+    again = {name: llm.generate(prompt, GREEDY, lora_request=name)[0] for name in names}
+    for name in names:
+        expected = reference("llama", name, [prompt])[0]
+        assert first[name].outputs[0].token_ids == expected, name
+        assert again[name].outputs[0].token_ids == expected, name
+        assert first[name].num_cached_tokens == 0, name
+        assert again[name].num_cached_tokens == 40, name
+
+
+def test_no_cache_namespace_reaches_an_adapters_cached_prefixes(
+    tiny_model_dirs, adapter_dir, reference
+):
+    # Whatever namespace a caller names (an HTTP client's cache_salt is any string), the
+    # base model must not read K/V computed through an adapter.
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=64,
+        block_size=8,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16"),
+    )
+    prompt = random_prompts(3, [41])[0]
+    llm.generate(prompt, GREEDY, lora_request="all_r16")
+    for namespace in ["lora:1", "\x00lora:1", "all_r16"]:
+        base = llm.generate(prompt, GREEDY, cache_namespace=namespace)[0]
+        assert base.num_cached_tokens == 0, repr(namespace)
+        assert base.outputs[0].token_ids == reference("llama", None, [prompt])[0], repr(namespace)
+
+
+def test_same_prompt_under_each_adapter_in_one_batch(tiny_model_dirs, adapter_dir, reference):
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=64,
+        block_size=8,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16", "qv_rslora_r4"),
+    )
+    prompt = random_prompts(4, [41])[0]
+    names = [None, "all_r16", "qv_rslora_r4", "all_r16"]
+    outputs = llm.generate([prompt] * len(names), GREEDY, lora_request=names)
+    assert token_ids(outputs) == [reference("llama", name, [prompt])[0] for name in names]
+    assert len({tuple(tokens) for tokens in token_ids(outputs)}) == 3
+
+
+# ---------------------------------------------------------------- scheduling
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_each_adapters_tokens(tiny_model_dirs, adapter_dir, reference, mode):
+    # 16 blocks of 16 tokens hold 256; the eight requests need 39 blocks in all.
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        block_size=16,
+        num_blocks=16,
+        max_num_batched_tokens=64,
+        preemption_mode=mode,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16", "qv_rslora_r4"),
+    )
+    prompts = random_prompts(2)
+    outputs = llm.generate(prompts, GREEDY, lora_request=MIXED_REQUESTS)
+    assert token_ids(outputs) == expected_mixed(reference, "llama", prompts)
+    assert llm.stats()[f"num_{mode}_preemptions"] > 0
+
+
+@pytest.mark.parametrize("prefill_attention", ["kernel", "sdpa"])
+def test_chunked_prefill_keeps_each_adapters_tokens(
+    tiny_model_dirs, adapter_dir, reference, monkeypatch, prefill_attention
+):
+    # 40 tokens a step: the 64-, 100- and 150-token prompts are prefilled in chunks, beside
+    # other adapters' decodes; with the paged kernel and with SDPA over gathered K/V (the
+    # CUDA default).
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, prefill_attention)
+    llm = LLM(
+        tiny_model_dirs["qwen3"],
+        num_blocks=128,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=40,
+        lora_modules=lora_modules(adapter_dir, "qwen3", "all_r16", "qv_rslora_r4"),
+    )
+    prompts = random_prompts(2)
+    outputs = llm.generate(prompts, GREEDY, lora_request=MIXED_REQUESTS)
+    assert token_ids(outputs) == expected_mixed(reference, "qwen3", prompts)
+
+
+def test_speculative_decoding_keeps_each_adapters_tokens(tiny_model_dirs, adapter_dir, reference):
+    # Verification steps run several tokens of a request at once, each through its adapter.
+    rng = random.Random(7)
+    phrases = [[rng.randrange(3, 512) for _ in range(5)] for _ in MIXED_REQUESTS]
+    prompts = [[rng.randrange(3, 512) for _ in range(9)] + phrase * 3 for phrase in phrases]
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16", "qv_rslora_r4"),
+    )
+    outputs = llm.generate(prompts, GREEDY, lora_request=MIXED_REQUESTS)
+    assert token_ids(outputs) == expected_mixed(reference, "llama", prompts)
+    assert llm.stats()["num_accepted_tokens"] > 0, llm.stats()
+
+
+def test_multiprocess_equals_in_process(tiny_model_dirs, adapter_dir, reference):
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=64,
+        multiprocess=True,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16", "qv_rslora_r4"),
+    )
+    try:
+        prompts = random_prompts(2)
+        outputs = llm.generate(prompts, GREEDY, lora_request=MIXED_REQUESTS)
+        assert token_ids(outputs) == expected_mixed(reference, "llama", prompts)
+    finally:
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_unknown_adapter_name_is_refused_listing_the_known_ones(tiny_model_dirs, adapter_dir):
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=16,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16", "qv_rslora_r4"),
+    )
+    for request in ["nope", LoRARequest("nope"), [None, "nope"]]:
+        prompts = [[1, 2, 3]] * (len(request) if isinstance(request, list) else 1)
+        with pytest.raises(ValueError, match=r"lora_request.*'nope'") as error:
+            llm.generate(prompts, GREEDY, lora_request=request)
+        assert "all_r16" in str(error.value) and "qv_rslora_r4" in str(error.value)
+    without_adapters = LLM(tiny_model_dirs["llama"], num_blocks=16)
+    with pytest.raises(ValueError, match=r"lora_request.*'all_r16'"):
+        without_adapters.generate([[1, 2, 3]], GREEDY, lora_request="all_r16")
+
+
+def edit_config(path: Path, **changes) -> Path:
+    config_file = path / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **changes}))
+    return path
+
+
+def peft_adapter(tiny_model_dirs, path: Path, family: str = "llama", **config) -> Path:
+    config.setdefault("r", 4)
+    config.setdefault("lora_alpha", 8)
+    return make_lora_adapter(tiny_model_dirs[family], path, seed=0, **config)
+
+
+def _without_weights(path: Path) -> Path:
+    (path / "adapter_model.safetensors").unlink()
+    return path
+
+
+BAD_ADAPTERS: dict[str, tuple[Callable[[dict, Path], Path], str]] = {
+    # case: (make the bad adapter in a folder, what the refusal must name)
+    "lm_head": (
+        lambda dirs, p: peft_adapter(dirs, p, target_modules=["q_proj", "lm_head"]),
+        "lm_head",
+    ),
+    "embed_tokens": (
+        lambda dirs, p: peft_adapter(dirs, p, target_modules=["embed_tokens", "v_proj"]),
+        "embed_tokens",
+    ),
+    "bias": (
+        lambda dirs, p: edit_config(peft_adapter(dirs, p, target_modules=["q_proj"]), bias="all"),
+        "bias='all'",
+    ),
+    "fan_in_fan_out": (
+        lambda dirs, p: edit_config(
+            peft_adapter(dirs, p, target_modules=["q_proj"]), fan_in_fan_out=True
+        ),
+        "fan_in_fan_out=True",
+    ),
+    "modules_to_save": (
+        lambda dirs, p: peft_adapter(
+            dirs, p, target_modules=["q_proj"], modules_to_save=["lm_head"]
+        ),
+        "modules_to_save",
+    ),
+    "no_directory": (lambda dirs, p: p / "absent", "adapter_config.json"),
+    "no_weights": (
+        lambda dirs, p: _without_weights(peft_adapter(dirs, p, target_modules=["q_proj"])),
+        "adapter_model.safetensors",
+    ),
+    # Made for Qwen3, whose q_proj has 256 outputs; the Llama's has 128.
+    "shape": (
+        lambda dirs, p: peft_adapter(dirs, p, family="qwen3", target_modules=["q_proj", "v_proj"]),
+        r"q_proj.*\(256, 4\).*do not fit",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ADAPTERS))
+def test_bad_adapter_is_refused_at_start_naming_it_and_the_problem(
+    tiny_model_dirs, adapter_dir, tmp_path, case
+):
+    make, problem = BAD_ADAPTERS[case]
+    bad = make(tiny_model_dirs, tmp_path / case)
+    modules = {**lora_modules(adapter_dir, "llama", "all_r8"), "bad": str(bad)}
+    with pytest.raises(ValueError, match=rf"(?s)'bad'.*{problem}"):
+        LLM(tiny_model_dirs["llama"], num_blocks=16, lora_modules=modules)
+
+
+def test_adapters_are_refused_with_tensor_parallelism_cuda_graphs_or_other_models(
+    tiny_model_dirs, adapter_dir, tmp_path
+):
+    modules = lora_modules(adapter_dir, "llama", "all_r8")
+    with pytest.raises(ValueError, match=r"lora_modules.*tensor_parallel_size"):
+        LLM(tiny_model_dirs["llama"], num_blocks=16, tensor_parallel_size=2, lora_modules=modules)
+    # device="cuda" so that the refusal is the adapters', not cuda_graphs' need of a GPU.
+    with pytest.raises(ValueError, match=r"lora_modules.*cuda_graphs"):
+        LLM(
+            tiny_model_dirs["llama"],
+            num_blocks=16,
+            device="cuda",
+            cuda_graphs=True,
+            lora_modules=modules,
+        )
+    opt_adapter = peft_adapter(tiny_model_dirs, tmp_path / "opt", "opt", target_modules=["q_proj"])
+    with pytest.raises(ValueError, match=r"lora_modules.*OPTForCausalLM"):
+        LLM(tiny_model_dirs["opt"], num_blocks=16, lora_modules={"opt": str(opt_adapter)})
