@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=TOOL_CALL_PARSERS,
         help="the model's tool-call format: hermes (Hermes, Qwen2.5, Qwen3: <tool_call> "
-        "blocks) or llama3_json (Llama 3.1+ JSON calls)",
+        "blocks), llama3_json (Llama 3.1+ JSON calls) or pythonic (Llama 3.2 / 4: a Python "
+        "list of calls)",
     )
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0: any free port")
     serve.add_argument(

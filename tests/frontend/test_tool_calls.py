@@ -185,6 +185,32 @@ def test_llama3_json_reads_whole_outputs_of_calls():
     assert llama.parse("<|py", False) == ParsedOutput("")  # undecided
 
 
+PYTHONIC_TEXTS = [
+    '[get_weather(city="Paris", unit="C"), get_time()]',
+    "<|python_start|>[get_weather(city='Oslo', days=[1, 2])]<|python_end|>",
+    "[1] First, a list item.",  # a list, not calls: content
+    "[get_weather(city=x)]",  # a name, not a literal
+    "[get_weather({1, 2})]",  # a positional argument
+    "[get_weather(tags={1, 2})]",  # a set has no JSON form
+    "The weather is fine.",
+]
+
+
+def test_pythonic_reads_a_list_of_calls_with_literal_keywords():
+    pythonic = calling("auto", "pythonic")
+    assert pythonic.parse(PYTHONIC_TEXTS[0], True).calls == [
+        ParsedCall("get_weather", '{"city": "Paris", "unit": "C"}'),
+        ParsedCall("get_time", "{}"),
+    ]
+    assert pythonic.parse(PYTHONIC_TEXTS[1], True) == ParsedOutput(
+        "", [ParsedCall("get_weather", '{"city": "Oslo", "days": [1, 2]}')]
+    )
+    for text in PYTHONIC_TEXTS[2:]:
+        assert pythonic.parse(text, True) == ParsedOutput(text)
+    assert pythonic.parse("[get_wea", False) == ParsedOutput("")  # undecided until the end
+    assert pythonic.parse("The", False) == ParsedOutput("The")
+
+
 REQUIRED_TEXTS = [
     '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
     '{"name": "get_time", "parameters": {}}]',
@@ -209,6 +235,7 @@ def test_required_reads_each_complete_call():
 CASES = (
     [("auto", "hermes", text) for text in HERMES_TEXTS]
     + [("auto", "llama3_json", text) for text in LLAMA_TEXTS]
+    + [("auto", "pythonic", text) for text in PYTHONIC_TEXTS]
     + [("required", None, text) for text in REQUIRED_TEXTS]
     + [({"type": "function", "function": {"name": "get_weather"}}, None, '{"city": "Oslo"}')]
     + [("none", None, HERMES_TEXTS[2])]
