@@ -281,11 +281,6 @@ class ToolCalling:
             f"got {tool_call_parser!r}"
         )
 
-    @property
-    def template_tools(self) -> list[dict[str, Any]]:
-        """The tools as the chat template gets them."""
-        return [tool.definition for tool in self.tools]
-
     def constraint(self) -> tuple[str, dict[str, Any]] | None:
         """The JSON schema the output must follow, and the field to name when it does
         not compile; None when the model writes freely."""
