@@ -166,11 +166,14 @@ class BlockManager:
         namespace: str | None = None,
     ) -> None:
         """Register the request's blocks that are now full and computed (a prefix hit's
-        blocks hash to entries already there, which stay as they are)."""
+        blocks hash to entries already there, which stay as they are). Computed tokens not
+        yet in ``token_ids`` (a speculating sequence's accepted drafts, appended after) wait
+        for the next call: a block is hashed only when all its tokens are known."""
         if self.prefix_cache is None or request_id not in self.block_tables:
             return
         hashes = self._block_hashes.setdefault(request_id, [])
-        num_full = min(num_computed_tokens // self.block_size, len(self.block_tables[request_id]))
+        num_known = min(num_computed_tokens, len(token_ids))
+        num_full = min(num_known // self.block_size, len(self.block_tables[request_id]))
         block_size = self.block_size
         table = self.block_tables[request_id]
         for index in range(len(hashes), num_full):

@@ -572,9 +572,7 @@ class Scheduler:
             self.block_manager.cache_full_blocks(
                 request.request_id,
                 request.token_ids,
-                # Accepted drafts are computed before _advance appends them: their block
-                # is registered at the next step.
-                min(request.num_computed_tokens, request.num_tokens),
+                request.num_computed_tokens,
                 request.cache_namespace,
             )
             prompt_logprobs = self._new_prompt_logprobs(request, result)
