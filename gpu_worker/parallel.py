@@ -105,8 +105,22 @@ def shutdown_tensor_parallel() -> None:
 
 def set_threads_per_rank(size: int) -> None:
     """Ranks on one CPU share its cores: each takes ``cores // size`` threads (at least
-    one) for torch's kernels and for the compiled ops, so none oversubscribes."""
+    one) for torch's kernels and for the compiled ops, so none oversubscribes. A positive
+    ``OMP_NUM_THREADS`` caps each rank further: on cores other jobs share, fewer threads
+    than cores is what keeps small matmuls fast (README, "Operating it")."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     num_threads = max(1, (cores or 1) // size)
+    cap = _omp_num_threads()
+    if cap is not None:
+        num_threads = min(num_threads, cap)
     torch.set_num_threads(num_threads)
     ops.set_num_threads(num_threads)
+
+
+def _omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS as a positive count, or ``None`` when unset or not one (OpenMP
+    itself ignores such a value, and so do we)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    # OpenMP allows a list for nested levels ("4,2"); the first is the outer team's size.
+    first = value.split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None

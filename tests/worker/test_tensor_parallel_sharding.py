@@ -243,7 +243,8 @@ def test_opt_checks_its_ffn_dim(tmp_path):
         check_tensor_parallel_size(config, 4)
 
 
-def test_each_rank_takes_its_share_of_the_cores():
+def test_each_rank_takes_its_share_of_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
     before = torch.get_num_threads()
     try:
@@ -252,6 +253,25 @@ def test_each_rank_takes_its_share_of_the_cores():
         assert _C_cpu.get_num_threads() == max(1, cores // 2)
         set_threads_per_rank(cores + 1)
         assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+        ops.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("omp_num_threads", "size", "expected"),
+    [("1", 1, 1), ("1,1", 1, 1), ("0", 1, None), ("many", 1, None), ("64", 1, None)],
+)
+def test_omp_num_threads_caps_each_rank(monkeypatch, omp_num_threads, size, expected):
+    """A positive OMP_NUM_THREADS caps a rank's threads below its share of the cores; a
+    value OpenMP would ignore (zero, not a number) leaves the share."""
+    share = max(1, len(os.sched_getaffinity(0)) // size)
+    monkeypatch.setenv("OMP_NUM_THREADS", omp_num_threads)
+    before = torch.get_num_threads()
+    try:
+        set_threads_per_rank(size)
+        assert torch.get_num_threads() == (expected or share)
+        assert _C_cpu.get_num_threads() == (expected or share)
     finally:
         torch.set_num_threads(before)
         ops.set_num_threads(before)
