@@ -212,6 +212,7 @@ class EngineClient:
         arrival_time_s: float | None = None,
         cache_namespace: str | None = None,
         lora_id: int = 0,
+        priority: int = 0,
     ) -> None:
         """Queue a request. A request the scheduler refuses (it repeats the frontend's
         checks) makes a later ``step()`` raise ``ValueError``."""
@@ -226,6 +227,7 @@ class EngineClient:
                 eos_token_ids=sorted(eos_token_ids),
                 cache_namespace=cache_namespace,
                 lora_id=lora_id,
+                priority=priority,
             )
         )
         self._unfinished.add(request_id)

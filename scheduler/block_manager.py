@@ -117,11 +117,17 @@ class BlockManager:
         if self.contiguous:
             needed = blocks_for_tokens(max(num_tokens, reserve_tokens), self.block_size)
             return needed <= self.pool.largest_free_run()
+        reserve = self.watermark_blocks if keep_watermark else 0
+        return self.blocks_to_allocate(num_tokens, cached_block_ids) + reserve <= (
+            self.pool.num_free_blocks
+        )
+
+    def blocks_to_allocate(self, num_tokens: int, cached_block_ids: list[int] = ()) -> int:
+        """Free blocks that ``allocate`` (paged) takes for a new request of ``num_tokens``
+        tokens whose first blocks are the cached ``cached_block_ids``."""
         needed = blocks_for_tokens(num_tokens, self.block_size) - len(cached_block_ids)
         # A hit on a free cached block takes that block off the free queue too.
-        needed += sum(1 for block_id in cached_block_ids if self.pool.is_free(block_id))
-        reserve = self.watermark_blocks if keep_watermark else 0
-        return needed + reserve <= self.pool.num_free_blocks
+        return needed + sum(1 for block_id in cached_block_ids if self.pool.is_free(block_id))
 
     def allocate(
         self,
@@ -292,6 +298,13 @@ class BlockManager:
         """Whether the requests' blocks fit back on the device, with room for request
         ``i`` to grow to ``num_tokens[i]`` tokens in the same step (and, for a group of
         several, to copy the shared block each one writes into next)."""
+        reserve = self.watermark_blocks if keep_watermark else 0
+        return self.blocks_to_swap_in(request_ids, num_tokens) + reserve <= (
+            self.pool.num_free_blocks
+        )
+
+    def blocks_to_swap_in(self, request_ids: list[str], num_tokens: list[int] | None = None) -> int:
+        """Free device blocks that swapping the requests in takes (see ``can_swap_in``)."""
         needed = len(self._unique_blocks(self.host_block_tables, request_ids))
         if num_tokens is not None:
             for request_id, count in zip(request_ids, num_tokens):
@@ -299,8 +312,13 @@ class BlockManager:
                 needed += max(0, blocks_for_tokens(count, self.block_size) - held)
             if len(request_ids) > 1:
                 needed += len(request_ids)
-        reserve = self.watermark_blocks if keep_watermark else 0
-        return needed + reserve <= self.pool.num_free_blocks
+        return needed
+
+    def num_blocks_freed_by(self, request_ids: list[str]) -> int:
+        """Device blocks that would return to the free pool if these requests gave theirs
+        up (preempted, by swap or recompute): those no other request holds."""
+        holders = Counter(b for rid in request_ids for b in self.block_tables.get(rid, ()))
+        return sum(1 for b, count in holders.items() if self.pool.ref_count(b) == count)
 
     def swap_in(
         self, request_ids: list[str], keep_watermark: bool = True

@@ -7,6 +7,21 @@ from dataclasses import dataclass
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 
 ALLOCATION_POLICIES = ("paged", "max", "pow2", "oracle")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def check_priority(priority: object, scheduling_policy: str, field: str = "priority") -> None:
+    """Raise ``ValueError`` naming ``field`` for a priority the engine cannot honour: not
+    an integer, or not 0 when the engine schedules first come, first served (vLLM's
+    rule: a priority an engine would silently ignore is refused)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"{field} must be an integer (lower runs first), got {priority!r}")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(
+            f"{field}={priority}: this engine schedules first come, first served "
+            f"(scheduling_policy {scheduling_policy!r}); start it with scheduling_policy "
+            "'priority' (--scheduling-policy priority) to order requests by priority"
+        )
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,10 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # "fcfs": requests run in arrival order; "priority": by each request's priority
+    # (lower first, then arrival), and a queued request preempts running ones of a
+    # strictly lower priority when it does not fit (scheduler.py).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -73,6 +92,17 @@ class SchedulerConfig:
             raise ValueError(
                 f"speculative decoding needs allocation_policy 'paged' (draft tokens take "
                 f"blocks on demand), got {self.allocation_policy!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.scheduling_policy == "priority" and self.allocation_policy != "paged":
+            raise ValueError(
+                f"scheduling_policy 'priority' needs allocation_policy 'paged' (it preempts "
+                f"to make room; the reservation baselines never do), got "
+                f"{self.allocation_policy!r}"
             )
         if not 0.0 <= self.watermark_fraction < 1.0:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")

@@ -78,9 +78,11 @@ class EngineCore:
         arrival_time_s: float | None = None,
         cache_namespace: str | None = None,
         lora_id: int = 0,
+        priority: int = 0,
     ) -> None:
         """Queue a request; raises ``ValueError`` if it could never run. ``lora_id``: the
-        LoRA adapter (1, 2, ...: the workers' ``lora_modules`` in order; 0: none)."""
+        LoRA adapter (1, 2, ...: the workers' ``lora_modules`` in order; 0: none).
+        ``priority``: lower runs first (``SchedulerConfig.scheduling_policy``)."""
         if lora_id or cache_namespace is not None:
             # K/V computed through an adapter is not the base model's, nor another's:
             # prefixes are shared only within one (adapter, namespace). Joined into one
@@ -98,6 +100,7 @@ class EngineCore:
             max_model_len=self.scheduler.config.max_model_len,
             cache_namespace=cache_namespace,
             lora_id=lora_id,
+            priority=priority,
         )
         self.scheduler.add_request(request)
 

@@ -42,6 +42,7 @@ class AddRequest:
     eos_token_ids: list[int]
     cache_namespace: str | None = None
     lora_id: int = 0  # the LoRA adapter (WorkerSpec.lora_modules[lora_id - 1]); 0: none
+    priority: int = 0  # lower runs first, under SchedulerConfig.scheduling_policy "priority"
 
 
 @dataclass

@@ -113,6 +113,7 @@ class EngineLoop:
                     arrival_time_s=message.arrival_time_s,
                     cache_namespace=message.cache_namespace,
                     lora_id=message.lora_id,
+                    priority=message.priority,
                 )
             except ValueError as error:
                 self.outbox.send(encode(EngineError(message.request_id, str(error))))

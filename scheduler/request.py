@@ -70,6 +70,10 @@ class Request:
     grammar: GrammarMatcher | None = None
     # The LoRA adapter its tokens run through (0: the base model).
     lora_id: int = 0
+    # Under the priority policy requests run in (priority, arrival_index) order, lower
+    # first; arrival_index is the scheduler's count of requests added before this one.
+    priority: int = 0
+    arrival_index: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -98,9 +102,16 @@ class Request:
             cumulative_logprob=self.cumulative_logprob,
             grammar=None if self.grammar is None else self.grammar.fork(),
             lora_id=self.lora_id,
+            priority=self.priority,
+            arrival_index=self.arrival_index,
         )
         child.token_ids = list(self.token_ids)
         return child
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Its place under the priority policy: lower runs first."""
+        return (self.priority, self.arrival_index)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,7 +7,7 @@ from collections import deque
 
 from pagedserve.scheduler import ngram_proposer
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
-from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.config import SchedulerConfig, check_priority
 from pagedserve.scheduler.memory_accounting import MemoryAccounting
 from pagedserve.scheduler.messages import (
     CachedRequestData,
@@ -79,6 +79,15 @@ class Scheduler:
     several is swapped. Preempted requests resume ahead of newer arrivals, swapped ones
     first. Finished sequences give their blocks back at once.
 
+    Under ``scheduling_policy="priority"`` every queue and the batch are ordered by
+    (priority, arrival), lower first, instead of by arrival: the batch extends its
+    highest-ranked sequences first, a preemption takes the lowest-ranked running request,
+    and swapped and waiting requests resume and are admitted in rank order (one queue
+    blocks the other only when its head ranks higher). When the best-ranked queued
+    request does not fit (blocks or ``max_num_seqs``), running requests of a strictly
+    lower priority are preempted for it, lowest first, if that makes it fit; requests of
+    equal priority never preempt each other, so they keep first come, first served.
+
     A request with several sequences (``SamplingParams.num_sequences``) is a
     ``SequenceGroup``: its sequences are adjacent in every queue, admitted, preempted
     and resumed together. Forks share blocks; the first write into a shared block
@@ -116,6 +125,8 @@ class Scheduler:
         # Copy-on-writes of the step being planned: sequence id -> (table index, src, dst).
         self._step_copies: dict[str, tuple[int, int, int]] = {}
         self.accounting = MemoryAccounting()
+        self._by_priority = config.scheduling_policy == "priority"
+        self._num_added = 0
 
     # ----------------------------------------------------------------- admission
 
@@ -144,12 +155,15 @@ class Scheduler:
                 f"n={params.n}, best_of={params.best_of}, beam_width={params.beam_width} "
                 "need allocation_policy 'paged'"
             )
+        check_priority(request.priority, self.config.scheduling_policy)
         if params.structured_outputs is not None:
             request.grammar = self.structured_output.new_matcher(params.structured_outputs)
+        request.arrival_index = self._num_added
+        self._num_added += 1
         self.requests[request.request_id] = request
         if params.num_sequences > 1:
             self.groups[request.request_id] = SequenceGroup.create(request)
-        self.waiting.append(request)
+        self._enqueue(self.waiting, [request], front=False)
 
     def abort_request(self, request_id: str) -> RequestOutputDelta | None:
         """End a request now; returns its final delta, or ``None`` if it is unknown."""
@@ -199,6 +213,8 @@ class Scheduler:
         plan = StepPlan(step_id=self._step_id)
         budget = self.config.max_num_batched_tokens
         preempted = False
+        if self._by_priority:
+            self._preempt_for_priority(plan)
 
         index = 0
         while index < len(self.running):
@@ -218,7 +234,7 @@ class Scheduler:
                 request.request_id, target, request.num_computed_tokens
             ):
                 victims = self._pop_newest_running()
-                self._preempt(victims, plan)
+                self._preempt(victims, plan, "no free KV block")
                 preempted = True
                 if request in victims:
                     break
@@ -229,10 +245,12 @@ class Scheduler:
             index += 1
 
         # After a preemption the cache is tight: admitting more would only thrash.
-        if not preempted:
+        if not preempted and self._by_priority:
+            budget = self._resume_in_rank_order(plan, budget)
+        elif not preempted:
             budget = self._swap_in(plan, budget)
-        if not preempted and not self.swapped:
-            budget = self._admit_waiting(plan, budget)
+            if not self.swapped:
+                budget = self._admit_waiting(plan, budget)
 
         plan.finished_request_ids = self._drop_ids_for_workers
         self._drop_ids_for_workers = []
@@ -329,72 +347,201 @@ class Scheduler:
     def _swap_in(self, plan: StepPlan, budget: int) -> int:
         """Bring swapped requests back, oldest first, while their blocks fit."""
         while self.swapped and budget > 0:
-            sequences = _leading_sequences(self.swapped)
-            if len(self.running) + len(sequences) > self.config.max_num_seqs:
+            remaining = self._swap_in_next(plan, budget)
+            if remaining is None:
                 break
-            targets = []
-            remaining = budget
-            for sequence in sequences:
-                num_new = self._num_tokens_to_schedule(sequence, remaining)
-                targets.append(sequence.num_computed_tokens + num_new)
-                remaining -= num_new
-            if remaining == budget:
-                break
-            ids = [sequence.request_id for sequence in sequences]
-            keep_watermark = bool(self.running)
-            if not self.block_manager.can_swap_in(ids, keep_watermark, targets):
-                break
-            for _ in sequences:
-                self.swapped.popleft()
-            plan.swap_in.extend(self.block_manager.swap_in(ids, keep_watermark))
-            for sequence, target in zip(sequences, targets):
-                sequence.status = RequestStatus.RUNNING
-                self.running.append(sequence)
-                num_new = target - sequence.num_computed_tokens
-                if num_new:
-                    self._extend(plan, sequence, num_new)
             budget = remaining
         return budget
 
+    def _swap_in_next(self, plan: StepPlan, budget: int) -> int | None:
+        """Bring the first swapped request back if its blocks fit; returns the budget
+        left, or ``None`` when it stays swapped."""
+        sequences = _leading_sequences(self.swapped)
+        if len(self.running) + len(sequences) > self.config.max_num_seqs:
+            return None
+        targets = []
+        remaining = budget
+        for sequence in sequences:
+            num_new = self._num_tokens_to_schedule(sequence, remaining)
+            targets.append(sequence.num_computed_tokens + num_new)
+            remaining -= num_new
+        if remaining == budget:
+            return None
+        ids = [sequence.request_id for sequence in sequences]
+        keep_watermark = bool(self.running)
+        if not self.block_manager.can_swap_in(ids, keep_watermark, targets):
+            return None
+        for _ in sequences:
+            self.swapped.popleft()
+        plan.swap_in.extend(self.block_manager.swap_in(ids, keep_watermark))
+        for sequence, target in zip(sequences, targets):
+            sequence.status = RequestStatus.RUNNING
+            self._add_running(sequence)
+            num_new = target - sequence.num_computed_tokens
+            if num_new:
+                self._extend(plan, sequence, num_new)
+        return remaining
+
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
-        block_manager = self.block_manager
+        """Admit waiting requests, in queue order, while they fit."""
         while self.waiting and budget > 0:
-            sequences = _leading_sequences(self.waiting)
-            head = sequences[0]
-            # A new group forks up to its full size later; room is kept for it now.
-            group_size = max(len(sequences), head.sampling_params.num_sequences)
-            if len(self.running) + group_size > self.config.max_num_seqs:
+            remaining = self._admit_next(plan, budget)
+            if remaining is None:
                 break
-            if len(sequences) > 1:
-                budget, admitted = self._admit_sequences(plan, sequences, budget)
-                if not admitted:
-                    break
-                continue
+            budget = remaining
+        return budget
+
+    def _admit_next(self, plan: StepPlan, budget: int) -> int | None:
+        """Admit the first waiting request if it fits; returns the budget left, or
+        ``None`` when it keeps waiting."""
+        block_manager = self.block_manager
+        sequences = _leading_sequences(self.waiting)
+        head = sequences[0]
+        # A new group forks up to its full size later; room is kept for it now.
+        group_size = max(len(sequences), head.sampling_params.num_sequences)
+        if len(self.running) + group_size > self.config.max_num_seqs:
+            return None
+        if len(sequences) > 1:
+            budget, admitted = self._admit_sequences(plan, sequences, budget)
+            return budget if admitted else None
+        cached_block_ids = []
+        if head.num_computed_tokens == 0:
+            cached_block_ids = block_manager.find_cached_prefix(
+                head.token_ids, head.cache_namespace
+            )
+        num_cached = len(cached_block_ids) * block_manager.block_size
+        num_new = self._num_tokens_to_schedule(head, budget, num_cached)
+        if num_new == 0:
+            return None
+        block_ids = block_manager.allocate(
+            head.request_id,
+            head.num_computed_tokens + num_cached + num_new,
+            keep_watermark=bool(self.running),
+            cached_block_ids=cached_block_ids,
+            reserve_tokens=self._reservation_tokens(head),
+        )
+        if block_ids is None:
+            return None
+        self.waiting.popleft()
+        self._note_prefix_hit(head, num_cached)
+        head.status = RequestStatus.RUNNING
+        self._add_running(head)
+        self._send_in_full(plan, head, num_new)
+        return budget - num_new
+
+    def _resume_in_rank_order(self, plan: StepPlan, budget: int) -> int:
+        """Priority policy: swap in or admit the best-ranked queued request, then the
+        next, until one does not fit (none overtakes a better-ranked one)."""
+        while budget > 0:
+            queue = self._best_queue()
+            if queue is None:
+                break
+            resume = self._swap_in_next if queue is self.swapped else self._admit_next
+            remaining = resume(plan, budget)
+            if remaining is None:
+                break
+            budget = remaining
+        return budget
+
+    def _best_queue(self) -> deque[Request] | None:
+        """The queue (swapped or waiting) whose first request ranks best, if any."""
+        if not self.swapped or not self.waiting:
+            return self.swapped or self.waiting or None
+        return self.swapped if self.swapped[0].rank < self.waiting[0].rank else self.waiting
+
+    def _preempt_for_priority(self, plan: StepPlan) -> None:
+        """Make room for the best-ranked queued request by preempting running requests
+        of a strictly lower priority, lowest ranked first, when it does not fit now and
+        preempting all of them would let it fit (otherwise they keep running)."""
+        queue = self._best_queue()
+        if queue is None:
+            return
+        sequences = _leading_sequences(queue)
+        head = sequences[0]
+        lower = [sequence for sequence in self.running if sequence.priority > head.priority]
+        if not lower:
+            return
+        group_size = max(len(sequences), head.sampling_params.num_sequences)
+        max_num_seqs = self.config.max_num_seqs
+        # Blocks for it, with the watermark kept for the running requests that stay.
+        keep_watermark = len(lower) < len(self.running)
+        blocks_missing = self._blocks_missing(sequences, keep_watermark)
+        slots_missing = len(self.running) + group_size - max_num_seqs
+        if blocks_missing <= 0 and slots_missing <= 0:
+            return
+        freed = self.block_manager.num_blocks_freed_by([s.request_id for s in lower])
+        if freed < blocks_missing or len(lower) < slots_missing:
+            return  # it needs blocks that requests it does not outrank hold
+        reason = f"request {_request_id(head)} of priority {head.priority} outranks it"
+        while self.running and self.running[-1].priority > head.priority:
+            blocks_missing = self._blocks_missing(sequences, bool(self.running))
+            if blocks_missing <= 0 and len(self.running) + group_size <= max_num_seqs:
+                break
+            self._preempt(self._pop_newest_running(), plan, reason)
+
+    def _blocks_missing(self, sequences: list[Request], keep_watermark: bool) -> int:
+        """Free blocks a queued request (its leading ``sequences``) lacks to resume with
+        a full step's budget (<= 0: it fits)."""
+        block_manager = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        head = sequences[0]
+        if head.status == RequestStatus.SWAPPED:
+            targets = []
+            for sequence in sequences:
+                num_new = self._num_tokens_to_schedule(sequence, budget)
+                targets.append(sequence.num_computed_tokens + num_new)
+                budget -= num_new
+            ids = [sequence.request_id for sequence in sequences]
+            needed = block_manager.blocks_to_swap_in(ids, targets)
+        elif len(sequences) > 1:  # a group preempted by recompute: all tokens at once
+            needed = sum(
+                blocks_for_tokens(sequence.num_tokens, block_manager.block_size)
+                for sequence in sequences
+            )
+        else:
             cached_block_ids = []
             if head.num_computed_tokens == 0:
                 cached_block_ids = block_manager.find_cached_prefix(
                     head.token_ids, head.cache_namespace
                 )
             num_cached = len(cached_block_ids) * block_manager.block_size
-            num_new = self._num_tokens_to_schedule(head, budget, num_cached)
-            if num_new == 0:
-                break
-            block_ids = block_manager.allocate(
-                head.request_id,
-                head.num_computed_tokens + num_cached + num_new,
-                keep_watermark=bool(self.running),
-                cached_block_ids=cached_block_ids,
-                reserve_tokens=self._reservation_tokens(head),
+            # Without chunked prefill a prompt over the budget waits anyway; count it whole.
+            num_new = self._num_tokens_to_schedule(head, budget, num_cached) or (
+                head.num_tokens - head.num_computed_tokens - num_cached
             )
-            if block_ids is None:
-                break
-            self.waiting.popleft()
-            self._note_prefix_hit(head, num_cached)
-            head.status = RequestStatus.RUNNING
-            self.running.append(head)
-            self._send_in_full(plan, head, num_new)
-            budget -= num_new
-        return budget
+            needed = block_manager.blocks_to_allocate(
+                head.num_computed_tokens + num_cached + num_new, cached_block_ids
+            )
+        reserve = block_manager.watermark_blocks if keep_watermark else 0
+        return needed + reserve - block_manager.num_free_blocks
+
+    def _add_running(self, sequence: Request) -> None:
+        """Put a sequence into the batch: last (arrival order of admission), or under
+        the priority policy after every sequence that ranks at or above it."""
+        if not self._by_priority:
+            self.running.append(sequence)
+            return
+        index = len(self.running)
+        while index > 0 and self.running[index - 1].rank > sequence.rank:
+            index -= 1
+        self.running.insert(index, sequence)
+
+    def _enqueue(self, queue: deque[Request], sequences: list[Request], front: bool) -> None:
+        """Queue a request's sequences (adjacent): at the back for a new request, at the
+        front for a preempted one; under the priority policy, after every request that
+        ranks at or above it, whichever."""
+        if not self._by_priority:
+            if front:
+                queue.extendleft(reversed(sequences))
+            else:
+                queue.extend(sequences)
+            return
+        rank = sequences[0].rank
+        index = len(queue)
+        while index > 0 and queue[index - 1].rank > rank:
+            index -= 1
+        for offset, sequence in enumerate(sequences):
+            queue.insert(index + offset, sequence)
 
     def _reservation_tokens(self, request: Request) -> int:
         """Slots a contiguous policy reserves for the request at admission."""
@@ -436,7 +583,7 @@ class Scheduler:
             num_cached = len(cached_block_ids) * block_manager.block_size
             self._note_prefix_hit(sequence, num_cached)
             sequence.status = RequestStatus.RUNNING
-            self.running.append(sequence)
+            self._add_running(sequence)
             num_new = self._num_tokens_to_schedule(sequence, budget)
             if num_new:
                 self._send_in_full(plan, sequence, num_new)
@@ -486,13 +633,12 @@ class Scheduler:
         self.running = [sequence for sequence in self.running if sequence.group is not group]
         return victims
 
-    def _preempt(self, sequences: list[Request], plan: StepPlan) -> None:
+    def _preempt(self, sequences: list[Request], plan: StepPlan, reason: str) -> None:
         """Take a request's running sequences out of the batch, all or nothing: swap
         their blocks to the host pool, or free them to recompute later. Either way it
-        resumes ahead of newer requests."""
+        resumes ahead of newer requests (of its priority, under the priority policy)."""
         default_mode = "swap" if len(sequences) > 1 else "recompute"
         mode = self.config.preemption_mode or default_mode
-        reason = "no free KV block"
         ids = {sequence.request_id for sequence in sequences}
         # Undo what this step already planned for them: their entries, and the copies
         # of shared blocks (whose destination a swap-out would otherwise copy unfilled).
@@ -520,7 +666,7 @@ class Scheduler:
                 self.num_swap_preemptions += 1
                 # Victims are taken newest first: pushing each to the front keeps the
                 # queue in arrival order.
-                self.swapped.extendleft(reversed(sequences))
+                self._enqueue(self.swapped, sequences, front=True)
                 logger.info(
                     "preempted request %s (%d sequences) by swap (%s): %d blocks to host",
                     request_id,
@@ -535,7 +681,7 @@ class Scheduler:
             sequence.status = RequestStatus.WAITING
             sequence.num_computed_tokens = 0
         self.num_recompute_preemptions += 1
-        self.waiting.extendleft(reversed(sequences))
+        self._enqueue(self.waiting, sequences, front=True)
         logger.info(
             "preempted request %s (%d sequences) by recompute (%s): %d tokens to recompute",
             request_id,

@@ -193,6 +193,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "eos_token_ids",
         "cache_namespace",
         "lora_id",
+        "priority",
     ),
     AbortRequest: ("request_id",),
     StopSample: ("request_id", "index"),
@@ -214,6 +215,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "num_speculative_tokens",
         "prompt_lookup_max",
         "prompt_lookup_min",
+        "scheduling_policy",
     ),
     WorkerSpec: (
         "model_path",
@@ -622,6 +624,7 @@ def _pack_add_request(request: AddRequest) -> list:
         list(request.eos_token_ids),
         request.cache_namespace,
         request.lora_id,
+        request.priority,
     ]
 
 
@@ -634,6 +637,7 @@ def _unpack_add_request(value: Any) -> AddRequest:
         eos_token_ids,
         cache_namespace,
         lora_id,
+        priority,
     ) = _fields(value, "AddRequest")
     # A few ids: checked one by one, unlike the prompt's tokens.
     _check(eos_token_ids, list, "AddRequest.eos_token_ids")
@@ -646,6 +650,7 @@ def _unpack_add_request(value: Any) -> AddRequest:
         eos_token_ids=eos_token_ids,
         cache_namespace=_check(cache_namespace, (str, type(None)), "AddRequest.cache_namespace"),
         lora_id=_check(lora_id, int, "AddRequest.lora_id"),
+        priority=_check(priority, int, "AddRequest.priority"),
     )
 
 
@@ -759,7 +764,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     ResetPrefixCache: (),
     StopSample: (str, int),
     EngineStats: (dict, (str, type(None))),
-    SchedulerConfig: (int, int, int, bool, float, (str, type(None)), str, int, int, int),
+    SchedulerConfig: (int, int, int, bool, float, (str, type(None)), str, int, int, int, str),
     WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int, list),
     StructuredOutputsParams: (
         (str, type(None)),

@@ -140,6 +140,7 @@ SCHEDULER_CONFIG = SchedulerConfig(
     num_speculative_tokens=5,
     prompt_lookup_max=6,
     prompt_lookup_min=3,
+    scheduling_policy="priority",
 )
 
 # Every encodable type, with optional fields set and unset.
@@ -167,6 +168,7 @@ ROUND_TRIP_CASES = {
         eos_token_ids=[2, 32000],
         cache_namespace="t-1",
         lora_id=3,
+        priority=-7,
     ),
     "add-defaults": AddRequest("r", [1], SamplingParams(), 0.25, eos_token_ids=[]),
     "abort": AbortRequest("r"),
@@ -387,6 +389,7 @@ def _plan_fields(**overrides) -> list:
                 [2],
                 None,
                 0,
+                0,
             ),
             "StructuredOutputsParams: structured_outputs must set exactly one of .*regex, choice",
         ),
@@ -399,6 +402,7 @@ def _plan_fields(**overrides) -> list:
                 0.0,
                 [2],
                 None,
+                0,
                 0,
             ),
             "StructuredOutputsParams.regex: expected str or None, got int",
@@ -413,17 +417,18 @@ def _plan_fields(**overrides) -> list:
                 [2],
                 None,
                 0,
+                0,
             ),
             "StructuredOutputsParams.disable_any_whitespace: expected bool, got int",
         ),
         (
             _frame(
-                AddRequest, "r", [1], _pack_params(logit_bias=[[1, 2], [0.5]]), 0.0, [2], None, 0
+                AddRequest, "r", [1], _pack_params(logit_bias=[[1, 2], [0.5]]), 0.0, [2], None, 0, 0
             ),
             r"SamplingParams.logit_bias: expected \[token ids, biases\] of one length",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(logit_bias={"1": 0.5}), 0.0, [2], None, 0),
+            _frame(AddRequest, "r", [1], _pack_params(logit_bias={"1": 0.5}), 0.0, [2], None, 0, 0),
             "SamplingParams.logit_bias: expected list, got dict",
         ),
         (
@@ -436,32 +441,37 @@ def _plan_fields(**overrides) -> list:
                 [2],
                 None,
                 0,
+                0,
             ),
             "SamplingParams: temperature must be >= 0.0, got -1.0",
         ),
         (
-            _frame(AddRequest, "r", [1], [16], 0.0, [2], None, 0),
+            _frame(AddRequest, "r", [1], [16], 0.0, [2], None, 0, 0),
             "SamplingParams: expected an array of 26",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None, 0),
+            _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None, 0, 0),
             "SamplingParams.stop: expected list, got str",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(stop=["a", ""]), 0.0, [2], None, 0),
+            _frame(AddRequest, "r", [1], _pack_params(stop=["a", ""]), 0.0, [2], None, 0, 0),
             r"SamplingParams: stop\[1\] must have at least 1 character, got ''",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(skip_special_tokens=1), 0.0, [2], None, 0),
+            _frame(AddRequest, "r", [1], _pack_params(skip_special_tokens=1), 0.0, [2], None, 0, 0),
             "SamplingParams: skip_special_tokens must be a bool, got 1",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(), 0.0),
-            "AddRequest: expected an array of 7 fields",
+            "AddRequest: expected an array of 8 fields",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2, "3"], None, 0),
+            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2, "3"], None, 0, 0),
             r"AddRequest.eos_token_ids: expected only int, found \['str'\]",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2], None, 0, "high"),
+            "AddRequest.priority: expected int, got str",
         ),
         (
             _frame(
@@ -493,7 +503,7 @@ def _plan_fields(**overrides) -> list:
         ),
         (_frame(EngineStats, [], None), "EngineStats.stats: expected dict, got list"),
         (
-            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged", 0, 4, 2),
+            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged", 0, 4, 2, "fcfs"),
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (
