@@ -138,9 +138,11 @@ class AsyncEngine:
         params: SamplingParams,
         cache_namespace: str | None = None,
         lora_id: int = 0,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request (already validated); its stream reports what it makes.
-        ``lora_id``: the LoRA adapter (``LLM.lora_ids``; 0: the base model)."""
+        ``lora_id``: the LoRA adapter (``LLM.lora_ids``; 0: the base model).
+        ``priority``: lower runs first (``LLM.check_priority`` has passed it)."""
         if self.dead_message is not None:
             raise EngineDeadError(self.dead_message)
         if self.llm is None:
@@ -162,6 +164,7 @@ class AsyncEngine:
                 eos_token_ids,
                 cache_namespace=cache_namespace,
                 lora_id=lora_id,
+                priority=priority,
             )
         )
         return stream

@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         "swap a group)",
     )
     engine.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs: requests run in arrival order; priority: by each request's priority "
+        "(lower first, then arrival; a request preempts running ones of a lower priority "
+        "when it does not fit)",
+    )
+    engine.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="do not share the KV blocks of common prompt prefixes between requests",
@@ -274,6 +282,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         swap_space_bytes=args.swap_space_bytes,
         preemption_mode=args.preemption_mode,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
         cuda_graphs=args.cuda_graphs,

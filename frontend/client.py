@@ -42,9 +42,13 @@ def build_request(
     cache_namespace: str,
     chat: bool,
     lora_adapter: str = "",
+    priority: int = 0,
 ) -> pb.GenerateRequest:
     request = pb.GenerateRequest(
-        request_id=request_id, cache_namespace=cache_namespace, lora_adapter=lora_adapter
+        request_id=request_id,
+        cache_namespace=cache_namespace,
+        lora_adapter=lora_adapter,
+        priority=priority,
     )
     if chat:
         request.chat.messages.extend(
@@ -129,11 +133,18 @@ class Client:
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
+        priority: int = 0,
         timeout_s: float | None = None,
     ) -> RequestOutput:
         """The whole result; ``params=None`` lets the model's generation config decide."""
         request = build_request(
-            prompt, params, request_id, cache_namespace, chat=False, lora_adapter=lora_adapter
+            prompt,
+            params,
+            request_id,
+            cache_namespace,
+            chat=False,
+            lora_adapter=lora_adapter,
+            priority=priority,
         )
         return apply_response(
             None, self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
@@ -147,10 +158,17 @@ class Client:
         request_id: str = "",
         timeout_s: float | None = None,
         lora_adapter: str = "",
+        priority: int = 0,
     ) -> RequestOutput:
         """The assistant's turn after ``messages`` (the model's chat template)."""
         request = build_request(
-            messages, params, request_id, "", chat=True, lora_adapter=lora_adapter
+            messages,
+            params,
+            request_id,
+            "",
+            chat=True,
+            lora_adapter=lora_adapter,
+            priority=priority,
         )
         return apply_response(
             None, self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
@@ -164,12 +182,19 @@ class Client:
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
+        priority: int = 0,
         timeout_s: float | None = None,
     ) -> Iterator[RequestOutput]:
         """The result as it grows (one ``RequestOutput``, updated in place). Leaving the
         loop early cancels the call, which frees its blocks in the server."""
         request = build_request(
-            prompt, params, request_id, cache_namespace, chat=False, lora_adapter=lora_adapter
+            prompt,
+            params,
+            request_id,
+            cache_namespace,
+            chat=False,
+            lora_adapter=lora_adapter,
+            priority=priority,
         )
         call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
         output = None
@@ -224,10 +249,17 @@ class AsyncClient:
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
+        priority: int = 0,
         timeout_s: float | None = None,
     ) -> RequestOutput:
         request = build_request(
-            prompt, params, request_id, cache_namespace, chat=False, lora_adapter=lora_adapter
+            prompt,
+            params,
+            request_id,
+            cache_namespace,
+            chat=False,
+            lora_adapter=lora_adapter,
+            priority=priority,
         )
         return apply_response(
             None, await self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
@@ -241,10 +273,17 @@ class AsyncClient:
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
+        priority: int = 0,
         timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         request = build_request(
-            prompt, params, request_id, cache_namespace, chat=False, lora_adapter=lora_adapter
+            prompt,
+            params,
+            request_id,
+            cache_namespace,
+            chat=False,
+            lora_adapter=lora_adapter,
+            priority=priority,
         )
         call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
         output = None

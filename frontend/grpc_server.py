@@ -203,6 +203,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     server.default_params,
                 )
                 server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")
+                llm.check_priority(request.priority)
             except (ValueError, TypeError) as error:
                 raise CallError("INVALID_ARGUMENT", str(error)) from None
             try:
@@ -210,7 +211,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             except ValueError as error:
                 raise CallError("NOT_FOUND", str(error)) from None
             return server.submit(
-                "grpc", prompt, token_ids, params, request.cache_namespace or None, lora_id
+                "grpc",
+                prompt,
+                token_ids,
+                params,
+                request.cache_namespace or None,
+                lora_id,
+                request.priority,
             )
         except CallError as error:
             await context.abort(grpc.StatusCode[error.code], error.message)

@@ -214,6 +214,7 @@ class HttpApi:
                             params,
                             api_request.cache_namespace,
                             api_request.lora_id,
+                            api_request.priority,
                         )
                     )
             except CallError:

@@ -23,7 +23,7 @@ from pagedserve.gpu_worker.model_config import (
     check_dtype_name,
     check_tensor_parallel_size,
 )
-from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig
+from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig, check_priority
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
@@ -129,6 +129,11 @@ class LLM:
     ``StructuredOutputsParams.disable_any_whitespace`` for every request: JSON constraints
     then allow no whitespace between JSON tokens (vLLM's option of that name).
 
+    ``scheduling_policy="priority"`` runs requests by the ``priority`` given to
+    ``generate`` / ``chat`` (lower first, then arrival) instead of first come, first served;
+    a request that does not fit preempts running ones of a strictly lower priority
+    (``scheduler/scheduler.py``). Under ``"fcfs"`` a priority other than 0 is refused.
+
     ``lora_modules={"name": "/path/to/adapter"}`` serves PEFT LoRA adapters beside the base
     model (Llama family, one rank, no CUDA graphs), loaded at start-up; a request picks one
     with ``generate(..., lora_request="name")`` (or a ``LoRARequest``), and requests of
@@ -148,6 +153,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES,
         preemption_mode: str | None = None,
+        scheduling_policy: str = "fcfs",
         enable_prefix_caching: bool = True,
         allocation_policy: str = "paged",
         seed: int = 0,
@@ -247,6 +253,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode,
             allocation_policy=allocation_policy,
+            scheduling_policy=scheduling_policy,
             **_speculative_fields(speculative_config),
         )
         # What structured output matches grammars over (None: no tokenizer, no grammars).
@@ -332,14 +339,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_namespace: str | None = None,
         lora_request: LoRARef | Sequence[LoRARef] = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) as one continuously batched run;
         returns one ``RequestOutput`` per prompt, in order. Requests share cached prompt
         prefixes only within one ``cache_namespace``. ``lora_request``: the LoRA adapter
-        (a name or a ``LoRARequest``; None: the base model), or one per prompt."""
+        (a name or a ``LoRARequest``; None: the base model), or one per prompt.
+        ``priority``: one per prompt (or one for all), lower first; needs
+        ``scheduling_policy="priority"`` unless every one is 0."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         lora_ids = self.lora_ids_of(lora_request, len(prompt_list))
+        priorities = self.priorities_of(priority, len(prompt_list))
         encoded = [
             self.encode_prompt(prompt, f"prompts[{index}]")
             for index, prompt in enumerate(prompt_list)
@@ -358,7 +369,7 @@ class LLM:
                 )
             self.check_token_ids(params, "sampling_params")
             self.check_structured_outputs(params, "sampling_params")
-        return self._run(prompt_list, encoded, params_list, cache_namespace, lora_ids)
+        return self._run(prompt_list, encoded, params_list, cache_namespace, lora_ids, priorities)
 
     def chat(
         self,
@@ -366,6 +377,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARef | Sequence[LoRARef] = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of ``{"role", "content"}``
         dicts) or several, then generate the assistant's turn. ``tools`` (OpenAI's
@@ -378,7 +390,9 @@ class LLM:
         texts = [self.render_chat(conversation, tools=tools) for conversation in conversations]
         # The template already wrote the special tokens it wants.
         prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        outputs = self.generate(prompts, sampling_params, lora_request=lora_request)
+        outputs = self.generate(
+            prompts, sampling_params, lora_request=lora_request, priority=priority
+        )
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
@@ -414,13 +428,15 @@ class LLM:
         params_list: list[SamplingParams],
         cache_namespace: str | None = None,
         lora_ids: list[int] | None = None,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         request_ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
         lora_ids = lora_ids or [0] * len(prompts)
+        priorities = priorities or [0] * len(prompts)
         trackers: dict[str, RequestTracker] = {}
         try:
-            for request_id, prompt, token_ids, params, lora_id in zip(
-                request_ids, prompts, encoded, params_list, lora_ids
+            for request_id, prompt, token_ids, params, lora_id, priority in zip(
+                request_ids, prompts, encoded, params_list, lora_ids, priorities
             ):
                 trackers[request_id] = RequestTracker(
                     request_id,
@@ -437,6 +453,7 @@ class LLM:
                     self.eos_token_ids,
                     cache_namespace=cache_namespace,
                     lora_id=lora_id,
+                    priority=priority,
                 )
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
@@ -560,6 +577,26 @@ class LLM:
                     f"{lora_request.lora_int_id}"
                 )
         return lora_id
+
+    def priorities_of(self, priority: int | Sequence[int] | None, count: int) -> list[int]:
+        """One checked priority per prompt from ``generate``'s ``priority`` argument."""
+        if priority is None:
+            return [0] * count
+        if isinstance(priority, (list, tuple)):
+            if len(priority) != count:
+                raise ValueError(
+                    f"priority has {len(priority)} entries for {count} prompts; give one "
+                    "per prompt or a single integer"
+                )
+            for index, value in enumerate(priority):
+                self.check_priority(value, f"priority[{index}]")
+            return list(priority)
+        self.check_priority(priority, "priority")
+        return [priority] * count
+
+    def check_priority(self, priority: object, field: str = "priority") -> None:
+        """``ValueError`` naming the field for a priority this engine cannot honour."""
+        check_priority(priority, self.scheduler_config.scheduling_policy, field)
 
     def lora_ids_of(self, lora_request: LoRARef | Sequence[LoRARef], count: int) -> list[int]:
         """One adapter id per prompt: the same for all, or one each from a list."""

@@ -82,6 +82,7 @@ _COMMON_FIELDS = {
     "max_tokens",
     "use_beam_search",
     "cache_salt",
+    "priority",
     "request_id",
     "user",
     "logprobs",
@@ -180,6 +181,9 @@ class ApiRequest:
     client_request_id: str
     # The LoRA adapter the request's ``model`` names (0: the base model).
     lora_id: int = 0
+    # vLLM's ``priority``: lower runs first (a server started with --scheduling-policy
+    # priority; otherwise only 0 is accepted).
+    priority: int = 0
     # Chat requests with tools (tool_choice other than "none"): how to read the calls.
     tool_calling: ToolCalling | None = None
     # Chat requests on a server with --reasoning-parser: how to split thinking from the
@@ -251,6 +255,11 @@ def parse_request(
     continuous_usage = _typed(options, "continuous_usage_stats", (bool,), "a boolean", False)
     cache_salt = _typed(body, "cache_salt", (str,), "a string")
     request_id = _typed(body, "request_id", (str,), "a string", client_request_id or "")
+    priority = _typed(body, "priority", (int,), "an integer", 0)
+    try:
+        llm.check_priority(priority)
+    except ValueError as error:
+        raise _invalid(str(error), "priority") from None
 
     structured = _structured_outputs(body, llm)
     if tool_calling is not None and tool_calling.constraint() is not None:
@@ -313,6 +322,7 @@ def parse_request(
         kind=kind,
         model=model,
         lora_id=lora_id,
+        priority=priority,
         prompts=prompts,
         params=params,
         stream=stream,

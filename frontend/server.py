@@ -246,11 +246,18 @@ class Server:
         params: SamplingParams,
         cache_namespace: str | None,
         lora_id: int = 0,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a checked request under a new engine id (``<api>-<n>``)."""
         try:
             return self.engine.submit(
-                f"{api}-{next(self._ids)}", prompt, token_ids, params, cache_namespace, lora_id
+                f"{api}-{next(self._ids)}",
+                prompt,
+                token_ids,
+                params,
+                cache_namespace,
+                lora_id,
+                priority,
             )
         except EngineDeadError as error:
             raise CallError("UNAVAILABLE", f"engine died: {error}") from None
