@@ -304,7 +304,8 @@ class Scheduler:
 
     def _add_token_bitmasks(self, plan: StepPlan) -> None:
         """The grammar's allowed tokens for each constrained sequence that samples in this
-        step (one whose scheduled tokens reach its last known token)."""
+        step (one whose scheduled tokens reach its last known token), unless it thinks
+        throughout the step (a reasoning model's grammar waits for the thinking's end)."""
         # NOTE: one llguidance mask per constrained sequence, serially on this thread while
         # the workers wait for the plan (tools/bench_structured_output.py measures it).
         for scheduled in (*plan.new_requests, *plan.cached_requests):
@@ -312,6 +313,8 @@ class Scheduler:
             if request.grammar is None:
                 continue
             drafts = plan.spec_token_ids.get(request.request_id)
+            if not request.grammar.constrains(drafts or []):
+                continue
             if drafts:  # a mask for every position it samples
                 plan.token_bitmasks[request.request_id] = request.grammar.draft_bitmasks(drafts)
             elif (

@@ -144,7 +144,13 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "json_object",
         "disable_any_whitespace",
     ),
-    GrammarVocabulary: ("tokenizer_json", "vocab_size", "eos_token_ids"),
+    GrammarVocabulary: (
+        "tokenizer_json",
+        "vocab_size",
+        "eos_token_ids",
+        "think_start_token_id",
+        "think_end_token_id",
+    ),
     NewRequestData: (
         "request_id",
         "token_ids",
@@ -774,7 +780,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         bool,
         bool,
     ),
-    GrammarVocabulary: (str, int, list),
+    GrammarVocabulary: (str, int, list, _OPTIONAL_INT, _OPTIONAL_INT),
 }
 
 

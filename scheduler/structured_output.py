@@ -12,10 +12,16 @@ move K/V, not grammar state. A fork (``n > 1``) copies its parent's matcher.
 Everything here is torch-free (llguidance is Rust with numpy-free Python bindings). The
 frontend imports it to check constraints; an engine with a tokenizer builds llguidance's
 tokenizer at start-up (``StructuredOutput``).
+
+A reasoning model thinks before it answers (``<think> ... </think>``); with the engine's
+``reasoning_parser`` a grammar constrains only the answer, as vLLM's does: no mask while the
+output thinks, the grammar from the token after the end-of-thinking token on
+(``ThinkingGate``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -45,6 +51,34 @@ class GrammarVocabulary:
     tokenizer_json: str
     vocab_size: int
     eos_token_ids: list[int]
+    # A reasoning model's markers (``ThinkingGate``); None: grammars constrain everything.
+    think_start_token_id: int | None = None
+    think_end_token_id: int | None = None
+
+    @property
+    def thinking_gate(self) -> ThinkingGate | None:
+        if self.think_end_token_id is None:
+            return None
+        return ThinkingGate(self.think_end_token_id, self.think_start_token_id)
+
+
+@dataclass(frozen=True)
+class ThinkingGate:
+    """Where a reasoning model's thinking ends, so that its grammar constrains the answer
+    only: ``end_token_id`` closes the thinking; with ``start_token_id`` (Qwen3) the output
+    thinks only if its first token is that one (otherwise, thinking switched off, the
+    grammar holds from the first token, which may also be ``start_token_id``); without it
+    (DeepSeek-R1, whose chat template opens the thinking) the output thinks from its start."""
+
+    end_token_id: int
+    start_token_id: int | None = None
+
+
+# Where a gated output stands: before its first token (Qwen3: it may open a thinking),
+# thinking (no mask), or under its grammar.
+_UNDECIDED = "undecided"
+_THINKING = "thinking"
+_GRAMMAR = "grammar"
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -91,71 +125,146 @@ def _unchecked_grammar_text(params: StructuredOutputsParams, disable_any_whitesp
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar, behind its ``ThinkingGate`` if any."""
 
-    def __init__(self, matcher: Any, num_words: int) -> None:
+    def __init__(
+        self,
+        matcher: Any,
+        vocab_size: int,
+        gate: ThinkingGate | None = None,
+        state: str | None = None,
+    ) -> None:
         self._matcher = matcher
-        self._num_words = num_words
+        self._vocab_size = vocab_size
+        self._num_words = (vocab_size + 31) // 32
+        self._gate = gate
+        if state is None:
+            state = _GRAMMAR
+            if gate is not None:
+                state = _THINKING if gate.start_token_id is None else _UNDECIDED
+        self._state = state
 
     def allowed_token_bitmask(self) -> bytes:
         """Bit ``t`` (little-endian, 32 tokens per int32 word) is set when token ``t`` may
         come next; exactly the model's vocabulary wide."""
-        mask = self._matcher.compute_bitmask()
-        return mask[: 4 * self._num_words]
+        return self._bitmask(self._state)
+
+    def _bitmask(self, state: str) -> bytes:
+        if state == _THINKING:
+            return _all_tokens_bitmask(self._vocab_size)
+        mask = self._matcher.compute_bitmask()[: 4 * self._num_words]
+        if state == _UNDECIDED:  # the grammar's tokens, or the one that opens a thinking
+            word, bit = divmod(self._gate.start_token_id, 32)
+            mask = bytearray(mask)
+            mask[4 * word + bit // 8] |= 1 << (bit % 8)
+            mask = bytes(mask)
+        return mask
+
+    def _next_state(self, state: str, token_id: int) -> tuple[str, bool]:
+        """The state after ``token_id``, and whether the grammar must consume it."""
+        if state == _UNDECIDED:
+            if token_id == self._gate.start_token_id:
+                return _THINKING, False
+            return _GRAMMAR, True
+        if state == _THINKING:
+            return (_GRAMMAR if token_id == self._gate.end_token_id else _THINKING), False
+        return _GRAMMAR, True
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False when the grammar does not allow it (the matcher
         is then in its error state, and ``error`` says why)."""
-        return self._matcher.consume_token(token_id)
+        state, by_grammar = self._next_state(self._state, token_id)
+        if by_grammar and not self._matcher.consume_token(token_id):
+            return False
+        self._state = state
+        return True
+
+    @property
+    def is_thinking(self) -> bool:
+        """The output thinks: its grammar waits for the end of the thinking."""
+        return self._state == _THINKING
+
+    def constrains(self, drafts: list[int]) -> bool:
+        """Whether a step that samples after 0, 1, ... of ``drafts`` needs masks: not while
+        the output thinks throughout."""
+        return not self.is_thinking or self._gate.end_token_id in drafts
 
     @property
     def is_finished(self) -> bool:
         """The output is complete and nothing may follow (EOS, if any, was consumed, or the
         language has no longer strings)."""
-        return self._matcher.is_stopped()
+        return self._state == _GRAMMAR and self._matcher.is_stopped()
 
     @property
     def error(self) -> str:
         return self._matcher.get_error()
 
     def fork(self) -> GrammarMatcher:
-        return GrammarMatcher(self._matcher.deep_copy(), self._num_words)
+        return GrammarMatcher(self._matcher.deep_copy(), self._vocab_size, self._gate, self._state)
 
     # ---------------------------------------------------- speculative decoding
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (a JSON key, punctuation): speculation's best
-        drafts, since sampling under the mask can hardly disagree."""
+        drafts, since sampling under the mask can hardly disagree. None while thinking."""
+        if self._state != _GRAMMAR:
+            return []
         return self._matcher.compute_ff_tokens()
 
     def usable_drafts(self, drafts: list[int]) -> int:
         """How many of ``drafts`` a speculating sequence may score: each allowed after the
         ones before it, and none after which the grammar is complete (that position would
         have no token to allow). The matcher ends where it began."""
-        matcher = self._matcher
-        usable = 0
-        for token_id in drafts:
-            if not matcher.consume_token(token_id):
+        # The gate passes a thinking prefix through; the grammar takes the rest.
+        state = self._state
+        first = 0
+        while first < len(drafts):
+            state, by_grammar = self._next_state(state, drafts[first])
+            if by_grammar:
                 break
+            first += 1
+        rest = drafts[first:]
+        if not rest:
+            return len(drafts)
+        matcher = self._matcher
+        # validate_tokens leaves the matcher as it is; consume_token on a token the
+        # grammar refuses would put it in its error state, where only EOS is allowed.
+        num_valid = matcher.validate_tokens(rest)
+        usable = 0
+        for token_id in rest[:num_valid]:
+            matcher.consume_token(token_id)
             if matcher.is_stopped():
                 matcher.rollback(1)
                 break
             usable += 1
         if usable:
             matcher.rollback(usable)
-        return usable
+        return first + usable
 
     def draft_bitmasks(self, drafts: list[int]) -> bytes:
         """The allowed-token bitmasks at the ``len(drafts) + 1`` positions a speculating
         sequence samples (after 0, 1, ... of its drafts), concatenated; the drafts must be
         usable (``usable_drafts``). The matcher ends where it began."""
-        masks = [self.allowed_token_bitmask()]
+        state = self._state
+        masks = [self._bitmask(state)]
+        consumed = 0
         for token_id in drafts:
-            self._matcher.consume_token(token_id)
-            masks.append(self.allowed_token_bitmask())
-        if drafts:
-            self._matcher.rollback(len(drafts))
+            state, by_grammar = self._next_state(state, token_id)
+            if by_grammar:
+                self._matcher.consume_token(token_id)
+                consumed += 1
+            masks.append(self._bitmask(state))
+        if consumed:
+            self._matcher.rollback(consumed)
         return b"".join(masks)
+
+
+@functools.lru_cache(maxsize=4)
+def _all_tokens_bitmask(vocab_size: int) -> bytes:
+    """The bitmask that allows every token of the vocabulary (a thinking output's)."""
+    full_words, rest = divmod(vocab_size, 32)
+    tail = ((1 << rest) - 1).to_bytes(4, "little") if rest else b""
+    return b"\xff\xff\xff\xff" * full_words + tail
 
 
 class StructuredOutput:
@@ -219,7 +328,7 @@ class StructuredOutput:
         matcher = LLMatcher(self._tokenizer, grammar, log_level=_MATCHER_LOG_LEVEL)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error().strip()}")
-        return GrammarMatcher(matcher, (self._vocabulary.vocab_size + 31) // 32)
+        return GrammarMatcher(matcher, self._vocabulary.vocab_size, self._vocabulary.thinking_gate)
 
     def _build_tokenizer(self) -> None:
         from llguidance import LLTokenizer

@@ -223,7 +223,7 @@ ROUND_TRIP_CASES = {
         enable_prefix_caching=False,
         world_size=2,
         worker=WORKER_SPEC,
-        grammar_vocabulary=GrammarVocabulary('{"model": {"vocab": {"é": 0}}}', 49152, [0, 2]),
+        grammar_vocabulary=GrammarVocabulary('{"model": {"vocab": {"é": 0}}}', 49152, [0, 2], 7, 8),
         structured_outputs_disable_any_whitespace=True,
     ),
     "start-worker": StartWorker(

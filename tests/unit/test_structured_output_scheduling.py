@@ -374,3 +374,21 @@ def test_a_request_status_reflects_the_grammar(structured, tokenizer):
     assert request.append_output_token(token_id(tokenizer, "n")) is RequestStatus.RUNNING
     # Complete before min_tokens: the grammar allows nothing more, so it ends.
     assert request.append_output_token(token_id(tokenizer, "o")) is RequestStatus.FINISHED_STOPPED
+
+
+def test_a_refused_draft_leaves_the_matcher_where_it_was(structured, tokenizer):
+    """Checking drafts never moves the matcher, a refused one included: llguidance puts a
+    matcher that consumes a refused token in its error state, where only EOS is allowed
+    (an early version checked drafts so and ended such outputs early)."""
+    a, b = token_id(tokenizer, "a"), token_id(tokenizer, "b")
+    matcher = structured.new_matcher(StructuredOutputsParams(regex="ab+"))
+    assert matcher.usable_drafts([b]) == 0
+    assert matcher.usable_drafts([a, a]) == 1
+    assert matcher.usable_drafts([a, b, b, a]) == 3
+    assert allowed_ids(matcher.allowed_token_bitmask()) == [a]
+    assert matcher.accept(a) and matcher.accept(b)
+    assert set(allowed_ids(matcher.allowed_token_bitmask())) == {b, EOS}
+    # A draft after which the grammar is complete is not usable either.
+    done = structured.new_matcher(choice("yes", "no"))
+    assert done.usable_drafts([token_id(tokenizer, "yes")]) == 0
+    assert not done.is_finished
