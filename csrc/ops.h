@@ -33,6 +33,18 @@
 // always float32. head_size in {64, 80, 96, 128, 256}, block_size in {8, 16, 32}.
 // GQA: num_heads % num_kv_heads == 0 and query head h reads kv head h / (num_heads /
 // num_kv_heads), so the query heads of one kv head are adjacent.
+//
+// Sliding window (Mistral, Qwen2 and Qwen3 sliding layers): every attention op takes
+// sliding_window, in tokens; 0 means full causal attention. With a window W > 0 the query token
+// at position i attends to the positions i - W < j <= i, that is the W positions ending at its
+// own (HF transformers' sliding_window_causal_mask_function: kv_idx > q_idx - sliding_window
+// and kv_idx <= q_idx):
+//
+//   positions:   0 ... i-W | i-W+1 .............. i | i+1 ...
+//   query i:      skipped  |  attended (W tokens)   | future
+//
+// Positions before the window are never read (their blocks may still be in the table: the block
+// manager keeps them), so a windowed op costs O(W) per query however long the context.
 #pragma once
 
 #include <cstdint>
@@ -75,23 +87,27 @@ void reshape_and_cache(const void* key,           // [num_tokens, num_kv_heads, 
                        const int64_t* slot_mapping,  // [num_tokens]
                        int64_t num_tokens, const PagedKVCache& cache);
 
-// Decode attention: one query token per sequence, attending to cache positions
-// 0 .. seq_lens[s] - 1 (the current token's K/V is already in the cache).
-//   partition_size < 0: choose automatically; 0: single pass over the whole context;
+// Decode attention: one query token per sequence, at position seq_lens[s] - 1, attending to
+// cache positions max(0, seq_lens[s] - sliding_window) .. seq_lens[s] - 1 (all of them when
+// sliding_window is 0; the current token's K/V is already in the cache).
+//   partition_size < 0: choose automatically; 0: single pass over the attended positions;
 //   N > 0 (multiple of block_size): split-K, N tokens per partition, each partition keeps its
-//   max / exp-sum / unnormalized output and a reduction step combines them.
+//   max / exp-sum / unnormalized output and a reduction step combines them. Partitions are
+//   counted from the window's first position, so none lies outside the window.
 // A sequence with seq_len 0 gets an all-zero output row.
 void paged_attention_decode(void* out,  // [num_seqs, num_heads, head_size]
                             int64_t out_token_stride,
                             const void* query,  // [num_seqs, num_heads, head_size]
                             int64_t query_token_stride, int64_t num_heads, float scale,
+                            int64_t sliding_window,  // tokens; 0: full attention
                             const PagedKVCache& cache, const BlockTables& tables,
                             int64_t partition_size);
 
 // Prefill / chunked-prefill / mixed attention over new query tokens of several sequences.
 // Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1] - 1 (q_len_s rows);
-// its query token j sits at position seq_lens[s] - q_len_s + j and attends causally to the
-// cached positions <= its own (its own K/V already written by reshape_and_cache):
+// its query token j sits at position i = seq_lens[s] - q_len_s + j and attends causally to the
+// cached positions <= its own (its own K/V already written by reshape_and_cache), and with a
+// sliding window W > 0 only to those > i - W:
 //
 //   cache:  [ prior context (cached) | this step's q_len_s tokens ]
 //            0                        seq_len - q_len            seq_len - 1
@@ -100,7 +116,9 @@ void paged_prefill_attention(void* out,  // [num_tokens, num_heads, head_size]
                              const void* query,  // [num_tokens, num_heads, head_size]
                              int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
                              const int32_t* query_start_loc,  // [num_seqs + 1]
-                             float scale, const PagedKVCache& cache, const BlockTables& tables);
+                             float scale,
+                             int64_t sliding_window,  // tokens; 0: full attention
+                             const PagedKVCache& cache, const BlockTables& tables);
 
 // Copy-on-write: copies whole blocks (all layers, K and V) inside one pool.
 // Destinations must be distinct and must not be sources of another pair.
@@ -203,14 +221,16 @@ void reshape_and_cache(const void* key,           // [num_tokens, num_kv_heads, 
 // float32 workspace it needs (0 for a single pass). requested_partition_size < 0 chooses
 // (split-K when long contexts would leave the GPU's SMs short of work), 0 forces a single pass,
 // N > 0 (a multiple of block_size) forces N tokens per partition. max_context_len is an upper
-// bound of seq_lens known on the host: max_blocks_per_seq * block_size.
+// bound of seq_lens known on the host: max_blocks_per_seq * block_size. A sliding window bounds
+// the attended positions, hence the partitions, by min(max_context_len, sliding_window).
 struct DecodePlan {
   int64_t partition_size;
   int64_t workspace_floats;  // [num_seqs, num_heads, num_partitions, head_size + 2]
 };
 DecodePlan plan_paged_attention_decode(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                        int64_t head_size, int64_t max_context_len,
-                                       int64_t requested_partition_size, int device);
+                                       int64_t sliding_window, int64_t requested_partition_size,
+                                       int device);
 
 // Decode attention as cpu::paged_attention_decode, with the plan's partition size (>= 0) and a
 // device workspace of at least the plan's workspace_floats (may be null for a single pass).
@@ -218,6 +238,7 @@ void paged_attention_decode(void* out,  // [num_seqs, num_heads, head_size]
                             int64_t out_token_stride,
                             const void* query,  // [num_seqs, num_heads, head_size]
                             int64_t query_token_stride, int64_t num_heads, float scale,
+                            int64_t sliding_window,  // tokens; 0: full attention
                             const PagedKVCache& cache, const BlockTables& tables,
                             int64_t partition_size, float* workspace, int64_t workspace_floats,
                             const Stream& stream);
@@ -229,8 +250,10 @@ void paged_prefill_attention(void* out,  // [num_tokens, num_heads, head_size]
                              const void* query,  // [num_tokens, num_heads, head_size]
                              int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
                              const int32_t* query_start_loc,  // device [num_seqs + 1]
-                             int64_t max_query_len, float scale, const PagedKVCache& cache,
-                             const BlockTables& tables, const Stream& stream);
+                             int64_t max_query_len, float scale,
+                             int64_t sliding_window,  // tokens; 0: full attention
+                             const PagedKVCache& cache, const BlockTables& tables,
+                             const Stream& stream);
 
 // Copy-on-write inside one device pool: every pair, all layers, in one launch. block_mapping is
 // the host array (checked as on the CPU); device_block_mapping the same pairs in device memory,

@@ -71,21 +71,30 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int,
     partition_size: int,
     cache_args: tuple,
     num_kv_heads: int,
     head_size: int,
     block_size: int,
 ) -> None:
-    """``partition_size`` as in ops.py (-1 chooses); split-K gets a workspace from torch's
-    caching allocator, freed in stream order once the kernels have run."""
+    """``partition_size`` as in ops.py (-1 chooses), ``sliding_window`` in tokens (0: full);
+    split-K gets a workspace from torch's caching allocator, freed in stream order once the
+    kernels have run."""
     module = kernels()
     device_index, stream = _stream(query.device)
     num_seqs, num_heads = query.shape[0], query.shape[1]
     # An upper bound of seq_lens known on the host: reading seq_lens would synchronize.
     max_context_len = block_tables.shape[1] * block_size
     partition, workspace_floats = module.plan_paged_attention_decode(
-        num_seqs, num_heads, num_kv_heads, head_size, max_context_len, partition_size, device_index
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_size,
+        max_context_len,
+        sliding_window,
+        partition_size,
+        device_index,
     )
     workspace = (
         torch.empty(workspace_floats, dtype=torch.float32, device=query.device)
@@ -99,6 +108,7 @@ def paged_attention_decode(
         query.stride(0),
         num_heads,
         scale,
+        sliding_window,
         *cache_args,
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -120,6 +130,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int,
     max_query_len: int,
     cache_args: tuple,
 ) -> None:
@@ -133,6 +144,7 @@ def paged_prefill_attention(
         query_start_loc.data_ptr(),
         max_query_len,
         scale,
+        sliding_window,
         *cache_args,
         block_tables.data_ptr(),
         block_tables.stride(0),

@@ -123,12 +123,13 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     partition_size: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its paged context.
 
     Sequence ``s`` attends to cache positions ``0 .. seq_lens[s] - 1`` (its current token's
-    K/V already written by :func:`reshape_and_cache`); a sequence with ``seq_len`` 0 gets
-    zeros.
+    K/V already written by :func:`reshape_and_cache`), or with a ``sliding_window`` of ``W``
+    tokens to the last ``W`` of them; a sequence with ``seq_len`` 0 gets zeros.
 
     Args:
         query: ``[num_seqs, num_heads, head_size]``, any token stride, heads and dims
@@ -144,7 +145,10 @@ def paged_attention_decode(
         partition_size: ``None`` chooses: split-K when long contexts leave too few
             (sequence, kv head) work items for the threads; ``0`` forces a single pass; ``N``
             (a multiple of ``block_size``) forces partitions of ``N`` tokens, each keeping its
-            max / exp-sum / partial output, combined by a reduction step.
+            max / exp-sum / partial output, combined by a reduction step. Partitions start at
+            the window's first position: none lies outside it.
+        sliding_window: ``None`` or ``0``: full attention; ``W > 0``: the query at position
+            ``i`` attends to positions ``i - W < j <= i`` (HF transformers' sliding window).
 
     Returns:
         ``out``.
@@ -152,6 +156,7 @@ def paged_attention_decode(
     cache = _check_caches(key_cache, value_cache)
     num_heads = _check_query("query", query, cache)
     num_seqs = query.shape[0]
+    window = _check_sliding_window(sliding_window)
     _check_block_tables(block_tables, num_seqs)
     _check_index_vector("seq_lens", seq_lens, torch.int32, num_seqs, "num_seqs")
     out = _check_or_allocate_out(out, query)
@@ -181,6 +186,7 @@ def paged_attention_decode(
             block_tables,
             seq_lens,
             scale,
+            window,
             partition,
             cache.args,
             cache.num_kv_heads,
@@ -195,6 +201,7 @@ def paged_attention_decode(
         query.stride(0),
         num_heads,
         scale,
+        window,
         *cache.args,
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -216,14 +223,16 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over their sequences' paged caches.
 
     Covers plain prefill, chunked prefill / prefix-cache hits (prior context already
     cached) and decode (one query token). Sequence ``s`` owns query rows
     ``query_start_loc[s] .. query_start_loc[s + 1] - 1`` (``q_len`` rows); its token ``j``
-    sits at position ``seq_lens[s] - q_len + j`` and attends to cached positions up to its
-    own (this step's K/V already written by :func:`reshape_and_cache`)::
+    sits at position ``i = seq_lens[s] - q_len + j`` and attends to cached positions up to its
+    own (this step's K/V already written by :func:`reshape_and_cache`), and with a
+    ``sliding_window`` of ``W`` tokens only to those after ``i - W``::
 
         cache of s:  [ prior context ........ | this step's q_len tokens ]
                       0                        seq_len - q_len    seq_len - 1
@@ -241,6 +250,8 @@ def paged_prefill_attention(
         max_query_len: the most query tokens any one sequence has (``None``: ``num_tokens``).
             The CUDA kernel sizes its grid by it without reading ``query_start_loc``; a value
             below a sequence's length leaves that sequence's last rows unwritten.
+        sliding_window: ``None`` or ``0``: full causal attention; ``W > 0``: the last ``W``
+            positions up to each query's own (HF transformers' sliding window).
 
     Returns:
         ``out``.
@@ -248,6 +259,7 @@ def paged_prefill_attention(
     cache = _check_caches(key_cache, value_cache)
     num_heads = _check_query("query", query, cache)
     num_seqs = _check_block_tables(block_tables, None)
+    window = _check_sliding_window(sliding_window)
     _check_index_vector(
         "query_start_loc", query_start_loc, torch.int32, num_seqs + 1, "num_seqs + 1"
     )
@@ -268,7 +280,15 @@ def paged_prefill_attention(
         return out
     if cache.is_cuda:
         cuda_ops.paged_prefill_attention(
-            out, query, block_tables, query_start_loc, seq_lens, scale, max_query_len, cache.args
+            out,
+            query,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            window,
+            max_query_len,
+            cache.args,
         )
         return out
     _C_cpu.paged_prefill_attention(
@@ -280,6 +300,7 @@ def paged_prefill_attention(
         num_heads,
         query_start_loc.data_ptr(),
         scale,
+        window,
         *cache.args,
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -654,6 +675,22 @@ def _check_max_query_len(max_query_len: int | None, num_tokens: int) -> int:
             f"max_query_len must be in [0, num_tokens = {num_tokens}], got {max_query_len}"
         )
     return max_query_len
+
+
+def _check_sliding_window(sliding_window: int | None) -> int:
+    """Returns the window in tokens, 0 for full attention."""
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(
+            f"sliding_window must be None or an int (tokens), got {type(sliding_window).__name__}"
+        )
+    if not 0 <= sliding_window < 2**31:
+        raise ValueError(
+            f"sliding_window must be None, 0 (full attention) or a positive number of tokens "
+            f"below 2**31, got {sliding_window}"
+        )
+    return sliding_window
 
 
 def _check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

@@ -11,7 +11,8 @@
 //
 //   for each key block (block_size positions, up to the tile's last position):
 //     S^T[key][rows] = K_block . Q^T          (Q^T [head_size][rows], pre-scaled)
-//     mask keys past each row's position; m_new = max(m, max_key S); alpha = exp(m - m_new)
+//     mask keys past each row's position (and before its sliding window);
+//     m_new = max(m, max_key S); alpha = exp(m - m_new)
 //     P^T = exp(S^T - m_new); l = l * alpha + sum_key P^T
 //     O^T[d][rows] = O^T * alpha + sum_key V[key][d] * P^T[key][rows]
 //   out[row] = O^T[:, row] / l[row]
@@ -423,7 +424,8 @@ struct Decode {
     for (int r = 0; r < num_q; ++r) store_row(ws.acc + r * D, 1.0f / ws.row_sum[r], out + r * D);
   }
 
-  // Full-context attention of all query heads of one sequence.
+  // Attention of all query heads of one sequence's last token over its window (the whole
+  // context without one).
   static void attend_sequence(const AttentionProblem& p, const DecodeScratch& ws, int64_t seq,
                               const T* query_row, T* out_row) {
     const int num_heads = static_cast<int>(p.num_heads);
@@ -434,7 +436,8 @@ struct Decode {
       return;
     }
     load_scaled_rows(query_row, num_heads, p.scale, ws.q);
-    attend_range(ws, num_kv_heads, num_heads / num_kv_heads, kv_rows<T, D>(p, seq, 0), 0, seq_len);
+    attend_range(ws, num_kv_heads, num_heads / num_kv_heads, kv_rows<T, D>(p, seq, 0),
+                 window_begin(p, seq_len - 1), seq_len);
     store_normalized(ws, num_heads, out_row);
   }
 
@@ -449,10 +452,10 @@ struct Decode {
   }
 
   static int64_t workspace_floats(const AttentionProblem& p, int64_t partition_size) {
-    const int64_t positions = partition_size > 0 ? partition_size : p.max_seq_len;
+    const int64_t positions = partition_size > 0 ? partition_size : p.max_attended_len;
     int64_t floats = scratch_floats(p, positions) * p.num_threads;
     if (partition_size > 0) {
-      const int64_t num_parts = ceil_div(p.max_seq_len, partition_size);
+      const int64_t num_parts = ceil_div(p.max_attended_len, partition_size);
       const int64_t rows = p.tables.num_seqs * p.num_heads * num_parts;
       floats += aligned(rows * D) + 2 * aligned(rows);
     }
@@ -464,8 +467,8 @@ struct Decode {
     const int64_t num_heads = p.num_heads;
     const int num_kv_heads = static_cast<int>(p.cache.num_kv_heads);
     const int group = static_cast<int>(num_heads / num_kv_heads);
-    const int64_t positions = partition_size > 0 ? partition_size : p.max_seq_len;
-    const int64_t num_parts = partition_size > 0 ? ceil_div(p.max_seq_len, partition_size) : 1;
+    const int64_t positions = partition_size > 0 ? partition_size : p.max_attended_len;
+    const int64_t num_parts = partition_size > 0 ? ceil_div(p.max_attended_len, partition_size) : 1;
     const int64_t per_thread = scratch_floats(p, positions);
     // Partition results: rows [num_seqs][num_parts][num_heads] (of D floats for part_out).
     const int64_t part_rows = num_seqs * num_parts * num_heads;
@@ -488,8 +491,11 @@ struct Decode {
           attend_sequence(p, ws, seq, query_row, out + seq * p.out_token_stride);
           continue;
         }
-        const int64_t begin = part * partition_size;
-        const int64_t end = min_i64(p.tables.seq_lens[seq], begin + partition_size);
+        // Partitions count from the window's first position: none lies wholly before it.
+        const int64_t seq_len = p.tables.seq_lens[seq];
+        const int64_t begin =
+            (seq_len > 0 ? window_begin(p, seq_len - 1) : 0) + part * partition_size;
+        const int64_t end = min_i64(seq_len, begin + partition_size);
         if (begin >= end) continue;
         load_scaled_rows(query_row, static_cast<int>(num_heads), p.scale, ws.q);
         attend_range(ws, num_kv_heads, group, kv_rows<T, D>(p, seq, 0), begin, end);
@@ -509,7 +515,9 @@ struct Decode {
           const int64_t seq = seq_head / num_heads;
           const int64_t head = seq_head % num_heads;
           T* out_row = out + seq * p.out_token_stride + head * D;
-          const int64_t parts = ceil_div(p.tables.seq_lens[seq], partition_size);
+          const int64_t seq_len = p.tables.seq_lens[seq];
+          const int64_t attended = seq_len > 0 ? seq_len - window_begin(p, seq_len - 1) : 0;
+          const int64_t parts = ceil_div(attended, partition_size);
           if (parts == 0) {
             store_zero_rows<T, D>(out_row, 1);
             continue;
@@ -547,12 +555,12 @@ struct Prefill {
   static int64_t tile_floats(int64_t block_size) {
     const int64_t rows = kRowsPerTile;
     return 2 * aligned(D * rows) + aligned(block_size * rows) + 2 * aligned(block_size * D) +
-           3 * aligned(rows);
+           4 * aligned(rows);
   }
 
   static int64_t scratch_floats(const AttentionProblem& p) {
-    return aligned(
-        max_i64(tile_floats(p.cache.block_size), Decode<T, D>::scratch_floats(p, p.max_seq_len)));
+    return aligned(max_i64(tile_floats(p.cache.block_size),
+                           Decode<T, D>::scratch_floats(p, p.max_attended_len)));
   }
 
   // A block's rows [num_keys][D] as fp32: the cache itself for fp32, else converted into dst.
@@ -629,7 +637,8 @@ struct Prefill {
     float* kf = s + aligned(block_size * kRows);  // [block_size][D]
     float* vf = kf + aligned(block_size * D);     // [block_size][D]
     float* pos = vf + aligned(block_size * D);    // [kRows] position of each row
-    float* m = pos + aligned(kRows);              // [kRows] running max
+    float* first = pos + aligned(kRows);          // [kRows] first position in its window
+    float* m = first + aligned(kRows);            // [kRows] running max
     float* l = m + aligned(kRows);                // [kRows] running exp-sum
 
     // The tile's rows are (token, head) pairs of the kv head's group, token-major.
@@ -646,11 +655,13 @@ struct Prefill {
         query_rows[r] = query + (q_start + j) * p.query_token_stride + head * D;
         out_rows[r] = out + (q_start + j) * p.out_token_stride + head * D;
         pos[r] = static_cast<float>(context + j);
+        first[r] = static_cast<float>(window_begin(p, context + j));
         min_pos = min_i64(min_pos, context + j);
         max_pos = max_i64(max_pos, context + j);
       } else {  // padding lane: zero query, sees every key, never written out
         query_rows[r] = nullptr;
         pos[r] = FLT_MAX;
+        first[r] = -FLT_MAX;
       }
     }
     // qT = scaled query rows, transposed kWidth x kWidth at a time.
@@ -674,8 +685,11 @@ struct Prefill {
 
     const KVRows<T, D> kv = kv_rows<T, D>(p, item.seq, item.kv_head);
     const int64_t num_positions = max_pos + 1;
+    // Keys before every row's window are never read; keys before some row's window are masked.
+    const int64_t first_block_pos = window_begin(p, min_pos) / block_size * block_size;
+    const int64_t all_rows_first = window_begin(p, max_pos);
     const int64_t block_bytes = block_size * D * static_cast<int64_t>(sizeof(T));
-    for (int64_t b0 = 0; b0 < num_positions; b0 += block_size) {
+    for (int64_t b0 = first_block_pos; b0 < num_positions; b0 += block_size) {
       const int num_keys = static_cast<int>(min_i64(block_size, num_positions - b0));
       if (b0 + block_size < num_positions) {  // the next block is elsewhere: request it now
         prefetch_to_l1(kv.key_block(b0 / block_size + 1), block_bytes);
@@ -688,11 +702,18 @@ struct Prefill {
       for (; c < num_keys; ++c) qk_step<kRowVecs, 1>(qT, k + c * D, s + c * kRows);
       for (c = 0; c < num_keys; ++c) {
         const int64_t key_pos = b0 + c;
-        if (key_pos <= min_pos) continue;
+        const bool future_for_some = key_pos > min_pos;
+        const bool before_some_window = key_pos < all_rows_first;
+        if (!future_for_some && !before_some_window) continue;
         for (int r = 0; r < kRows; r += kWidth) {
-          VecF::load(s + c * kRows + r)
-              .mask_future(VecF::load(pos + r), static_cast<float>(key_pos))
-              .store(s + c * kRows + r);
+          VecF logits = VecF::load(s + c * kRows + r);
+          if (future_for_some) {
+            logits = logits.mask_future(VecF::load(pos + r), static_cast<float>(key_pos));
+          }
+          if (before_some_window) {
+            logits = logits.mask_before(VecF::load(first + r), static_cast<float>(key_pos));
+          }
+          logits.store(s + c * kRows + r);
         }
       }
       VecF alpha[kRowVecs];
@@ -742,8 +763,8 @@ struct Prefill {
         const int64_t q_start = query_start_loc[item.seq];
         const int64_t q_len = query_start_loc[item.seq + 1] - q_start;
         if (q_len == 1) {  // a decode: the decode kernel's layout suits it better
-          Decode<T, D>::attend_sequence(p, Decode<T, D>::carve(p, scratch, p.max_seq_len), item.seq,
-                                        query + q_start * p.query_token_stride,
+          Decode<T, D>::attend_sequence(p, Decode<T, D>::carve(p, scratch, p.max_attended_len),
+                                        item.seq, query + q_start * p.query_token_stride,
                                         out + q_start * p.out_token_stride);
           continue;
         }

@@ -17,11 +17,20 @@ struct AttentionProblem {
   int64_t query_token_stride;
   int64_t num_heads;
   float scale;
+  int64_t sliding_window;  // tokens; 0: full attention (see ops.h)
   PagedKVCache cache;
   BlockTables tables;
-  int64_t max_seq_len;  // max over tables.seq_lens
+  // The most cache positions one query token attends to: max over tables.seq_lens of
+  // min(seq_len, sliding_window) (of seq_len when there is no window).
+  int64_t max_attended_len;
   int num_threads;
 };
+
+// The first cache position a query token at `position` attends to.
+inline int64_t window_begin(const AttentionProblem& p, int64_t position) {
+  if (p.sliding_window <= 0 || position < p.sliding_window) return 0;
+  return position - p.sliding_window + 1;
+}
 
 // Prefill work item: query rows [row_begin, row_end) of one (sequence, kv head), where the
 // sequence's rows are its query tokens x the kv head's query heads, token-major:

@@ -126,7 +126,7 @@ void check_cache(const PagedKVCache& c) {
   }
 }
 
-// Checks every sequence length and every block-table entry the kernels will read; returns the
+// Checks every sequence length and every block-table entry the kernels may read; returns the
 // longest sequence.
 int64_t check_tables(const BlockTables& t, const PagedKVCache& c) {
   int64_t max_seq_len = 0;
@@ -152,6 +152,18 @@ int64_t check_tables(const BlockTables& t, const PagedKVCache& c) {
   return max_seq_len;
 }
 
+void check_sliding_window(int64_t sliding_window) {
+  if (sliding_window < 0) {
+    throw std::invalid_argument("sliding_window " + std::to_string(sliding_window) +
+                                " must be >= 0 (tokens; 0: full attention)");
+  }
+}
+
+// Positions one query token of a sequence with seq_len cached tokens attends to, at most.
+int64_t attended_len(int64_t seq_len, int64_t sliding_window) {
+  return sliding_window > 0 ? std::min(seq_len, sliding_window) : seq_len;
+}
+
 void check_heads(int64_t num_heads, const PagedKVCache& c) {
   if (c.num_kv_heads <= 0 || num_heads <= 0 || num_heads % c.num_kv_heads != 0) {
     throw std::invalid_argument("num_heads " + std::to_string(num_heads) +
@@ -168,30 +180,34 @@ int64_t choose_partition_size(const AttentionProblem& p) {
       ceil_div(4 * int64_t{p.num_threads}, std::max<int64_t>(items, 1));
   if (partitions_wanted <= 1) return 0;
   const int64_t block_size = p.cache.block_size;
-  int64_t size = ceil_div(ceil_div(p.max_seq_len, partitions_wanted), block_size) * block_size;
+  int64_t size = ceil_div(ceil_div(p.max_attended_len, partitions_wanted), block_size) * block_size;
   size = std::max(size, ceil_div(kMinAutoPartitionSize, block_size) * block_size);
-  return size >= p.max_seq_len ? 0 : size;
+  return size >= p.max_attended_len ? 0 : size;
 }
 
 }  // namespace
 
 void paged_attention_decode(void* out, int64_t out_token_stride, const void* query,
                             int64_t query_token_stride, int64_t num_heads, float scale,
-                            const PagedKVCache& cache, const BlockTables& tables,
-                            int64_t partition_size) {
+                            int64_t sliding_window, const PagedKVCache& cache,
+                            const BlockTables& tables, int64_t partition_size) {
   check_cache(cache);
   check_heads(num_heads, cache);
+  check_sliding_window(sliding_window);
   if (partition_size > 0 && partition_size % cache.block_size != 0) {
     throw std::invalid_argument("partition_size " + std::to_string(partition_size) +
                                 " must be a multiple of block_size " +
                                 std::to_string(cache.block_size));
   }
-  AttentionProblem p{out,   out_token_stride, query, query_token_stride, num_heads, scale,
-                     cache, tables,           0,     get_num_threads()};
-  p.max_seq_len = check_tables(tables, cache);
+  AttentionProblem p{
+      out,   out_token_stride, query, query_token_stride, num_heads, scale, sliding_window,
+      cache, tables,           0,     get_num_threads()};
+  p.max_attended_len = attended_len(check_tables(tables, cache), sliding_window);
   if (tables.num_seqs == 0) return;
   int64_t work = 0;
-  for (int64_t s = 0; s < tables.num_seqs; ++s) work += tables.seq_lens[s];
+  for (int64_t s = 0; s < tables.num_seqs; ++s) {
+    work += attended_len(tables.seq_lens[s], sliding_window);
+  }
   if (work * cache.num_kv_heads < kMinParallelDecodeWork) p.num_threads = 1;
   if (partition_size < 0) partition_size = choose_partition_size(p);
   const AttentionKernels& k = kernels();
@@ -201,13 +217,15 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
 
 void paged_prefill_attention(void* out, int64_t out_token_stride, const void* query,
                              int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
-                             const int32_t* query_start_loc, float scale, const PagedKVCache& cache,
-                             const BlockTables& tables) {
+                             const int32_t* query_start_loc, float scale, int64_t sliding_window,
+                             const PagedKVCache& cache, const BlockTables& tables) {
   check_cache(cache);
   check_heads(num_heads, cache);
-  AttentionProblem p{out,   out_token_stride, query, query_token_stride, num_heads, scale,
-                     cache, tables,           0,     get_num_threads()};
-  p.max_seq_len = check_tables(tables, cache);
+  check_sliding_window(sliding_window);
+  AttentionProblem p{
+      out,   out_token_stride, query, query_token_stride, num_heads, scale, sliding_window,
+      cache, tables,           0,     get_num_threads()};
+  p.max_attended_len = attended_len(check_tables(tables, cache), sliding_window);
   if (query_start_loc[0] != 0) {
     throw std::invalid_argument("query_start_loc[0] = " + std::to_string(query_start_loc[0]) +
                                 " must be 0");
@@ -238,7 +256,7 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
     const int64_t context = tables.seq_lens[s] - q_len;
     if (q_len == 1) {
       planned.push_back(
-          {num_heads * (context + 1) / 4,
+          {num_heads * attended_len(context + 1, sliding_window) / 4,
            PrefillItem{static_cast<int32_t>(s), 0, 0, static_cast<int32_t>(num_heads)}});
       continue;
     }
@@ -246,7 +264,8 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
     for (int64_t kv_head = 0; kv_head < cache.num_kv_heads; ++kv_head) {
       for (int64_t row = 0; row < rows; row += k.prefill_rows_per_tile) {
         const int64_t row_end = std::min(rows, row + k.prefill_rows_per_tile);
-        const int64_t cost = (row_end - row) * (context + (row_end - 1) / group + 1);
+        const int64_t cost =
+            (row_end - row) * attended_len(context + (row_end - 1) / group + 1, sliding_window);
         planned.push_back(
             {cost, PrefillItem{static_cast<int32_t>(s), static_cast<int32_t>(kv_head),
                                static_cast<int32_t>(row), static_cast<int32_t>(row_end)}});

@@ -6,6 +6,7 @@
 // template instantiation, which is also why the kernels use no std:: containers.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -155,6 +156,13 @@ struct VecF {
     const __mmask16 future =
         _mm512_cmp_ps_mask(position.v, _mm512_set1_ps(key_position), _CMP_LT_OQ);
     return VecF(_mm512_mask_blend_ps(future, v, _mm512_set1_ps(-INFINITY)));
+  }
+  // Lanes where key_position < `first` (before a sliding window) become -FLT_MAX: finite, so a
+  // row whose first keys all lie before its window keeps a finite running max and its later
+  // rescale exp(-FLT_MAX - m) is 0, where -inf - -inf would make it NaN.
+  VecF mask_before(VecF first, float key_position) const {
+    const __mmask16 before = _mm512_cmp_ps_mask(_mm512_set1_ps(key_position), first.v, _CMP_LT_OQ);
+    return VecF(_mm512_mask_blend_ps(before, v, _mm512_set1_ps(-FLT_MAX)));
   }
   // 2^n for integral-valued n (no range checks: callers clamp n).
   static VecF exp2_integral(VecF n) {
@@ -337,6 +345,11 @@ struct VecF {
     const __m256 future = _mm256_cmp_ps(position.v, _mm256_set1_ps(key_position), _CMP_LT_OQ);
     return VecF(_mm256_blendv_ps(v, _mm256_set1_ps(-INFINITY), future));
   }
+  // See the AVX-512 variant.
+  VecF mask_before(VecF first, float key_position) const {
+    const __m256 before = _mm256_cmp_ps(_mm256_set1_ps(key_position), first.v, _CMP_LT_OQ);
+    return VecF(_mm256_blendv_ps(v, _mm256_set1_ps(-FLT_MAX), before));
+  }
   static VecF exp2_integral(VecF n) {
     const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
     return VecF(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
@@ -495,6 +508,12 @@ struct VecF {
   VecF mask_future(VecF position, float key_position) const {
     VecF r;
     for (int i = 0; i < kWidth; ++i) r.v[i] = position.v[i] < key_position ? -INFINITY : v[i];
+    return r;
+  }
+  // See the AVX-512 variant.
+  VecF mask_before(VecF first, float key_position) const {
+    VecF r;
+    for (int i = 0; i < kWidth; ++i) r.v[i] = key_position < first.v[i] ? -FLT_MAX : v[i];
     return r;
   }
 };

@@ -19,6 +19,14 @@
 //
 // Split-K: each partition writes its normalized output, max and sum to the workspace; the
 // reduction kernel rescales the partitions to the global max and combines them.
+//
+// Sliding window: a sequence attends to its positions [window_start, seq_len), window_start =
+// max(0, seq_len - sliding_window). Partitions count from window_start, so the grid holds
+// ceil(min(context, window) / partition_size) of them and none is launched for positions
+// outside the window:
+//
+//   positions:  0 ....... window_start | part 0 | part 1 | ... | seq_len - 1
+//               never read               partition_size tokens each
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -78,7 +86,8 @@ struct DecodeArgs {
   const int32_t* block_tables;
   int64_t block_table_stride;
   const int32_t* seq_lens;
-  int partition_size;  // tokens per partition; 0: one pass over the whole context
+  int sliding_window;  // tokens; 0: full attention
+  int partition_size;  // tokens per partition; 0: one pass over the whole window
   int max_partitions;
   float* partial_out;  // [num_seqs, num_heads, max_partitions, head_size]
   float* partial_max;  // [num_seqs, num_heads, max_partitions]
@@ -92,6 +101,11 @@ struct UnrollRows {
   static constexpr int kBase = kGroupTile == 1 ? 8 : kGroupTile == 4 ? 4 : 2;
   static constexpr int value = kBase / kVecsPerLane > 1 ? kBase / kVecsPerLane : 1;
 };
+
+// The first position a sequence's decode query (at seq_len - 1) attends to.
+__device__ inline int window_start(const DecodeArgs& args, int seq_len) {
+  return args.sliding_window > 0 ? max(0, seq_len - args.sliding_window) : 0;
+}
 
 template <typename T, int kHeadSize, int kGroupTile>
 __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs args) {
@@ -109,7 +123,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   const int first_head = kv_head * args.group_size + first_in_group;
   const int partition = blockIdx.x;
   const int seq_len = args.seq_lens[seq];
-  const int start = partition * args.partition_size;
+  const int start = window_start(args, seq_len) + partition * args.partition_size;
   if (args.partition_size > 0 && start >= seq_len) return;  // the reduction skips it
   const int end = args.partition_size > 0 ? min(seq_len, start + args.partition_size) : seq_len;
 
@@ -324,7 +338,9 @@ __global__ void __launch_bounds__(kReduceThreads)
   __shared__ float scratch[kReduceThreads / kWarpSize];
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
-  const int num_partitions = static_cast<int>(ceil_div(args.seq_lens[seq], args.partition_size));
+  const int seq_len = args.seq_lens[seq];
+  const int num_partitions =
+      static_cast<int>(ceil_div(seq_len - window_start(args, seq_len), args.partition_size));
   const int64_t first = (static_cast<int64_t>(seq) * args.num_heads + head) * args.max_partitions;
   float local_max = -INFINITY;
   for (int p = threadIdx.x; p < num_partitions; p += blockDim.x) {
@@ -380,9 +396,17 @@ void launch_decode(const DecodeArgs& args, int group_tile, dim3 grid, cudaStream
 
 }  // namespace
 
+// The most positions one decode query attends to (the partitions' span).
+int64_t max_attended_len(int64_t max_context_len, int64_t sliding_window) {
+  return sliding_window > 0 ? std::min(max_context_len, sliding_window) : max_context_len;
+}
+
 DecodePlan plan_paged_attention_decode(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                        int64_t head_size, int64_t max_context_len,
-                                       int64_t requested_partition_size, int device) {
+                                       int64_t sliding_window, int64_t requested_partition_size,
+                                       int device) {
+  check_sliding_window(sliding_window);
+  const int64_t attended_len = max_attended_len(max_context_len, sliding_window);
   int64_t partition_size = requested_partition_size;
   if (partition_size < 0) {
     // Split-K only pays when one pass leaves too few thread blocks to fill the SMs several
@@ -391,20 +415,20 @@ DecodePlan plan_paged_attention_decode(int64_t num_seqs, int64_t num_heads, int6
     const int64_t blocks =
         num_seqs * num_kv_heads * ceil_div(group_size, group_tile_for(group_size));
     const bool few_blocks = blocks < 32 * static_cast<int64_t>(multiprocessor_count(device));
-    partition_size =
-        max_context_len > kDefaultPartitionSize && few_blocks ? kDefaultPartitionSize : 0;
+    partition_size = attended_len > kDefaultPartitionSize && few_blocks ? kDefaultPartitionSize : 0;
   }
   if (partition_size == 0) return DecodePlan{0, 0};
-  const int64_t num_partitions = ceil_div(std::max<int64_t>(max_context_len, 1), partition_size);
+  const int64_t num_partitions = ceil_div(std::max<int64_t>(attended_len, 1), partition_size);
   return DecodePlan{partition_size, num_seqs * num_heads * num_partitions * (head_size + 2)};
 }
 
 void paged_attention_decode(void* out, int64_t out_token_stride, const void* query,
                             int64_t query_token_stride, int64_t num_heads, float scale,
-                            const PagedKVCache& cache, const BlockTables& tables,
-                            int64_t partition_size, float* workspace, int64_t workspace_floats,
-                            const Stream& stream) {
+                            int64_t sliding_window, const PagedKVCache& cache,
+                            const BlockTables& tables, int64_t partition_size, float* workspace,
+                            int64_t workspace_floats, const Stream& stream) {
   check_block_size(cache.block_size);
+  check_sliding_window(sliding_window);
   check_cache_alignment(cache);
   if (cache.num_kv_heads < 1 || num_heads % cache.num_kv_heads != 0) {
     throw std::invalid_argument("num_heads " + std::to_string(num_heads) +
@@ -421,9 +445,10 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
                                 " is above the kernel's limit of 65535 per call");
   }
   if (tables.num_seqs == 0) return;
-  const int64_t max_context_len = tables.max_blocks_per_seq * cache.block_size;
+  const int64_t attended_len =
+      max_attended_len(tables.max_blocks_per_seq * cache.block_size, sliding_window);
   const int64_t num_partitions =
-      partition_size > 0 ? ceil_div(std::max<int64_t>(max_context_len, 1), partition_size) : 1;
+      partition_size > 0 ? ceil_div(std::max<int64_t>(attended_len, 1), partition_size) : 1;
   const int64_t needed =
       partition_size > 0 ? tables.num_seqs * num_heads * num_partitions * (cache.head_size + 2) : 0;
   if (workspace_floats < needed || (needed > 0 && workspace == nullptr)) {
@@ -456,6 +481,7 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
   args.block_tables = tables.block_tables;
   args.block_table_stride = tables.row_stride;
   args.seq_lens = tables.seq_lens;
+  args.sliding_window = static_cast<int>(sliding_window);
   args.partition_size = static_cast<int>(partition_size);
   args.max_partitions = static_cast<int>(num_partitions);
   if (partition_size > 0) {

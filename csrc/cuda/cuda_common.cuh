@@ -49,6 +49,14 @@ inline cudaStream_t to_stream(const Stream& stream) {
 
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
+// The kernels hold positions, hence the window, in int.
+inline void check_sliding_window(int64_t sliding_window) {
+  if (sliding_window < 0 || sliding_window > INT32_MAX) {
+    throw std::invalid_argument("sliding_window " + std::to_string(sliding_window) +
+                                " must be in [0, 2^31) (tokens; 0: full attention)");
+  }
+}
+
 inline int64_t element_bytes(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:

@@ -5,9 +5,11 @@
 // group share every K/V tile. One thread block per (tile of kRows rows, kv head, sequence):
 //
 //   Q tile [kRows][head_size] (float, pre-scaled to base-2 logits) in shared memory
-//   for each key tile of kKeys positions, up to the tile's last query position:
+//   for each key tile of kKeys positions, from the first row's window start (0 without a
+//   sliding window) up to the tile's last query position:
 //     K, V tiles [kKeys][head_size] gathered through the block table into shared memory
-//     S = Q K^T; mask keys past each row's position; online softmax (m, l per row)
+//     S = Q K^T; mask keys past each row's position or before its window (position - W < key);
+//     online softmax (m, l per row)
 //     O = O * alpha + P V
 //   out = O / l
 //
@@ -43,6 +45,7 @@ struct PrefillArgs {
   const int32_t* block_tables;
   int64_t block_table_stride;
   const int32_t* seq_lens;
+  int sliding_window;  // tokens; 0: full attention
 };
 
 template <int kHeadSize>
@@ -96,10 +99,16 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(const PrefillA
   const int quad = threadIdx.x % kThreadsPerRow;
   const int row = first_row + r;
   const bool row_active = row < num_rows;
-  // Keys at positions <= limit are visible to this row (-1: none, an inactive row).
+  // Keys at positions in [first_visible, limit] are visible to this row (limit -1: none, an
+  // inactive row).
   const int limit = row_active ? context_start + row / args.group_size : -1;
+  const int first_visible = args.sliding_window > 0 ? limit - args.sliding_window + 1 : 0;
   const int last_row = min(first_row + kRows, num_rows) - 1;
   const int keys_end = context_start + last_row / args.group_size + 1;  // exclusive
+  // The tile's first row sees the earliest window: keys before it are never read.
+  const int first_position = context_start + first_row / args.group_size;
+  const int keys_begin =
+      args.sliding_window > 0 ? max(0, first_position - args.sliding_window + 1) : 0;
 
   float m = -INFINITY, l = 0.0f;
   float acc[kDimsPerThread];
@@ -111,7 +120,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(const PrefillA
   const T* key_cache = static_cast<const T*>(args.key_cache);
   const T* value_cache = static_cast<const T*>(args.value_cache);
 
-  for (int key_start = 0; key_start < keys_end; key_start += kKeys) {
+  for (int key_start = keys_begin; key_start < keys_end; key_start += kKeys) {
     __syncthreads();  // the previous tile's K, V and P are no longer read
     for (int index = threadIdx.x; index < kKeys * kRowVecs; index += kPrefillThreads) {
       const int key = index / kRowVecs;
@@ -153,13 +162,14 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(const PrefillA
 #pragma unroll
     for (int c = 0; c < kKeysPerThread; ++c) {
       const int position = key_start + quad + c * kThreadsPerRow;
-      if (position > limit) logit[c] = -INFINITY;
+      if (position > limit || position < first_visible) logit[c] = -INFINITY;
       tile_max = fmaxf(tile_max, logit[c]);
     }
     tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
     const float new_max = fmaxf(m, tile_max);
-    // -inf while the row has seen no visible key (only inactive rows stay there).
+    // -inf while the row has seen no visible key (inactive rows, and rows whose window starts
+    // past the tiles read so far).
     const float alpha = new_max == -INFINITY ? 1.0f : exp2f(m - new_max);
     float sum = 0.0f;
 #pragma unroll
@@ -218,9 +228,10 @@ void launch_prefill(const PrefillArgs& args, dim3 grid, cudaStream_t stream) {
 void paged_prefill_attention(void* out, int64_t out_token_stride, const void* query,
                              int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
                              const int32_t* query_start_loc, int64_t max_query_len, float scale,
-                             const PagedKVCache& cache, const BlockTables& tables,
-                             const Stream& stream) {
+                             int64_t sliding_window, const PagedKVCache& cache,
+                             const BlockTables& tables, const Stream& stream) {
   check_block_size(cache.block_size);
+  check_sliding_window(sliding_window);
   check_cache_alignment(cache);
   if (cache.num_kv_heads < 1 || num_heads % cache.num_kv_heads != 0) {
     throw std::invalid_argument("num_heads " + std::to_string(num_heads) +
@@ -254,6 +265,7 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
   args.block_tables = tables.block_tables;
   args.block_table_stride = tables.row_stride;
   args.seq_lens = tables.seq_lens;
+  args.sliding_window = static_cast<int>(sliding_window);
 
   DeviceGuard guard(stream.device);
   const dim3 grid(static_cast<unsigned>(ceil_div(max_query_len * group_size, kRows)),

@@ -15,7 +15,7 @@ is a property of the deployment's hardware, not of a request.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,6 +50,8 @@ class GatheredPrefillPlan:
         mask       [S, 1, Q, K]  causal: query row j of a sequence with `context` cached
                             tokens before this step sits at position context + j
         output_rows [T]     for each of the T prefill tokens, its row in the flattened [S * Q]
+        query_positions [S, Q]  context + j, from which window_mask makes windowed masks
+        query_valid [S, Q]  j < the sequence's query length (the rest is padding)
     """
 
     query_rows: torch.Tensor
@@ -58,6 +60,27 @@ class GatheredPrefillPlan:
     key_valid: torch.Tensor
     mask: torch.Tensor
     output_rows: torch.Tensor
+    query_positions: torch.Tensor
+    query_valid: torch.Tensor
+    # Masks of sliding-window layers, made by the first layer of each window and shared by the
+    # rest of the step's layers.
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, sliding_window: int) -> torch.Tensor:
+        """The causal mask for ``sliding_window`` (tokens; 0: full attention): key position
+        ``k`` is visible to query position ``i`` when ``i - sliding_window < k <= i``."""
+        if sliding_window <= 0:
+            return self.mask
+        mask = self._window_masks.get(sliding_window)
+        if mask is None:
+            max_keys = self.mask.shape[-1]
+            key_positions = torch.arange(max_keys, dtype=torch.int64, device=self.mask.device)
+            recent = key_positions > (self.query_positions[:, :, None] - sliding_window)
+            # Padding rows keep their causal keys: a row with no visible key would be NaN.
+            recent |= ~self.query_valid[:, :, None]
+            mask = self.mask & recent[:, None]
+            self._window_masks[sliding_window] = mask
+        return mask
 
 
 def plan_gathered_prefill(
@@ -98,6 +121,8 @@ def plan_gathered_prefill(
         key_valid=torch.from_numpy(key_valid).to(device),
         mask=(device_positions <= device_query_positions[:, :, None])[:, None],
         output_rows=torch.from_numpy(output_rows).to(device),
+        query_positions=device_query_positions,
+        query_valid=torch.from_numpy(query_valid).to(device),
     )
 
 
@@ -108,10 +133,12 @@ def gathered_prefill_attention(
     plan: GatheredPrefillPlan,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of the prefill tokens ``query`` [T, num_heads, head_size] over their
     sequences' cached K/V (``[num_blocks, num_kv_heads, block_size, head_size]``, this step's
-    already written), into ``out`` [T, num_heads, head_size]."""
+    already written), into ``out`` [T, num_heads, head_size]. With ``sliding_window`` > 0
+    each token attends only to the last ``sliding_window`` positions up to its own."""
     num_kv_heads, head_size = key_cache.shape[1], key_cache.shape[3]
     num_heads = query.shape[1]
     num_seqs, max_query = plan.query_rows.shape
@@ -134,7 +161,7 @@ def gathered_prefill_attention(
         padded_query.transpose(1, 2),
         gather(key_cache),
         gather(value_cache),
-        attn_mask=plan.mask,
+        attn_mask=plan.window_mask(sliding_window),
         scale=scale,
     )  # [S, num_heads, Q, head_size]
     flat = attended.transpose(1, 2).reshape(num_seqs * max_query, num_heads, head_size)

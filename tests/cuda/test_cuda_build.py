@@ -53,11 +53,16 @@ def test_module_imports_without_a_gpu_and_exposes_every_op():
 def test_decode_plan_for_a_forced_partition_size_is_host_arithmetic():
     module = cuda_ops.kernels()
     # 64 sequences x 32 heads x ceil(4096 / 512) partitions x (head_size + max + sum) floats.
-    assert module.plan_paged_attention_decode(64, 32, 32, 128, 4096, 512, 0) == (
+    assert module.plan_paged_attention_decode(64, 32, 32, 128, 4096, 0, 512, 0) == (
         512,
         64 * 32 * 8 * 130,
     )
-    assert module.plan_paged_attention_decode(64, 32, 32, 128, 4096, 0, 0) == (0, 0)
+    assert module.plan_paged_attention_decode(64, 32, 32, 128, 4096, 0, 0, 0) == (0, 0)
+    # A 1000-token sliding window: partitions cover the window only, ceil(1000 / 512) of them.
+    assert module.plan_paged_attention_decode(64, 32, 32, 128, 4096, 1000, 512, 0) == (
+        512,
+        64 * 32 * 2 * 130,
+    )
 
 
 @requires_module
@@ -80,7 +85,7 @@ def test_unsupported_geometry_is_rejected_before_any_launch():
         key_cache=16, value_cache=16, key_block_stride=4096, value_block_stride=4096,
         num_blocks=8, num_kv_heads=2, block_size=12, head_size=64, dtype=0, block_tables=0,
         block_table_stride=4, max_blocks_per_seq=4, seq_lens=0, num_seqs=1, partition_size=0,
-        workspace=0, workspace_floats=0, device=0, stream=0,
+        workspace=0, workspace_floats=0, device=0, stream=0, sliding_window=0,
     )  # fmt: skip
     with pytest.raises(ValueError, match="block_size 12 is not supported"):
         module.paged_attention_decode(**args)
@@ -88,10 +93,12 @@ def test_unsupported_geometry_is_rejected_before_any_launch():
         module.paged_attention_decode(**{**args, "block_size": 16, "key_cache": 8})
     with pytest.raises(ValueError, match="partition_size must be 0 or a positive multiple"):
         module.paged_attention_decode(**{**args, "block_size": 16, "partition_size": 24})
+    with pytest.raises(ValueError, match="sliding_window -1 must be in"):
+        module.paged_attention_decode(**{**args, "block_size": 16, "sliding_window": -1})
 
 
 @requires_module
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 def test_a_call_that_needs_the_device_fails_cleanly_without_one():
     with pytest.raises(RuntimeError, match="cudaDeviceGetAttribute"):
-        cuda_ops.kernels().plan_paged_attention_decode(1, 32, 8, 128, 8192, -1, 0)
+        cuda_ops.kernels().plan_paged_attention_decode(1, 32, 8, 128, 8192, 0, -1, 0)

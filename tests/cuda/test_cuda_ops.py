@@ -113,11 +113,11 @@ def test_split_k_on_long_contexts(dtype):
 def test_automatic_choice_splits_when_few_sequences_have_long_contexts():
     module = cuda_ops.kernels()
     # One sequence of 8 kv heads and 8192 tokens: far too few thread blocks for one pass.
-    partition, workspace = module.plan_paged_attention_decode(1, 32, 8, 128, 8192, -1, 0)
+    partition, workspace = module.plan_paged_attention_decode(1, 32, 8, 128, 8192, 0, -1, 0)
     assert partition > 0 and workspace == 1 * 32 * (8192 // partition) * (128 + 2)
     # Short contexts never split; a forced single pass needs no workspace.
-    assert module.plan_paged_attention_decode(64, 32, 32, 128, 256, -1, 0) == (0, 0)
-    assert module.plan_paged_attention_decode(1, 32, 8, 128, 8192, 0, 0) == (0, 0)
+    assert module.plan_paged_attention_decode(64, 32, 32, 128, 256, 0, -1, 0) == (0, 0)
+    assert module.plan_paged_attention_decode(1, 32, 8, 128, 8192, 0, 0, 0) == (0, 0)
 
 
 def test_decode_zero_length_sequence_gives_zeros():

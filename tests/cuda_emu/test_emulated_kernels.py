@@ -65,7 +65,7 @@ def _decode_inputs(seq_lens, num_heads, num_kv_heads, block_size, head_size, dty
     return case, query
 
 
-def _decode(case, query, scale, partition_size=-1, out=None):
+def _decode(case, query, scale, partition_size=-1, out=None, sliding_window=0):
     out = torch.empty_like(query) if out is None else out
     _, num_kv_heads, block_size, head_size = case.key_cache.shape
     cuda_ops.paged_attention_decode(
@@ -74,6 +74,7 @@ def _decode(case, query, scale, partition_size=-1, out=None):
         case.block_tables,
         case.seq_lens,
         scale,
+        sliding_window,
         partition_size,
         _cache_args(case.key_cache, case.value_cache),
         num_kv_heads,
@@ -137,10 +138,10 @@ def test_split_k_with_more_partitions_than_reduction_threads():
 def test_automatic_choice_splits_when_few_sequences_have_long_contexts(kernels):
     # One sequence of 8 kv heads and 8192 tokens: far too few thread blocks for one pass on the
     # emulated H200's 132 multiprocessors.
-    partition, workspace = kernels.plan_paged_attention_decode(1, 32, 8, 128, 8192, -1, 0)
+    partition, workspace = kernels.plan_paged_attention_decode(1, 32, 8, 128, 8192, 0, -1, 0)
     assert partition > 0 and workspace == 1 * 32 * (8192 // partition) * (128 + 2)
-    assert kernels.plan_paged_attention_decode(64, 32, 32, 128, 256, -1, 0) == (0, 0)
-    assert kernels.plan_paged_attention_decode(1, 32, 8, 128, 8192, 0, 0) == (0, 0)
+    assert kernels.plan_paged_attention_decode(64, 32, 32, 128, 256, 0, -1, 0) == (0, 0)
+    assert kernels.plan_paged_attention_decode(1, 32, 8, 128, 8192, 0, 0, 0) == (0, 0)
     # The automatic choice runs through the wrapper's workspace too.
     case, query = _decode_inputs([1300, 20], 8, 2, 16, 64, torch.float32, seed=5)
     _assert_close(_decode(case, query, 0.1), _decode_reference(case, query, 0.1), torch.float32)
@@ -215,7 +216,7 @@ def _prefill_inputs(prior, q_lens, num_heads, num_kv_heads, block_size, head_siz
     return case, query, query_start_loc(q_lens), max(q_lens)
 
 
-def _prefill(case, query, loc, scale, max_query_len):
+def _prefill(case, query, loc, scale, max_query_len, sliding_window=0):
     out = torch.empty_like(query)
     cuda_ops.paged_prefill_attention(
         out,
@@ -224,6 +225,7 @@ def _prefill(case, query, loc, scale, max_query_len):
         loc,
         case.seq_lens,
         scale,
+        sliding_window,
         max_query_len,
         _cache_args(case.key_cache, case.value_cache),
     )
@@ -292,6 +294,150 @@ def test_prefill_is_the_same_under_every_schedule(monkeypatch):
         monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_SCHEDULE", schedule)
         results.append(_prefill(case, query, loc, 0.07, max_len))
     assert all(torch.equal(result, results[0]) for result in results[1:])
+
+
+# --- sliding window ----------------------------------------------------------------------------
+# Query position i sees keys i - W < j <= i (HF transformers' sliding-window mask); the reference
+# is tests/ops/reference.py's. Windows below a block, of one block, across blocks, equal to the
+# longest context (100) and past every context.
+
+WINDOWS = [1, 5, "block", 24, 100, 1000]
+
+
+def _poison_before(case, seq: int, first_position: int, whole_blocks: bool) -> None:
+    """NaN into sequence ``seq``'s K/V before ``first_position`` (only whole blocks before its
+    block with ``whole_blocks``): a kernel that reads them, even masked, gives NaN."""
+    block_size = case.key_cache.shape[2]
+    end = first_position // block_size * block_size if whole_blocks else first_position
+    for position in range(end):
+        block = int(case.block_tables[seq, position // block_size])
+        case.key_cache[block, :, position % block_size] = float("nan")
+        case.value_cache[block, :, position % block_size] = float("nan")
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_window_matches_reference(dtype, block_size):
+    layout = HEAD_LAYOUTS[(DTYPES.index(dtype) + BLOCK_SIZES.index(block_size)) % 4]
+    num_heads, num_kv_heads = layout
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 100]
+    for window in WINDOWS:
+        window = block_size if window == "block" else window
+        case, query = _decode_inputs(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+        expected = reference.decode_attention(
+            query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, window
+        )
+        # Positions before each window are never read: NaN there would show in the output.
+        for seq, seq_len in enumerate(seq_lens):
+            _poison_before(case, seq, max(0, seq_len - window), whole_blocks=False)
+        for partition_size in (0, block_size, 2 * block_size, -1):
+            out = _decode(case, query, 0.125, partition_size, sliding_window=window)
+            _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("window", [17, 512, 700])
+def test_split_k_with_window_skips_partitions_outside_it(window, monkeypatch, tmp_path):
+    # Partitions count from each window's start: the grid holds ceil(min(window, context) / 64)
+    # of them, and the kernels read each attended token's K and V rows once, no other.
+    seq_lens = [1, 63, 65, 700, 1400]
+    case, query = _decode_inputs(seq_lens, 8, 2, 16, 64, torch.float32, seed=2)
+    expected = reference.decode_attention(
+        query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.088, window
+    )
+    stats_path = tmp_path / "loads.jsonl"
+    monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS", str(stats_path))
+    split = _decode(case, query, 0.088, 64, sliding_window=window)
+    single = _decode(case, query, 0.088, 0, sliding_window=window)
+    _assert_close(split, expected, torch.float32)
+    torch.testing.assert_close(split, single, atol=1e-6, rtol=1e-6)
+    launches = [json.loads(line) for line in stats_path.read_text().splitlines()]
+    decode = [launch for launch in launches if launch["kernel"].startswith("decode_kernel")]
+    max_blocks = case.block_tables.shape[1]
+    assert decode[0]["grid"][0] == -(-min(window, max_blocks * 16) // 64)
+    attended = sum(min(n, window) for n in seq_lens)
+    for launch in decode:  # 2 kv heads, K and V, 64 float32 elements
+        assert launch["requested_bytes"] == attended * 2 * 2 * 64 * 4, launch
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_with_window_matches_reference(dtype, block_size):
+    layout = HEAD_LAYOUTS[(DTYPES.index(dtype) + BLOCK_SIZES.index(block_size)) % 4]
+    num_heads, num_kv_heads = layout
+    # Plain prefill past the window, a decode with context, chunked prefill over cached context,
+    # one block plus one token, a one-token prompt.
+    prior = [0, 13, block_size, 50, 0]
+    q_lens = [37, 1, block_size + 1, 30, 1]
+    for window in WINDOWS:
+        window = block_size if window == "block" else window
+        case, query, loc, max_len = _prefill_inputs(
+            prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype
+        )
+        expected = reference.attention(
+            query,
+            case.key_cache,
+            case.value_cache,
+            case.block_tables,
+            loc,
+            case.seq_lens,
+            0.125,
+            window,
+        )
+        for seq, context in enumerate(prior):  # whole blocks before the first query's window
+            _poison_before(case, seq, max(0, context - window + 1), whole_blocks=True)
+        _assert_close(_prefill(case, query, loc, 0.125, max_len, window), expected, dtype)
+
+
+@pytest.mark.parametrize("window", [3, 40])
+def test_prefill_with_window_reads_only_each_tiles_windows(window, monkeypatch, tmp_path):
+    # A tile of 32 rows reads keys from its first row's window start to its last row's position.
+    prior, q_lens, group, head_size = [0, 100], [150, 40], 3, 64
+    case, query, loc, max_len = _prefill_inputs(
+        prior, q_lens, 3 * group, 3, 16, head_size, torch.float32, seed=3
+    )
+    stats_path = tmp_path / "loads.jsonl"
+    monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS", str(stats_path))
+    out = _prefill(case, query, loc, 0.125, max_len, window)
+    expected = reference.attention(
+        query,
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
+        loc,
+        case.seq_lens,
+        0.125,
+        window,
+    )
+    _assert_close(out, expected, torch.float32)
+    keys = 0
+    for context, q_len in zip(prior, q_lens):
+        rows = q_len * group
+        for first_row in range(0, rows, 32):
+            first = context + first_row // group
+            last = context + (min(first_row + 32, rows) - 1) // group
+            keys += last + 1 - max(0, first - window + 1)
+    (launch,) = [json.loads(line) for line in stats_path.read_text().splitlines()]
+    # The cache's 16-byte loads: 3 kv heads, K and V rows of float32.
+    assert launch["requested_bytes"] == keys * 3 * 2 * head_size * 4, launch
+
+
+def test_window_is_the_same_under_every_schedule(monkeypatch):
+    case, query = _decode_inputs([300, 5, 77], 8, 2, 16, 96, torch.float16, seed=6)
+    prefill_case, prefill_query, loc, max_len = _prefill_inputs(
+        [0, 20], [40, 9], 8, 2, 16, 128, torch.bfloat16, seed=8
+    )
+    results = []
+    for schedule in SCHEDULES:
+        monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_SCHEDULE", schedule)
+        results.append(
+            (
+                _decode(case, query, 0.1, 0, sliding_window=50),
+                _decode(case, query, 0.1, 32, sliding_window=50),
+                _prefill(prefill_case, prefill_query, loc, 0.07, max_len, 13),
+            )
+        )
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(other, results[0]))
 
 
 # --- cache ops ---------------------------------------------------------------------------------

@@ -30,8 +30,13 @@ def attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Causal paged attention (float64) with the semantics of paged_prefill_attention."""
+    """Causal paged attention (float64) with the semantics of paged_prefill_attention.
+
+    With ``sliding_window`` W > 0, query position i sees keys j with i - W < j <= i: HF
+    transformers' ``sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``) and
+    ``causal_mask_function`` (``kv_idx <= q_idx``) of masking_utils."""
     num_tokens, num_heads, head_size = query.shape
     group = num_heads // key_cache.shape[1]
     out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float64)
@@ -47,8 +52,11 @@ def attention(
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         query_pos = torch.arange(seq_len - q_len, seq_len).view(q_len, 1)
-        future = torch.arange(seq_len).view(1, seq_len) > query_pos
-        scores = scores.masked_fill(future, float("-inf"))
+        key_pos = torch.arange(seq_len).view(1, seq_len)
+        hidden = key_pos > query_pos
+        if sliding_window > 0:
+            hidden |= key_pos <= query_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
     return out
 
@@ -60,10 +68,20 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """paged_attention_decode: one query token per sequence (zeros where seq_len is 0)."""
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
-    return attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+    return attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window,
+    )
 
 
 def reshape_and_cache(
