@@ -247,3 +247,21 @@ def test_stop_strings_inside_accepted_drafts_cut_the_text_there(byte_model_dir):
     ]
     assert all(o.outputs[0].stop_reason in stops for o in got)
     assert speculative.stats()["num_accepted_tokens"] > 0
+
+
+def test_a_looked_up_draft_the_grammar_refuses_changes_nothing(byte_model_dir):
+    """Whatever two letters the output ends with, the prompt says "x" comes next, which the
+    grammar refuses: the draft is dropped and decoding goes on as plain decoding does (an
+    early version left the grammar broken by checking such a draft: the output then ended
+    with EOS, or with the one token the engine stops at as outside its grammar)."""
+    speculative = LLM(byte_model_dir, num_blocks=128, speculative_config=SPECULATIVE)
+    plain = LLM(byte_model_dir, num_blocks=128)
+    prompt = [3 + byte for byte in b"abxbaxaaxbbx"]
+    params = SamplingParams(
+        max_tokens=24, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[ab]+")
+    )
+    got = speculative.generate([prompt], params)[0].outputs[0]
+    want = plain.generate([prompt], params)[0].outputs[0]
+    assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+    assert len(want.token_ids) > 2
+    assert speculative.stats()["num_draft_tokens"] > 0
