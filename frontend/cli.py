@@ -378,7 +378,13 @@ def _serve(args: argparse.Namespace) -> int:
     preload_tokenizer()
     # The server is the frontend process: the scheduler and workers always run apart.
     return serve(
-        lambda: LLM(**kwargs, multiprocess=True, startup_timeout_s=args.startup_timeout_s),
+        lambda: LLM(
+            **kwargs,
+            multiprocess=True,
+            startup_timeout_s=args.startup_timeout_s,
+            # Structured output then constrains a chat answer after the thinking only.
+            reasoning_parser=args.reasoning_parser,
+        ),
         config,
     )
 

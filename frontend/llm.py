@@ -15,6 +15,7 @@ from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineC
 from pagedserve.frontend.lora_request import LoRARequest
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EngineAction, RequestTracker
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.lora import check_adapter_files, check_lora_support
@@ -134,6 +135,12 @@ class LLM:
     a request that does not fit preempts running ones of a strictly lower priority
     (``scheduler/scheduler.py``). Under ``"fcfs"`` a priority other than 0 is refused.
 
+    ``reasoning_parser="qwen3" | "deepseek_r1"`` (a reasoning model, whose output thinks
+    between ``<think>`` and ``</think>`` before it answers): a request's structured output
+    then constrains the answer only, from the token after ``</think>`` on, as vLLM does
+    (the markers must be single tokens of the vocabulary). The output stays one text; the
+    HTTP server's ``--reasoning-parser`` splits it.
+
     ``lora_modules={"name": "/path/to/adapter"}`` serves PEFT LoRA adapters beside the base
     model (Llama family, one rank, no CUDA graphs), loaded at start-up; a request picks one
     with ``generate(..., lora_request="name")`` (or a ``LoRARequest``), and requests of
@@ -167,8 +174,11 @@ class LLM:
         speculative_config: dict[str, Any] | None = None,
         lora_modules: dict[str, str | os.PathLike[str]] | None = None,
         structured_outputs_disable_any_whitespace: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         check_dtype_name(dtype)
+        if reasoning_parser is not None:
+            thinking_token_ids(reasoning_parser, None)  # the name, before anything loads
         if allocation_policy not in ALLOCATION_POLICIES:
             raise ValueError(
                 f"allocation_policy must be one of {', '.join(ALLOCATION_POLICIES)}, "
@@ -257,12 +267,18 @@ class LLM:
             **_speculative_fields(speculative_config),
         )
         # What structured output matches grammars over (None: no tokenizer, no grammars).
+        think_token_ids = (None, None)
+        if reasoning_parser is not None:
+            think_token_ids = thinking_token_ids(reasoning_parser, self.tokenizer)
         tokenizer_json = self.tokenizer.backend_json() if self.tokenizer is not None else None
         self.grammar_vocabulary = (
             None
             if tokenizer_json is None
             else GrammarVocabulary(
-                tokenizer_json, model_config.vocab_size, sorted(model_config.eos_token_ids)
+                tokenizer_json,
+                model_config.vocab_size,
+                sorted(model_config.eos_token_ids),
+                *think_token_ids,
             )
         )
         self.engine: EngineCore | EngineClient

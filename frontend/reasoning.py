@@ -17,9 +17,16 @@ up to the whole answer. The tool-call reader then reads the answer part only.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.frontend.tool_calls import partial_marker_chars
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_START = "<think>"
@@ -30,6 +37,32 @@ THINK_END = "</think>"
 class SplitOutput:
     reasoning: str
     content: str
+
+
+def thinking_token_ids(name: str, tokenizer: Tokenizer | None) -> tuple[int | None, int | None]:
+    """(think_start_token_id, think_end_token_id) for ``GrammarVocabulary``: the tokens a
+    grammar waits behind under parser ``name`` (``scheduler/structured_output.py``'s
+    ``ThinkingGate``). (None, None) when the vocabulary does not hold the markers as
+    single tokens: grammars then constrain the thinking too."""
+    if name not in REASONING_PARSERS:
+        raise ValueError(
+            f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}"
+        )
+    if tokenizer is None:
+        return None, None
+    start = tokenizer.single_token_id(THINK_START)
+    end = tokenizer.single_token_id(THINK_END)
+    if end is None or (name == "qwen3" and start is None):
+        logger.warning(
+            "reasoning_parser %s: the tokenizer does not hold %s and %s as single tokens; "
+            "structured output will constrain the thinking too",
+            name,
+            THINK_START,
+            THINK_END,
+        )
+        return None, None
+    # DeepSeek-R1's template opens the thinking in the prompt: it thinks from the start.
+    return (start if name == "qwen3" else None), end
 
 
 class ReasoningParser:

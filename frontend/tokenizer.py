@@ -68,6 +68,12 @@ class Tokenizer:
         backend.no_truncation()
         return backend.to_str()
 
+    def single_token_id(self, text: str) -> int | None:
+        """The id of the one token that ``text`` encodes to (a marker such as ``<think>``
+        that the vocabulary holds whole), or None when it takes several."""
+        token_ids = self.encode(text, add_special_tokens=False)
+        return token_ids[0] if len(token_ids) == 1 else None
+
     def token_text(self, token_id: int) -> str:
         """A special token's text as written (``<|im_end|>``), without the decoder."""
         return self._tokenizer.convert_ids_to_tokens(token_id)
