@@ -35,6 +35,8 @@ class ModelConfig:
     head_size: int
     max_position_embeddings: int
     eos_token_ids: frozenset[int]
+    # Each layer's sliding window in tokens, 0 for full attention (see _layer_sliding_windows).
+    layer_sliding_windows: tuple[int, ...]
     hf_config: dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
@@ -68,6 +70,7 @@ class ModelConfig:
             head_size=head_size,
             max_position_embeddings=_max_positions(hf_config),
             eos_token_ids=_eos_token_ids(path, hf_config),
+            layer_sliding_windows=_layer_sliding_windows(architecture, hf_config),
             hf_config=hf_config,
         )
 
@@ -75,14 +78,44 @@ class ModelConfig:
 def _max_positions(hf_config: dict[str, Any]) -> int:
     max_positions = hf_config.get("max_position_embeddings", 2048)
     # YaRN extends the context past the configured positions (the original times the factor).
-    max_positions = rope_context_window(rope_parameters(hf_config), max_positions)
-    # Our kernels attend to the whole context; a sliding-window model is exact only up
-    # to its window, so the window bounds the context we accept.
-    window = hf_config.get("sliding_window")
-    uses_window = hf_config.get("use_sliding_window", window is not None)
-    if window and uses_window:
-        max_positions = min(max_positions, window)
-    return max_positions
+    # A sliding window does not bound it: the attention ops honour each layer's window.
+    return rope_context_window(rope_parameters(hf_config), max_positions)
+
+
+def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens (0: full attention), as HF transformers 5.x
+    builds the model:
+
+    - Mistral: ``sliding_window`` (when set) on every layer; MistralConfig ignores
+      ``layer_types`` and ``use_sliding_window``.
+    - Qwen2 / Qwen3: ``sliding_window`` counts only with ``use_sliding_window`` (default
+      false); then the layers whose ``layer_types`` entry is ``"sliding_attention"`` use it, and
+      without ``layer_types`` the layers from ``max_window_layers`` (default 28) on do.
+    - Llama and OPT have no sliding window.
+    """
+    num_layers = hf_config["num_hidden_layers"]
+    window = hf_config.get("sliding_window") or 0
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"model: sliding_window must be a non-negative integer, got {window!r}")
+    if architecture == "MistralForCausalLM":
+        return (window,) * num_layers
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return (0,) * num_layers
+    if not hf_config.get("use_sliding_window", False):
+        window = 0
+    layer_types = hf_config.get("layer_types")
+    if layer_types is None:
+        first_windowed = hf_config.get("max_window_layers", 28)
+        layer_types = [
+            "sliding_attention" if i >= first_windowed else "full_attention"
+            for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"model: layer_types has {len(layer_types)} entries but num_hidden_layers is "
+            f"{num_layers}; they must match"
+        )
+    return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
 def _eos_token_ids(path: Path, hf_config: dict[str, Any]) -> frozenset[int]:

@@ -37,13 +37,23 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    """Writes the step's K/V into their slots, then attends over each request's blocks."""
+    """Writes the step's K/V into their slots, then attends over each request's blocks
+    (all of them, or with ``sliding_window`` > 0 the last ``sliding_window`` positions up to
+    each token's own, as HF's sliding-window layers)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        sliding_window: int = 0,
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = scale
+        self.sliding_window = sliding_window  # tokens; 0: full attention
 
     def __call__(
         self,
@@ -73,6 +83,7 @@ class PagedAttention:
                 metadata.decode_seq_lens,
                 self.scale,
                 out=output[:num_decode],
+                sliding_window=self.sliding_window,
             )
         if num_decode < num_tokens and metadata.prefill_plan is not None:
             gathered_prefill_attention(
@@ -82,6 +93,7 @@ class PagedAttention:
                 metadata.prefill_plan,
                 self.scale,
                 out=output[num_decode:],
+                sliding_window=self.sliding_window,
             )
         elif num_decode < num_tokens:
             ops.paged_prefill_attention(
@@ -94,5 +106,6 @@ class PagedAttention:
                 self.scale,
                 out=output[num_decode:],
                 max_query_len=metadata.prefill_max_query_len,
+                sliding_window=self.sliding_window,
             )
         return output.view(num_tokens, self.num_heads * self.head_size)

@@ -36,6 +36,7 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         parallel: TensorParallel,
+        sliding_window: int = 0,
     ) -> None:
         super().__init__()
         hf = config.hf_config
@@ -71,6 +72,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             config.head_size,
             config.head_size**-0.5,
+            sliding_window,
         )
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
@@ -130,11 +132,14 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         parallel: TensorParallel,
+        layer_index: int,
     ) -> None:
         super().__init__()
         eps = config.hf_config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, rotary, dtype, parallel)
+        self.self_attn = LlamaAttention(
+            config, rotary, dtype, parallel, config.layer_sliding_windows[layer_index]
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(config, dtype, parallel)
 
@@ -172,7 +177,8 @@ class LlamaForCausalLM(CausalLM):
             config.vocab_size, config.hidden_size, dtype, parallel
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, dtype, parallel) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, rotary, dtype, parallel, layer_index)
+            for layer_index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1e-6), dtype)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
