@@ -8,12 +8,14 @@ which a step fills before the replay:
 
     input_ids, positions [B]     padded rows: token 0 at position 0
     slot_mapping [B]             padded rows: -1 (reshape_and_cache skips negative slots)
-    block_tables [B, W]          W fixed at capture: the model's window in blocks
+    block_tables [B, W]          W fixed at capture: the longest context in blocks
     seq_lens [B]                 padded rows: 1 (they attend to block 0; their rows are
                                  discarded, and every op treats rows independently)
 
 Steps with a prefill token, more decodes than the largest graph or a wider block table run
-eagerly, as without graphs. Capture happens once, when the worker starts.
+eagerly, as without graphs. Capture happens once, when the worker starts. A layer's sliding
+window is a constant of its attention, so each graph's kernels carry it (and the split-K plan
+it bounds) as captured; where a window starts is read from seq_lens at every replay.
 """
 
 from __future__ import annotations

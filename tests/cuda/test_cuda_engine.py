@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import transformers
+from engine.test_sliding_window import make_windowed_model, windowed_prompts
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker import cuda_ops
@@ -188,3 +189,44 @@ def test_speculative_decoding_on_the_gpu_matches_hf(tiny_model_dirs, hf_referenc
     outputs = llm.generate(random_prompts(1), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == hf_references["llama"]
     assert llm.stats()["num_accepted_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def windowed_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("windowed_models")
+    return {family: make_windowed_model(family, root / family) for family in ("mistral", "qwen2")}
+
+
+@pytest.fixture(scope="module")
+def windowed_references(windowed_dirs):
+    return {family: hf_greedy(path, windowed_prompts()) for family, path in windowed_dirs.items()}
+
+
+@pytest.mark.parametrize(
+    ("family", "prefill", "cuda_graphs"),
+    [
+        ("mistral", "sdpa", False),
+        ("mistral", "kernel", True),
+        ("qwen2", "sdpa", True),
+        ("qwen2", "kernel", False),
+    ],
+)
+def test_sliding_window_models_match_hf_on_the_gpu(
+    windowed_dirs, windowed_references, monkeypatch, family, prefill, cuda_graphs
+):
+    # Windows of 12-16 tokens (Qwen2: layer 0 full, layers 1-2 windowed) under prompts of up to
+    # 130 tokens and 40 generated, prefilled in chunks; graph replays carry each layer's window.
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, prefill)
+    llm = LLM(
+        windowed_dirs[family],
+        device="cuda",
+        block_size=16,
+        num_blocks=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        cuda_graphs=cuda_graphs,
+    )
+    outputs = llm.generate(windowed_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == windowed_references[family]
+    if cuda_graphs:
+        assert llm.worker.runner.decode_graphs.num_replays > 0

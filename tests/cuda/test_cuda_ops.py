@@ -240,6 +240,91 @@ def test_prefill_of_single_tokens_equals_decode():
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
 
 
+# --- sliding window ----------------------------------------------------------------------------
+# Query position i sees keys i - W < j <= i (HF transformers' sliding-window mask). Windows below
+# a block, of one block, across blocks, equal to the longest context (100) and past every one.
+
+WINDOWS = [1, 5, "block", 24, 100, 1000]
+
+
+def _poison_before(case, seq: int, first_position: int, whole_blocks: bool) -> None:
+    """NaN into sequence ``seq``'s K/V before ``first_position`` (only whole blocks before its
+    block with ``whole_blocks``): a kernel that reads them, even masked, gives NaN."""
+    block_size = case.key_cache.shape[2]
+    end = first_position // block_size * block_size if whole_blocks else first_position
+    for position in range(end):
+        block = int(case.block_tables[seq, position // block_size])
+        case.key_cache[block, :, position % block_size] = float("nan")
+        case.value_cache[block, :, position % block_size] = float("nan")
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_window_matches_reference(dtype, block_size, layout, window):
+    window = block_size if window == "block" else window
+    num_heads, num_kv_heads = layout
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 100]
+    case, query = _decode_inputs(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    args = _decode_args(case, query, 0.125)
+    expected = reference.decode_attention(*_cpu(*args[:5]), 0.125, window)
+    for seq, seq_len in enumerate(seq_lens):
+        _poison_before(case, seq, max(0, seq_len - window), whole_blocks=False)
+    for partition_size in (None, 0, block_size, 2 * block_size):
+        out = ops.paged_attention_decode(
+            *args, partition_size=partition_size, sliding_window=window
+        )
+        _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("window", [17, 512, 700, 4096])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_k_with_window_on_long_contexts(dtype, window):
+    # Windows shorter than, equal to and longer than a 512-token partition, and past the contexts.
+    seq_lens = [1, 511, 513, 1400, 3000]
+    case, query = _decode_inputs(seq_lens, 8, 2, 16, 64, dtype, seed=2)
+    args = _decode_args(case, query, 0.088)
+    expected = reference.decode_attention(*_cpu(*args[:5]), 0.088, window)
+    for seq, seq_len in enumerate(seq_lens):
+        _poison_before(case, seq, max(0, seq_len - window), whole_blocks=False)
+    single = ops.paged_attention_decode(*args, partition_size=0, sliding_window=window)
+    split = ops.paged_attention_decode(*args, partition_size=512, sliding_window=window)
+    automatic = ops.paged_attention_decode(*args, sliding_window=window)
+    for out in (single, split, automatic):
+        _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_with_window_matches_reference(dtype, block_size, window):
+    window = block_size if window == "block" else window
+    layout = HEAD_LAYOUTS[(DTYPES.index(dtype) + BLOCK_SIZES.index(block_size)) % 4]
+    num_heads, num_kv_heads = layout
+    prior = [0, 13, block_size, 50, 0, 70]
+    q_lens = [37, 1, block_size + 1, 30, 1, 30]
+    case, query, loc = _prefill_inputs(
+        prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype
+    )
+    tensors = _cpu(query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens)
+    expected = reference.attention(*tensors, 0.125, window)
+    for seq, context in enumerate(prior):  # whole blocks before the first query's window
+        _poison_before(case, seq, max(0, context - window + 1), whole_blocks=True)
+    out = _prefill(case, query, loc, 0.125, max_query_len=max(q_lens), sliding_window=window)
+    _assert_close(out, expected, dtype)
+
+
+def test_prefill_long_prompt_with_window_and_gqa_of_eight():
+    prior, q_lens = [0, 700], [1100, 90]
+    case, query, loc = _prefill_inputs(prior, q_lens, 32, 4, 16, 128, torch.bfloat16)
+    tensors = _cpu(query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens)
+    expected = reference.attention(*tensors, 0.088, 256)
+    for seq, context in enumerate(prior):
+        _poison_before(case, seq, max(0, context - 256 + 1), whole_blocks=True)
+    _assert_close(_prefill(case, query, loc, 0.088, sliding_window=256), expected, torch.bfloat16)
+
+
 # --- cache ops ---------------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from engine.test_parity import (
     random_prompts,
 )
 from engine.test_sharing import prompts_for
+from engine.test_sliding_window import make_windowed_model, windowed_prompts
 
 from cuda_emu.build import emulated_kernels
 from pagedserve.frontend import LLM, SamplingParams
@@ -118,6 +119,25 @@ def test_chunked_prefill_and_preemption_match_hf(tiny_model_dirs, hf_references,
     assert llm.stats()[f"num_{mode}_preemptions"] > 0
     if mode == "swap":
         assert calls["swap_blocks"] > 0
+
+
+@pytest.fixture(scope="module")
+def windowed_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("windowed_models")
+    return {family: make_windowed_model(family, root / family) for family in ("mistral", "qwen2")}
+
+
+@pytest.mark.parametrize(("family", "block_size"), [("mistral", 8), ("qwen2", 16)])
+def test_sliding_window_models_match_hf(windowed_dirs, calls, family, block_size):
+    # Windows of 16 (Mistral, every layer) and 12 (Qwen2, layers 1-2; layer 0 full) under
+    # prompts of up to 130 tokens and 48 generated, prefilled in chunks over cached context.
+    llm = LLM(
+        windowed_dirs[family], block_size=block_size, num_blocks=256, max_num_batched_tokens=64
+    )
+    outputs = llm.generate(windowed_prompts(), GREEDY)
+    expected = hf_greedy(windowed_dirs[family], windowed_prompts())
+    assert _token_ids(outputs) == [[tokens] for tokens in expected]
+    assert calls["paged_prefill_attention"] > 0 and calls["paged_attention_decode"] > 0
 
 
 def _engine_outputs(model_dir, prompts, params, **engine_args):
