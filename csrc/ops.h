@@ -43,8 +43,9 @@
 //   positions:   0 ... i-W | i-W+1 .............. i | i+1 ...
 //   query i:      skipped  |  attended (W tokens)   | future
 //
-// Positions before the window are never read (their blocks may still be in the table: the block
-// manager keeps them), so a windowed op costs O(W) per query however long the context.
+// Positions before the window are never read, so a windowed op costs O(W) per query however
+// long the context; block-table entries of blocks wholly before the window of a sequence's first
+// query token are neither read nor checked (the block manager may keep or drop them).
 #pragma once
 
 #include <cstdint>

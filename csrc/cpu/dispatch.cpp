@@ -127,8 +127,13 @@ void check_cache(const PagedKVCache& c) {
 }
 
 // Checks every sequence length and every block-table entry the kernels may read; returns the
-// longest sequence.
-int64_t check_tables(const BlockTables& t, const PagedKVCache& c) {
+// longest sequence. With a sliding window the kernels read from the block holding the first
+// position the sequence's first query token attends to: entries before it are not checked
+// (blocks wholly outside the window need not be in the table). query_start_loc is null for a
+// decode (one query token per sequence); it is checked afterwards, so a query length outside
+// [1, seq_len] is clamped here.
+int64_t check_tables(const BlockTables& t, const PagedKVCache& c, int64_t sliding_window,
+                     const int32_t* query_start_loc) {
   int64_t max_seq_len = 0;
   for (int64_t s = 0; s < t.num_seqs; ++s) {
     const int64_t seq_len = t.seq_lens[s];
@@ -139,8 +144,16 @@ int64_t check_tables(const BlockTables& t, const PagedKVCache& c) {
                                   "] (max_blocks_per_seq * block_size)");
     }
     max_seq_len = std::max(max_seq_len, seq_len);
+    int64_t q_len = 1;
+    if (query_start_loc != nullptr) {
+      q_len = int64_t{query_start_loc[s + 1]} - query_start_loc[s];
+      q_len = std::clamp<int64_t>(q_len, 1, std::max<int64_t>(seq_len, 1));
+    }
+    const int64_t first_query = seq_len - q_len;
+    const int64_t first_read =
+        sliding_window > 0 ? std::max<int64_t>(0, first_query - sliding_window + 1) : 0;
     const int32_t* row = t.block_tables + s * t.row_stride;
-    for (int64_t i = 0; i < ceil_div(seq_len, c.block_size); ++i) {
+    for (int64_t i = first_read / c.block_size; i < ceil_div(seq_len, c.block_size); ++i) {
       if (row[i] < 0 || row[i] >= c.num_blocks) {
         throw std::invalid_argument(
             "block_tables[" + std::to_string(s) + "][" + std::to_string(i) +
@@ -202,7 +215,8 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
   AttentionProblem p{
       out,   out_token_stride, query, query_token_stride, num_heads, scale, sliding_window,
       cache, tables,           0,     get_num_threads()};
-  p.max_attended_len = attended_len(check_tables(tables, cache), sliding_window);
+  p.max_attended_len =
+      attended_len(check_tables(tables, cache, sliding_window, nullptr), sliding_window);
   if (tables.num_seqs == 0) return;
   int64_t work = 0;
   for (int64_t s = 0; s < tables.num_seqs; ++s) {
@@ -225,7 +239,8 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
   AttentionProblem p{
       out,   out_token_stride, query, query_token_stride, num_heads, scale, sliding_window,
       cache, tables,           0,     get_num_threads()};
-  p.max_attended_len = attended_len(check_tables(tables, cache), sliding_window);
+  p.max_attended_len =
+      attended_len(check_tables(tables, cache, sliding_window, query_start_loc), sliding_window);
   if (query_start_loc[0] != 0) {
     throw std::invalid_argument("query_start_loc[0] = " + std::to_string(query_start_loc[0]) +
                                 " must be 0");

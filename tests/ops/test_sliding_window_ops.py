@@ -17,7 +17,7 @@ from pagedserve.gpu_worker.layers.gathered_prefill import (
 )
 
 from . import reference
-from .cases import TOLERANCES, fused_qkv, paged_case, query_start_loc
+from .cases import PADDING_BLOCK, TOLERANCES, fused_qkv, paged_case, query_start_loc
 
 BLOCK_SIZES = [8, 16, 32]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -119,6 +119,37 @@ def test_automatic_split_k_counts_only_the_window(restore_threads):
         _assert_close(
             ops.paged_attention_decode(*args, sliding_window=300), expected, torch.float32
         )
+
+
+def test_table_entries_before_the_window_are_neither_read_nor_checked():
+    # Blocks wholly before the window of a sequence's first query token may leave the table (a
+    # block manager may free them): the ops run without them, and still refuse a bad entry
+    # inside the window.
+    block_size, window = 8, 20
+    case, query = _decode_case([100, 37, 5], 4, 2, block_size, 64, torch.float32, seed=10)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125)
+    expected = reference.decode_attention(*args, sliding_window=window)
+    for seq, seq_len in enumerate([100, 37, 5]):
+        case.block_tables[seq, : max(0, seq_len - window) // block_size] = PADDING_BLOCK
+    for partition_size in (None, 0, 8):
+        out = ops.paged_attention_decode(
+            *args, partition_size=partition_size, sliding_window=window
+        )
+        _assert_close(out, expected, torch.float32)
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[0\] = 1073741824 is not a block"):
+        ops.paged_attention_decode(*args)  # full attention reads them
+    case.block_tables[0, 10] = PADDING_BLOCK  # position 80..87: inside the window of 100
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[10\] = 1073741824 is not a block"):
+        ops.paged_attention_decode(*args, sliding_window=window)
+
+    prior, q_lens = [60, 0], [10, 40]
+    case, query, loc = _prefill_case(prior, q_lens, 4, 2, block_size, 64, torch.float32, seed=11)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, 0.125)
+    expected = reference.attention(*args, sliding_window=12)
+    case.block_tables[0, : (60 - 12 + 1) // block_size] = PADDING_BLOCK  # positions 0..47
+    _assert_close(ops.paged_prefill_attention(*args, sliding_window=12), expected, torch.float32)
+    with pytest.raises(ValueError, match=r"block_tables\[0\]\[5\] = 1073741824 is not a block"):
+        ops.paged_prefill_attention(*args, sliding_window=14)  # its window reaches position 47
 
 
 # --- prefill -----------------------------------------------------------------------------------
