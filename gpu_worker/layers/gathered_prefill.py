@@ -68,7 +68,11 @@ class GatheredPrefillPlan:
 
     def window_mask(self, sliding_window: int) -> torch.Tensor:
         """The causal mask for ``sliding_window`` (tokens; 0: full attention): key position
-        ``k`` is visible to query position ``i`` when ``i - sliding_window < k <= i``."""
+        ``k`` is visible to query position ``i`` when ``i - sliding_window < k <= i``.
+
+        NOTE: a windowed layer still gathers and masks every key position of the step's
+        sequences (the plan is shared with full-attention layers); gathering only the windows
+        would need a plan per window."""
         if sliding_window <= 0:
             return self.mask
         mask = self._window_masks.get(sliding_window)
