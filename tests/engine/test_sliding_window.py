@@ -205,6 +205,12 @@ def test_llm_accepts_prompts_and_generations_past_the_window(windowed_dirs, hf_r
     assert token_ids(llm.generate(prompts, GREEDY)) == hf_references["mistral"]
     # The last prompt and its generation reach 178 positions: 11 windows of 16.
     assert len(prompts[-1]) + NEW_TOKENS > 10 * 16
+    # max_model_len may go to max_position_embeddings (it was capped at the window), no further.
+    LLM(windowed_dirs["mistral"], num_blocks=64, max_model_len=512)
+    with pytest.raises(
+        ValueError, match="max_model_len=513 exceeds the model's context window 512"
+    ):
+        LLM(windowed_dirs["mistral"], num_blocks=64, max_model_len=513)
 
 
 def test_the_window_changes_hf_s_tokens(windowed_dirs, hf_references, tmp_path):
