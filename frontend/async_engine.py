@@ -169,6 +169,15 @@ class AsyncEngine:
         )
         return stream
 
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Tell the engine to serve adapter ``lora_id`` (``LLM.register_lora`` checked
+        it); requests submitted after this call may use it."""
+        self._call(lambda engine: engine.load_lora(lora_id, name, path))
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Tell the engine to drop adapter ``lora_id`` once its requests have ended."""
+        self._call(lambda engine: engine.unload_lora(lora_id))
+
     def abort(self, request_id: str) -> None:
         """End a request that is still open (a cancelled call); its blocks are freed."""
         if self._streams.pop(request_id, None) is not None:

@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         "selects one; chat / generate: --lora NAME)",
     )
     engine.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters, also with no --lora-modules (they may then load at run "
+        "time: serve --allow-runtime-lora-updating)",
+    )
+    engine.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEXT",
@@ -177,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let the model decide to call tools (tool_choice 'auto', the default when a chat "
         "request gives tools); needs --tool-call-parser",
+    )
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; implies "
+        "--enable-lora): clients then name adapter directories this server reads, so allow "
+        "it only for trusted clients",
     )
     serve.add_argument(
         "--reasoning-parser",
@@ -290,6 +303,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         chat_template=_chat_template(args.chat_template),
         speculative_config=args.speculative_config,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
+        enable_lora=args.enable_lora or getattr(args, "allow_runtime_lora_updating", False),
         structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
     )
 
@@ -370,6 +384,7 @@ def _serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)

@@ -64,12 +64,14 @@ from pagedserve.scheduler.engine_messages import (
     EngineError,
     EngineStats,
     GetStats,
+    LoadLoRA,
     OutputBatch,
     Ready,
     ResetPrefixCache,
     Shutdown,
     StartEngine,
     StopSample,
+    UnloadLoRA,
     WorkerSpec,
 )
 from pagedserve.scheduler.messages import RequestOutputDelta
@@ -305,6 +307,14 @@ class EngineClient:
                 f"no stats: {self._process.death_message or 'the engine has stopped'}"
             )
         return self._last_stats
+
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Serve adapter ``lora_id``; requests sent after this call may use it."""
+        self._send(LoadLoRA(lora_id, name, path))
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Stop serving adapter ``lora_id`` (the workers drop it once its requests end)."""
+        self._send(UnloadLoRA(lora_id))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; applied before any request sent after this call."""

@@ -136,6 +136,9 @@ class HttpApi:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
+        if server.config.allow_runtime_lora_updating:
+            app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
         # handler_cancellation: a client that goes away cancels its handler, which ends
         # its requests in the engine (the default lets them run to the end unread).
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -362,6 +365,32 @@ class HttpApi:
         ]
         return [base, *adapters]
 
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``{"lora_name", "lora_path"}``: serve a PEFT LoRA adapter from now on;
+        its files are checked against the model before the engine hears of it."""
+        llm = self._server.ready_llm()
+        name, path = _lora_fields(await _json_body(request), "lora_name", "lora_path")
+        try:
+            lora_id = llm.register_lora(name, path)
+        except ValueError as error:
+            message = str(error)
+            field = "lora_name" if message.startswith("lora_name") else "lora_path"
+            raise CallError("INVALID_ARGUMENT", message, field) from None
+        self._server.engine.load_lora(lora_id, name, llm.lora_paths[name])
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``{"lora_name"}``: requests may no longer name the adapter (those in
+        flight finish under it)."""
+        llm = self._server.ready_llm()
+        (name,) = _lora_fields(await _json_body(request), "lora_name")
+        try:
+            lora_id = llm.deregister_lora(name)
+        except ValueError as error:
+            raise CallError("NOT_FOUND", str(error), "lora_name") from None
+        self._server.engine.unload_lora(lora_id)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     async def _tokenize(self, request: web.Request) -> web.Response:
         llm = self._server.ready_llm()
         body = await _json_body(request)
@@ -461,3 +490,19 @@ async def _json_body(request: web.Request) -> Any:
         ) from None
     except UnicodeDecodeError as error:
         raise CallError("INVALID_ARGUMENT", f"the request body is not UTF-8: {error}", "") from None
+
+
+def _lora_fields(body: object, *names: str) -> list[str]:
+    """The named string fields of a LoRA-adapter call's body, or a 400 naming the first
+    one missing or not a non-empty string."""
+    if not isinstance(body, dict):
+        raise CallError("INVALID_ARGUMENT", "the request body must be a JSON object", "")
+    values = []
+    for name in names:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            raise CallError(
+                "INVALID_ARGUMENT", f"{name} must be a non-empty string, got {value!r:.100}", name
+            )
+        values.append(value)
+    return values

@@ -18,7 +18,11 @@ from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EngineAction, RequestTracker
 from pagedserve.frontend.tokenizer import Tokenizer
-from pagedserve.gpu_worker.lora import check_adapter_files, check_lora_support
+from pagedserve.gpu_worker.lora import (
+    check_adapter_files,
+    check_adapter_weights,
+    check_lora_support,
+)
 from pagedserve.gpu_worker.model_config import (
     ModelConfig,
     check_dtype_name,
@@ -53,26 +57,38 @@ def _check_lora_modules(
     model_path: Path,
     tensor_parallel_size: int,
     cuda_graph_max_batch: int,
+    enable_lora: bool,
 ) -> list[tuple[str, str]]:
     """``lora_modules`` as (name, directory) pairs, checked before any process starts:
-    names, files and configs, and that this model and engine can serve adapters (the
-    weights' shapes are checked when the worker loads them)."""
-    if not lora_modules:
+    names, files, configs and the weights' shapes, and that this model and engine can
+    serve adapters (also with none at start-up when ``enable_lora``)."""
+    if not isinstance(enable_lora, bool):
+        raise TypeError(f"enable_lora must be a bool, got {enable_lora!r}")
+    if not lora_modules and not enable_lora:
         return []
-    if not isinstance(lora_modules, dict):
+    if lora_modules is not None and not isinstance(lora_modules, dict):
         raise TypeError(
             f"lora_modules must be a dict of name -> adapter directory, got {lora_modules!r}"
         )
-    check_lora_support(
-        ModelConfig.from_dir(model_path).architecture, tensor_parallel_size, cuda_graph_max_batch
-    )
+    model_config = ModelConfig.from_dir(model_path)
+    check_lora_support(model_config.architecture, tensor_parallel_size, cuda_graph_max_batch)
     adapters = []
-    for name, path in lora_modules.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"lora_modules: adapter names must be non-empty strings, got {name!r}")
-        check_adapter_files(name, path)
-        adapters.append((name, str(Path(path).resolve())))
+    for name, path in (lora_modules or {}).items():
+        _check_lora_name(name, "lora_modules")
+        adapters.append((name, _checked_adapter_path(name, path, model_config)))
     return adapters
+
+
+def _check_lora_name(name: object, field: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{field}: adapter names must be non-empty strings, got {name!r}")
+
+
+def _checked_adapter_path(name: str, path: str | os.PathLike[str], config: ModelConfig) -> str:
+    """The adapter's directory, resolved, once its files fit the model."""
+    check_adapter_files(name, path)
+    check_adapter_weights(name, path, config)
+    return str(Path(path).resolve())
 
 
 def _speculative_fields(config: dict[str, Any] | None) -> dict[str, int]:
@@ -145,6 +161,8 @@ class LLM:
     model (Llama family, one rank, no CUDA graphs), loaded at start-up; a request picks one
     with ``generate(..., lora_request="name")`` (or a ``LoRARequest``), and requests of
     different adapters share a batch (``gpu_worker/lora.py``) but never cached prefixes.
+    ``enable_lora=True`` (implied by ``lora_modules``) lets adapters come and go while the
+    engine runs: ``load_lora(name, path)`` and ``unload_lora(name)``.
     """
 
     def __init__(
@@ -175,6 +193,7 @@ class LLM:
         lora_modules: dict[str, str | os.PathLike[str]] | None = None,
         structured_outputs_disable_any_whitespace: bool = False,
         reasoning_parser: str | None = None,
+        enable_lora: bool = False,
     ) -> None:
         check_dtype_name(dtype)
         if reasoning_parser is not None:
@@ -219,11 +238,15 @@ class LLM:
         self.lora_ids: dict[str, int] = {}
         self.lora_paths: dict[str, str] = {}
         adapters = _check_lora_modules(
-            lora_modules, resolved.path, tensor_parallel_size, graph_max_batch
+            lora_modules, resolved.path, tensor_parallel_size, graph_max_batch, enable_lora
         )
         for lora_id, (name, path) in enumerate(adapters, start=1):
             self.lora_ids[name] = lora_id
             self.lora_paths[name] = path
+        # Adapters loaded at run time take ids after these; an id is never reused, so no
+        # cached prefix of an unloaded adapter can serve a new one.
+        self.enable_lora = enable_lora or bool(adapters)
+        self._next_lora_id = len(adapters) + 1
         if multiprocess:
             model_config = ModelConfig.from_dir(resolved.path)
             # Here, before any process starts, so a bad size fails at once.
@@ -246,6 +269,7 @@ class LLM:
                 cuda_graph_max_batch=graph_max_batch,
                 cuda_graph_max_len=graph_max_len,
                 lora_modules=adapters,
+                enable_lora=self.enable_lora,
             )
             model_config = self.worker.model_config
         self.model_config = model_config
@@ -296,6 +320,7 @@ class LLM:
                     graph_max_batch,
                     graph_max_len,
                     [list(adapter) for adapter in adapters],
+                    self.enable_lora,
                 ),
                 seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
@@ -412,6 +437,54 @@ class LLM:
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
+
+    def load_lora(self, name: str, path: str | os.PathLike[str]) -> int:
+        """Serve the PEFT LoRA adapter in directory ``path`` as ``name`` from now on (an
+        engine started with ``enable_lora=True`` or ``lora_modules``); returns its id.
+        Its files are checked against the model first (``ValueError`` naming what does not
+        fit); the workers load it with the next step."""
+        lora_id = self.register_lora(name, path)
+        self.engine.load_lora(lora_id, name, self.lora_paths[name])
+        return lora_id
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``: requests may no longer name it; those already
+        queued run to their end, then the workers drop it."""
+        self.engine.unload_lora(self.deregister_lora(name))
+
+    def register_lora(self, name: str, path: str | os.PathLike[str]) -> int:
+        """``load_lora``'s checks and bookkeeping, without telling the engine (the server
+        tells it from its engine thread); returns the adapter's new id."""
+        if not self.enable_lora:
+            raise ValueError(
+                f"lora_name {name!r}: this engine serves no LoRA adapters; start it with "
+                "enable_lora=True (--enable-lora) to load them at run time"
+            )
+        _check_lora_name(name, "lora_name")
+        if name in self.lora_ids:
+            raise ValueError(
+                f"lora_name: an adapter named {name!r} is already loaded (from "
+                f"{self.lora_paths[name]}); unload it first"
+            )
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ValueError(f"lora_path: expected an adapter directory, got {path!r}")
+        resolved = _checked_adapter_path(name, path, self.model_config)
+        lora_id = self._next_lora_id
+        self._next_lora_id += 1
+        self.lora_ids[name] = lora_id
+        self.lora_paths[name] = resolved
+        logger.info("serving LoRA adapter %r (id %d) from %s", name, lora_id, resolved)
+        return lora_id
+
+    def deregister_lora(self, name: str) -> int:
+        """``unload_lora``'s checks and bookkeeping; returns the adapter's id."""
+        lora_id = self.lora_ids.pop(name, None) if isinstance(name, str) else None
+        if lora_id is None:
+            served = ", ".join(map(repr, self.lora_ids)) or "none"
+            raise ValueError(f"lora_name: no LoRA adapter named {name!r} here; adapters: {served}")
+        del self.lora_paths[name]
+        logger.info("unloading LoRA adapter %r (id %d)", name, lora_id)
+        return lora_id
 
     def stats(self) -> dict[str, int | float]:
         """Scheduler counters (requests, preemptions, sampled tokens, blocks, prefix-cache
@@ -578,14 +651,14 @@ class LLM:
             )
         lora_id = self.lora_ids.get(name)
         if lora_id is None:
-            served = ", ".join(self.lora_ids) or "none (start with lora_modules)"
+            served = ", ".join(self.lora_ids) or "none (start with lora_modules or enable_lora)"
             raise ValueError(f"{field}: no LoRA adapter named {name!r} here; adapters: {served}")
         if isinstance(lora_request, LoRARequest):
             path = lora_request.lora_path
             if path is not None and Path(path).resolve() != Path(self.lora_paths[name]).resolve():
                 raise ValueError(
                     f"{field}: adapter {name!r} was loaded from {self.lora_paths[name]}, not "
-                    f"{path}; adapters load at start-up (lora_modules)"
+                    f"{path}; load another directory under another name (load_lora)"
                 )
             if lora_request.lora_int_id not in (None, lora_id):
                 raise ValueError(

@@ -104,6 +104,10 @@ class ServerConfig:
     # Splits a reasoning model's thinking from its chat answers (``reasoning.py``);
     # None: the answer is the whole output.
     reasoning_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; the engine must
+    # serve LoRA adapters). Off by default: a client then names directories the server
+    # reads, which only a trusted client may do.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):

@@ -1,7 +1,9 @@
 """LoRA adapters served beside the base model (vLLM's multi-LoRA), on the Llama family.
 
 Each adapter is a PEFT LoRA directory (``adapter_config.json``, ``adapter_model.safetensors``),
-loaded once at start-up; adapter ``k`` (from 1; 0 is the base model) adds
+loaded at start-up or at run time (``LLM.load_lora``; the scheduler hands the load to the
+workers in the next step's plan, and an unload once no request uses the adapter any more);
+adapter ``k`` (from 1; 0 is the base model; ids are never reused) adds
 ``scale * (x A_k^T) B_k^T`` to each projection it targets, ``scale = lora_alpha / r``
 (``/ sqrt(r)`` with rsLoRA). A step's tokens may belong to different adapters: before
 the forward pass the model runner sets, per adapter in the batch, which token rows are
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-free at import: the frontend checks adapters without it
     import torch
     from torch import nn
+
+    from pagedserve.gpu_worker.model_config import ModelConfig
 
 # A checkpoint projection -> (the model's module under a decoder layer, its part when fused).
 TARGET_MODULES = {
@@ -102,6 +107,84 @@ def check_adapter_files(name: str, path: str | Path) -> None:
         raise ValueError(f"lora_modules[{name!r}]: {path / _WEIGHTS_FILE} is missing")
 
 
+def check_adapter_weights(name: str, path: str | Path, config: ModelConfig) -> None:
+    """Every tensor of the adapter's weights file against the model's projections, from
+    the safetensors header alone (torch-free, nothing loaded): a LoRA A or B weight of a
+    decoder layer the model has, of a projection an adapter may target, in pairs whose
+    shapes fit the projection. Raises ``ValueError`` naming the adapter and the tensor, so
+    that a worker never fails to load an adapter the frontend accepted."""
+    path = Path(path)
+    header = _safetensors_header(name, path / _WEIGHTS_FILE)
+    hidden, heads = config.hidden_size, config.num_heads * config.head_size
+    kv_heads = config.num_kv_heads * config.head_size
+    intermediate = config.hf_config.get("intermediate_size", 0)
+    # projection -> (out features, in features), as the checkpoint stores it
+    shapes = {
+        "q_proj": (heads, hidden),
+        "k_proj": (kv_heads, hidden),
+        "v_proj": (kv_heads, hidden),
+        "o_proj": (hidden, heads),
+        "gate_proj": (intermediate, hidden),
+        "up_proj": (intermediate, hidden),
+        "down_proj": (hidden, intermediate),
+    }
+    pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
+    for tensor_name, entry in header.items():
+        if tensor_name == "__metadata__":
+            continue
+        layer, projection, which = _checked_weight_name(name, tensor_name, config.num_layers)
+        pairs.setdefault((layer, projection), {})[which] = list(entry.get("shape", []))
+    for (layer, projection), pair in sorted(pairs.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise ValueError(
+                f"lora_modules[{name!r}]: layer {layer} {projection} lacks its "
+                f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight"
+            )
+        out_size, in_size = shapes[projection]
+        a, b = pair["lora_A"], pair["lora_B"]
+        if len(a) != 2 or len(b) != 2 or a[1] != in_size or b[0] != out_size or a[0] != b[1]:
+            raise ValueError(
+                f"lora_modules[{name!r}]: layer {layer} {projection}: lora_A {tuple(a)} and "
+                f"lora_B {tuple(b)} do not fit the model's [{out_size}, {in_size}] projection"
+            )
+
+
+def _safetensors_header(name: str, weights_file: Path) -> dict:
+    """The JSON header of a safetensors file: tensor name -> dtype, shape, offsets."""
+    try:
+        with weights_file.open("rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            if length > 100 << 20:
+                raise ValueError(f"a header of {length} bytes")
+            return json.loads(file.read(length))
+    except (OSError, ValueError, struct.error) as error:
+        raise ValueError(
+            f"lora_modules[{name!r}]: {weights_file} is not a safetensors file: {error}"
+        ) from None
+
+
+def _checked_weight_name(name: str, tensor_name: str, num_layers: int) -> tuple[int, str, str]:
+    """(layer, projection, "lora_A" | "lora_B") of an adapter tensor, or ``ValueError``."""
+    parsed = _weight_name(tensor_name)
+    if parsed is None:
+        raise ValueError(
+            f"lora_modules[{name!r}]: tensor {tensor_name!r} is not a LoRA A or B "
+            "weight of a decoder layer"
+        )
+    layer, projection, _ = parsed
+    if projection not in TARGET_MODULES:
+        raise ValueError(
+            f"lora_modules[{name!r}]: tensor {tensor_name!r} targets {projection!r}; "
+            f"an adapter may target {', '.join(TARGET_MODULES)}"
+        )
+    if layer >= num_layers:
+        raise ValueError(
+            f"lora_modules[{name!r}]: tensor {tensor_name!r} names layer {layer}; "
+            f"the model has {num_layers}"
+        )
+    return parsed
+
+
 def _read_config(name: str, path: Path) -> tuple[float, list[str]]:
     config_file = path / _CONFIG_FILE
     if not config_file.is_file():
@@ -160,65 +243,65 @@ def _weight_name(name: str) -> tuple[int, str, str] | None:
 def load_adapters(model: nn.Module, adapters: list[tuple[str, str]]) -> LoRABatch:
     """Load the ``(name, directory)`` adapters (ids 1, 2, ... in that order) into
     ``model``'s targeted layers; returns the batch mapping the runner sets each step."""
+    batch = LoRABatch()
+    for adapter_id, (name, path) in enumerate(adapters, start=1):
+        load_adapter(model, batch, adapter_id, name, path)
+    return batch
+
+
+def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str, path: str) -> None:
+    """Load one adapter as ``adapter_id``: every product is built and checked first, then
+    attached, so a failure leaves the model as it was."""
     from safetensors.torch import load_file
 
-    batch = LoRABatch()
     layers = model.layers
     weight = model.embed_tokens.weight
-    for adapter_id, (name, path_text) in enumerate(adapters, start=1):
-        path = Path(path_text)
-        scale, _ = _read_config(name, path)
-        weights_file = path / _WEIGHTS_FILE
-        if not weights_file.is_file():
-            raise ValueError(f"lora_modules[{name!r}]: {weights_file} is missing")
-        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        for tensor_name, tensor in load_file(str(weights_file)).items():
-            parsed = _weight_name(tensor_name)
-            if parsed is None:
-                raise ValueError(
-                    f"lora_modules[{name!r}]: tensor {tensor_name!r} is not a LoRA A or B "
-                    "weight of a decoder layer"
-                )
-            layer, projection, which = parsed
-            if projection not in TARGET_MODULES:
-                raise ValueError(
-                    f"lora_modules[{name!r}]: tensor {tensor_name!r} targets {projection!r}; "
-                    f"an adapter may target {', '.join(TARGET_MODULES)}"
-                )
-            if layer >= len(layers):
-                raise ValueError(
-                    f"lora_modules[{name!r}]: tensor {tensor_name!r} names layer {layer}; "
-                    f"the model has {len(layers)}"
-                )
-            pairs.setdefault((layer, projection), {})[which] = tensor
-        for (layer, projection), pair in sorted(pairs.items()):
-            if set(pair) != {"lora_A", "lora_B"}:
-                raise ValueError(
-                    f"lora_modules[{name!r}]: layer {layer} {projection} lacks its "
-                    f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight"
-                )
-            module_path, part = TARGET_MODULES[projection]
-            module = layers[layer].get_submodule(module_path)
-            a, b = pair["lora_A"], pair["lora_B"]
-            if part is None:
-                out_offset, out_size = 0, module.weight.shape[0]
-            else:
-                out_offset = module.component_offsets[part]
-                out_size = module.component_offsets[part + 1] - out_offset
-            in_size = module.weight.shape[1]
-            if a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != b.shape[1]:
-                raise ValueError(
-                    f"lora_modules[{name!r}]: layer {layer} {projection}: lora_A "
-                    f"{tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the model's "
-                    f"[{out_size}, {in_size}] projection"
-                )
-            if module.lora is None:
-                module.lora = LoRALayer(batch)
-            module.lora.products.setdefault(adapter_id, []).append(
-                _Product(
-                    out_offset,
-                    a.to(device=weight.device, dtype=weight.dtype),
-                    (b * scale).to(device=weight.device, dtype=weight.dtype),
-                )
+    path = Path(path)
+    scale, _ = _read_config(name, path)
+    weights_file = path / _WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise ValueError(f"lora_modules[{name!r}]: {weights_file} is missing")
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in load_file(str(weights_file)).items():
+        layer, projection, which = _checked_weight_name(name, tensor_name, len(layers))
+        pairs.setdefault((layer, projection), {})[which] = tensor
+    products: list[tuple[nn.Module, _Product]] = []
+    for (layer, projection), pair in sorted(pairs.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise ValueError(
+                f"lora_modules[{name!r}]: layer {layer} {projection} lacks its "
+                f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight"
             )
-    return batch
+        module_path, part = TARGET_MODULES[projection]
+        module = layers[layer].get_submodule(module_path)
+        a, b = pair["lora_A"], pair["lora_B"]
+        if part is None:
+            out_offset, out_size = 0, module.weight.shape[0]
+        else:
+            out_offset = module.component_offsets[part]
+            out_size = module.component_offsets[part + 1] - out_offset
+        in_size = module.weight.shape[1]
+        if a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != b.shape[1]:
+            raise ValueError(
+                f"lora_modules[{name!r}]: layer {layer} {projection}: lora_A "
+                f"{tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the model's "
+                f"[{out_size}, {in_size}] projection"
+            )
+        product = _Product(
+            out_offset,
+            a.to(device=weight.device, dtype=weight.dtype),
+            (b * scale).to(device=weight.device, dtype=weight.dtype),
+        )
+        products.append((module, product))
+    for module, product in products:
+        if module.lora is None:
+            module.lora = LoRALayer(batch)
+        module.lora.products.setdefault(adapter_id, []).append(product)
+
+
+def unload_adapter(model: nn.Module, adapter_id: int) -> None:
+    """Drop adapter ``adapter_id``'s products from every layer (no-op for an unknown id)."""
+    for module in model.modules():
+        lora = getattr(module, "lora", None)
+        if isinstance(lora, LoRALayer):
+            lora.products.pop(adapter_id, None)

@@ -13,7 +13,13 @@ import torch
 from pagedserve.gpu_worker import cuda_ops, ops
 from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec
-from pagedserve.gpu_worker.lora import check_lora_support, load_adapters
+from pagedserve.gpu_worker.lora import (
+    LoRABatch,
+    check_lora_support,
+    load_adapter,
+    load_adapters,
+    unload_adapter,
+)
 from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import ModelConfig, check_dtype_name
 from pagedserve.gpu_worker.model_runner import ModelRunner
@@ -66,9 +72,11 @@ class Worker:
         cuda_graph_max_batch: int = 0,
         cuda_graph_max_len: int = 0,
         lora_modules: list[tuple[str, str]] | None = None,
+        enable_lora: bool = False,
     ) -> None:
         """``lora_modules``: (name, PEFT LoRA adapter directory) pairs, adapter ids 1, 2,
-        ... in order."""
+        ... in order; ``enable_lora``: adapters may also load at run time (the plans'
+        ``load_loras``), even with none at start-up."""
         self.device = _parse_device(device)
         if cuda_graph_max_batch and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs need device='cuda', got device={device!r}")
@@ -82,9 +90,10 @@ class Worker:
             self.model = build_model(self.model_config, torch_dtype, parallel)
         self.model.load_weights(iterate_weights(Path(model_path)))
         lora_batch = None
-        if lora_modules:
+        if lora_modules or enable_lora:
             check_lora_support(self.model_config.architecture, parallel.size, cuda_graph_max_batch)
-            lora_batch = load_adapters(self.model, list(lora_modules))
+            lora_batch = load_adapters(self.model, list(lora_modules or []))
+        self._lora_batch: LoRABatch | None = lora_batch
         self.model.eval()
         num_packed = self.model.pack_weights()
         logger.info(
@@ -146,6 +155,8 @@ class Worker:
             )
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if plan.load_loras or plan.unload_lora_ids:
+            self._update_loras(plan)
         if plan.swap_out or plan.swap_in:
             self._swap(plan)
         # Copy-on-write after the swaps (a swapped-in block may be the source of a copy),
@@ -153,6 +164,22 @@ class Worker:
         if plan.copy_blocks:
             ops.copy_blocks(self.kv_cache, _pairs(plan.copy_blocks))
         return self.runner.execute(plan)
+
+    def _update_loras(self, plan: StepPlan) -> None:
+        """Adapters loaded or dropped at run time, before the step that may use them (the
+        frontend checked each adapter's files against the model before it was sent)."""
+        if self._lora_batch is None:
+            raise RuntimeError("a LoRA update reached a worker started without enable_lora")
+        for adapter_id, name, path in plan.load_loras:
+            started = time.monotonic()
+            load_adapter(self.model, self._lora_batch, adapter_id, name, path)
+            logger.info(
+                "loaded LoRA adapter %r (id %d) in %.2f s", name, adapter_id,
+                time.monotonic() - started,
+            )  # fmt: skip
+        for adapter_id in plan.unload_lora_ids:
+            unload_adapter(self.model, adapter_id)
+            logger.info("unloaded LoRA adapter id %d", adapter_id)
 
     def _swap(self, plan: StepPlan) -> None:
         """Swap-outs first: their device blocks may be refilled by swap-ins or written by this

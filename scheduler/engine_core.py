@@ -104,6 +104,15 @@ class EngineCore:
         )
         self.scheduler.add_request(request)
 
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Serve LoRA adapter ``lora_id`` (its files checked by the caller); requests may
+        name it at once: the workers load it with the next step."""
+        self.scheduler.load_lora(lora_id, name, path)
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Drop adapter ``lora_id`` on the workers once its queued requests have ended."""
+        self.scheduler.unload_lora(lora_id)
+
     def check_request_fits(
         self, num_prompt_tokens: int, max_tokens: int, num_sequences: int = 1
     ) -> None:

@@ -119,6 +119,25 @@ class ResetPrefixCache:
 
 
 @dataclass
+class LoadLoRA:
+    """Serve a LoRA adapter from now on as ``lora_id`` (never an id used before); the
+    frontend checked its files against the model. The workers load it with the next step,
+    before any request that uses it runs."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
+@dataclass
+class UnloadLoRA:
+    """Stop serving adapter ``lora_id``: the frontend sends no more requests for it, and
+    the workers drop it once the requests already queued for it have ended."""
+
+    lora_id: int
+
+
+@dataclass
 class WorkerSpec:
     """What every worker needs to build its ``Worker``: the model and the cache sizes.
     With neither ``num_blocks`` nor ``kv_cache_bytes`` the worker sizes its cache from
@@ -135,6 +154,8 @@ class WorkerSpec:
     cuda_graph_max_len: int = 0  # tokens a captured block table covers
     # LoRA adapters as [name, PEFT directory] pairs; adapter id k is the k-th (from 1).
     lora_modules: list[list[str]] = field(default_factory=list)
+    # Adapters may load at run time (StepPlan.load_loras), even with none at start-up.
+    enable_lora: bool = False
 
 
 @dataclass

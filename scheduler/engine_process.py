@@ -11,6 +11,7 @@ script), it reads one encoded ``StartEngine`` from stdin, then::
        rank holds (the smallest count), once the
        grammar tokenizer (built during 2) is done -> Ready("engine", cache sizes)
     4. serves: AddRequest / AbortRequest / StopSample / GetStats / ResetPrefixCache /
+       LoadLoRA / UnloadLoRA /
        Shutdown in, one OutputBatch per step out
     5. on Shutdown or a failure: ends every request still in flight (on a failure
        after an EngineError naming the cause, each with finish_reason "error"), sends
@@ -38,12 +39,14 @@ from pagedserve.scheduler.engine_messages import (
     EngineError,
     EngineStats,
     GetStats,
+    LoadLoRA,
     OutputBatch,
     Ready,
     ResetPrefixCache,
     Shutdown,
     StartEngine,
     StopSample,
+    UnloadLoRA,
 )
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.multiproc_executor import MultiprocExecutor, WorkerDiedError
@@ -131,6 +134,10 @@ class EngineLoop:
             self.outbox.send(encode(engine_stats(engine)))
         elif isinstance(message, ResetPrefixCache):
             engine.reset_prefix_cache()
+        elif isinstance(message, LoadLoRA):
+            engine.load_lora(message.lora_id, message.name, message.path)
+        elif isinstance(message, UnloadLoRA):
+            engine.unload_lora(message.lora_id)
         elif isinstance(message, Shutdown):
             self._stop = True
         else:

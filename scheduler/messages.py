@@ -76,6 +76,10 @@ class StepPlan:
     ``spec_token_ids`` maps each decoding sequence that speculates in this step to its
     draft tokens (``scheduler/ngram_proposer.py``): its scheduled tokens are its last
     token followed by them, and the worker samples at every one of those positions.
+
+    ``load_loras`` ((adapter id, name, directory)) and ``unload_lora_ids`` change the LoRA
+    adapters the workers hold, before anything else in the step: a request of a new adapter
+    may run in this very step; an unloaded one is used by no request any more.
     """
 
     step_id: int
@@ -87,6 +91,8 @@ class StepPlan:
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     token_bitmasks: dict[str, bytes] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    load_loras: list[tuple[int, str, str]] = field(default_factory=list)
+    unload_lora_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -102,7 +108,12 @@ class StepPlan:
     @property
     def has_work_for_workers(self) -> bool:
         return not self.is_empty or bool(
-            self.finished_request_ids or self.swap_out or self.swap_in or self.copy_blocks
+            self.finished_request_ids
+            or self.swap_out
+            or self.swap_in
+            or self.copy_blocks
+            or self.load_loras
+            or self.unload_lora_ids
         )
 
 

@@ -127,6 +127,10 @@ class Scheduler:
         self.accounting = MemoryAccounting()
         self._by_priority = config.scheduling_policy == "priority"
         self._num_added = 0
+        # LoRA adapters to load on the workers with the next step, and adapters to drop
+        # once no request uses them (LoadLoRA / UnloadLoRA).
+        self._loras_to_load: list[tuple[int, str, str]] = []
+        self._loras_to_unload: set[int] = set()
 
     # ----------------------------------------------------------------- admission
 
@@ -197,6 +201,26 @@ class Scheduler:
             request_id, [], finished=True, finish_reason="stop", index=sequence.sample_index
         )
 
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Have the workers load adapter ``lora_id`` before the next step runs."""
+        self._loras_to_load.append((lora_id, name, path))
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Have the workers drop adapter ``lora_id`` once no request uses it."""
+        self._loras_to_unload.add(lora_id)
+
+    def _add_lora_updates(self, plan: StepPlan) -> None:
+        """Pending adapter loads, and the unloads no live request holds back, ride with a
+        step that runs (an idle engine keeps them until one does)."""
+        if plan.is_empty:
+            return
+        plan.load_loras, self._loras_to_load = self._loras_to_load, []
+        if self._loras_to_unload:
+            in_use = {request.lora_id for request in self.requests.values()}
+            ready = sorted(self._loras_to_unload - in_use)
+            plan.unload_lora_ids = ready
+            self._loras_to_unload.difference_update(ready)
+
     @property
     def num_preemptions(self) -> int:
         return self.num_recompute_preemptions + self.num_swap_preemptions
@@ -255,6 +279,7 @@ class Scheduler:
         plan.finished_request_ids = self._drop_ids_for_workers
         self._drop_ids_for_workers = []
         self._add_token_bitmasks(plan)
+        self._add_lora_updates(plan)
         return plan
 
     def _draft_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:

@@ -48,6 +48,7 @@ from pagedserve.scheduler.engine_messages import (
     EngineError,
     EngineStats,
     GetStats,
+    LoadLoRA,
     OutputBatch,
     Ready,
     ResetPrefixCache,
@@ -55,6 +56,7 @@ from pagedserve.scheduler.engine_messages import (
     StartEngine,
     StartWorker,
     StopSample,
+    UnloadLoRA,
     WorkerSpec,
 )
 from pagedserve.scheduler.messages import (
@@ -83,6 +85,8 @@ Message = (
     | GetStats
     | EngineStats
     | ResetPrefixCache
+    | LoadLoRA
+    | UnloadLoRA
     | StartEngine
     | StartWorker
     | WorkerSpec
@@ -178,6 +182,8 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "copy_blocks",
         "token_bitmasks",
         "spec_token_ids",
+        "load_loras",
+        "unload_lora_ids",
     ),
     StepResult: ("step_id", "request_ids", "sampled_token_ids", "logprobs", "prompt_logprobs"),
     RequestOutputDelta: (
@@ -210,6 +216,8 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
     GetStats: (),
     EngineStats: ("stats", "integrity_error"),
     ResetPrefixCache: (),
+    LoadLoRA: ("lora_id", "name", "path"),
+    UnloadLoRA: ("lora_id",),
     SchedulerConfig: (
         "max_num_seqs",
         "max_num_batched_tokens",
@@ -234,6 +242,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "cuda_graph_max_batch",
         "cuda_graph_max_len",
         "lora_modules",
+        "enable_lora",
     ),
     StartEngine: (
         "frontend_pid",
@@ -496,13 +505,25 @@ def _pack_step_plan(plan: StepPlan) -> list:
         list(chain.from_iterable(plan.copy_blocks)),
         plan.token_bitmasks,
         plan.spec_token_ids,
+        [list(load) for load in plan.load_loras],
+        plan.unload_lora_ids,
     ]
 
 
 def _unpack_step_plan(value: Any) -> StepPlan:
-    step_id, new_requests, cached, finished, swap_out, swap_in, copies, bitmasks, drafts = _fields(
-        value, "StepPlan"
-    )
+    (
+        step_id,
+        new_requests,
+        cached,
+        finished,
+        swap_out,
+        swap_in,
+        copies,
+        bitmasks,
+        drafts,
+        load_loras,
+        unload_lora_ids,
+    ) = _fields(value, "StepPlan")
     _check(step_id, int, "StepPlan.step_id")
     _check(new_requests, list, "StepPlan.new_requests")
     _check(cached, list, "StepPlan.cached_requests")
@@ -520,6 +541,23 @@ def _unpack_step_plan(value: Any) -> StepPlan:
     _check_column(list(bitmasks.values()), bytes, len(bitmasks), "StepPlan.token_bitmasks")
     _check(drafts, dict, "StepPlan.spec_token_ids")
     _check_column(list(drafts.values()), list, len(drafts), "StepPlan.spec_token_ids")
+    _check_column(
+        _check(load_loras, list, "StepPlan.load_loras"),
+        list,
+        len(load_loras),
+        "StepPlan.load_loras",
+    )
+    for load in load_loras:
+        if (
+            len(load) != 3
+            or not isinstance(load[0], int)
+            or not all(isinstance(x, str) for x in load[1:])
+        ):
+            raise DecodeError(
+                f"StepPlan.load_loras: expected [id, name, path], got {_describe(load)}"
+            )
+    unload_lora_ids = _check(unload_lora_ids, list, "StepPlan.unload_lora_ids")
+    _check_column(unload_lora_ids, int, len(unload_lora_ids), "StepPlan.unload_lora_ids")
     return StepPlan(
         step_id=step_id,
         new_requests=[_unpack_new_request(request) for request in new_requests],
@@ -533,6 +571,8 @@ def _unpack_step_plan(value: Any) -> StepPlan:
         copy_blocks=_check_pairs(copies, "StepPlan.copy_blocks"),
         token_bitmasks=bitmasks,
         spec_token_ids=drafts,
+        load_loras=[tuple(load) for load in load_loras],
+        unload_lora_ids=unload_lora_ids,
     )
 
 
@@ -768,10 +808,12 @@ _OPTIONAL_INT = (int, type(None))
 _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     GetStats: (),
     ResetPrefixCache: (),
+    LoadLoRA: (int, str, str),
+    UnloadLoRA: (int,),
     StopSample: (str, int),
     EngineStats: (dict, (str, type(None))),
     SchedulerConfig: (int, int, int, bool, float, (str, type(None)), str, int, int, int, str),
-    WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int, list),
+    WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int, list, bool),
     StructuredOutputsParams: (
         (str, type(None)),
         (str, type(None)),
@@ -868,6 +910,8 @@ _CODECS: dict[int, tuple[type, Callable[[Any], list], Callable[[Any], Any]]] = {
     20: _flat_codec(WorkerSpec),
     21: _flat_codec(SchedulerConfig),
     22: _flat_codec(StopSample),
+    23: _flat_codec(LoadLoRA),
+    24: _flat_codec(UnloadLoRA),
 }
 
 #: Each encodable type and its wire tag.

@@ -494,3 +494,101 @@ def test_adapters_are_refused_with_tensor_parallelism_cuda_graphs_or_other_model
     opt_adapter = peft_adapter(tiny_model_dirs, tmp_path / "opt", "opt", target_modules=["q_proj"])
     with pytest.raises(ValueError, match=r"lora_modules.*OPTForCausalLM"):
         LLM(tiny_model_dirs["opt"], num_blocks=16, lora_modules={"opt": str(opt_adapter)})
+
+
+# ---------------------------------------------------------------- adapters at run time
+
+
+def held_adapter_ids(llm: LLM) -> set[int]:
+    """The adapter ids the in-process worker's layers hold products for."""
+    return {
+        adapter_id
+        for module in llm.worker.model.modules()
+        if getattr(module, "lora", None) is not None
+        for adapter_id, products in module.lora.products.items()
+        if products
+    }
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_adapters_load_and_unload_at_run_time(
+    tiny_model_dirs, adapter_dir, reference, multiprocess
+):
+    prompts = random_prompts(5, [3, 17, 40])
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64, enable_lora=True, multiprocess=multiprocess)
+    base = reference("llama", None, prompts)
+    assert token_ids(llm.generate(prompts, GREEDY)) == base
+    assert llm.load_lora("first", adapter_dir("llama", "all_r8")) == 1
+    assert llm.load_lora("second", adapter_dir("llama", "qv_rslora_r4")) == 2
+    first, second = (
+        reference("llama", "all_r8", prompts),
+        reference("llama", "qv_rslora_r4", prompts),
+    )
+    assert_adapter_changes_every_prompt(first, base)
+    mixed = llm.generate(
+        prompts * 3, GREEDY, lora_request=["first"] * 3 + ["second"] * 3 + [None] * 3
+    )
+    assert token_ids(mixed) == first + second + base
+    llm.unload_lora("first")
+    with pytest.raises(ValueError, match=r"lora_request: no LoRA adapter named 'first'.*second"):
+        llm.generate(prompts, GREEDY, lora_request="first")
+    assert token_ids(llm.generate(prompts, GREEDY, lora_request="second")) == second
+    # The same directory again, under a new name: a new id, so none of the prefixes the
+    # first one cached can serve it (they would be equal here; the id is what is checked).
+    assert llm.load_lora("again", adapter_dir("llama", "all_r8")) == 3
+    assert token_ids(llm.generate(prompts, GREEDY, lora_request="again")) == first
+    assert llm.lora_ids == {"second": 2, "again": 3}
+    if not multiprocess:
+        assert held_adapter_ids(llm) == {2, 3}  # the first one's products are gone
+    llm.shutdown()
+
+
+def test_an_adapter_unloaded_mid_request_serves_it_to_the_end(
+    tiny_model_dirs, adapter_dir, reference
+):
+    prompt = random_prompts(6, [20])[0]
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64, enable_lora=True)
+    lora_id = llm.load_lora("r8", adapter_dir("llama", "all_r8"))
+    llm.engine.add_request("r", prompt, GREEDY, frozenset(), lora_id=lora_id)
+    tokens = []
+    for _ in range(3):
+        tokens += [t for d in llm.engine.step() for t in d.new_token_ids]
+    llm.unload_lora("r8")
+    assert held_adapter_ids(llm) == {lora_id}
+    while llm.engine.has_unfinished_requests():
+        tokens += [t for d in llm.engine.step() for t in d.new_token_ids]
+    assert tokens == reference("llama", "all_r8", [prompt])[0]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # a step after its end
+    assert held_adapter_ids(llm) == set()
+
+
+@pytest.mark.parametrize("case", ["shape", "no_weights", "lm_head", "no_directory"])
+def test_a_bad_adapter_is_refused_at_run_time_and_nothing_changes(
+    tiny_model_dirs, adapter_dir, reference, tmp_path, case
+):
+    make, problem = BAD_ADAPTERS[case]
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=32, enable_lora=True)
+    with pytest.raises(ValueError, match=rf"(?s)'bad'.*{problem}"):
+        llm.load_lora("bad", make(tiny_model_dirs, tmp_path / case))
+    assert llm.lora_ids == {}
+    prompts = random_prompts(7, [9])
+    assert token_ids(llm.generate(prompts, GREEDY)) == reference("llama", None, prompts)
+
+
+def test_run_time_loading_is_refused_where_it_cannot_be_done(tiny_model_dirs, adapter_dir):
+    path = adapter_dir("llama", "all_r8")
+    fixed = LLM(tiny_model_dirs["llama"], num_blocks=16)
+    with pytest.raises(ValueError, match=r"'r8': this engine serves no LoRA adapters.*enable_lora"):
+        fixed.load_lora("r8", path)
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=16, enable_lora=True)
+    llm.load_lora("r8", path)
+    with pytest.raises(ValueError, match=r"lora_name: an adapter named 'r8' is already loaded"):
+        llm.load_lora("r8", path)
+    with pytest.raises(ValueError, match=r"lora_name: adapter names must be non-empty"):
+        llm.load_lora("", path)
+    with pytest.raises(ValueError, match=r"lora_name: no LoRA adapter named 'other' here.*'r8'"):
+        llm.unload_lora("other")
+    with pytest.raises(ValueError, match=r"lora_modules.*OPTForCausalLM"):
+        LLM(tiny_model_dirs["opt"], num_blocks=16, enable_lora=True)
+    with pytest.raises(TypeError, match="enable_lora must be a bool"):
+        LLM(tiny_model_dirs["llama"], num_blocks=16, enable_lora="yes")

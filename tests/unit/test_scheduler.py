@@ -410,3 +410,24 @@ def test_a_copy_on_write_planned_for_a_group_preempted_later_in_the_step_is_undo
         run_step(scheduler)
         scheduler.block_manager.check_integrity()
     assert scheduler.block_manager.num_free_blocks == 6
+
+
+def test_lora_loads_ride_the_next_step_and_unloads_wait_for_their_requests():
+    scheduler = make_scheduler()
+    scheduler.load_lora(3, "sql", "/adapters/sql")
+    assert scheduler.schedule().load_loras == []  # an empty plan carries nothing
+    request = make_request("a", 4, max_tokens=3)
+    request.lora_id = 3
+    scheduler.add_request(request)
+    scheduler.unload_lora(3)
+    plan, _ = run_step(scheduler)
+    assert plan.load_loras == [(3, "sql", "/adapters/sql")]
+    assert plan.unload_lora_ids == []  # "a" still runs under it
+    plan, _ = run_step(scheduler)
+    assert plan.load_loras == [] and plan.unload_lora_ids == []
+    scheduler.add_request(make_request("b", 4, max_tokens=2))
+    run_step(scheduler)  # a ends
+    plan, _ = run_step(scheduler)
+    assert plan.unload_lora_ids == [3]
+    plan, _ = run_step(scheduler)
+    assert plan.unload_lora_ids == []  # once

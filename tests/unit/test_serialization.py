@@ -16,6 +16,7 @@ from pagedserve.scheduler.engine_messages import (
     EngineError,
     EngineStats,
     GetStats,
+    LoadLoRA,
     OutputBatch,
     Ready,
     ResetPrefixCache,
@@ -23,6 +24,7 @@ from pagedserve.scheduler.engine_messages import (
     StartEngine,
     StartWorker,
     StopSample,
+    UnloadLoRA,
     WorkerSpec,
 )
 from pagedserve.scheduler.messages import (
@@ -104,6 +106,8 @@ FULL_PLAN = StepPlan(
     copy_blocks=[(3, 9), (4, 11)],
     token_bitmasks={"req-1": b"\x00\xff\x10\x00", "req-é-0": b"\xff" * 8},
     spec_token_ids={"req-2": [7, 8, 2**31 + 5], "req-1": [0]},
+    load_loras=[(3, "sql-é", "/adapters/sql-é"), (4, "chat", "/adapters/chat")],
+    unload_lora_ids=[1, 2],
 )
 
 FULL_DELTA = RequestOutputDelta(
@@ -128,6 +132,7 @@ WORKER_SPEC = WorkerSpec(
     cuda_graph_max_batch=64,
     cuda_graph_max_len=4096,
     lora_modules=[["sql", "/adapters/sql-é"], ["chat", "/adapters/chat"]],
+    enable_lora=True,
 )
 SCHEDULER_CONFIG = SchedulerConfig(
     max_num_seqs=8,
@@ -198,6 +203,8 @@ ROUND_TRIP_CASES = {
     "engine-stats-ok": EngineStats({"num_free_blocks": 64, "num_running": 0}, None),
     "engine-stats-broken": EngineStats({}, "block 3 is free but in a table"),
     "reset-prefix-cache": ResetPrefixCache(),
+    "load-lora": LoadLoRA(7, "sql-é", "/adapters/sql-é"),
+    "unload-lora": UnloadLoRA(7),
     "scheduler-config": SCHEDULER_CONFIG,
     "scheduler-config-defaults": SchedulerConfig(),
     "worker-spec": WORKER_SPEC,
@@ -335,6 +342,8 @@ def _plan_fields(**overrides) -> list:
         "copy_blocks": [],
         "token_bitmasks": {},
         "spec_token_ids": {},
+        "load_loras": [],
+        "unload_lora_ids": [],
     }
     fields.update(overrides)
     return list(fields.values())
@@ -350,7 +359,7 @@ def _plan_fields(**overrides) -> list:
         (msgpack.packb([]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb(["StepPlan"]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb([99, 1]), "unknown message tag 99 .*1=StepPlan"),
-        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 9 fields"),
+        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 11 fields"),
         (_frame(StepPlan, *_plan_fields(step_id="1")), "StepPlan.step_id: expected int, got str"),
         (_frame(StepPlan, *_plan_fields(step_id=True)), "StepPlan.step_id: expected int, got bool"),
         (
@@ -378,6 +387,14 @@ def _plan_fields(**overrides) -> list:
         (
             _frame(StepPlan, *_plan_fields(spec_token_ids={"a": 3})),
             r"StepPlan.spec_token_ids: expected only list, found \['int'\]",
+        ),
+        (
+            _frame(StepPlan, *_plan_fields(load_loras=[[3, "sql"]])),
+            r"StepPlan.load_loras: expected \[id, name, path\]",
+        ),
+        (
+            _frame(StepPlan, *_plan_fields(unload_lora_ids=["sql"])),
+            r"StepPlan.unload_lora_ids: expected only int, found \['str'\]",
         ),
         (
             _frame(
@@ -507,12 +524,12 @@ def _plan_fields(**overrides) -> list:
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (
-            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0, []),
+            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0, [], False),
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
             _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None),
-            "WorkerSpec: expected an array of 10 fields",
+            "WorkerSpec: expected an array of 11 fields",
         ),
         (
             _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),
