@@ -247,6 +247,8 @@ class LLM:
         # cached prefix of an unloaded adapter can serve a new one.
         self.enable_lora = enable_lora or bool(adapters)
         self._next_lora_id = len(adapters) + 1
+        # The ids requests gave adapters they loaded (LoRARequest.lora_int_id), by name.
+        self._lora_int_ids: dict[str, int] = {}
         if multiprocess:
             model_config = ModelConfig.from_dir(resolved.path)
             # Here, before any process starts, so a bad size fails at once.
@@ -483,6 +485,7 @@ class LLM:
             served = ", ".join(map(repr, self.lora_ids)) or "none"
             raise ValueError(f"lora_name: no LoRA adapter named {name!r} here; adapters: {served}")
         del self.lora_paths[name]
+        self._lora_int_ids.pop(name, None)
         logger.info("unloading LoRA adapter %r (id %d)", name, lora_id)
         return lora_id
 
@@ -650,6 +653,16 @@ class LLM:
                 f"{field} must be an adapter name or a LoRARequest, got {lora_request!r}"
             )
         lora_id = self.lora_ids.get(name)
+        if (
+            lora_id is None
+            and isinstance(lora_request, LoRARequest)
+            and lora_request.lora_path is not None
+            and self.enable_lora
+        ):
+            # vLLM's offline use: the request brings its adapter.
+            lora_id = self.load_lora(name, lora_request.lora_path)
+            if lora_request.lora_int_id is not None:
+                self._lora_int_ids[name] = lora_request.lora_int_id
         if lora_id is None:
             served = ", ".join(self.lora_ids) or "none (start with lora_modules or enable_lora)"
             raise ValueError(f"{field}: no LoRA adapter named {name!r} here; adapters: {served}")
@@ -660,9 +673,10 @@ class LLM:
                     f"{field}: adapter {name!r} was loaded from {self.lora_paths[name]}, not "
                     f"{path}; load another directory under another name (load_lora)"
                 )
-            if lora_request.lora_int_id not in (None, lora_id):
+            int_id = self._lora_int_ids.get(name, lora_id)
+            if lora_request.lora_int_id not in (None, int_id):
                 raise ValueError(
-                    f"{field}: adapter {name!r} has id {lora_id} here, not "
+                    f"{field}: adapter {name!r} has id {int_id} here, not "
                     f"{lora_request.lora_int_id}"
                 )
         return lora_id

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """An adapter served by this engine (``LLM(lora_modules={name: path})``), by name.
+    """A request's LoRA adapter, by name.
 
     vLLM's positional order (``lora_name, lora_int_id, lora_path``), so code written for
-    it runs unchanged; the id and path, when given, must be those the engine numbered and
-    loaded (adapters load at start-up: a request cannot bring a new one).
+    it runs unchanged: on an engine started with ``enable_lora=True`` a request naming an
+    adapter not yet loaded, with its ``lora_path``, loads it (``LLM.load_lora``). Later
+    requests naming it must give the same path and id (for an adapter of
+    ``lora_modules``: the id the engine numbered it with, 1, 2, ... in order).
     """
 
     lora_name: str

@@ -592,3 +592,24 @@ def test_run_time_loading_is_refused_where_it_cannot_be_done(tiny_model_dirs, ad
         LLM(tiny_model_dirs["opt"], num_blocks=16, enable_lora=True)
     with pytest.raises(TypeError, match="enable_lora must be a bool"):
         LLM(tiny_model_dirs["llama"], num_blocks=16, enable_lora="yes")
+
+
+def test_a_lora_request_with_a_path_loads_its_adapter_as_vllm_offline_does(
+    tiny_model_dirs, adapter_dir, reference
+):
+    prompts = random_prompts(8, [4, 30])
+    path = str(adapter_dir("llama", "all_r16"))
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64, enable_lora=True)
+    request = LoRARequest("r16", 1, path)
+    want = reference("llama", "all_r16", prompts)
+    assert token_ids(llm.generate(prompts, GREEDY, lora_request=request)) == want
+    assert token_ids(llm.generate(prompts, GREEDY, lora_request=request)) == want
+    assert llm.lora_ids == {"r16": 1}
+    with pytest.raises(ValueError, match=r"adapter 'r16' has id 1 here, not 2"):
+        llm.generate(prompts, GREEDY, lora_request=LoRARequest("r16", 2, path))
+    other = str(adapter_dir("llama", "all_r8"))
+    with pytest.raises(ValueError, match=r"adapter 'r16' was loaded from .*, not .*all_r8"):
+        llm.generate(prompts, GREEDY, lora_request=LoRARequest("r16", 1, other))
+    fixed = LLM(tiny_model_dirs["llama"], num_blocks=16)
+    with pytest.raises(ValueError, match=r"lora_request: no LoRA adapter named 'r16'"):
+        fixed.generate(prompts, GREEDY, lora_request=request)
