@@ -6,6 +6,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+from tiny_models import random_hf_model
 
 _live_llms: weakref.WeakSet = weakref.WeakSet()
 
@@ -137,37 +138,9 @@ TINY_CONFIGS["qwen3_tied_bias"] = dict(
 
 
 def make_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
-    """Save a randomly initialised HF model of ``family`` to ``path``.
-
-    Weights are drawn wider than HF's default (std 0.08, not 0.02): default-initialised
-    tiny models give near-uniform logits, whose near-ties make greedy paths fragile.
-    """
-    import torch
-    import transformers
-
-    config_kwargs = dict(TINY_CONFIGS[family])
-    architecture = config_kwargs.pop("architectures")[0]
-    config_class = {
-        "LlamaForCausalLM": transformers.LlamaConfig,
-        "MistralForCausalLM": transformers.MistralConfig,
-        "Qwen2ForCausalLM": transformers.Qwen2Config,
-        "Qwen3ForCausalLM": transformers.Qwen3Config,
-        "OPTForCausalLM": transformers.OPTConfig,
-    }[architecture]
-    config = config_class(**config_kwargs)
-    config.architectures = [architecture]
-    torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.uniform_(0.8, 1.2)
-            elif name.endswith("bias"):
-                parameter.normal_(0.0, 0.02)
-            else:
-                parameter.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    return path
+    """Save a randomly initialised HF model of ``TINY_CONFIGS[family]`` to ``path``
+    (``tiny_models.random_hf_model``: weights drawn wide for tie-free greedy paths)."""
+    return random_hf_model(TINY_CONFIGS[family], path, seed)
 
 
 @pytest.fixture(scope="session")

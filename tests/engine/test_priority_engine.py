@@ -5,56 +5,29 @@ field."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
-import transformers
+from test_parity import GREEDY, hf_greedy, random_prompts
 
-from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend import LLM
 
-NEW_TOKENS = 24
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
-
-
-PROMPTS = random_prompts(7, [5, 40, 17, 33, 60, 9, 28, 50])
+PROMPTS = random_prompts(7, 512)
 PRIORITIES = [3, 0, 2, 1, 0, 3, 1, 2]
 
 
 @pytest.fixture(scope="module")
 def hf_reference(tiny_model_dirs) -> list[list[int]]:
     """HF's greedy tokens for each of PROMPTS, one prompt at a time (no padding)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_model_dirs["llama"], dtype=torch.float32
-    )
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outputs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            input_ids = torch.tensor([prompt])
-            generated = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy(tiny_model_dirs["llama"], PROMPTS)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_priorities_under_a_tiny_cache_keep_tokens_equal_to_hf(tiny_model_dirs, hf_reference, mode):
-    # All eight need 26 blocks of 8 together; 12 make requests queue and preempt.
+    # The longest needs 13 blocks of 16, all eight together 52: with 16, requests queue
+    # and running ones are preempted.
     llm = LLM(
         tiny_model_dirs["llama"],
-        block_size=8,
-        num_blocks=12,
+        block_size=16,
+        num_blocks=16,
         max_num_batched_tokens=64,
         preemption_mode=mode,
         scheduling_policy="priority",

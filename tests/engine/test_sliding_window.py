@@ -15,9 +15,8 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 from engine.test_parity import NEW_TOKENS, hf_greedy
+from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
@@ -76,29 +75,8 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 def make_windowed_model(family: str, path: Path, seed: int = 0) -> Path:
-    """A randomly initialised HF model of ``WINDOWED_CONFIGS[family]`` saved to ``path``, with
-    weights drawn wider than HF's default (std 0.08) for tie-free greedy paths."""
-    config_kwargs = dict(WINDOWED_CONFIGS[family])
-    architecture = config_kwargs.pop("architectures")[0]
-    config_class = {
-        "MistralForCausalLM": transformers.MistralConfig,
-        "Qwen2ForCausalLM": transformers.Qwen2Config,
-        "Qwen3ForCausalLM": transformers.Qwen3Config,
-    }[architecture]
-    config = config_class(**config_kwargs)
-    config.architectures = [architecture]
-    torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.uniform_(0.8, 1.2)
-            elif name.endswith("bias"):
-                parameter.normal_(0.0, 0.02)
-            else:
-                parameter.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    return path
+    """A randomly initialised HF model of ``WINDOWED_CONFIGS[family]`` saved to ``path``."""
+    return random_hf_model(WINDOWED_CONFIGS[family], path, seed)
 
 
 def windowed_prompts(seed: int = 1) -> list[list[int]]:

@@ -4,6 +4,7 @@ HTTP clients. After each test the server's block accounting must hold (GetStats)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -201,6 +202,26 @@ def start_server(server_model_dir, tmp_path) -> Iterator[Callable[..., ServerPro
 
     yield start
     for server in servers:
+        server.close()
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, workdir: Path, *flags: str) -> Iterator[ServerProcess]:
+    """A server on the tiny model with its HTTP API too (``served_model_name``
+    SERVED_MODEL_NAME, a 4 MiB KV cache) and ``flags``, for a module's tests; stopped by
+    SIGTERM at the end, which must drain cleanly (exit 0)."""
+    server = ServerProcess(
+        model_dir,
+        workdir,
+        "--kv-cache-bytes", str(4 << 20),
+        "--http-port", "0",
+        "--served-model-name", SERVED_MODEL_NAME,
+        *flags,
+    ).wait_serving()  # fmt: skip
+    try:
+        yield server
+        assert server.terminate() == 0, server.log()
+    finally:
         server.close()
 
 

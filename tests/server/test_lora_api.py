@@ -20,7 +20,7 @@ import peft
 import pytest
 import torch
 import transformers
-from conftest import SERVED_MODEL_NAME, ServerProcess
+from conftest import SERVED_MODEL_NAME, ServerProcess, serving
 from test_http_api import get, post, sse_events
 
 from pagedserve.frontend import LLM, SamplingParams
@@ -63,19 +63,10 @@ def adapter_dirs(server_model_dir, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def lora_server(server_model_dir, adapter_dirs, tmp_path_factory) -> Iterator[ServerProcess]:
-    server = ServerProcess(
-        server_model_dir,
-        tmp_path_factory.mktemp("lora_server"),
-        "--kv-cache-bytes", str(4 << 20),
-        "--http-port", "0",
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--lora-modules", *[f"{name}={path}" for name, path in adapter_dirs.items()],
-    ).wait_serving()  # fmt: skip
-    yield server
-    try:
-        assert server.terminate() == 0, server.log()
-    finally:
-        server.close()
+    modules = [f"{name}={path}" for name, path in adapter_dirs.items()]
+    workdir = tmp_path_factory.mktemp("lora_server")
+    with serving(server_model_dir, workdir, "--lora-modules", *modules) as server:
+        yield server
 
 
 @pytest.fixture

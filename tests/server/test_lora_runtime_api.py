@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess
+from conftest import SERVED_MODEL_NAME, ServerProcess, serving
 from test_http_api import get, post
 from test_lora_api import ADAPTERS, make_lora_adapter
 
@@ -34,19 +34,9 @@ def adapter_path(server_model_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def updating_server(server_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
-    server = ServerProcess(
-        server_model_dir,
-        tmp_path_factory.mktemp("lora_runtime_server"),
-        "--kv-cache-bytes", str(4 << 20),
-        "--http-port", "0",
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--allow-runtime-lora-updating",
-    ).wait_serving()  # fmt: skip
-    yield server
-    try:
-        assert server.terminate() == 0, server.log()
-    finally:
-        server.close()
+    workdir = tmp_path_factory.mktemp("lora_runtime_server")
+    with serving(server_model_dir, workdir, "--allow-runtime-lora-updating") as server:
+        yield server
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess
+from conftest import SERVED_MODEL_NAME, ServerProcess, serving
 from test_http_api import post
 
 from pagedserve.frontend import LLM, SamplingParams
@@ -29,20 +29,10 @@ SHORT_TOKENS = 8
 @pytest.fixture(scope="module")
 def priority_server(server_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
     # One sequence at a time: a request of a better priority can only run by preempting.
-    server = ServerProcess(
-        server_model_dir,
-        tmp_path_factory.mktemp("priority_server"),
-        "--kv-cache-bytes", str(4 << 20),
-        "--max-num-seqs", "1",
-        "--scheduling-policy", "priority",
-        "--http-port", "0",
-        "--served-model-name", SERVED_MODEL_NAME,
-    ).wait_serving()  # fmt: skip
-    yield server
-    try:
-        assert server.terminate() == 0, server.log()
-    finally:
-        server.close()
+    workdir = tmp_path_factory.mktemp("priority_server")
+    flags = ("--max-num-seqs", "1", "--scheduling-policy", "priority")
+    with serving(server_model_dir, workdir, *flags) as server:
+        yield server
 
 
 @pytest.fixture

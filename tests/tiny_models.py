@@ -1,0 +1,41 @@
+"""Tiny random HF models for tests: the reference side of every parity check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) -> Path:
+    """Save a randomly initialised HF model to ``path``: ``config_kwargs`` are its config's
+    fields, ``architectures`` (one name) included.
+
+    Weights are drawn wider than HF's default (std 0.08, not 0.02): default-initialised
+    tiny models give near-uniform logits, whose near-ties make greedy paths fragile.
+    """
+    import torch
+    import transformers
+
+    config_kwargs = dict(config_kwargs)
+    architecture = config_kwargs.pop("architectures")[0]
+    config_class = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "OPTForCausalLM": transformers.OPTConfig,
+    }[architecture]
+    config = config_class(**config_kwargs)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                parameter.normal_(0.0, 0.02)
+            else:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return path
