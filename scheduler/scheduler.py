@@ -385,7 +385,7 @@ class Scheduler:
         """Bring the first swapped request back if its blocks fit; returns the budget
         left, or ``None`` when it stays swapped."""
         sequences = _leading_sequences(self.swapped)
-        if len(self.running) + len(sequences) > self.config.max_num_seqs:
+        if self._num_batch_slots() + len(sequences) > self.config.max_num_seqs:
             return None
         targets = []
         remaining = budget
@@ -427,7 +427,7 @@ class Scheduler:
         head = sequences[0]
         # A new group forks up to its full size later; room is kept for it now.
         group_size = max(len(sequences), head.sampling_params.num_sequences)
-        if len(self.running) + group_size > self.config.max_num_seqs:
+        if self._num_batch_slots() + group_size > self.config.max_num_seqs:
             return None
         if len(sequences) > 1:
             budget, admitted = self._admit_sequences(plan, sequences, budget)
@@ -494,7 +494,7 @@ class Scheduler:
         # Blocks for it, with the watermark kept for the running requests that stay.
         keep_watermark = len(lower) < len(self.running)
         blocks_missing = self._blocks_missing(sequences, keep_watermark)
-        slots_missing = len(self.running) + group_size - max_num_seqs
+        slots_missing = self._num_batch_slots() + group_size - max_num_seqs
         if blocks_missing <= 0 and slots_missing <= 0:
             return
         freed = self.block_manager.num_blocks_freed_by([s.request_id for s in lower])
@@ -503,7 +503,7 @@ class Scheduler:
         reason = f"request {_request_id(head)} of priority {head.priority} outranks it"
         while self.running and self.running[-1].priority > head.priority:
             blocks_missing = self._blocks_missing(sequences, bool(self.running))
-            if blocks_missing <= 0 and len(self.running) + group_size <= max_num_seqs:
+            if blocks_missing <= 0 and self._num_batch_slots() + group_size <= max_num_seqs:
                 break
             self._preempt(self._pop_newest_running(), plan, reason)
 
@@ -542,6 +542,17 @@ class Scheduler:
             )
         reserve = block_manager.watermark_blocks if keep_watermark else 0
         return needed + reserve - block_manager.num_free_blocks
+
+    def _num_batch_slots(self) -> int:
+        """Sequences the batch holds or has promised: the running ones, and the samples or
+        beams a running group will fork into at its first sample (admitted with room for
+        them, which later admissions must leave free)."""
+        pending_forks = sum(
+            sequence.sampling_params.num_sequences - 1
+            for sequence in self.running
+            if sequence.group is not None and sequence.num_output_tokens == 0
+        )
+        return len(self.running) + pending_forks
 
     def _add_running(self, sequence: Request) -> None:
         """Put a sequence into the batch: last (arrival order of admission), or under

@@ -1,0 +1,143 @@
+"""The scheduler under seeded random workloads: arrivals, priorities, parallel samples,
+shared prefixes, aborts and tight caches, under each scheduling policy and preemption
+mode, with a fake worker that samples random tokens (EOS now and then).
+
+After every step: the block accounting holds (device and host), every live sequence is in
+exactly one queue, the batch respects max_num_seqs (and under the priority policy is in
+rank order). At the end: every request got exactly one final delta, its outputs within
+max_tokens, and every block is free."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.messages import StepResult
+from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler
+
+EOS = 2
+VOCAB = 64
+MAX_STEPS = 3000
+
+
+def fake_worker(scheduler: Scheduler, plan, rng: random.Random) -> StepResult:
+    """One token per sampling sequence (a group's first sample: one per sequence)."""
+    request_ids, tokens = [], []
+    for item in (*plan.new_requests, *plan.cached_requests):
+        request = scheduler.requests[item.request_id]
+        if item.num_computed_tokens + item.num_scheduled_tokens != request.num_tokens:
+            continue  # a prefill chunk short of the end samples nothing
+        forks = request.group is not None and request.num_output_tokens == 0
+        rows = request.sampling_params.num_sequences if forks else 1
+        for _ in range(rows):
+            request_ids.append(item.request_id)
+            tokens.append(EOS if rng.random() < 0.03 else rng.randrange(3, VOCAB))
+    return StepResult(plan.step_id, request_ids, tokens)
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    scheduler.block_manager.check_integrity()
+    queues = [*scheduler.waiting, *scheduler.running, *scheduler.swapped]
+    assert len(queues) == len({id(r) for r in queues}) == len(scheduler.requests)
+    assert {r.request_id for r in queues} == set(scheduler.requests)
+    for request in scheduler.waiting:
+        assert request.status == RequestStatus.WAITING
+    for request in scheduler.running:
+        assert request.status == RequestStatus.RUNNING
+    for request in scheduler.swapped:
+        assert request.status == RequestStatus.SWAPPED
+    assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    if scheduler.config.scheduling_policy == "priority":
+        ranks = [r.rank for r in scheduler.running]
+        assert ranks == sorted(ranks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("mode", [None, "recompute", "swap"])
+def test_random_workloads_keep_the_invariants(seed, policy, mode):
+    rng = random.Random(f"{seed}-{policy}-{mode}")
+    block_size = rng.choice([8, 16])
+    num_blocks = rng.randrange(12, 40)
+    max_model_len = block_size * 10
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=rng.choice([2, 4, 8]),
+            max_num_batched_tokens=rng.choice([32, 64, 256]),
+            max_model_len=max_model_len,
+            watermark_fraction=rng.choice([0.0, 0.05]),
+            preemption_mode=mode,
+            scheduling_policy=policy,
+        ),
+        BlockManager(
+            num_blocks,
+            block_size,
+            watermark_blocks=1 if rng.random() < 0.5 else 0,
+            num_host_blocks=rng.choice([0, 8, 64]),
+            enable_prefix_caching=rng.random() < 0.5,
+        ),
+    )
+    shared_prefix = [rng.randrange(3, VOCAB) for _ in range(block_size * 2)]
+    num_requests = 40
+    arrivals = sorted(rng.randrange(0, 200) for _ in range(num_requests))
+    added, finals, outputs = {}, {}, {}
+    step = 0
+    while step < MAX_STEPS and (arrivals or scheduler.has_unfinished_requests()):
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            request_id = f"r{len(added)}"
+            prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, block_size * 4))]
+            if rng.random() < 0.3:
+                prompt = shared_prefix + prompt
+            n = rng.choice([1, 1, 1, 2, 3])
+            max_tokens = rng.randrange(1, 40)
+            try:
+                scheduler.add_request(
+                    Request(
+                        request_id=request_id,
+                        prompt_token_ids=prompt[: max_model_len - 1],
+                        sampling_params=SamplingParams(
+                            n=n, max_tokens=max_tokens, temperature=1.0 if n > 1 else 0.0, seed=7
+                        ),
+                        eos_token_ids=frozenset({EOS}),
+                        arrival_time_s=float(step),
+                        max_model_len=max_model_len,
+                        priority=rng.randrange(0, 4) if policy == "priority" else 0,
+                    )
+                )
+            except ValueError:
+                continue  # could never fit this cache: refused, as the engine would
+            added[request_id] = (n, max_tokens)
+        if added and rng.random() < 0.02:
+            victim = rng.choice(list(added))
+            delta = scheduler.abort_request(victim)
+            if delta is not None:
+                assert victim not in finals
+                finals[victim] = "abort"
+        plan = scheduler.schedule()
+        if not plan.is_empty:
+            result = fake_worker(scheduler, plan, rng)
+            for delta in scheduler.update_from_output(plan, result):
+                if delta.new_token_ids:
+                    outputs.setdefault((delta.request_id, delta.index), []).extend(
+                        delta.new_token_ids
+                    )
+                if delta.finished:
+                    assert delta.request_id not in finals, delta
+                    finals[delta.request_id] = delta.finish_reason
+        else:
+            assert not scheduler.running, "an empty plan while requests run"
+        check_invariants(scheduler)
+        step += 1
+    assert not scheduler.has_unfinished_requests(), f"stuck after {step} steps"
+    assert set(finals) == set(added)
+    for (request_id, _), tokens in outputs.items():
+        assert len(tokens) <= added[request_id][1]
+    manager = scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_total_blocks
+    assert manager.num_free_host_blocks == manager.num_total_host_blocks
