@@ -1,6 +1,7 @@
 """The scheduler under seeded random workloads: arrivals, priorities, parallel samples,
-shared prefixes, aborts and tight caches, under each scheduling policy and preemption
-mode, with a fake worker that samples random tokens (EOS now and then).
+shared prefixes, aborts, speculation and tight caches, under each scheduling policy and
+preemption mode, with a fake worker that samples random tokens (EOS now and then) and
+accepts a random share of the drafts.
 
 After every step: the block accounting holds (device and host), every live sequence is in
 exactly one queue, the batch respects max_num_seqs (and under the priority policy is in
@@ -26,17 +27,30 @@ MAX_STEPS = 3000
 
 
 def fake_worker(scheduler: Scheduler, plan, rng: random.Random) -> StepResult:
-    """One token per sampling sequence (a group's first sample: one per sequence)."""
+    """One token per sampling sequence (a group's first sample: one per sequence); a
+    speculating one accepts a random number of its drafts, then samples one more."""
     request_ids, tokens = [], []
+
+    def sample() -> int:
+        return EOS if rng.random() < 0.03 else rng.randrange(3, VOCAB)
+
     for item in (*plan.new_requests, *plan.cached_requests):
         request = scheduler.requests[item.request_id]
-        if item.num_computed_tokens + item.num_scheduled_tokens != request.num_tokens:
+        drafts = plan.spec_token_ids.get(item.request_id, [])
+        end = item.num_computed_tokens + item.num_scheduled_tokens - len(drafts)
+        if end != request.num_tokens:
             continue  # a prefill chunk short of the end samples nothing
+        if drafts:
+            accepted = drafts[: rng.randrange(len(drafts) + 1)]
+            emitted = [*accepted, sample()]
+            request_ids.extend([item.request_id] * len(emitted))
+            tokens.extend(emitted)
+            continue
         forks = request.group is not None and request.num_output_tokens == 0
         rows = request.sampling_params.num_sequences if forks else 1
         for _ in range(rows):
             request_ids.append(item.request_id)
-            tokens.append(EOS if rng.random() < 0.03 else rng.randrange(3, VOCAB))
+            tokens.append(sample())
     return StepResult(plan.step_id, request_ids, tokens)
 
 
@@ -73,6 +87,7 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode):
             watermark_fraction=rng.choice([0.0, 0.05]),
             preemption_mode=mode,
             scheduling_policy=policy,
+            num_speculative_tokens=rng.choice([0, 0, 3]),
         ),
         BlockManager(
             num_blocks,
@@ -141,3 +156,5 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode):
     manager = scheduler.block_manager
     assert manager.num_free_blocks == manager.num_total_blocks
     assert manager.num_free_host_blocks == manager.num_total_host_blocks
+    if scheduler.config.num_speculative_tokens:
+        assert scheduler.num_draft_tokens > 0  # the speculation paths ran
