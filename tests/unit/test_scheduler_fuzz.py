@@ -1,7 +1,7 @@
 """The scheduler under seeded random workloads: arrivals, priorities, parallel samples,
-shared prefixes, aborts, speculation and tight caches, under each scheduling policy and
-preemption mode, with a fake worker that samples random tokens (EOS now and then) and
-accepts a random share of the drafts.
+shared prefixes, aborts, samples stopped one by one, speculation and tight caches, under
+each scheduling policy and preemption mode, with a fake worker that samples random tokens
+(EOS now and then) and accepts a random share of the drafts.
 
 After every step: the block accounting holds (device and host), every live sequence is in
 exactly one queue, the batch respects max_num_seqs (and under the priority policy is in
@@ -134,6 +134,15 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode):
             if delta is not None:
                 assert victim not in finals
                 finals[victim] = "abort"
+        if scheduler.groups and rng.random() < 0.03:
+            # A stop string found by the frontend ends one sample of a group.
+            group = rng.choice(list(scheduler.groups.values()))
+            if group.sequences:
+                index = rng.choice(group.sequences).sample_index
+                delta = scheduler.stop_sample(group.request_id, index)
+                if delta is not None:
+                    assert group.request_id not in finals
+                    finals[group.request_id] = "stop"
         plan = scheduler.schedule()
         if not plan.is_empty:
             result = fake_worker(scheduler, plan, rng)
