@@ -9,7 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.lora_request import LoRARequest
-from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -22,6 +28,9 @@ __all__ = [
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
 ]
 
 

@@ -75,6 +75,7 @@ from pagedserve.scheduler.engine_messages import (
     WorkerSpec,
 )
 from pagedserve.scheduler.messages import RequestOutputDelta
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import check_request_fits
 from pagedserve.scheduler.serialization import Message, decode, encode
@@ -215,9 +216,11 @@ class EngineClient:
         cache_namespace: str | None = None,
         lora_id: int = 0,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
-        """Queue a request. A request the scheduler refuses (it repeats the frontend's
-        checks) makes a later ``step()`` raise ``ValueError``."""
+        """Queue a request (``pooling_params``: an embedding request, as in
+        ``EngineCore.add_request``). A request the scheduler refuses (it repeats the
+        frontend's checks) makes a later ``step()`` raise ``ValueError``."""
         if request_id in self._unfinished:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._send(
@@ -230,6 +233,7 @@ class EngineClient:
                 cache_namespace=cache_namespace,
                 lora_id=lora_id,
                 priority=priority,
+                pooling_params=pooling_params,
             )
         )
         self._unfinished.add(request_id)

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
 from pagedserve.frontend.lora_request import LoRARequest
 from pagedserve.frontend.model_resolver import resolve_model
-from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.frontend.reasoning import thinking_token_ids
-from pagedserve.frontend.request_tracker import EngineAction, RequestTracker
+from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.lora import (
     check_adapter_files,
@@ -32,6 +32,7 @@ from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig, ch
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
+from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS, PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams, token_ids_outside_vocabulary
 from pagedserve.scheduler.structured_output import (
     GrammarVocabulary,
@@ -440,6 +441,35 @@ class LLM:
             output.prompt = text
         return outputs
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARef | Sequence[LoRARef] = None,
+        priority: int | Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (text or token ids) as one continuously batched run, as
+        vLLM's embed task does: each request computes its prompt only (chunked, with
+        cached prefixes, beside generation requests) and returns the final-norm hidden
+        state of its last token, L2-normalized unless ``PoolingParams(normalize=False)``
+        (``dimensions``: the first that many values, then normalized). One
+        ``EmbeddingRequestOutput`` per prompt, in order: ``.outputs.embedding``."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
+        lora_ids = self.lora_ids_of(lora_request, len(prompt_list))
+        priorities = self.priorities_of(priority, len(prompt_list))
+        encoded = [
+            self.encode_prompt(prompt, f"prompts[{index}]")
+            for index, prompt in enumerate(prompt_list)
+        ]
+        for index, (token_ids, params) in enumerate(zip(encoded, params_list)):
+            params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
+            try:
+                self.engine.check_request_fits(len(token_ids), 0)
+            except ValueError as error:
+                raise ValueError(f"prompts[{index}]: {error}") from None
+        return self._run(prompt_list, encoded, params_list, None, lora_ids, priorities)
+
     def load_lora(self, name: str, path: str | os.PathLike[str]) -> int:
         """Serve the PEFT LoRA adapter in directory ``path`` as ``name`` from now on (an
         engine started with ``enable_lora=True`` or ``lora_modules``); returns its id.
@@ -517,27 +547,30 @@ class LLM:
         self,
         prompts: list[PromptType],
         encoded: list[list[int]],
-        params_list: list[SamplingParams],
+        params_list: Sequence[SamplingParams | PoolingParams],
         cache_namespace: str | None = None,
         lora_ids: list[int] | None = None,
         priorities: list[int] | None = None,
-    ) -> list[RequestOutput]:
+    ) -> list[Any]:
+        """Run one request per prompt to its end: a generation request for
+        ``SamplingParams``, an embedding request for ``PoolingParams``."""
         request_ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
         lora_ids = lora_ids or [0] * len(prompts)
         priorities = priorities or [0] * len(prompts)
-        trackers: dict[str, RequestTracker] = {}
+        trackers: dict[str, RequestTracker | EmbeddingTracker] = {}
         try:
             for request_id, prompt, token_ids, params, lora_id, priority in zip(
                 request_ids, prompts, encoded, params_list, lora_ids, priorities
             ):
-                trackers[request_id] = RequestTracker(
-                    request_id,
-                    prompt if isinstance(prompt, str) else None,
-                    token_ids,
-                    params,
-                    self.tokenizer,
-                    self.eos_token_ids,
-                )
+                text = prompt if isinstance(prompt, str) else None
+                pooling_params = params if isinstance(params, PoolingParams) else None
+                if pooling_params is not None:
+                    trackers[request_id] = EmbeddingTracker(request_id, text, token_ids)
+                    params = PROMPT_ONLY_SAMPLING_PARAMS
+                else:
+                    trackers[request_id] = RequestTracker(
+                        request_id, text, token_ids, params, self.tokenizer, self.eos_token_ids
+                    )
                 self.engine.add_request(
                     request_id,
                     token_ids,
@@ -546,6 +579,7 @@ class LLM:
                     cache_namespace=cache_namespace,
                     lora_id=lora_id,
                     priority=priority,
+                    pooling_params=pooling_params,
                 )
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
@@ -636,6 +670,21 @@ class LLM:
         if len(params) != count:
             raise ValueError(
                 f"sampling_params: got {len(params)} for {count} prompts; pass one or one each"
+            )
+        return params
+
+    def _as_pooling_params_list(
+        self, params: PoolingParams | Sequence[PoolingParams] | None, count: int
+    ) -> list[PoolingParams]:
+        if params is None:
+            return [PoolingParams()] * count
+        if isinstance(params, PoolingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count or not all(isinstance(p, PoolingParams) for p in params):
+            raise ValueError(
+                f"pooling_params: got {params!r} for {count} prompts; pass one PoolingParams "
+                "or one each"
             )
         return params
 

@@ -32,3 +32,28 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Prompt tokens whose K/V came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    """One pooled vector (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's): ``outputs.embedding``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None = None
+    finished: bool = False
+    # "stop" once the vector is in; "abort" or "error" when the request ended without one.
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0

@@ -10,9 +10,15 @@ from __future__ import annotations
 import enum
 
 from pagedserve.frontend.detokenizer import IncrementalDetokenizer
-from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.scheduler.messages import RequestOutputDelta
+from pagedserve.scheduler.pooling_params import decode_embedding
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -85,6 +91,28 @@ class RequestTracker:
             output.finished = True
             return EngineAction.ABORT_REQUEST
         return EngineAction.STOP_SAMPLE
+
+
+class EmbeddingTracker:
+    """An embedding request's ``EmbeddingRequestOutput``: its one delta carries the
+    vector (or, aborted or failed, the reason it has none)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.output = EmbeddingRequestOutput(request_id, prompt, prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+    def apply(self, delta: RequestOutputDelta) -> EngineAction:
+        output = self.output
+        if delta.embedding is not None:
+            output.outputs = EmbeddingOutput(decode_embedding(delta.embedding))
+        if delta.num_cached_tokens is not None:
+            output.num_cached_tokens = delta.num_cached_tokens
+        output.finish_reason = delta.finish_reason or output.finish_reason
+        output.finished = output.finished or delta.finished
+        return EngineAction.NONE
 
 
 def _apply_delta(

@@ -39,6 +39,12 @@ class ModelConfig:
     layer_sliding_windows: tuple[int, ...]
     hf_config: dict[str, Any] = field(repr=False, compare=False)
 
+    @property
+    def embedding_size(self) -> int:
+        """Values in the model's output hidden state, what an embedding pools: the hidden
+        size, or OPT's ``word_embed_proj_dim`` when it projects out."""
+        return self.hf_config.get("word_embed_proj_dim") or self.hidden_size
+
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         path = Path(path)

@@ -23,6 +23,7 @@ from pagedserve.scheduler.messages import (
     StepResult,
     TokenLogprobs,
 )
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams, derive_seed
 
 
@@ -36,6 +37,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     eos_token_ids: list[int]
     lora_id: int = 0  # 0: the base model
+    pooling_params: PoolingParams | None = None  # an embedding request: never samples
 
     @property
     def num_output_tokens(self) -> int:
@@ -120,6 +122,8 @@ class ModelInputs:
     sample_seeds: list[int | None]
     # (entry, first row of its tokens in the batch) for entries scoring prompt positions
     prompt_logprob_entries: list[tuple[_ScheduledEntry, int]]
+    # (pooling entry, the row of its last prompt token) for those that end in this step
+    pooling_entries: list[tuple[_ScheduledEntry, int]]
 
 
 class ModelRunner:
@@ -153,6 +157,12 @@ class ModelRunner:
                 hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            embeddings = {
+                entry.request_id: _pooled(hidden[row], entry.state.pooling_params)
+                for entry, row in inputs.pooling_entries
+            }
+            if not inputs.sampling_entries:
+                return StepResult(plan.step_id, embeddings=embeddings)
             # The sampler works on the host (numpy seeds, per-request lists).
             # NOTE: on a GPU this copy waits for the forward pass: the step's one synchronization.
             logits = self.model.compute_logits(hidden[inputs.logits_indices]).cpu()
@@ -178,6 +188,7 @@ class ModelRunner:
             [token_ids[row] for row in rows],
             logprobs=[logprobs[row] for row in rows] if logprobs else [],
             prompt_logprobs=prompt_logprobs,
+            embeddings=embeddings,
         )
 
     def _apply_plan(self, plan: StepPlan) -> list[_ScheduledEntry]:
@@ -192,6 +203,7 @@ class ModelRunner:
                 new.sampling_params,
                 list(new.eos_token_ids),
                 new.lora_id,
+                new.pooling_params,
             )
             self.requests[new.request_id] = state
             entries.append(
@@ -230,6 +242,7 @@ class ModelRunner:
         sampling_states = []
         sample_seeds: list[int | None] = []
         prompt_logprob_entries = []
+        pooling_entries = []
         max_blocks = max(len(entry.state.block_ids) for entry in entries)
         block_tables = np.zeros((len(entries), max_blocks), dtype=np.int32)
         seq_lens = np.empty(len(entries), dtype=np.int32)
@@ -259,6 +272,8 @@ class ModelRunner:
                 sampling_entries.extend([entry] * num_rows)
                 sampling_states.extend(entry.draft_states())
                 sample_seeds.extend([None] * num_rows)
+            elif entry.samples and entry.state.pooling_params is not None:
+                pooling_entries.append((entry, len(input_ids) - 1))
             elif entry.samples:
                 num_samples = entry.state.num_samples
                 logits_indices.extend([len(input_ids) - 1] * num_samples)
@@ -307,6 +322,7 @@ class ModelRunner:
             sampling_states=sampling_states,
             sample_seeds=sample_seeds,
             prompt_logprob_entries=prompt_logprob_entries,
+            pooling_entries=pooling_entries,
         )
 
     def _lora_groups(self, entries: list[_ScheduledEntry]) -> list[tuple[int, torch.Tensor | None]]:
@@ -413,6 +429,19 @@ class ModelRunner:
             first_position=positions.start + 1,
             entries=[TokenLogprobs(i, v) for i, v in zip(ids, values)],
         )
+
+
+def _pooled(hidden_row: torch.Tensor, params: PoolingParams) -> bytes:
+    """One embedding from the final-norm hidden state of a prompt's last token, as
+    little-endian float32 bytes: cut to ``dimensions`` first, then L2-normalized (the
+    order of vLLM and OpenAI's Matryoshka embeddings)."""
+    vector = hidden_row.float()
+    if params.dimensions is not None:
+        vector = vector[: params.dimensions]
+    if params.normalize:
+        vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
+    # NOTE: a device-to-host copy per pooled request (one vector of hidden_size floats).
+    return vector.cpu().numpy().astype("<f4").tobytes()
 
 
 def _banned_token_ids(state: CachedRequestState) -> np.ndarray:

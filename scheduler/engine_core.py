@@ -10,6 +10,7 @@ from typing import Protocol
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import RequestOutputDelta, StepPlan, StepResult
+from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS, PoolingParams
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
@@ -79,10 +80,15 @@ class EngineCore:
         cache_namespace: str | None = None,
         lora_id: int = 0,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """Queue a request; raises ``ValueError`` if it could never run. ``lora_id``: the
         LoRA adapter (1, 2, ...: the workers' ``lora_modules`` in order; 0: none).
-        ``priority``: lower runs first (``SchedulerConfig.scheduling_policy``)."""
+        ``priority``: lower runs first (``SchedulerConfig.scheduling_policy``).
+        ``pooling_params`` makes it an embedding request: ``sampling_params`` is then
+        ignored (``PROMPT_ONLY_SAMPLING_PARAMS`` stands in)."""
+        if pooling_params is not None:
+            sampling_params = PROMPT_ONLY_SAMPLING_PARAMS
         if lora_id or cache_namespace is not None:
             # K/V computed through an adapter is not the base model's, nor another's:
             # prefixes are shared only within one (adapter, namespace). Joined into one
@@ -101,6 +107,7 @@ class EngineCore:
             cache_namespace=cache_namespace,
             lora_id=lora_id,
             priority=priority,
+            pooling_params=pooling_params,
         )
         self.scheduler.add_request(request)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import RequestOutputDelta
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.structured_output import GrammarVocabulary
 
@@ -43,6 +44,7 @@ class AddRequest:
     cache_namespace: str | None = None
     lora_id: int = 0  # the LoRA adapter (WorkerSpec.lora_modules[lora_id - 1]); 0: none
     priority: int = 0  # lower runs first, under SchedulerConfig.scheduling_policy "priority"
+    pooling_params: PoolingParams | None = None  # an embedding request (prompt only)
 
 
 @dataclass

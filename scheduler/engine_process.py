@@ -117,6 +117,7 @@ class EngineLoop:
                     cache_namespace=message.cache_namespace,
                     lora_id=message.lora_id,
                     priority=message.priority,
+                    pooling_params=message.pooling_params,
                 )
             except ValueError as error:
                 self.outbox.send(encode(EngineError(message.request_id, str(error))))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -43,6 +44,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
     lora_id: int = 0  # the LoRA adapter the worker applies; 0: the base model
+    # Set for an embedding request: the worker pools its last prompt token, never samples.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -124,7 +127,10 @@ class StepResult:
     sequences (``SamplingParams.num_sequences``) gets that many entries, in sequence
     order, at its first sample. A speculating sequence gets one entry per token it emits,
     in order: the draft tokens its sampling agreed with, then the token sampled where it
-    first did not (or after the last draft)."""
+    first did not (or after the last draft).
+
+    ``embeddings`` holds, for each pooling request whose last prompt token was computed in
+    this step (and only those), its pooled vector as little-endian float32 bytes."""
 
     step_id: int
     request_ids: list[str] = field(default_factory=list)
@@ -132,6 +138,7 @@ class StepResult:
     # Aligned with request_ids when any request asked for logprobs, else empty.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    embeddings: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,3 +160,5 @@ class RequestOutputDelta:
     num_cached_tokens: int | None = None
     index: int = 0
     cumulative_logprob: float | None = None  # for outputs ranked by it (best_of, beams)
+    # A pooling request's vector (little-endian float32), in its one and final delta.
+    embedding: bytes | None = None

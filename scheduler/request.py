@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams, derive_seed
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ class Request:
     # first; arrival_index is the scheduler's count of requests added before this one.
     priority: int = 0
     arrival_index: int = 0
+    # An embedding request: it computes its prompt, then ends with the pooled vector.
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -131,7 +134,10 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
-        """The most tokens this request can ever hold: prompt plus max_tokens, capped."""
+        """The most tokens this request can ever hold: prompt plus max_tokens, capped
+        (a pooling request: its prompt)."""
+        if self.pooling_params is not None:
+            return self.num_prompt_tokens
         return min(self.num_prompt_tokens + self.sampling_params.max_tokens, self.max_model_len)
 
     def append_output_token(self, token_id: int) -> RequestStatus:

@@ -40,10 +40,13 @@ def check_request_fits(
 
     A request of several sequences must fit with every sequence holding its own blocks:
     sharing is what usually happens, but after a recompute preemption nothing is shared.
+    ``max_tokens=0`` is a prompt-only (pooling) request: its prompt may fill the window.
     """
     if num_prompt_tokens < 1:
         raise ValueError("prompt must contain at least 1 token, got 0")
-    if num_prompt_tokens >= max_model_len:
+    if max_tokens == 0 and num_prompt_tokens > max_model_len:
+        raise ValueError(f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len}")
+    if max_tokens > 0 and num_prompt_tokens >= max_model_len:
         raise ValueError(
             f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len} and "
             "must leave room for at least one generated token"
@@ -152,7 +155,8 @@ class Scheduler:
         if request.request_id in self.requests or request.request_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         params = request.sampling_params
-        self.check_request_fits(request.num_prompt_tokens, params.max_tokens, params.num_sequences)
+        max_tokens = 0 if request.pooling_params is not None else params.max_tokens
+        self.check_request_fits(request.num_prompt_tokens, max_tokens, params.num_sequences)
         if self.block_manager.contiguous and params.num_sequences > 1:
             raise ValueError(
                 f"allocation_policy {self.config.allocation_policy!r} shares no blocks; "
@@ -651,6 +655,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 eos_token_ids=sorted(request.eos_token_ids),
                 lora_id=request.lora_id,
+                pooling_params=request.pooling_params,
             )
         )
 
@@ -760,6 +765,10 @@ class Scheduler:
                 request.num_computed_tokens,
                 request.cache_namespace,
             )
+            if request.pooling_params is not None:
+                if request.num_computed_tokens == request.num_tokens:
+                    deltas.append(self._finish_pooling(request, result))
+                continue
             prompt_logprobs = self._new_prompt_logprobs(request, result)
             group = request.group
             if rows is None or (group is not None and group.beam_search is not None):
@@ -805,6 +814,20 @@ class Scheduler:
         if block_manager.contiguous and self.waiting:
             external_slots = (pool.num_free_blocks - pool.largest_free_run()) * block_size
         accounting.record_step(table_slots, used_slots, external_slots)
+
+    def _finish_pooling(self, request: Request, result: StepResult) -> RequestOutputDelta:
+        """End a pooling request whose last prompt token was just computed: its one
+        delta carries the vector the worker pooled there."""
+        embedding = result.embeddings[request.request_id]
+        self._release(request, RequestStatus.FINISHED_STOPPED)
+        return RequestOutputDelta(
+            request.request_id,
+            [],
+            finished=True,
+            finish_reason=RequestStatus.FINISHED_STOPPED.value,
+            num_cached_tokens=request.num_cached_tokens,
+            embedding=embedding,
+        )
 
     def _advance(
         self, request: Request, rows: list[int], result: StepResult, prompt_logprobs: list | None

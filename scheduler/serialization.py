@@ -15,7 +15,7 @@ Encoding choices, and why:
   scheduled counts as four parallel arrays): at hundreds of running requests that packs
   and unpacks faster than one small array per request, and rebuilding the dataclasses is
   a single ``map``.
-- ``OutputBatch.deltas`` likewise: nine columns (one per ``RequestOutputDelta`` field),
+- ``OutputBatch.deltas`` likewise: ten columns (one per ``RequestOutputDelta`` field),
   the logprob columns decoded entry by entry only when a request asked for them.
 - Swap pairs are sent flat, ``[src0, dst0, src1, dst1, ...]``, and decoded with ``zip``:
   they come back as ``tuple[int, int]`` (msgpack itself has no tuple).
@@ -68,6 +68,7 @@ from pagedserve.scheduler.messages import (
     StepResult,
     TokenLogprobs,
 )
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.scheduler.structured_output import GrammarVocabulary
 
@@ -98,6 +99,7 @@ Message = (
     | SamplingParams
     | StructuredOutputsParams
     | GrammarVocabulary
+    | PoolingParams
 )
 MessageT = TypeVar("MessageT")
 
@@ -165,7 +167,9 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "sampling_params",
         "eos_token_ids",
         "lora_id",
+        "pooling_params",
     ),
+    PoolingParams: ("normalize", "dimensions"),
     CachedRequestData: (
         "request_id",
         "new_block_ids",
@@ -185,7 +189,14 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "load_loras",
         "unload_lora_ids",
     ),
-    StepResult: ("step_id", "request_ids", "sampled_token_ids", "logprobs", "prompt_logprobs"),
+    StepResult: (
+        "step_id",
+        "request_ids",
+        "sampled_token_ids",
+        "logprobs",
+        "prompt_logprobs",
+        "embeddings",
+    ),
     RequestOutputDelta: (
         "request_id",
         "new_token_ids",
@@ -196,6 +207,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "num_cached_tokens",
         "index",
         "cumulative_logprob",
+        "embedding",
     ),
     AddRequest: (
         "request_id",
@@ -206,6 +218,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "cache_namespace",
         "lora_id",
         "priority",
+        "pooling_params",
     ),
     AbortRequest: ("request_id",),
     StopSample: ("request_id", "index"),
@@ -425,6 +438,7 @@ def _pack_new_request(request: NewRequestData) -> list:
         _pack_sampling_params(request.sampling_params),
         request.eos_token_ids,
         request.lora_id,
+        _pack_optional_flat(request.pooling_params),
     ]
 
 
@@ -440,6 +454,7 @@ def _unpack_new_request(value: Any) -> NewRequestData:
         sampling_params,
         eos_token_ids,
         lora_id,
+        pooling_params,
     ) = fields
     _check(request_id, str, "NewRequestData.request_id")
     _check(lora_id, int, "NewRequestData.lora_id")
@@ -459,6 +474,7 @@ def _unpack_new_request(value: Any) -> NewRequestData:
         _unpack_sampling_params(sampling_params),
         eos_token_ids,
         lora_id,
+        _unpack_optional_flat(pooling_params, PoolingParams),
     )
 
 
@@ -586,11 +602,12 @@ def _pack_step_result(result: StepResult) -> list:
             request_id: _pack_prompt_logprobs_chunk(chunk)
             for request_id, chunk in result.prompt_logprobs.items()
         },
+        result.embeddings,
     ]
 
 
 def _unpack_step_result(value: Any) -> StepResult:
-    step_id, request_ids, sampled_token_ids, logprobs, prompt_logprobs = _fields(
+    step_id, request_ids, sampled_token_ids, logprobs, prompt_logprobs, embeddings = _fields(
         value, "StepResult"
     )
     _check(step_id, int, "StepResult.step_id")
@@ -599,6 +616,8 @@ def _unpack_step_result(value: Any) -> StepResult:
     _check(sampled_token_ids, list, "StepResult.sampled_token_ids")
     _check(logprobs, list, "StepResult.logprobs")
     _check(prompt_logprobs, dict, "StepResult.prompt_logprobs")
+    _check(embeddings, dict, "StepResult.embeddings")
+    _check_column(list(embeddings.values()), bytes, len(embeddings), "StepResult.embeddings")
     return StepResult(
         step_id=step_id,
         request_ids=request_ids,
@@ -608,6 +627,7 @@ def _unpack_step_result(value: Any) -> StepResult:
             request_id: _unpack_prompt_logprobs_chunk(chunk)
             for request_id, chunk in prompt_logprobs.items()
         },
+        embeddings=embeddings,
     )
 
 
@@ -625,6 +645,7 @@ def _pack_request_output_delta(delta: RequestOutputDelta) -> list:
         delta.num_cached_tokens,
         delta.index,
         delta.cumulative_logprob,
+        delta.embedding,
     ]
 
 
@@ -639,6 +660,7 @@ def _unpack_request_output_delta(value: Any) -> RequestOutputDelta:
         num_cached_tokens,
         index,
         cumulative_logprob,
+        embedding,
     ) = _fields(value, "RequestOutputDelta")
     return RequestOutputDelta(
         request_id=_check(request_id, str, "RequestOutputDelta.request_id"),
@@ -656,6 +678,7 @@ def _unpack_request_output_delta(value: Any) -> RequestOutputDelta:
         cumulative_logprob=_check(
             cumulative_logprob, (float, type(None)), "RequestOutputDelta.cumulative_logprob"
         ),
+        embedding=_check(embedding, (bytes, type(None)), "RequestOutputDelta.embedding"),
     )
 
 
@@ -671,6 +694,7 @@ def _pack_add_request(request: AddRequest) -> list:
         request.cache_namespace,
         request.lora_id,
         request.priority,
+        _pack_optional_flat(request.pooling_params),
     ]
 
 
@@ -684,6 +708,7 @@ def _unpack_add_request(value: Any) -> AddRequest:
         cache_namespace,
         lora_id,
         priority,
+        pooling_params,
     ) = _fields(value, "AddRequest")
     # A few ids: checked one by one, unlike the prompt's tokens.
     _check(eos_token_ids, list, "AddRequest.eos_token_ids")
@@ -697,6 +722,7 @@ def _unpack_add_request(value: Any) -> AddRequest:
         cache_namespace=_check(cache_namespace, (str, type(None)), "AddRequest.cache_namespace"),
         lora_id=_check(lora_id, int, "AddRequest.lora_id"),
         priority=_check(priority, int, "AddRequest.priority"),
+        pooling_params=_unpack_optional_flat(pooling_params, PoolingParams),
     )
 
 
@@ -741,6 +767,7 @@ def _pack_output_batch(batch: OutputBatch) -> list:
             [delta.num_cached_tokens for delta in deltas],
             [delta.index for delta in deltas],
             [delta.cumulative_logprob for delta in deltas],
+            [delta.embedding for delta in deltas],
         ]
     ]
 
@@ -762,6 +789,7 @@ def _unpack_output_batch(value: Any) -> OutputBatch:
         num_cached_tokens,
         indices,
         cumulative_logprobs,
+        embeddings,
     ) = columns
     where = "OutputBatch.deltas."
     count = len(_check(request_ids, list, where + "request_id"))
@@ -774,6 +802,7 @@ def _unpack_output_batch(value: Any) -> OutputBatch:
     _check_column_of(num_cached_tokens, (int, type(None)), count, where + "num_cached_tokens")
     _check_column(indices, int, count, where + "index")
     _check_column_of(cumulative_logprobs, (float, type(None)), count, where + "cumulative_logprob")
+    _check_column_of(embeddings, (bytes, type(None)), count, where + "embedding")
     # Logprobs are rare: decoded entry by entry only where present.
     if any(entry is not None for entry in logprobs):
         logprobs = [_unpack_optional_logprobs(entry, where + "logprobs") for entry in logprobs]
@@ -795,6 +824,7 @@ def _unpack_output_batch(value: Any) -> OutputBatch:
                 num_cached_tokens,
                 indices,
                 cumulative_logprobs,
+                embeddings,
             )
         )
     )
@@ -823,6 +853,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         bool,
     ),
     GrammarVocabulary: (str, int, list, _OPTIONAL_INT, _OPTIONAL_INT),
+    PoolingParams: (bool, _OPTIONAL_INT),
 }
 
 
@@ -842,6 +873,14 @@ def _unpack_flat(value: Any, message_type: type) -> Any:
         return message_type(*fields)
     except (TypeError, ValueError) as error:
         raise DecodeError(f"{type_name}: {error}") from error
+
+
+def _pack_optional_flat(message: Any) -> list | None:
+    return None if message is None else _pack_flat(message)
+
+
+def _unpack_optional_flat(value: Any, message_type: type) -> Any:
+    return None if value is None else _unpack_flat(value, message_type)
 
 
 def _flat_codec(message_type: type) -> tuple[type, Callable[[Any], list], Callable[[Any], Any]]:
@@ -912,6 +951,7 @@ _CODECS: dict[int, tuple[type, Callable[[Any], list], Callable[[Any], Any]]] = {
     22: _flat_codec(StopSample),
     23: _flat_codec(LoadLoRA),
     24: _flat_codec(UnloadLoRA),
+    25: _flat_codec(PoolingParams),
 }
 
 #: Each encodable type and its wire tag.

@@ -36,6 +36,7 @@ from pagedserve.scheduler.messages import (
     StepResult,
     TokenLogprobs,
 )
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.scheduler.serialization import (
     MESSAGE_TAGS,
@@ -163,8 +164,17 @@ ROUND_TRIP_CASES = {
         },
     ),
     "result-empty": StepResult(step_id=4),
+    "result-embeddings": StepResult(
+        step_id=5,
+        request_ids=["a"],
+        sampled_token_ids=[5],
+        embeddings={"emb-é": b"\x00\x00\x80\x3f" * 3, "emb-2": b""},
+    ),
     "delta-full": FULL_DELTA,
     "delta-unset": RequestOutputDelta(request_id="a", new_token_ids=[], finished=False),
+    "delta-embedding": RequestOutputDelta(
+        "e", [], True, "stop", num_cached_tokens=16, embedding=b"\xff\x00\x80\x3f"
+    ),
     "add-full": AddRequest(
         "r",
         [1, 2, 3],
@@ -176,6 +186,9 @@ ROUND_TRIP_CASES = {
         priority=-7,
     ),
     "add-defaults": AddRequest("r", [1], SamplingParams(), 0.25, eos_token_ids=[]),
+    "add-pooling": AddRequest(
+        "e", [1, 2], SamplingParams(), 0.5, [2], pooling_params=PoolingParams(False, 64)
+    ),
     "abort": AbortRequest("r"),
     "stop-sample": StopSample("r", 2),
     "error-request": EngineError(request_id="r", message="prompt too long: 9000 > 4096"),
@@ -196,7 +209,11 @@ ROUND_TRIP_CASES = {
     ),
     "ready-empty": Ready(component="scheduler", pid=1, info={}),
     "output-batch": OutputBatch(
-        [FULL_DELTA, RequestOutputDelta("b", [9], finished=True, finish_reason="error")]
+        [
+            FULL_DELTA,
+            RequestOutputDelta("b", [9], finished=True, finish_reason="error"),
+            RequestOutputDelta("c", [], True, "stop", embedding=b"\x00\x00\x80\x3f"),
+        ]
     ),
     "output-batch-empty": OutputBatch([]),
     "get-stats": GetStats(),
@@ -251,6 +268,11 @@ ROUND_TRIP_CASES = {
         distributed_init_method="file:///tmp/ps-x/tensor_parallel.store",
     ),
     "new-request": new_request(ALL_SET_PARAMS, [2]),
+    "new-request-pooling": dataclasses.replace(
+        new_request(SamplingParams(), [2]), pooling_params=PoolingParams(dimensions=8)
+    ),
+    "pooling-params": PoolingParams(normalize=False, dimensions=3),
+    "pooling-params-defaults": PoolingParams(),
     "cached-request": CachedRequestData("req-1", [12, 13], 31, 1),
     "token-logprobs": TOP,
     "prompt-logprobs-chunk": PromptLogprobsChunk(first_position=1, entries=[TOP, OTHER]),
@@ -407,6 +429,7 @@ def _plan_fields(**overrides) -> list:
                 None,
                 0,
                 0,
+                None,
             ),
             "StructuredOutputsParams: structured_outputs must set exactly one of .*regex, choice",
         ),
@@ -421,6 +444,7 @@ def _plan_fields(**overrides) -> list:
                 None,
                 0,
                 0,
+                None,
             ),
             "StructuredOutputsParams.regex: expected str or None, got int",
         ),
@@ -435,17 +459,38 @@ def _plan_fields(**overrides) -> list:
                 None,
                 0,
                 0,
+                None,
             ),
             "StructuredOutputsParams.disable_any_whitespace: expected bool, got int",
         ),
         (
             _frame(
-                AddRequest, "r", [1], _pack_params(logit_bias=[[1, 2], [0.5]]), 0.0, [2], None, 0, 0
+                AddRequest,
+                "r",
+                [1],
+                _pack_params(logit_bias=[[1, 2], [0.5]]),
+                0.0,
+                [2],
+                None,
+                0,
+                0,
+                None,
             ),
             r"SamplingParams.logit_bias: expected \[token ids, biases\] of one length",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(logit_bias={"1": 0.5}), 0.0, [2], None, 0, 0),
+            _frame(
+                AddRequest,
+                "r",
+                [1],
+                _pack_params(logit_bias={"1": 0.5}),
+                0.0,
+                [2],
+                None,
+                0,
+                0,
+                None,
+            ),
             "SamplingParams.logit_bias: expected list, got dict",
         ),
         (
@@ -459,62 +504,88 @@ def _plan_fields(**overrides) -> list:
                 None,
                 0,
                 0,
+                None,
             ),
             "SamplingParams: temperature must be >= 0.0, got -1.0",
         ),
         (
-            _frame(AddRequest, "r", [1], [16], 0.0, [2], None, 0, 0),
+            _frame(AddRequest, "r", [1], [16], 0.0, [2], None, 0, 0, None),
             "SamplingParams: expected an array of 26",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None, 0, 0),
+            _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None, 0, 0, None),
             "SamplingParams.stop: expected list, got str",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(stop=["a", ""]), 0.0, [2], None, 0, 0),
+            _frame(AddRequest, "r", [1], _pack_params(stop=["a", ""]), 0.0, [2], None, 0, 0, None),
             r"SamplingParams: stop\[1\] must have at least 1 character, got ''",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(skip_special_tokens=1), 0.0, [2], None, 0, 0),
+            _frame(
+                AddRequest,
+                "r",
+                [1],
+                _pack_params(skip_special_tokens=1),
+                0.0,
+                [2],
+                None,
+                0,
+                0,
+                None,
+            ),
             "SamplingParams: skip_special_tokens must be a bool, got 1",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(), 0.0),
-            "AddRequest: expected an array of 8 fields",
+            "AddRequest: expected an array of 9 fields",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2, "3"], None, 0, 0),
+            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2, "3"], None, 0, 0, None),
             r"AddRequest.eos_token_ids: expected only int, found \['str'\]",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2], None, 0, "high"),
+            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2], None, 0, "high", None),
             "AddRequest.priority: expected int, got str",
         ),
         (
             _frame(
-                OutputBatch, [["a"], [[]], ["yes"], [None], [None], [None], [None], [0], [None]]
+                OutputBatch,
+                [["a"], [[]], ["yes"], [None], [None], [None], [None], [0], [None], [None]],
             ),
             r"OutputBatch.deltas.finished: expected only bool, found \['str'\]",
         ),
         (
             _frame(OutputBatch, [["a", "b"], [[], []], [True, False], [None], [None], [None]]),
-            "OutputBatch.deltas: expected 9 columns",
+            "OutputBatch.deltas: expected 10 columns",
         ),
         (
             _frame(
                 OutputBatch,
-                [["a", "b"], [[], []], [True, False], [None], [None], [None], [], [], []],
+                [["a", "b"], [[], []], [True, False], [None], [None], [None], [], [], [], []],
             ),
             "OutputBatch.deltas.finish_reason: expected 2 entries, got 1",
         ),
         (
-            _frame(OutputBatch, [["a"], [[]], [True], [7], [None], [None], [None], [0], [None]]),
+            _frame(
+                OutputBatch, [["a"], [[]], [True], [7], [None], [None], [None], [0], [None], [None]]
+            ),
             r"OutputBatch.deltas.finish_reason: unexpected \['int'\]",
         ),
         (
             _frame(
                 OutputBatch,
-                [["a"], [[5]], [True], [None], [[[[1, 2], [-0.5]]]], [None], [3], [0], [None]],
+                [
+                    ["a"],
+                    [[5]],
+                    [True],
+                    [None],
+                    [[[[1, 2], [-0.5]]]],
+                    [None],
+                    [3],
+                    [0],
+                    [None],
+                    [None],
+                ],
             ),
             "TokenLogprobs: 2 token_ids but 1 logprobs",
         ),
@@ -538,8 +609,27 @@ def _plan_fields(**overrides) -> list:
         (_frame(StopSample, "r", True), "StopSample.index: expected int, got bool"),
         (_frame(EngineError, 7, "boom"), "EngineError.request_id: expected str or None, got int"),
         (
-            _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}),
+            _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}, {}),
             "TokenLogprobs: 2 token_ids but 1 logprobs",
+        ),
+        (
+            _frame(StepResult, 1, [], [], [], {}, {"e": [1.0]}),
+            r"StepResult.embeddings: expected only bytes, found \['list'\]",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2], None, 0, 0, [True, 0]),
+            "PoolingParams: dimensions must be an integer >= 1, got 0",
+        ),
+        (
+            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2], None, 0, 0, [1, None]),
+            "PoolingParams.normalize: expected bool, got int",
+        ),
+        (
+            _frame(
+                OutputBatch,
+                [["a"], [[]], [True], [None], [None], [None], [None], [0], [None], [[]]],
+            ),
+            r"OutputBatch.deltas.embedding: unexpected \['list'\]",
         ),
         (_frame(Shutdown, 1), "Shutdown: expected an array of 0 fields"),
         (_frame(Ready, "w", 1, {1: "x"}), "not a msgpack frame.*map key"),
