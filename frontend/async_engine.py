@@ -34,10 +34,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.engine_client import EngineClient, EngineDeadError, RequestRefusedError
-from pagedserve.frontend.outputs import RequestOutput
-from pagedserve.frontend.request_tracker import EngineAction, RequestTracker
+from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
 from pagedserve.scheduler.engine_messages import EngineStats
 from pagedserve.scheduler.messages import RequestOutputDelta
+from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS, PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -55,13 +56,13 @@ class RequestStream:
     which it finished. Raises the request's error if it failed (engine death, refusal,
     or the server ending it)."""
 
-    def __init__(self, tracker: RequestTracker) -> None:
+    def __init__(self, tracker: RequestTracker | EmbeddingTracker) -> None:
         self.tracker = tracker
         self.error: BaseException | None = None
         self._changed = asyncio.Event()
 
     @property
-    def output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | EmbeddingRequestOutput:
         return self.tracker.output
 
     @property
@@ -76,7 +77,7 @@ class RequestStream:
             self.error = error
             self._changed.set()
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    async def __aiter__(self) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         while True:
             await self._changed.wait()
             self._changed.clear()
@@ -135,14 +136,16 @@ class AsyncEngine:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         cache_namespace: str | None = None,
         lora_id: int = 0,
         priority: int = 0,
     ) -> RequestStream:
-        """Queue a request (already validated); its stream reports what it makes.
-        ``lora_id``: the LoRA adapter (``LLM.lora_ids``; 0: the base model).
-        ``priority``: lower runs first (``LLM.check_priority`` has passed it)."""
+        """Queue a request (already validated); its stream reports what it makes: a
+        ``RequestOutput``, or for ``PoolingParams`` (an embedding request) an
+        ``EmbeddingRequestOutput``. ``lora_id``: the LoRA adapter (``LLM.lora_ids``; 0:
+        the base model). ``priority``: lower runs first (``LLM.check_priority`` has
+        passed it)."""
         if self.dead_message is not None:
             raise EngineDeadError(self.dead_message)
         if self.llm is None:
@@ -150,9 +153,14 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos_token_ids = self.llm.eos_token_ids
-        tracker = RequestTracker(
-            request_id, prompt, prompt_token_ids, params, self.llm.tokenizer, eos_token_ids
-        )
+        pooling_params = params if isinstance(params, PoolingParams) else None
+        if pooling_params is not None:
+            tracker = EmbeddingTracker(request_id, prompt, prompt_token_ids)
+            params = PROMPT_ONLY_SAMPLING_PARAMS
+        else:
+            tracker = RequestTracker(
+                request_id, prompt, prompt_token_ids, params, self.llm.tokenizer, eos_token_ids
+            )
         stream = RequestStream(tracker)
         self._streams[request_id] = stream
         token_ids = list(prompt_token_ids)
@@ -165,6 +173,7 @@ class AsyncEngine:
                 cache_namespace=cache_namespace,
                 lora_id=lora_id,
                 priority=priority,
+                pooling_params=pooling_params,
             )
         )
         return stream

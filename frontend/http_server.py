@@ -8,6 +8,9 @@ Routes:
   (``openai_protocol.py``); ``"stream": true`` answers with server-sent events, one
   ``data: {chunk}`` per step (or per ``--stream-interval`` tokens), then
   ``data: [DONE]``. A client that disconnects ends its requests in the engine at once.
+- ``POST /v1/embeddings``: OpenAI's embeddings (``input`` as text, token ids or a batch
+  of either; ``encoding_format`` float or base64; ``dimensions``), vLLM's
+  ``truncate_prompt_tokens`` and ``normalize``: one prompt-only engine request per input.
 - ``GET /v1/models`` (and ``/v1/models/{name}``): the one model served.
 - ``POST /tokenize``, ``POST /detokenize``: as vLLM's.
 - ``GET /health``: 200 while serving, 503 while the model loads, when draining, or once
@@ -129,6 +132,7 @@ class HttpApi:
         app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=middlewares)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{name:.+}", self._model)
         app.router.add_post("/tokenize", self._tokenize)
@@ -229,6 +233,53 @@ class HttpApi:
             outputs = await self._whole(api_request, streams)
             return web.json_response(
                 protocol.whole_response(api_request, outputs, llm),
+                headers=_request_id_header(http_request),
+            )
+
+    async def _embeddings(self, http_request: web.Request) -> web.Response:
+        server = self._server
+        async with server.call("http"):
+            llm = server.check_admission()
+            api_request = protocol.parse_embedding_request(
+                await _json_body(http_request),
+                llm,
+                server.served_model_name(),
+                http_request.headers.get("X-Request-Id"),
+                server.config.max_concurrent_requests,
+            )
+            llm = server.check_admission(len(api_request.prompts))
+            for position, prompt in enumerate(api_request.prompts):
+                name = "input" if len(api_request.prompts) == 1 else f"input[{position}]"
+                try:
+                    llm.engine.check_request_fits(len(prompt.token_ids), 0)
+                except ValueError as error:
+                    raise CallError("INVALID_ARGUMENT", f"{name}: {error}", name) from None
+            streams = []
+            try:
+                for prompt in api_request.prompts:
+                    streams.append(
+                        server.submit(
+                            "http",
+                            prompt.text,
+                            prompt.token_ids,
+                            api_request.params,
+                            None,
+                            api_request.lora_id,
+                            api_request.priority,
+                        )
+                    )
+            except CallError:
+                for stream in streams:
+                    server.engine.abort(stream.output.request_id)
+                raise
+            outputs = await self._whole(api_request, streams)
+            for output in outputs:
+                if output.outputs is None:  # ended by the engine without its vector
+                    raise CallError(
+                        "INTERNAL", f"request {output.request_id} ended: {output.finish_reason}"
+                    )
+            return web.json_response(
+                protocol.embedding_response(api_request, outputs),
                 headers=_request_id_header(http_request),
             )
 

@@ -36,6 +36,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pagedserve.frontend.outputs import EmbeddingRequestOutput
+
 if TYPE_CHECKING:
     from pagedserve.frontend.outputs import RequestOutput
     from pagedserve.scheduler.engine_messages import EngineStats
@@ -113,12 +115,17 @@ class ServerMetrics:
         self._http_server = None
 
     def observe_finished(
-        self, output: RequestOutput, first_token_s: float | None, duration_s: float
+        self,
+        output: RequestOutput | EmbeddingRequestOutput,
+        first_token_s: float | None,
+        duration_s: float,
     ) -> None:
         """A call that ran to its end (``*_s``: seconds since its admission)."""
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
         self.duration_s.observe(duration_s)
+        if isinstance(output, EmbeddingRequestOutput):
+            return  # prompt only: no generated tokens, no first token
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
         if first_token_s is not None:
             self.time_to_first_token_s.observe(first_token_s)
             num_tokens = len(output.outputs[0].token_ids) if output.outputs else 0

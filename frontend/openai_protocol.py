@@ -18,9 +18,11 @@ server's log, as vLLM does.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import re
+import struct
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from pagedserve.frontend import tool_calls
 from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.reasoning import ReasoningParser, ReasoningStream
 from pagedserve.frontend.tool_calls import ToolCallError, ToolCalling, ToolCallStream
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import (
     MAX_LOGPROBS,
     STRUCTURED_OUTPUT_KINDS,
@@ -42,7 +45,11 @@ from pagedserve.scheduler.structured_output import grammar_text
 
 if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
-    from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+    from pagedserve.frontend.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+    )
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -218,15 +225,7 @@ def parse_request(
     ignored = sorted(set(body) - known)
     if ignored:
         logger.warning("fields ignored (not part of the %s API): %s", kind, ", ".join(ignored))
-    model = _typed(body, "model", (str,), "a string", served_model_name)
-    lora_id = 0 if model == served_model_name else llm.lora_ids.get(model)
-    if lora_id is None:
-        served = ", ".join([repr(served_model_name), *map(repr, llm.lora_ids)])
-        raise CallError(
-            "NOT_FOUND",
-            f"model {model!r} is not served here; this server serves {served}",
-            "model",
-        )
+    model, lora_id = _served_model(body, llm, served_model_name)
     _refuse_unsupported(kind, body)
     tool_calling = _tool_calling(body, tool_call_parser) if kind == "chat" else None
     reasoning = ReasoningParser(reasoning_parser) if kind == "chat" and reasoning_parser else None
@@ -337,6 +336,20 @@ def parse_request(
         reasoning=reasoning,
         include_reasoning=include_reasoning,
     )
+
+
+def _served_model(body: dict, llm: LLM, served_model_name: str) -> tuple[str, int]:
+    """The ``model`` a request names and its LoRA adapter id (0: the base model)."""
+    model = _typed(body, "model", (str,), "a string", served_model_name)
+    lora_id = 0 if model == served_model_name else llm.lora_ids.get(model)
+    if lora_id is None:
+        served = ", ".join([repr(served_model_name), *map(repr, llm.lora_ids)])
+        raise CallError(
+            "NOT_FOUND",
+            f"model {model!r} is not served here; this server serves {served}",
+            "model",
+        )
+    return model, lora_id
 
 
 def _refuse_unsupported(kind: str, body: dict) -> None:
@@ -622,10 +635,14 @@ def _base_params(
         raise _sampling_error(error, names) from None
 
 
-def _completion_prompts(body: dict, llm: LLM, max_prompts: int) -> list[Prompt]:
-    prompt = body.get("prompt")
+def _completion_prompts(
+    body: dict, llm: LLM, max_prompts: int, field: str = "prompt"
+) -> list[Prompt]:
+    """The prompts of a completions ``prompt`` (or an embeddings ``input``: ``field``):
+    a string, token ids, or a batch of either."""
+    prompt = body.get(field)
     if prompt is None:
-        raise _invalid("prompt is required: a string, a list of strings, or token ids", "prompt")
+        raise _invalid(f"{field} is required: a string, a list of strings, or token ids", field)
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
@@ -634,19 +651,19 @@ def _completion_prompts(body: dict, llm: LLM, max_prompts: int) -> list[Prompt]:
         items = prompt
     else:
         raise _invalid(
-            f"prompt must be a string, a list of strings, a list of token ids or a list of "
+            f"{field} must be a string, a list of strings, a list of token ids or a list of "
             f"lists of token ids, and not empty; got {prompt!r:.200}",
-            "prompt",
+            field,
         )
     if len(items) > max_prompts:
         raise _invalid(
-            f"prompt: a batch of {len(items)} prompts; this server takes at most "
+            f"{field}: a batch of {len(items)} prompts; this server takes at most "
             f"{max_prompts} (its max_concurrent_requests)",
-            "prompt",
+            field,
         )
     prompts = []
     for position, item in enumerate(items):
-        name = "prompt" if len(items) == 1 else f"prompt[{position}]"
+        name = field if len(items) == 1 else f"{field}[{position}]"
         if not isinstance(item, (str, list)) or isinstance(item, bool):
             raise _invalid(f"{name} must be a string or a list of token ids, got {item!r}", name)
         try:
@@ -1066,3 +1083,118 @@ class StreamWriter:
                 return True
             new_tokens += len(completion.token_ids) - cursor.tokens
         return new_tokens >= self._interval_tokens
+
+
+# ---------------------------------------------------------------- /v1/embeddings
+
+# OpenAI's fields, and vLLM's additions (truncate_prompt_tokens, normalize, priority,
+# request_id).
+_EMBEDDING_FIELDS = {
+    "model",
+    "input",
+    "encoding_format",
+    "dimensions",
+    "user",
+    "truncate_prompt_tokens",
+    "normalize",
+    "priority",
+    "request_id",
+}
+EMBEDDING_ENCODING_FORMATS = ("float", "base64")
+
+
+@dataclass
+class EmbeddingApiRequest:
+    """A checked ``/v1/embeddings`` request: its prompts and their one ``PoolingParams``."""
+
+    model: str
+    prompts: list[Prompt]
+    params: PoolingParams
+    encoding_format: str  # "float" or "base64" (little-endian float32, as OpenAI sends)
+    client_request_id: str
+    lora_id: int = 0
+    priority: int = 0
+    created_s: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse_embedding_request(
+    body: Any,
+    llm: LLM,
+    served_model_name: str,
+    client_request_id: str | None,
+    max_prompts: int = 1024,
+) -> EmbeddingApiRequest:
+    """The body of ``/v1/embeddings``, checked and tokenized: ``input`` as a string, token
+    ids, or a batch of either; ``dimensions`` in [1, the model's hidden size];
+    ``truncate_prompt_tokens`` keeps a prompt's last k tokens (-1: the context window), as
+    vLLM does; a prompt longer than the context window is refused."""
+    if not isinstance(body, dict):
+        raise _invalid(f"the request body must be a JSON object, got {type(body).__name__}", "")
+    ignored = sorted(set(body) - _EMBEDDING_FIELDS)
+    if ignored:
+        logger.warning("fields ignored (not part of the embeddings API): %s", ", ".join(ignored))
+    model, lora_id = _served_model(body, llm, served_model_name)
+    prompts = _completion_prompts(body, llm, max_prompts, "input")
+    encoding_format = _typed(body, "encoding_format", (str,), "a string", "float")
+    if encoding_format not in EMBEDDING_ENCODING_FORMATS:
+        raise _invalid(
+            f"encoding_format must be 'float' or 'base64', got {encoding_format!r:.100}",
+            "encoding_format",
+        )
+    dimensions = _int_field(body, "dimensions", 1, llm.model_config.embedding_size)
+    normalize = _typed(body, "normalize", (bool,), "a boolean", True)
+    max_model_len = llm.scheduler_config.max_model_len
+    truncate = _typed(body, "truncate_prompt_tokens", (int,), "an integer")
+    if truncate == -1:
+        truncate = max_model_len
+    if truncate is not None and not 1 <= truncate <= max_model_len:
+        raise _invalid(
+            f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the model's "
+            f"context window), got {truncate}",
+            "truncate_prompt_tokens",
+        )
+    for position, prompt in enumerate(prompts):
+        if truncate is not None and len(prompt.token_ids) > truncate:
+            prompts[position] = Prompt(None, prompt.token_ids[-truncate:])
+        num_prompt_tokens = len(prompts[position].token_ids)
+        if num_prompt_tokens > max_model_len:
+            name = "input" if len(prompts) == 1 else f"input[{position}]"
+            raise _invalid(
+                f"{name}: {num_prompt_tokens} prompt tokens exceed the model's context window "
+                f"of {max_model_len} tokens (truncate_prompt_tokens can cut them)",
+                name,
+            )
+    priority = _typed(body, "priority", (int,), "an integer", 0)
+    try:
+        llm.check_priority(priority)
+    except ValueError as error:
+        raise _invalid(str(error), "priority") from None
+    return EmbeddingApiRequest(
+        model=model,
+        prompts=prompts,
+        params=PoolingParams(normalize=normalize, dimensions=dimensions),
+        encoding_format=encoding_format,
+        client_request_id=_typed(body, "request_id", (str,), "a string", client_request_id or ""),
+        lora_id=lora_id,
+        priority=priority,
+    )
+
+
+def embedding_response(request: EmbeddingApiRequest, outputs: list[EmbeddingRequestOutput]) -> dict:
+    """OpenAI's answer: one ``embedding`` object per input, in order, and the usage."""
+    data = []
+    for index, output in enumerate(outputs):
+        values = output.outputs.embedding
+        if request.encoding_format == "base64":
+            packed = struct.pack(f"<{len(values)}f", *values)
+            values = base64.b64encode(packed).decode("ascii")
+        data.append({"object": "embedding", "embedding": values, "index": index})
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {
+        "id": "embd-" + (request.client_request_id or uuid.uuid4().hex),
+        "object": "list",
+        "created": request.created_s,
+        "model": request.model,
+        "data": data,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }

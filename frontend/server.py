@@ -49,12 +49,14 @@ from pagedserve.frontend.async_engine import AsyncEngine, RequestStream
 from pagedserve.frontend.call_errors import CallError, ServerDrainingError
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.metrics import ServerMetrics
+from pagedserve.frontend.outputs import EmbeddingRequestOutput
 from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.outputs import RequestOutput
+    from pagedserve.scheduler.pooling_params import PoolingParams
     from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.server")
@@ -173,6 +175,18 @@ def _unknown_code(error: BaseException) -> str:
     return error.code if isinstance(error, CallError) else "INTERNAL"
 
 
+def _num_output_tokens(output: RequestOutput | EmbeddingRequestOutput) -> int:
+    if isinstance(output, EmbeddingRequestOutput):
+        return 0  # a prompt-only request
+    return sum(len(completion.token_ids) for completion in output.outputs)
+
+
+def _finish_reasons(output: RequestOutput | EmbeddingRequestOutput) -> str:
+    if isinstance(output, EmbeddingRequestOutput):
+        return str(output.finish_reason)
+    return ",".join(str(completion.finish_reason) for completion in output.outputs)
+
+
 class Server:
     """The engine and the APIs in front of it; ``run()`` serves until told to stop and
     returns the process's exit code."""
@@ -247,12 +261,13 @@ class Server:
         api: str,
         prompt: str | None,
         token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         cache_namespace: str | None,
         lora_id: int = 0,
         priority: int = 0,
     ) -> RequestStream:
-        """Queue a checked request under a new engine id (``<api>-<n>``)."""
+        """Queue a checked request under a new engine id (``<api>-<n>``); an embedding
+        request for ``PoolingParams``."""
         try:
             return self.engine.submit(
                 f"{api}-{next(self._ids)}",
@@ -268,7 +283,7 @@ class Server:
 
     async def outputs(
         self, stream: RequestStream, client_request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """The request's output as it grows (one object, updated in place); raises
         ``CallError`` if it fails, and ends the engine's request whenever the caller stops
         first (use it under ``contextlib.aclosing``)."""
@@ -277,7 +292,7 @@ class Server:
         first_token_s = None
         try:
             async for output in stream:
-                if first_token_s is None and any(c.token_ids for c in output.outputs):
+                if first_token_s is None and _num_output_tokens(output):
                     first_token_s = time.monotonic() - started_s
                 yield output
         except EngineDeadError as error:
@@ -299,8 +314,8 @@ class Server:
             client_request_id,
             len(output.prompt_token_ids),
             output.num_cached_tokens,
-            sum(len(c.token_ids) for c in output.outputs),
-            ",".join(str(c.finish_reason) for c in output.outputs),
+            _num_output_tokens(output),
+            _finish_reasons(output),
             duration_s,
         )
 

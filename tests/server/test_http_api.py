@@ -526,6 +526,15 @@ def test_an_api_key_guards_generation_in_both_apis(start_server):
     assert complete({"Authorization": "Bearer wrong"}) == 401
     assert complete({"Authorization": f"Basic {key}"}) == 401
     assert complete({"Authorization": f"Bearer {key}"}) == 200
+    embed = urllib.request.Request(
+        f"{server.http_url}/v1/embeddings", data=json.dumps({"input": "a"}).encode()
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(embed, timeout=30)
+    assert refused.value.code == 401
+    embed.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(embed, timeout=30) as response:
+        assert response.status == 200
     assert get(server, "/health")[0] == 200  # probes and scrapers hold no key
     assert get(server, "/metrics")[0] == 200
     with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key=key, max_retries=0) as client:

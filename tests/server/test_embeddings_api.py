@@ -1,0 +1,143 @@
+"""``POST /v1/embeddings`` over the real server: OpenAI's client and raw bodies get the
+offline ``LLM.embed`` vectors, as floats and as base64; batches keep their order; bad
+fields are a 400 naming the field; calls count in /metrics. (``--api-key`` on this route:
+test_http_api.py's API key test.)"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import struct
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+from conftest import SERVED_MODEL_NAME, ServerProcess, serving
+from test_http_api import get
+
+from pagedserve.frontend import LLM, PoolingParams
+
+TEXTS = ["The capital of France is", "a", "PagedAttention " * 20]
+TOKEN_IDS = [[5, 300, 301, 302], [7] * 40]
+
+
+@pytest.fixture(scope="module")
+def embedding_server(server_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    workdir = tmp_path_factory.mktemp("embedding_server")
+    with serving(server_model_dir, workdir) as server:
+        yield server
+
+
+@pytest.fixture
+def server(embedding_server) -> Iterator[ServerProcess]:
+    yield embedding_server
+    embedding_server.assert_blocks_all_free()
+
+
+@pytest.fixture(scope="module")
+def offline(server_model_dir) -> LLM:
+    return LLM(server_model_dir, num_blocks=128)
+
+
+def post(server: ServerProcess, body: dict) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(
+        server.http_url + "/v1/embeddings", data=json.dumps(body).encode(), headers=headers
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def close(actual: list[float], expected: list[float]) -> bool:
+    return len(actual) == len(expected) and all(
+        abs(a - e) <= 1e-5 for a, e in zip(actual, expected)
+    )
+
+
+def test_openai_client_gets_the_offline_embeddings(server, offline):
+    want = [o.outputs.embedding for o in offline.embed(TEXTS)]
+    with openai.OpenAI(
+        base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as client:
+        # Unless told a format, the client asks for base64 and decodes it itself.
+        for fields in ({}, {"encoding_format": "float"}):
+            answer = client.embeddings.create(model=SERVED_MODEL_NAME, input=TEXTS, **fields)
+            assert [item.index for item in answer.data] == [0, 1, 2]
+            for item, expected in zip(answer.data, want):
+                assert close(item.embedding, expected)
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in offline.embed(TEXTS))
+        assert answer.usage.prompt_tokens == answer.usage.total_tokens == prompt_tokens
+        assert answer.model == SERVED_MODEL_NAME
+        one = client.embeddings.create(model=SERVED_MODEL_NAME, input=TEXTS[0], dimensions=16)
+        cut = offline.embed(TEXTS[0], PoolingParams(dimensions=16))[0].outputs.embedding
+        assert close(one.data[0].embedding, cut)
+
+
+def test_raw_bodies_token_ids_base64_and_vllm_fields(server, offline):
+    want = [o.outputs.embedding for o in offline.embed(TOKEN_IDS)]
+    status, answer = post(server, {"input": TOKEN_IDS, "encoding_format": "base64"})
+    assert status == 200, answer
+    assert answer["object"] == "list" and answer["usage"]["prompt_tokens"] == 44
+    for item, expected in zip(answer["data"], want):
+        assert item["object"] == "embedding"
+        packed = base64.b64decode(item["embedding"])
+        assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == pytest.approx(
+            expected, abs=1e-5
+        )
+    status, answer = post(server, {"input": TOKEN_IDS[0], "normalize": False})
+    raw = offline.embed(TOKEN_IDS[0], PoolingParams(normalize=False))[0].outputs.embedding
+    assert status == 200 and close(answer["data"][0]["embedding"], raw)
+    # vLLM's truncate_prompt_tokens keeps a prompt's last tokens.
+    status, answer = post(server, {"input": TOKEN_IDS[1] + [9, 9], "truncate_prompt_tokens": 3})
+    tail = offline.embed([[7, 9, 9]])[0].outputs.embedding
+    assert status == 200 and close(answer["data"][0]["embedding"], tail)
+    assert answer["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"input": []}, "input", "input must be a string, a list of strings"),
+        ({"input": ""}, "input", "input: prompt is empty"),
+        ({}, "input", "input is required"),
+        ({"input": ["ok", [1, 99999]]}, "input[1]", r"token id 99999 is outside the vocabulary"),
+        (
+            {"input": [5] * 513},
+            "input",
+            "513 prompt tokens exceed the model's context window of 512",
+        ),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
+        ({"input": "a", "dimensions": 0}, "dimensions", r"dimensions must be in \[1, 128\], got 0"),
+        ({"input": "a", "dimensions": 129}, "dimensions", r"in \[1, 128\], got 129"),
+        ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", r"-1 or in \[1"),
+        ({"input": "a", "normalize": "yes"}, "normalize", "normalize must be a boolean"),
+    ],
+)
+def test_bad_fields_are_refused_by_name(server, body, param, message):
+    status, answer = post(server, {"model": SERVED_MODEL_NAME, **body})
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert re.search(message, error["message"]), error
+
+
+def ok_http_calls(server: ServerProcess) -> float:
+    status, metrics = get(server, "/metrics")
+    assert status == 200
+    name = 'pagedserve_requests_total{api="http",code="OK"} '
+    line = next((line for line in metrics.decode().splitlines() if line.startswith(name)), None)
+    return 0.0 if line is None else float(line[len(name) :])
+
+
+def test_other_model_is_404_and_metrics_count_the_calls(server):
+    status, answer = post(server, {"model": "other", "input": "a"})
+    assert status == 404 and answer["error"]["param"] == "model"
+    before = ok_http_calls(server)
+    assert post(server, {"input": ["a", "b"]})[0] == 200
+    assert ok_http_calls(server) == before + 1
