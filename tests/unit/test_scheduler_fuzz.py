@@ -1,5 +1,5 @@
 """The scheduler under seeded random workloads: arrivals, priorities, parallel samples,
-shared prefixes, aborts, samples stopped one by one, speculation and tight caches, under
+embeddings, shared prefixes, aborts, samples stopped one by one, speculation and tight caches, under
 each scheduling policy and preemption mode, with a fake worker that samples random tokens
 (EOS now and then) and accepts a random share of the drafts.
 
@@ -17,6 +17,7 @@ import pytest
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import StepResult
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
@@ -29,10 +30,13 @@ MAX_STEPS = 3000
 def fake_worker(scheduler: Scheduler, plan, rng: random.Random) -> StepResult:
     """One token per sampling sequence (a group's first sample: one per sequence); a
     speculating one accepts a random number of its drafts, then samples one more."""
-    request_ids, tokens = [], []
+    request_ids, tokens, embeddings = [], [], {}
 
     def sample() -> int:
-        return EOS if rng.random() < 0.03 else rng.randrange(3, VOCAB)
+        # Mostly a few tokens: outputs repeat, so prompt lookup finds drafts.
+        if rng.random() < 0.03:
+            return EOS
+        return rng.randrange(3, 11) if rng.random() < 0.8 else rng.randrange(3, VOCAB)
 
     for item in (*plan.new_requests, *plan.cached_requests):
         request = scheduler.requests[item.request_id]
@@ -40,6 +44,9 @@ def fake_worker(scheduler: Scheduler, plan, rng: random.Random) -> StepResult:
         end = item.num_computed_tokens + item.num_scheduled_tokens - len(drafts)
         if end != request.num_tokens:
             continue  # a prefill chunk short of the end samples nothing
+        if request.pooling_params is not None:  # an embedding: its vector, no token
+            embeddings[item.request_id] = rng.randbytes(16)
+            continue
         if drafts:
             accepted = drafts[: rng.randrange(len(drafts) + 1)]
             emitted = [*accepted, sample()]
@@ -51,7 +58,7 @@ def fake_worker(scheduler: Scheduler, plan, rng: random.Random) -> StepResult:
         for _ in range(rows):
             request_ids.append(item.request_id)
             tokens.append(sample())
-    return StepResult(plan.step_id, request_ids, tokens)
+    return StepResult(plan.step_id, request_ids, tokens, embeddings=embeddings)
 
 
 def check_invariants(scheduler: Scheduler) -> None:
@@ -110,6 +117,7 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode):
             if rng.random() < 0.3:
                 prompt = shared_prefix + prompt
             n = rng.choice([1, 1, 1, 2, 3])
+            pooling = PoolingParams() if n == 1 and rng.random() < 0.2 else None
             max_tokens = rng.randrange(1, 40)
             try:
                 scheduler.add_request(
@@ -123,11 +131,12 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode):
                         arrival_time_s=float(step),
                         max_model_len=max_model_len,
                         priority=rng.randrange(0, 4) if policy == "priority" else 0,
+                        pooling_params=pooling,
                     )
                 )
             except ValueError:
                 continue  # could never fit this cache: refused, as the engine would
-            added[request_id] = (n, max_tokens)
+            added[request_id] = (n, 0 if pooling else max_tokens)
         if added and rng.random() < 0.02:
             victim = rng.choice(list(added))
             delta = scheduler.abort_request(victim)
