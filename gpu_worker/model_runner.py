@@ -161,8 +161,15 @@ class ModelRunner:
                 entry.request_id: _pooled(hidden[row], entry.state.pooling_params)
                 for entry, row in inputs.pooling_entries
             }
+            prompt_logprobs = {
+                entry.request_id: self._prompt_logprobs(hidden, entry, first_row)
+                for entry, first_row in inputs.prompt_logprob_entries
+            }
             if not inputs.sampling_entries:
-                return StepResult(plan.step_id, embeddings=embeddings)
+                # Prefill chunks that sample nothing still score their prompt positions.
+                return StepResult(
+                    plan.step_id, prompt_logprobs=prompt_logprobs, embeddings=embeddings
+                )
             # The sampler works on the host (numpy seeds, per-request lists).
             # NOTE: on a GPU this copy waits for the forward pass: the step's one synchronization.
             logits = self.model.compute_logits(hidden[inputs.logits_indices]).cpu()
@@ -175,10 +182,6 @@ class ModelRunner:
                     plan.token_bitmasks,
                 ),
             )
-            prompt_logprobs = {
-                entry.request_id: self._prompt_logprobs(hidden, entry, first_row)
-                for entry, first_row in inputs.prompt_logprob_entries
-            }
         token_ids = sampled.token_ids.tolist()
         rows = _emitted_rows(inputs.sampling_entries, token_ids)
         logprobs = _token_logprobs(sampled, inputs.sampling_states)
