@@ -26,7 +26,12 @@ from typing import Any
 import grpc
 
 from pagedserve.frontend.grpc_convert import FINISH_REASONS, sampling_params_to_proto
-from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -94,6 +99,45 @@ def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) 
         output.finished = True
         output.num_cached_tokens = response.usage.cached_prompt_tokens
     return output
+
+
+def build_embed_request(
+    prompt: PromptType,
+    dimensions: int | None,
+    normalize: bool,
+    request_id: str,
+    cache_namespace: str,
+    lora_adapter: str,
+    priority: int,
+) -> pb.EmbedRequest:
+    request = pb.EmbedRequest(
+        request_id=request_id,
+        normalize=normalize,
+        cache_namespace=cache_namespace,
+        lora_adapter=lora_adapter,
+        priority=priority,
+    )
+    if dimensions is not None:
+        request.dimensions = dimensions
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+def embedding_output(prompt: PromptType, response: pb.EmbedResponse) -> EmbeddingRequestOutput:
+    """An ``Embed`` response as the offline ``LLM.embed`` returns it (the prompt's token
+    ids are known only for a prompt given as ids)."""
+    return EmbeddingRequestOutput(
+        request_id=response.request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+        outputs=EmbeddingOutput(list(response.embedding)),
+        finished=True,
+        finish_reason="stop",
+        num_cached_tokens=response.usage.cached_prompt_tokens,
+    )
 
 
 def _channel(channels: Any, target: str, credentials, options: dict[str, Any]):
@@ -205,6 +249,25 @@ class Client:
         finally:
             call.cancel()  # a no-op once the call has ended
 
+    def embed(
+        self,
+        prompt: PromptType,
+        *,
+        dimensions: int | None = None,
+        normalize: bool = True,
+        request_id: str = "",
+        cache_namespace: str = "",
+        lora_adapter: str = "",
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> EmbeddingRequestOutput:
+        """The prompt's embedding (the ``Embed`` RPC): ``outputs.embedding``."""
+        request = build_embed_request(
+            prompt, dimensions, normalize, request_id, cache_namespace, lora_adapter, priority
+        )
+        response = self.stub.Embed(request, timeout=timeout_s, metadata=self._metadata)
+        return embedding_output(prompt, response)
+
     def tokenize(self, text: str) -> list[int]:
         return list(
             self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self._metadata).token_ids
@@ -293,6 +356,24 @@ class AsyncClient:
                 yield output
         finally:
             call.cancel()
+
+    async def embed(
+        self,
+        prompt: PromptType,
+        *,
+        dimensions: int | None = None,
+        normalize: bool = True,
+        request_id: str = "",
+        cache_namespace: str = "",
+        lora_adapter: str = "",
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> EmbeddingRequestOutput:
+        request = build_embed_request(
+            prompt, dimensions, normalize, request_id, cache_namespace, lora_adapter, priority
+        )
+        response = await self.stub.Embed(request, timeout=timeout_s, metadata=self._metadata)
+        return embedding_output(prompt, response)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -38,6 +38,7 @@ from pagedserve.frontend.grpc_convert import (
     whole_response,
 )
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -136,6 +137,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     if response is not None:
                         yield response
 
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        async with self._server.call("grpc", _grpc_code(context)):
+            stream = await self._admit_embedding(request, context)
+            async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
+                async for _output in outputs:
+                    pass
+            output = stream.output
+            if output.outputs is None:  # ended by the engine without its vector
+                await context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"request {output.request_id} ended: {output.finish_reason}",
+                )
+            return pb.EmbedResponse(
+                request_id=request.request_id,
+                embedding=output.outputs.embedding,
+                usage=pb.Usage(
+                    prompt_tokens=len(output.prompt_token_ids),
+                    cached_prompt_tokens=output.num_cached_tokens,
+                ),
+            )
+
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         llm = await self._ready_llm(context)
         try:
@@ -222,7 +244,42 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except CallError as error:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
-    def _prompt(self, llm: LLM, request: pb.GenerateRequest) -> tuple[str | None, list[int]]:
+    async def _admit_embedding(self, request: pb.EmbedRequest, context) -> RequestStream:
+        """Validate, tokenize and queue an embedding request, or end the call naming the
+        bad field."""
+        server = self._server
+        try:
+            llm = server.check_admission()
+            try:
+                prompt, token_ids = self._prompt(llm, request)
+                params = PoolingParams(
+                    normalize=request.normalize if request.HasField("normalize") else True,
+                    dimensions=request.dimensions if request.HasField("dimensions") else None,
+                )
+                params.check_dimensions(llm.model_config.embedding_size)
+                llm.engine.check_request_fits(len(token_ids), 0)
+                llm.check_priority(request.priority)
+            except (ValueError, TypeError) as error:
+                raise CallError("INVALID_ARGUMENT", str(error)) from None
+            try:
+                lora_id = llm.lora_id(request.lora_adapter or None, "lora_adapter")
+            except ValueError as error:
+                raise CallError("NOT_FOUND", str(error)) from None
+            return server.submit(
+                "grpc",
+                prompt,
+                token_ids,
+                params,
+                request.cache_namespace or None,
+                lora_id,
+                request.priority,
+            )
+        except CallError as error:
+            await context.abort(grpc.StatusCode[error.code], error.message)
+
+    def _prompt(
+        self, llm: LLM, request: pb.GenerateRequest | pb.EmbedRequest
+    ) -> tuple[str | None, list[int]]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
             return request.text, llm.encode_prompt(request.text, "text")
@@ -232,7 +289,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             text = self._render_chat(llm, request.chat, "chat")
             token_ids = llm.tokenizer.encode(text, add_special_tokens=False)
             return text, llm.encode_prompt(token_ids, "chat")
-        raise ValueError("prompt: set one of text, token_ids, chat")
+        choices = (
+            "text, token_ids" if isinstance(request, pb.EmbedRequest) else "text, token_ids, chat"
+        )
+        raise ValueError(f"prompt: set one of {choices}")
 
     @staticmethod
     def _render_chat(llm: LLM, chat: pb.Chat, field: str) -> str:

@@ -1,6 +1,7 @@
 """``POST /v1/embeddings`` over the real server: OpenAI's client and raw bodies get the
 offline ``LLM.embed`` vectors, as floats and as base64; batches keep their order; bad
-fields are a 400 naming the field; calls count in /metrics. (``--api-key`` on this route:
+fields are a 400 naming the field; calls count in /metrics. gRPC's ``Embed`` gives the same
+vectors. (``--api-key`` on this route:
 test_http_api.py's API key test.)"""
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
 import openai
 import pytest
 from conftest import SERVED_MODEL_NAME, ServerProcess, serving
 from test_http_api import get
 
 from pagedserve.frontend import LLM, PoolingParams
+from pagedserve.frontend.client import Client
+from pagedserve.v1 import generation_pb2 as pb
 
 TEXTS = ["The capital of France is", "a", "PagedAttention " * 20]
 TOKEN_IDS = [[5, 300, 301, 302], [7] * 40]
@@ -141,3 +145,31 @@ def test_other_model_is_404_and_metrics_count_the_calls(server):
     before = ok_http_calls(server)
     assert post(server, {"input": ["a", "b"]})[0] == 200
     assert ok_http_calls(server) == before + 1
+
+
+def test_grpc_embed_equals_the_offline_vectors(server, offline):
+    """gRPC's Embed: text and token ids, dimensions and normalize, usage; bad fields are
+    INVALID_ARGUMENT naming the field."""
+    with Client(f"127.0.0.1:{server.port}") as client:
+        for prompt in [TEXTS[0], TOKEN_IDS[1]]:
+            want = offline.embed(prompt)[0]
+            got = client.embed(prompt, request_id="e-1", timeout_s=60)
+            assert got.request_id == "e-1"
+            assert close(got.outputs.embedding, want.outputs.embedding)
+        raw = offline.embed(TEXTS[2], PoolingParams(normalize=False, dimensions=8))[0]
+        got = client.embed(TEXTS[2], dimensions=8, normalize=False, timeout_s=60)
+        assert close(got.outputs.embedding, raw.outputs.embedding)
+        assert got.num_cached_tokens > 0  # the same text was embedded just before
+        response = client.stub.Embed(pb.EmbedRequest(token_ids=pb.TokenIds(ids=TOKEN_IDS[0])))
+        assert response.usage.prompt_tokens == len(TOKEN_IDS[0])
+        for request, message in [
+            (pb.EmbedRequest(), "prompt: set one of text, token_ids"),
+            (pb.EmbedRequest(text="x", dimensions=100000), "dimensions=100000 exceeds"),
+            (pb.EmbedRequest(text="x", dimensions=0), "dimensions must be an integer >= 1"),
+            (pb.EmbedRequest(token_ids=pb.TokenIds(ids=[5] * 5000)), "max_model_len"),
+            (pb.EmbedRequest(text="x", priority=3), "priority=3"),
+        ]:
+            with pytest.raises(grpc.RpcError) as caught:
+                client.stub.Embed(request, timeout=60)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+            assert message in caught.value.details(), caught.value.details()
