@@ -1,7 +1,7 @@
 """The scheduler under seeded random workloads: arrivals, priorities, parallel samples,
-embeddings, shared prefixes, aborts, samples stopped one by one, speculation and tight caches, under
-each scheduling policy and preemption mode, with a fake worker that samples random tokens
-(EOS now and then) and accepts a random share of the drafts.
+embeddings, shared prefixes, aborts, samples stopped one by one, speculation and tight
+caches, under each scheduling policy and preemption mode, with a fake worker that samples
+random tokens (EOS now and then) and accepts a random share of the drafts.
 
 After every step: the block accounting holds (device and host), every live sequence is in
 exactly one queue, the batch respects max_num_seqs (and under the priority policy is in
