@@ -39,6 +39,7 @@ from pagedserve.frontend.grpc_convert import (
 )
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 from pagedserve.scheduler.pooling_params import PoolingParams
+from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -139,7 +140,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         async with self._server.call("grpc", _grpc_code(context)):
-            stream = await self._admit_embedding(request, context)
+            stream = await self._admit(request, context)
             async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
                 async for _output in outputs:
                     pass
@@ -213,18 +214,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except CallError as error:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
-    async def _admit(self, request: pb.GenerateRequest, context) -> RequestStream:
-        """Validate, tokenize and queue a request, or end the call with a clear status."""
+    async def _admit(self, request: pb.GenerateRequest | pb.EmbedRequest, context) -> RequestStream:
+        """Validate, tokenize and queue a generation or embedding request, or end the call
+        with a clear status naming the field."""
         server = self._server
         try:
             llm = server.check_admission()
             try:
                 prompt, token_ids = self._prompt(llm, request)
-                params = sampling_params_from_proto(
-                    request.sampling if request.HasField("sampling") else None,
-                    server.default_params,
-                )
-                server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")
+                params = self._checked_params(llm, request, token_ids)
                 llm.check_priority(request.priority)
             except (ValueError, TypeError) as error:
                 raise CallError("INVALID_ARGUMENT", str(error)) from None
@@ -244,38 +242,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except CallError as error:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
-    async def _admit_embedding(self, request: pb.EmbedRequest, context) -> RequestStream:
-        """Validate, tokenize and queue an embedding request, or end the call naming the
-        bad field."""
-        server = self._server
-        try:
-            llm = server.check_admission()
-            try:
-                prompt, token_ids = self._prompt(llm, request)
-                params = PoolingParams(
-                    normalize=request.normalize if request.HasField("normalize") else True,
-                    dimensions=request.dimensions if request.HasField("dimensions") else None,
-                )
-                params.check_dimensions(llm.model_config.embedding_size)
-                llm.engine.check_request_fits(len(token_ids), 0)
-                llm.check_priority(request.priority)
-            except (ValueError, TypeError) as error:
-                raise CallError("INVALID_ARGUMENT", str(error)) from None
-            try:
-                lora_id = llm.lora_id(request.lora_adapter or None, "lora_adapter")
-            except ValueError as error:
-                raise CallError("NOT_FOUND", str(error)) from None
-            return server.submit(
-                "grpc",
-                prompt,
-                token_ids,
-                params,
-                request.cache_namespace or None,
-                lora_id,
-                request.priority,
+    def _checked_params(
+        self, llm: LLM, request: pb.GenerateRequest | pb.EmbedRequest, token_ids: list[int]
+    ) -> SamplingParams | PoolingParams:
+        """A generation request's ``SamplingParams`` (unset fields: the defaults) or an
+        embedding request's ``PoolingParams``, checked against the model and its window."""
+        if isinstance(request, pb.EmbedRequest):
+            params = PoolingParams(
+                normalize=request.normalize if request.HasField("normalize") else True,
+                dimensions=request.dimensions if request.HasField("dimensions") else None,
             )
-        except CallError as error:
-            await context.abort(grpc.StatusCode[error.code], error.message)
+            params.check_dimensions(llm.model_config.embedding_size)
+            llm.engine.check_request_fits(len(token_ids), 0)
+            return params
+        params = sampling_params_from_proto(
+            request.sampling if request.HasField("sampling") else None,
+            self._server.default_params,
+        )
+        self._server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")
+        return params
 
     def _prompt(
         self, llm: LLM, request: pb.GenerateRequest | pb.EmbedRequest
