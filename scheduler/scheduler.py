@@ -391,12 +391,7 @@ class Scheduler:
         sequences = _leading_sequences(self.swapped)
         if self._num_batch_slots() + len(sequences) > self.config.max_num_seqs:
             return None
-        targets = []
-        remaining = budget
-        for sequence in sequences:
-            num_new = self._num_tokens_to_schedule(sequence, remaining)
-            targets.append(sequence.num_computed_tokens + num_new)
-            remaining -= num_new
+        targets, remaining = self._swap_in_targets(sequences, budget)
         if remaining == budget:
             return None
         ids = [sequence.request_id for sequence in sequences]
@@ -413,6 +408,16 @@ class Scheduler:
             if num_new:
                 self._extend(plan, sequence, num_new)
         return remaining
+
+    def _swap_in_targets(self, sequences: list[Request], budget: int) -> tuple[list[int], int]:
+        """The token count each swapped sequence reaches if swapped in now (the budget
+        shared in order), and the budget left."""
+        targets = []
+        for sequence in sequences:
+            num_new = self._num_tokens_to_schedule(sequence, budget)
+            targets.append(sequence.num_computed_tokens + num_new)
+            budget -= num_new
+        return targets, budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         """Admit waiting requests, in queue order, while they fit."""
@@ -518,11 +523,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         head = sequences[0]
         if head.status == RequestStatus.SWAPPED:
-            targets = []
-            for sequence in sequences:
-                num_new = self._num_tokens_to_schedule(sequence, budget)
-                targets.append(sequence.num_computed_tokens + num_new)
-                budget -= num_new
+            targets, _ = self._swap_in_targets(sequences, budget)
             ids = [sequence.request_id for sequence in sequences]
             needed = block_manager.blocks_to_swap_in(ids, targets)
         elif len(sequences) > 1:  # a group preempted by recompute: all tokens at once
