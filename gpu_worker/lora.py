@@ -135,11 +135,7 @@ def check_adapter_weights(name: str, path: str | Path, config: ModelConfig) -> N
         layer, projection, which = _checked_weight_name(name, tensor_name, config.num_layers)
         pairs.setdefault((layer, projection), {})[which] = list(entry.get("shape", []))
     for (layer, projection), pair in sorted(pairs.items()):
-        if set(pair) != {"lora_A", "lora_B"}:
-            raise ValueError(
-                f"lora_modules[{name!r}]: layer {layer} {projection} lacks its "
-                f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight"
-            )
+        _check_pair(name, layer, projection, pair)
         out_size, in_size = shapes[projection]
         a, b = pair["lora_A"], pair["lora_B"]
         if len(a) != 2 or len(b) != 2 or a[1] != in_size or b[0] != out_size or a[0] != b[1]:
@@ -183,6 +179,15 @@ def _checked_weight_name(name: str, tensor_name: str, num_layers: int) -> tuple[
             f"the model has {num_layers}"
         )
     return parsed
+
+
+def _check_pair(name: str, layer: int, projection: str, pair: dict) -> None:
+    """A targeted projection needs both its LoRA A and B weights."""
+    if set(pair) != {"lora_A", "lora_B"}:
+        raise ValueError(
+            f"lora_modules[{name!r}]: layer {layer} {projection} lacks its "
+            f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight"
+        )
 
 
 def _read_config(name: str, path: Path) -> tuple[float, list[str]]:
@@ -267,11 +272,7 @@ def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str,
         pairs.setdefault((layer, projection), {})[which] = tensor
     products: list[tuple[nn.Module, _Product]] = []
     for (layer, projection), pair in sorted(pairs.items()):
-        if set(pair) != {"lora_A", "lora_B"}:
-            raise ValueError(
-                f"lora_modules[{name!r}]: layer {layer} {projection} lacks its "
-                f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight"
-            )
+        _check_pair(name, layer, projection, pair)
         module_path, part = TARGET_MODULES[projection]
         module = layers[layer].get_submodule(module_path)
         a, b = pair["lora_A"], pair["lora_B"]
