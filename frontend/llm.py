@@ -25,6 +25,7 @@ from pagedserve.gpu_worker.lora import (
 )
 from pagedserve.gpu_worker.model_config import (
     ModelConfig,
+    check_cuda_graph_support,
     check_dtype_name,
     check_tensor_parallel_size,
 )
@@ -254,6 +255,8 @@ class LLM:
             model_config = ModelConfig.from_dir(resolved.path)
             # Here, before any process starts, so a bad size fails at once.
             check_tensor_parallel_size(model_config, tensor_parallel_size)
+            if graph_max_batch:
+                check_cuda_graph_support(model_config)
         else:
             # Here, not at the top: a multi-process frontend (the gRPC server) never
             # imports torch; its workers do.

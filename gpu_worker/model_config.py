@@ -15,8 +15,32 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    # Mixture-of-experts members of the family: its attention, a sparse MLP (layers/moe.py).
+    "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
     "OPTForCausalLM": "opt",
 }
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """A mixture-of-experts layer: a router scores ``num_experts`` gated MLPs for each
+    token and sums the ``top_k`` best, weighted by their softmax probabilities."""
+
+    num_experts: int
+    top_k: int
+    # Each expert's intermediate features (and the config field that gives them).
+    intermediate_size: int
+    intermediate_field: str
+    # Whether the top-k probabilities are rescaled to sum to 1 (Mixtral always; Qwen's
+    # ``norm_topk_prob``).
+    renormalize: bool
+    # Mixtral weighs expert outputs in float32; Qwen rounds the weights to the model's
+    # dtype first (the same numbers in float32, not in bfloat16).
+    weights_in_float32: bool
+    # Qwen2-MoE's shared expert, added to every token behind a sigmoid gate; 0: none.
+    shared_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -37,7 +61,13 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     # Each layer's sliding window in tokens, 0 for full attention (see _layer_sliding_windows).
     layer_sliding_windows: tuple[int, ...]
+    # Each layer's experts; None for a dense MLP (see _layer_experts).
+    layer_experts: tuple[ExpertsSpec | None, ...]
     hf_config: dict[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def has_experts(self) -> bool:
+        return any(spec is not None for spec in self.layer_experts)
 
     @property
     def embedding_size(self) -> int:
@@ -77,6 +107,7 @@ class ModelConfig:
             max_position_embeddings=_max_positions(hf_config),
             eos_token_ids=_eos_token_ids(path, hf_config),
             layer_sliding_windows=_layer_sliding_windows(architecture, hf_config),
+            layer_experts=_layer_experts(architecture, hf_config),
             hf_config=hf_config,
         )
 
@@ -92,36 +123,141 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
     """Each layer's sliding window in tokens (0: full attention), as HF transformers 5.x
     builds the model:
 
-    - Mistral: ``sliding_window`` (when set) on every layer; MistralConfig ignores
-      ``layer_types`` and ``use_sliding_window``.
-    - Qwen2 / Qwen3: ``sliding_window`` counts only with ``use_sliding_window`` (default
-      false); then the layers whose ``layer_types`` entry is ``"sliding_attention"`` use it, and
-      without ``layer_types`` the layers from ``max_window_layers`` (default 28) on do.
+    - Mistral and Mixtral: ``sliding_window`` (when set) on every layer; their configs
+      ignore ``layer_types`` and ``use_sliding_window``.
+    - Qwen2 / Qwen3 / Qwen2-MoE: ``sliding_window`` counts only with ``use_sliding_window``
+      (default false); then the layers whose ``layer_types`` entry is ``"sliding_attention"``
+      use it, and without ``layer_types`` the layers from ``max_window_layers`` (default 28)
+      on do (Qwen2 / Qwen3), or the even-numbered layers below it (Qwen2-MoE).
+    - Qwen3-MoE: with ``use_sliding_window``, every layer.
     - Llama and OPT have no sliding window.
     """
     num_layers = hf_config["num_hidden_layers"]
     window = hf_config.get("sliding_window") or 0
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise ValueError(f"model: sliding_window must be a non-negative integer, got {window!r}")
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
-    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture not in (
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ):
         return (0,) * num_layers
     if not hf_config.get("use_sliding_window", False):
         window = 0
+    if architecture == "Qwen3MoeForCausalLM":
+        return (window,) * num_layers
     layer_types = hf_config.get("layer_types")
     if layer_types is None:
         first_windowed = hf_config.get("max_window_layers", 28)
-        layer_types = [
-            "sliding_attention" if i >= first_windowed else "full_attention"
-            for i in range(num_layers)
-        ]
+        if architecture == "Qwen2MoeForCausalLM":
+            windowed = [i % 2 == 0 and i < first_windowed for i in range(num_layers)]
+        else:
+            windowed = [i >= first_windowed for i in range(num_layers)]
+        layer_types = ["sliding_attention" if sliding else "full_attention" for sliding in windowed]
     if len(layer_types) != num_layers:
         raise ValueError(
             f"model: layer_types has {len(layer_types)} entries but num_hidden_layers is "
             f"{num_layers}; they must match"
         )
     return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+
+
+def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[ExpertsSpec | None, ...]:
+    """Each layer's experts as HF transformers 5.x builds the model (absent fields take
+    its config classes' defaults):
+
+    - Mixtral: every layer; ``num_local_experts`` experts of ``intermediate_size``, top
+      ``num_experts_per_tok`` (default 2), renormalised.
+    - Qwen2-MoE / Qwen3-MoE: ``num_experts`` experts of ``moe_intermediate_size``, top
+      ``num_experts_per_tok``, renormalised with ``norm_topk_prob``; sparse at the layers
+      not in ``mlp_only_layers`` whose number + 1 is a multiple of ``decoder_sparse_step``,
+      the others a dense MLP of ``intermediate_size``. Qwen2-MoE adds a shared expert of
+      ``shared_expert_intermediate_size``.
+    """
+    num_layers = hf_config["num_hidden_layers"]
+    if architecture == "MixtralForCausalLM":
+        num_experts, num_experts_field = _num_experts(hf_config, 8)
+        spec = _checked_experts(
+            hf_config,
+            num_experts=num_experts,
+            num_experts_field=num_experts_field,
+            top_k=hf_config.get("num_experts_per_tok", 2),
+            intermediate_field="intermediate_size",
+            renormalize=True,
+            weights_in_float32=True,
+        )
+        return (spec,) * num_layers
+    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return (None,) * num_layers
+    qwen2 = architecture == "Qwen2MoeForCausalLM"
+    num_experts, num_experts_field = _num_experts(hf_config, 60 if qwen2 else 128)
+    if num_experts == 0:
+        return (None,) * num_layers  # HF: no expert anywhere, every layer dense
+    spec = _checked_experts(
+        hf_config,
+        num_experts=num_experts,
+        num_experts_field=num_experts_field,
+        top_k=hf_config.get("num_experts_per_tok", 4 if qwen2 else 8),
+        intermediate_field="moe_intermediate_size",
+        renormalize=bool(hf_config.get("norm_topk_prob", False)),
+        weights_in_float32=False,
+        shared_intermediate_size=hf_config.get("shared_expert_intermediate_size", 5632)
+        if qwen2
+        else 0,
+    )
+    step = hf_config.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"model: decoder_sparse_step must be a positive integer, got {step!r}")
+    dense = set(hf_config.get("mlp_only_layers") or [])
+    return tuple(
+        spec if i not in dense and (i + 1) % step == 0 else None for i in range(num_layers)
+    )
+
+
+def _num_experts(hf_config: dict[str, Any], default: int) -> tuple[Any, str]:
+    """(the expert count, the field that gave it): HF treats ``num_experts`` and
+    ``num_local_experts`` as one attribute, and checkpoints write either."""
+    for name in ("num_experts", "num_local_experts"):
+        if name in hf_config:
+            return hf_config[name], name
+    return default, "num_experts"
+
+
+def _checked_experts(
+    hf_config: dict[str, Any],
+    num_experts: Any,
+    num_experts_field: str,
+    top_k: Any,
+    intermediate_field: str,
+    renormalize: bool,
+    weights_in_float32: bool,
+    shared_intermediate_size: Any = 0,
+) -> ExpertsSpec:
+    intermediate_size = hf_config.get(intermediate_field)
+    for name, value, low in (
+        (num_experts_field, num_experts, 1),
+        ("num_experts_per_tok", top_k, 1),
+        (intermediate_field, intermediate_size, 1),
+        ("shared_expert_intermediate_size", shared_intermediate_size, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"model: {name} must be an integer >= {low}, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(
+            f"model: num_experts_per_tok={top_k} exceeds {num_experts_field}={num_experts}"
+        )
+    return ExpertsSpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=intermediate_size,
+        intermediate_field=intermediate_field,
+        renormalize=renormalize,
+        weights_in_float32=weights_in_float32,
+        shared_intermediate_size=shared_intermediate_size,
+    )
 
 
 def _eos_token_ids(path: Path, hf_config: dict[str, Any]) -> frozenset[int]:
@@ -154,8 +290,26 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
             f"tensor_parallel_size / num_key_value_heads ranks, which must be a whole "
             f"number; use a multiple of {config.num_kv_heads} or a size at most it"
         )
-    mlp_field = "ffn_dim" if config.family == "opt" else "intermediate_size"
-    _check_divisible(mlp_field, config.hf_config[mlp_field], size)
+    if config.family == "opt":
+        _check_divisible("ffn_dim", config.hf_config["ffn_dim"], size)
+        return
+    # Each rank holds 1/size of every MLP's intermediate rows, every expert's included.
+    if None in config.layer_experts:
+        _check_divisible("intermediate_size", config.hf_config["intermediate_size"], size)
+    for spec in set(config.layer_experts) - {None}:
+        _check_divisible(spec.intermediate_field, spec.intermediate_size, size)
+        if spec.shared_intermediate_size:
+            _check_divisible("shared_expert_intermediate_size", spec.shared_intermediate_size, size)
+
+
+def check_cuda_graph_support(config: ModelConfig) -> None:
+    """Raise ``ValueError`` for a model whose decode step cannot be captured as a CUDA
+    graph: a mixture-of-experts layer reads its experts' row counts on the host."""
+    if config.has_experts:
+        raise ValueError(
+            f"cuda_graphs: {config.architecture} routes tokens to experts by data, which a "
+            "captured graph cannot replay; drop cuda_graphs for this model"
+        )
 
 
 def _check_divisible(field: str, value: int, size: int) -> None:

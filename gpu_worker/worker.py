@@ -21,7 +21,11 @@ from pagedserve.gpu_worker.lora import (
     unload_adapter,
 )
 from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
-from pagedserve.gpu_worker.model_config import ModelConfig, check_dtype_name
+from pagedserve.gpu_worker.model_config import (
+    ModelConfig,
+    check_cuda_graph_support,
+    check_dtype_name,
+)
 from pagedserve.gpu_worker.model_runner import ModelRunner
 from pagedserve.gpu_worker.models import build_model
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel, check_tensor_parallel_size
@@ -82,6 +86,8 @@ class Worker:
             raise ValueError(f"cuda_graphs need device='cuda', got device={device!r}")
         self.model_config = ModelConfig.from_dir(model_path)
         check_tensor_parallel_size(self.model_config, parallel.size)
+        if cuda_graph_max_batch:
+            check_cuda_graph_support(self.model_config)
         torch_dtype = parse_dtype(dtype)
         started = time.monotonic()
         # Parameters and tables are created where the model runs; checkpoint tensors are

@@ -23,6 +23,9 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "OPTForCausalLM": transformers.OPTConfig,
     }[architecture]
     config = config_class(**config_kwargs)

@@ -129,7 +129,11 @@ class QKVParallelLinear(_ColumnShards):
 class RowParallelLinear(PackableLinear):
     """``y = sum_r x_r W_r^T + b``: rank r holds columns ``[r in/N, (r+1) in/N)`` of the
     weight and takes the matching split input (the output of a column-parallel layer);
-    the partial products are summed over the ranks, then the bias is added once."""
+    the partial products are summed over the ranks, then the bias is added once.
+
+    ``reduce_results=False`` returns this rank's partial product unsummed (no bias allowed):
+    for a caller that adds several such products and sums them over the ranks once, as a
+    mixture-of-experts layer does over its experts."""
 
     def __init__(
         self,
@@ -138,15 +142,19 @@ class RowParallelLinear(PackableLinear):
         bias: bool,
         dtype: torch.dtype,
         parallel: TensorParallel = SINGLE,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel layer that leaves its sum to the caller has no bias")
         self.parallel = parallel
+        self.reduce_results = reduce_results
         self.columns = parallel.shard(in_features)
         self.weight = empty_parameter(out_features, len(self.columns), dtype=dtype)
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel.size == 1:
+        if self.parallel.size == 1 or not self.reduce_results:
             return self.linear(x, self.bias)
         # NOTE: one all_reduce per call, a synchronisation of every rank.
         output = self.parallel.all_reduce(self.linear(x, None))

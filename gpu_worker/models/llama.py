@@ -1,5 +1,7 @@
 """The Llama family: Llama, Mistral, Qwen2 and Qwen3 (GQA, RoPE, RMSNorm, gated SiLU MLP;
-Qwen3 adds an RMSNorm over each query and key head before RoPE)."""
+Qwen3 adds an RMSNorm over each query and key head before RoPE), and their
+mixture-of-experts members Mixtral, Qwen2-MoE and Qwen3-MoE, whose layers swap the MLP for
+a sparse one (layers/moe.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
-from pagedserve.gpu_worker.layers.basic import RMSNorm, activation
-from pagedserve.gpu_worker.layers.linear import (
-    ColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from pagedserve.gpu_worker.layers.basic import RMSNorm
+from pagedserve.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedserve.gpu_worker.layers.mlp import GatedMLP
+from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig
@@ -24,7 +23,18 @@ from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 # Architectures that RMS-normalise each query and key head (``self_attn.q_norm`` /
 # ``k_norm``, one weight of head_size shared by all heads) between projection and RoPE.
-_PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM"})
+_PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+
+
+def _qkv_bias(config: ModelConfig) -> bool:
+    """Qwen2 always has q/k/v biases, Qwen2-MoE unless ``qkv_bias`` is false; Llama,
+    Mistral, Mixtral and Qwen3 when ``attention_bias`` says."""
+    hf = config.hf_config
+    if config.architecture == "Qwen2ForCausalLM":
+        return True
+    if config.architecture == "Qwen2MoeForCausalLM":
+        return bool(hf.get("qkv_bias", True))
+    return bool(hf.get("attention_bias"))
 
 
 class LlamaAttention(nn.Module):
@@ -40,8 +50,7 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         hf = config.hf_config
-        # Qwen2 always has q/k/v biases; Llama and Mistral have them when the config says.
-        qkv_bias = config.architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias"))
+        qkv_bias = _qkv_bias(config)
         # One GEMM for q, k and v: rows [q | k | v], filled from the three checkpoint tensors.
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -99,30 +108,23 @@ def _norm_each_head(norm: RMSNorm, rows: torch.Tensor, head_size: int) -> torch.
     return norm(heads).view(rows.shape[0], -1)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel) -> None:
-        super().__init__()
-        hf = config.hf_config
-        intermediate = hf["intermediate_size"]
-        bias = bool(hf.get("mlp_bias"))
-        # Rows [gate | up] in one GEMM (this rank's share of each).
-        self.gate_up_proj = ColumnParallelLinear(
-            config.hidden_size, [intermediate, intermediate], bias, dtype, parallel
-        )
-        self.down_proj = RowParallelLinear(intermediate, config.hidden_size, bias, dtype, parallel)
-        act_name = hf.get("hidden_act", "silu")
-        self.act = None if act_name in ("silu", "swish") else activation(act_name)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(hidden)
-        if self.act is None:
-            # SiLU(gate) * up in one pass (csrc: silu_and_mul), HF's arithmetic.
-            product = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-            ops.silu_and_mul(product, gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            product = self.act(gate) * up
-        return self.down_proj(product)
+def _mlp(
+    config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel, layer_index: int
+) -> nn.Module:
+    """The layer's feed-forward block: a gated MLP, or experts where the config puts them."""
+    hf = config.hf_config
+    act_name = hf.get("hidden_act", "silu")
+    experts = config.layer_experts[layer_index]
+    if experts is not None:
+        return SparseMoE(config.hidden_size, experts, act_name, dtype, parallel)
+    return GatedMLP(
+        config.hidden_size,
+        hf["intermediate_size"],
+        bool(hf.get("mlp_bias")),
+        act_name,
+        dtype,
+        parallel,
+    )
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -141,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
             config, rotary, dtype, parallel, config.layer_sliding_windows[layer_index]
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, parallel)
+        self.mlp = _mlp(config, dtype, parallel, layer_index)
 
     def forward(
         self,
@@ -208,25 +210,30 @@ class LlamaForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
-        # checkpoint projection -> (fused parameter, which of its parts)
+        # checkpoint projection -> (fused parameter, which of its parts); Mixtral's experts
+        # name gate, down and up w1, w2 and w3.
         fused = {
             "q_proj": ("qkv_proj", 0),
             "k_proj": ("qkv_proj", 1),
             "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0),
             "up_proj": ("gate_up_proj", 1),
+            "w1": ("gate_up_proj", 0),
+            "w3": ("gate_up_proj", 1),
         }
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints may store a copy of the embedding
-            name = name.removeprefix("model.")
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
             parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] == "w2":
+                parts[-2] = "down_proj"
             if len(parts) >= 2 and parts[-2] in fused:
                 target, part = fused[parts[-2]]
                 parts[-2] = target
                 loader.load(".".join(parts), tensor, part)
             else:
-                loader.load(name, tensor)
+                loader.load(".".join(parts), tensor)
         loader.check_complete()

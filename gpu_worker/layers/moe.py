@@ -1,0 +1,91 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's
+top-k experts, and each expert, a gated MLP, runs on the tokens routed to it.
+
+Dispatch: the (token, expert) pairs are sorted by expert, so each expert runs one GEMM over
+its tokens, and its weighted output is added into those tokens' rows. Experts run in
+ascending order and a token's contributions are added in that order, as HF transformers
+adds them (the same float32 sums).
+
+Tensor parallelism: every rank holds ``1/N`` of each expert's intermediate rows (not whole
+experts): the work stays even whatever the routing, and the experts' partial outputs are
+summed over the ranks once per layer, after the last expert. The router is replicated.
+
+NOTE: which experts run, and on how many rows, depends on the data: the per-expert loop
+reads the counts on the host once per layer, so MoE models run without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.gpu_worker.layers.basic import Linear
+from pagedserve.gpu_worker.layers.mlp import GatedMLP
+from pagedserve.gpu_worker.model_config import ExpertsSpec
+from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
+
+
+class SparseMoE(nn.Module):
+    """Parameters under HF's names: ``gate`` (the router, [num_experts, hidden]),
+    ``experts.{e}`` (gated MLPs), Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        spec: ExpertsSpec,
+        act_name: str,
+        dtype: torch.dtype,
+        parallel: TensorParallel = SINGLE,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.parallel = parallel
+        self.gate = Linear(hidden_size, spec.num_experts, False, dtype)
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden_size, spec.intermediate_size, False, act_name, dtype, parallel, False)
+            for _ in range(spec.num_experts)
+        )
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if spec.shared_intermediate_size:
+            self.shared_expert = GatedMLP(
+                hidden_size, spec.shared_intermediate_size, False, act_name, dtype, parallel, False
+            )
+            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens, hidden] -> (each token's top-k experts int64 [num_tokens, top_k],
+        their weights [num_tokens, top_k]: float32 or the model's dtype, per ``spec``)."""
+        logits = self.gate(hidden)
+        probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probabilities, self.spec.top_k, dim=-1)
+        if self.spec.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if not self.spec.weights_in_float32:
+            weights = weights.to(hidden.dtype)
+        return experts, weights
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(hidden)
+        top_k = self.spec.top_k
+        pair_experts = experts.flatten()
+        # Pairs grouped by expert; stable, so each expert's tokens stay in order.
+        order = torch.argsort(pair_experts, stable=True)
+        pair_tokens = order // top_k
+        pair_weights = weights.flatten()[order]
+        # One host read per layer: the loop needs each expert's row count.
+        counts = torch.bincount(pair_experts, minlength=self.spec.num_experts).tolist()
+        output = torch.zeros_like(hidden)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count == 0:
+                continue
+            tokens = pair_tokens[start : start + count]
+            expert_output = expert(hidden[tokens]) * pair_weights[start : start + count, None]
+            output.index_add_(0, tokens, expert_output.to(hidden.dtype))
+            start += count
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # sigmoid(g) scales each rank's partial sum alike, so one sum over ranks holds.
+            gate = torch.sigmoid(self.shared_expert_gate(hidden))
+            output += gate * self.shared_expert(hidden)
+        return self.parallel.all_reduce(output)
