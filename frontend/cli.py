@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         "time: serve --allow-runtime-lora-updating)",
     )
     engine.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most distinct LoRA adapters one batch runs (default: no cap); a request "
+        "whose adapter would pass it waits for a slot",
+    )
+    engine.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEXT",
@@ -304,6 +312,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=args.speculative_config,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
         enable_lora=args.enable_lora or getattr(args, "allow_runtime_lora_updating", False),
+        max_loras=args.max_loras,
         structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
     )
 

@@ -164,7 +164,9 @@ class LLM:
     with ``generate(..., lora_request="name")`` (or a ``LoRARequest``), and requests of
     different adapters share a batch (``gpu_worker/lora.py``) but never cached prefixes.
     ``enable_lora=True`` (implied by ``lora_modules``) lets adapters come and go while the
-    engine runs: ``load_lora(name, path)`` and ``unload_lora(name)``.
+    engine runs: ``load_lora(name, path)`` and ``unload_lora(name)``. ``max_loras=N`` caps
+    the distinct adapters of one batch (vLLM's ``max_loras``; default: no cap): a request
+    whose adapter would pass it waits, and the requests behind it that fit go first.
     """
 
     def __init__(
@@ -196,8 +198,10 @@ class LLM:
         structured_outputs_disable_any_whitespace: bool = False,
         reasoning_parser: str | None = None,
         enable_lora: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         check_dtype_name(dtype)
+        _check_optional_positive("max_loras", max_loras)
         if reasoning_parser is not None:
             thinking_token_ids(reasoning_parser, None)  # the name, before anything loads
         if allocation_policy not in ALLOCATION_POLICIES:
@@ -294,6 +298,7 @@ class LLM:
             preemption_mode=preemption_mode,
             allocation_policy=allocation_policy,
             scheduling_policy=scheduling_policy,
+            max_loras=max_loras or 0,
             **_speculative_fields(speculative_config),
         )
         # What structured output matches grammars over (None: no tokenizer, no grammars).

@@ -54,6 +54,10 @@ class SchedulerConfig:
     # (lower first, then arrival), and a queued request preempts running ones of a
     # strictly lower priority when it does not fit (scheduler.py).
     scheduling_policy: str = "fcfs"
+    # vLLM's max_loras: the most distinct LoRA adapters one batch runs (0: no cap). Each
+    # adapter costs every projection two small matmuls over its rows, so many adapters in
+    # one step slow every request in it; past the cap a request waits for a slot.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -104,5 +108,9 @@ class SchedulerConfig:
                 f"to make room; the reservation baselines never do), got "
                 f"{self.allocation_policy!r}"
             )
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int):
+            raise ValueError(f"max_loras must be an integer, got {self.max_loras!r}")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 1 (or 0: no cap), got {self.max_loras}")
         if not 0.0 <= self.watermark_fraction < 1.0:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
 
 from pagedserve.scheduler import ngram_proposer
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
@@ -391,6 +392,8 @@ class Scheduler:
         sequences = _leading_sequences(self.swapped)
         if self._num_batch_slots() + len(sequences) > self.config.max_num_seqs:
             return None
+        if self._lora_slot_missing(sequences[0], self.running):
+            return None
         targets, remaining = self._swap_in_targets(sequences, budget)
         if remaining == budget:
             return None
@@ -420,12 +423,20 @@ class Scheduler:
         return targets, budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
-        """Admit waiting requests, in queue order, while they fit."""
+        """Admit waiting requests, in queue order, while they fit. A request whose adapter
+        would pass ``max_loras`` is stepped over (it keeps its place at the front), as
+        vLLM does: the requests behind it may use the base model or a running adapter."""
+        stepped_over: list[Request] = []
         while self.waiting and budget > 0:
+            if self._lora_slot_missing(self.waiting[0], self.running):
+                for _ in _leading_sequences(self.waiting):
+                    stepped_over.append(self.waiting.popleft())
+                continue
             remaining = self._admit_next(plan, budget)
             if remaining is None:
                 break
             budget = remaining
+        self.waiting.extendleft(reversed(stepped_over))
         return budget
 
     def _admit_next(self, plan: StepPlan, budget: int) -> int | None:
@@ -437,6 +448,8 @@ class Scheduler:
         # A new group forks up to its full size later; room is kept for it now.
         group_size = max(len(sequences), head.sampling_params.num_sequences)
         if self._num_batch_slots() + group_size > self.config.max_num_seqs:
+            return None
+        if self._lora_slot_missing(head, self.running):
             return None
         if len(sequences) > 1:
             budget, admitted = self._admit_sequences(plan, sequences, budget)
@@ -504,15 +517,25 @@ class Scheduler:
         keep_watermark = len(lower) < len(self.running)
         blocks_missing = self._blocks_missing(sequences, keep_watermark)
         slots_missing = self._num_batch_slots() + group_size - max_num_seqs
-        if blocks_missing <= 0 and slots_missing <= 0:
+        lora_missing = self._lora_slot_missing(head, self.running)
+        if blocks_missing <= 0 and slots_missing <= 0 and not lora_missing:
             return
         freed = self.block_manager.num_blocks_freed_by([s.request_id for s in lower])
-        if freed < blocks_missing or len(lower) < slots_missing:
-            return  # it needs blocks that requests it does not outrank hold
+        staying = [sequence for sequence in self.running if sequence.priority <= head.priority]
+        if (
+            freed < blocks_missing
+            or len(lower) < slots_missing
+            or self._lora_slot_missing(head, staying)
+        ):
+            return  # it needs blocks, slots or an adapter slot held by requests it does not outrank
         reason = f"request {_request_id(head)} of priority {head.priority} outranks it"
         while self.running and self.running[-1].priority > head.priority:
             blocks_missing = self._blocks_missing(sequences, bool(self.running))
-            if blocks_missing <= 0 and self._num_batch_slots() + group_size <= max_num_seqs:
+            if (
+                blocks_missing <= 0
+                and self._num_batch_slots() + group_size <= max_num_seqs
+                and not self._lora_slot_missing(head, self.running)
+            ):
                 break
             self._preempt(self._pop_newest_running(), plan, reason)
 
@@ -547,6 +570,15 @@ class Scheduler:
             )
         reserve = block_manager.watermark_blocks if keep_watermark else 0
         return needed + reserve - block_manager.num_free_blocks
+
+    def _lora_slot_missing(self, head: Request, running: Iterable[Request]) -> bool:
+        """Whether ``head``'s adapter would take a batch of ``running`` past ``max_loras``
+        distinct adapters (never for the base model, nor an adapter already running)."""
+        cap = self.config.max_loras
+        if not cap or not head.lora_id:
+            return False
+        adapters = {sequence.lora_id for sequence in running if sequence.lora_id}
+        return head.lora_id not in adapters and len(adapters) >= cap
 
     def _num_batch_slots(self) -> int:
         """Sequences the batch holds or has promised: the running ones, and the samples or

@@ -243,6 +243,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "prompt_lookup_max",
         "prompt_lookup_min",
         "scheduling_policy",
+        "max_loras",
     ),
     WorkerSpec: (
         "model_path",
@@ -842,7 +843,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     UnloadLoRA: (int,),
     StopSample: (str, int),
     EngineStats: (dict, (str, type(None))),
-    SchedulerConfig: (int, int, int, bool, float, (str, type(None)), str, int, int, int, str),
+    SchedulerConfig: (int, int, int, bool, float, (str, type(None)), str, int, int, int, str, int),
     WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int, list, bool),
     StructuredOutputsParams: (
         (str, type(None)),

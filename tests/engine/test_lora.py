@@ -375,6 +375,31 @@ def test_speculative_decoding_keeps_each_adapters_tokens(tiny_model_dirs, adapte
     assert llm.stats()["num_accepted_tokens"] > 0, llm.stats()
 
 
+def test_max_loras_runs_one_adapter_per_step_with_the_same_tokens(
+    tiny_model_dirs, adapter_dir, reference
+):
+    prompts = random_prompts(2)
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=256,
+        max_loras=1,
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r16", "qv_rslora_r4"),
+    )
+    scheduler = llm.engine.scheduler
+    schedule, batches = scheduler.schedule, []
+
+    def recording_schedule():
+        plan = schedule()
+        batches.append({request.lora_id for request in scheduler.running if request.lora_id})
+        return plan
+
+    scheduler.schedule = recording_schedule
+    outputs = llm.generate(prompts, GREEDY, lora_request=MIXED_REQUESTS)
+    assert token_ids(outputs) == expected_mixed(reference, "llama", prompts)
+    assert max(len(adapters) for adapters in batches) == 1
+    assert set().union(*batches) == {1, 2}
+
+
 def test_multiprocess_equals_in_process(tiny_model_dirs, adapter_dir, reference):
     llm = LLM(
         tiny_model_dirs["llama"],

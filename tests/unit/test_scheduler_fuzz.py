@@ -76,6 +76,9 @@ def check_invariants(scheduler: Scheduler) -> None:
     if scheduler.config.scheduling_policy == "priority":
         ranks = [r.rank for r in scheduler.running]
         assert ranks == sorted(ranks)
+    if scheduler.config.max_loras:
+        adapters = {r.lora_id for r in scheduler.running if r.lora_id}
+        assert len(adapters) <= scheduler.config.max_loras
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -95,6 +98,7 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode):
             preemption_mode=mode,
             scheduling_policy=policy,
             num_speculative_tokens=rng.choice([0, 0, 3]),
+            max_loras=rng.choice([0, 1, 2]),
         ),
         BlockManager(
             num_blocks,
@@ -132,6 +136,7 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode):
                         max_model_len=max_model_len,
                         priority=rng.randrange(0, 4) if policy == "priority" else 0,
                         pooling_params=pooling,
+                        lora_id=rng.randrange(0, 4),
                     )
                 )
             except ValueError:

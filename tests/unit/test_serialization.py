@@ -147,6 +147,7 @@ SCHEDULER_CONFIG = SchedulerConfig(
     prompt_lookup_max=6,
     prompt_lookup_min=3,
     scheduling_policy="priority",
+    max_loras=3,
 )
 
 # Every encodable type, with optional fields set and unset.
@@ -591,7 +592,7 @@ def _plan_fields(**overrides) -> list:
         ),
         (_frame(EngineStats, [], None), "EngineStats.stats: expected dict, got list"),
         (
-            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged", 0, 4, 2, "fcfs"),
+            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged", 0, 4, 2, "fcfs", 0),
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (
