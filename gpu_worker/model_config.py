@@ -205,6 +205,12 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         return (window,) * num_layers
     if architecture == "Gemma3ForCausalLM":
         layer_types = gemma3_layer_types(hf_config)
+        if window == 0 and "sliding_attention" in layer_types:
+            # HF refuses a missing window and masks every key with a window of 0.
+            raise ValueError(
+                f"model: Gemma 3's sliding_attention layers need a sliding_window of at "
+                f"least 1 token, got {hf_config.get('sliding_window')!r}"
+            )
         return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     if architecture not in (
         "Qwen2ForCausalLM",

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from engine.test_parity import NEW_TOKENS, hf_greedy
+from engine.test_parity import NEW_TOKENS, check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm
+from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 from pagedserve.gpu_worker.layers.rope_config import layer_type_rope_parameters
 from pagedserve.gpu_worker.model_config import ModelConfig, check_tensor_parallel_size
 
@@ -131,6 +132,15 @@ def test_prefix_caching_matches_hf(model_dirs, hf_references):
     assert token_ids(first) == token_ids(second) == hf_references["gemma3"]
 
 
+def test_gathered_prefill_matches_hf(model_dirs, hf_references, monkeypatch):
+    # Prefill as one SDPA call over gathered K/V (a GPU's default), with Gemma 3's scale and
+    # each layer's window.
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")
+    llm = LLM(model_dirs["gemma3"], block_size=8, num_blocks=256, max_num_batched_tokens=64)
+    assert llm.worker.runner.gathered_prefill
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["gemma3"]
+
+
 def test_two_tensor_parallel_ranks_match_hf(model_dirs, hf_references):
     # Each rank holds half the heads (and all of the per-head norms) of every layer.
     llm = LLM(model_dirs["gemma3"], num_blocks=256, tensor_parallel_size=2)
@@ -159,6 +169,12 @@ def test_logprobs_carry_the_final_logit_softcap(model_dirs):
         assert set(entry) >= set(top.indices.tolist())
         for token, value in zip(top.indices.tolist(), top.values.tolist()):
             assert entry[token] == pytest.approx(value, abs=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dirs, family):
+    # Off float32 the norms run HF's own expression (GemmaRMSNorm) and the cap runs in bfloat16.
+    check_bfloat16_first_tokens_agree_with_hf(model_dirs[family])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -302,6 +318,13 @@ def test_hub_style_gemma_config_takes_hf_s_defaults(tmp_path):
             [
                 "layer_types holds 'chunked_attention', which Gemma 3 does not have; supported: "
                 "sliding_attention, full_attention"
+            ],
+        ),
+        (
+            dict(sliding_window=None),
+            [
+                "Gemma 3's sliding_attention layers need a sliding_window of at least 1 token, "
+                "got None"
             ],
         ),
         # Gemma 2 soft-caps its attention logits, which the ops cannot.
