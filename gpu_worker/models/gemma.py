@@ -15,12 +15,9 @@ import torch
 from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
-from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm, activation
-from pagedserve.gpu_worker.layers.linear import (
-    ColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm
+from pagedserve.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rope_config import layer_type_rope_parameters, rope_parameters
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
@@ -107,22 +104,6 @@ def _activation_name(config: ModelConfig) -> str:
     return "gelu_pytorch_tanh" if name == "gelu" else name
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel) -> None:
-        super().__init__()
-        intermediate = config.hf_config["intermediate_size"]
-        # Rows [gate | up] in one GEMM (this rank's share of each).
-        self.gate_up_proj = ColumnParallelLinear(
-            config.hidden_size, [intermediate, intermediate], False, dtype, parallel
-        )
-        self.down_proj = RowParallelLinear(intermediate, config.hidden_size, False, dtype, parallel)
-        self.act = activation(_activation_name(config))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
 class GemmaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -137,7 +118,14 @@ class GemmaDecoderLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.self_attn = GemmaAttention(config, rotary, dtype, parallel, layer_index)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.mlp = GemmaMLP(config, dtype, parallel)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.hf_config["intermediate_size"],
+            False,
+            _activation_name(config),
+            dtype,
+            parallel,
+        )
         # Gemma 3 norms each sublayer's output before its residual add ("sandwich" norms):
         # post_attention_layernorm is then that norm, and pre_feedforward_layernorm is the
         # norm before the MLP that Gemma's post_attention_layernorm is.
