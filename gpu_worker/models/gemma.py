@@ -126,9 +126,9 @@ class GemmaDecoderLayer(nn.Module):
             dtype,
             parallel,
         )
-        # Gemma 3 norms each sublayer's output before its residual add ("sandwich" norms):
-        # post_attention_layernorm is then that norm, and pre_feedforward_layernorm is the
-        # norm before the MLP that Gemma's post_attention_layernorm is.
+        # Gemma 3 also norms each sublayer's output before its residual add: there
+        # post_attention_layernorm norms the attention output, and pre_feedforward_layernorm
+        # is the norm of the residual before the MLP (Gemma's post_attention_layernorm).
         sandwich = config.architecture == GEMMA3
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps) if sandwich else None
         self.post_feedforward_layernorm = (
