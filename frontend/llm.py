@@ -113,8 +113,9 @@ class LLM:
     """An engine on one machine: tokenizer, scheduler and worker as plain objects.
 
     ``model=None`` is the embedded SmolLM2-135M-Instruct; a path is a local HF directory
-    (Llama, Mistral, Qwen2, Qwen3, OPT) or a ``.gguf`` file. The KV cache holds ``num_blocks``
-    blocks of ``block_size`` tokens, or as many as fit in ``kv_cache_bytes``.
+    (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3 text, OPT) or a ``.gguf`` file. The KV
+    cache holds ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
+    ``kv_cache_bytes``.
 
     ``multiprocess=True`` runs the scheduler and the worker in processes of their own
     (``engine_client.py``); the tokenizer stays here. Start-up then fails with

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedserve.gpu_worker.layers.rope_config import rope_context_window, rope_parameters
+from pagedserve.gpu_worker.layers.rope_config import (
+    GEMMA3_LAYER_TYPES,
+    layer_type_rope_parameters,
+    rope_context_window,
+    rope_parameters,
+)
 
 # HF architecture name -> the model family implemented in gpu_worker/models.
 SUPPORTED_ARCHITECTURES = {
@@ -20,6 +25,29 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
     "OPTForCausalLM": "opt",
+    "GemmaForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+}
+
+# The HF config class's defaults for fields a config.json may leave out, where they differ
+# from what the engine would otherwise assume (Hub Gemma configs have no
+# tie_word_embeddings, and Gemma 7B's head_dim is not hidden_size / num_attention_heads).
+_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "GemmaForCausalLM": dict(
+        head_dim=256,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        hidden_act="gelu_pytorch_tanh",
+    ),
+    "Gemma3ForCausalLM": dict(
+        head_dim=256,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=131_072,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+    ),
 }
 
 
@@ -46,7 +74,8 @@ class ExpertsSpec:
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and special tokens of a model; ``hf_config`` keeps the raw fields that
-    only one family reads (biases, RoPE scaling, OPT's projections)."""
+    only one family reads (biases, RoPE scaling, OPT's projections), with the HF config
+    class's defaults filled in where they matter (``_CONFIG_DEFAULTS``)."""
 
     path: Path
     architecture: str
@@ -91,6 +120,8 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[architecture]
+        hf_config = {**_CONFIG_DEFAULTS.get(architecture, {}), **hf_config}
+        _check_supported_fields(architecture, hf_config)
         num_heads = hf_config["num_attention_heads"]
         hidden_size = hf_config["hidden_size"]
         head_size = hf_config.get("head_dim") or hidden_size // num_heads
@@ -104,7 +135,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
             head_size=head_size,
-            max_position_embeddings=_max_positions(hf_config),
+            max_position_embeddings=_max_positions(architecture, hf_config),
             eos_token_ids=_eos_token_ids(path, hf_config),
             layer_sliding_windows=_layer_sliding_windows(architecture, hf_config),
             layer_experts=_layer_experts(architecture, hf_config),
@@ -112,11 +143,43 @@ class ModelConfig:
         )
 
 
-def _max_positions(hf_config: dict[str, Any]) -> int:
+def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> None:
+    """Refuse config values the HF model honours but this engine's ops cannot."""
+    if architecture not in ("GemmaForCausalLM", "Gemma3ForCausalLM"):
+        return
+    if hf_config.get("use_bidirectional_attention"):
+        raise ValueError(
+            f"model: use_bidirectional_attention={hf_config['use_bidirectional_attention']!r} "
+            f"is not supported: the attention ops are causal; supported: false or null"
+        )
+    if architecture != "Gemma3ForCausalLM":
+        return  # GemmaConfig has no soft-capping: HF ignores the fields below
+    attention_cap = hf_config.get("attn_logit_softcapping")
+    if attention_cap is not None:
+        raise ValueError(
+            f"model: attn_logit_softcapping={attention_cap!r} is not supported: the attention "
+            f"ops have no logit soft-cap; supported: null"
+        )
+    logit_cap = hf_config.get("final_logit_softcapping")
+    if logit_cap is not None and (
+        isinstance(logit_cap, bool) or not isinstance(logit_cap, (int, float)) or logit_cap <= 0
+    ):
+        raise ValueError(
+            f"model: final_logit_softcapping must be a positive number or null, got {logit_cap!r}"
+        )
+
+
+def _max_positions(architecture: str, hf_config: dict[str, Any]) -> int:
     max_positions = hf_config.get("max_position_embeddings", 2048)
+    # Gemma 3's global layers carry its RoPE scaling; its sliding layers never scale.
+    parameters = (
+        layer_type_rope_parameters(hf_config, "full_attention")
+        if architecture == "Gemma3ForCausalLM"
+        else rope_parameters(hf_config)
+    )
     # YaRN extends the context past the configured positions (the original times the factor).
     # A sliding window does not bound it: the attention ops honour each layer's window.
-    return rope_context_window(rope_parameters(hf_config), max_positions)
+    return rope_context_window(parameters, max_positions)
 
 
 def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
@@ -130,7 +193,9 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
       use it, and without ``layer_types`` the layers from ``max_window_layers`` (default 28)
       on do (Qwen2 / Qwen3), or the even-numbered layers below it (Qwen2-MoE).
     - Qwen3-MoE: with ``use_sliding_window``, every layer.
-    - Llama and OPT have no sliding window.
+    - Gemma 3: ``sliding_window`` on the layers ``gemma3_layer_types`` marks
+      ``"sliding_attention"``.
+    - Llama, OPT and Gemma have no sliding window.
     """
     num_layers = hf_config["num_hidden_layers"]
     window = hf_config.get("sliding_window") or 0
@@ -138,6 +203,15 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         raise ValueError(f"model: sliding_window must be a non-negative integer, got {window!r}")
     if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
+    if architecture == "Gemma3ForCausalLM":
+        layer_types = gemma3_layer_types(hf_config)
+        if window == 0 and "sliding_attention" in layer_types:
+            # HF refuses a missing window and masks every key with a window of 0.
+            raise ValueError(
+                f"model: Gemma 3's sliding_attention layers need a sliding_window of at "
+                f"least 1 token, got {hf_config.get('sliding_window')!r}"
+            )
+        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     if architecture not in (
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
@@ -157,12 +231,38 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         else:
             windowed = [i >= first_windowed for i in range(num_layers)]
         layer_types = ["sliding_attention" if sliding else "full_attention" for sliding in windowed]
+    _check_layer_count(layer_types, num_layers)
+    return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+
+
+def gemma3_layer_types(hf_config: dict[str, Any]) -> list[str]:
+    """Each Gemma 3 layer's kind, ``"sliding_attention"`` or ``"full_attention"``: the
+    config's ``layer_types``, else (transformers 4 configs) every ``sliding_window_pattern``-th
+    layer (default 6) full and the others sliding, as Gemma3TextConfig derives them."""
+    num_layers = hf_config["num_hidden_layers"]
+    layer_types = hf_config.get("layer_types")
+    if layer_types is None:
+        pattern = hf_config.get("sliding_window_pattern", 6)
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    _check_layer_count(layer_types, num_layers)
+    unknown = sorted(set(layer_types) - set(GEMMA3_LAYER_TYPES))
+    if unknown:
+        raise ValueError(
+            f"model: layer_types holds {', '.join(map(repr, unknown))}, which Gemma 3 does "
+            f"not have; supported: {', '.join(GEMMA3_LAYER_TYPES)}"
+        )
+    return list(layer_types)
+
+
+def _check_layer_count(layer_types: list[str], num_layers: int) -> None:
     if len(layer_types) != num_layers:
         raise ValueError(
             f"model: layer_types has {len(layer_types)} entries but num_hidden_layers is "
             f"{num_layers}; they must match"
         )
-    return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
 def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[ExpertsSpec | None, ...]:

@@ -27,6 +27,8 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "OPTForCausalLM": transformers.OPTConfig,
+        "GemmaForCausalLM": transformers.GemmaConfig,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     }[architecture]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

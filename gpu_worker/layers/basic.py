@@ -46,6 +46,42 @@ class RMSNorm(nn.Module):
         ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, which scales by ``1 + w`` (checkpoints store the offset ``w``), in
+    HF's arithmetic: normalise in float32, multiply by ``1.0 + w.float()`` in float32, round
+    to the activation dtype once.
+
+    ``weight`` holds ``1 + w`` in float32 (``scale_from_checkpoint``). On float32
+    activations the fused kernel then gives HF's bits: it multiplies the float32 normalised
+    value by the weight, one rounding, the same product HF forms. On other dtypes the kernel
+    would round the normalised value to the dtype before multiplying, so HF's own expression
+    runs instead."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps, torch.float32)
+
+    @staticmethod
+    def scale_from_checkpoint(offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The checkpoint's ``w`` -> ``1 + w`` as HF computes it on a model of ``dtype``
+        (whose parameter holds ``w`` rounded to that dtype)."""
+        return 1.0 + offset.to(dtype).float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        # NOTE: four passes over the rows, not one; only off float32.
+        floats = x.float()
+        normed = floats * torch.rsqrt(floats.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        if x.dtype == torch.float32:
+            super().add_and_norm(x, residual)
+            return
+        residual.add_(x)
+        x.copy_(self(residual))
+
+
 class LayerNorm(nn.Module):
     def __init__(
         self, hidden_size: int, eps: float, elementwise_affine: bool, dtype: torch.dtype

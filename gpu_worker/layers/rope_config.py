@@ -50,3 +50,39 @@ def rope_context_window(parameters: dict[str, Any], max_position_embeddings: int
     if parameters["rope_type"] == "yarn":
         return int(parameters["original_max_position_embeddings"] * parameters["factor"])
     return max_position_embeddings
+
+
+# Gemma 3's two kinds of layers and the RoPE base each uses when a config does not say
+# (Gemma3TextConfig.default_theta): local (sliding-window) layers rotate slower than global.
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+_GEMMA3_DEFAULT_THETA = {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}
+# The older (transformers 4) top-level field holding each kind's base.
+_GEMMA3_THETA_FIELD = {"sliding_attention": "rope_local_base_freq", "full_attention": "rope_theta"}
+
+
+def layer_type_rope_parameters(hf_config: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """Gemma 3's RoPE settings for the layers of ``layer_type``, from either config style:
+    transformers 5's ``rope_parameters`` keyed by layer type, or transformers 4's
+    ``rope_theta`` (global layers), ``rope_local_base_freq`` (sliding layers) and
+    ``rope_scaling`` (global layers only), completed as Gemma3TextConfig completes them."""
+    if layer_type not in GEMMA3_LAYER_TYPES:
+        raise ValueError(
+            f"model: layer type {layer_type!r} is not supported; "
+            f"supported: {', '.join(GEMMA3_LAYER_TYPES)}"
+        )
+    by_layer_type = hf_config.get("rope_parameters") or {}
+    parameters = dict(by_layer_type.get(layer_type) or {"rope_type": "default"})
+    if layer_type == "full_attention":
+        parameters.update(hf_config.get("rope_scaling") or {})
+    parameters.setdefault(
+        "rope_theta",
+        hf_config.get(_GEMMA3_THETA_FIELD[layer_type], _GEMMA3_DEFAULT_THETA[layer_type]),
+    )
+    # The per-type settings nest no further, and a scaling's pretraining context comes from
+    # them or max_position_embeddings (HF's standardize_rope_params for nested settings).
+    return rope_parameters(
+        {
+            "rope_parameters": parameters,
+            "max_position_embeddings": hf_config.get("max_position_embeddings"),
+        }
+    )

@@ -21,4 +21,8 @@ def build_model(
         from pagedserve.gpu_worker.models.opt import OPTForCausalLM
 
         return OPTForCausalLM(config, dtype, parallel)
+    if config.family == "gemma":
+        from pagedserve.gpu_worker.models.gemma import GemmaForCausalLM
+
+        return GemmaForCausalLM(config, dtype, parallel)
     raise ValueError(f"model family {config.family!r} has no implementation")
