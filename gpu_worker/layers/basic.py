@@ -82,6 +82,15 @@ class GemmaRMSNorm(RMSNorm):
         x.copy_(self(residual))
 
 
+def norm_each_head(norm: RMSNorm, rows: torch.Tensor, head_size: int) -> torch.Tensor:
+    """``rows`` [num_tokens, num_heads * head_size] -> a new tensor of that shape, each
+    head's vector RMS-normalised on its own (HF's ``q_norm(q.view(..., head_size))``: Qwen3's
+    and Gemma 3's per-head query and key norms)."""
+    # NOTE: a copy of q (or k) per layer: in the fused qkv output one token's heads and the
+    # next token's are not one stride apart, and the norm kernel takes rows of one stride.
+    return norm(rows.reshape(-1, head_size)).view(rows.shape[0], -1)
+
+
 class LayerNorm(nn.Module):
     def __init__(
         self, hidden_size: int, eps: float, elementwise_affine: bool, dtype: torch.dtype

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
-from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm
+from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm, norm_each_head
 from pagedserve.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rope_config import layer_type_rope_parameters, rope_parameters
@@ -80,19 +80,11 @@ class GemmaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            query = _norm_each_head(self.q_norm, query, self.head_size)
-            key = _norm_each_head(self.k_norm, key, self.head_size)
+            query = norm_each_head(self.q_norm, query, self.head_size)
+            key = norm_each_head(self.k_norm, key, self.head_size)
         self.rotary(positions, query, key)
         output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
         return self.o_proj(output)
-
-
-def _norm_each_head(norm: GemmaRMSNorm, rows: torch.Tensor, head_size: int) -> torch.Tensor:
-    """``rows`` [num_tokens, num_heads * head_size] -> a new tensor of that shape, each
-    head's vector normalised on its own (HF's ``q_norm(q.view(..., head_size))``)."""
-    # NOTE: a copy of q (or k) per layer: in the fused qkv output one token's heads and the
-    # next token's are not one stride apart, and the norm kernel takes rows of one stride.
-    return norm(rows.reshape(-1, head_size)).view(rows.shape[0], -1)
 
 
 def _activation_name(config: ModelConfig) -> str:

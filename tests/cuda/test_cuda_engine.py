@@ -9,7 +9,10 @@ import random
 import pytest
 import torch
 import transformers
+from engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
+from engine.test_moe import MOE_CONFIGS
 from engine.test_sliding_window import make_windowed_model, windowed_prompts
+from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker import cuda_ops
@@ -230,3 +233,15 @@ def test_sliding_window_models_match_hf_on_the_gpu(
     assert [o.outputs[0].token_ids for o in outputs] == windowed_references[family]
     if cuda_graphs:
         assert llm.worker.runner.decode_graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma3"])
+def test_mixture_of_experts_and_gemma_models_match_hf_on_the_gpu(tmp_path, family):
+    # MoE: routing, the per-expert GEMMs and index_add on the device (no CUDA graphs:
+    # refused). Gemma 3: the 1 + w norms, two RoPE tables, sliding layers, logit soft-cap.
+    configs = {**MOE_CONFIGS, "gemma3": GEMMA_CONFIGS["gemma3"]}
+    model_dir = random_hf_model(configs[family], tmp_path / family)
+    expected = hf_greedy(model_dir, random_prompts(1))
+    llm = LLM(model_dir, device="cuda", block_size=16, num_blocks=256)
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
