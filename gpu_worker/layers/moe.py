@@ -1,10 +1,11 @@
 """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's
 top-k experts, and each expert, a gated MLP, runs on the tokens routed to it.
 
-Dispatch: the (token, expert) pairs are sorted by expert, so each expert runs one GEMM over
-its tokens, and its weighted output is added into those tokens' rows. Experts run in
-ascending order and a token's contributions are added in that order, as HF transformers
-adds them (the same float32 sums).
+Dispatch: the (token, expert) pairs are sorted by expert and their rows gathered once, so
+each expert runs one GEMM over a slice of them; the weighted outputs go back to token
+order and each token's k are summed in ascending expert order, as HF transformers adds them
+(the same sums, bit for bit, in float32 and bfloat16). Three ops per expert: on a small CPU
+each op's fixed cost, not its arithmetic, is what a decode step of a small model pays.
 
 Tensor parallelism: every rank holds ``1/N`` of each expert's intermediate rows (not whole
 experts): the work stays even whatever the routing, and the experts' partial outputs are
@@ -67,23 +68,33 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(hidden)
-        top_k = self.spec.top_k
-        pair_experts = experts.flatten()
+        # Each token's experts in ascending order: the order HF adds their outputs in.
+        experts, permutation = experts.sort(dim=-1)
+        weights = weights.gather(-1, permutation)
+        pair_experts = experts.flatten()  # pair p: token p // top_k
         # Pairs grouped by expert; stable, so each expert's tokens stay in order.
         order = torch.argsort(pair_experts, stable=True)
-        pair_tokens = order // top_k
-        pair_weights = weights.flatten()[order]
+        # One gather of every pair's row: each expert then reads a slice of it, a view.
+        pair_hidden = hidden[order // self.spec.top_k]
         # One host read per layer: the loop needs each expert's row count.
         counts = torch.bincount(pair_experts, minlength=self.spec.num_experts).tolist()
-        output = torch.zeros_like(hidden)
+        expert_outputs = []
         start = 0
         for expert, count in zip(self.experts, counts, strict=True):
-            if count == 0:
-                continue
-            tokens = pair_tokens[start : start + count]
-            expert_output = expert(hidden[tokens]) * pair_weights[start : start + count, None]
-            output.index_add_(0, tokens, expert_output.to(hidden.dtype))
-            start += count
+            if count:
+                expert_outputs.append(expert(pair_hidden[start : start + count]))
+                start += count
+        by_expert = torch.cat(expert_outputs) if expert_outputs else pair_hidden
+        # Back to token order, [num_tokens, top_k, hidden], each weighted as HF weighs it.
+        pairs = torch.empty_like(by_expert)
+        pairs[order] = by_expert
+        pairs = pairs.view(-1, self.spec.top_k, hidden.shape[-1])
+        pairs = (pairs * weights[..., None]).to(hidden.dtype)
+        # Added one expert at a time, rounding after each add in the model's dtype, as HF's
+        # per-expert index_add_ does (one add of all k would round once in bfloat16).
+        output = pairs[:, 0].clone()
+        for rank in range(1, self.spec.top_k):
+            output += pairs[:, rank]
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # sigmoid(g) scales each rank's partial sum alike, so one sum over ranks holds.
             gate = torch.sigmoid(self.shared_expert_gate(hidden))
