@@ -34,6 +34,16 @@ Examples (from the repository root):
 
     # pagedserve alone.
     .venv/bin/python tools/bench_offline.py --trace sharegpt --dtype bfloat16 --skip-peers
+
+    # Another model: a random mixture-of-experts one, made as the tests make theirs.
+    .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); \\
+        from tiny_models import random_hf_model; from pathlib import Path; \\
+        random_hf_model(dict(architectures=['MixtralForCausalLM'], hidden_size=512, \\
+        intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, \\
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, \\
+        vocab_size=32000, max_position_embeddings=2048), Path('/tmp/bench-mixtral'))"
+    .venv/bin/python tools/bench_offline.py --model /tmp/bench-mixtral --trace sharegpt \\
+        --dtype float32 --num-requests 64 --peer-requests 32
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ from transformers import (
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.model_resolver import resolve_model
+from pagedserve.gpu_worker.model_config import ModelConfig
 
 DTYPES = ("bfloat16", "float32")
 # Token ids below this are special in the embedded model (unk=0, bos=1, eos=2).
@@ -93,10 +104,12 @@ class EngineRun:
 class ModelFlops:
     """Matmul FLOPs of one token through the model, from its config."""
 
-    body_linear_flops: int  # every linear layer of the decoder blocks
+    body_linear_flops: int  # every linear layer of the decoder blocks (experts: the top k)
     lm_head_flops: int
     attention_flops_per_context_token: int  # QK^T and PV, per key the token attends to
     kv_values_per_context_token: int  # K and V of one cached token, every layer
+    # Weights of the experts a token does not run: a step of many tokens still reads them.
+    idle_expert_params: int = 0
 
     @property
     def linear_flops_per_output_token(self) -> int:
@@ -111,8 +124,17 @@ def embedded_model_path() -> Path:
 
 
 def model_flops(model_path: Path) -> ModelFlops:
-    """Count 2 x in x out of every nn.Linear on a meta-device copy, so no weights load."""
+    """Count 2 x in x out of every nn.Linear on a meta-device copy, so no weights load;
+    transformers 5 keeps experts in 3-D parameters, not nn.Linear: each token runs the top k
+    of them (their gate, up and down projections), counted from the engine's own reading
+    of the config."""
     config = AutoConfig.from_pretrained(model_path)
+    expert_flops = idle_expert_params = 0
+    for spec in ModelConfig.from_dir(model_path).layer_experts:
+        if spec is not None:
+            params = 3 * config.hidden_size * spec.intermediate_size
+            expert_flops += 2 * spec.top_k * params
+            idle_expert_params += (spec.num_experts - spec.top_k) * params
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     lm_head = model.get_output_embeddings()
@@ -127,7 +149,9 @@ def model_flops(model_path: Path) -> ModelFlops:
     attention_flops = config.num_hidden_layers * config.num_attention_heads * 4 * head_dim
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     kv_values = 2 * config.num_hidden_layers * num_kv_heads * head_dim
-    return ModelFlops(body_flops, lm_head_flops, attention_flops, kv_values)
+    return ModelFlops(
+        body_flops + expert_flops, lm_head_flops, attention_flops, kv_values, idle_expert_params
+    )
 
 
 def workload_flops(requests: list[Request], flops: ModelFlops) -> int:
@@ -193,7 +217,7 @@ def measure_memory_gb_s() -> float:
 
 def load_pagedserve(dtype: str, args: argparse.Namespace, multiprocess: bool = False) -> LLM:
     llm = LLM(
-        model=None,
+        model=args.model,
         dtype=dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -480,7 +504,9 @@ def make_record(
     # everything outside the two rates are free.
     item_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     kv_read_bytes = flops.kv_values_per_context_token * item_bytes * context
-    weight_bytes = flops.linear_flops_per_output_token // 2 * item_bytes
+    weight_bytes = (
+        flops.linear_flops_per_output_token // 2 + flops.idle_expert_params
+    ) * item_bytes
     min_steps = max(request.output_len for request in requests)
     memory_seconds = (kv_read_bytes * stats.total_output_tokens + weight_bytes * min_steps) / (
         gemm.memory_gb_s * 1e9
@@ -494,6 +520,7 @@ def make_record(
 
     return {
         "trace": trace_name,
+        "model": str(args.model) if args.model else "embedded",
         "dtype": dtype,
         "num_requests": len(requests),
         "peer_num_requests": None if subset is None else subset.num_requests,
@@ -594,6 +621,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--trace", choices=[*TRACE_SHAPES, "all"], default="all")
     parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="an HF model directory (default: the embedded model)",
+    )
+    parser.add_argument(
         "--dtype", choices=[*DTYPES, "all"], default="all", help="weights and KV cache dtype"
     )
     parser.add_argument("--num-requests", type=int, default=200, help="requests per trace")
@@ -649,7 +682,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_path = embedded_model_path()
+    model_path = args.model or embedded_model_path()
     config = AutoConfig.from_pretrained(model_path)
     flops = model_flops(model_path)
     max_len = min(args.max_len, config.max_position_embeddings)
