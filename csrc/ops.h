@@ -50,7 +50,7 @@
 // Logit soft-capping (Gemma 2): every attention op takes logits_soft_cap, a float; 0 means off.
 // With a cap c > 0 each attention logit s = scale * q . k becomes c * tanh(s / c) before the mask
 // and the softmax, as HF transformers' Gemma 2 eager attention computes it (attn_weights / c,
-// tanh, * c, then the mask). The cap bounds every logit to (-c, c); masked positions stay
+// tanh, * c, then the mask). The cap bounds every logit to [-c, c]; masked positions stay
 // masked. A negative, infinite or NaN cap is refused.
 #pragma once
 
