@@ -61,15 +61,15 @@ PYBIND11_MODULE(_C_cpu, m) {
   m.def(
       "paged_attention_decode",
       [](uintptr_t out, int64_t out_token_stride, uintptr_t query, int64_t query_token_stride,
-         int64_t num_heads, float scale, int64_t sliding_window, uintptr_t key_cache,
-         uintptr_t value_cache, int64_t key_block_stride, int64_t value_block_stride,
-         int64_t num_blocks, int64_t num_kv_heads, int64_t block_size, int64_t head_size, int dtype,
-         uintptr_t block_tables, int64_t block_table_stride, int64_t max_blocks_per_seq,
-         uintptr_t seq_lens, int64_t num_seqs, int64_t partition_size) {
+         int64_t num_heads, float scale, int64_t sliding_window, float logits_soft_cap,
+         uintptr_t key_cache, uintptr_t value_cache, int64_t key_block_stride,
+         int64_t value_block_stride, int64_t num_blocks, int64_t num_kv_heads, int64_t block_size,
+         int64_t head_size, int dtype, uintptr_t block_tables, int64_t block_table_stride,
+         int64_t max_blocks_per_seq, uintptr_t seq_lens, int64_t num_seqs, int64_t partition_size) {
         py::gil_scoped_release release;
         pagedserve::cpu::paged_attention_decode(
             ptr<void>(out), out_token_stride, ptr<const void>(query), query_token_stride, num_heads,
-            scale, sliding_window,
+            scale, sliding_window, logits_soft_cap,
             make_cache(key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
                        num_kv_heads, block_size, head_size, dtype),
             BlockTables{ptr<const int32_t>(block_tables), block_table_stride, max_blocks_per_seq,
@@ -77,18 +77,18 @@ PYBIND11_MODULE(_C_cpu, m) {
             partition_size);
       },
       py::arg("out"), py::arg("out_token_stride"), py::arg("query"), py::arg("query_token_stride"),
-      py::arg("num_heads"), py::arg("scale"), py::arg("sliding_window"), py::arg("key_cache"),
-      py::arg("value_cache"), py::arg("key_block_stride"), py::arg("value_block_stride"),
-      py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("block_size"), py::arg("head_size"),
-      py::arg("dtype"), py::arg("block_tables"), py::arg("block_table_stride"),
-      py::arg("max_blocks_per_seq"), py::arg("seq_lens"), py::arg("num_seqs"),
-      py::arg("partition_size"));
+      py::arg("num_heads"), py::arg("scale"), py::arg("sliding_window"), py::arg("logits_soft_cap"),
+      py::arg("key_cache"), py::arg("value_cache"), py::arg("key_block_stride"),
+      py::arg("value_block_stride"), py::arg("num_blocks"), py::arg("num_kv_heads"),
+      py::arg("block_size"), py::arg("head_size"), py::arg("dtype"), py::arg("block_tables"),
+      py::arg("block_table_stride"), py::arg("max_blocks_per_seq"), py::arg("seq_lens"),
+      py::arg("num_seqs"), py::arg("partition_size"));
 
   m.def(
       "paged_prefill_attention",
       [](uintptr_t out, int64_t out_token_stride, uintptr_t query, int64_t query_token_stride,
          int64_t num_tokens, int64_t num_heads, uintptr_t query_start_loc, float scale,
-         int64_t sliding_window, uintptr_t key_cache, uintptr_t value_cache,
+         int64_t sliding_window, float logits_soft_cap, uintptr_t key_cache, uintptr_t value_cache,
          int64_t key_block_stride, int64_t value_block_stride, int64_t num_blocks,
          int64_t num_kv_heads, int64_t block_size, int64_t head_size, int dtype,
          uintptr_t block_tables, int64_t block_table_stride, int64_t max_blocks_per_seq,
@@ -97,6 +97,7 @@ PYBIND11_MODULE(_C_cpu, m) {
         pagedserve::cpu::paged_prefill_attention(
             ptr<void>(out), out_token_stride, ptr<const void>(query), query_token_stride,
             num_tokens, num_heads, ptr<const int32_t>(query_start_loc), scale, sliding_window,
+            logits_soft_cap,
             make_cache(key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
                        num_kv_heads, block_size, head_size, dtype),
             BlockTables{ptr<const int32_t>(block_tables), block_table_stride, max_blocks_per_seq,
@@ -104,11 +105,11 @@ PYBIND11_MODULE(_C_cpu, m) {
       },
       py::arg("out"), py::arg("out_token_stride"), py::arg("query"), py::arg("query_token_stride"),
       py::arg("num_tokens"), py::arg("num_heads"), py::arg("query_start_loc"), py::arg("scale"),
-      py::arg("sliding_window"), py::arg("key_cache"), py::arg("value_cache"),
-      py::arg("key_block_stride"), py::arg("value_block_stride"), py::arg("num_blocks"),
-      py::arg("num_kv_heads"), py::arg("block_size"), py::arg("head_size"), py::arg("dtype"),
-      py::arg("block_tables"), py::arg("block_table_stride"), py::arg("max_blocks_per_seq"),
-      py::arg("seq_lens"), py::arg("num_seqs"));
+      py::arg("sliding_window"), py::arg("logits_soft_cap"), py::arg("key_cache"),
+      py::arg("value_cache"), py::arg("key_block_stride"), py::arg("value_block_stride"),
+      py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("block_size"), py::arg("head_size"),
+      py::arg("dtype"), py::arg("block_tables"), py::arg("block_table_stride"),
+      py::arg("max_blocks_per_seq"), py::arg("seq_lens"), py::arg("num_seqs"));
 
   m.def(
       "copy_blocks",

@@ -46,6 +46,12 @@
 // Positions before the window are never read, so a windowed op costs O(W) per query however
 // long the context; block-table entries of blocks wholly before the window of a sequence's first
 // query token are neither read nor checked (the block manager may keep or drop them).
+//
+// Logit soft-capping (Gemma 2): every attention op takes logits_soft_cap, a float; 0 means off.
+// With a cap c > 0 each attention logit s = scale * q . k becomes c * tanh(s / c) before the mask
+// and the softmax, as HF transformers' Gemma 2 eager attention computes it (attn_weights / c,
+// tanh, * c, then the mask). The cap bounds every logit to [-c, c]; masked positions stay
+// masked. A negative, infinite or NaN cap is refused.
 #pragma once
 
 #include <cstdint>
@@ -90,7 +96,8 @@ void reshape_and_cache(const void* key,           // [num_tokens, num_kv_heads, 
 
 // Decode attention: one query token per sequence, at position seq_lens[s] - 1, attending to
 // cache positions max(0, seq_lens[s] - sliding_window) .. seq_lens[s] - 1 (all of them when
-// sliding_window is 0; the current token's K/V is already in the cache).
+// sliding_window is 0; the current token's K/V is already in the cache), with its logits
+// soft-capped when logits_soft_cap > 0.
 //   partition_size < 0: choose automatically; 0: single pass over the attended positions;
 //   N > 0 (multiple of block_size): split-K, N tokens per partition, each partition keeps its
 //   max / exp-sum / unnormalized output and a reduction step combines them. Partitions are
@@ -101,6 +108,7 @@ void paged_attention_decode(void* out,  // [num_seqs, num_heads, head_size]
                             const void* query,  // [num_seqs, num_heads, head_size]
                             int64_t query_token_stride, int64_t num_heads, float scale,
                             int64_t sliding_window,  // tokens; 0: full attention
+                            float logits_soft_cap,   // c * tanh(logit / c); 0: off
                             const PagedKVCache& cache, const BlockTables& tables,
                             int64_t partition_size);
 
@@ -108,7 +116,7 @@ void paged_attention_decode(void* out,  // [num_seqs, num_heads, head_size]
 // Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1] - 1 (q_len_s rows);
 // its query token j sits at position i = seq_lens[s] - q_len_s + j and attends causally to the
 // cached positions <= its own (its own K/V already written by reshape_and_cache), and with a
-// sliding window W > 0 only to those > i - W:
+// sliding window W > 0 only to those > i - W; logits_soft_cap > 0 caps its logits:
 //
 //   cache:  [ prior context (cached) | this step's q_len_s tokens ]
 //            0                        seq_len - q_len            seq_len - 1
@@ -119,6 +127,7 @@ void paged_prefill_attention(void* out,  // [num_tokens, num_heads, head_size]
                              const int32_t* query_start_loc,  // [num_seqs + 1]
                              float scale,
                              int64_t sliding_window,  // tokens; 0: full attention
+                             float logits_soft_cap,   // c * tanh(logit / c); 0: off
                              const PagedKVCache& cache, const BlockTables& tables);
 
 // Copy-on-write: copies whole blocks (all layers, K and V) inside one pool.
@@ -240,6 +249,7 @@ void paged_attention_decode(void* out,  // [num_seqs, num_heads, head_size]
                             const void* query,  // [num_seqs, num_heads, head_size]
                             int64_t query_token_stride, int64_t num_heads, float scale,
                             int64_t sliding_window,  // tokens; 0: full attention
+                            float logits_soft_cap,   // c * tanh(logit / c); 0: off
                             const PagedKVCache& cache, const BlockTables& tables,
                             int64_t partition_size, float* workspace, int64_t workspace_floats,
                             const Stream& stream);
@@ -253,6 +263,7 @@ void paged_prefill_attention(void* out,  // [num_tokens, num_heads, head_size]
                              const int32_t* query_start_loc,  // device [num_seqs + 1]
                              int64_t max_query_len, float scale,
                              int64_t sliding_window,  // tokens; 0: full attention
+                             float logits_soft_cap,   // c * tanh(logit / c); 0: off
                              const PagedKVCache& cache, const BlockTables& tables,
                              const Stream& stream);
 

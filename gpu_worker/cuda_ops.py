@@ -72,13 +72,15 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int,
+    logits_soft_cap: float,
     partition_size: int,
     cache_args: tuple,
     num_kv_heads: int,
     head_size: int,
     block_size: int,
 ) -> None:
-    """``partition_size`` as in ops.py (-1 chooses), ``sliding_window`` in tokens (0: full);
+    """``partition_size`` as in ops.py (-1 chooses), ``sliding_window`` in tokens (0: full),
+    ``logits_soft_cap`` (0.0: off);
     split-K gets a workspace from torch's caching allocator, freed in stream order once the
     kernels have run."""
     module = kernels()
@@ -109,6 +111,7 @@ def paged_attention_decode(
         num_heads,
         scale,
         sliding_window,
+        logits_soft_cap,
         *cache_args,
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -131,6 +134,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int,
+    logits_soft_cap: float,
     max_query_len: int,
     cache_args: tuple,
 ) -> None:
@@ -145,6 +149,7 @@ def paged_prefill_attention(
         max_query_len,
         scale,
         sliding_window,
+        logits_soft_cap,
         *cache_args,
         block_tables.data_ptr(),
         block_tables.stride(0),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
 }
+
+# The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding
+# layers, soft-capping fields).
+_GEMMA2_LIKE = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GEMMA_NAMES = {"Gemma2ForCausalLM": "Gemma 2", "Gemma3ForCausalLM": "Gemma 3"}
 
 # The HF config class's defaults for fields a config.json may leave out, where they differ
 # from what the engine would otherwise assume (Hub Gemma configs have no
@@ -38,6 +45,17 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
         max_position_embeddings=8192,
         hidden_act="gelu_pytorch_tanh",
+    ),
+    "Gemma2ForCausalLM": dict(
+        head_dim=256,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
     ),
     "Gemma3ForCausalLM": dict(
         head_dim=256,
@@ -145,28 +163,25 @@ class ModelConfig:
 
 def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> None:
     """Refuse config values the HF model honours but this engine's ops cannot."""
-    if architecture not in ("GemmaForCausalLM", "Gemma3ForCausalLM"):
+    if architecture not in ("GemmaForCausalLM", *_GEMMA2_LIKE):
         return
     if hf_config.get("use_bidirectional_attention"):
         raise ValueError(
             f"model: use_bidirectional_attention={hf_config['use_bidirectional_attention']!r} "
             f"is not supported: the attention ops are causal; supported: false or null"
         )
-    if architecture != "Gemma3ForCausalLM":
+    if architecture not in _GEMMA2_LIKE:
         return  # GemmaConfig has no soft-capping: HF ignores the fields below
-    attention_cap = hf_config.get("attn_logit_softcapping")
-    if attention_cap is not None:
-        raise ValueError(
-            f"model: attn_logit_softcapping={attention_cap!r} is not supported: the attention "
-            f"ops have no logit soft-cap; supported: null"
-        )
-    logit_cap = hf_config.get("final_logit_softcapping")
-    if logit_cap is not None and (
-        isinstance(logit_cap, bool) or not isinstance(logit_cap, (int, float)) or logit_cap <= 0
-    ):
-        raise ValueError(
-            f"model: final_logit_softcapping must be a positive number or null, got {logit_cap!r}"
-        )
+    # HF divides by each cap whenever it is not None: 0 would make every logit NaN.
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = hf_config.get(name)
+        if cap is not None and (
+            isinstance(cap, bool)
+            or not isinstance(cap, (int, float))
+            or not math.isfinite(cap)
+            or cap <= 0
+        ):
+            raise ValueError(f"model: {name} must be a positive finite number or null, got {cap!r}")
 
 
 def _max_positions(architecture: str, hf_config: dict[str, Any]) -> int:
@@ -193,7 +208,7 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
       use it, and without ``layer_types`` the layers from ``max_window_layers`` (default 28)
       on do (Qwen2 / Qwen3), or the even-numbered layers below it (Qwen2-MoE).
     - Qwen3-MoE: with ``use_sliding_window``, every layer.
-    - Gemma 3: ``sliding_window`` on the layers ``gemma3_layer_types`` marks
+    - Gemma 2 and Gemma 3: ``sliding_window`` on the layers ``gemma_layer_types`` marks
       ``"sliding_attention"``.
     - Llama, OPT and Gemma have no sliding window.
     """
@@ -203,13 +218,13 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         raise ValueError(f"model: sliding_window must be a non-negative integer, got {window!r}")
     if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
-    if architecture == "Gemma3ForCausalLM":
-        layer_types = gemma3_layer_types(hf_config)
+    if architecture in _GEMMA2_LIKE:
+        layer_types = gemma_layer_types(architecture, hf_config)
         if window == 0 and "sliding_attention" in layer_types:
             # HF refuses a missing window and masks every key with a window of 0.
             raise ValueError(
-                f"model: Gemma 3's sliding_attention layers need a sliding_window of at "
-                f"least 1 token, got {hf_config.get('sliding_window')!r}"
+                f"model: {_GEMMA_NAMES[architecture]}'s sliding_attention layers need a "
+                f"sliding_window of at least 1 token, got {hf_config.get('sliding_window')!r}"
             )
         return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     if architecture not in (
@@ -235,13 +250,19 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
     return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
-def gemma3_layer_types(hf_config: dict[str, Any]) -> list[str]:
-    """Each Gemma 3 layer's kind, ``"sliding_attention"`` or ``"full_attention"``: the
-    config's ``layer_types``, else (transformers 4 configs) every ``sliding_window_pattern``-th
-    layer (default 6) full and the others sliding, as Gemma3TextConfig derives them."""
+def gemma_layer_types(architecture: str, hf_config: dict[str, Any]) -> list[str]:
+    """Each Gemma 2 or Gemma 3 layer's kind, ``"sliding_attention"`` or ``"full_attention"``:
+    the config's ``layer_types``, else as the HF config class derives them (transformers 4
+    configs have none): Gemma2Config makes the even-numbered layers sliding and the odd ones
+    full; Gemma3TextConfig makes every ``sliding_window_pattern``-th layer (default 6) full
+    and the others sliding."""
     num_layers = hf_config["num_hidden_layers"]
     layer_types = hf_config.get("layer_types")
-    if layer_types is None:
+    if layer_types is None and architecture == "Gemma2ForCausalLM":
+        layer_types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        ]
+    elif layer_types is None:
         pattern = hf_config.get("sliding_window_pattern", 6)
         layer_types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
@@ -251,8 +272,9 @@ def gemma3_layer_types(hf_config: dict[str, Any]) -> list[str]:
     unknown = sorted(set(layer_types) - set(GEMMA3_LAYER_TYPES))
     if unknown:
         raise ValueError(
-            f"model: layer_types holds {', '.join(map(repr, unknown))}, which Gemma 3 does "
-            f"not have; supported: {', '.join(GEMMA3_LAYER_TYPES)}"
+            f"model: layer_types holds {', '.join(map(repr, unknown))}, which "
+            f"{_GEMMA_NAMES[architecture]} does not have; "
+            f"supported: {', '.join(GEMMA3_LAYER_TYPES)}"
         )
     return list(layer_types)
 

@@ -124,6 +124,7 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     partition_size: int | None = None,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its paged context.
 
@@ -149,6 +150,9 @@ def paged_attention_decode(
             the window's first position: none lies outside it.
         sliding_window: ``None`` or ``0``: full attention; ``W > 0``: the query at position
             ``i`` attends to positions ``i - W < j <= i`` (HF transformers' sliding window).
+        logits_soft_cap: ``None`` or ``0``: off; ``c > 0``: each logit ``s = scale * q . k``
+            becomes ``c * tanh(s / c)`` before the softmax (Gemma 2's
+            ``attn_logit_softcapping``).
 
     Returns:
         ``out``.
@@ -157,6 +161,7 @@ def paged_attention_decode(
     num_heads = _check_query("query", query, cache)
     num_seqs = query.shape[0]
     window = _check_sliding_window(sliding_window)
+    cap = _check_logits_soft_cap(logits_soft_cap)
     _check_block_tables(block_tables, num_seqs)
     _check_index_vector("seq_lens", seq_lens, torch.int32, num_seqs, "num_seqs")
     out = _check_or_allocate_out(out, query)
@@ -187,6 +192,7 @@ def paged_attention_decode(
             seq_lens,
             scale,
             window,
+            cap,
             partition,
             cache.args,
             cache.num_kv_heads,
@@ -202,6 +208,7 @@ def paged_attention_decode(
         num_heads,
         scale,
         window,
+        cap,
         *cache.args,
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -224,6 +231,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over their sequences' paged caches.
 
@@ -252,6 +260,8 @@ def paged_prefill_attention(
             below a sequence's length leaves that sequence's last rows unwritten.
         sliding_window: ``None`` or ``0``: full causal attention; ``W > 0``: the last ``W``
             positions up to each query's own (HF transformers' sliding window).
+        logits_soft_cap: ``None`` or ``0``: off; ``c > 0``: logits ``s`` become
+            ``c * tanh(s / c)`` before the mask and the softmax (Gemma 2).
 
     Returns:
         ``out``.
@@ -260,6 +270,7 @@ def paged_prefill_attention(
     num_heads = _check_query("query", query, cache)
     num_seqs = _check_block_tables(block_tables, None)
     window = _check_sliding_window(sliding_window)
+    cap = _check_logits_soft_cap(logits_soft_cap)
     _check_index_vector(
         "query_start_loc", query_start_loc, torch.int32, num_seqs + 1, "num_seqs + 1"
     )
@@ -287,6 +298,7 @@ def paged_prefill_attention(
             seq_lens,
             scale,
             window,
+            cap,
             max_query_len,
             cache.args,
         )
@@ -301,6 +313,7 @@ def paged_prefill_attention(
         query_start_loc.data_ptr(),
         scale,
         window,
+        cap,
         *cache.args,
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -691,6 +704,22 @@ def _check_sliding_window(sliding_window: int | None) -> int:
             f"below 2**31, got {sliding_window}"
         )
     return sliding_window
+
+
+def _check_logits_soft_cap(logits_soft_cap: float | None) -> float:
+    """Returns the cap, 0.0 for none."""
+    if logits_soft_cap is None:
+        return 0.0
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
+        raise TypeError(
+            f"logits_soft_cap must be None or a number, got {type(logits_soft_cap).__name__}"
+        )
+    if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
+        raise ValueError(
+            f"logits_soft_cap must be None, 0 (off) or a positive finite number, "
+            f"got {logits_soft_cap}"
+        )
+    return float(logits_soft_cap)
 
 
 def _check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

@@ -28,6 +28,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "OPTForCausalLM": transformers.OPTConfig,
         "GemmaForCausalLM": transformers.GemmaConfig,
+        "Gemma2ForCausalLM": transformers.Gemma2Config,
         "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     }[architecture]
     config = config_class(**config_kwargs)

@@ -11,6 +11,7 @@
 //
 //   for each key block (block_size positions, up to the tile's last position):
 //     S^T[key][rows] = K_block . Q^T          (Q^T [head_size][rows], pre-scaled)
+//     soft-cap S^T (cap * tanh(S / cap), when the problem has a cap);
 //     mask keys past each row's position (and before its sliding window);
 //     m_new = max(m, max_key S); alpha = exp(m - m_new)
 //     P^T = exp(S^T - m_new); l = l * alpha + sum_key P^T
@@ -287,12 +288,14 @@ struct Decode {
   // Unnormalized attention of one sequence's query rows ws.q ([num_kv_heads][group][D], fp32,
   // pre-scaled) over its cache positions [begin, end), end > begin. With row r = h * group + g
   // attending to kv head h:
-  //   s[r][t] = q[r] . k[h][t],  row_max[r] = max_t s[r][t],
+  //   s[r][t] = q[r] . k[h][t] (then cap * tanh(s / cap) with a logits_soft_cap > 0),
+  //   row_max[r] = max_t s[r][t],
   //   row_sum[r] = sum_t exp(s[r][t] - row_max[r]),
   //   acc[r] = sum_t exp(s[r][t] - row_max[r]) v[h][t]
   // The query rows of a kv head share every K/V row load.
   static void attend_range(const DecodeScratch& ws, int num_kv_heads, int group,
-                           const KVRows<T, D>& kv, int64_t begin, int64_t end) {
+                           const KVRows<T, D>& kv, int64_t begin, int64_t end,
+                           float logits_soft_cap) {
     const int64_t n = end - begin;
     const int64_t n_pad = round_up(n, kWidth);
     const int num_q = num_kv_heads * group;
@@ -333,6 +336,12 @@ struct Decode {
     }
     for (int r = 0; r < num_q; ++r) {
       float* logits = ws.logits + r * n_pad;
+      if (logits_soft_cap > 0.0f) {  // before the padding lanes become -inf (a capped -inf: -cap)
+        const VecF cap = VecF::broadcast(logits_soft_cap);
+        for (int64_t i = 0; i < n_pad; i += kWidth) {
+          soft_cap(VecF::load(logits + i), cap).store(logits + i);
+        }
+      }
       for (int64_t i = n; i < n_pad; ++i) logits[i] = -INFINITY;
       VecF m = VecF::broadcast(-INFINITY);
       for (int64_t i = 0; i < n_pad; i += kWidth) m = max(m, VecF::load(logits + i));
@@ -437,7 +446,7 @@ struct Decode {
     }
     load_scaled_rows(query_row, num_heads, p.scale, ws.q);
     attend_range(ws, num_kv_heads, num_heads / num_kv_heads, kv_rows<T, D>(p, seq, 0),
-                 window_begin(p, seq_len - 1), seq_len);
+                 window_begin(p, seq_len - 1), seq_len, p.logits_soft_cap);
     store_normalized(ws, num_heads, out_row);
   }
 
@@ -498,7 +507,8 @@ struct Decode {
         const int64_t end = min_i64(seq_len, begin + partition_size);
         if (begin >= end) continue;
         load_scaled_rows(query_row, static_cast<int>(num_heads), p.scale, ws.q);
-        attend_range(ws, num_kv_heads, group, kv_rows<T, D>(p, seq, 0), begin, end);
+        attend_range(ws, num_kv_heads, group, kv_rows<T, D>(p, seq, 0), begin, end,
+                     p.logits_soft_cap);
         const int64_t first_row = (seq * num_parts + part) * num_heads;
         for (int64_t r = 0; r < num_heads; ++r) {
           for (int i = 0; i < D; i += kWidth) {
@@ -700,6 +710,12 @@ struct Prefill {
       for (; c + kKeys <= num_keys; c += kKeys)
         qk_step<kRowVecs, kKeys>(qT, k + c * D, s + c * kRows);
       for (; c < num_keys; ++c) qk_step<kRowVecs, 1>(qT, k + c * D, s + c * kRows);
+      if (p.logits_soft_cap > 0.0f) {  // before the masks: a capped -inf would be -cap
+        const VecF cap = VecF::broadcast(p.logits_soft_cap);
+        for (int i = 0; i < num_keys * kRows; i += kWidth) {
+          soft_cap(VecF::load(s + i), cap).store(s + i);
+        }
+      }
       for (c = 0; c < num_keys; ++c) {
         const int64_t key_pos = b0 + c;
         const bool future_for_some = key_pos > min_pos;

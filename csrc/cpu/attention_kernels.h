@@ -18,6 +18,7 @@ struct AttentionProblem {
   int64_t num_heads;
   float scale;
   int64_t sliding_window;  // tokens; 0: full attention (see ops.h)
+  float logits_soft_cap;   // logits become cap * tanh(logit / cap); 0: off (see ops.h)
   PagedKVCache cache;
   BlockTables tables;
   // The most cache positions one query token attends to: max over tables.seq_lens of

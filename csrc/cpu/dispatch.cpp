@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -172,6 +173,13 @@ void check_sliding_window(int64_t sliding_window) {
   }
 }
 
+void check_logits_soft_cap(float logits_soft_cap) {
+  if (!std::isfinite(logits_soft_cap) || logits_soft_cap < 0.0f) {
+    throw std::invalid_argument("logits_soft_cap " + std::to_string(logits_soft_cap) +
+                                " must be finite and >= 0 (0: no soft-capping)");
+  }
+}
+
 // Positions one query token of a sequence with seq_len cached tokens attends to, at most.
 int64_t attended_len(int64_t seq_len, int64_t sliding_window) {
   return sliding_window > 0 ? std::min(seq_len, sliding_window) : seq_len;
@@ -202,19 +210,30 @@ int64_t choose_partition_size(const AttentionProblem& p) {
 
 void paged_attention_decode(void* out, int64_t out_token_stride, const void* query,
                             int64_t query_token_stride, int64_t num_heads, float scale,
-                            int64_t sliding_window, const PagedKVCache& cache,
-                            const BlockTables& tables, int64_t partition_size) {
+                            int64_t sliding_window, float logits_soft_cap,
+                            const PagedKVCache& cache, const BlockTables& tables,
+                            int64_t partition_size) {
   check_cache(cache);
   check_heads(num_heads, cache);
   check_sliding_window(sliding_window);
+  check_logits_soft_cap(logits_soft_cap);
   if (partition_size > 0 && partition_size % cache.block_size != 0) {
     throw std::invalid_argument("partition_size " + std::to_string(partition_size) +
                                 " must be a multiple of block_size " +
                                 std::to_string(cache.block_size));
   }
-  AttentionProblem p{
-      out,   out_token_stride, query, query_token_stride, num_heads, scale, sliding_window,
-      cache, tables,           0,     get_num_threads()};
+  AttentionProblem p{out,
+                     out_token_stride,
+                     query,
+                     query_token_stride,
+                     num_heads,
+                     scale,
+                     sliding_window,
+                     logits_soft_cap,
+                     cache,
+                     tables,
+                     0,
+                     get_num_threads()};
   p.max_attended_len =
       attended_len(check_tables(tables, cache, sliding_window, nullptr), sliding_window);
   if (tables.num_seqs == 0) return;
@@ -232,13 +251,24 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
 void paged_prefill_attention(void* out, int64_t out_token_stride, const void* query,
                              int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
                              const int32_t* query_start_loc, float scale, int64_t sliding_window,
-                             const PagedKVCache& cache, const BlockTables& tables) {
+                             float logits_soft_cap, const PagedKVCache& cache,
+                             const BlockTables& tables) {
   check_cache(cache);
   check_heads(num_heads, cache);
   check_sliding_window(sliding_window);
-  AttentionProblem p{
-      out,   out_token_stride, query, query_token_stride, num_heads, scale, sliding_window,
-      cache, tables,           0,     get_num_threads()};
+  check_logits_soft_cap(logits_soft_cap);
+  AttentionProblem p{out,
+                     out_token_stride,
+                     query,
+                     query_token_stride,
+                     num_heads,
+                     scale,
+                     sliding_window,
+                     logits_soft_cap,
+                     cache,
+                     tables,
+                     0,
+                     get_num_threads()};
   p.max_attended_len =
       attended_len(check_tables(tables, cache, sliding_window, query_start_loc), sliding_window);
   if (query_start_loc[0] != 0) {

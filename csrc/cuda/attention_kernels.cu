@@ -20,6 +20,9 @@
 // Split-K: each partition writes its normalized output, max and sum to the workspace; the
 // reduction kernel rescales the partitions to the global max and combines them.
 //
+// Soft-capping (logits_soft_cap c > 0): each base-2 logit x becomes c2 * tanh(x / c2), c2 = c *
+// log2(e), which is c * tanh(s / c) of the natural logit s = x / log2(e), before the mask.
+//
 // Sliding window: a sequence attends to its positions [window_start, seq_len), window_start =
 // max(0, seq_len - sliding_window). Partitions count from window_start, so the grid holds
 // ceil(min(context, window) / partition_size) of them and none is launched for positions
@@ -82,7 +85,8 @@ struct DecodeArgs {
   int num_head_chunks;  // ceil(group_size / group tile)
   int block_size;
   int block_size_log2;
-  float scale_log2;  // softmax scale * log2(e)
+  float scale_log2;     // softmax scale * log2(e)
+  float soft_cap_log2;  // logits_soft_cap * log2(e), the cap of base-2 logits; 0: off
   const int32_t* block_tables;
   int64_t block_table_stride;
   const int32_t* seq_lens;
@@ -205,7 +209,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
         for (int offset = Layout::kRowLanes / 2; offset > 0; offset /= 2) {
           dot += __shfl_xor_sync(kFullMask, dot, offset);
         }
-        logit[i][g] = valid[i] ? dot : -INFINITY;
+        logit[i][g] = valid[i] ? soft_cap_log2(dot, args.soft_cap_log2) : -INFINITY;
       }
     }
 
@@ -424,11 +428,13 @@ DecodePlan plan_paged_attention_decode(int64_t num_seqs, int64_t num_heads, int6
 
 void paged_attention_decode(void* out, int64_t out_token_stride, const void* query,
                             int64_t query_token_stride, int64_t num_heads, float scale,
-                            int64_t sliding_window, const PagedKVCache& cache,
-                            const BlockTables& tables, int64_t partition_size, float* workspace,
-                            int64_t workspace_floats, const Stream& stream) {
+                            int64_t sliding_window, float logits_soft_cap,
+                            const PagedKVCache& cache, const BlockTables& tables,
+                            int64_t partition_size, float* workspace, int64_t workspace_floats,
+                            const Stream& stream) {
   check_block_size(cache.block_size);
   check_sliding_window(sliding_window);
+  check_logits_soft_cap(logits_soft_cap);
   check_cache_alignment(cache);
   if (cache.num_kv_heads < 1 || num_heads % cache.num_kv_heads != 0) {
     throw std::invalid_argument("num_heads " + std::to_string(num_heads) +
@@ -478,6 +484,7 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
   args.block_size = static_cast<int>(cache.block_size);
   args.block_size_log2 = log2_exact(cache.block_size);
   args.scale_log2 = scale * kLog2e;
+  args.soft_cap_log2 = logits_soft_cap * kLog2e;
   args.block_tables = tables.block_tables;
   args.block_table_stride = tables.row_stride;
   args.seq_lens = tables.seq_lens;

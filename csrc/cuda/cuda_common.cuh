@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -55,6 +56,20 @@ inline void check_sliding_window(int64_t sliding_window) {
     throw std::invalid_argument("sliding_window " + std::to_string(sliding_window) +
                                 " must be in [0, 2^31) (tokens; 0: full attention)");
   }
+}
+
+inline void check_logits_soft_cap(float logits_soft_cap) {
+  if (!std::isfinite(logits_soft_cap) || logits_soft_cap < 0.0f) {
+    throw std::invalid_argument("logits_soft_cap " + std::to_string(logits_soft_cap) +
+                                " must be finite and >= 0 (0: no soft-capping)");
+  }
+}
+
+// Logit soft-capping on base-2 logits (the kernels' x = s * log2(e) for a logit s): HF's
+// c * tanh(s / c) in base 2 is c2 * tanh(x / c2) with c2 = c * log2(e), so callers pass the cap
+// scaled like the logits. cap_log2 0: off.
+__device__ inline float soft_cap_log2(float logit_log2, float cap_log2) {
+  return cap_log2 > 0.0f ? cap_log2 * tanhf(logit_log2 / cap_log2) : logit_log2;
 }
 
 inline int64_t element_bytes(DType dtype) {

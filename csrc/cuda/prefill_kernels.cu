@@ -8,7 +8,8 @@
 //   for each key tile of kKeys positions, from the first row's window start (0 without a
 //   sliding window) up to the tile's last query position:
 //     K, V tiles [kKeys][head_size] gathered through the block table into shared memory
-//     S = Q K^T; mask keys past each row's position or before its window (position - W < key);
+//     S = Q K^T; soft-cap S (logits_soft_cap > 0); mask keys past each row's position or
+//     before its window (position - W < key);
 //     online softmax (m, l per row)
 //     O = O * alpha + P V
 //   out = O / l
@@ -42,6 +43,7 @@ struct PrefillArgs {
   int block_size;
   int block_size_log2;
   float scale_log2;
+  float soft_cap_log2;  // logits_soft_cap * log2(e); 0: off (see cuda_common.cuh)
   const int32_t* block_tables;
   int64_t block_table_stride;
   const int32_t* seq_lens;
@@ -162,6 +164,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(const PrefillA
 #pragma unroll
     for (int c = 0; c < kKeysPerThread; ++c) {
       const int position = key_start + quad + c * kThreadsPerRow;
+      logit[c] = soft_cap_log2(logit[c], args.soft_cap_log2);  // before the mask, as HF
       if (position > limit || position < first_visible) logit[c] = -INFINITY;
       tile_max = fmaxf(tile_max, logit[c]);
     }
@@ -228,10 +231,12 @@ void launch_prefill(const PrefillArgs& args, dim3 grid, cudaStream_t stream) {
 void paged_prefill_attention(void* out, int64_t out_token_stride, const void* query,
                              int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
                              const int32_t* query_start_loc, int64_t max_query_len, float scale,
-                             int64_t sliding_window, const PagedKVCache& cache,
-                             const BlockTables& tables, const Stream& stream) {
+                             int64_t sliding_window, float logits_soft_cap,
+                             const PagedKVCache& cache, const BlockTables& tables,
+                             const Stream& stream) {
   check_block_size(cache.block_size);
   check_sliding_window(sliding_window);
+  check_logits_soft_cap(logits_soft_cap);
   check_cache_alignment(cache);
   if (cache.num_kv_heads < 1 || num_heads % cache.num_kv_heads != 0) {
     throw std::invalid_argument("num_heads " + std::to_string(num_heads) +
@@ -262,6 +267,7 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
   args.block_size = static_cast<int>(cache.block_size);
   args.block_size_log2 = log2_exact(cache.block_size);
   args.scale_log2 = scale * kLog2e;
+  args.soft_cap_log2 = logits_soft_cap * kLog2e;
   args.block_tables = tables.block_tables;
   args.block_table_stride = tables.row_stride;
   args.seq_lens = tables.seq_lens;

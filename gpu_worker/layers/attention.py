@@ -39,7 +39,8 @@ class AttentionMetadata:
 class PagedAttention:
     """Writes the step's K/V into their slots, then attends over each request's blocks
     (all of them, or with ``sliding_window`` > 0 the last ``sliding_window`` positions up to
-    each token's own, as HF's sliding-window layers)."""
+    each token's own, as HF's sliding-window layers), with each logit ``s`` soft-capped to
+    ``c * tanh(s / c)`` when ``logits_soft_cap`` ``c`` > 0 (Gemma 2)."""
 
     def __init__(
         self,
@@ -48,12 +49,14 @@ class PagedAttention:
         head_size: int,
         scale: float,
         sliding_window: int = 0,
+        logits_soft_cap: float = 0.0,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = scale
         self.sliding_window = sliding_window  # tokens; 0: full attention
+        self.logits_soft_cap = logits_soft_cap  # 0.0: off
 
     def __call__(
         self,
@@ -84,6 +87,7 @@ class PagedAttention:
                 self.scale,
                 out=output[:num_decode],
                 sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
             )
         if num_decode < num_tokens and metadata.prefill_plan is not None:
             gathered_prefill_attention(
@@ -94,6 +98,7 @@ class PagedAttention:
                 self.scale,
                 out=output[num_decode:],
                 sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
             )
         elif num_decode < num_tokens:
             ops.paged_prefill_attention(
@@ -107,5 +112,6 @@ class PagedAttention:
                 out=output[num_decode:],
                 max_query_len=metadata.prefill_max_query_len,
                 sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
             )
         return output.view(num_tokens, self.num_heads * self.head_size)

@@ -1,10 +1,12 @@
-"""The Gemma family: Gemma and Gemma 3 text (GQA, RoPE, RMSNorm scaling by ``1 + w``,
-embeddings scaled by sqrt(hidden_size), gated tanh-GELU MLP, LM head tied by default).
+"""The Gemma family: Gemma, Gemma 2 and Gemma 3 text (GQA, RoPE, RMSNorm scaling by
+``1 + w``, embeddings scaled by sqrt(hidden_size), gated tanh-GELU MLP, LM head tied by
+default).
 
-Gemma 3 adds an RMSNorm over each query and key head, norms around both sublayers' outputs
-(four per layer), an attention scale of ``query_pre_attn_scalar ** -0.5``, sliding-window
-layers with a RoPE of their own between the global ones, and an optional tanh soft-cap on
-the logits.
+Gemma 2 adds norms around both sublayers' outputs (four per layer), an attention scale of
+``query_pre_attn_scalar ** -0.5``, sliding-window layers between the global ones, and tanh
+soft-caps on the attention logits (in the attention ops) and on the final logits. Gemma 3
+keeps that layer, adds an RMSNorm over each query and key head and gives its sliding layers
+a RoPE of their own; its soft-caps are optional.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rope_config import layer_type_rope_parameters, rope_parameters
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
-from pagedserve.gpu_worker.model_config import ModelConfig, gemma3_layer_types
+from pagedserve.gpu_worker.model_config import ModelConfig, gemma_layer_types
 from pagedserve.gpu_worker.models.base import CausalLM, WeightLoader
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
+GEMMA2 = "Gemma2ForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
+# Gemma 2's decoder layer: four norms, query_pre_attn_scalar, soft-capping fields.
+GEMMA2_LAYER = (GEMMA2, GEMMA3)
 
 
 class GemmaAttention(nn.Module):
@@ -63,13 +68,17 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaRMSNorm(config.head_size, eps) if gemma3 else None
         self.head_size = config.head_size
         self.rotary = rotary
-        scale = hf["query_pre_attn_scalar"] ** -0.5 if gemma3 else config.head_size**-0.5
+        gemma2_layer = config.architecture in GEMMA2_LAYER
+        scale = hf["query_pre_attn_scalar"] ** -0.5 if gemma2_layer else config.head_size**-0.5
+        # GemmaConfig has no soft-cap; model_config checked the field of the others.
+        logits_soft_cap = (hf.get("attn_logit_softcapping") if gemma2_layer else None) or 0.0
         self.attention = PagedAttention(
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
             config.head_size,
             scale,
             config.layer_sliding_windows[layer_index],
+            float(logits_soft_cap),
         )
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
@@ -88,9 +97,9 @@ class GemmaAttention(nn.Module):
 
 
 def _activation_name(config: ModelConfig) -> str:
-    """Gemma 3 reads ``hidden_activation``; Gemma reads ``hidden_act``, where the legacy
+    """Gemma 2 and 3 read ``hidden_activation``; Gemma reads ``hidden_act``, where the legacy
     ``"gelu"`` of the original releases means the tanh approximation (GemmaConfig)."""
-    if config.architecture == GEMMA3:
+    if config.architecture in GEMMA2_LAYER:
         return config.hf_config["hidden_activation"]
     name = config.hf_config["hidden_act"]
     return "gelu_pytorch_tanh" if name == "gelu" else name
@@ -118,10 +127,10 @@ class GemmaDecoderLayer(nn.Module):
             dtype,
             parallel,
         )
-        # Gemma 3 also norms each sublayer's output before its residual add: there
+        # Gemma 2 and 3 also norm each sublayer's output before its residual add: there
         # post_attention_layernorm norms the attention output, and pre_feedforward_layernorm
         # is the norm of the residual before the MLP (Gemma's post_attention_layernorm).
-        sandwich = config.architecture == GEMMA3
+        sandwich = config.architecture in GEMMA2_LAYER
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps) if sandwich else None
         self.post_feedforward_layernorm = (
             GemmaRMSNorm(config.hidden_size, eps) if sandwich else None
@@ -183,7 +192,7 @@ class GemmaForCausalLM(CausalLM):
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, parallel)
         )
         self.final_logit_softcapping: float | None = (
-            hf.get("final_logit_softcapping") if config.architecture == GEMMA3 else None
+            hf.get("final_logit_softcapping") if config.architecture in GEMMA2_LAYER else None
         )
 
     def forward(
@@ -237,15 +246,15 @@ class GemmaForCausalLM(CausalLM):
 
 
 def _layer_rotaries(config: ModelConfig) -> list[RotaryEmbedding]:
-    """Each layer's RoPE: Gemma's one for all; Gemma 3's sliding layers share one and its
-    global layers another (own base, and the RoPE scaling if the config has one)."""
+    """Each layer's RoPE: Gemma's and Gemma 2's one for all; Gemma 3's sliding layers share
+    one and its global layers another (own base, and the RoPE scaling if the config has one)."""
     hf = config.hf_config
     if config.architecture != GEMMA3:
         rotary = RotaryEmbedding(
             config.head_size, config.max_position_embeddings, rope_parameters(hf)
         )
         return [rotary] * config.num_layers
-    layer_types = gemma3_layer_types(hf)
+    layer_types = gemma_layer_types(config.architecture, hf)
     by_type = {
         layer_type: RotaryEmbedding(
             config.head_size,

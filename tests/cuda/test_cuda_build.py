@@ -86,6 +86,7 @@ def test_unsupported_geometry_is_rejected_before_any_launch():
         num_blocks=8, num_kv_heads=2, block_size=12, head_size=64, dtype=0, block_tables=0,
         block_table_stride=4, max_blocks_per_seq=4, seq_lens=0, num_seqs=1, partition_size=0,
         workspace=0, workspace_floats=0, device=0, stream=0, sliding_window=0,
+        logits_soft_cap=0.0,
     )  # fmt: skip
     with pytest.raises(ValueError, match="block_size 12 is not supported"):
         module.paged_attention_decode(**args)
@@ -95,6 +96,8 @@ def test_unsupported_geometry_is_rejected_before_any_launch():
         module.paged_attention_decode(**{**args, "block_size": 16, "partition_size": 24})
     with pytest.raises(ValueError, match="sliding_window -1 must be in"):
         module.paged_attention_decode(**{**args, "block_size": 16, "sliding_window": -1})
+    with pytest.raises(ValueError, match=r"logits_soft_cap -1\.0+ must be finite and >= 0"):
+        module.paged_attention_decode(**{**args, "block_size": 16, "logits_soft_cap": -1.0})
 
 
 @requires_module

@@ -245,3 +245,16 @@ def test_mixture_of_experts_and_gemma_models_match_hf_on_the_gpu(tmp_path, famil
     llm = LLM(model_dir, device="cuda", block_size=16, num_blocks=256)
     outputs = llm.generate(random_prompts(1), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize("prefill", ["sdpa", "kernel"])
+def test_gemma2_matches_hf_on_the_gpu(tmp_path, monkeypatch, prefill):
+    # Gemma 2's attention logit soft-cap in the CUDA decode kernel and in either prefill path
+    # (explicit capped scores over gathered K/V, or the paged prefill kernel), with its
+    # sliding layers and final logit cap.
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, prefill)
+    model_dir = random_hf_model(GEMMA_CONFIGS["gemma2"], tmp_path / "gemma2")
+    expected = hf_greedy(model_dir, random_prompts(1))
+    llm = LLM(model_dir, device="cuda", block_size=16, num_blocks=256)
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

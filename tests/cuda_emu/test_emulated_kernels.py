@@ -65,7 +65,7 @@ def _decode_inputs(seq_lens, num_heads, num_kv_heads, block_size, head_size, dty
     return case, query
 
 
-def _decode(case, query, scale, partition_size=-1, out=None, sliding_window=0):
+def _decode(case, query, scale, partition_size=-1, out=None, sliding_window=0, logits_soft_cap=0.0):
     out = torch.empty_like(query) if out is None else out
     _, num_kv_heads, block_size, head_size = case.key_cache.shape
     cuda_ops.paged_attention_decode(
@@ -75,6 +75,7 @@ def _decode(case, query, scale, partition_size=-1, out=None, sliding_window=0):
         case.seq_lens,
         scale,
         sliding_window,
+        logits_soft_cap,
         partition_size,
         _cache_args(case.key_cache, case.value_cache),
         num_kv_heads,
@@ -216,7 +217,7 @@ def _prefill_inputs(prior, q_lens, num_heads, num_kv_heads, block_size, head_siz
     return case, query, query_start_loc(q_lens), max(q_lens)
 
 
-def _prefill(case, query, loc, scale, max_query_len, sliding_window=0):
+def _prefill(case, query, loc, scale, max_query_len, sliding_window=0, logits_soft_cap=0.0):
     out = torch.empty_like(query)
     cuda_ops.paged_prefill_attention(
         out,
@@ -226,6 +227,7 @@ def _prefill(case, query, loc, scale, max_query_len, sliding_window=0):
         case.seq_lens,
         scale,
         sliding_window,
+        logits_soft_cap,
         max_query_len,
         _cache_args(case.key_cache, case.value_cache),
     )
@@ -438,6 +440,76 @@ def test_window_is_the_same_under_every_schedule(monkeypatch):
         )
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(other, results[0]))
+
+
+# Logit soft-capping (Gemma 2): each logit s becomes cap * tanh(s / cap) before the mask; the
+# kernels apply it to base-2 logits with the cap scaled by log2(e). (cap, scale, window) as in
+# tests/ops/test_soft_cap_ops.py: caps that saturate, bend the tails, and Gemma 2's 50 over
+# logits of standard deviation 8, with and without a window.
+
+SOFT_CAPS = [(1.0, 0.125, 0), (5.0, 0.125, 24), (50.0, 1.0, 0), (50.0, 1.0, 5)]
+
+
+def _capped_reference(reference_fn, args, cap, window):
+    """The reference with the cap, checked to differ from the uncapped one far beyond the
+    float32 tolerance: a kernel that ignores the cap fails."""
+    expected = reference_fn(*args, sliding_window=window, logits_soft_cap=cap)
+    uncapped = reference_fn(*args, sliding_window=window)
+    assert (expected - uncapped).abs().max() > 100 * TOLERANCES[torch.float32]["atol"]
+    return expected
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_soft_cap_matches_reference(dtype, block_size):
+    layout = HEAD_LAYOUTS[(DTYPES.index(dtype) + BLOCK_SIZES.index(block_size)) % 4]
+    num_heads, num_kv_heads = layout
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 100]
+    case, query = _decode_inputs(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    for cap, scale, window in SOFT_CAPS:
+        args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, scale)
+        expected = _capped_reference(reference.decode_attention, args, cap, window)
+        for partition_size in (0, block_size, 2 * block_size, -1):
+            out = _decode(case, query, scale, partition_size, None, window, cap)
+            _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_with_soft_cap_matches_reference(dtype, block_size):
+    layout = HEAD_LAYOUTS[(DTYPES.index(dtype) + BLOCK_SIZES.index(block_size)) % 4]
+    num_heads, num_kv_heads = layout
+    prior = [0, 13, block_size, 50, 0]
+    q_lens = [37, 1, block_size + 1, 30, 1]
+    case, query, loc, max_len = _prefill_inputs(
+        prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype
+    )
+    for cap, scale, window in SOFT_CAPS:
+        args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens)
+        expected = _capped_reference(reference.attention, (*args, scale), cap, window)
+        _assert_close(_prefill(case, query, loc, scale, max_len, window, cap), expected, dtype)
+
+
+def test_split_k_with_soft_cap_equals_single_pass():
+    # Each partition's max and sum are of capped logits; the reduction combines them as usual.
+    case, query = _decode_inputs([1, 63, 65, 700, 1400], 8, 2, 16, 64, torch.float32, seed=2)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.5)
+    for window in (0, 300):
+        expected = _capped_reference(reference.decode_attention, args, 50.0, window)
+        split = _decode(case, query, 0.5, 64, None, window, 50.0)
+        single = _decode(case, query, 0.5, 0, None, window, 50.0)
+        _assert_close(split, expected, torch.float32)
+        torch.testing.assert_close(split, single, atol=1e-6, rtol=1e-6)
+
+
+def test_bad_soft_cap_is_refused_before_any_launch(kernels):
+    case, query = _decode_inputs([5], 4, 2, 8, 64, torch.float32)
+    loc = query_start_loc([1])
+    for cap in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="logits_soft_cap .* must be finite and >= 0"):
+            _decode(case, query, 0.1, 0, None, 0, cap)
+        with pytest.raises(ValueError, match="logits_soft_cap .* must be finite and >= 0"):
+            _prefill(case, query, loc, 0.1, 1, 0, cap)
 
 
 # --- cache ops ---------------------------------------------------------------------------------

@@ -1,14 +1,16 @@
-"""Gemma and Gemma 3 text: greedy tokens identical to HF transformers (float32) across
-block sizes, chunked prefill, prefix caching and two tensor-parallel ranks; Gemma 3's layer
-kinds and RoPE settings read from either config style as HF reads them; its final logit
-soft-cap in the reported logprobs; the (1 + w) norm in HF's bits; and what the ops cannot
-do (attention soft-capping, bidirectional attention, Gemma 2) refused by name.
+"""Gemma, Gemma 2 and Gemma 3 text: greedy tokens identical to HF transformers (float32)
+across block sizes, chunked prefill, prefix caching, the gathered prefill and two
+tensor-parallel ranks; Gemma 2's attention logit soft-cap (which changes HF's tokens here);
+Gemma 2's and Gemma 3's layer kinds and RoPE settings read from either config style as HF
+reads them; the final logit soft-cap in the reported logprobs; the (1 + w) norm in HF's bits;
+and what stays unsupported (bidirectional attention, bad caps) refused by name.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,25 @@ TINY_CONFIGS = {
         final_logit_softcapping=5.0,
         tie_word_embeddings=False,
     ),
+    # Gemma 2's layer kinds as its config derives them (no layer_types: sliding, global,
+    # sliding, global), a 16-token window the longer prompts pass, and its real caps: 50 on
+    # the attention logits, 30 on the final ones. The attention scale of 2 ** -0.5 makes
+    # logits of tens, which a cap of 50 bends enough to change HF's tokens (checked below).
+    "gemma2": dict(
+        architectures=["Gemma2ForCausalLM"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=512,
+        query_pre_attn_scalar=2,
+        sliding_window=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
 }
 
 
@@ -95,6 +116,9 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     # As the Hub's Gemma configs are written: the legacy "gelu" (HF runs the tanh
     # approximation) and no tie_word_embeddings (tied by default).
     _rewrite_config(dirs["gemma"], hidden_act="gelu", tie_word_embeddings=None)
+    # As transformers 4 wrote Gemma 2 configs: no layer_types (both HF and the engine derive
+    # them).
+    _rewrite_config(dirs["gemma2"], layer_types=None)
     return dirs
 
 
@@ -103,23 +127,36 @@ def hf_references(model_dirs) -> dict[str, list[list[int]]]:
     return {family: hf_greedy(path, prompts()) for family, path in model_dirs.items()}
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_gemma_models_match_hf(model_dirs, hf_references, family, block_size):
     llm = LLM(model_dirs[family], block_size=block_size, num_blocks=256)
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[family]
 
 
-def test_chunked_prefill_matches_hf(model_dirs, hf_references):
+def test_gemma2_attention_soft_cap_changes_hf_s_tokens(model_dirs, hf_references, tmp_path):
+    # Without its cap of 50 HF's own tokens differ: the parity tests above can tell an engine
+    # that ignores the cap from one that applies it.
+    uncapped_dir = tmp_path / "gemma2_uncapped"
+    shutil.copytree(model_dirs["gemma2"], uncapped_dir)
+    config_file = uncapped_dir / "config.json"
+    config_file.write_text(
+        json.dumps({**json.loads(config_file.read_text()), "attn_logit_softcapping": None})
+    )
+    assert hf_greedy(uncapped_dir, prompts()) != hf_references["gemma2"]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_chunked_prefill_matches_hf(model_dirs, hf_references, family):
     # 24-token steps: long prompts prefill in chunks whose windows reach into cached context.
     llm = LLM(
-        model_dirs["gemma3"],
+        model_dirs[family],
         block_size=8,
         num_blocks=256,
         enable_chunked_prefill=True,
         max_num_batched_tokens=24,
     )
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["gemma3"]
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[family]
 
 
 def test_prefix_caching_matches_hf(model_dirs, hf_references):
@@ -132,20 +169,22 @@ def test_prefix_caching_matches_hf(model_dirs, hf_references):
     assert token_ids(first) == token_ids(second) == hf_references["gemma3"]
 
 
-def test_gathered_prefill_matches_hf(model_dirs, hf_references, monkeypatch):
-    # Prefill as one SDPA call over gathered K/V (a GPU's default), with Gemma 3's scale and
-    # each layer's window.
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gathered_prefill_matches_hf(model_dirs, hf_references, monkeypatch, family):
+    # Prefill over gathered K/V (a GPU's default), with the model's scale and each layer's
+    # window: one SDPA call for Gemma 3, explicit soft-capped scores for Gemma 2.
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")
-    llm = LLM(model_dirs["gemma3"], block_size=8, num_blocks=256, max_num_batched_tokens=64)
+    llm = LLM(model_dirs[family], block_size=8, num_blocks=256, max_num_batched_tokens=64)
     assert llm.worker.runner.gathered_prefill
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["gemma3"]
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[family]
 
 
-def test_two_tensor_parallel_ranks_match_hf(model_dirs, hf_references):
-    # Each rank holds half the heads (and all of the per-head norms) of every layer.
-    llm = LLM(model_dirs["gemma3"], num_blocks=256, tensor_parallel_size=2)
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_two_tensor_parallel_ranks_match_hf(model_dirs, hf_references, family):
+    # Each rank holds half the heads (and all of Gemma 3's per-head norms) of every layer.
+    llm = LLM(model_dirs[family], num_blocks=256, tensor_parallel_size=2)
     try:
-        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["gemma3"]
+        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[family]
     finally:
         llm.shutdown()
 
@@ -171,6 +210,8 @@ def test_logprobs_carry_the_final_logit_softcap(model_dirs):
             assert entry[token] == pytest.approx(value, abs=1e-4)
 
 
+# Not Gemma 2's tiny model: its attention logits of tens are rounded to bfloat16 in HF's
+# scores, which the ops keep in float32, and that flips its near-tied first tokens.
 @pytest.mark.parametrize("family", ["gemma", "gemma3"])
 def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dirs, family):
     # Off float32 the norms run HF's own expression (GemmaRMSNorm) and the cap runs in bfloat16.
@@ -273,6 +314,32 @@ def test_gemma3_config_reads_layers_and_rope_as_hf_does(model_dirs, tmp_path, st
     assert "factor" not in layer_type_rope_parameters(config.hf_config, "sliding_attention")
 
 
+def test_gemma2_config_takes_hf_s_layer_kinds_and_caps(tmp_path):
+    # A transformers 4 style Gemma 2 config (the Hub's gemma-2-2b, shrunk): no layer_types,
+    # no head_dim, no caps and no window, which Gemma2Config fills in (4096 tokens, 50, 30).
+    fields = dict(
+        architectures=["Gemma2ForCausalLM"],
+        model_type="gemma2",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+    config = ModelConfig.from_dir(_write_config(tmp_path, fields))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert config.layer_sliding_windows == (4096, 0, 4096, 0, 4096)
+    assert config.layer_sliding_windows == tuple(
+        hf.sliding_window if kind == "sliding_attention" else 0 for kind in hf.layer_types
+    )
+    assert (config.head_size, config.num_kv_heads) == (hf.head_dim, hf.num_key_value_heads)
+    assert config.max_position_embeddings == hf.max_position_embeddings
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        assert config.hf_config[name] == getattr(hf, name), name
+    assert config.hf_config["attn_logit_softcapping"] == 50.0
+
+
 def test_hub_style_gemma_config_takes_hf_s_defaults(tmp_path):
     # Gemma 7B's shape: head_dim 256 is not hidden_size / num_attention_heads (192).
     fields = dict(
@@ -298,12 +365,14 @@ def test_hub_style_gemma_config_takes_hf_s_defaults(tmp_path):
 @pytest.mark.parametrize(
     ("fields", "message_parts"),
     [
+        # HF divides by a cap: 0 would make every logit NaN.
         (
-            dict(attn_logit_softcapping=50.0),
-            [
-                "attn_logit_softcapping=50.0 is not supported: the attention ops have no logit "
-                "soft-cap; supported: null"
-            ],
+            dict(attn_logit_softcapping=0),
+            ["attn_logit_softcapping must be a positive finite number or null, got 0"],
+        ),
+        (
+            dict(architectures=["Gemma2ForCausalLM"], attn_logit_softcapping=-50.0),
+            ["attn_logit_softcapping must be a positive finite number or null, got -50.0"],
         ),
         (
             dict(use_bidirectional_attention=True),
@@ -311,7 +380,7 @@ def test_hub_style_gemma_config_takes_hf_s_defaults(tmp_path):
         ),
         (
             dict(final_logit_softcapping=-1.0),
-            ["final_logit_softcapping must be a positive number or null, got -1.0"],
+            ["final_logit_softcapping must be a positive finite number or null, got -1.0"],
         ),
         (
             dict(layer_types=["sliding_attention", "chunked_attention"] * 3),
@@ -327,14 +396,16 @@ def test_hub_style_gemma_config_takes_hf_s_defaults(tmp_path):
                 "got None"
             ],
         ),
-        # Gemma 2 soft-caps its attention logits, which the ops cannot.
         (
-            dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2"),
+            dict(architectures=["Gemma2ForCausalLM"], sliding_window=None),
             [
-                "architecture ['Gemma2ForCausalLM']",
-                "is not supported; supported: ",
-                "GemmaForCausalLM, Gemma3ForCausalLM",
+                "Gemma 2's sliding_attention layers need a sliding_window of at least 1 token, "
+                "got None"
             ],
+        ),
+        (
+            dict(architectures=["Gemma2ForCausalLM"], use_bidirectional_attention=True),
+            ["use_bidirectional_attention=True is not supported: the attention ops are causal"],
         ),
     ],
 )

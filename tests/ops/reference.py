@@ -31,12 +31,15 @@ def attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Causal paged attention (float64) with the semantics of paged_prefill_attention.
 
     With ``sliding_window`` W > 0, query position i sees keys j with i - W < j <= i: HF
     transformers' ``sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``) and
-    ``causal_mask_function`` (``kv_idx <= q_idx``) of masking_utils."""
+    ``causal_mask_function`` (``kv_idx <= q_idx``) of masking_utils. With ``logits_soft_cap``
+    c > 0, each logit s becomes c * tanh(s / c) before the mask (HF's Gemma 2 eager
+    attention)."""
     num_tokens, num_heads, head_size = query.shape
     group = num_heads // key_cache.shape[1]
     out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float64)
@@ -51,6 +54,8 @@ def attention(
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logits_soft_cap > 0:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         query_pos = torch.arange(seq_len - q_len, seq_len).view(q_len, 1)
         key_pos = torch.arange(seq_len).view(1, seq_len)
         hidden = key_pos > query_pos
@@ -69,6 +74,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """paged_attention_decode: one query token per sequence (zeros where seq_len is 0)."""
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
@@ -81,6 +87,7 @@ def decode_attention(
         seq_lens,
         scale,
         sliding_window,
+        logits_soft_cap,
     )
 
 
