@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -95,3 +95,43 @@ class WeightLoader:
         ]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+
+# A checkpoint's separate projections -> (the fused parameter that holds them, which part).
+FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_fused_checkpoint(
+    model: CausalLM,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    rename: Callable[[str], str] | None = None,
+    convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Loads an HF checkpoint (``model.``-prefixed decoder names, separate q/k/v and
+    gate/up projections) into a model that fuses them (``FUSED_PROJECTIONS``): ``rename``
+    maps a family's own names onto these, ``convert`` changes a tensor before it is copied.
+    A tied model skips a stored ``lm_head.weight`` (a copy of the embedding)."""
+    loader = WeightLoader(model)
+    tied = getattr(model, "lm_head", None) is None
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and tied):
+            continue
+        name = name.removeprefix("model.")
+        if rename is not None:
+            name = rename(name)
+        if convert is not None:
+            tensor = convert(name, tensor)
+        module, _, attribute = name.rpartition(".")
+        parent, _, projection = module.rpartition(".")
+        if projection in FUSED_PROJECTIONS:
+            target, part = FUSED_PROJECTIONS[projection]
+            loader.load(f"{parent}.{target}.{attribute}", tensor, part)
+        else:
+            loader.load(name, tensor)
+    loader.check_complete()

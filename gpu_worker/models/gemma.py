@@ -24,7 +24,7 @@ from pagedserve.gpu_worker.layers.rope_config import layer_type_rope_parameters,
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig, gemma_layer_types
-from pagedserve.gpu_worker.models.base import CausalLM, WeightLoader
+from pagedserve.gpu_worker.models.base import CausalLM, load_fused_checkpoint
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 GEMMA2 = "Gemma2ForCausalLM"
@@ -220,29 +220,12 @@ class GemmaForCausalLM(CausalLM):
         return capped.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
-        # checkpoint projection -> (fused parameter, which of its parts)
-        fused = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", 1),
-            "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
-        }
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied checkpoints may store a copy of the embedding
-            name = name.removeprefix("model.")
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in fused:
-                target, part = fused[parts[-2]]
-                parts[-2] = target
-                loader.load(".".join(parts), tensor, part)
-            elif name.endswith("norm.weight"):
-                loader.load(name, GemmaRMSNorm.scale_from_checkpoint(tensor, self.activation_dtype))
-            else:
-                loader.load(name, tensor)
-        loader.check_complete()
+        def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            if name.endswith("norm.weight"):  # every norm: the checkpoint's w -> 1 + w
+                return GemmaRMSNorm.scale_from_checkpoint(tensor, self.activation_dtype)
+            return tensor
+
+        load_fused_checkpoint(self, weights, convert=convert)
 
 
 def _layer_rotaries(config: ModelConfig) -> list[RotaryEmbedding]:

@@ -18,7 +18,7 @@ from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig
-from pagedserve.gpu_worker.models.base import CausalLM, WeightLoader
+from pagedserve.gpu_worker.models.base import CausalLM, load_fused_checkpoint
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 # Architectures that RMS-normalise each query and key head (``self_attn.q_norm`` /
@@ -200,31 +200,19 @@ class LlamaForCausalLM(CausalLM):
         return self.logits_table.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
-        # checkpoint projection -> (fused parameter, which of its parts); Mixtral's experts
-        # name gate, down and up w1, w2 and w3.
-        fused = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", 1),
-            "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
-            "w1": ("gate_up_proj", 0),
-            "w3": ("gate_up_proj", 1),
-        }
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied checkpoints may store a copy of the embedding
-            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] == "w2":
-                parts[-2] = "down_proj"
-            if len(parts) >= 2 and parts[-2] in fused:
-                target, part = fused[parts[-2]]
-                parts[-2] = target
-                loader.load(".".join(parts), tensor, part)
-            else:
-                loader.load(".".join(parts), tensor)
-        loader.check_complete()
+        load_fused_checkpoint(self, weights, rename=_mixtral_names)
+
+
+# Mixtral's sparse block and its experts' gate, down and up projections, by their own names.
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def _mixtral_names(name: str) -> str:
+    """``layers.L.block_sparse_moe.experts.E.w1.weight`` -> ``layers.L.mlp.experts.E.
+    gate_proj.weight`` (and w2 -> down_proj, w3 -> up_proj); other names unchanged."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    module, _, attribute = name.rpartition(".")
+    parent, _, projection = module.rpartition(".")
+    if projection in _MIXTRAL_PROJECTIONS:
+        return f"{parent}.{_MIXTRAL_PROJECTIONS[projection]}.{attribute}"
+    return name
