@@ -189,6 +189,27 @@ void silu_and_mul(void* out,  // [num_tokens, intermediate_size]
                   int64_t x_token_stride, int64_t num_tokens, int64_t intermediate_size,
                   DType dtype);
 
+// --- Linear layers on packed float32 weights ----------------------------------------------------
+// out = x W^T (+ bias) for W [out_features, in_features] stored once, after loading, in panels of
+// kLinearPanelWidth output features:
+//
+//   packed_weight [ceil(out_features / 16), in_features, 16]
+//   W[n][k] == packed_weight[n / 16][k][n % 16]; the last panel's columns past out_features are 0
+//
+// so the kernel reads each panel as one contiguous stream (layers/packed_weights.py packs it).
+// float32 only, accumulated in float32 by FMA. Each output depends only on its row of x, the
+// weights and in_features: not on num_rows, the other rows or the thread count (a request's
+// results do not change with its batch). Not bit-equal to MKL's sgemm: the sum's order differs.
+constexpr int kLinearPanelWidth = 16;
+
+void linear_f32_packed(float* out,  // [num_rows, out_features]
+                       int64_t out_row_stride,
+                       const float* x,  // [num_rows, in_features]
+                       int64_t x_row_stride,
+                       const float* packed_weight,  // see above
+                       const float* bias,           // [out_features], or nullptr
+                       int64_t num_rows, int64_t in_features, int64_t out_features);
+
 // OpenMP threads used by every op of this library (default: omp_get_max_threads()).
 void set_num_threads(int num_threads);
 int get_num_threads();

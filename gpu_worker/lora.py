@@ -9,7 +9,7 @@ adapter ``k`` (from 1; 0 is the base model; ids are never reused) adds
 the forward pass the model runner sets, per adapter in the batch, which token rows are
 its (``LoRABatch``); every targeted linear layer then adds each adapter's product to its
 rows only, one pair of small matmuls per adapter present, never a per-token gather of
-weights. The base weights are untouched (and stay packed for oneDNN).
+weights. The base weights are untouched (and stay packed where the CPU packs them).
 """
 
 from __future__ import annotations

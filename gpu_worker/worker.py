@@ -103,7 +103,7 @@ class Worker:
         self.model.eval()
         num_packed = self.model.pack_weights()
         logger.info(
-            "loaded %s in %.1f s (%d matrices packed for oneDNN)",
+            "loaded %s in %.1f s (%d matrices packed for the CPU)",
             self.model_config.architecture,
             time.monotonic() - started,
             num_packed,

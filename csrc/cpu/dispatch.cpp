@@ -15,6 +15,7 @@
 
 #include "attention_kernels.h"
 #include "elementwise_kernels.h"
+#include "linear_kernels.h"
 #include "ops.h"
 
 namespace pagedserve::cpu {
@@ -37,17 +38,18 @@ constexpr int64_t kMinParallelPrefillWork = int64_t{1} << 14;
 struct IsaVariant {
   const AttentionKernels* attention;
   const ElementwiseKernels* elementwise;
+  const LinearKernels* linear;
 };
 
 // Every variant of this build, best first.
 const IsaVariant kVariants[] = {
 #if defined(PAGEDSERVE_HAVE_AVX512)
-    {&avx512::kAttentionKernels, &avx512::kElementwiseKernels},
+    {&avx512::kAttentionKernels, &avx512::kElementwiseKernels, &avx512::kLinearKernels},
 #endif
 #if defined(PAGEDSERVE_HAVE_AVX2)
-    {&avx2::kAttentionKernels, &avx2::kElementwiseKernels},
+    {&avx2::kAttentionKernels, &avx2::kElementwiseKernels, &avx2::kLinearKernels},
 #endif
-    {&generic::kAttentionKernels, &generic::kElementwiseKernels},
+    {&generic::kAttentionKernels, &generic::kElementwiseKernels, &generic::kLinearKernels},
 };
 
 std::atomic<int> g_num_threads{0};  // 0: not set, use omp_get_max_threads()
@@ -348,5 +350,7 @@ const char* isa() { return kernels().isa; }
 void force_isa(const char* name) { g_variant.store(find_variant(name), std::memory_order_release); }
 
 const ElementwiseKernels& elementwise_kernels() { return *variant().elementwise; }
+
+const LinearKernels& linear_kernels() { return *variant().linear; }
 
 }  // namespace pagedserve::cpu

@@ -1,47 +1,123 @@
-"""Linear weights packed once for oneDNN's blocked layout on CPU, in bfloat16 / float16.
+"""Linear weights packed once after loading, on CPU, for a faster matrix product.
 
-``F.linear`` in bfloat16 on a CPU runs oneDNN, which reorders the plain ``[out, in]``
-weight into its blocked layout (AMX tiles, AVX-512 BF16 pairs) inside every call: a
-decode step pays for one more pass over every weight of the model. Packing once after
-loading removes that pass. Measured on the embedded model's layer shapes (30 layers,
-2 threads, weights larger than the caches): 1.2-1.5x faster at 8 to 200 rows, and the
-same results.
+- bfloat16 / float16: oneDNN's blocked layout. ``F.linear`` in these dtypes runs oneDNN,
+  which reorders the plain ``[out, in]`` weight into its blocked layout (AMX tiles, AVX-512
+  BF16 pairs) inside every call: a decode step pays for one more pass over every weight of
+  the model. Packing once removes that pass: measured on the embedded model's layer shapes
+  (30 layers, 2 threads, weights larger than the caches), 1.2-1.5x faster at 8 to 200 rows,
+  and the same results.
+- float32: panels of 16 output features for pagedserve's own kernel (csrc/ops.h,
+  ``linear_f32_packed``), on CPUs with AVX2 or AVX-512. MKL (``F.linear``) packs the weight
+  inside every call too, and its few-row kernels are slow: a decode step's products ran
+  1.5-5x faster from 1 to 64 rows and 1.2-1.7x faster at 256-2048 rows on the embedded model's
+  shapes (docs/BENCHMARKS.md). Its sums run in another order than MKL's, so results differ
+  from ``F.linear`` in the last bits (greedy tokens still match HF's in the parity tests),
+  and each row's result is the same whatever else is in the batch.
 
-float32 stays on ``F.linear`` (MKL): the HF parity tests pin its arithmetic. GPUs never
-pack. A packed layer keeps the packed tensor as ``weight`` (a plain attribute, no longer
-a parameter), so the plain copy's memory is returned.
+``PAGEDSERVE_CPU_LINEAR=torch`` (read when a model is packed) keeps every plain weight on
+``F.linear``; ``packed``, the default, packs where a packed path exists. GPUs never pack. A
+packed layer keeps the packed form as ``weight`` (a plain attribute, no longer a parameter),
+so the plain copy's memory is returned.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve import _C_cpu
+
 if TYPE_CHECKING:
     from pagedserve.gpu_worker.lora import LoRALayer
+
+CPU_LINEAR_ENV = "PAGEDSERVE_CPU_LINEAR"
+CPU_LINEAR_CHOICES = ("packed", "torch")
 
 # The row count oneDNN tunes the blocked layout for. Decode batches (8-256 rows) run
 # equally fast with any hint measured; prefill chunks of max_num_batched_tokens (2048 by
 # default) ran 1.3x faster packed for 2048 rows than for 32 or 256.
 PACKING_ROWS_HINT = 2048
-PACKED_DTYPES = (torch.bfloat16, torch.float16)
+ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
+# The ISA variants of _C_cpu whose float32 kernel beats MKL (the generic one would not).
+PANEL_ISAS = ("avx2", "avx512")
+PANEL_WIDTH = _C_cpu.LINEAR_PANEL_WIDTH
+
+
+def cpu_linear_mode() -> str:
+    """``PAGEDSERVE_CPU_LINEAR``: ``packed`` (default) or ``torch``."""
+    mode = os.environ.get(CPU_LINEAR_ENV, "packed").strip().lower() or "packed"
+    if mode not in CPU_LINEAR_CHOICES:
+        raise ValueError(
+            f"{CPU_LINEAR_ENV}={os.environ[CPU_LINEAR_ENV]!r} is not one of "
+            f"{', '.join(CPU_LINEAR_CHOICES)}"
+        )
+    return mode
+
+
+class PanelWeight:
+    """A float32 ``[out, in]`` matrix in csrc/ops.h's panel layout: ``panels [ceil(out / 16),
+    in, 16]``, ``W[n][k] == panels[n // 16, k, n % 16]``, zero past ``out``. ``shape``,
+    ``dtype`` and ``device`` are the plain matrix's, as code reading a layer's weight expects."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        out_features, in_features = weight.shape
+        num_panels = -(-out_features // PANEL_WIDTH)
+        padded = weight.detach().new_zeros(num_panels * PANEL_WIDTH, in_features)
+        padded[:out_features] = weight.detach()
+        self.panels = padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+        self.shape = weight.shape
+        self.dtype = weight.dtype
+        self.device = weight.device
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` for ``x [..., in]`` float32 -> ``[..., out]``."""
+        out_features, in_features = self.shape
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != in_features:
+            raise ValueError(
+                f"x of a packed float32 [{out_features}, {in_features}] layer must be a float32 "
+                f"CPU tensor [..., {in_features}], got {x.dtype} {x.device.type} "
+                f"{tuple(x.shape)}"
+            )
+        if bias is not None and (
+            bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()
+        ):
+            raise ValueError(
+                f"bias of a packed float32 [{out_features}, {in_features}] layer must be a "
+                f"contiguous float32 [{out_features}], got {bias.dtype} {tuple(bias.shape)}"
+            )
+        rows = x.reshape(-1, in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], out_features)
+        _C_cpu.linear_f32_packed(
+            out.data_ptr(),
+            out_features,
+            rows.data_ptr(),
+            rows.stride(0),
+            self.panels.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            rows.shape[0],
+            in_features,
+            out_features,
+        )
+        return out.view(*x.shape[:-1], out_features)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in PACKED_DTYPES
-        and weight.dim() == 2
-        and _cpu_packs(weight.dtype)
-    )
+    if weight.device.type != "cpu" or weight.dim() != 2 or cpu_linear_mode() != "packed":
+        return False
+    if weight.dtype == torch.float32:
+        return _C_cpu.isa() in PANEL_ISAS
+    return weight.dtype in ONEDNN_DTYPES and _onednn_packs(weight.dtype)
 
 
 @functools.cache
-def _cpu_packs(dtype: torch.dtype) -> bool:
+def _onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs ``dtype`` on this CPU: it refuses where the ISA lacks the dtype's
     instructions (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, float16 AVX512-FP16 or
     AVX-NE-CONVERT, e.g. on AVX2-only CPUs), and those CPUs keep ``F.linear``. Asked by
@@ -58,12 +134,19 @@ def _cpu_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] plain -> the same matrix in oneDNN's layout (an mkldnn tensor)."""
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
+    """[out, in] plain -> the same matrix packed: panels (float32) or oneDNN's layout (an
+    mkldnn tensor)."""
+    if weight.dtype == torch.float32:
+        return PanelWeight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACKING_ROWS_HINT)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor | PanelWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    if isinstance(packed, PanelWeight):
+        return packed.linear(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
@@ -78,7 +161,7 @@ class PackableLinear(nn.Module):
     """A layer computing ``x W^T + b`` with ``self.weight`` and ``self.bias``, which can
     swap its weight for the packed form once loading is over."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | PanelWeight
     bias: torch.Tensor | None
     weight_packed: bool = False
     # LoRA adapters' products on this layer (gpu_worker/lora.py), added to its output.

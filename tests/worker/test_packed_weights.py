@@ -1,6 +1,7 @@
-"""Linear weights packed for oneDNN (bfloat16 / float16 on CPU): every layer kind computes
-what F.linear computes over the plain weight, float32 is never packed, and a bfloat16
-engine packs every matrix and runs the same greedy tokens as one left unpacked."""
+"""Linear weights packed once on CPU (oneDNN's layout in bfloat16 / float16, panels for
+pagedserve's kernel in float32): every layer kind computes what F.linear computes over the
+plain weight, ``PAGEDSERVE_CPU_LINEAR=torch`` keeps the plain weights, and an engine packs
+every matrix and runs the same greedy tokens as one left unpacked."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ from pagedserve.gpu_worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedserve.gpu_worker.layers.packed_weights import pack_linear_weights, packing_available
+from pagedserve.gpu_worker.layers.packed_weights import (
+    CPU_LINEAR_ENV,
+    PanelWeight,
+    pack_linear_weights,
+    packing_available,
+)
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.models.base import CausalLM
 
@@ -25,11 +31,14 @@ from pagedserve.gpu_worker.models.base import CausalLM
 def _needs_packing(dtype: torch.dtype) -> pytest.MarkDecorator:
     return pytest.mark.skipif(
         not packing_available(torch.empty(1, 1, dtype=dtype)),
-        reason=f"no oneDNN packed linear in {dtype} here (this torch build or this CPU's ISA)",
+        reason=f"no packed linear in {dtype} here (this torch build or this CPU's ISA)",
     )
 
 
 needs_bfloat16_packing = _needs_packing(torch.bfloat16)
+needs_float32_packing = _needs_packing(torch.float32)
+# float32 panels sum in another order than MKL: a few ulp; 16-bit types round the output.
+_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
 def _filled(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -52,6 +61,7 @@ def _layers(dtype: torch.dtype) -> list[torch.nn.Module]:
 @pytest.mark.parametrize(
     "dtype",
     [
+        pytest.param(torch.float32, marks=needs_float32_packing),
         pytest.param(torch.bfloat16, marks=needs_bfloat16_packing),
         pytest.param(torch.float16, marks=_needs_packing(torch.float16)),
     ],
@@ -69,32 +79,64 @@ def test_packed_layers_compute_what_f_linear_computes(dtype, rows):
         assert "weight" not in dict(layer.named_parameters())  # the plain copy is released
         got = layer(x)
         assert got.dtype == dtype and got.shape == (rows, plain_weight.shape[0])
-        torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+        tolerance = _TOLERANCE[dtype]
+        torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+        if dtype == torch.float32:  # what a LoRA adapter reads of a packed layer
+            assert isinstance(layer.weight, PanelWeight)
+            assert layer.weight.shape == plain_weight.shape
 
 
-@needs_bfloat16_packing
-def test_packed_lm_head_keeps_the_lookup_table():
-    table = VocabParallelEmbedding(100, 32, dtype=torch.bfloat16)
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(torch.float32, marks=needs_float32_packing),
+        pytest.param(torch.bfloat16, marks=needs_bfloat16_packing),
+    ],
+)
+def test_packed_lm_head_keeps_the_lookup_table(dtype):
+    table = VocabParallelEmbedding(100, 32, dtype=dtype)
     _filled(table, 7)
-    hidden = torch.randn(5, 32).to(torch.bfloat16)
+    hidden = torch.randn(5, 32).to(dtype)
     expected = F.linear(hidden, table.weight).float()
     ids = torch.tensor([0, 5, 99])
     looked_up = table(ids)
     assert table.pack_for_logits()
-    torch.testing.assert_close(table.logits(hidden), expected, atol=2e-2, rtol=2e-2)
+    tolerance = _TOLERANCE[dtype]
+    torch.testing.assert_close(table.logits(hidden), expected, atol=tolerance, rtol=tolerance)
     assert torch.equal(table(ids), looked_up)
     assert table.logits(hidden).dtype == torch.float32
 
 
-def test_float32_is_never_packed():
-    layers = _layers(torch.float32)
-    model = torch.nn.ModuleList(layers)
-    assert pack_linear_weights(model) == 0
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_linear_torch_keeps_plain_weights(monkeypatch, dtype):
+    monkeypatch.setenv(CPU_LINEAR_ENV, "torch")
+    layers = _layers(dtype)
+    assert pack_linear_weights(torch.nn.ModuleList(layers)) == 0
     assert all(isinstance(layer.weight, torch.nn.Parameter) for layer in layers)
 
 
-@needs_bfloat16_packing
-def test_bfloat16_engine_packs_every_matrix_and_matches_unpacked(tiny_model_dirs, monkeypatch):
+def test_cpu_linear_names_a_bad_value(monkeypatch):
+    monkeypatch.setenv(CPU_LINEAR_ENV, "mkl")
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_LINEAR='mkl' is not one of packed, torch"):
+        packing_available(torch.empty(4, 4))
+
+
+def test_float32_packs_only_where_the_kernel_beats_mkl():
+    from pagedserve import _C_cpu
+
+    assert packing_available(torch.empty(4, 4)) == (_C_cpu.isa() in ("avx2", "avx512"))
+    assert not packing_available(torch.empty(4, 4, dtype=torch.float64))
+    assert not packing_available(torch.empty(4))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(torch.float32, marks=needs_float32_packing),
+        pytest.param(torch.bfloat16, marks=needs_bfloat16_packing),
+    ],
+)
+def test_engine_packs_every_matrix_and_matches_unpacked(tiny_model_dirs, monkeypatch, dtype):
     prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(5 + 9 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     packed_counts: list[int] = []
@@ -105,11 +147,13 @@ def test_bfloat16_engine_packs_every_matrix_and_matches_unpacked(tiny_model_dirs
         return packed_counts[-1]
 
     monkeypatch.setattr(CausalLM, "pack_weights", counting_pack)
-    packed = LLM(tiny_model_dirs["llama"], dtype="bfloat16", num_blocks=64).generate(
-        prompts, params
-    )
+    packed = LLM(
+        tiny_model_dirs["llama"], dtype=str(dtype).removeprefix("torch."), num_blocks=64
+    ).generate(prompts, params)
     monkeypatch.setattr(CausalLM, "pack_weights", lambda model: 0)
-    plain = LLM(tiny_model_dirs["llama"], dtype="bfloat16", num_blocks=64).generate(prompts, params)
+    plain = LLM(
+        tiny_model_dirs["llama"], dtype=str(dtype).removeprefix("torch."), num_blocks=64
+    ).generate(prompts, params)
     num_layers = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())[
         "num_hidden_layers"
     ]
@@ -117,5 +161,7 @@ def test_bfloat16_engine_packs_every_matrix_and_matches_unpacked(tiny_model_dirs
     # input embedding, never read as a matrix, stays unpacked).
     assert packed_counts == [4 * num_layers + 1]
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(packed, plain))
-    # Both round in bfloat16, through different kernels; a near-tie may flip one prompt.
-    assert same >= len(prompts) - 1
+    if dtype == torch.float32:
+        assert same == len(prompts)
+    else:  # both round in bfloat16, through different kernels; a near-tie may flip one prompt
+        assert same >= len(prompts) - 1

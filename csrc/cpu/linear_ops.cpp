@@ -1,0 +1,45 @@
+// The packed float32 linear of ops.h: argument checks and the thread count; the kernels are in
+// linear_kernels.cpp. Compiled for the baseline ISA.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "linear_kernels.h"
+#include "ops.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+// Below this many multiply-adds a call runs on the calling thread: waking the OpenMP pool and
+// joining it again (a few us) costs more than a second thread saves. One row of a 576 x 576
+// matrix is 330k; measured on 2 cores, two threads win from about 2 rows of it.
+constexpr int64_t kMinParallelWork = int64_t{1} << 19;
+
+void check_at_least(const char* name, int64_t value, int64_t minimum) {
+  if (value < minimum) {
+    throw std::invalid_argument(std::string(name) + " " + std::to_string(value) +
+                                " must be >= " + std::to_string(minimum));
+  }
+}
+
+}  // namespace
+
+void linear_f32_packed(float* out, int64_t out_row_stride, const float* x, int64_t x_row_stride,
+                       const float* packed_weight, const float* bias, int64_t num_rows,
+                       int64_t in_features, int64_t out_features) {
+  check_at_least("num_rows", num_rows, 0);
+  check_at_least("in_features", in_features, 1);
+  check_at_least("out_features", out_features, 1);
+  if (num_rows > 1) {
+    check_at_least("x_row_stride", x_row_stride, in_features);
+    check_at_least("out_row_stride", out_row_stride, out_features);
+  }
+  if (num_rows == 0) return;
+  const int64_t work = num_rows * in_features * out_features;
+  const int num_threads = work < kMinParallelWork ? 1 : get_num_threads();
+  const LinearProblem p{out,  out_row_stride, x,           x_row_stride, packed_weight,
+                        bias, num_rows,       in_features, out_features, num_threads};
+  linear_kernels().linear_f32_packed(p);
+}
+
+}  // namespace pagedserve::cpu
