@@ -9,8 +9,11 @@ ignored) go through:
     hf_generate_batch   transformers' continuous batching with its paged cache (the manager
                         behind model.generate_batch, given each request's own max_new_tokens)
 
-and a compute ceiling: the GEMM rate this CPU reaches in the same run divided by the model's
-linear-layer FLOPs per output token. Beside it, the trace's roofline: all its FLOPs
+(and with ``--torch-linear-peer``, pagedserve again with ``PAGEDSERVE_CPU_LINEAR=torch``: its
+float32 linear layers on F.linear / MKL instead of its own packed kernel) and a compute
+ceiling: the GEMM rate this CPU reaches in the same run (the faster of F.linear and, in
+float32, pagedserve's packed kernel, at 256 rows) divided by the model's linear-layer FLOPs
+per output token. Beside it, the trace's roofline: all its FLOPs
 (prefill and attention included) at that GEMM rate against the memory traffic no schedule
 avoids (every decoded token's read of its keys' K/V, every weight once per step, at least
 as many steps as the longest output) at the memory rate measured in the same run (a 512 MiB
@@ -75,6 +78,11 @@ from transformers import (
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.model_resolver import resolve_model
+from pagedserve.gpu_worker.layers.packed_weights import (
+    CPU_LINEAR_ENV,
+    PanelWeight,
+    packing_available,
+)
 from pagedserve.gpu_worker.model_config import ModelConfig
 
 DTYPES = ("bfloat16", "float32")
@@ -198,6 +206,23 @@ def measure_gemm_gflop_s(dtype: torch.dtype, rows: int, inner: int, cols: int) -
     return 2 * rows * inner * cols / best_seconds / 1e9
 
 
+def measure_packed_gflop_s(rows: int, inner: int, cols: int) -> float:
+    """measure_gemm_gflop_s for pagedserve's packed float32 kernel (the same best of five)."""
+    left = torch.randn(rows, inner)
+    packed = PanelWeight(torch.randn(cols, inner))
+    for _ in range(5):
+        packed.linear(left, None)
+    best_seconds = math.inf
+    for _ in range(5):
+        iterations = 0
+        start = time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < 0.2:
+            packed.linear(left, None)
+            iterations += 1
+        best_seconds = min(best_seconds, elapsed / iterations)
+    return 2 * rows * inner * cols / best_seconds / 1e9
+
+
 def measure_memory_gb_s() -> float:
     """Best of five copies of 512 MiB (far past the caches), read + write bytes per second:
     what a kernel streaming the KV cache can approach (tools/bench_ops.py measures the same)."""
@@ -215,8 +240,26 @@ def measure_memory_gb_s() -> float:
 # ---------------------------------------------------------------------------- engines
 
 
-def load_pagedserve(dtype: str, args: argparse.Namespace, multiprocess: bool = False) -> LLM:
-    llm = LLM(
+def load_pagedserve(
+    dtype: str, args: argparse.Namespace, multiprocess: bool = False, cpu_linear: str = "packed"
+) -> LLM:
+    # Read when the worker packs its weights, during the constructor (in this process or a
+    # worker process, which inherits the environment).
+    previous = os.environ.get(CPU_LINEAR_ENV)
+    os.environ[CPU_LINEAR_ENV] = cpu_linear
+    try:
+        llm = _construct_llm(dtype, args, multiprocess)
+    finally:
+        if previous is None:
+            del os.environ[CPU_LINEAR_ENV]
+        else:
+            os.environ[CPU_LINEAR_ENV] = previous
+    run_pagedserve(llm, _warmup_requests())
+    return llm
+
+
+def _construct_llm(dtype: str, args: argparse.Namespace, multiprocess: bool) -> LLM:
+    return LLM(
         model=args.model,
         dtype=dtype,
         max_num_seqs=args.max_num_seqs,
@@ -224,8 +267,6 @@ def load_pagedserve(dtype: str, args: argparse.Namespace, multiprocess: bool = F
         kv_cache_bytes=args.kv_cache_bytes,
         multiprocess=multiprocess,
     )
-    run_pagedserve(llm, _warmup_requests())
-    return llm
 
 
 def run_pagedserve(llm: LLM, requests: list[Request]) -> EngineRun:
@@ -405,8 +446,10 @@ class Gemm:
     """The GEMM rate measured in this run, for one dtype, and the memory rate beside it."""
 
     shape: tuple[int, int, int]  # rows, inner, cols
-    gflop_s: float
+    gflop_s: float  # the faster of the two below: the ceiling
     memory_gb_s: float  # read + write bytes of a large copy, per second
+    f_linear_gflop_s: float  # torch (MKL / oneDNN)
+    packed_gflop_s: float | None  # pagedserve's packed float32 kernel, where it runs
 
 
 @dataclass(frozen=True)
@@ -421,6 +464,8 @@ class TraceRuns:
     hf_generate_batch_config: dict[str, int] | None = None
     # --multiprocess: the same requests through LLM(multiprocess=True), right after.
     pagedserve_multiprocess: EngineRun | None = None
+    # --torch-linear-peer: the same requests with PAGEDSERVE_CPU_LINEAR=torch, right after.
+    pagedserve_torch_linear: EngineRun | None = None
 
 
 def benchmark_dtype(
@@ -431,15 +476,21 @@ def benchmark_dtype(
     args: argparse.Namespace,
 ) -> tuple[Gemm, dict[str, TraceRuns]]:
     """All traces in one dtype: the GEMM rate, then each engine on each trace."""
-    gemm = Gemm(
-        gemm_shape, measure_gemm_gflop_s(getattr(torch, dtype), *gemm_shape), measure_memory_gb_s()
-    )
+    f_linear = measure_gemm_gflop_s(getattr(torch, dtype), *gemm_shape)
+    packed = None
+    if dtype == "float32" and packing_available(torch.empty(1, 1)):
+        packed = measure_packed_gflop_s(*gemm_shape)
+    gemm = Gemm(gemm_shape, max(f_linear, packed or 0.0), measure_memory_gb_s(), f_linear, packed)
     _log(
-        f"[{dtype}] GEMM {'x'.join(map(str, gemm_shape))}: {gemm.gflop_s:.0f} GFLOP/s, "
-        f"memory {gemm.memory_gb_s:.1f} GB/s"
+        f"[{dtype}] GEMM {'x'.join(map(str, gemm_shape))}: {f_linear:.0f} GFLOP/s torch"
+        + ("" if packed is None else f", {packed:.0f} packed")
+        + f", memory {gemm.memory_gb_s:.1f} GB/s"
     )
     llm = load_pagedserve(dtype, args)
     split = load_pagedserve(dtype, args, multiprocess=True) if args.multiprocess else None
+    torch_linear = (
+        load_pagedserve(dtype, args, cpu_linear="torch") if args.torch_linear_peer else None
+    )
     hf_model = None if args.skip_peers else load_hf_model(model_path, dtype)
     results = {}
     for trace_name, requests in traces.items():
@@ -449,8 +500,16 @@ def benchmark_dtype(
         if split is not None:
             _log(f"[{dtype} {trace_name}] pagedserve multi-process on {len(requests)} requests")
             multiprocess_run = run_pagedserve(split, requests)
+        torch_linear_run = None
+        if torch_linear is not None:
+            _log(f"[{dtype} {trace_name}] pagedserve on F.linear on {len(requests)} requests")
+            torch_linear_run = run_pagedserve(torch_linear, requests)
         if hf_model is None:
-            results[trace_name] = TraceRuns(pagedserve, pagedserve_multiprocess=multiprocess_run)
+            results[trace_name] = TraceRuns(
+                pagedserve,
+                pagedserve_multiprocess=multiprocess_run,
+                pagedserve_torch_linear=torch_linear_run,
+            )
             continue
         peer_requests = requests[: args.peer_requests]
         if len(peer_requests) == len(requests):
@@ -472,6 +531,7 @@ def benchmark_dtype(
             batch_size,
             cb_config,
             multiprocess_run,
+            torch_linear_run,
         )
     if split is not None:
         split.shutdown()
@@ -546,6 +606,12 @@ def make_record(
         "multiprocess_fraction_of_in_process": None
         if runs.pagedserve_multiprocess is None
         else runs.pagedserve_multiprocess.tokens_per_s / runs.pagedserve.tokens_per_s,
+        "pagedserve_torch_linear_tok_s": _rate(runs.pagedserve_torch_linear),
+        "speedup_vs_torch_linear": None
+        if runs.pagedserve_torch_linear is None
+        else runs.pagedserve.tokens_per_s / runs.pagedserve_torch_linear.tokens_per_s,
+        "gemm_f_linear_gflop_s": gemm.f_linear_gflop_s,
+        "gemm_packed_gflop_s": gemm.packed_gflop_s,
         "pagedserve_seconds": runs.pagedserve.seconds,
         "max_num_seqs": args.max_num_seqs,
         "command": shlex.join(sys.orig_argv),
@@ -600,6 +666,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
         ("of_roof", "fraction_of_roofline", "{:.1%}"),
         ("x_gen", "speedup_vs_hf_generate", "{:.2f}"),
         ("x_gen_batch", "speedup_vs_hf_generate_batch", "{:.2f}"),
+        ("x_F.linear", "speedup_vs_torch_linear", "{:.2f}"),
         ("GFLOP/s", "gemm_gflop_s", "{:.0f}"),
         ("GB/s", "memory_gb_s", "{:.1f}"),
     ]
@@ -642,6 +709,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--multiprocess",
         action="store_true",
         help="also run pagedserve as separate processes (LLM(multiprocess=True)) on each trace",
+    )
+    parser.add_argument(
+        "--torch-linear-peer",
+        action="store_true",
+        help="also run pagedserve with PAGEDSERVE_CPU_LINEAR=torch (F.linear, plain weights)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the trace")
     parser.add_argument("--max-len", type=int, default=1024, help="cap on prompt + output tokens")
