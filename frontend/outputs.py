@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call a chat output made (tool calling): its id, the function's name and
+    the arguments (JSON text of an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass
 class CompletionOutput:
     index: int
