@@ -13,9 +13,13 @@
 
 ``generate`` returns a ``RequestOutput`` as ``LLM.generate`` does; ``stream`` yields the
 same ``RequestOutput`` as it grows (text, token ids and logprobs so far; ``finished`` on the
-last). ``AsyncClient`` has the same calls as coroutines and an async iterator, for load
-tools and asyncio services. Errors are ``grpc.RpcError`` with the server's status
-(``INVALID_ARGUMENT`` naming the field, ``UNAVAILABLE`` while the server drains, ...).
+last). ``chat`` and ``chat_stream`` take a conversation, and tools and a tool choice in
+OpenAI's shapes (as ``LLM.chat`` takes tools); their outputs carry the calls the model made
+(``CompletionOutput.tool_calls``) and, on a server with a reasoning parser, the thinking
+(``reasoning_text``) apart from the answer (``text``). ``AsyncClient`` has the same calls as
+coroutines and async iterators, for load tools and asyncio services. Errors are
+``grpc.RpcError`` with the server's status (``INVALID_ARGUMENT`` naming the field,
+``UNAVAILABLE`` while the server drains, ...).
 """
 
 from __future__ import annotations
@@ -25,27 +29,34 @@ from typing import Any
 
 import grpc
 
-from pagedserve.frontend.grpc_convert import FINISH_REASONS, sampling_params_to_proto
+from pagedserve.frontend.grpc_convert import (
+    FINISH_REASONS,
+    chat_to_proto,
+    sampling_params_to_proto,
+)
 from pagedserve.frontend.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ToolCall,
 )
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 PromptType = str | Sequence[int]
+# A tool choice in OpenAI's form: "none", "auto", "required", or
+# {"type": "function", "function": {"name": ...}}.
+ToolChoice = str | dict[str, Any]
 _FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
 
 
 def build_request(
-    prompt: PromptType | list[dict[str, str]],
+    prompt: PromptType | pb.Chat,
     params: SamplingParams | None,
     request_id: str,
     cache_namespace: str,
-    chat: bool,
     lora_adapter: str = "",
     priority: int = 0,
 ) -> pb.GenerateRequest:
@@ -55,10 +66,8 @@ def build_request(
         lora_adapter=lora_adapter,
         priority=priority,
     )
-    if chat:
-        request.chat.messages.extend(
-            pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt
-        )
+    if isinstance(prompt, pb.Chat):
+        request.chat.CopyFrom(prompt)
     elif isinstance(prompt, str):
         request.text = prompt
     else:
@@ -85,6 +94,15 @@ def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) 
             output.outputs.append(CompletionOutput(len(output.outputs), "", [], None))
         completion = output.outputs[message.index]
         completion.text += message.text
+        completion.reasoning_text += message.reasoning_text
+        for call in message.tool_calls:  # a whole call, or a stream's piece of one
+            if call.index < len(completion.tool_calls):
+                known = completion.tool_calls[call.index]
+                completion.tool_calls[call.index] = ToolCall(
+                    known.id, known.name, known.arguments + call.arguments
+                )
+            else:
+                completion.tool_calls.append(ToolCall(call.id, call.name, call.arguments))
         completion.token_ids.extend(message.token_ids)
         if message.logprobs:
             completion.logprobs = completion.logprobs or []
@@ -152,6 +170,22 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
 
 
+def _chat_request(
+    messages: Sequence[dict[str, Any]],
+    params: SamplingParams | None,
+    tools: Sequence[dict[str, Any]] | None,
+    tool_choice: ToolChoice | None,
+    parallel_tool_calls: bool | None,
+    include_reasoning: bool | None,
+    request_id: str,
+    cache_namespace: str,
+    lora_adapter: str,
+    priority: int,
+) -> pb.GenerateRequest:
+    chat = chat_to_proto(messages, tools, tool_choice, parallel_tool_calls, include_reasoning)
+    return build_request(chat, params, request_id, cache_namespace, lora_adapter, priority)
+
+
 class Client:
     """A blocking client. ``target`` is ``host:port``; ``credentials`` (from
     ``grpc.ssl_channel_credentials``) for a TLS server; ``api_key`` for a server started
@@ -181,42 +215,34 @@ class Client:
         timeout_s: float | None = None,
     ) -> RequestOutput:
         """The whole result; ``params=None`` lets the model's generation config decide."""
-        request = build_request(
-            prompt,
-            params,
-            request_id,
-            cache_namespace,
-            chat=False,
-            lora_adapter=lora_adapter,
-            priority=priority,
-        )
-        return apply_response(
-            None, self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
-        )
+        request = build_request(prompt, params, request_id, cache_namespace, lora_adapter, priority)
+        return self._whole(request, timeout_s)
 
     def chat(
         self,
-        messages: list[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         params: SamplingParams | None = None,
         *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool | None = None,
+        include_reasoning: bool | None = None,
         request_id: str = "",
-        timeout_s: float | None = None,
+        cache_namespace: str = "",
         lora_adapter: str = "",
         priority: int = 0,
+        timeout_s: float | None = None,
     ) -> RequestOutput:
-        """The assistant's turn after ``messages`` (the model's chat template)."""
-        request = build_request(
-            messages,
-            params,
-            request_id,
-            "",
-            chat=True,
-            lora_adapter=lora_adapter,
-            priority=priority,
-        )
-        return apply_response(
-            None, self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
-        )
+        """The assistant's turn after ``messages`` (the model's chat template; OpenAI's
+        message dicts, an assistant's ``tool_calls`` and a tool's ``tool_call_id``
+        included). ``tools`` (OpenAI's function tools) go to the template, and
+        ``tool_choice`` (unset: "auto" with tools) says how calls come out: each output's
+        ``tool_calls``, its ``text`` the content around them."""
+        request = _chat_request(
+            messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
+            request_id, cache_namespace, lora_adapter, priority,
+        )  # fmt: skip
+        return self._whole(request, timeout_s)
 
     def stream(
         self,
@@ -231,23 +257,31 @@ class Client:
     ) -> Iterator[RequestOutput]:
         """The result as it grows (one ``RequestOutput``, updated in place). Leaving the
         loop early cancels the call, which frees its blocks in the server."""
-        request = build_request(
-            prompt,
-            params,
-            request_id,
-            cache_namespace,
-            chat=False,
-            lora_adapter=lora_adapter,
-            priority=priority,
-        )
-        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
-        output = None
-        try:
-            for response in call:
-                output = apply_response(output, response)
-                yield output
-        finally:
-            call.cancel()  # a no-op once the call has ended
+        request = build_request(prompt, params, request_id, cache_namespace, lora_adapter, priority)
+        return self._stream(request, timeout_s)
+
+    def chat_stream(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool | None = None,
+        include_reasoning: bool | None = None,
+        request_id: str = "",
+        cache_namespace: str = "",
+        lora_adapter: str = "",
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> Iterator[RequestOutput]:
+        """``chat`` as it grows, as ``stream`` yields it: text, thinking and calls so far
+        (a call's arguments grow until the output ends)."""
+        request = _chat_request(
+            messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
+            request_id, cache_namespace, lora_adapter, priority,
+        )  # fmt: skip
+        return self._stream(request, timeout_s)
 
     def embed(
         self,
@@ -288,6 +322,22 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _whole(self, request: pb.GenerateRequest, timeout_s: float | None) -> RequestOutput:
+        response = self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
+        return apply_response(None, response)
+
+    def _stream(
+        self, request: pb.GenerateRequest, timeout_s: float | None
+    ) -> Iterator[RequestOutput]:
+        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
+        output = None
+        try:
+            for response in call:
+                output = apply_response(output, response)
+                yield output
+        finally:
+            call.cancel()  # a no-op once the call has ended
+
 
 class AsyncClient:
     """The same calls for asyncio (``grpc.aio``); create it inside the running loop."""
@@ -315,20 +365,31 @@ class AsyncClient:
         priority: int = 0,
         timeout_s: float | None = None,
     ) -> RequestOutput:
-        request = build_request(
-            prompt,
-            params,
-            request_id,
-            cache_namespace,
-            chat=False,
-            lora_adapter=lora_adapter,
-            priority=priority,
-        )
-        return apply_response(
-            None, await self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
-        )
+        request = build_request(prompt, params, request_id, cache_namespace, lora_adapter, priority)
+        return await self._whole(request, timeout_s)
 
-    async def stream(
+    async def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool | None = None,
+        include_reasoning: bool | None = None,
+        request_id: str = "",
+        cache_namespace: str = "",
+        lora_adapter: str = "",
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> RequestOutput:
+        request = _chat_request(
+            messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
+            request_id, cache_namespace, lora_adapter, priority,
+        )  # fmt: skip
+        return await self._whole(request, timeout_s)
+
+    def stream(
         self,
         prompt: PromptType,
         params: SamplingParams | None = None,
@@ -339,23 +400,29 @@ class AsyncClient:
         priority: int = 0,
         timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        request = build_request(
-            prompt,
-            params,
-            request_id,
-            cache_namespace,
-            chat=False,
-            lora_adapter=lora_adapter,
-            priority=priority,
-        )
-        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
-        output = None
-        try:
-            async for response in call:
-                output = apply_response(output, response)
-                yield output
-        finally:
-            call.cancel()
+        request = build_request(prompt, params, request_id, cache_namespace, lora_adapter, priority)
+        return self._stream(request, timeout_s)
+
+    def chat_stream(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool | None = None,
+        include_reasoning: bool | None = None,
+        request_id: str = "",
+        cache_namespace: str = "",
+        lora_adapter: str = "",
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        request = _chat_request(
+            messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
+            request_id, cache_namespace, lora_adapter, priority,
+        )  # fmt: skip
+        return self._stream(request, timeout_s)
 
     async def embed(
         self,
@@ -383,3 +450,19 @@ class AsyncClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+    async def _whole(self, request: pb.GenerateRequest, timeout_s: float | None) -> RequestOutput:
+        response = await self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
+        return apply_response(None, response)
+
+    async def _stream(
+        self, request: pb.GenerateRequest, timeout_s: float | None
+    ) -> AsyncIterator[RequestOutput]:
+        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
+        output = None
+        try:
+            async for response in call:
+                output = apply_response(output, response)
+                yield output
+        finally:
+            call.cancel()

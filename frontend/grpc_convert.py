@@ -1,15 +1,39 @@
 """Between the gRPC API's messages (protos/pagedserve/v1/generation.proto) and the
-engine's: sampling settings in, outputs out (whole, or what is new since the last
-streamed message)."""
+engine's: sampling settings and chats (messages, tools, tool choice) in, outputs out
+(whole, or what is new since the last streamed message). A chat is checked and read by
+the functions the HTTP API uses (``tool_calls.py``, ``chat_request.py``); their errors
+name OpenAI's fields, renamed here to the proto's (``chat.tools[0].name``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from pagedserve.frontend.chat_request import (
+    ChatAnswer,
+    ChatAnswerStream,
+    ChatReading,
+    tool_constraint,
+)
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.reasoning import ReasoningParser
+from pagedserve.frontend.tool_calls import (
+    TOOL_CHOICE_MODES,
+    Tool,
+    ToolCallError,
+    ToolCalling,
+    chat_message_tool_fields,
+    parse_tools,
+)
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.scheduler.structured_output import grammar_text
 from pagedserve.v1 import generation_pb2 as pb
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.llm import LLM
 
 # Proto3 `optional` fields copied as they are when set (unset: SamplingParams' default).
 _OPTIONAL_FIELDS = (
@@ -49,6 +73,7 @@ FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 
 
@@ -161,6 +186,243 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return message
 
 
+# ---------------------------------------------------------------- chats
+
+
+def _renamed(error: ToolCallError, field: str) -> ValueError:
+    """``error`` under the proto's names: OpenAI's ``tools[0].function.name`` is
+    ``chat.tools[0].name``, ``tool_choice.function.name`` is
+    ``chat.tool_choice.function_name`` (``field``: the Chat's own name)."""
+    name = error.field.replace(".function.", ".")
+    if name == "tool_choice.name":
+        name = "tool_choice.function_name"
+    if not name.startswith(f"{field}."):
+        name = f"{field}.{name}"
+    message = str(error)
+    if message.startswith(error.field):
+        message = name + message[len(error.field) :]
+    return ValueError(message)
+
+
+def _message_as_openai(message: pb.ChatMessage) -> dict[str, Any]:
+    """A chat message in OpenAI's shape, which ``chat_message_tool_fields`` reads."""
+    shaped: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        shaped["tool_calls"] = [
+            {
+                **({"id": call.id} if call.id else {}),
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    if message.role == "tool":
+        shaped["tool_call_id"] = message.tool_call_id
+    if message.name:
+        shaped["name"] = message.name
+    return shaped
+
+
+def _tools_from_proto(tools: Sequence[pb.Tool], field: str) -> list[Tool] | None:
+    """The chat's tools, checked as the HTTP API checks them; None when it gives none."""
+    if not tools:
+        return None
+    functions = []
+    for position, tool in enumerate(tools):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            try:
+                function["parameters"] = json.loads(tool.parameters)
+            except ValueError as error:
+                raise ValueError(
+                    f"{field}.tools[{position}].parameters is not valid JSON: {error}"
+                ) from None
+        functions.append({"type": "function", "function": function})
+    try:
+        return parse_tools(functions)
+    except ToolCallError as error:
+        raise _renamed(error, field) from None
+
+
+def chat_from_proto(
+    chat: pb.Chat, field: str = "chat"
+) -> tuple[list[dict[str, Any]], list[Tool] | None]:
+    """The conversation as the chat template gets it (role, content, and an assistant's
+    calls or a tool message's call id) and the chat's tools; ``ValueError`` naming
+    ``<field>.<proto field>``, the value and the limit."""
+    if not chat.messages:
+        raise ValueError(f"{field}.messages is empty; it needs at least one message")
+    conversation = []
+    for position, message in enumerate(chat.messages):
+        name = f"{field}.messages[{position}]"
+        if not message.role:
+            raise ValueError(f"{name}.role is empty")
+        entry: dict[str, Any] = {"role": message.role, "content": message.content}
+        try:
+            entry.update(chat_message_tool_fields(_message_as_openai(message), name))
+        except ToolCallError as error:
+            raise _renamed(error, field) from None
+        conversation.append(entry)
+    return conversation, _tools_from_proto(chat.tools, field)
+
+
+def _tool_choice(chat: pb.Chat, field: str) -> str | dict[str, Any] | None:
+    """The tool choice in OpenAI's form (a mode, or the named function); None: unset."""
+    if not chat.HasField("tool_choice"):
+        return None
+    kind = chat.tool_choice.WhichOneof("choice")
+    if kind is None:
+        raise ValueError(
+            f"{field}.tool_choice is set but holds neither mode nor function_name; set one, "
+            "or leave tool_choice unset"
+        )
+    if kind == "function_name":
+        return {"type": "function", "function": {"name": chat.tool_choice.function_name}}
+    mode = chat.tool_choice.mode
+    if mode not in TOOL_CHOICE_MODES:
+        raise ValueError(
+            f"{field}.tool_choice.mode must be one of "
+            f"{', '.join(repr(m) for m in TOOL_CHOICE_MODES)} (or set function_name), "
+            f"got {mode!r}"
+        )
+    return mode
+
+
+def chat_reading_from_proto(
+    chat: pb.Chat,
+    tools: list[Tool] | None,
+    tool_call_parser: str | None,
+    reasoning_parser: str | None,
+    field: str = "chat",
+) -> ChatReading:
+    """How the chat's outputs read: its tool calling (``tools`` from ``chat_from_proto``;
+    ``tool_call_parser``, the server's, for "auto") and the server's ``reasoning_parser``;
+    ``ValueError`` naming the field as ``chat_from_proto`` does."""
+    tool_choice = _tool_choice(chat, field)
+    calling = None
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise ValueError(
+                f"{field}.tool_choice needs {field}.tools to choose from; the chat gives none"
+            )
+    else:
+        parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+        try:
+            calling = ToolCalling(tools, tool_choice, parallel, tool_call_parser)
+        except ToolCallError as error:
+            raise _renamed(error, field) from None
+        if calling.mode == "none":
+            calling = None
+    return ChatReading(
+        calling,
+        ReasoningParser(reasoning_parser) if reasoning_parser else None,
+        chat.include_reasoning if chat.HasField("include_reasoning") else True,
+    )
+
+
+def chat_sampling_params(
+    params: SamplingParams,
+    message: pb.SamplingParams | None,
+    reading: ChatReading,
+    llm: LLM,
+    field: str = "chat",
+) -> SamplingParams:
+    """``params`` with what the chat's reading needs: a required or named tool choice's
+    constraint (refused beside ``sampling.structured_outputs``), and special tokens kept
+    in the text where the readers' markers are special (unless ``message`` sets
+    ``skip_special_tokens``)."""
+    calling = reading.tool_calling
+    if calling is not None:
+        try:
+            constraint = tool_constraint(calling, llm)
+        except ToolCallError as error:
+            raise _renamed(error, field) from None
+        if constraint is not None:
+            choice = "required" if calling.mode == "required" else "a named function"
+            if params.structured_outputs is not None:
+                raise ValueError(
+                    f"{field}.tool_choice ({choice}) constrains the output to the calls, and "
+                    "sampling.structured_outputs sets another constraint; give one"
+                )
+            try:
+                params = dataclasses.replace(params, structured_outputs=constraint)
+            except (ValueError, TypeError) as error:  # e.g. beside beam search
+                raise ValueError(
+                    f"{field}.tool_choice ({choice}) constrains the output to the calls: {error}"
+                ) from None
+    skip_set = message is not None and message.HasField("skip_special_tokens")
+    if not skip_set and reading.keeps_special_tokens(llm):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
+def chat_to_proto(
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
+    include_reasoning: bool | None = None,
+) -> pb.Chat:
+    """A ``Chat`` from OpenAI's shapes (the client's side of ``chat_from_proto``):
+    messages as dicts (``tool_calls`` with arguments as JSON text or an object,
+    ``tool_call_id``), tools as ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` (the offline ``LLM.chat``'s), ``tool_choice`` a mode
+    or ``{"type": "function", "function": {"name": ...}}``. The server checks the rest."""
+    chat = pb.Chat()
+    for message in messages:
+        entry = chat.messages.add(
+            role=message["role"],
+            content=message.get("content") or "",
+            tool_call_id=message.get("tool_call_id") or "",
+            name=message.get("name") or "",
+        )
+        for call in message.get("tool_calls") or []:
+            function = call["function"]
+            arguments = function.get("arguments", "")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            entry.tool_calls.add(
+                id=call.get("id") or "", name=function["name"], arguments=arguments
+            )
+    for position, tool in enumerate(tools or []):
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise ValueError(
+                f"tools[{position}] must be {{'type': 'function', 'function': {{...}}}}, got "
+                f"{tool!r:.200}"
+            )
+        function = tool["function"]
+        parameters = function.get("parameters")
+        chat.tools.add(
+            name=function.get("name", ""),
+            description=function.get("description") or "",
+            parameters="" if parameters is None else json.dumps(parameters, ensure_ascii=False),
+        )
+    if isinstance(tool_choice, dict):
+        chat.tool_choice.function_name = tool_choice["function"]["name"]
+    elif tool_choice is not None:
+        chat.tool_choice.mode = tool_choice
+    if parallel_tool_calls is not None:
+        chat.parallel_tool_calls = parallel_tool_calls
+    if include_reasoning is not None:
+        chat.include_reasoning = include_reasoning
+    return chat
+
+
+def _set_answer(message: pb.Completion, answer: ChatAnswer) -> None:
+    message.text = answer.content
+    message.reasoning_text = answer.reasoning
+    message.tool_calls.extend(
+        pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments, index=index)
+        for index, call in enumerate(answer.tool_calls)
+    )
+    message.finish_reason = FINISH_REASONS.get(answer.finish_reason)
+
+
+# ---------------------------------------------------------------- responses
+
+
 def _token_logprobs(entry: dict[int, float]) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(token_ids=list(entry), logprobs=list(entry.values()))
 
@@ -180,8 +442,11 @@ def _usage(output: RequestOutput) -> pb.Usage:
     )
 
 
-def whole_response(client_request_id: str, output: RequestOutput) -> pb.GenerateResponse:
-    """``Generate``'s answer: every output in full."""
+def whole_response(
+    client_request_id: str, output: RequestOutput, reading: ChatReading | None = None
+) -> pb.GenerateResponse:
+    """``Generate``'s answer: every output in full; a chat's read by ``reading`` (its
+    text then the answer only, beside its thinking and calls)."""
     response = pb.GenerateResponse(
         request_id=client_request_id,
         prompt_token_ids=output.prompt_token_ids,
@@ -199,6 +464,8 @@ def whole_response(client_request_id: str, output: RequestOutput) -> pb.Generate
             token_ids=completion.token_ids,
             finish_reason=FINISH_REASONS.get(completion.finish_reason),
         )
+        if reading is not None:
+            _set_answer(message, reading.whole(completion.text, completion.finish_reason))
         if completion.logprobs is not None:
             message.logprobs.extend(_token_logprobs(entry) for entry in completion.logprobs)
         if completion.cumulative_logprob is not None:
@@ -215,14 +482,18 @@ class _Sent:
     tokens: int = 0
     logprobs: int = 0
     finished: bool = False
+    chat: ChatAnswerStream | None = None  # a chat's reader: what it has settled
 
 
 @dataclass
 class StreamState:
     """What ``GenerateStream`` has sent of a request, so each message carries only what
-    is new. The text only grows: the detokenizer holds back what a stop string may cut."""
+    is new. The text only grows: the detokenizer holds back what a stop string may cut.
+    A chat's outputs are read by ``reading`` (the text the answer, beside the thinking
+    and the calls as their readers settle them)."""
 
     client_request_id: str
+    reading: ChatReading | None = None
     outputs: dict[int, _Sent] = field(default_factory=dict)
     prompt_sent: bool = False
     prompt_logprobs_sent: int = 0
@@ -256,21 +527,44 @@ class StreamState:
                 self.prompt_logprobs_sent += len(new)
                 changed = True
         for completion in output.outputs:
-            sent = self.outputs.setdefault(completion.index, _Sent())
-            new_text = completion.text[sent.text_chars :]
+            sent = self.outputs.get(completion.index)
+            if sent is None:
+                chat = None if self.reading is None else self.reading.stream()
+                sent = self.outputs[completion.index] = _Sent(chat=chat)
             new_tokens = completion.token_ids[sent.tokens :]
             new_logprobs = (
                 [] if completion.logprobs is None else completion.logprobs[sent.logprobs :]
             )
-            newly_finished = completion.finish_reason is not None and not sent.finished
-            if not (new_text or new_tokens or new_logprobs or newly_finished):
+            finish_reason = completion.finish_reason
+            newly_finished = finish_reason is not None and not sent.finished
+            new_reasoning, new_calls = "", []
+            if sent.chat is None:
+                new_text = completion.text[sent.text_chars :]
+            else:
+                read = sent.chat.feed(completion.text, finish_reason is not None)
+                new_text, new_reasoning, new_calls = read.content, read.reasoning, read.tool_calls
+                finish_reason = sent.chat.finish_reason(finish_reason)
+            news = new_text or new_reasoning or new_calls or new_tokens or new_logprobs
+            if not (news or newly_finished):
                 continue
             message = response.outputs.add(
-                index=completion.index, text=new_text, token_ids=new_tokens
+                index=completion.index,
+                text=new_text,
+                token_ids=new_tokens,
+                reasoning_text=new_reasoning,
+            )
+            message.tool_calls.extend(
+                pb.ToolCall(
+                    id=call.id or "",
+                    name=call.name or "",
+                    arguments=call.arguments,
+                    index=call.index,
+                )
+                for call in new_calls
             )
             message.logprobs.extend(_token_logprobs(entry) for entry in new_logprobs)
             if newly_finished:
-                message.finish_reason = FINISH_REASONS.get(completion.finish_reason)
+                message.finish_reason = FINISH_REASONS.get(finish_reason)
                 _set_stop_reason(message, completion)
                 if completion.cumulative_logprob is not None:
                     message.cumulative_logprob = completion.cumulative_logprob

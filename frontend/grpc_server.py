@@ -3,7 +3,9 @@ the standard health service and reflection, over the server process's shared adm
 drain and engine (``server.py``).
 
 - **Requests**: ``Generate`` (whole result), ``GenerateStream`` (what is new, as it is
-  made), ``Tokenize``, ``GetModelInfo``, ``GetStats``. Bad input gets
+  made), ``Tokenize``, ``GetModelInfo``, ``GetStats``. A chat may give tools and a tool
+  choice, and its outputs are read as the HTTP API reads them (``chat_request.py``: tool
+  calls, and the thinking on a server with a reasoning parser). Bad input gets
   ``INVALID_ARGUMENT`` naming the field, the value and the limit; more than
   ``max_concurrent_requests`` in flight get ``RESOURCE_EXHAUSTED``; the server's other
   refusals (``CallError``) keep their code.
@@ -31,13 +33,18 @@ from grpc_reflection.v1alpha import reflection
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.async_engine import RequestStream
 from pagedserve.frontend.call_errors import CallError
+from pagedserve.frontend.chat_request import ChatReading, render_chat_prompt
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.grpc_convert import (
     StreamState,
+    chat_from_proto,
+    chat_reading_from_proto,
+    chat_sampling_params,
     sampling_params_from_proto,
     whole_response,
 )
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
+from pagedserve.frontend.tool_calls import Tool
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
@@ -115,18 +122,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         async with self._server.call("grpc", _grpc_code(context)):
-            stream = await self._admit(request, context)
+            stream, reading = await self._admit(request, context)
             async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
                 async for _output in outputs:
                     pass
-            return whole_response(request.request_id, stream.output)
+            return whole_response(request.request_id, stream.output, reading)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateResponse]:
         async with self._server.call("grpc", _grpc_code(context)):
-            stream = await self._admit(request, context)
-            state = StreamState(request.request_id)
+            stream, reading = await self._admit(request, context)
+            state = StreamState(request.request_id, reading)
             # aclosing: a call that ends early (cancelled while sending) aborts the request
             # now, not when the generator is collected.
             async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
@@ -140,7 +147,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         async with self._server.call("grpc", _grpc_code(context)):
-            stream = await self._admit(request, context)
+            stream, _ = await self._admit(request, context)
             async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
                 async for _output in outputs:
                     pass
@@ -164,8 +171,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             kind = request.WhichOneof("input")
             if kind == "chat":
-                text = self._render_chat(llm, request.chat, "chat")
-                token_ids = llm.tokenizer.encode(text, add_special_tokens=False)
+                conversation, tools = chat_from_proto(request.chat)
+                _, token_ids = self._render_chat(llm, conversation, tools)
             elif kind == "text":
                 token_ids = llm.encode_prompt(request.text, "text")
             else:
@@ -214,15 +221,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except CallError as error:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
-    async def _admit(self, request: pb.GenerateRequest | pb.EmbedRequest, context) -> RequestStream:
+    async def _admit(
+        self, request: pb.GenerateRequest | pb.EmbedRequest, context
+    ) -> tuple[RequestStream, ChatReading | None]:
         """Validate, tokenize and queue a generation or embedding request, or end the call
-        with a clear status naming the field."""
+        with a clear status naming the field. A chat's outputs read as the second value
+        says (None: the prompt is no chat, its text is the output's)."""
         server = self._server
         try:
             llm = server.check_admission()
             try:
-                prompt, token_ids = self._prompt(llm, request)
-                params = self._checked_params(llm, request, token_ids)
+                prompt, token_ids, reading = self._prompt(llm, request)
+                params = self._checked_params(llm, request, token_ids, reading)
                 llm.check_priority(request.priority)
             except (ValueError, TypeError) as error:
                 raise CallError("INVALID_ARGUMENT", str(error)) from None
@@ -230,7 +240,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 lora_id = llm.lora_id(request.lora_adapter or None, "lora_adapter")
             except ValueError as error:
                 raise CallError("NOT_FOUND", str(error)) from None
-            return server.submit(
+            stream = server.submit(
                 "grpc",
                 prompt,
                 token_ids,
@@ -239,14 +249,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 lora_id,
                 request.priority,
             )
+            return stream, reading
         except CallError as error:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
     def _checked_params(
-        self, llm: LLM, request: pb.GenerateRequest | pb.EmbedRequest, token_ids: list[int]
+        self,
+        llm: LLM,
+        request: pb.GenerateRequest | pb.EmbedRequest,
+        token_ids: list[int],
+        reading: ChatReading | None,
     ) -> SamplingParams | PoolingParams:
-        """A generation request's ``SamplingParams`` (unset fields: the defaults) or an
-        embedding request's ``PoolingParams``, checked against the model and its window."""
+        """A generation request's ``SamplingParams`` (unset fields: the defaults; a chat's
+        tool choice may constrain the output) or an embedding request's
+        ``PoolingParams``, checked against the model and its window."""
         if isinstance(request, pb.EmbedRequest):
             params = PoolingParams(
                 normalize=request.normalize if request.HasField("normalize") else True,
@@ -255,39 +271,42 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params.check_dimensions(llm.model_config.embedding_size)
             llm.engine.check_request_fits(len(token_ids), 0)
             return params
-        params = sampling_params_from_proto(
-            request.sampling if request.HasField("sampling") else None,
-            self._server.default_params,
-        )
+        sampling = request.sampling if request.HasField("sampling") else None
+        params = sampling_params_from_proto(sampling, self._server.default_params)
+        if reading is not None:
+            params = chat_sampling_params(params, sampling, reading, llm)
         self._server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")
         return params
 
     def _prompt(
         self, llm: LLM, request: pb.GenerateRequest | pb.EmbedRequest
-    ) -> tuple[str | None, list[int]]:
+    ) -> tuple[str | None, list[int], ChatReading | None]:
+        """The prompt's text (None when given as ids), its token ids, and for a chat how
+        its outputs read."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return request.text, llm.encode_prompt(request.text, "text")
+            return request.text, llm.encode_prompt(request.text, "text"), None
         if kind == "token_ids":
-            return None, llm.encode_prompt(list(request.token_ids.ids), "token_ids.ids")
+            return None, llm.encode_prompt(list(request.token_ids.ids), "token_ids.ids"), None
         if kind == "chat":
-            text = self._render_chat(llm, request.chat, "chat")
-            token_ids = llm.tokenizer.encode(text, add_special_tokens=False)
-            return text, llm.encode_prompt(token_ids, "chat")
+            conversation, tools = chat_from_proto(request.chat)
+            config = self._server.config
+            reading = chat_reading_from_proto(
+                request.chat, tools, config.tool_call_parser, config.reasoning_parser
+            )
+            text, token_ids = self._render_chat(llm, conversation, tools)
+            return text, token_ids, reading
         choices = (
             "text, token_ids" if isinstance(request, pb.EmbedRequest) else "text, token_ids, chat"
         )
         raise ValueError(f"prompt: set one of {choices}")
 
     @staticmethod
-    def _render_chat(llm: LLM, chat: pb.Chat, field: str) -> str:
-        if not chat.messages:
-            raise ValueError(f"{field}.messages is empty; it needs at least one message")
-        for position, message in enumerate(chat.messages):
-            if not message.role:
-                raise ValueError(f"{field}.messages[{position}].role is empty")
-        conversation = [{"role": m.role, "content": m.content} for m in chat.messages]
-        return llm.render_chat(conversation, f"{field}.messages")
+    def _render_chat(
+        llm: LLM, conversation: list[dict], tools: list[Tool] | None
+    ) -> tuple[str, list[int]]:
+        definitions = None if tools is None else [tool.definition for tool in tools]
+        return render_chat_prompt(llm, conversation, definitions, "chat.messages")
 
     async def _run(
         self, stream: RequestStream, request: pb.GenerateRequest, context

@@ -28,12 +28,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError
-
 from pagedserve.frontend import tool_calls
 from pagedserve.frontend.call_errors import CallError
-from pagedserve.frontend.reasoning import ReasoningParser, ReasoningStream
-from pagedserve.frontend.tool_calls import ToolCallError, ToolCalling, ToolCallStream
+from pagedserve.frontend.chat_request import (
+    ChatAnswer,
+    ChatAnswerStream,
+    ChatReading,
+    render_chat_prompt,
+    tool_constraint,
+)
+from pagedserve.frontend.reasoning import ReasoningParser
+from pagedserve.frontend.tool_calls import ToolCallDelta, ToolCallError, ToolCalling
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import (
     MAX_LOGPROBS,
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
         CompletionOutput,
         EmbeddingRequestOutput,
         RequestOutput,
+        ToolCall,
     )
 
 logger = logging.getLogger("pagedserve.server")
@@ -191,12 +197,10 @@ class ApiRequest:
     # vLLM's ``priority``: lower runs first (a server started with --scheduling-policy
     # priority; otherwise only 0 is accepted).
     priority: int = 0
-    # Chat requests with tools (tool_choice other than "none"): how to read the calls.
-    tool_calling: ToolCalling | None = None
-    # Chat requests on a server with --reasoning-parser: how to split thinking from the
-    # answer, and whether to report the thinking (vLLM's include_reasoning).
-    reasoning: ReasoningParser | None = None
-    include_reasoning: bool = True
+    # Chat requests: how their outputs read (tool calls with tools and a tool_choice other
+    # than "none"; the thinking on a server with --reasoning-parser, reported unless
+    # include_reasoning is false); None for completions, whose text is raw.
+    chat_reading: ChatReading | None = None
     created_s: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -228,8 +232,13 @@ def parse_request(
     model, lora_id = _served_model(body, llm, served_model_name)
     _refuse_unsupported(kind, body)
     tool_calling = _tool_calling(body, tool_call_parser) if kind == "chat" else None
-    reasoning = ReasoningParser(reasoning_parser) if kind == "chat" and reasoning_parser else None
-    include_reasoning = _typed(body, "include_reasoning", (bool,), "a boolean", True)
+    chat_reading = None
+    if kind == "chat":
+        chat_reading = ChatReading(
+            tool_calling,
+            ReasoningParser(reasoning_parser) if reasoning_parser else None,
+            _typed(body, "include_reasoning", (bool,), "a boolean", True),
+        )
     if kind == "completion":
         prompts = _completion_prompts(body, llm, max_prompts)
         logprobs = _int_field(body, "logprobs", 0, MAX_LOGPROBS)
@@ -264,16 +273,11 @@ def parse_request(
     if tool_calling is not None and tool_calling.constraint() is not None:
         structured = _tool_constraint(tool_calling, structured, llm)
     base = _base_params(body, default_params, logprobs, echo, max_tokens_names, structured)
-    markers = (() if tool_calling is None else tool_calling.markers) + (
-        () if reasoning is None else reasoning.markers
-    )
     if (
         body.get("skip_special_tokens") is None
-        and llm.tokenizer is not None
-        and any(marker in llm.tokenizer.special_token_texts for marker in markers)
+        and chat_reading is not None
+        and chat_reading.keeps_special_tokens(llm)
     ):
-        # The parsers find calls and thinking by markers the tokenizer may count as
-        # special: the output text keeps them, as vLLM's parsers ask.
         base = dataclasses.replace(base, skip_special_tokens=False)
     max_tokens_name = next((n for n in max_tokens_names if body.get(n) is not None), None)
     max_model_len = llm.scheduler_config.max_model_len
@@ -332,9 +336,7 @@ def parse_request(
         prompt_logprobs=body.get("prompt_logprobs") is not None,
         cache_namespace=cache_salt,
         client_request_id=request_id,
-        tool_calling=tool_calling,
-        reasoning=reasoning,
-        include_reasoning=include_reasoning,
+        chat_reading=chat_reading,
     )
 
 
@@ -400,9 +402,6 @@ def _tool_constraint(
 ) -> tuple[str, StructuredOutputsParams]:
     """The structured output that makes a required or named tool choice's calls: the
     output is constrained to the calls' JSON."""
-    constraint = calling.constraint()
-    assert constraint is not None
-    name, schema = constraint
     if structured is not None:
         raise _invalid(
             f"tool_choice={'required' if calling.mode == 'required' else 'a named function'} "
@@ -410,17 +409,11 @@ def _tool_constraint(
             "give one",
             structured[0],
         )
-    if llm.grammar_vocabulary is None:
-        raise _invalid(
-            f"tool_choice: a required or named tool choice constrains the output over the "
-            f"model's tokenizer, and {str(llm.model_path)!r} has none (or only a slow one)",
-            "tool_choice",
-        )
-    params = StructuredOutputsParams(json=schema)
     try:
-        grammar_text(params)
-    except (ValueError, TypeError) as error:
-        raise _invalid(f"{name}: {error}", name) from None
+        params = tool_constraint(calling, llm)
+    except ToolCallError as error:
+        raise _invalid(str(error), error.field) from None
+    assert params is not None
     return "tool_choice", params
 
 
@@ -706,14 +699,9 @@ def chat_prompt(body: dict, llm: LLM) -> Prompt:
         except ToolCallError as error:
             raise _invalid(str(error), error.field) from None
     try:
-        text = llm.render_chat(conversation, "messages", tools=tools)
-        token_ids = llm.encode_prompt(
-            llm.tokenizer.encode(text, add_special_tokens=False), "messages"
-        )
+        text, token_ids = render_chat_prompt(llm, conversation, tools, "messages")
     except (ValueError, TypeError) as error:
         raise _invalid(str(error), "messages") from None
-    except TemplateError as error:  # the template's raise_exception: messages it cannot show
-        raise _invalid(f"messages: the chat template refused them: {error}", "messages") from None
     return Prompt(text, token_ids)
 
 
@@ -863,26 +851,13 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
         num_outputs = len(output.outputs)
         for completion in output.outputs:
             index = prompt_index * num_outputs + completion.index
-            if request.kind == "chat":
-                text = completion.text
-                reasoning = None
-                if request.reasoning is not None:
-                    split = request.reasoning.parse(text, final=True)
-                    text, reasoning = split.content, split.reasoning
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                reason = finish_reason(completion)
-                if request.tool_calling is not None:
-                    message, parsed = tool_calls.whole_message(request.tool_calling, text)
-                    reason = request.tool_calling.finish_reason(reason, parsed)
-                if request.reasoning is not None:
-                    message["content"] = message["content"] or None
-                    if request.include_reasoning:
-                        message["reasoning_content"] = reasoning or None
+            if request.chat_reading is not None:
+                answer = request.chat_reading.whole(completion.text, finish_reason(completion))
                 choice = {
                     "index": index,
-                    "message": message,
+                    "message": _chat_message(request.chat_reading, answer),
                     "logprobs": None,
-                    "finish_reason": reason,
+                    "finish_reason": answer.finish_reason,
                     "stop_reason": completion.stop_reason,
                 }
                 if request.logprobs is not None and completion.logprobs is not None:
@@ -919,6 +894,40 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
     }
 
 
+def _chat_message(reading: ChatReading, answer: ChatAnswer) -> dict[str, Any]:
+    """A whole answer's assistant message: content (null beside calls or thinking when
+    empty, as vLLM writes it), the calls, the thinking."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.tool_calls:
+        message["content"] = answer.content or None
+        message["tool_calls"] = [_openai_call(call) for call in answer.tool_calls]
+    if reading.reasoning is not None:
+        message["content"] = message["content"] or None
+        if reading.include_reasoning:
+            message["reasoning_content"] = answer.reasoning or None
+    return message
+
+
+def _openai_call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def _openai_call_delta(delta: ToolCallDelta) -> dict[str, Any]:
+    """OpenAI's ``tool_calls`` delta: the first of a call names it and carries its id."""
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {
+        "index": delta.index,
+        "id": delta.id,
+        "type": "function",
+        "function": {"name": delta.name, "arguments": delta.arguments},
+    }
+
+
 def _echo_text(request: ApiRequest, prompt: Prompt, output: RequestOutput, llm: LLM) -> str:
     if not request.echo:
         return ""
@@ -938,8 +947,7 @@ class _ChoiceCursor:
     logprobs: int = 0
     started: bool = False
     finished: bool = False
-    tool_calls: ToolCallStream | None = None  # a chat request with tools
-    reasoning: ReasoningStream | None = None  # a server with a reasoning parser
+    chat: ChatAnswerStream | None = None  # a chat request: its reader
 
 
 class StreamWriter:
@@ -974,10 +982,8 @@ class StreamWriter:
             cursor = self._cursors.get(completion.index)
             if cursor is None:
                 cursor = self._cursors[completion.index] = _ChoiceCursor()
-                if request.tool_calling is not None:
-                    cursor.tool_calls = ToolCallStream(request.tool_calling)
-                if request.reasoning is not None:
-                    cursor.reasoning = ReasoningStream(request.reasoning)
+                if request.chat_reading is not None:
+                    cursor.chat = request.chat_reading.stream()
             new_text = completion.text[cursor.text_chars :]
             new_tokens = completion.token_ids[cursor.tokens :]
             new_entries = (
@@ -988,17 +994,11 @@ class StreamWriter:
             new_logprobs = request.logprobs is not None and bool(new_entries)
             call_deltas: list[dict] = []
             new_reasoning = ""
-            answer = completion.text
-            if cursor.reasoning is not None:
-                # The thinking apart; the answer is what the splitter settled.
-                new_reasoning, new_text = cursor.reasoning.feed(answer, reason is not None)
-                answer = cursor.reasoning.content
-                if not request.include_reasoning:
-                    new_reasoning = ""
-            if cursor.tool_calls is not None:
-                # The content is what the tool-call reader settled, not the raw text.
-                new_text, call_deltas = cursor.tool_calls.feed(answer, reason is not None)
-                reason = request.tool_calling.finish_reason(reason, cursor.tool_calls.last)
+            if cursor.chat is not None:
+                read = cursor.chat.feed(completion.text, reason is not None)
+                new_text, new_reasoning = read.content, read.reasoning
+                call_deltas = [_openai_call_delta(delta) for delta in read.tool_calls]
+                reason = cursor.chat.finish_reason(reason)
             if not cursor.started and not (new_tokens or newly_finished):
                 # The prompt still being prefilled (a chunked prefill reports its prompt
                 # logprobs piece by piece): a choice starts with its first token, when the

@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call a chat output made (tool calling): its id, the function's name and
+    the arguments (JSON text of an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -18,6 +28,12 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # What ended a "stop": the stop string, or the stop token's id; None for EOS.
     stop_reason: int | str | None = None
+    # A chat over the server (the gRPC client) read as the HTTP API reads it: with tools,
+    # the calls the output made, which `text` then leaves out ("tool_calls" is then a
+    # finish_reason too); on a server with a reasoning parser, the thinking, which `text`
+    # leaves out too. The offline engine leaves them empty: its text is the whole output.
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning_text: str = ""
 
 
 @dataclass

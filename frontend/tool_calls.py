@@ -16,6 +16,9 @@ One method reads a choice's output for both a whole answer and a stream:
 ``ToolCalling.parse(text, final)``. With ``final=False`` it reports only what more text
 cannot change (content that is a prefix of the final content, calls that stay; only the
 last call's arguments may still grow), so a stream's deltas add up to the whole answer.
+Calls and their deltas are plain data (``ToolCall``, ``ToolCallDelta``); each API writes
+them in its own format, and ``chat_request.py`` reads them together with the thinking.
+Field names in errors are OpenAI's (``tools[0].function.name``); the gRPC API renames them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedserve.frontend.outputs import ToolCall
 
 # --tool-call-parser: the model families whose output format the server can read.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
@@ -68,6 +73,17 @@ class ParsedCall:
 class ParsedOutput:
     content: str
     calls: list[ParsedCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """What a stream adds to one call of a choice: a call's first delta names it (``id``,
+    ``name``) with its arguments so far; later ones add arguments text only."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
 
 
 def parse_tools(tools: Any) -> list[Tool]:
@@ -134,6 +150,11 @@ def parse_tools(tools: Any) -> list[Tool]:
 def call_id() -> str:
     """A new tool call's id, in OpenAI's form."""
     return "call_" + uuid.uuid4().hex[:24]
+
+
+def with_ids(calls: list[ParsedCall]) -> list[ToolCall]:
+    """A whole answer's calls, each with a new id."""
+    return [ToolCall(call_id(), call.name, call.arguments) for call in calls]
 
 
 def chat_message_tool_fields(message: dict, name: str) -> dict[str, Any]:
@@ -337,51 +358,31 @@ class ToolCallStream:
         self._argument_chars: list[int] = []
         self.last: ParsedOutput = ParsedOutput("")
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         """What is new in the choice's output ``text`` (all of it so far): content, and
-        OpenAI's ``tool_calls`` deltas (a call's first names it and carries an id)."""
+        the calls' deltas (a call's first names it and carries a new id)."""
         parsed = self._calling.parse(text, final)
         self.last = parsed
         content = parsed.content[self._content_chars :]
         self._content_chars = len(parsed.content)
-        deltas: list[dict[str, Any]] = []
+        deltas: list[ToolCallDelta] = []
         for index, call in enumerate(parsed.calls):
             if index == len(self._call_ids):
                 self._call_ids.append(call_id())
                 self._argument_chars.append(len(call.arguments))
                 deltas.append(
-                    {
-                        "index": index,
-                        "id": self._call_ids[index],
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments},
-                    }
+                    ToolCallDelta(index, call.arguments, self._call_ids[index], call.name)
                 )
             elif len(call.arguments) > self._argument_chars[index]:
                 new_arguments = call.arguments[self._argument_chars[index] :]
                 self._argument_chars[index] = len(call.arguments)
-                deltas.append({"index": index, "function": {"arguments": new_arguments}})
+                deltas.append(ToolCallDelta(index, new_arguments))
         return content, deltas
 
-
-def whole_message(calling: ToolCalling, text: str) -> tuple[dict[str, Any], ParsedOutput]:
-    """A whole answer's assistant message: content, and the calls when there are any."""
-    parsed = calling.parse(text, final=True)
-    if not parsed.calls:
-        return {"role": "assistant", "content": parsed.content}, parsed
-    message = {
-        "role": "assistant",
-        "content": parsed.content or None,
-        "tool_calls": [
-            {
-                "id": call_id(),
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            }
-            for call in parsed.calls
-        ],
-    }
-    return message, parsed
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The choice's finish reason as ``ToolCalling.finish_reason`` says, by the calls
+        read so far (all of them once the output ended)."""
+        return self._calling.finish_reason(reason, self.last)
 
 
 # ---------------------------------------------------------------- output readers

@@ -19,7 +19,6 @@ from pagedserve.frontend.tool_calls import (
     ToolCallStream,
     chat_message_tool_fields,
     parse_tools,
-    whole_message,
 )
 
 WEATHER = {
@@ -247,28 +246,26 @@ def test_a_stream_adds_up_to_the_whole_answer(tool_choice, parser, text):
     """Fed a character at a time, each partial reading only extends the last, and the
     deltas join into the whole answer's content and calls."""
     reader = calling(tool_choice, parser)
-    whole, parsed = whole_message(reader, text)
+    parsed = reader.parse(text, final=True)
     stream = ToolCallStream(reader)
     content, calls, ids = "", [], []
     for end in range(1, len(text) + 1):
         new_content, deltas = stream.feed(text[:end], final=end == len(text))
         content += new_content
         for delta in deltas:
-            if delta["index"] == len(calls):
-                assert delta["id"].startswith("call_") and delta["type"] == "function"
-                calls.append({"name": delta["function"]["name"], "arguments": ""})
-                ids.append(delta["id"])
+            if delta.index == len(calls):
+                assert delta.id.startswith("call_") and delta.name is not None
+                calls.append({"name": delta.name, "arguments": ""})
+                ids.append(delta.id)
             else:
-                assert "id" not in delta and "name" not in delta["function"]
-            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+                assert delta.id is None and delta.name is None
+            calls[delta.index]["arguments"] += delta.arguments
     assert content == parsed.content
     assert calls == [{"name": c.name, "arguments": c.arguments} for c in parsed.calls]
     assert len(set(ids)) == len(ids)
-    if parsed.calls:
-        assert whole["tool_calls"][0]["function"]["name"] == parsed.calls[0].name
-        assert whole["content"] == (parsed.content or None)
-    else:
-        assert "tool_calls" not in whole and whole["content"] == text
+    assert stream.finish_reason("stop") == reader.finish_reason("stop", parsed)
+    if not parsed.calls:
+        assert content == text
 
 
 def test_finish_reason_says_tool_calls_when_the_model_chose_to_call():

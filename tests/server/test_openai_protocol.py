@@ -176,10 +176,11 @@ def test_tool_choice_becomes_a_constraint_or_a_reader(llm):
     assert json.loads(required.params[0].structured_outputs.json)["type"] == "array"
     # "auto" reads the model's format; without a parser on the server it is refused.
     auto = parse_request("chat", chat, llm, GREEDY_DEFAULT, "m", None, 8, "hermes")
-    assert auto.tool_calling.mode == "auto" and auto.params[0].structured_outputs is None
+    assert auto.chat_reading.tool_calling.mode == "auto"
+    assert auto.params[0].structured_outputs is None
     assert refusal(llm, chat, "chat").param == "tool_choice"
     none = parse(llm, {**chat, "tool_choice": "none"}, "chat")
-    assert none.tool_calling is None and none.params[0].structured_outputs is None
+    assert none.chat_reading.tool_calling is None and none.params[0].structured_outputs is None
     # The template got the tools (this one ignores them: the same prompt either way).
     assert (
         none.prompts[0].token_ids
