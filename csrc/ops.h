@@ -189,7 +189,7 @@ void silu_and_mul(void* out,  // [num_tokens, intermediate_size]
                   int64_t x_token_stride, int64_t num_tokens, int64_t intermediate_size,
                   DType dtype);
 
-// --- Linear layers on packed float32 weights ----------------------------------------------------
+// --- Linear layers on packed weights ------------------------------------------------------------
 // out = x W^T (+ bias) for W [out_features, in_features] stored once, after loading, in panels of
 // kLinearPanelWidth output features:
 //
@@ -197,18 +197,20 @@ void silu_and_mul(void* out,  // [num_tokens, intermediate_size]
 //   W[n][k] == packed_weight[n / 16][k][n % 16]; the last panel's columns past out_features are 0
 //
 // so the kernel reads each panel as one contiguous stream (layers/packed_weights.py packs it).
-// float32 only, accumulated in float32 by FMA. Each output depends only on its row of x, the
-// weights and in_features: not on num_rows, the other rows or the thread count (a request's
-// results do not change with its batch). Not bit-equal to MKL's sgemm: the sum's order differs.
+// dtype covers x, the weights, bias and out. The products are summed in float32 by FMA, in
+// feature order; bias is added to the float32 sum, then out is rounded to dtype once (F.linear's
+// rounding). Each output depends only on its row of x, the weights and in_features: not on
+// num_rows, the other rows or the thread count (a request's results do not change with its
+// batch). Not bit-equal to MKL's or oneDNN's GEMM: their sums run in another order.
 constexpr int kLinearPanelWidth = 16;
 
-void linear_f32_packed(float* out,  // [num_rows, out_features]
-                       int64_t out_row_stride,
-                       const float* x,  // [num_rows, in_features]
-                       int64_t x_row_stride,
-                       const float* packed_weight,  // see above
-                       const float* bias,           // [out_features], or nullptr
-                       int64_t num_rows, int64_t in_features, int64_t out_features);
+void linear_packed(void* out,  // [num_rows, out_features]
+                   int64_t out_row_stride,
+                   const void* x,  // [num_rows, in_features]
+                   int64_t x_row_stride,
+                   const void* packed_weight,  // see above
+                   const void* bias,           // [out_features], or nullptr
+                   int64_t num_rows, int64_t in_features, int64_t out_features, DType dtype);
 
 // OpenMP threads used by every op of this library (default: omp_get_max_threads()).
 void set_num_threads(int num_threads);

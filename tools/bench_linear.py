@@ -1,7 +1,7 @@
-"""Microbenchmark of the float32 linear layers on CPU (not a test): torch's F.linear (MKL) on
-the plain [out, in] weight against pagedserve's kernel on the same weight packed into panels
-(csrc/ops.h ``linear_f32_packed``), both measured in this run, alternating trial by trial so
-a noisy neighbour slows both alike.
+"""Microbenchmark of the linear layers on CPU (not a test): torch's F.linear (MKL in float32,
+oneDNN / torch's own kernels in bfloat16) on the plain [out, in] weight against pagedserve's
+kernel on the same weight packed into panels (csrc/ops.h ``linear_packed``), both measured in
+this run, alternating trial by trial so a noisy neighbour slows both alike.
 
 For each matrix of a decoder layer (qkv, o, gate_up, down) and the LM head, at row counts from
 one decode token to a prefill chunk: milliseconds per call (the median of the trials), GFLOP/s
@@ -9,8 +9,9 @@ and the speedup. Then a whole decode step's matrix products (every layer's four 
 the LM head) at each row count. The weights of the step's matrices are distinct tensors, as in
 the model, so the large ones come from memory as they do in a real step.
 
-    .venv/bin/python tools/bench_linear.py [--shapes embedded|llama-7b] [--threads N]
-        [--rows 1,8,32,...] [--trials 7] [--json out.json]
+    cd tools && ../.venv/bin/python bench_linear.py [--shapes embedded|llama-7b]
+        [--dtype float32|bfloat16|float16] [--threads N] [--rows 1,8,32,...] [--trials 7]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -77,13 +78,15 @@ def compare(
     return plain_times[trials // 2], packed_times[trials // 2]
 
 
-def bench_matrices(model: str, rows: list[int], trials: int) -> list[dict[str, object]]:
+def bench_matrices(
+    model: str, rows: list[int], trials: int, dtype: torch.dtype
+) -> list[dict[str, object]]:
     records = []
     for name, (out_features, in_features) in matrices(model).items():
-        weight = torch.randn(out_features, in_features)
+        weight = torch.randn(out_features, in_features).to(dtype)
         packed = PanelWeight(weight)
         for num_rows in rows:
-            x = torch.randn(num_rows, in_features)
+            x = torch.randn(num_rows, in_features).to(dtype)
             plain_s, packed_s = compare(
                 functools.partial(torch.nn.functional.linear, x, weight),
                 functools.partial(packed.linear, x, None),
@@ -124,21 +127,24 @@ def _packed_step(packed: list[PanelWeight], inputs: dict[int, torch.Tensor]) -> 
         matrix.linear(inputs[matrix.shape[1]], None)
 
 
-def bench_decode_steps(model: str, rows: list[int], trials: int) -> list[dict[str, object]]:
+def bench_decode_steps(
+    model: str, rows: list[int], trials: int, dtype: torch.dtype
+) -> list[dict[str, object]]:
     """Every layer's four matrices, then the LM head: the products of one model step."""
     num_layers = MODELS[model][-1]
     shapes = matrices(model)
     weights = [
-        torch.randn(*shapes[name])
+        torch.randn(*shapes[name]).to(dtype)
         for _ in range(num_layers)
         for name in ("qkv", "o", "gate_up", "down")
     ]
-    weights.append(torch.randn(*shapes["lm_head"]))
+    weights.append(torch.randn(*shapes["lm_head"]).to(dtype))
     packed = [PanelWeight(weight) for weight in weights]
     records = []
     for num_rows in rows:
         inputs = {
-            in_features: torch.randn(num_rows, in_features) for _, in_features in shapes.values()
+            in_features: torch.randn(num_rows, in_features).to(dtype)
+            for _, in_features in shapes.values()
         }
 
         plain_s, packed_s = compare(
@@ -166,6 +172,7 @@ def bench_decode_steps(model: str, rows: list[int], trials: int) -> list[dict[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", choices=sorted(MODELS), default="embedded")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument(
         "--rows",
@@ -185,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
-    print(f"{cpu_model()}: {args.threads} threads, kernels {_C_cpu.isa()}, shapes {args.shapes}")
+    dtype = getattr(torch, args.dtype)
+    print(
+        f"{cpu_model()}: {args.threads} threads, kernels {_C_cpu.isa()}, shapes {args.shapes}, "
+        f"{args.dtype}"
+    )
     results = {
         "command": shlex.join(sys.orig_argv),
         "cpu_model": cpu_model(),
@@ -193,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "isa": _C_cpu.isa(),
         "shapes": args.shapes,
+        "dtype": args.dtype,
         "torch": torch.__version__,
-        "matrices": bench_matrices(args.shapes, rows, args.trials),
-        "decode_steps": bench_decode_steps(args.shapes, step_rows, max(3, args.trials // 2)),
+        "matrices": bench_matrices(args.shapes, rows, args.trials, dtype),
+        "decode_steps": bench_decode_steps(args.shapes, step_rows, max(3, args.trials // 2), dtype),
     }
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

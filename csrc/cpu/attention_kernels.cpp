@@ -804,11 +804,6 @@ struct Prefill {
   }
 };
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
 // Calls fn(TypeTag<T>{}, std::integral_constant<int, D>{}) for the problem's dtype and head
 // size (both validated by the dispatcher).
 template <typename Fn>
@@ -827,14 +822,7 @@ auto dispatch(DType dtype, int64_t head_size, Fn&& fn) {
         return fn(tag, std::integral_constant<int, 256>{});
     }
   };
-  switch (dtype) {
-    case DType::kFloat32:
-      return with_type(TypeTag<float>{});
-    case DType::kBFloat16:
-      return with_type(TypeTag<BFloat16>{});
-    default:
-      return with_type(TypeTag<Half>{});
-  }
+  return with_dtype(dtype, with_type);
 }
 
 int64_t decode_workspace_floats(const AttentionProblem& p, int64_t partition_size) {

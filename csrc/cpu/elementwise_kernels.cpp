@@ -54,27 +54,6 @@ void store_partial(T* p, int64_t n, VecF x) {
   for (int64_t i = 0; i < n; ++i) p[i] = from_float<T>(buffer[i]);
 }
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// Calls fn(TypeTag<T>{}) for the dtype (validated by the caller).
-template <typename Fn>
-void with_dtype(DType dtype, const Fn& fn) {
-  switch (dtype) {
-    case DType::kFloat32:
-      fn(TypeTag<float>{});
-      break;
-    case DType::kBFloat16:
-      fn(TypeTag<BFloat16>{});
-      break;
-    default:
-      fn(TypeTag<Half>{});
-      break;
-  }
-}
-
 // --- rms_norm ------------------------------------------------------------------------------
 //
 // HF: h = x.float(); var = h.pow(2).mean(-1); h = h * rsqrt(var + eps); out = w * h.to(dtype).

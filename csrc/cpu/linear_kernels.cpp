@@ -1,11 +1,12 @@
-// The packed float32 linear of ops.h (out = x W^T + bias over W in the panel layout), compiled
-// once per ISA variant; see vec.h.
+// The packed linear of ops.h (out = x W^T + bias over W in the panel layout), compiled once per
+// ISA variant; see vec.h.
 //
 // Why not MKL (torch's F.linear): a decode step multiplies a few rows (one per running
 // sequence) by every weight matrix. MKL packs the [out, in] matrix into its own blocked form
 // inside every call, one more pass over every weight, and its few-row kernels reach a fraction
-// of the FMA peak: measured on the embedded model's shapes (2 cores), this kernel runs 1.5-5x
-// faster from 1 to 64 rows and 1.2-1.7x at 256-2048 (tools/bench_ops.py --linear).
+// of the FMA peak: measured on the embedded model's shapes (AMD EPYC, 2 cores, float32), a
+// decode step's products ran 1.8-2.5x faster from 1 to 64 rows and 1.2x at 256
+// (tools/bench_linear.py). 16-bit F.linear without AVX-512 BF16 / FP16 is slower still.
 //
 // The work: for a block of rows and a block of the input features, every panel (16 output
 // features, stored [in][16]) is read once and multiplied into tiles of kTileRows rows x 16
@@ -13,15 +14,19 @@
 // row and kTileRows x 16 FMAs). Threads split the panels (each reads its own part of the
 // weights), and the rows too when there are few panels per thread.
 //
-// Every output is a function of its row of x, the weights and in_features only: the sum over
-// the input features runs in index order within blocks fixed by in_features alone (a partial
-// sum is stored and reloaded between blocks, exactly), whatever the number of rows, the row
-// blocking or the threads. So a request's logits never depend on what shares its batch.
+// Every output is a function of its row of x, the weights and in_features only: one float32 FMA
+// chain over the input features in index order, whatever the number of rows, the row blocking or
+// the threads. So a request's logits never depend on what shares its batch. In float32 the
+// features are blocked (the partial sum is stored in out and reloaded, exactly); in bfloat16 /
+// float16 out cannot hold a float32 partial, so a tile runs over every feature at once, on rows
+// of x widened to float32 once per row block (bf16 / fp16 weights widen as they load; the output
+// rounds once, after the bias, as torch's F.linear rounds).
 #include "linear_kernels.h"
 
 #include <omp.h>
 
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "vec.h"
@@ -43,9 +48,9 @@ constexpr int kTileRows = 6;  // 6 x 2 accumulators of 16 ymm
 constexpr int kTileRows = 4;
 #endif
 
-// Input features per block: a panel's block (kMaxFeatureBlock x 16 floats, 32 KiB) stays in
-// the L1/L2 cache while every row tile of the row block reads it. Depends on in_features only
-// (see the top of the file).
+// float32 input features per block: a panel's block (kMaxFeatureBlock x 16 floats, 32 KiB)
+// stays in the L1/L2 cache while every row tile of the row block reads it. The results do not
+// depend on it (see the top of the file).
 constexpr int64_t kMaxFeatureBlock = 512;
 // Bytes of x per row block: it stays in the L2 cache while every panel reads it.
 constexpr int64_t kRowBlockBytes = 128 * 1024;
@@ -55,10 +60,11 @@ inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t larger(int64_t a, int64_t b) { return a > b ? a : b; }
 
 // c[Rows x 16] = (accumulate ? c : 0) + x[Rows, 0:features] . panel[0:features, 16], then
-// + bias[16] when bias is set. x rows x_stride apart, c rows c_stride apart.
-template <int Rows>
-void tile(const float* x, int64_t x_stride, const float* panel, int64_t features, float* c,
-          int64_t c_stride, bool accumulate, const float* bias) {
+// + bias[16] when bias is set. x rows x_stride apart, c rows c_stride apart. T: the weights,
+// bias and c (accumulate only for float).
+template <typename T, int Rows>
+void tile(const float* x, int64_t x_stride, const T* panel, int64_t features, T* c,
+          int64_t c_stride, bool accumulate, const T* bias) {
   VecF acc[Rows][kVectorsPerPanelRow];
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
@@ -95,60 +101,72 @@ void tile(const float* x, int64_t x_stride, const float* panel, int64_t features
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool,
-                        const float*);
+template <typename T>
+using TileFn = void (*)(const float*, int64_t, const T*, int64_t, T*, int64_t, bool, const T*);
 
-template <int... Rows>
-constexpr TileFn kTilesByRows[] = {nullptr, tile<Rows + 1>...};
+template <typename T, int... Rows>
+constexpr TileFn<T> kTilesByRows[] = {nullptr, tile<T, Rows + 1>...};
 
-template <size_t... I>
-constexpr const TileFn* tiles_by_rows(std::index_sequence<I...>) {
-  return kTilesByRows<static_cast<int>(I)...>;
+template <typename T, size_t... I>
+constexpr const TileFn<T>* tiles_by_rows(std::index_sequence<I...>) {
+  return kTilesByRows<T, static_cast<int>(I)...>;
 }
 
-// kTiles[r]: the tile of r rows, 1 <= r <= kTileRows.
-constexpr const TileFn* kTiles = tiles_by_rows(std::make_index_sequence<kTileRows>{});
+// kTiles<T>[r]: the tile of r rows, 1 <= r <= kTileRows.
+template <typename T>
+constexpr const TileFn<T>* kTiles = tiles_by_rows<T>(std::make_index_sequence<kTileRows>{});
 
 // The rows [0, rows) of x against one panel over one block of input features. A panel of fewer
 // than 16 outputs (the last, when out_features is not a multiple of 16) goes through a 16-wide
 // scratch tile, so every tile computes all 16 columns the same way.
-void rows_times_panel(const LinearProblem& p, const float* x, const float* panel, int64_t features,
-                      float* out, int64_t columns, bool accumulate, const float* bias,
+template <typename T>
+void rows_times_panel(const float* x, int64_t x_stride, const T* panel, int64_t features, T* out,
+                      int64_t out_stride, int64_t columns, bool accumulate, const T* bias,
                       int64_t rows) {
   if (columns == kPanel) {
     for (int64_t r = 0; r < rows; r += kTileRows) {
       const int64_t n = smaller(kTileRows, rows - r);
-      kTiles[n](x + r * p.x_row_stride, p.x_row_stride, panel, features, out + r * p.out_row_stride,
-                p.out_row_stride, accumulate, bias);
+      kTiles<T>[n](x + r* x_stride, x_stride, panel, features, out + r* out_stride, out_stride,
+                   accumulate, bias);
     }
     return;
   }
-  alignas(64) float scratch[kTileRows * kPanel];
-  alignas(64) float scratch_bias[kPanel] = {};
-  if (bias != nullptr) std::memcpy(scratch_bias, bias, columns * sizeof(float));
+  alignas(64) T scratch[kTileRows * kPanel];
+  alignas(64) T scratch_bias[kPanel];
+  std::memset(scratch_bias, 0, sizeof(scratch_bias));
+  if (bias != nullptr) std::memcpy(scratch_bias, bias, columns * sizeof(T));
   for (int64_t r = 0; r < rows; r += kTileRows) {
     const int64_t n = smaller(kTileRows, rows - r);
     for (int64_t i = 0; i < n; ++i) {
-      float* row = scratch + i * kPanel;
-      std::memset(row, 0, sizeof(float) * kPanel);
-      if (accumulate) std::memcpy(row, out + (r + i) * p.out_row_stride, columns * sizeof(float));
+      T* row = scratch + i * kPanel;
+      std::memset(row, 0, sizeof(T) * kPanel);
+      if (accumulate) std::memcpy(row, out + (r + i) * out_stride, columns * sizeof(T));
     }
-    kTiles[n](x + r * p.x_row_stride, p.x_row_stride, panel, features, scratch, kPanel, accumulate,
-              bias != nullptr ? scratch_bias : nullptr);
+    kTiles<T>[n](x + r* x_stride, x_stride, panel, features, scratch, kPanel, accumulate,
+                 bias != nullptr ? scratch_bias : nullptr);
     for (int64_t i = 0; i < n; ++i) {
-      std::memcpy(out + (r + i) * p.out_row_stride, scratch + i * kPanel, columns * sizeof(float));
+      std::memcpy(out + (r + i) * out_stride, scratch + i * kPanel, columns * sizeof(T));
     }
   }
 }
 
-// One thread's share: panels [panel_begin, panel_end) x rows [row_begin, row_end).
-void linear_part(const LinearProblem& p, int64_t panel_begin, int64_t panel_end, int64_t row_begin,
-                 int64_t row_end) {
+// Rows of x per row block, for a block of `features` input features.
+int64_t row_block(int64_t features) {
+  const int64_t fitting = kRowBlockBytes / (features * static_cast<int64_t>(sizeof(float)));
+  return larger(kTileRows, fitting / kTileRows * kTileRows);
+}
+
+// One thread's share in float32: panels [panel_begin, panel_end) x rows [row_begin, row_end),
+// the features in blocks.
+void linear_part(const LinearProblem& p, float*, int64_t panel_begin, int64_t panel_end,
+                 int64_t row_begin, int64_t row_end, TypeTag<float>) {
+  const float* x = static_cast<const float*>(p.x);
+  const float* weight = static_cast<const float*>(p.packed_weight);
+  const float* bias = static_cast<const float*>(p.bias);
+  float* out = static_cast<float*>(p.out);
   const int64_t feature_blocks = ceil_div(p.in_features, kMaxFeatureBlock);
   const int64_t feature_block = ceil_div(p.in_features, feature_blocks);
-  const int64_t block_rows =
-      larger(kTileRows, kRowBlockBytes / (feature_block * static_cast<int64_t>(sizeof(float))) /
-                            kTileRows * kTileRows);
+  const int64_t block_rows = row_block(feature_block);
   for (int64_t row = row_begin; row < row_end; row += block_rows) {
     const int64_t rows = smaller(block_rows, row_end - row);
     for (int64_t k0 = 0; k0 < p.in_features; k0 += feature_block) {
@@ -156,20 +174,63 @@ void linear_part(const LinearProblem& p, int64_t panel_begin, int64_t panel_end,
       const bool last = k0 + features == p.in_features;
       for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
         const int64_t column = panel * kPanel;
-        rows_times_panel(p, p.x + row * p.x_row_stride + k0,
-                         p.packed_weight + (panel * p.in_features + k0) * kPanel, features,
-                         p.out + row * p.out_row_stride + column,
+        rows_times_panel(x + row * p.x_row_stride + k0, p.x_row_stride,
+                         weight + (panel * p.in_features + k0) * kPanel, features,
+                         out + row * p.out_row_stride + column, p.out_row_stride,
                          smaller(kPanel, p.out_features - column), k0 > 0,
-                         last && p.bias != nullptr ? p.bias + column : nullptr, rows);
+                         last && bias != nullptr ? bias + column : nullptr, rows);
       }
     }
   }
 }
 
-void linear_f32_packed(const LinearProblem& p) {
+// The same in bfloat16 / float16: each row block widened into `widened` (row_block(in_features)
+// x in_features floats), every feature in one tile.
+template <typename T>
+void linear_part(const LinearProblem& p, float* widened, int64_t panel_begin, int64_t panel_end,
+                 int64_t row_begin, int64_t row_end, TypeTag<T>) {
+  const T* x = static_cast<const T*>(p.x);
+  const T* weight = static_cast<const T*>(p.packed_weight);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* out = static_cast<T*>(p.out);
+  const int64_t k = p.in_features;
+  const int64_t block_rows = row_block(k);
+  for (int64_t row = row_begin; row < row_end; row += block_rows) {
+    const int64_t rows = smaller(block_rows, row_end - row);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* source = x + (row + r) * p.x_row_stride;
+      float* target = widened + r * k;
+      int64_t i = 0;
+      for (; i + kWidth <= k; i += kWidth) VecF::load(source + i).store(target + i);
+      for (; i < k; ++i) target[i] = to_float(source[i]);
+    }
+    for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
+      const int64_t column = panel * kPanel;
+      rows_times_panel(widened, k, weight + panel * k * kPanel, k,
+                       out + row * p.out_row_stride + column, p.out_row_stride,
+                       smaller(kPanel, p.out_features - column), false,
+                       bias != nullptr ? bias + column : nullptr, rows);
+    }
+  }
+}
+
+// Runs one thread's share, with its own buffer for widened rows where the dtype needs one.
+template <typename T>
+void run_part(const LinearProblem& p, int64_t panel_begin, int64_t panel_end, int64_t row_begin,
+              int64_t row_end) {
+  float* widened = nullptr;
+  if constexpr (!std::is_same_v<T, float>) {
+    widened = new float[row_block(p.in_features) * p.in_features];
+  }
+  linear_part(p, widened, panel_begin, panel_end, row_begin, row_end, TypeTag<T>{});
+  delete[] widened;
+}
+
+template <typename T>
+void linear_packed_typed(const LinearProblem& p) {
   const int64_t panels = ceil_div(p.out_features, kPanel);
   if (p.num_threads <= 1) {
-    linear_part(p, 0, panels, 0, p.num_rows);
+    run_part<T>(p, 0, panels, 0, p.num_rows);
     return;
   }
 #pragma omp parallel num_threads(p.num_threads)
@@ -186,14 +247,20 @@ void linear_f32_packed(const LinearProblem& p) {
       const int64_t tiles = ceil_div(p.num_rows, kTileRows);
       const int64_t row_begin = smaller(p.num_rows, tiles * row_group / row_groups * kTileRows);
       const int64_t row_end = smaller(p.num_rows, tiles * (row_group + 1) / row_groups * kTileRows);
-      linear_part(p, panels * panel_group / panel_groups, panels * (panel_group + 1) / panel_groups,
-                  row_begin, row_end);
+      if (row_begin < row_end) {
+        run_part<T>(p, panels * panel_group / panel_groups,
+                    panels * (panel_group + 1) / panel_groups, row_begin, row_end);
+      }
     }
   }
 }
 
+void linear_packed(const LinearProblem& p) {
+  with_dtype(p.dtype, [&](auto tag) { linear_packed_typed<typename decltype(tag)::type>(p); });
+}
+
 }  // namespace
 
-extern const LinearKernels kLinearKernels = {linear_f32_packed};
+extern const LinearKernels kLinearKernels = {linear_packed};
 
 }  // namespace pagedserve::cpu::PAGEDSERVE_ISA_NS

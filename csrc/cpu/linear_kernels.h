@@ -1,4 +1,4 @@
-// The interface between the packed float32 linear op of ops.h (linear_ops.cpp: checks, thread
+// The interface between the packed linear op of ops.h (linear_ops.cpp: checks, thread
 // count) and its kernels, compiled once per ISA variant (linear_kernels.cpp) into the namespaces
 // pagedserve::cpu::{generic, avx2, avx512} like the attention kernels.
 #pragma once
@@ -10,20 +10,21 @@
 namespace pagedserve::cpu {
 
 struct LinearProblem {
-  float* out;  // [num_rows, out_features]
+  void* out;  // [num_rows, out_features]
   int64_t out_row_stride;
-  const float* x;  // [num_rows, in_features]
+  const void* x;  // [num_rows, in_features]
   int64_t x_row_stride;
-  const float* packed_weight;  // ops.h's panel layout
-  const float* bias;           // [out_features] or nullptr
+  const void* packed_weight;  // ops.h's panel layout
+  const void* bias;           // [out_features] or nullptr
   int64_t num_rows;
   int64_t in_features;
   int64_t out_features;
+  DType dtype;  // of all four
   int num_threads;
 };
 
 struct LinearKernels {
-  void (*linear_f32_packed)(const LinearProblem&);
+  void (*linear_packed)(const LinearProblem&);
 };
 
 // The variant of the ISA the attention kernels run (dispatch.cpp chooses one for all).

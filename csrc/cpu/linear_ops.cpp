@@ -1,4 +1,4 @@
-// The packed float32 linear of ops.h: argument checks and the thread count; the kernels are in
+// The packed linear of ops.h: argument checks and the thread count; the kernels are in
 // linear_kernels.cpp. Compiled for the baseline ISA.
 #include <algorithm>
 #include <stdexcept>
@@ -24,9 +24,13 @@ void check_at_least(const char* name, int64_t value, int64_t minimum) {
 
 }  // namespace
 
-void linear_f32_packed(float* out, int64_t out_row_stride, const float* x, int64_t x_row_stride,
-                       const float* packed_weight, const float* bias, int64_t num_rows,
-                       int64_t in_features, int64_t out_features) {
+void linear_packed(void* out, int64_t out_row_stride, const void* x, int64_t x_row_stride,
+                   const void* packed_weight, const void* bias, int64_t num_rows,
+                   int64_t in_features, int64_t out_features, DType dtype) {
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    throw std::invalid_argument("dtype code " + std::to_string(static_cast<int>(dtype)) +
+                                " is not supported (0 float32, 1 bfloat16, 2 float16)");
+  }
   check_at_least("num_rows", num_rows, 0);
   check_at_least("in_features", in_features, 1);
   check_at_least("out_features", out_features, 1);
@@ -37,9 +41,10 @@ void linear_f32_packed(float* out, int64_t out_row_stride, const float* x, int64
   if (num_rows == 0) return;
   const int64_t work = num_rows * in_features * out_features;
   const int num_threads = work < kMinParallelWork ? 1 : get_num_threads();
-  const LinearProblem p{out,  out_row_stride, x,           x_row_stride, packed_weight,
-                        bias, num_rows,       in_features, out_features, num_threads};
-  linear_kernels().linear_f32_packed(p);
+  const LinearProblem p{out,           out_row_stride, x,          x_row_stride,
+                        packed_weight, bias,           num_rows,   in_features,
+                        out_features,  dtype,          num_threads};
+  linear_kernels().linear_packed(p);
 }
 
 }  // namespace pagedserve::cpu

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "ops.h"
 #include "scalar_types.h"
 
 #if defined(PAGEDSERVE_ISA_AVX512) || defined(PAGEDSERVE_ISA_AVX2)
@@ -560,6 +561,24 @@ inline VecF exp_like_torch(VecF x) {
 #endif
 
 constexpr int kWidth = VecF::kWidth;
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// fn(TypeTag<T>{}) for the element type of dtype (validated by the caller), and its result.
+template <typename Fn>
+auto with_dtype(DType dtype, const Fn& fn) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return fn(TypeTag<float>{});
+    case DType::kBFloat16:
+      return fn(TypeTag<BFloat16>{});
+    default:
+      return fn(TypeTag<Half>{});
+  }
+}
 
 // Whether rows of T load in interleaved order (see load_pair); other types load in order.
 template <typename T>

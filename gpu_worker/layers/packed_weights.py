@@ -1,18 +1,18 @@
 """Linear weights packed once after loading, on CPU, for a faster matrix product.
 
-- bfloat16 / float16: oneDNN's blocked layout. ``F.linear`` in these dtypes runs oneDNN,
-  which reorders the plain ``[out, in]`` weight into its blocked layout (AMX tiles, AVX-512
-  BF16 pairs) inside every call: a decode step pays for one more pass over every weight of
-  the model. Packing once removes that pass: measured on the embedded model's layer shapes
-  (30 layers, 2 threads, weights larger than the caches), 1.2-1.5x faster at 8 to 200 rows,
-  and the same results.
-- float32: panels of 16 output features for pagedserve's own kernel (csrc/ops.h,
-  ``linear_f32_packed``), on CPUs with AVX2 or AVX-512. MKL (``F.linear``) packs the weight
-  inside every call too, and its few-row kernels are slow: a decode step's products ran
-  1.5-5x faster from 1 to 64 rows and 1.2-1.7x faster at 256-2048 rows on the embedded model's
-  shapes (docs/BENCHMARKS.md). Its sums run in another order than MKL's, so results differ
-  from ``F.linear`` in the last bits (greedy tokens still match HF's in the parity tests),
-  and each row's result is the same whatever else is in the batch.
+- Panels of 16 output features for pagedserve's own kernel (csrc/ops.h, ``linear_packed``),
+  on CPUs with AVX2 or AVX-512: float32 always, bfloat16 / float16 where oneDNN has no packed
+  path. MKL behind float32 ``F.linear`` packs the weight inside every call (one more pass
+  over every weight per decode step), and its few-row kernels are slow: a decode step's
+  products ran 1.8-2.5x faster from 1 to 64 rows on the embedded model's shapes
+  (docs/BENCHMARKS.md); 16-bit ``F.linear`` on a CPU without AVX-512 BF16 / FP16 was slower
+  still. Sums run in another order than MKL's / oneDNN's, so results differ from ``F.linear``
+  in the last bits (greedy tokens still match HF's in the parity tests), and each row's
+  result is the same whatever else is in the batch.
+- bfloat16 / float16 where oneDNN packs them (AVX-512 BF16 / FP16, AMX): oneDNN's blocked
+  layout. ``F.linear`` there reorders the plain ``[out, in]`` weight into that layout inside
+  every call; packing once measured 1.2-1.5x faster at 8 to 200 rows on the embedded model's
+  layer shapes (30 layers, 2 threads), with the same results.
 
 ``PAGEDSERVE_CPU_LINEAR=torch`` (read when a model is packed) keeps every plain weight on
 ``F.linear``; ``packed``, the default, packs where a packed path exists. GPUs never pack. A
@@ -43,7 +43,9 @@ CPU_LINEAR_CHOICES = ("packed", "torch")
 # default) ran 1.3x faster packed for 2048 rows than for 32 or 256.
 PACKING_ROWS_HINT = 2048
 ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
-# The ISA variants of _C_cpu whose float32 kernel beats MKL (the generic one would not).
+PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The ISA variants of _C_cpu whose kernel beats torch's (the generic one would not).
 PANEL_ISAS = ("avx2", "avx512")
 PANEL_WIDTH = _C_cpu.LINEAR_PANEL_WIDTH
 
@@ -60,9 +62,10 @@ def cpu_linear_mode() -> str:
 
 
 class PanelWeight:
-    """A float32 ``[out, in]`` matrix in csrc/ops.h's panel layout: ``panels [ceil(out / 16),
-    in, 16]``, ``W[n][k] == panels[n // 16, k, n % 16]``, zero past ``out``. ``shape``,
-    ``dtype`` and ``device`` are the plain matrix's, as code reading a layer's weight expects."""
+    """An ``[out, in]`` matrix (float32, bfloat16 or float16) in csrc/ops.h's panel layout:
+    ``panels [ceil(out / 16), in, 16]``, ``W[n][k] == panels[n // 16, k, n % 16]``, zero past
+    ``out``. ``shape``, ``dtype`` and ``device`` are the plain matrix's, as code reading a
+    layer's weight expects."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         out_features, in_features = weight.shape
@@ -73,28 +76,29 @@ class PanelWeight:
         self.shape = weight.shape
         self.dtype = weight.dtype
         self.device = weight.device
+        self._dtype_code = _DTYPE_CODES[weight.dtype]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + bias`` for ``x [..., in]`` float32 -> ``[..., out]``."""
+        """``x W^T + bias`` for ``x [..., in]`` -> ``[..., out]``, all in this matrix's dtype."""
         out_features, in_features = self.shape
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != in_features:
+        if x.dtype != self.dtype or x.device.type != "cpu" or x.shape[-1] != in_features:
             raise ValueError(
-                f"x of a packed float32 [{out_features}, {in_features}] layer must be a float32 "
-                f"CPU tensor [..., {in_features}], got {x.dtype} {x.device.type} "
+                f"x of a packed {self.dtype} [{out_features}, {in_features}] layer must be a "
+                f"{self.dtype} CPU tensor [..., {in_features}], got {x.dtype} {x.device.type} "
                 f"{tuple(x.shape)}"
             )
         if bias is not None and (
-            bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()
+            bias.dtype != self.dtype or bias.shape != (out_features,) or not bias.is_contiguous()
         ):
             raise ValueError(
-                f"bias of a packed float32 [{out_features}, {in_features}] layer must be a "
-                f"contiguous float32 [{out_features}], got {bias.dtype} {tuple(bias.shape)}"
+                f"bias of a packed {self.dtype} [{out_features}, {in_features}] layer must be a "
+                f"contiguous {self.dtype} [{out_features}], got {bias.dtype} {tuple(bias.shape)}"
             )
         rows = x.reshape(-1, in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], out_features)
-        _C_cpu.linear_f32_packed(
+        out = torch.empty(rows.shape[0], out_features, dtype=self.dtype)
+        _C_cpu.linear_packed(
             out.data_ptr(),
             out_features,
             rows.data_ptr(),
@@ -104,6 +108,7 @@ class PanelWeight:
             rows.shape[0],
             in_features,
             out_features,
+            self._dtype_code,
         )
         return out.view(*x.shape[:-1], out_features)
 
@@ -111,16 +116,22 @@ class PanelWeight:
 def packing_available(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dim() != 2 or cpu_linear_mode() != "packed":
         return False
-    if weight.dtype == torch.float32:
-        return _C_cpu.isa() in PANEL_ISAS
-    return weight.dtype in ONEDNN_DTYPES and _onednn_packs(weight.dtype)
+    return _packs_for_onednn(weight.dtype) or _packs_in_panels(weight.dtype)
+
+
+def _packs_for_onednn(dtype: torch.dtype) -> bool:
+    return dtype in ONEDNN_DTYPES and _onednn_packs(dtype)
+
+
+def _packs_in_panels(dtype: torch.dtype) -> bool:
+    return dtype in PANEL_DTYPES and _C_cpu.isa() in PANEL_ISAS
 
 
 @functools.cache
 def _onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs ``dtype`` on this CPU: it refuses where the ISA lacks the dtype's
     instructions (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, float16 AVX512-FP16 or
-    AVX-NE-CONVERT, e.g. on AVX2-only CPUs), and those CPUs keep ``F.linear``. Asked by
+    AVX-NE-CONVERT, e.g. on AVX2-only CPUs), and those CPUs use the panels. Asked by
     packing a small matrix once: torch's own check, whatever its version requires."""
     if not (
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -128,18 +139,21 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
         return False
     weight = torch.ones(16, 16, dtype=dtype)
     try:
-        packed_linear(torch.ones(1, 16, dtype=dtype), pack_weight(weight), None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS_HINT)
+        packed_linear(torch.ones(1, 16, dtype=dtype), packed, None)
     except RuntimeError:
         return False
     return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
-    """[out, in] plain -> the same matrix packed: panels (float32) or oneDNN's layout (an
-    mkldnn tensor)."""
-    if weight.dtype == torch.float32:
-        return PanelWeight(weight)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACKING_ROWS_HINT)
+    """[out, in] plain -> the same matrix packed (where ``packing_available``): oneDNN's
+    layout (an mkldnn tensor) where oneDNN packs the dtype, else panels."""
+    if _packs_for_onednn(weight.dtype):
+        return torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous(), PACKING_ROWS_HINT
+        )
+    return PanelWeight(weight)
 
 
 def packed_linear(

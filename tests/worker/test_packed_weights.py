@@ -22,6 +22,7 @@ from pagedserve.gpu_worker.layers.packed_weights import (
     CPU_LINEAR_ENV,
     PanelWeight,
     pack_linear_weights,
+    pack_weight,
     packing_available,
 )
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
@@ -121,12 +122,18 @@ def test_cpu_linear_names_a_bad_value(monkeypatch):
         packing_available(torch.empty(4, 4))
 
 
-def test_float32_packs_only_where_the_kernel_beats_mkl():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpus_with_avx2_pack_every_dtype(dtype):
     from pagedserve import _C_cpu
 
-    assert packing_available(torch.empty(4, 4)) == (_C_cpu.isa() in ("avx2", "avx512"))
+    weight = torch.randn(20, 8).to(dtype)
+    if _C_cpu.isa() in ("avx2", "avx512"):
+        assert packing_available(weight)
+        packed = pack_weight(weight)
+        # Panels unless oneDNN packs the dtype itself (float32: always panels).
+        assert isinstance(packed, PanelWeight) or dtype != torch.float32
     assert not packing_available(torch.empty(4, 4, dtype=torch.float64))
-    assert not packing_available(torch.empty(4))
+    assert not packing_available(torch.empty(4, dtype=dtype))
 
 
 @pytest.mark.parametrize(
