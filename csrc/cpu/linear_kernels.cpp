@@ -184,8 +184,8 @@ void linear_part(const LinearProblem& p, float*, int64_t panel_begin, int64_t pa
   }
 }
 
-// The same in bfloat16 / float16: each row block widened into `widened` (row_block(in_features)
-// x in_features floats), every feature in one tile.
+// The same in bfloat16 / float16: each row block widened into `widened` (min(row_block(
+// in_features), row_end - row_begin) x in_features floats), every feature in one tile.
 template <typename T>
 void linear_part(const LinearProblem& p, float* widened, int64_t panel_begin, int64_t panel_end,
                  int64_t row_begin, int64_t row_end, TypeTag<T>) {
@@ -220,7 +220,9 @@ void run_part(const LinearProblem& p, int64_t panel_begin, int64_t panel_end, in
               int64_t row_end) {
   float* widened = nullptr;
   if constexpr (!std::is_same_v<T, float>) {
-    widened = new float[row_block(p.in_features) * p.in_features];
+    // A decode step's few rows need far less than a whole row block.
+    const int64_t rows = smaller(row_block(p.in_features), row_end - row_begin);
+    widened = new float[rows * p.in_features];
   }
   linear_part(p, widened, panel_begin, panel_end, row_begin, row_end, TypeTag<T>{});
   delete[] widened;
