@@ -121,9 +121,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # ------------------------------------------------------------ RPCs
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        async with self._server.call("grpc", _grpc_code(context)):
-            stream, reading = await self._admit(request, context)
-            async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
+        async with self._counted_call(context):
+            stream, reading = self._admit(request)
+            async with self._outputs(stream, request) as outputs:
                 async for _output in outputs:
                     pass
             return whole_response(request.request_id, stream.output, reading)
@@ -131,12 +131,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async with self._server.call("grpc", _grpc_code(context)):
-            stream, reading = await self._admit(request, context)
+        async with self._counted_call(context):
+            stream, reading = self._admit(request)
             state = StreamState(request.request_id, reading)
-            # aclosing: a call that ends early (cancelled while sending) aborts the request
-            # now, not when the generator is collected.
-            async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
+            async with self._outputs(stream, request) as outputs:
                 interval_tokens = self._server.config.stream_interval_tokens
                 async for output in outputs:
                     if not state.due(output, interval_tokens):
@@ -146,16 +144,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         yield response
 
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
-        async with self._server.call("grpc", _grpc_code(context)):
-            stream, _ = await self._admit(request, context)
-            async with contextlib.aclosing(self._run(stream, request, context)) as outputs:
+        async with self._counted_call(context):
+            stream, _ = self._admit(request)
+            async with self._outputs(stream, request) as outputs:
                 async for _output in outputs:
                     pass
             output = stream.output
             if output.outputs is None:  # ended by the engine without its vector
-                await context.abort(
-                    grpc.StatusCode.INTERNAL,
-                    f"request {output.request_id} ended: {output.finish_reason}",
+                raise CallError(
+                    "INTERNAL", f"request {output.request_id} ended: {output.finish_reason}"
                 )
             return pb.EmbedResponse(
                 request_id=request.request_id,
@@ -215,43 +212,60 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ------------------------------------------------------------ internals
 
+    @contextlib.asynccontextmanager
+    async def _counted_call(self, context) -> AsyncIterator[None]:
+        """Count a generation call, then end it with the status a ``CallError`` names.
+        The abort comes after the count because grpc's ``abort`` sends the status at
+        once: inside the counted scope a client could read its error, scrape the
+        metrics and not find its call counted yet."""
+        try:
+            async with self._server.call("grpc", _grpc_code(context)):
+                yield
+        except CallError as error:
+            await context.abort(grpc.StatusCode[error.code], error.message)
+
     async def _ready_llm(self, context) -> LLM:
         try:
             return self._server.ready_llm()
         except CallError as error:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
-    async def _admit(
-        self, request: pb.GenerateRequest | pb.EmbedRequest, context
+    def _outputs(
+        self, stream: RequestStream, request: pb.GenerateRequest | pb.EmbedRequest
+    ) -> contextlib.aclosing:
+        """The request's outputs as they grow (a failure raises ``CallError``), closed on
+        leaving: a call that ends early (cancelled while sending) aborts the engine's
+        request then, not when the generator is collected."""
+        return contextlib.aclosing(self._server.outputs(stream, request.request_id))
+
+    def _admit(
+        self, request: pb.GenerateRequest | pb.EmbedRequest
     ) -> tuple[RequestStream, ChatReading | None]:
-        """Validate, tokenize and queue a generation or embedding request, or end the call
-        with a clear status naming the field. A chat's outputs read as the second value
+        """Validate, tokenize and queue a generation or embedding request, or raise a
+        ``CallError`` whose message names the field. A chat's outputs read as the second value
         says (None: the prompt is no chat, its text is the output's)."""
         server = self._server
+        llm = server.check_admission()
         try:
-            llm = server.check_admission()
-            try:
-                prompt, token_ids, reading = self._prompt(llm, request)
-                params = self._checked_params(llm, request, token_ids, reading)
-                llm.check_priority(request.priority)
-            except (ValueError, TypeError) as error:
-                raise CallError("INVALID_ARGUMENT", str(error)) from None
-            try:
-                lora_id = llm.lora_id(request.lora_adapter or None, "lora_adapter")
-            except ValueError as error:
-                raise CallError("NOT_FOUND", str(error)) from None
-            stream = server.submit(
-                "grpc",
-                prompt,
-                token_ids,
-                params,
-                request.cache_namespace or None,
-                lora_id,
-                request.priority,
-            )
-            return stream, reading
-        except CallError as error:
-            await context.abort(grpc.StatusCode[error.code], error.message)
+            prompt, token_ids, reading = self._prompt(llm, request)
+            params = self._checked_params(llm, request, token_ids, reading)
+            llm.check_priority(request.priority)
+        except (ValueError, TypeError) as error:
+            raise CallError("INVALID_ARGUMENT", str(error)) from None
+        try:
+            lora_id = llm.lora_id(request.lora_adapter or None, "lora_adapter")
+        except ValueError as error:
+            raise CallError("NOT_FOUND", str(error)) from None
+        stream = server.submit(
+            "grpc",
+            prompt,
+            token_ids,
+            params,
+            request.cache_namespace or None,
+            lora_id,
+            request.priority,
+        )
+        return stream, reading
 
     def _checked_params(
         self,
@@ -307,19 +321,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> tuple[str, list[int]]:
         definitions = None if tools is None else [tool.definition for tool in tools]
         return render_chat_prompt(llm, conversation, definitions, "chat.messages")
-
-    async def _run(
-        self, stream: RequestStream, request: pb.GenerateRequest, context
-    ) -> AsyncIterator:
-        """The request's outputs as they grow; ends the call with a status on failure,
-        and the engine's request whenever the call ends first (cancel, deadline)."""
-        try:
-            outputs = self._server.outputs(stream, request.request_id)
-            async with contextlib.aclosing(outputs):
-                async for output in outputs:
-                    yield output
-        except CallError as error:
-            await context.abort(grpc.StatusCode[error.code], error.message)
 
 
 class GrpcApi:

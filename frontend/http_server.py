@@ -184,9 +184,16 @@ class HttpApi:
 
     async def _generate(self, kind: str, http_request: web.Request) -> web.StreamResponse:
         try:
-            return await self._generate_counted(kind, http_request)
+            response = await self._generate_counted(kind, http_request)
         except _StreamFailed as failure:
-            return failure.response
+            response = failure.response
+        if response.prepared:
+            # An event stream: its end goes out once the call is counted, so a client that
+            # has read [DONE] finds its call in /metrics and the stats.
+            with contextlib.suppress(ConnectionResetError):  # gone after its last event
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+        return response
 
     async def _generate_counted(self, kind: str, http_request: web.Request):
         server = self._server
@@ -300,6 +307,7 @@ class HttpApi:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _stream(self, api_request, streams, http_request: web.Request):
+        """The chunks as server-sent events; ``_generate`` sends [DONE] after the count."""
         server = self._server
         llm = server.engine.llm
         response_id = protocol.response_id(api_request)
@@ -328,8 +336,6 @@ class HttpApi:
                     failure = chunk
                     chunk = error_body(chunk)
                 await response.write(_sse(chunk))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
         if failure is not None:
             raise _StreamFailed(failure, response)
         return response

@@ -420,6 +420,12 @@ def test_both_apis_share_one_engine_and_the_metrics(server, client, offline):
     assert 'pagedserve_requests_total{api="grpc",code="OK"}' in text
     assert "pagedserve_engine_num_total_blocks" in text  # the scheduler's, at scrape time
     assert server.stats().requests_running == 0
+    # A call is counted before its end reaches the client: no waiting for the stats.
+    finished_before = server.stats().requests_finished
+    body = {"prompt": PROMPT_IDS, "max_tokens": 4, "temperature": 0, "stream": True}
+    assert sse_events(server, "/v1/completions", body)[-1] == "[DONE]"
+    stats = server.stats()
+    assert stats.requests_finished == finished_before + 1 and stats.requests_running == 0
 
 
 def test_a_client_that_disconnects_mid_stream_ends_its_request(server):
