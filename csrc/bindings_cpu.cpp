@@ -203,6 +203,20 @@ PYBIND11_MODULE(_C_cpu, m) {
       py::arg("out"), py::arg("out_row_stride"), py::arg("x"), py::arg("x_row_stride"),
       py::arg("packed_weight"), py::arg("bias"), py::arg("num_rows"), py::arg("in_features"),
       py::arg("out_features"), py::arg("dtype"));
+  m.def(
+      "linear_packed_int8",
+      [](uintptr_t out, int64_t out_row_stride, uintptr_t x, int64_t x_row_stride,
+         uintptr_t packed_weight, uintptr_t weight_scales, uintptr_t bias, int64_t num_rows,
+         int64_t in_features, int64_t out_features, int dtype) {
+        py::gil_scoped_release release;
+        pagedserve::cpu::linear_packed_int8(
+            ptr<void>(out), out_row_stride, ptr<const void>(x), x_row_stride,
+            ptr<const int8_t>(packed_weight), ptr<const float>(weight_scales),
+            ptr<const void>(bias), num_rows, in_features, out_features, static_cast<DType>(dtype));
+      },
+      py::arg("out"), py::arg("out_row_stride"), py::arg("x"), py::arg("x_row_stride"),
+      py::arg("packed_weight"), py::arg("weight_scales"), py::arg("bias"), py::arg("num_rows"),
+      py::arg("in_features"), py::arg("out_features"), py::arg("dtype"));
   m.attr("LINEAR_PANEL_WIDTH") = pagedserve::cpu::kLinearPanelWidth;
 
   m.def("set_num_threads", &pagedserve::cpu::set_num_threads, py::arg("num_threads"),

@@ -212,6 +212,23 @@ void linear_packed(void* out,  // [num_rows, out_features]
                    const void* bias,           // [out_features], or nullptr
                    int64_t num_rows, int64_t in_features, int64_t out_features, DType dtype);
 
+// The same over int8 weights, quantized per output feature (weight-only quantization):
+//
+//   W[n][k] == packed_weight[n / 16][k][n % 16] * weight_scales[n]
+//
+// in the panel layout above (int8, columns past out_features 0). dtype covers x, bias and out.
+// Each output is the float32 FMA sum over the features, in order, of x times the int8 value
+// (exact in float32), times weight_scales[n], plus bias, rounded to dtype once; as above it does
+// not depend on the batch or the thread count.
+void linear_packed_int8(void* out,  // [num_rows, out_features]
+                        int64_t out_row_stride,
+                        const void* x,  // [num_rows, in_features]
+                        int64_t x_row_stride,
+                        const int8_t* packed_weight,  // see above
+                        const float* weight_scales,   // [out_features]
+                        const void* bias,             // [out_features], or nullptr
+                        int64_t num_rows, int64_t in_features, int64_t out_features, DType dtype);
+
 // OpenMP threads used by every op of this library (default: omp_get_max_threads()).
 void set_num_threads(int num_threads);
 int get_num_threads();

@@ -22,6 +22,7 @@ from pagedserve.frontend.server import (
     serve,
 )
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
+from pagedserve.gpu_worker.model_config import QUANTIZATION_NAMES
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -36,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     engine.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    engine.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATION_NAMES,
+        help="quantize the linear layers' weights as the model loads (CPU only): int8 values, "
+        "one scale per output feature; faster decoding, output close to the unquantized one",
+    )
     engine.add_argument(
         "--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (cuda)"
     )
@@ -296,6 +304,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         max_model_len=args.max_model_len,

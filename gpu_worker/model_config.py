@@ -448,6 +448,25 @@ def _check_divisible(field: str, value: int, size: int) -> None:
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+# Weight-only quantizations of the linear layers, done on CPU as the model loads
+# (layers/packed_weights.py, ``Int8PanelWeight``): int8 values, one scale per output feature.
+QUANTIZATION_NAMES = ("int8",)
+
+
+def check_quantization_name(quantization: str | None, device: str = "cpu") -> None:
+    """Raise ``ValueError`` naming the value and the choices for an unknown quantization,
+    or one asked for on a device it does not run on."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATION_NAMES:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_NAMES)} or None, "
+            f"got {quantization!r}"
+        )
+    if not str(device).startswith("cpu"):
+        raise ValueError(f"quantization={quantization!r} runs on CPU only, got device={device!r}")
+
+
 def check_dtype_name(dtype: str) -> None:
     """Raise ``ValueError`` naming the value and the choices for an unknown dtype."""
     if dtype not in DTYPE_NAMES:

@@ -25,6 +25,7 @@ from pagedserve.gpu_worker.model_config import (
     ModelConfig,
     check_cuda_graph_support,
     check_dtype_name,
+    check_quantization_name,
 )
 from pagedserve.gpu_worker.model_runner import ModelRunner
 from pagedserve.gpu_worker.models import build_model
@@ -77,11 +78,14 @@ class Worker:
         cuda_graph_max_len: int = 0,
         lora_modules: list[tuple[str, str]] | None = None,
         enable_lora: bool = False,
+        quantization: str | None = None,
     ) -> None:
         """``lora_modules``: (name, PEFT LoRA adapter directory) pairs, adapter ids 1, 2,
         ... in order; ``enable_lora``: adapters may also load at run time (the plans'
-        ``load_loras``), even with none at start-up."""
+        ``load_loras``), even with none at start-up; ``quantization`` ("int8", CPU only):
+        the linear layers' weights quantized as they are packed."""
         self.device = _parse_device(device)
+        check_quantization_name(quantization, self.device.type)
         if cuda_graph_max_batch and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs need device='cuda', got device={device!r}")
         self.model_config = ModelConfig.from_dir(model_path)
@@ -101,12 +105,13 @@ class Worker:
             lora_batch = load_adapters(self.model, list(lora_modules or []))
         self._lora_batch: LoRABatch | None = lora_batch
         self.model.eval()
-        num_packed = self.model.pack_weights()
+        num_packed = self.model.pack_weights(quantization)
         logger.info(
-            "loaded %s in %.1f s (%d matrices packed for the CPU)",
+            "loaded %s in %.1f s (%d matrices packed for the CPU%s)",
             self.model_config.architecture,
             time.monotonic() - started,
             num_packed,
+            "" if quantization is None else f", linear layers quantized to {quantization}",
         )
 
         self.kv_cache_spec = KVCacheSpec(

@@ -89,6 +89,7 @@ def build_worker(start: StartWorker) -> Worker:
         cuda_graph_max_len=spec.cuda_graph_max_len,
         lora_modules=[(name, path) for name, path in spec.lora_modules],
         enable_lora=spec.enable_lora,
+        quantization=spec.quantization,
     )
 
 

@@ -158,6 +158,8 @@ class WorkerSpec:
     lora_modules: list[list[str]] = field(default_factory=list)
     # Adapters may load at run time (StepPlan.load_loras), even with none at start-up.
     enable_lora: bool = False
+    # Weight-only quantization of the linear layers ("int8"; CPU only), or None.
+    quantization: str | None = None
 
 
 @dataclass

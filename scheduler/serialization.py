@@ -257,6 +257,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "cuda_graph_max_len",
         "lora_modules",
         "enable_lora",
+        "quantization",
     ),
     StartEngine: (
         "frontend_pid",

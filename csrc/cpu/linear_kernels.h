@@ -14,12 +14,13 @@ struct LinearProblem {
   int64_t out_row_stride;
   const void* x;  // [num_rows, in_features]
   int64_t x_row_stride;
-  const void* packed_weight;  // ops.h's panel layout
-  const void* bias;           // [out_features] or nullptr
+  const void* packed_weight;   // ops.h's panel layout, in dtype or (weight_scales set) int8
+  const float* weight_scales;  // int8 weights: W[n][k] == packed[n / 16][k][n % 16] * this[n]
+  const void* bias;            // [out_features] or nullptr
   int64_t num_rows;
   int64_t in_features;
   int64_t out_features;
-  DType dtype;  // of all four
+  DType dtype;  // of x, bias, out and (unless int8) the weights
   int num_threads;
 };
 

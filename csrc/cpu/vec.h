@@ -26,6 +26,7 @@
 namespace pagedserve::cpu::PAGEDSERVE_ISA_NS {
 
 inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }  // int8-quantized weights
 inline float to_float(BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
   float f;
@@ -127,6 +128,10 @@ struct VecF {
   }
   static VecF load(const Half* p) {
     return VecF(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  static VecF load(const int8_t* p) {
+    return VecF(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(BFloat16* p) const {
@@ -307,6 +312,10 @@ struct VecF {
   }
   static VecF load(const Half* p) {
     return VecF(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static VecF load(const int8_t* p) {
+    return VecF(_mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(BFloat16* p) const {

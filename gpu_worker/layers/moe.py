@@ -42,6 +42,7 @@ class SparseMoE(nn.Module):
         self.spec = spec
         self.parallel = parallel
         self.gate = Linear(hidden_size, spec.num_experts, False, dtype)
+        self.gate.quantizable = False  # routing is sensitive, and the router is small
         self.experts = nn.ModuleList(
             GatedMLP(hidden_size, spec.intermediate_size, False, act_name, dtype, parallel, False)
             for _ in range(spec.num_experts)
@@ -53,6 +54,7 @@ class SparseMoE(nn.Module):
                 hidden_size, spec.shared_intermediate_size, False, act_name, dtype, parallel, False
             )
             self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
+            self.shared_expert_gate.quantizable = False
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, hidden] -> (each token's top-k experts int64 [num_tokens, top_k],

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import _C_cpu
+from pagedserve.gpu_worker.model_config import check_quantization_name
 
 if TYPE_CHECKING:
     from pagedserve.gpu_worker.lora import LoRALayer
@@ -61,6 +62,15 @@ def cpu_linear_mode() -> str:
     return mode
 
 
+def _panels(matrix: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> csrc/ops.h's panels ``[ceil(out / 16), in, 16]``, zero past ``out``."""
+    out_features, in_features = matrix.shape
+    num_panels = -(-out_features // PANEL_WIDTH)
+    padded = matrix.new_zeros(num_panels * PANEL_WIDTH, in_features)
+    padded[:out_features] = matrix
+    return padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+
+
 class PanelWeight:
     """An ``[out, in]`` matrix (float32, bfloat16 or float16) in csrc/ops.h's panel layout:
     ``panels [ceil(out / 16), in, 16]``, ``W[n][k] == panels[n // 16, k, n % 16]``, zero past
@@ -68,11 +78,7 @@ class PanelWeight:
     layer's weight expects."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        out_features, in_features = weight.shape
-        num_panels = -(-out_features // PANEL_WIDTH)
-        padded = weight.detach().new_zeros(num_panels * PANEL_WIDTH, in_features)
-        padded[:out_features] = weight.detach()
-        self.panels = padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+        self.panels = _panels(weight.detach())
         self.shape = weight.shape
         self.dtype = weight.dtype
         self.device = weight.device
@@ -80,6 +86,25 @@ class PanelWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + bias`` for ``x [..., in]`` -> ``[..., out]``, all in this matrix's dtype."""
+        rows, out = self._rows_and_out(x, bias)
+        _C_cpu.linear_packed(
+            out.data_ptr(),
+            out.shape[1],
+            rows.data_ptr(),
+            rows.stride(0),
+            self.panels.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            rows.shape[0],
+            rows.shape[1],
+            out.shape[1],
+            self._dtype_code,
+        )
+        return out.view(*x.shape[:-1], out.shape[1])
+
+    def _rows_and_out(
+        self, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` checked and seen as rows with unit feature stride, and the output's rows."""
         out_features, in_features = self.shape
         if x.dtype != self.dtype or x.device.type != "cpu" or x.shape[-1] != in_features:
             raise ValueError(
@@ -97,20 +122,50 @@ class PanelWeight:
         rows = x.reshape(-1, in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], out_features, dtype=self.dtype)
-        _C_cpu.linear_packed(
+        return rows, torch.empty(rows.shape[0], out_features, dtype=self.dtype)
+
+
+class Int8PanelWeight(PanelWeight):
+    """An ``[out, in]`` matrix quantized to int8 for csrc/ops.h's ``linear_packed_int8``
+    (weight-only quantization): per output feature ``n``, ``scales[n] = max|W[n]| / 127`` and
+    ``W[n][k] ~ round(W[n][k] / scales[n]) * scales[n]``, the int8 values in panels. ``dtype``
+    is the plain matrix's: that of x, bias and out (the product sums in float32)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        plain = weight.detach().float()
+        largest = plain.abs().amax(dim=1)
+        # A row of zeros quantizes to zeros whatever its scale.
+        self.scales = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+        quantized = torch.round(plain / self.scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.panels = _panels(quantized)
+        self.shape = weight.shape
+        self.dtype = weight.dtype
+        self.device = weight.device
+        self._dtype_code = _DTYPE_CODES[weight.dtype]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` matrix this one stands for."""
+        out_features, in_features = self.shape
+        values = self.panels.transpose(1, 2).reshape(-1, in_features)[:out_features]
+        return values.float() * self.scales[:, None]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` over the quantized ``W``, for ``x [..., in]`` -> ``[..., out]``."""
+        rows, out = self._rows_and_out(x, bias)
+        _C_cpu.linear_packed_int8(
             out.data_ptr(),
-            out_features,
+            out.shape[1],
             rows.data_ptr(),
             rows.stride(0),
             self.panels.data_ptr(),
+            self.scales.data_ptr(),
             0 if bias is None else bias.data_ptr(),
             rows.shape[0],
-            in_features,
-            out_features,
+            rows.shape[1],
+            out.shape[1],
             self._dtype_code,
         )
-        return out.view(*x.shape[:-1], out_features)
+        return out.view(*x.shape[:-1], out.shape[1])
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -166,9 +221,9 @@ def packed_linear(
 
 @runtime_checkable
 class Packable(Protocol):
-    def pack(self) -> bool:
-        """Packs this layer's matrix if this device and dtype have a packed path; True if
-        it did."""
+    def pack(self, quantization: str | None = None) -> bool:
+        """Packs this layer's matrix if this device and dtype have a packed path (quantized
+        as ``quantization`` says, see ``PackableLinear.pack``); True if it did."""
 
 
 class PackableLinear(nn.Module):
@@ -178,14 +233,24 @@ class PackableLinear(nn.Module):
     weight: torch.Tensor | PanelWeight
     bias: torch.Tensor | None
     weight_packed: bool = False
+    # False where quantizing would cost accuracy for little memory (a MoE router).
+    quantizable: bool = True
     # LoRA adapters' products on this layer (gpu_worker/lora.py), added to its output.
     lora: LoRALayer | None = None
 
-    def pack(self) -> bool:
-        """Packs ``weight`` when this device and dtype have a packed path; True if so."""
-        if self.weight_packed or not packing_available(self.weight):
+    def pack(self, quantization: str | None = None) -> bool:
+        """Packs ``weight`` when this device and dtype have a packed path; True if so.
+        ``quantization="int8"`` quantizes a quantizable layer's weight to int8 panels
+        (``Int8PanelWeight``, on any CPU), whatever ``PAGEDSERVE_CPU_LINEAR`` says."""
+        if self.weight_packed:
             return False
-        packed = pack_weight(self.weight)
+        check_quantization_name(quantization, self.weight.device.type)
+        if quantization == "int8" and self.quantizable:
+            packed = Int8PanelWeight(self.weight)
+        elif packing_available(self.weight):
+            packed = pack_weight(self.weight)
+        else:
+            return False
         del self.weight  # the parameter; the packed tensor replaces it
         self.weight = packed
         self.weight_packed = True
@@ -201,6 +266,9 @@ class PackableLinear(nn.Module):
         return y
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Packs every layer of ``model`` that can be packed; returns how many it packed."""
-    return sum(module.pack() for module in model.modules() if isinstance(module, Packable))
+def pack_linear_weights(model: nn.Module, quantization: str | None = None) -> int:
+    """Packs every layer of ``model`` that can be packed (quantized as ``quantization``
+    says); returns how many it packed."""
+    return sum(
+        module.pack(quantization) for module in model.modules() if isinstance(module, Packable)
+    )

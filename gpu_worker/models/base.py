@@ -42,10 +42,12 @@ class CausalLM(nn.Module, abc.ABC):
     def logits_table(self) -> VocabParallelEmbedding:
         """The vocabulary table the LM head reads (the embedding itself when tied)."""
 
-    def pack_weights(self) -> int:
+    def pack_weights(self, quantization: str | None = None) -> int:
         """Once loading is over: packs every matrix that has a faster packed form on this
-        device and dtype (``layers/packed_weights.py``); returns how many it packed."""
-        return pack_linear_weights(self) + self.logits_table.pack_for_logits()
+        device and dtype (``layers/packed_weights.py``), the linear layers quantized as
+        ``quantization`` says (the LM head and embeddings never are); returns how many it
+        packed."""
+        return pack_linear_weights(self, quantization) + self.logits_table.pack_for_logits()
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Point each layer's attention at its key/value views of ``kv_cache``."""

@@ -134,6 +134,7 @@ WORKER_SPEC = WorkerSpec(
     cuda_graph_max_len=4096,
     lora_modules=[["sql", "/adapters/sql-é"], ["chat", "/adapters/chat"]],
     enable_lora=True,
+    quantization="int8",
 )
 SCHEDULER_CONFIG = SchedulerConfig(
     max_num_seqs=8,
@@ -596,12 +597,12 @@ def _plan_fields(**overrides) -> list:
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (
-            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0, [], False),
+            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0, [], False, None),
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
             _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None),
-            "WorkerSpec: expected an array of 11 fields",
+            "WorkerSpec: expected an array of 12 fields",
         ),
         (
             _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),

@@ -149,15 +149,15 @@ def test_engine_packs_every_matrix_and_matches_unpacked(tiny_model_dirs, monkeyp
     packed_counts: list[int] = []
     real_pack = CausalLM.pack_weights
 
-    def counting_pack(model):
-        packed_counts.append(real_pack(model))
+    def counting_pack(model, quantization=None):
+        packed_counts.append(real_pack(model, quantization))
         return packed_counts[-1]
 
     monkeypatch.setattr(CausalLM, "pack_weights", counting_pack)
     packed = LLM(
         tiny_model_dirs["llama"], dtype=str(dtype).removeprefix("torch."), num_blocks=64
     ).generate(prompts, params)
-    monkeypatch.setattr(CausalLM, "pack_weights", lambda model: 0)
+    monkeypatch.setattr(CausalLM, "pack_weights", lambda model, quantization=None: 0)
     plain = LLM(
         tiny_model_dirs["llama"], dtype=str(dtype).removeprefix("torch."), num_blocks=64
     ).generate(prompts, params)
