@@ -90,12 +90,21 @@ class BlockManager:
         held = len(self.block_tables.get(request_id, ()))
         return max(0, blocks_for_tokens(num_tokens, self.block_size) - held)
 
-    def find_cached_prefix(self, token_ids: list[int], namespace: str | None = None) -> list[int]:
-        """Block ids of the longest cached prefix of ``token_ids`` in full blocks. The
-        last token is always left to compute, so its logits exist to sample from."""
+    def find_cached_prefix(
+        self,
+        token_ids: list[int],
+        namespace: str | None = None,
+        max_cached_tokens: int | None = None,
+    ) -> list[int]:
+        """Block ids of the longest cached prefix of ``token_ids`` in full blocks, of at most
+        ``max_cached_tokens`` tokens. The last token is always left to compute, so its logits
+        exist to sample from."""
         if self.prefix_cache is None:
             return []
-        block_ids, _ = self.prefix_cache.lookup(token_ids, namespace, len(token_ids) - 1)
+        max_tokens = len(token_ids) - 1
+        if max_cached_tokens is not None:
+            max_tokens = min(max_tokens, max_cached_tokens)
+        block_ids, _ = self.prefix_cache.lookup(token_ids, namespace, max_tokens)
         return block_ids
 
     def can_allocate(

@@ -456,9 +456,7 @@ class Scheduler:
             return budget if admitted else None
         cached_block_ids = []
         if head.num_computed_tokens == 0:
-            cached_block_ids = block_manager.find_cached_prefix(
-                head.token_ids, head.cache_namespace
-            )
+            cached_block_ids = self._cached_prefix(head)
         num_cached = len(cached_block_ids) * block_manager.block_size
         num_new = self._num_tokens_to_schedule(head, budget, num_cached)
         if num_new == 0:
@@ -557,9 +555,7 @@ class Scheduler:
         else:
             cached_block_ids = []
             if head.num_computed_tokens == 0:
-                cached_block_ids = block_manager.find_cached_prefix(
-                    head.token_ids, head.cache_namespace
-                )
+                cached_block_ids = self._cached_prefix(head)
             num_cached = len(cached_block_ids) * block_manager.block_size
             # Without chunked prefill a prompt over the budget waits anyway; count it whole.
             num_new = self._num_tokens_to_schedule(head, budget, num_cached) or (
@@ -646,9 +642,7 @@ class Scheduler:
             return budget, False
         for sequence in sequences:
             self.waiting.popleft()
-            cached_block_ids = block_manager.find_cached_prefix(
-                sequence.token_ids, sequence.cache_namespace
-            )
+            cached_block_ids = self._cached_prefix(sequence)
             block_ids = block_manager.allocate(
                 sequence.request_id,
                 sequence.num_tokens,
@@ -665,6 +659,18 @@ class Scheduler:
                 self._send_in_full(plan, sequence, num_new)
                 budget -= num_new
         return budget, True
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The blocks of the request's prompt found in the prefix cache. A request that wants
+        prompt logprobs reads only the positions whose logprobs were already reported (none
+        at first): a cached token is never computed, so the position after it would get no
+        logprob (vLLM skips the cache for such requests too)."""
+        max_cached_tokens = None
+        if request.sampling_params.prompt_logprobs is not None:
+            max_cached_tokens = request.num_prompt_logprobs_reported - 1
+        return self.block_manager.find_cached_prefix(
+            request.token_ids, request.cache_namespace, max_cached_tokens
+        )
 
     def _note_prefix_hit(self, request: Request, num_cached: int) -> None:
         prefix_cache = self.block_manager.prefix_cache

@@ -84,6 +84,23 @@ def test_prompt_logprobs_are_reported_once_across_recompute(tiny_model_dirs):
         assert len(output.prompt_logprobs) == len(prompt)
 
 
+def test_prompt_logprobs_of_a_cached_prefix_are_all_reported(tiny_model_dirs):
+    """A prompt whose prefix is in the cache still gets a logprob for every position, the
+    same as on a fresh engine: it does not read the cache (and others still can)."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    prompt = PROMPTS[2] + [5, 6, 7]
+    fresh = LLM(tiny_model_dirs["llama"], num_blocks=64).generate([prompt], params)[0]
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64)
+    llm.generate([PROMPTS[2]], SamplingParams(max_tokens=4, temperature=0.0))  # caches it
+    cached = llm.generate([prompt], params)[0]
+    assert len(cached.prompt_logprobs) == len(prompt)
+    assert cached.prompt_logprobs == fresh.prompt_logprobs
+    assert cached.num_cached_tokens == 0
+    # Without prompt logprobs the same prompt reads the cache.
+    plain = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))[0]
+    assert plain.num_cached_tokens >= 48
+
+
 def test_min_tokens_and_stop_token_ids(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], num_blocks=64)
     greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0))[0]
