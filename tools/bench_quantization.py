@@ -8,10 +8,12 @@ tokens per second, its prompts' prefill included, as a user sees it.
 Trials alternate engine by engine so a noisy neighbour slows all alike; the best trial
 counts.
 
-Agreement: every prompt's greedy tokens against the float32 engine's, as the fraction of
-outputs identical to the end and the mean position of the first differing token (the output
-length where none differs). bfloat16 is shown beside int8 as the everyday reference for
-"close to float32".
+Agreement with the float32 engine, over every prompt: the fraction of greedy outputs
+identical to float32's to the end, the mean position of the first differing token (the output
+length where none differs), and the next-token agreement: fed float32's output as context
+(prompt logprobs), how often the engine's most likely next token is float32's. A greedy output
+diverges for good at its first near-tie, so the last figure is the steadier one. bfloat16 is
+shown beside int8 as the everyday reference for "close to float32".
 
     .venv/bin/python tools/bench_quantization.py [--model DIR] [--batch-sizes 1,8,32]
         [--new-tokens 64] [--trials 3] [--json out.json]
@@ -73,6 +75,22 @@ def engine_name(dtype: str, quantization: str | None) -> str:
     return dtype if quantization is None else f"{dtype}+{quantization}"
 
 
+def next_token_agreement(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """Over every position of the reference outputs: how often ``llm``'s most likely token,
+    given the prompt and the reference output before it, is the reference's token."""
+    contexts = [prompt + list(tokens) for prompt, tokens in zip(prompts, reference)]
+    scored = llm.generate(
+        contexts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    )
+    agree = total = 0
+    for prompt, tokens, output in zip(prompts, reference, scored):
+        for position, token in enumerate(tokens, start=len(prompt)):
+            candidates = output.prompt_logprobs[position]
+            agree += max(candidates, key=candidates.get) == token
+            total += 1
+    return agree / total
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")
@@ -123,6 +141,9 @@ def main() -> int:
         agreement[name] = {
             "identical_fraction": sum(f == args.new_tokens for f in firsts) / len(firsts),
             "mean_first_difference": sum(firsts) / len(firsts),
+            "next_token_agreement": next_token_agreement(
+                engines[name], prompt_ids, outputs["float32"]
+            ),
         }
 
     best_s = {(name, b): float("inf") for name in engines for b in batch_sizes}
@@ -135,7 +156,7 @@ def main() -> int:
 
     print(f"{cpu_model()}, {args.new_tokens} new tokens per prompt, best of {args.trials}")
     header = "engine          " + "".join(f"  batch {b:>3} tok/s" for b in batch_sizes)
-    print(header + "   identical  first diff")
+    print(header + "   identical  first diff  next token")
     records = []
     for name in engines:
         rates = [b * args.new_tokens / best_s[name, b] for b in batch_sizes]
@@ -146,7 +167,8 @@ def main() -> int:
         cells = "".join(f"  {rate:7.1f} ({ratio:4.2f}x)" for rate, ratio in zip(rates, ratios))
         a = agreement[name]
         print(
-            f"{name:16}{cells}   {a['identical_fraction']:8.0%}  {a['mean_first_difference']:9.1f}"
+            f"{name:16}{cells}   {a['identical_fraction']:8.0%}  "
+            f"{a['mean_first_difference']:9.1f}  {a['next_token_agreement']:9.1%}"
         )
         records.append(
             {
