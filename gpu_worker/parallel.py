@@ -66,6 +66,12 @@ class TensorParallel:
             dist.all_reduce(tensor)
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest of ``tensor`` over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """The ranks' tensors side by side along the last dimension, on every rank."""
         if self.size == 1:

@@ -153,6 +153,12 @@ class RowParallelLinear(PackableLinear):
         self.weight = empty_parameter(out_features, len(self.columns), dtype=dtype)
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
 
+    def row_largest(self) -> torch.Tensor:
+        """Each row's max |w| over every rank's columns: int8 scales as without tensor
+        parallelism. Every rank packs the same layers in the same order, so each reaches
+        this collective."""
+        return self.parallel.all_reduce_max(super().row_largest())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.size == 1 or not self.reduce_results:
             return self.linear(x, self.bias)

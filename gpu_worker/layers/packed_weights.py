@@ -129,11 +129,14 @@ class Int8PanelWeight(PanelWeight):
     """An ``[out, in]`` matrix quantized to int8 for csrc/ops.h's ``linear_packed_int8``
     (weight-only quantization): per output feature ``n``, ``scales[n] = max|W[n]| / 127`` and
     ``W[n][k] ~ round(W[n][k] / scales[n]) * scales[n]``, the int8 values in panels. ``dtype``
-    is the plain matrix's: that of x, bias and out (the product sums in float32)."""
+    is the plain matrix's: that of x, bias and out (the product sums in float32).
+    ``largest``: each row's max |w| when the matrix is a shard of wider rows (the whole row's,
+    so every shard of a row shares its scale); by default this matrix's."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, largest: torch.Tensor | None = None) -> None:
         plain = weight.detach().float()
-        largest = plain.abs().amax(dim=1)
+        if largest is None:
+            largest = plain.abs().amax(dim=1)
         # A row of zeros quantizes to zeros whatever its scale.
         self.scales = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
         quantized = torch.round(plain / self.scales[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -246,7 +249,7 @@ class PackableLinear(nn.Module):
             return False
         check_quantization_name(quantization, self.weight.device.type)
         if quantization == "int8" and self.quantizable:
-            packed = Int8PanelWeight(self.weight)
+            packed = Int8PanelWeight(self.weight, self.row_largest())
         elif packing_available(self.weight):
             packed = pack_weight(self.weight)
         else:
@@ -255,6 +258,11 @@ class PackableLinear(nn.Module):
         self.weight = packed
         self.weight_packed = True
         return True
+
+    def row_largest(self) -> torch.Tensor:
+        """Each output feature's max |w| over its whole row (this layer holds whole rows;
+        a layer holding a slice of each row overrides it)."""
+        return self.weight.detach().float().abs().amax(dim=1)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_packed:

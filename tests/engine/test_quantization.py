@@ -86,6 +86,20 @@ def test_multiprocess_engine_quantizes_too(tiny_model_dirs):
         llm.shutdown()
 
 
+def test_two_ranks_quantize_as_one(tiny_model_dirs):
+    """A row-parallel layer's ranks share each row's scale (its max over all columns), so two
+    ranks run the quantized model one rank runs (the sums split, on a config without
+    near-ties: the same tokens)."""
+    prompts = _prompts(512)
+    one = LLM(tiny_model_dirs["llama"], num_blocks=128, quantization="int8")
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
+    two = LLM(tiny_model_dirs["llama"], num_blocks=128, quantization="int8", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY)] == want
+    finally:
+        two.shutdown()
+
+
 def test_moe_router_stays_unquantized():
     spec = ExpertsSpec(6, 3, 48, "moe_intermediate_size", False, False, 80)
     layer = SparseMoE(64, spec, "silu", torch.float32)
