@@ -192,6 +192,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_num_seqs=config.max_num_seqs,
             tensor_parallel_size=llm.tensor_parallel_size,
             eos_token_ids=sorted(llm.eos_token_ids),
+            quantization=llm.quantization or "",
         )
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.Stats:

@@ -211,6 +211,7 @@ class LLM:
     ) -> None:
         check_dtype_name(dtype)
         check_quantization_name(quantization, device)
+        self.quantization = quantization
         _check_optional_positive("max_loras", max_loras)
         if reasoning_parser is not None:
             thinking_token_ids(reasoning_parser, None)  # the name, before anything loads

@@ -286,6 +286,7 @@ def test_model_info_health_and_reflection(server, server_model_dir):
     assert info.architecture == "LlamaForCausalLM"
     assert (info.vocab_size, info.max_model_len, info.block_size) == (512, 512, 16)
     assert info.num_blocks > 0 and info.max_num_seqs == 64 and info.dtype == "float32"
+    assert info.quantization == ""
     health = health_pb2_grpc.HealthStub(server.channel)
     for service in ("", "pagedserve.v1.Generation"):
         reply = health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -332,6 +333,19 @@ def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
     assert after["pagedserve_engine_up"] == 1
     assert after["pagedserve_engine_num_free_blocks"] == after["pagedserve_engine_num_total_blocks"]
     assert grew("pagedserve_engine_num_sampled_tokens") == 6
+
+
+def test_a_server_with_int8_weights_says_so_and_runs_the_quantized_model(
+    start_server, server_model_dir
+):
+    server = start_server("--quantization", "int8", "--no-request-log")
+    assert server.stub.GetModelInfo(pb.GetModelInfoRequest()).quantization == "int8"
+    got = server.stub.Generate(token_request(PROMPTS[0], greedy(12)))
+    quantized = LLM(server_model_dir, num_blocks=128, quantization="int8")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = quantized.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    assert list(got.outputs[0].token_ids) == want
+    assert server.terminate() == 0
 
 
 def test_the_server_process_runs_no_model(server):
