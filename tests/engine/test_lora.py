@@ -418,6 +418,33 @@ def test_multiprocess_equals_in_process(tiny_model_dirs, adapter_dir, reference)
 # ---------------------------------------------------------------- refusals
 
 
+def test_adapters_on_int8_weights_match_hf_peft_on_the_dequantized_model(
+    tiny_model_dirs, adapter_dir, tmp_path
+):
+    """The adapters' products add to the quantized base layer's output; the reference is
+    HF + peft over the base model with its decoder weights dequantized."""
+    from pagedserve.gpu_worker.layers.packed_weights import Int8PanelWeight
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dirs["llama"], dtype=torch.float32
+    )
+    with torch.no_grad():
+        for module in base.get_decoder().modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(Int8PanelWeight(module.weight).dequantized())
+    base.save_pretrained(tmp_path / "dequantized")
+    prompts = random_prompts(7, [5, 31, 100])
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=128,
+        quantization="int8",
+        lora_modules=lora_modules(adapter_dir, "llama", "all_r8"),
+    )
+    got = token_ids(llm.generate(prompts, GREEDY, lora_request="all_r8"))
+    assert got == hf_greedy(tmp_path / "dequantized", adapter_dir("llama", "all_r8"), prompts)
+    assert_adapter_changes_every_prompt(got, token_ids(llm.generate(prompts, GREEDY)))
+
+
 def test_unknown_adapter_name_is_refused_listing_the_known_ones(tiny_model_dirs, adapter_dir):
     llm = LLM(
         tiny_model_dirs["llama"],
