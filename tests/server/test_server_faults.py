@@ -95,15 +95,21 @@ def test_sigterm_drains_calls_in_flight_then_exits_0(start_server):
 
 
 def test_drain_timeout_ends_the_calls_left_with_unavailable(start_server):
-    server = start_server("--drain-timeout-s", "0.5")
-    stream = server.stub.GenerateStream(long_request())
+    # 0.1 s cannot finish the 500 tokens (the model's whole window): on a quiet machine the
+    # tiny model streamed the 400 of LONG within a drain timeout of 0.5 s.
+    server = start_server("--drain-timeout-s", "0.1")
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[5, 300, 301, 302]),
+        sampling=pb.SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True),
+    )
+    stream = server.stub.GenerateStream(request)
     next(stream)
     started_s = time.monotonic()
     os.kill(server.pid, signal.SIGTERM)
     with pytest.raises(grpc.RpcError) as caught:
         list(stream)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "drain timeout 0.5 s" in caught.value.details()
+    assert "drain timeout 0.1 s" in caught.value.details()
     assert server.terminate() == 0
     assert time.monotonic() - started_s < 15
 
