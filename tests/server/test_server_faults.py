@@ -28,6 +28,16 @@ def long_request(prompt_start: int = 5, **fields) -> pb.GenerateRequest:
     )
 
 
+def longest_request() -> pb.GenerateRequest:
+    """500 tokens, nearly the test model's whole window (512): for calls that must still be
+    running a fraction of a second later (the tiny model streams over 1000 tokens a second
+    on a quiet machine)."""
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[5, 300, 301, 302]),
+        sampling=pb.SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True),
+    )
+
+
 def health_status(server) -> int:
     stub = health_pb2_grpc.HealthStub(server.channel)
     return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
@@ -42,8 +52,8 @@ def test_cancelled_stream_and_passed_deadline_free_their_blocks(start_server):
     assert server.stats().engine["num_running"] == 1
     stream.cancel()
     server.assert_blocks_all_free()
-    with pytest.raises(grpc.RpcError) as caught:
-        server.stub.Generate(long_request(), timeout=0.3)
+    with pytest.raises(grpc.RpcError) as caught:  # 500 tokens cannot come in 0.1 s
+        server.stub.Generate(longest_request(), timeout=0.1)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     server.assert_blocks_all_free()
     stats = server.stats()
@@ -95,14 +105,9 @@ def test_sigterm_drains_calls_in_flight_then_exits_0(start_server):
 
 
 def test_drain_timeout_ends_the_calls_left_with_unavailable(start_server):
-    # 0.1 s cannot finish the 500 tokens (the model's whole window): on a quiet machine the
-    # tiny model streamed the 400 of LONG within a drain timeout of 0.5 s.
+    # 0.1 s cannot finish 500 tokens; on a quiet machine the 400 of LONG came within 0.5 s.
     server = start_server("--drain-timeout-s", "0.1")
-    request = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=[5, 300, 301, 302]),
-        sampling=pb.SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True),
-    )
-    stream = server.stub.GenerateStream(request)
+    stream = server.stub.GenerateStream(longest_request())
     next(stream)
     started_s = time.monotonic()
     os.kill(server.pid, signal.SIGTERM)
