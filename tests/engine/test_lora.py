@@ -21,6 +21,7 @@ import peft
 import pytest
 import torch
 import transformers
+from test_quantization import save_dequantized
 from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, LoRARequest, SamplingParams
@@ -423,16 +424,7 @@ def test_adapters_on_int8_weights_match_hf_peft_on_the_dequantized_model(
 ):
     """The adapters' products add to the quantized base layer's output; the reference is
     HF + peft over the base model with its decoder weights dequantized."""
-    from pagedserve.gpu_worker.layers.packed_weights import Int8PanelWeight
-
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_model_dirs["llama"], dtype=torch.float32
-    )
-    with torch.no_grad():
-        for module in base.get_decoder().modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(Int8PanelWeight(module.weight).dequantized())
-    base.save_pretrained(tmp_path / "dequantized")
+    dequantized = save_dequantized(tiny_model_dirs["llama"], tmp_path / "dequantized")
     prompts = random_prompts(7, [5, 31, 100])
     llm = LLM(
         tiny_model_dirs["llama"],
@@ -441,7 +433,7 @@ def test_adapters_on_int8_weights_match_hf_peft_on_the_dequantized_model(
         lora_modules=lora_modules(adapter_dir, "llama", "all_r8"),
     )
     got = token_ids(llm.generate(prompts, GREEDY, lora_request="all_r8"))
-    assert got == hf_greedy(tmp_path / "dequantized", adapter_dir("llama", "all_r8"), prompts)
+    assert got == hf_greedy(dequantized, adapter_dir("llama", "all_r8"), prompts)
     assert_adapter_changes_every_prompt(got, token_ids(llm.generate(prompts, GREEDY)))
 
 

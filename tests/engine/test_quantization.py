@@ -9,10 +9,12 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from test_parity import NEW_TOKENS, hf_greedy
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.moe import SparseMoE
@@ -23,7 +25,6 @@ from pagedserve.gpu_worker.layers.packed_weights import (
 )
 from pagedserve.gpu_worker.model_config import ExpertsSpec
 
-NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -32,39 +33,29 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in (1, 7, 30, 90)]
 
 
-def _hf_dequantized_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
-    """HF's greedy tokens with each decoder layer's linear weights replaced by their int8
-    quantization, dequantized (per output feature, as ``Int8PanelWeight`` quantizes; the
-    engine's fused q/k/v and gate/up matrices keep one scale per row, so the same)."""
+def save_dequantized(model_dir: Path, path: Path) -> Path:
+    """The HF model in ``model_dir`` with each decoder layer's linear weights replaced by
+    their int8 quantization, dequantized (per output feature, as ``Int8PanelWeight``
+    quantizes; the engine's fused q/k/v and gate/up matrices keep one scale per row, so the
+    same), saved to ``path``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    decoder = model.get_decoder()
     with torch.no_grad():
-        for module in decoder.modules():
+        for module in model.get_decoder().modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(Int8PanelWeight(module.weight).dequantized())
-        outputs = []
-        for prompt in prompts:
-            input_ids = torch.tensor([prompt])
-            generated = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
+    model.save_pretrained(path)
+    return path
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
-def test_quantized_engine_runs_the_dequantized_models_greedy_tokens(tiny_model_dirs, family):
+def test_quantized_engine_runs_the_dequantized_models_greedy_tokens(
+    tiny_model_dirs, tmp_path, family
+):
     prompts = _prompts(512)
     llm = LLM(tiny_model_dirs[family], num_blocks=128, quantization="int8")
     outputs = llm.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == _hf_dequantized_greedy(
-        tiny_model_dirs[family], prompts
-    )
+    dequantized = save_dequantized(tiny_model_dirs[family], tmp_path / family)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(dequantized, prompts)
     model = llm.worker.model
     quantized = [
         m for m in model.modules() if isinstance(getattr(m, "weight", None), Int8PanelWeight)
