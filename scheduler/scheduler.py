@@ -390,7 +390,7 @@ class Scheduler:
         """Bring the first swapped request back if its blocks fit; returns the budget
         left, or ``None`` when it stays swapped."""
         sequences = _leading_sequences(self.swapped)
-        if self._num_batch_slots() + len(sequences) > self.config.max_num_seqs:
+        if self._num_batch_slots() + _batch_slots(sequences) > self.config.max_num_seqs:
             return None
         if self._lora_slot_missing(sequences[0], self.running):
             return None
@@ -445,9 +445,7 @@ class Scheduler:
         block_manager = self.block_manager
         sequences = _leading_sequences(self.waiting)
         head = sequences[0]
-        # A new group forks up to its full size later; room is kept for it now.
-        group_size = max(len(sequences), head.sampling_params.num_sequences)
-        if self._num_batch_slots() + group_size > self.config.max_num_seqs:
+        if self._num_batch_slots() + _batch_slots(sequences) > self.config.max_num_seqs:
             return None
         if self._lora_slot_missing(head, self.running):
             return None
@@ -509,7 +507,7 @@ class Scheduler:
         lower = [sequence for sequence in self.running if sequence.priority > head.priority]
         if not lower:
             return
-        group_size = max(len(sequences), head.sampling_params.num_sequences)
+        group_size = _batch_slots(sequences)
         max_num_seqs = self.config.max_num_seqs
         # Blocks for it, with the watermark kept for the running requests that stay.
         keep_watermark = len(lower) < len(self.running)
@@ -1052,6 +1050,16 @@ class Scheduler:
         if request_id in self._known_to_workers:
             self._known_to_workers.discard(request_id)
             self._drop_ids_for_workers.append(request_id)
+
+
+def _batch_slots(sequences: list[Request]) -> int:
+    """Batch slots a queued request's ``sequences`` take when they resume: a group that has
+    not sampled yet (new, or preempted mid-prefill, by swap too) forks into its full size at
+    its first sample, so room is kept for that (``_num_batch_slots`` counts it so)."""
+    head = sequences[0]
+    if head.group is not None and head.num_output_tokens == 0:
+        return head.sampling_params.num_sequences
+    return len(sequences)
 
 
 def _leading_sequences(queue: deque[Request]) -> list[Request]:

@@ -242,3 +242,28 @@ def test_forks_and_resumed_requests_keep_their_rank():
         ("g#1", (1, 1)),
         ("late", (2, 0)),
     ]
+
+
+def test_a_group_swapped_before_its_first_sample_keeps_room_for_its_forks():
+    # g (n=2) is swapped out mid-prefill, still one sequence; it forks into two at its first
+    # sample, so while a runs it may not come back into a batch of two.
+    scheduler = make_scheduler(
+        num_blocks=16,
+        num_host_blocks=16,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        preemption_mode="swap",
+    )
+    scheduler.add_request(make_request("g", 32, priority=1, n=2))
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"g": 8}
+    scheduler.add_request(make_request("a", 8, priority=0, max_tokens=4))
+    plan, _ = run_step(scheduler)
+    assert scheduled(plan) == {"a": 8}
+    assert [r.request_id for r in scheduler.swapped] == ["g"]
+    while "a" in scheduler.requests:
+        assert [r.request_id for r in scheduler.running] == ["a"]
+        run_step(scheduler)
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+        assert len(scheduler.running) <= 2
