@@ -199,11 +199,10 @@ class EngineClient:
         check_request_fits(
             num_prompt_tokens,
             max_tokens,
-            self.scheduler_config.max_model_len,
+            self.scheduler_config,
             self.block_size,
             self.num_blocks,
             num_sequences,
-            self.scheduler_config.max_num_seqs,
         )
 
     def add_request(

@@ -311,6 +311,7 @@ class LLM:
             allocation_policy=allocation_policy,
             scheduling_policy=scheduling_policy,
             max_loras=max_loras or 0,
+            sliding_window=model_config.attention_window,
             **_speculative_fields(speculative_config),
         )
         # What structured output matches grammars over (None: no tokenizer, no grammars).

@@ -117,6 +117,14 @@ class ModelConfig:
         return any(spec is not None for spec in self.layer_experts)
 
     @property
+    def attention_window(self) -> int:
+        """Tokens of context that every layer attends to at most, back from each query
+        token (the largest layer window), or 0 when some layer attends to all of it: what
+        the scheduler may free blocks behind (``SchedulerConfig.sliding_window``)."""
+        windows = self.layer_sliding_windows
+        return max(windows) if windows and min(windows) > 0 else 0
+
+    @property
     def embedding_size(self) -> int:
         """Values in the model's output hidden state, what an embedding pools: the hidden
         size, or OPT's ``word_embed_proj_dim`` when it projects out."""

@@ -18,6 +18,7 @@ from pagedserve.gpu_worker.models.base import CausalLM
 from pagedserve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedserve.scheduler.beam_search import num_candidates
 from pagedserve.scheduler.messages import (
+    NULL_BLOCK,
     PromptLogprobsChunk,
     StepPlan,
     StepResult,
@@ -230,6 +231,9 @@ class ModelRunner:
                     plan.spec_token_ids.get(cached.request_id, []),
                 )
             )
+        for request_id, num_freed in plan.window_freed_blocks.items():
+            # Blocks behind the sliding window, back in the pool: no op reads them again.
+            self.requests[request_id].block_ids[:num_freed] = [NULL_BLOCK] * num_freed
         # Decodes first: the attention layer runs the decode kernel on that prefix.
         entries.sort(key=lambda entry: entry.num_scheduled_tokens != 1)
         return entries

@@ -5,11 +5,18 @@ from __future__ import annotations
 from collections import Counter
 
 from pagedserve.scheduler.block_pool import BlockPool
+from pagedserve.scheduler.messages import NULL_BLOCK
 from pagedserve.scheduler.prefix_cache import ROOT_HASH, PrefixCache, block_hash
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def blocks_spanned(num_tokens: int, block_size: int) -> int:
+    """The most blocks ``num_tokens`` consecutive positions can touch, wherever they start
+    (one more than ``blocks_for_tokens`` when they may straddle a block boundary)."""
+    return blocks_for_tokens(num_tokens - 1, block_size) + 1 if num_tokens > 0 else 0
 
 
 class BlockManager:
@@ -34,6 +41,18 @@ class BlockManager:
     With prefix caching, full computed blocks are registered in a ``PrefixCache``; a new
     request starts its table with the longest cached prefix (ref counts go up, nothing
     is copied) and computes only the rest.
+
+    With a ``sliding_window`` (tokens; every layer of the model attends to at most that many
+    positions back from each query), a block that lies wholly before the window of a
+    request's next query token is never read again: ``free_blocks_before_window`` gives it
+    back and its entry becomes ``NULL_BLOCK``, keeping the others in place::
+
+        window 20 tokens, next query at position 41: it reads positions 22..41
+        tokens   0..15 | 16..31 | 32..47
+        table    [ -1  ,    2   ,    9 ]      block 7 returned to the pool
+
+    So a long sequence holds about ``sliding_window`` tokens of blocks, however long it
+    grows. The freed entries are always a prefix of the table (``num_window_freed``).
     """
 
     def __init__(
@@ -44,6 +63,7 @@ class BlockManager:
         num_host_blocks: int = 0,
         enable_prefix_caching: bool = False,
         allocation_policy: str = "paged",
+        sliding_window: int = 0,
     ) -> None:
         if block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be one of 8, 16, 32 (tokens), got {block_size}")
@@ -68,6 +88,10 @@ class BlockManager:
             self.pool.on_evict = self.prefix_cache.evict
         # Hash chain of each request's registered full blocks.
         self._block_hashes: dict[str, list[int]] = {}
+        # A contiguous reservation is held whole to the end, as the baselines did.
+        self.sliding_window = 0 if self.contiguous else sliding_window
+        # Leading NULL_BLOCK entries of each table (device or host) that has any.
+        self._num_window_freed: dict[str, int] = {}
 
     @property
     def num_total_host_blocks(self) -> int:
@@ -84,6 +108,40 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    def num_window_freed(self, request_id: str) -> int:
+        """Leading entries of the request's table given back (``NULL_BLOCK``)."""
+        return self._num_window_freed.get(request_id, 0)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Device blocks the request's table holds (its entries but the freed ones)."""
+        table = self.block_tables.get(request_id, ())
+        return len(table) - self.num_window_freed(request_id) if table else 0
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """Index of the first table entry that the query token at position
+        ``num_computed_tokens``, or any later one, reads; 0 without a sliding window."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def free_blocks_before_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Give back the request's blocks that lie wholly before the window of its next
+        query token (at position ``num_computed_tokens``); their entries become
+        ``NULL_BLOCK``. Returns the table's new count of freed entries when this call freed
+        any, else 0."""
+        first_needed = self.first_needed_block(num_computed_tokens)
+        already = self._num_window_freed.get(request_id, 0)
+        table = self.block_tables[request_id]
+        first_needed = min(first_needed, len(table))
+        if first_needed <= already:
+            return 0
+        freed = table[already:first_needed]
+        table[already:first_needed] = [NULL_BLOCK] * len(freed)
+        self._num_window_freed[request_id] = first_needed
+        # Latest first, as ``free`` does: a cached prefix's head stays cached longest.
+        self.pool.decref(freed[::-1])
+        return first_needed
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks a request must gain so that ``num_tokens`` tokens have a slot."""
@@ -135,8 +193,17 @@ class BlockManager:
         """Free blocks that ``allocate`` (paged) takes for a new request of ``num_tokens``
         tokens whose first blocks are the cached ``cached_block_ids``."""
         needed = blocks_for_tokens(num_tokens, self.block_size) - len(cached_block_ids)
-        # A hit on a free cached block takes that block off the free queue too.
-        return needed + sum(1 for block_id in cached_block_ids if self.pool.is_free(block_id))
+        # A hit on a free cached block takes that block off the free queue too; hits
+        # before the window of the first token to compute are not taken at all.
+        skipped = self._num_cached_skipped(cached_block_ids)
+        return needed + sum(
+            1 for block_id in cached_block_ids[skipped:] if self.pool.is_free(block_id)
+        )
+
+    def _num_cached_skipped(self, cached_block_ids: list[int]) -> int:
+        """Leading prefix hits wholly before the window of the first token computed after
+        them: the new request's table holds ``NULL_BLOCK`` there."""
+        return self.first_needed_block(len(cached_block_ids) * self.block_size)
 
     def allocate(
         self,
@@ -160,7 +227,8 @@ class BlockManager:
             return list(block_ids)
         if not self.can_allocate(num_tokens, keep_watermark, cached_block_ids):
             return None
-        for block_id in cached_block_ids:
+        skipped = self._num_cached_skipped(cached_block_ids)
+        for block_id in cached_block_ids[skipped:]:
             if self.pool.is_free(block_id):
                 self.pool.revive(block_id)
             else:
@@ -169,8 +237,10 @@ class BlockManager:
             blocks_for_tokens(num_tokens, self.block_size) - len(cached_block_ids)
         )
         assert new_block_ids is not None
-        block_ids = [*cached_block_ids, *new_block_ids]
+        block_ids = [*([NULL_BLOCK] * skipped), *cached_block_ids[skipped:], *new_block_ids]
         self.block_tables[request_id] = block_ids
+        if skipped:
+            self._num_window_freed[request_id] = skipped
         return list(block_ids)
 
     def cache_full_blocks(
@@ -195,7 +265,10 @@ class BlockManager:
             tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
             parent = hashes[-1] if hashes else ROOT_HASH
             key = block_hash(parent, tokens, namespace)
-            self.prefix_cache.insert(key, table[index], tokens, namespace)
+            # A block freed before it was registered (its window passed first) only links
+            # the chain: the later blocks' hashes still depend on its tokens.
+            if table[index] != NULL_BLOCK:
+                self.prefix_cache.insert(key, table[index], tokens, namespace)
             hashes.append(key)
 
     def reset_prefix_cache(self) -> None:
@@ -210,10 +283,12 @@ class BlockManager:
         if child_id in self.block_tables:
             raise RuntimeError(f"request {child_id!r} already has a block table")
         block_ids = list(self.block_tables[parent_id])
-        self.pool.incref(block_ids)
+        self.pool.incref(_held(block_ids))
         self.block_tables[child_id] = block_ids
         if parent_id in self._block_hashes:
             self._block_hashes[child_id] = list(self._block_hashes[parent_id])
+        if parent_id in self._num_window_freed:
+            self._num_window_freed[child_id] = self._num_window_freed[parent_id]
         return list(block_ids)
 
     def needs_copy_on_write(self, request_id: str, num_computed_tokens: int) -> bool:
@@ -271,7 +346,7 @@ class BlockManager:
         return new_block_ids
 
     def _unique_blocks(self, tables: dict[str, list[int]], request_ids: list[str]) -> list[int]:
-        return list(dict.fromkeys(b for rid in request_ids for b in tables[rid]))
+        return list(dict.fromkeys(b for rid in request_ids for b in _held(tables[rid])))
 
     def can_swap_out(self, request_ids: list[str]) -> bool:
         """Whether the host pool can take all blocks of the requests (a sequence group:
@@ -291,8 +366,8 @@ class BlockManager:
             table = self.block_tables.pop(request_id)
             # Its blocks come back under new ids: their hashes are registered anew then.
             self._block_hashes.pop(request_id, None)
-            self.pool.decref(table)
-            host_table = [to_host[block_id] for block_id in table]
+            self.pool.decref(_held(table))
+            host_table = [to_host.get(block_id, NULL_BLOCK) for block_id in table]
             self.host_block_tables[request_id] = host_table
         # Each host block starts with one owner; the other sharers add theirs.
         self.host_pool.incref(_extra_holders(self.host_block_tables, request_ids))
@@ -326,7 +401,7 @@ class BlockManager:
     def num_blocks_freed_by(self, request_ids: list[str]) -> int:
         """Device blocks that would return to the free pool if these requests gave theirs
         up (preempted, by swap or recompute): those no other request holds."""
-        holders = Counter(b for rid in request_ids for b in self.block_tables.get(rid, ()))
+        holders = Counter(b for rid in request_ids for b in _held(self.block_tables.get(rid, ())))
         return sum(1 for b, count in holders.items() if self.pool.ref_count(b) == count)
 
     def swap_in(
@@ -340,8 +415,10 @@ class BlockManager:
         to_device = dict(zip(host_ids, device_ids))
         for request_id in request_ids:
             host_table = self.host_block_tables.pop(request_id)
-            self.host_pool.decref(host_table)
-            self.block_tables[request_id] = [to_device[block_id] for block_id in host_table]
+            self.host_pool.decref(_held(host_table))
+            self.block_tables[request_id] = [
+                to_device.get(block_id, NULL_BLOCK) for block_id in host_table
+            ]
         self.pool.incref(_extra_holders(self.block_tables, request_ids))
         return list(to_device.items())
 
@@ -349,16 +426,27 @@ class BlockManager:
         """Return every block of the request, device and host (no-op without a table)."""
         block_ids = self.block_tables.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
+        self._num_window_freed.pop(request_id, None)
         if block_ids:
             # Tail first: of blocks freed together, the one ending the longest prefix is
             # evicted first, and the shared head of a prefix stays cached longest.
-            self.pool.decref(block_ids[::-1])
+            self.pool.decref(_held(block_ids[::-1]))
         host_ids = self.host_block_tables.pop(request_id, None)
         if host_ids:
-            self.host_pool.decref(host_ids)
+            self.host_pool.decref(_held(host_ids))
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if tables and pools disagree (see ``BlockPool``)."""
+        """Raise ``AssertionError`` if tables and pools disagree (see ``BlockPool``), or a
+        table's freed entries are not exactly its recorded prefix."""
+        for tables in (self.block_tables, self.host_block_tables):
+            for request_id, table in tables.items():
+                num_freed = self._num_window_freed.get(request_id, 0)
+                freed = [index for index, block_id in enumerate(table) if block_id == NULL_BLOCK]
+                if freed != list(range(num_freed)):
+                    raise AssertionError(
+                        f"request {request_id!r}: NULL_BLOCK entries at {freed}, but its "
+                        f"first {num_freed} entries are the freed ones"
+                    )
         self.pool.check_integrity(_holders(self.block_tables))
         if self.host_pool is not None:
             self.host_pool.check_integrity(_holders(self.host_block_tables))
@@ -371,7 +459,7 @@ def _extra_holders(tables: dict[str, list[int]], request_ids: list[str]) -> list
     seen: set[int] = set()
     extra = []
     for request_id in request_ids:
-        for block_id in tables[request_id]:
+        for block_id in _held(tables[request_id]):
             if block_id in seen:
                 extra.append(block_id)
             seen.add(block_id)
@@ -381,5 +469,10 @@ def _extra_holders(tables: dict[str, list[int]], request_ids: list[str]) -> list
 def _holders(tables: dict[str, list[int]]) -> dict[int, int]:
     holders: Counter[int] = Counter()
     for block_ids in tables.values():
-        holders.update(block_ids)
+        holders.update(_held(block_ids))
     return dict(holders)
+
+
+def _held(block_ids: list[int]) -> list[int]:
+    """The blocks a table holds: its entries but the ``NULL_BLOCK`` ones."""
+    return [block_id for block_id in block_ids if block_id != NULL_BLOCK]

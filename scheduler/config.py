@@ -58,6 +58,13 @@ class SchedulerConfig:
     # adapter costs every projection two small matmuls over its rows, so many adapters in
     # one step slow every request in it; past the cap a request waits for a slot.
     max_loras: int = 0
+    # Tokens of context that every layer of the model attends to at most, back from each
+    # query token and counting it (the largest layer window; 0 when some layer attends to the
+    # whole context: Llama, Gemma 2's global layers). With a window, a sequence gives back
+    # each block that lies wholly before its next query's window, so it holds about
+    # sliding_window tokens of blocks however long it grows, and a request may outgrow the
+    # KV cache (see check_request_fits). Set from the model by the engine.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -112,5 +119,14 @@ class SchedulerConfig:
             raise ValueError(f"max_loras must be an integer, got {self.max_loras!r}")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 1 (or 0: no cap), got {self.max_loras}")
+        if (
+            isinstance(self.sliding_window, bool)
+            or not isinstance(self.sliding_window, int)
+            or self.sliding_window < 0
+        ):
+            raise ValueError(
+                f"sliding_window must be an integer >= 0 (tokens; 0: none), "
+                f"got {self.sliding_window!r}"
+            )
         if not 0.0 <= self.watermark_fraction < 1.0:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")

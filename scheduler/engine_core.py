@@ -51,6 +51,7 @@ class EngineCore:
             num_host_blocks=num_host_blocks,
             enable_prefix_caching=enable_prefix_caching,
             allocation_policy=scheduler_config.allocation_policy,
+            sliding_window=scheduler_config.sliding_window,
         )
         if scheduler_config.allocation_policy == "max":
             needed = blocks_for_tokens(scheduler_config.max_model_len, block_size)
@@ -170,6 +171,7 @@ class EngineCore:
             "num_sampled_tokens": scheduler.num_sampled_tokens,
             "num_draft_tokens": scheduler.num_draft_tokens,
             "num_accepted_tokens": scheduler.num_accepted_tokens,
+            "num_window_freed_blocks": scheduler.num_window_freed_blocks,
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_total_blocks": self.block_manager.num_total_blocks,
             "num_free_host_blocks": self.block_manager.num_free_host_blocks,

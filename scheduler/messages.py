@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
+# A block-table entry whose block was given back: it lay wholly before the sliding window of
+# every later query token of its sequence (``SchedulerConfig.sliding_window``), so no op
+# reads it again. The entry keeps its place so that token ``t`` stays in entry
+# ``t // block_size``.
+NULL_BLOCK = -1
+
 
 @dataclass
 class TokenLogprobs:
@@ -80,6 +86,10 @@ class StepPlan:
     draft tokens (``scheduler/ngram_proposer.py``): its scheduled tokens are its last
     token followed by them, and the worker samples at every one of those positions.
 
+    ``window_freed_blocks`` maps a sequence whose sliding window moved past some of its
+    blocks to how many leading entries of its block table are now ``NULL_BLOCK``: those
+    blocks belong to the pool again, and the worker marks them so in its copy of the table.
+
     ``load_loras`` ((adapter id, name, directory)) and ``unload_lora_ids`` change the LoRA
     adapters the workers hold, before anything else in the step: a request of a new adapter
     may run in this very step; an unloaded one is used by no request any more.
@@ -96,6 +106,7 @@ class StepPlan:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     load_loras: list[tuple[int, str, str]] = field(default_factory=list)
     unload_lora_ids: list[int] = field(default_factory=list)
+    window_freed_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:

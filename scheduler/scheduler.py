@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagedserve.scheduler import ngram_proposer
-from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
+from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens, blocks_spanned
 from pagedserve.scheduler.config import SchedulerConfig, check_priority
 from pagedserve.scheduler.memory_accounting import MemoryAccounting
 from pagedserve.scheduler.messages import (
@@ -27,22 +27,28 @@ logger = logging.getLogger(__name__)
 def check_request_fits(
     num_prompt_tokens: int,
     max_tokens: int,
-    max_model_len: int,
+    config: SchedulerConfig,
     block_size: int,
     total_blocks: int,
     num_sequences: int = 1,
-    max_num_seqs: int | None = None,
 ) -> None:
     """Raise ``ValueError`` for a request that could never run to completion: its prompt
-    leaves no room to generate within ``max_model_len``, it needs more blocks than the
-    whole cache of ``total_blocks`` blocks of ``block_size`` tokens, or it runs more
+    leaves no room to generate within ``config.max_model_len``, it needs more blocks than
+    the whole cache of ``total_blocks`` blocks of ``block_size`` tokens, or it runs more
     sequences (n, best_of, beams) than a batch may hold. A function of the limits alone,
     so a frontend in another process checks exactly what the scheduler will.
 
     A request of several sequences must fit with every sequence holding its own blocks:
     sharing is what usually happens, but after a recompute preemption nothing is shared.
-    ``max_tokens=0`` is a prompt-only (pooling) request: its prompt may fill the window.
+    ``max_tokens=0`` is a prompt-only (pooling) request: its prompt may fill the context.
+
+    Under a sliding window (``config.sliding_window``) a single sequence computed in chunks
+    never holds more than the blocks of one step's tokens and the window before them, so it
+    may be longer than the cache. A group (recomputed all at once) and a prompt that is
+    not chunked still need blocks for every token.
     """
+    max_model_len = config.max_model_len
+    max_num_seqs = config.max_num_seqs
     if num_prompt_tokens < 1:
         raise ValueError("prompt must contain at least 1 token, got 0")
     if max_tokens == 0 and num_prompt_tokens > max_model_len:
@@ -59,6 +65,26 @@ def check_request_fits(
         )
     max_total_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
     needed_blocks = blocks_for_tokens(max_total_tokens, block_size) * num_sequences
+    if (
+        config.sliding_window
+        and config.enable_chunked_prefill
+        and config.allocation_policy == "paged"
+        and num_sequences == 1
+    ):
+        # Positions from the first query's window start to the step's last token.
+        step_span = config.sliding_window - 1 + config.max_num_batched_tokens
+        window_blocks = blocks_spanned(step_span, block_size)
+        if window_blocks < needed_blocks:
+            if window_blocks > total_blocks:
+                raise ValueError(
+                    f"a step of up to {config.max_num_batched_tokens} tokens "
+                    f"(max_num_batched_tokens) with the {config.sliding_window}-token "
+                    f"sliding window before it spans up to {window_blocks} blocks of "
+                    f"{block_size} tokens, but the whole KV cache has {total_blocks} blocks "
+                    f"({total_blocks * block_size} tokens); lower max_num_batched_tokens or "
+                    "raise kv_cache_bytes"
+                )
+            return
     if needed_blocks > total_blocks:
         per_sequence = f" x {num_sequences} sequences" if num_sequences > 1 else ""
         raise ValueError(
@@ -104,6 +130,13 @@ class Scheduler:
         block_manager: BlockManager,
         structured_output: StructuredOutput | None = None,
     ) -> None:
+        expected_window = config.sliding_window if not block_manager.contiguous else 0
+        if block_manager.sliding_window != expected_window:
+            # check_request_fits trusts the config's window; the block manager frees by its own.
+            raise ValueError(
+                f"the block manager frees blocks behind a {block_manager.sliding_window}-token "
+                f"window, but the scheduler config's sliding_window is {config.sliding_window}"
+            )
         self.config = config
         self.block_manager = block_manager
         self.structured_output = structured_output or StructuredOutput(None)
@@ -122,6 +155,8 @@ class Scheduler:
         # Speculative decoding: draft tokens scored, and those the sampling agreed with.
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Blocks given back because a sliding window left them behind (a windowed model).
+        self.num_window_freed_blocks = 0
         self._step_id = 0
         # Sequences whose full data the workers hold; anything else travels in full.
         self._known_to_workers: set[str] = set()
@@ -145,11 +180,10 @@ class Scheduler:
         check_request_fits(
             num_prompt_tokens,
             max_tokens,
-            self.config.max_model_len,
+            self.config,
             self.block_manager.block_size,
             self.block_manager.num_total_blocks,
             num_sequences,
-            self.config.max_num_seqs,
         )
 
     def add_request(self, request: Request) -> None:
@@ -252,6 +286,7 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
+            self._free_blocks_before_window(plan, request)
             target = request.num_computed_tokens + num_new
             drafts = self._draft_tokens(request, num_new, budget)
             num_left = len(self.running) - index
@@ -286,6 +321,20 @@ class Scheduler:
         self._add_token_bitmasks(plan)
         self._add_lora_updates(plan)
         return plan
+
+    def _free_blocks_before_window(self, plan: StepPlan, request: Request) -> None:
+        """Give back the sequence's blocks that its window has left behind (a windowed model
+        only), before it asks for new ones; the workers mark them in their tables."""
+        block_manager = self.block_manager
+        before = block_manager.num_window_freed(request.request_id)
+        num_freed = block_manager.free_blocks_before_window(
+            request.request_id, request.num_computed_tokens
+        )
+        if not num_freed:
+            return
+        self.num_window_freed_blocks += num_freed - before
+        if request.request_id in self._known_to_workers:
+            plan.window_freed_blocks[request.request_id] = num_freed
 
     def _draft_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Draft tokens for a decoding sequence that may speculate: within the token
@@ -727,6 +776,7 @@ class Scheduler:
         plan.cached_requests = [r for r in plan.cached_requests if r.request_id not in ids]
         for request_id in ids:
             plan.spec_token_ids.pop(request_id, None)
+            plan.window_freed_blocks.pop(request_id, None)
         for request_id in ids & self._step_copies.keys():
             index, source, destination = self._step_copies.pop(request_id)
             self.block_manager.undo_copy_on_write(request_id, index, source, destination)
@@ -838,13 +888,18 @@ class Scheduler:
         """Tally where the device's KV slots are after this step (see MemoryAccounting)."""
         block_manager = self.block_manager
         block_size = block_manager.block_size
-        tables = block_manager.block_tables
         accounting = self.accounting
         table_slots = 0
         for sequence in self.running:
-            slots = len(tables.get(sequence.request_id, ())) * block_size
+            request_id = sequence.request_id
+            slots = block_manager.num_held_blocks(request_id) * block_size
             table_slots += slots
-            accounting.record_sequence(sequence.request_id, slots, sequence.num_computed_tokens)
+            # Tokens whose blocks a sliding window freed are stored no more.
+            stored = (
+                sequence.num_computed_tokens
+                - block_manager.num_window_freed(request_id) * block_size
+            )
+            accounting.record_sequence(request_id, slots, stored)
         pool = block_manager.pool
         used_slots = (pool.num_blocks - pool.num_free_blocks) * block_size
         external_slots = 0

@@ -188,6 +188,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "spec_token_ids",
         "load_loras",
         "unload_lora_ids",
+        "window_freed_blocks",
     ),
     StepResult: (
         "step_id",
@@ -244,6 +245,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "prompt_lookup_min",
         "scheduling_policy",
         "max_loras",
+        "sliding_window",
     ),
     WorkerSpec: (
         "model_path",
@@ -525,6 +527,7 @@ def _pack_step_plan(plan: StepPlan) -> list:
         plan.spec_token_ids,
         [list(load) for load in plan.load_loras],
         plan.unload_lora_ids,
+        plan.window_freed_blocks,
     ]
 
 
@@ -541,6 +544,7 @@ def _unpack_step_plan(value: Any) -> StepPlan:
         drafts,
         load_loras,
         unload_lora_ids,
+        window_freed,
     ) = _fields(value, "StepPlan")
     _check(step_id, int, "StepPlan.step_id")
     _check(new_requests, list, "StepPlan.new_requests")
@@ -576,6 +580,10 @@ def _unpack_step_plan(value: Any) -> StepPlan:
             )
     unload_lora_ids = _check(unload_lora_ids, list, "StepPlan.unload_lora_ids")
     _check_column(unload_lora_ids, int, len(unload_lora_ids), "StepPlan.unload_lora_ids")
+    _check(window_freed, dict, "StepPlan.window_freed_blocks")
+    _check_column(
+        list(window_freed.values()), int, len(window_freed), "StepPlan.window_freed_blocks"
+    )
     return StepPlan(
         step_id=step_id,
         new_requests=[_unpack_new_request(request) for request in new_requests],
@@ -591,6 +599,7 @@ def _unpack_step_plan(value: Any) -> StepPlan:
         spec_token_ids=drafts,
         load_loras=[tuple(load) for load in load_loras],
         unload_lora_ids=unload_lora_ids,
+        window_freed_blocks=window_freed,
     )
 
 
@@ -844,7 +853,21 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     UnloadLoRA: (int,),
     StopSample: (str, int),
     EngineStats: (dict, (str, type(None))),
-    SchedulerConfig: (int, int, int, bool, float, (str, type(None)), str, int, int, int, str, int),
+    SchedulerConfig: (
+        int,
+        int,
+        int,
+        bool,
+        float,
+        (str, type(None)),
+        str,
+        int,
+        int,
+        int,
+        str,
+        int,
+        int,
+    ),
     WorkerSpec: (str, str, int, _OPTIONAL_INT, _OPTIONAL_INT, str, int, int, int, list, bool),
     StructuredOutputsParams: (
         (str, type(None)),

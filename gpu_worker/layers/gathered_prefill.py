@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedserve.scheduler.messages import NULL_BLOCK
+
 PREFILL_ATTENTION_ENV = "PAGEDSERVE_PREFILL_ATTENTION"
 PREFILL_ATTENTION_CHOICES = ("auto", "kernel", "sdpa")
 
@@ -104,11 +106,13 @@ def plan_gathered_prefill(
     query_valid = rows[None, :] < query_lens[:, None]
     query_rows = np.where(query_valid, query_starts[:, None] + rows[None, :], 0)
     positions = np.arange(max_keys, dtype=np.int64)
-    key_valid = positions[None, :] < seq_lens[:, None]
     block_index = np.minimum(positions // block_size, block_tables.shape[1] - 1)
     blocks = np.take_along_axis(
         block_tables.astype(np.int64), np.broadcast_to(block_index, (num_seqs, max_keys)), axis=1
     )
+    # Positions in blocks freed behind a sliding window lie outside every window: they are
+    # masked like padding (block 0, then zeroed) rather than read from a reused block.
+    key_valid = (positions[None, :] < seq_lens[:, None]) & (blocks != NULL_BLOCK)
     key_blocks = np.where(key_valid, blocks, 0)
     query_positions = (seq_lens - query_lens)[:, None] + rows[None, :]  # [S, Q]
     output_rows = (np.arange(num_seqs, dtype=np.int64)[:, None] * max_query + rows[None, :])[

@@ -15,6 +15,7 @@ from pagedserve.gpu_worker.layers.gathered_prefill import (
     gathered_prefill_attention,
     plan_gathered_prefill,
 )
+from pagedserve.scheduler.messages import NULL_BLOCK
 
 from . import reference
 from .cases import PADDING_BLOCK, TOLERANCES, fused_qkv, paged_case, query_start_loc
@@ -150,6 +151,38 @@ def test_table_entries_before_the_window_are_neither_read_nor_checked():
     _assert_close(ops.paged_prefill_attention(*args, sliding_window=12), expected, torch.float32)
     with pytest.raises(ValueError, match=r"block_tables\[0\]\[5\] = 1073741824 is not a block"):
         ops.paged_prefill_attention(*args, sliding_window=14)  # its window reaches position 47
+
+
+def test_gathered_prefill_skips_entries_freed_behind_the_window():
+    # The block manager frees blocks behind the window and the runner's table holds NULL_BLOCK
+    # there; the gather reads those positions as padding, never a block (-1 would index the
+    # pool's last block, here poisoned as a reused or uninitialised one may be).
+    block_size, window = 8, 12
+    prior, q_lens = [60, 0, 33], [10, 40, 1]
+    case, query, loc = _prefill_case(prior, q_lens, 4, 2, block_size, 64, torch.float32, seed=12)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, 0.125)
+    expected = reference.attention(*args, sliding_window=window)
+    tables = case.block_tables.numpy().copy()
+    for seq, first_query in enumerate(prior):
+        tables[seq, : max(0, first_query - window + 1) // block_size] = NULL_BLOCK
+    assert (tables == NULL_BLOCK).sum() == 6 + 2
+    # One more block, last in the pool, that no sequence holds.
+    key_cache, value_cache = (
+        torch.cat([cache, torch.full_like(cache[:1], float("nan"))])
+        for cache in (case.key_cache, case.value_cache)
+    )
+    plan = plan_gathered_prefill(
+        tables,
+        np.array(q_lens, dtype=np.int32),
+        case.seq_lens.numpy(),
+        block_size,
+        torch.device("cpu"),
+    )
+    out = torch.full_like(query, 7.0).contiguous()
+    gathered_prefill_attention(
+        query, key_cache, value_cache, plan, 0.125, out, sliding_window=window
+    )
+    _assert_close(out, expected, torch.float32)
 
 
 # --- prefill -----------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """The scheduler under seeded random workloads: arrivals, priorities, parallel samples,
 embeddings, shared prefixes, aborts, samples stopped one by one, speculation and tight
-caches, under each scheduling policy and preemption mode, with a fake worker that samples
+caches, under each scheduling policy and preemption mode, with and without a sliding
+window (blocks behind it freed), with a fake worker that samples
 random tokens (EOS now and then) and accepts a random share of the drafts.
 
 After every step: the block accounting holds (device and host), every live sequence is in
 exactly one queue, the batch respects max_num_seqs (and under the priority policy is in
-rank order). At the end: every request got exactly one final delta, its outputs within
+rank order), and under a window a single sequence holds no more blocks than one step and
+the window before it span. At the end: every request got exactly one final delta, its outputs within
 max_tokens, and every block is free."""
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import random
 
 import pytest
 
-from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.block_manager import BlockManager, blocks_spanned
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import StepResult
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -79,12 +81,22 @@ def check_invariants(scheduler: Scheduler) -> None:
     if scheduler.config.max_loras:
         adapters = {r.lora_id for r in scheduler.running if r.lora_id}
         assert len(adapters) <= scheduler.config.max_loras
+    window = scheduler.config.sliding_window
+    if window:
+        manager = scheduler.block_manager
+        most = blocks_spanned(
+            window - 1 + scheduler.config.max_num_batched_tokens, manager.block_size
+        )
+        for request in scheduler.running:
+            if request.group is None:
+                assert manager.num_held_blocks(request.request_id) <= most, request.request_id
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("mode", [None, "recompute", "swap"])
-def test_random_workloads_keep_the_invariants(seed, policy, mode):
+@pytest.mark.parametrize("window", [0, 13])
+def test_random_workloads_keep_the_invariants(seed, policy, mode, window):
     rng = random.Random(f"{seed}-{policy}-{mode}")
     block_size = rng.choice([8, 16])
     num_blocks = rng.randrange(12, 40)
@@ -99,6 +111,7 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode):
             scheduling_policy=policy,
             num_speculative_tokens=rng.choice([0, 0, 3]),
             max_loras=rng.choice([0, 1, 2]),
+            sliding_window=window,
         ),
         BlockManager(
             num_blocks,
@@ -106,6 +119,7 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode):
             watermark_blocks=1 if rng.random() < 0.5 else 0,
             num_host_blocks=rng.choice([0, 8, 64]),
             enable_prefix_caching=rng.random() < 0.5,
+            sliding_window=window,
         ),
     )
     shared_prefix = [rng.randrange(3, VOCAB) for _ in range(block_size * 2)]

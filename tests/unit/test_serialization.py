@@ -109,6 +109,7 @@ FULL_PLAN = StepPlan(
     spec_token_ids={"req-2": [7, 8, 2**31 + 5], "req-1": [0]},
     load_loras=[(3, "sql-é", "/adapters/sql-é"), (4, "chat", "/adapters/chat")],
     unload_lora_ids=[1, 2],
+    window_freed_blocks={"req-2": 3, "req-1": 1},
 )
 
 FULL_DELTA = RequestOutputDelta(
@@ -149,6 +150,7 @@ SCHEDULER_CONFIG = SchedulerConfig(
     prompt_lookup_min=3,
     scheduling_policy="priority",
     max_loras=3,
+    sliding_window=4096,
 )
 
 # Every encodable type, with optional fields set and unset.
@@ -368,6 +370,7 @@ def _plan_fields(**overrides) -> list:
         "spec_token_ids": {},
         "load_loras": [],
         "unload_lora_ids": [],
+        "window_freed_blocks": {},
     }
     fields.update(overrides)
     return list(fields.values())
@@ -383,7 +386,7 @@ def _plan_fields(**overrides) -> list:
         (msgpack.packb([]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb(["StepPlan"]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb([99, 1]), "unknown message tag 99 .*1=StepPlan"),
-        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 11 fields"),
+        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 12 fields"),
         (_frame(StepPlan, *_plan_fields(step_id="1")), "StepPlan.step_id: expected int, got str"),
         (_frame(StepPlan, *_plan_fields(step_id=True)), "StepPlan.step_id: expected int, got bool"),
         (
@@ -593,7 +596,9 @@ def _plan_fields(**overrides) -> list:
         ),
         (_frame(EngineStats, [], None), "EngineStats.stats: expected dict, got list"),
         (
-            _frame(SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged", 0, 4, 2, "fcfs", 0),
+            _frame(
+                SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged", 0, 4, 2, "fcfs", 0, 0
+            ),
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (
