@@ -46,6 +46,7 @@ from pagedserve.scheduler.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from pagedserve.scheduler.scheduler import max_sequence_tokens
 from pagedserve.scheduler.structured_output import grammar_text
 
 if TYPE_CHECKING:
@@ -283,7 +284,9 @@ def parse_request(
     max_model_len = llm.scheduler_config.max_model_len
     # The most tokens a sequence of this request can hold: the context window, or less
     # when the whole KV cache is smaller (every sequence may need blocks of its own).
-    max_total_tokens = min(max_model_len, (llm.num_blocks // base.num_sequences) * llm.block_size)
+    max_total_tokens = max_sequence_tokens(
+        llm.scheduler_config, llm.block_size, llm.num_blocks, base.num_sequences
+    )
     params: list[SamplingParams] = []
     for position, prompt in enumerate(prompts):
         field_name = "prompt" if len(prompts) == 1 else f"prompt[{position}]"

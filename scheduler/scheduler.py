@@ -65,15 +65,8 @@ def check_request_fits(
         )
     max_total_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
     needed_blocks = blocks_for_tokens(max_total_tokens, block_size) * num_sequences
-    if (
-        config.sliding_window
-        and config.enable_chunked_prefill
-        and config.allocation_policy == "paged"
-        and num_sequences == 1
-    ):
-        # Positions from the first query's window start to the step's last token.
-        step_span = config.sliding_window - 1 + config.max_num_batched_tokens
-        window_blocks = blocks_spanned(step_span, block_size)
+    if _holds_a_window(config, num_sequences):
+        window_blocks = _window_blocks(config, block_size)
         if window_blocks < needed_blocks:
             if window_blocks > total_blocks:
                 raise ValueError(
@@ -93,6 +86,36 @@ def check_request_fits(
             f"{block_size} tokens, but the whole KV cache has {total_blocks} blocks "
             f"({total_blocks * block_size} tokens); lower max_tokens or raise kv_cache_bytes"
         )
+
+
+def max_sequence_tokens(
+    config: SchedulerConfig, block_size: int, total_blocks: int, num_sequences: int = 1
+) -> int:
+    """The most tokens (prompt and output) each sequence of a request of ``num_sequences``
+    can reach: ``max_model_len``, or less when the cache could not hold them (as
+    ``check_request_fits`` counts: behind a sliding window, only a window's blocks)."""
+    if _holds_a_window(config, num_sequences) and (
+        _window_blocks(config, block_size) <= total_blocks
+    ):
+        return config.max_model_len
+    return min(config.max_model_len, total_blocks // num_sequences * block_size)
+
+
+def _holds_a_window(config: SchedulerConfig, num_sequences: int) -> bool:
+    """Whether a request's blocks behind its sliding window are freed as it runs, so that it
+    never holds more than ``_window_blocks``: one sequence, computed in chunks."""
+    return bool(
+        config.sliding_window
+        and config.enable_chunked_prefill
+        and config.allocation_policy == "paged"
+        and num_sequences == 1
+    )
+
+
+def _window_blocks(config: SchedulerConfig, block_size: int) -> int:
+    """The most blocks a sequence holds behind a sliding window: those spanned by the
+    positions from its step's first query's window start to the step's last token."""
+    return blocks_spanned(config.sliding_window - 1 + config.max_num_batched_tokens, block_size)
 
 
 class Scheduler:

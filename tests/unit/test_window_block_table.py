@@ -15,7 +15,7 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import NULL_BLOCK
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler, check_request_fits
+from pagedserve.scheduler.scheduler import Scheduler, check_request_fits, max_sequence_tokens
 
 N = NULL_BLOCK
 
@@ -260,6 +260,16 @@ def test_admission_counts_the_window_not_the_whole_length():
     # Nor does a model without a window.
     with pytest.raises(ValueError, match="= 120 blocks of 8 tokens"):
         check_request_fits(60, 900, SchedulerConfig(max_model_len=1024), 8, 5)
+
+
+def test_the_longest_sequence_a_cache_holds():
+    # What an OpenAI request without max_tokens may generate up to.
+    config = SchedulerConfig(max_model_len=1024, max_num_batched_tokens=16, sliding_window=16)
+    assert max_sequence_tokens(config, 8, 5) == 1024
+    assert max_sequence_tokens(config, 8, 4) == 32  # a step behind the window does not fit
+    assert max_sequence_tokens(config, 8, 5, num_sequences=2) == 16
+    assert max_sequence_tokens(SchedulerConfig(max_model_len=1024), 8, 5) == 40
+    assert max_sequence_tokens(SchedulerConfig(max_model_len=30), 8, 5) == 30
 
 
 def test_config_and_block_manager_must_agree_on_the_window():
