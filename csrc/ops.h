@@ -45,7 +45,8 @@
 //
 // Positions before the window are never read, so a windowed op costs O(W) per query however
 // long the context; block-table entries of blocks wholly before the window of a sequence's first
-// query token are neither read nor checked (the block manager may keep or drop them).
+// query token are neither read nor checked: when every layer is windowed the block manager frees
+// those blocks and the entries hold NULL_BLOCK (-1, scheduler/messages.py).
 //
 // Logit soft-capping (Gemma 2): every attention op takes logits_soft_cap, a float; 0 means off.
 // With a cap c > 0 each attention logit s = scale * q . k becomes c * tanh(s / c) before the mask
