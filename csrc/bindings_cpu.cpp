@@ -23,7 +23,7 @@ T* ptr(uintptr_t address) {
 
 PagedKVCache make_cache(uintptr_t key_cache, uintptr_t value_cache, int64_t key_block_stride,
                         int64_t value_block_stride, int64_t num_blocks, int64_t num_kv_heads,
-                        int64_t block_size, int64_t head_size, int dtype) {
+                        int64_t block_size, int64_t head_size, int dtype, int cache_dtype) {
   return PagedKVCache{ptr<void>(key_cache),
                       ptr<void>(value_cache),
                       key_block_stride,
@@ -32,7 +32,8 @@ PagedKVCache make_cache(uintptr_t key_cache, uintptr_t value_cache, int64_t key_
                       num_kv_heads,
                       block_size,
                       head_size,
-                      static_cast<DType>(dtype)};
+                      static_cast<DType>(dtype),
+                      static_cast<DType>(cache_dtype)};
 }
 
 }  // namespace
@@ -45,18 +46,19 @@ PYBIND11_MODULE(_C_cpu, m) {
       [](uintptr_t key, int64_t key_token_stride, uintptr_t value, int64_t value_token_stride,
          uintptr_t slot_mapping, int64_t num_tokens, uintptr_t key_cache, uintptr_t value_cache,
          int64_t key_block_stride, int64_t value_block_stride, int64_t num_blocks,
-         int64_t num_kv_heads, int64_t block_size, int64_t head_size, int dtype) {
+         int64_t num_kv_heads, int64_t block_size, int64_t head_size, int dtype, int cache_dtype) {
         py::gil_scoped_release release;
         pagedserve::cpu::reshape_and_cache(
             ptr<const void>(key), key_token_stride, ptr<const void>(value), value_token_stride,
             ptr<const int64_t>(slot_mapping), num_tokens,
             make_cache(key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
-                       num_kv_heads, block_size, head_size, dtype));
+                       num_kv_heads, block_size, head_size, dtype, cache_dtype));
       },
       py::arg("key"), py::arg("key_token_stride"), py::arg("value"), py::arg("value_token_stride"),
       py::arg("slot_mapping"), py::arg("num_tokens"), py::arg("key_cache"), py::arg("value_cache"),
       py::arg("key_block_stride"), py::arg("value_block_stride"), py::arg("num_blocks"),
-      py::arg("num_kv_heads"), py::arg("block_size"), py::arg("head_size"), py::arg("dtype"));
+      py::arg("num_kv_heads"), py::arg("block_size"), py::arg("head_size"), py::arg("dtype"),
+      py::arg("cache_dtype"));
 
   m.def(
       "paged_attention_decode",
@@ -64,14 +66,15 @@ PYBIND11_MODULE(_C_cpu, m) {
          int64_t num_heads, float scale, int64_t sliding_window, float logits_soft_cap,
          uintptr_t key_cache, uintptr_t value_cache, int64_t key_block_stride,
          int64_t value_block_stride, int64_t num_blocks, int64_t num_kv_heads, int64_t block_size,
-         int64_t head_size, int dtype, uintptr_t block_tables, int64_t block_table_stride,
-         int64_t max_blocks_per_seq, uintptr_t seq_lens, int64_t num_seqs, int64_t partition_size) {
+         int64_t head_size, int dtype, int cache_dtype, uintptr_t block_tables,
+         int64_t block_table_stride, int64_t max_blocks_per_seq, uintptr_t seq_lens,
+         int64_t num_seqs, int64_t partition_size) {
         py::gil_scoped_release release;
         pagedserve::cpu::paged_attention_decode(
             ptr<void>(out), out_token_stride, ptr<const void>(query), query_token_stride, num_heads,
             scale, sliding_window, logits_soft_cap,
             make_cache(key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
-                       num_kv_heads, block_size, head_size, dtype),
+                       num_kv_heads, block_size, head_size, dtype, cache_dtype),
             BlockTables{ptr<const int32_t>(block_tables), block_table_stride, max_blocks_per_seq,
                         ptr<const int32_t>(seq_lens), num_seqs},
             partition_size);
@@ -80,9 +83,9 @@ PYBIND11_MODULE(_C_cpu, m) {
       py::arg("num_heads"), py::arg("scale"), py::arg("sliding_window"), py::arg("logits_soft_cap"),
       py::arg("key_cache"), py::arg("value_cache"), py::arg("key_block_stride"),
       py::arg("value_block_stride"), py::arg("num_blocks"), py::arg("num_kv_heads"),
-      py::arg("block_size"), py::arg("head_size"), py::arg("dtype"), py::arg("block_tables"),
-      py::arg("block_table_stride"), py::arg("max_blocks_per_seq"), py::arg("seq_lens"),
-      py::arg("num_seqs"), py::arg("partition_size"));
+      py::arg("block_size"), py::arg("head_size"), py::arg("dtype"), py::arg("cache_dtype"),
+      py::arg("block_tables"), py::arg("block_table_stride"), py::arg("max_blocks_per_seq"),
+      py::arg("seq_lens"), py::arg("num_seqs"), py::arg("partition_size"));
 
   m.def(
       "paged_prefill_attention",
@@ -90,7 +93,7 @@ PYBIND11_MODULE(_C_cpu, m) {
          int64_t num_tokens, int64_t num_heads, uintptr_t query_start_loc, float scale,
          int64_t sliding_window, float logits_soft_cap, uintptr_t key_cache, uintptr_t value_cache,
          int64_t key_block_stride, int64_t value_block_stride, int64_t num_blocks,
-         int64_t num_kv_heads, int64_t block_size, int64_t head_size, int dtype,
+         int64_t num_kv_heads, int64_t block_size, int64_t head_size, int dtype, int cache_dtype,
          uintptr_t block_tables, int64_t block_table_stride, int64_t max_blocks_per_seq,
          uintptr_t seq_lens, int64_t num_seqs) {
         py::gil_scoped_release release;
@@ -99,7 +102,7 @@ PYBIND11_MODULE(_C_cpu, m) {
             num_tokens, num_heads, ptr<const int32_t>(query_start_loc), scale, sliding_window,
             logits_soft_cap,
             make_cache(key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
-                       num_kv_heads, block_size, head_size, dtype),
+                       num_kv_heads, block_size, head_size, dtype, cache_dtype),
             BlockTables{ptr<const int32_t>(block_tables), block_table_stride, max_blocks_per_seq,
                         ptr<const int32_t>(seq_lens), num_seqs});
       },
@@ -108,8 +111,9 @@ PYBIND11_MODULE(_C_cpu, m) {
       py::arg("sliding_window"), py::arg("logits_soft_cap"), py::arg("key_cache"),
       py::arg("value_cache"), py::arg("key_block_stride"), py::arg("value_block_stride"),
       py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("block_size"), py::arg("head_size"),
-      py::arg("dtype"), py::arg("block_tables"), py::arg("block_table_stride"),
-      py::arg("max_blocks_per_seq"), py::arg("seq_lens"), py::arg("num_seqs"));
+      py::arg("dtype"), py::arg("cache_dtype"), py::arg("block_tables"),
+      py::arg("block_table_stride"), py::arg("max_blocks_per_seq"), py::arg("seq_lens"),
+      py::arg("num_seqs"));
 
   m.def(
       "copy_blocks",

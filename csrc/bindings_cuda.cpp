@@ -26,14 +26,10 @@ T* ptr(uintptr_t address) {
 PagedKVCache make_cache(uintptr_t key_cache, uintptr_t value_cache, int64_t key_block_stride,
                         int64_t value_block_stride, int64_t num_blocks, int64_t num_kv_heads,
                         int64_t block_size, int64_t head_size, int dtype) {
-  return PagedKVCache{ptr<void>(key_cache),
-                      ptr<void>(value_cache),
-                      key_block_stride,
-                      value_block_stride,
-                      num_blocks,
-                      num_kv_heads,
-                      block_size,
-                      head_size,
+  return PagedKVCache{ptr<void>(key_cache), ptr<void>(value_cache), key_block_stride,
+                      value_block_stride, num_blocks, num_kv_heads, block_size, head_size,
+                      static_cast<DType>(dtype),
+                      // The CUDA kernels keep the cache in the activations' dtype (ops.h).
                       static_cast<DType>(dtype)};
 }
 

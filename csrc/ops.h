@@ -34,6 +34,12 @@
 // GQA: num_heads % num_kv_heads == 0 and query head h reads kv head h / (num_heads /
 // num_kv_heads), so the query heads of one kv head are adjacent.
 //
+// float8 e5m2 cache (CPU only; vLLM's kv_cache_dtype "fp8_e5m2"): PagedKVCache.cache_dtype
+// kFloat8E5M2 under activations of any of the three dtypes. reshape_and_cache rounds each K/V
+// value as torch's .to(torch.float8_e5m2) does (from float32, to nearest even, overflow to
+// inf); the attention ops read it back exactly (e5m2 is the top byte of a float16). Half the
+// bytes of a 16-bit cache, a quarter of float32's, with 2 mantissa bits.
+//
 // Sliding window (Mistral, Qwen2 and Qwen3 sliding layers): every attention op takes
 // sliding_window, in tokens; 0 means full causal attention. With a window W > 0 the query token
 // at position i attends to the positions i - W < j <= i, that is the W positions ending at its
@@ -59,8 +65,8 @@
 
 namespace pagedserve {
 
-// Codes shared with gpu_worker/ops.py.
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// Codes shared with gpu_worker/ops.py. kFloat8E5M2 is a cache type only.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8E5M2 = 3 };
 
 // One layer's paged key and value caches (views into the pool tensor, see above).
 struct PagedKVCache {
@@ -72,7 +78,8 @@ struct PagedKVCache {
   int64_t num_kv_heads;
   int64_t block_size;  // tokens per block
   int64_t head_size;
-  DType dtype;
+  DType dtype;        // the activations: query, out, and the key / value written
+  DType cache_dtype;  // the caches' elements: dtype, or kFloat8E5M2 (CPU only)
 };
 
 // A batch of sequences' block tables and cache lengths.

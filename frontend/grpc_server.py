@@ -193,6 +193,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tensor_parallel_size=llm.tensor_parallel_size,
             eos_token_ids=sorted(llm.eos_token_ids),
             quantization=llm.quantization or "",
+            kv_cache_dtype=llm.kv_cache_dtype,
         )
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.Stats:

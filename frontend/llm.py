@@ -18,6 +18,7 @@ from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
 from pagedserve.frontend.tokenizer import Tokenizer
+from pagedserve.gpu_worker.kv_cache import check_kv_cache_dtype
 from pagedserve.gpu_worker.lora import (
     check_adapter_files,
     check_adapter_weights,
@@ -175,6 +176,12 @@ class LLM:
     activations, LM head, embeddings and KV cache staying in ``dtype``. A decode step reads
     every weight once, so at small batches it runs up to about as many times faster as
     the weights shrink; the output is close to, not equal to, the unquantized model's.
+
+    ``kv_cache_dtype="fp8_e5m2"`` (CPU only; vLLM's name) stores the KV cache as float8 e5m2:
+    each key and value rounded to 2 mantissa bits as it is written, read back exactly. A
+    block takes half the bytes of a 16-bit cache (a quarter of float32's), so the same
+    ``kv_cache_bytes`` holds twice (four times) the tokens; the output is close to, not
+    equal to, the model's with ``"auto"`` (the cache in ``dtype``).
     """
 
     def __init__(
@@ -208,10 +215,13 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         check_dtype_name(dtype)
         check_quantization_name(quantization, device)
         self.quantization = quantization
+        check_kv_cache_dtype(kv_cache_dtype, device)
+        self.kv_cache_dtype = kv_cache_dtype
         _check_optional_positive("max_loras", max_loras)
         if reasoning_parser is not None:
             thinking_token_ids(reasoning_parser, None)  # the name, before anything loads
@@ -292,6 +302,7 @@ class LLM:
                 lora_modules=adapters,
                 enable_lora=self.enable_lora,
                 quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
             )
             model_config = self.worker.model_config
         self.model_config = model_config
@@ -346,6 +357,7 @@ class LLM:
                     [list(adapter) for adapter in adapters],
                     self.enable_lora,
                     quantization,
+                    kv_cache_dtype,
                 ),
                 seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
@@ -393,7 +405,7 @@ class LLM:
             self.bytes_per_block,
             tensor_parallel_size,
             self.num_blocks * block_size,
-            dtype,
+            dtype if kv_cache_dtype == "auto" else kv_cache_dtype,
             self.num_host_blocks,
         )
 

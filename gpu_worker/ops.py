@@ -40,7 +40,9 @@ from pagedserve.gpu_worker import cuda_ops
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# A cache may also hold float8 e5m2 under activations of any supported dtype (CPU only; ops.h).
+SUPPORTED_CACHE_DTYPES = (*SUPPORTED_DTYPES, torch.float8_e5m2)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e5m2: 3}
 
 _LAYOUT_TOKENS = "[num_tokens, num_heads, head_size]"
 _LAYOUT_ROWS = "[num_tokens, hidden_size]"
@@ -87,13 +89,16 @@ def reshape_and_cache(
         key, value: ``[num_tokens, num_kv_heads, head_size]``; the token stride may be
             anything (views into a fused qkv output), heads and dims contiguous.
         key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, inner
-            three dims contiguous, any block stride; same dtype as ``key``.
+            three dims contiguous, any block stride; same dtype as ``key``, or float8_e5m2
+            (CPU only): each value rounded as ``.to(torch.float8_e5m2)`` rounds it.
         slot_mapping: int64 ``[num_tokens]``; ``slot = block_id * block_size + offset``, a
             negative slot marks a padding token, which is skipped.
     """
     cache = _check_caches(key_cache, value_cache)
     _check_tokens("key", key, cache.num_kv_heads, cache.head_size, cache.dtype)
     _check_tokens("value", value, cache.num_kv_heads, cache.head_size, cache.dtype)
+    if value.dtype != key.dtype:
+        raise TypeError(f"value has dtype {value.dtype} but key has {key.dtype}; they must match")
     num_tokens = key.shape[0]
     _check_same_length("value", value, "key", num_tokens)
     _check_index_vector("slot_mapping", slot_mapping, torch.int64, num_tokens, "num_tokens")
@@ -110,7 +115,7 @@ def reshape_and_cache(
         value.stride(0),
         slot_mapping.data_ptr(),
         num_tokens,
-        *cache.args,
+        *cache.cpu_args(key.dtype),
     )
 
 
@@ -209,7 +214,7 @@ def paged_attention_decode(
         scale,
         window,
         cap,
-        *cache.args,
+        *cache.cpu_args(query.dtype),
         block_tables.data_ptr(),
         block_tables.stride(0),
         block_tables.shape[1],
@@ -314,7 +319,7 @@ def paged_prefill_attention(
         scale,
         window,
         cap,
-        *cache.args,
+        *cache.cpu_args(query.dtype),
         block_tables.data_ptr(),
         block_tables.stride(0),
         block_tables.shape[1],
@@ -614,6 +619,11 @@ class _CacheGeometry:
         self.dtype = key_cache.dtype
         self.is_cuda = _runs_cuda_kernels(key_cache)
         self.device = key_cache.device
+        if self.is_cuda and self.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"key_cache has dtype {self.dtype}: the CUDA kernels keep the cache in the "
+                "activations' dtype (a float8_e5m2 cache runs on the CPU only)"
+            )
         # key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
         # num_kv_heads, block_size, head_size, dtype (the bindings' order).
         self.args = (
@@ -627,6 +637,11 @@ class _CacheGeometry:
             self.head_size,
             _DTYPE_CODES[self.dtype],
         )
+
+    def cpu_args(self, dtype: torch.dtype) -> tuple:
+        """``args`` for the CPU bindings, which also take the activations' ``dtype``: the
+        geometry, the activations' dtype code, then the cache's."""
+        return (*self.args[:8], _DTYPE_CODES[dtype], self.args[8])
 
     def check_same_device(self, *named: tuple[str, torch.Tensor]) -> None:
         """Every named tensor lives where the caches do."""
@@ -745,7 +760,7 @@ def _check_inner_strides(name: str, tensor: torch.Tensor, layout: str) -> None:
 def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> _CacheGeometry:
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_device(name, cache)
-        _check_dtype(name, cache, SUPPORTED_DTYPES)
+        _check_dtype(name, cache, SUPPORTED_CACHE_DTYPES)
         shape = cache.shape
         if len(shape) != 4:
             raise ValueError(f"{name} must be 4-D {_LAYOUT_CACHE}, got shape {tuple(shape)}")
@@ -780,13 +795,19 @@ def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> _CacheG
 def _check_tokens(
     name: str, tensor: torch.Tensor, num_heads: int, head_size: int, dtype: torch.dtype
 ) -> None:
-    """``tensor`` is ``[num_tokens, num_heads, head_size]`` of the cache's dtype."""
+    """``tensor`` is ``[num_tokens, num_heads, head_size]`` of the cache's dtype (any
+    supported one over a float8_e5m2 cache)."""
     _check_device(name, tensor)
-    if tensor.dtype != dtype:
+    if tensor.dtype != dtype or dtype not in SUPPORTED_DTYPES:
         _check_dtype(name, tensor, SUPPORTED_DTYPES)
-        raise TypeError(
-            f"{name} has dtype {tensor.dtype} but the cache holds {dtype}; they must match"
-        )
+        if dtype in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {tensor.dtype} but the cache holds {dtype}; they must match"
+            )
+    _check_token_shape(name, tensor, num_heads, head_size)
+
+
+def _check_token_shape(name: str, tensor: torch.Tensor, num_heads: int, head_size: int) -> None:
     shape = tensor.shape
     if len(shape) != 3 or shape[1] != num_heads or shape[2] != head_size:
         raise ValueError(

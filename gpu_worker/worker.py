@@ -12,7 +12,11 @@ import torch
 
 from pagedserve.gpu_worker import cuda_ops, ops
 from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
-from pagedserve.gpu_worker.kv_cache import KVCacheSpec
+from pagedserve.gpu_worker.kv_cache import (
+    KVCacheSpec,
+    check_kv_cache_dtype,
+    kv_cache_torch_dtype,
+)
 from pagedserve.gpu_worker.lora import (
     LoRABatch,
     check_lora_support,
@@ -79,13 +83,16 @@ class Worker:
         lora_modules: list[tuple[str, str]] | None = None,
         enable_lora: bool = False,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """``lora_modules``: (name, PEFT LoRA adapter directory) pairs, adapter ids 1, 2,
         ... in order; ``enable_lora``: adapters may also load at run time (the plans'
         ``load_loras``), even with none at start-up; ``quantization`` ("int8", CPU only):
-        the linear layers' weights quantized as they are packed."""
+        the linear layers' weights quantized as they are packed; ``kv_cache_dtype``
+        ("auto": the model's dtype; "fp8_e5m2", CPU only): what the KV cache stores."""
         self.device = _parse_device(device)
         check_quantization_name(quantization, self.device.type)
+        check_kv_cache_dtype(kv_cache_dtype, self.device.type)
         if cuda_graph_max_batch and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs need device='cuda', got device={device!r}")
         self.model_config = ModelConfig.from_dir(model_path)
@@ -119,7 +126,7 @@ class Worker:
             num_kv_heads=len(parallel.kv_heads(self.model_config.num_kv_heads)),
             head_size=self.model_config.head_size,
             block_size=block_size,
-            dtype=torch_dtype,
+            dtype=kv_cache_torch_dtype(kv_cache_dtype, torch_dtype),
         )
         if num_blocks is None:
             if kv_cache_bytes is None:

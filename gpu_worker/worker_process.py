@@ -90,6 +90,7 @@ def build_worker(start: StartWorker) -> Worker:
         lora_modules=[(name, path) for name, path in spec.lora_modules],
         enable_lora=spec.enable_lora,
         quantization=spec.quantization,
+        kv_cache_dtype=spec.kv_cache_dtype,
     )
 
 

@@ -231,7 +231,8 @@ inline VecF dot(const float* q, const VecF* k) {
   }
 }
 
-template <typename T, int D>
+// T: the activations (query, out); C: the cache's elements (T, or Float8E5M2).
+template <typename T, typename C, int D>
 struct Decode {
   static constexpr int kVecs = D / kWidth;
   // K/V row vectors held in registers at once (the rest of the file leaves room for the
@@ -239,14 +240,15 @@ struct Decode {
   static constexpr int kRowChunk = largest_divisor_at_most(kVecs, VecF::kNumRegisters / 2);
   static constexpr int kMaxRowsPerStep = 8;
   static constexpr int kVPositions = 32;
-  // Vectors [0, kPaired) of a row load in pairs (interleaved order for bf16, see vec.h); an
-  // odd last vector loads alone. q, acc and out rows use the same order.
+  // Vectors [0, kPaired) of a row load in pairs (interleaved order for a bf16 cache, see vec.h);
+  // an odd last vector loads alone. q, acc and out rows use the cache's order.
   static constexpr int kPaired = kVecs / 2 * 2;
+  static constexpr bool kPairs = kInterleaved<C>;  // then C is T (bf16)
 
-  // Vectors [first, first + kCount) of a row, in storage order.
-  template <int kCount>
-  static void load_vecs(const T* row, int first, VecF* out) {
-    if constexpr (!kInterleaved<T>) {
+  // Vectors [first, first + kCount) of a row (a cache row, or a query row), in storage order.
+  template <int kCount, typename U>
+  static void load_vecs(const U* row, int first, VecF* out) {
+    if constexpr (!kPairs) {
       for (int i = 0; i < kCount; ++i) out[i] = VecF::load(row + (first + i) * kWidth);
     } else {
       for (int i = 0; i < kCount;) {
@@ -268,11 +270,15 @@ struct Decode {
   // row = src * scale for one row of D floats in storage order.
   static void store_row(const float* src, float scale, T* row) {
     const VecF s = VecF::broadcast(scale);
-    for (int j = 0; j < kPaired; j += 2) {
-      store_pair(row + j * kWidth, VecF::load(src + j * kWidth) * s,
-                 VecF::load(src + (j + 1) * kWidth) * s);
+    if constexpr (kPairs) {
+      for (int j = 0; j < kPaired; j += 2) {
+        store_pair(row + j * kWidth, VecF::load(src + j * kWidth) * s,
+                   VecF::load(src + (j + 1) * kWidth) * s);
+      }
+      if (kPaired < kVecs) (VecF::load(src + kPaired * kWidth) * s).store(row + kPaired * kWidth);
+    } else {
+      for (int j = 0; j < kVecs; ++j) (VecF::load(src + j * kWidth) * s).store(row + j * kWidth);
     }
-    if (kPaired < kVecs) (VecF::load(src + kPaired * kWidth) * s).store(row + kPaired * kWidth);
   }
 
   // dst = src * scale for num_rows rows, into storage order.
@@ -294,18 +300,18 @@ struct Decode {
   //   acc[r] = sum_t exp(s[r][t] - row_max[r]) v[h][t]
   // The query rows of a kv head share every K/V row load.
   static void attend_range(const DecodeScratch& ws, int num_kv_heads, int group,
-                           const KVRows<T, D>& kv, int64_t begin, int64_t end,
+                           const KVRows<C, D>& kv, int64_t begin, int64_t end,
                            float logits_soft_cap) {
     const int64_t n = end - begin;
     const int64_t n_pad = round_up(n, kWidth);
     const int num_q = num_kv_heads * group;
     const int64_t head_stride = (kv.offset_mask + 1) * D;
     float* const partial = ws.partial;
-    const T* rows[kVPositions];
+    const C* rows[kVPositions];
     static_assert(kVPositions >= kWidth, "rows[] holds a K chunk too");
 
     // K pass: kWidth positions at a time, so kWidth horizontal sums become one transposed one.
-    BlockWalker<T, D> keys(kv.key_base, kv.key_block_stride, kv, num_kv_heads, end, kv.value_base,
+    BlockWalker<C, D> keys(kv.key_base, kv.key_block_stride, kv, num_kv_heads, end, kv.value_base,
                            kv.value_block_stride);
     for (int64_t c0 = 0; c0 < n; c0 += kWidth) {
       const int count = static_cast<int>(min_i64(kWidth, n - c0));
@@ -313,7 +319,7 @@ struct Decode {
       for (int h = 0; h < num_kv_heads; ++h) {
         const float* q = ws.q + h * group * D;
         for (int i = 0; i < count; ++i) {
-          const T* row = rows[i] + h * head_stride;
+          const C* row = rows[i] + h * head_stride;
           for (int c = 0; c < kVecs; c += kRowChunk) {
             VecF k[kRowChunk];
             load_vecs<kRowChunk>(row, c, k);
@@ -360,7 +366,7 @@ struct Decode {
     // V pass, kVPositions positions at a time (they stay in L1 while the accumulators sweep
     // over the head dim), at most kMaxRowsPerStep query rows at a time.
     for (int i = 0; i < num_q * D; i += kWidth) VecF::zero().store(ws.acc + i);
-    BlockWalker<T, D> values(kv.value_base, kv.value_block_stride, kv, num_kv_heads, end, nullptr,
+    BlockWalker<C, D> values(kv.value_base, kv.value_block_stride, kv, num_kv_heads, end, nullptr,
                              0);
     for (int64_t i0 = 0; i0 < n; i0 += kVPositions) {
       const int count = static_cast<int>(min_i64(kVPositions, n - i0));
@@ -405,7 +411,7 @@ struct Decode {
   // acc[q] += sum_i weights[q][i] * (rows[i] + offset) for kRows query rows (weights row stride
   // weights_stride), kCols head-dim vectors of accumulators in registers at a time.
   template <int kRows>
-  static void pv_sweep(const float* weights, int64_t weights_stride, const T* const* rows,
+  static void pv_sweep(const float* weights, int64_t weights_stride, const C* const* rows,
                        int64_t offset, int count, float* acc) {
     constexpr int kCols = largest_divisor_at_most(kVecs, (VecF::kNumRegisters - 2) / (kRows + 1));
     for (int c = 0; c < kVecs; c += kCols) {
@@ -414,7 +420,7 @@ struct Decode {
         for (int j = 0; j < kCols; ++j) a[q][j] = VecF::load(acc + q * D + (c + j) * kWidth);
       }
       for (int i = 0; i < count; ++i) {
-        const T* row = rows[i] + offset;
+        const C* row = rows[i] + offset;
         VecF v[kCols];
         load_vecs<kCols>(row, c, v);
         for (int q = 0; q < kRows; ++q) {
@@ -445,7 +451,7 @@ struct Decode {
       return;
     }
     load_scaled_rows(query_row, num_heads, p.scale, ws.q);
-    attend_range(ws, num_kv_heads, num_heads / num_kv_heads, kv_rows<T, D>(p, seq, 0),
+    attend_range(ws, num_kv_heads, num_heads / num_kv_heads, kv_rows<C, D>(p, seq, 0),
                  window_begin(p, seq_len - 1), seq_len, p.logits_soft_cap);
     store_normalized(ws, num_heads, out_row);
   }
@@ -507,7 +513,7 @@ struct Decode {
         const int64_t end = min_i64(seq_len, begin + partition_size);
         if (begin >= end) continue;
         load_scaled_rows(query_row, static_cast<int>(num_heads), p.scale, ws.q);
-        attend_range(ws, num_kv_heads, group, kv_rows<T, D>(p, seq, 0), begin, end,
+        attend_range(ws, num_kv_heads, group, kv_rows<C, D>(p, seq, 0), begin, end,
                      p.logits_soft_cap);
         const int64_t first_row = (seq * num_parts + part) * num_heads;
         for (int64_t r = 0; r < num_heads; ++r) {
@@ -558,7 +564,7 @@ struct Decode {
 
 // --- prefill -----------------------------------------------------------------------------
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 struct Prefill {
   static constexpr int kRowsPerTile = kPrefillRowVecs * kWidth;
 
@@ -570,12 +576,12 @@ struct Prefill {
 
   static int64_t scratch_floats(const AttentionProblem& p) {
     return aligned(max_i64(tile_floats(p.cache.block_size),
-                           Decode<T, D>::scratch_floats(p, p.max_attended_len)));
+                           Decode<T, C, D>::scratch_floats(p, p.max_attended_len)));
   }
 
   // A block's rows [num_keys][D] as fp32: the cache itself for fp32, else converted into dst.
-  static const float* rows_as_float(const T* src, int num_keys, float* dst) {
-    if constexpr (std::is_same_v<T, float>) {
+  static const float* rows_as_float(const C* src, int num_keys, float* dst) {
+    if constexpr (std::is_same_v<C, float>) {
       return src;
     } else {
       for (int i = 0; i < num_keys * D; i += kWidth) VecF::load(src + i).store(dst + i);
@@ -693,12 +699,12 @@ struct Prefill {
       VecF::zero().store(l + r);
     }
 
-    const KVRows<T, D> kv = kv_rows<T, D>(p, item.seq, item.kv_head);
+    const KVRows<C, D> kv = kv_rows<C, D>(p, item.seq, item.kv_head);
     const int64_t num_positions = max_pos + 1;
     // Keys before every row's window are never read; keys before some row's window are masked.
     const int64_t first_block_pos = window_begin(p, min_pos) / block_size * block_size;
     const int64_t all_rows_first = window_begin(p, max_pos);
-    const int64_t block_bytes = block_size * D * static_cast<int64_t>(sizeof(T));
+    const int64_t block_bytes = block_size * D * static_cast<int64_t>(sizeof(C));
     for (int64_t b0 = first_block_pos; b0 < num_positions; b0 += block_size) {
       const int num_keys = static_cast<int>(min_i64(block_size, num_positions - b0));
       if (b0 + block_size < num_positions) {  // the next block is elsewhere: request it now
@@ -779,9 +785,9 @@ struct Prefill {
         const int64_t q_start = query_start_loc[item.seq];
         const int64_t q_len = query_start_loc[item.seq + 1] - q_start;
         if (q_len == 1) {  // a decode: the decode kernel's layout suits it better
-          Decode<T, D>::attend_sequence(p, Decode<T, D>::carve(p, scratch, p.max_attended_len),
-                                        item.seq, query + q_start * p.query_token_stride,
-                                        out + q_start * p.out_token_stride);
+          Decode<T, C, D>::attend_sequence(
+              p, Decode<T, C, D>::carve(p, scratch, p.max_attended_len), item.seq,
+              query + q_start * p.query_token_stride, out + q_start * p.out_token_stride);
           continue;
         }
         switch (ceil_div(item.row_end - item.row_begin, kWidth)) {
@@ -804,52 +810,60 @@ struct Prefill {
   }
 };
 
-// Calls fn(TypeTag<T>{}, std::integral_constant<int, D>{}) for the problem's dtype and head
-// size (both validated by the dispatcher).
+// Calls fn(TypeTag<T>{}, TypeTag<C>{}, std::integral_constant<int, D>{}) for the problem's
+// activation dtype, cache dtype (T's own, or float8 e5m2) and head size (all validated by the
+// dispatcher).
 template <typename Fn>
-auto dispatch(DType dtype, int64_t head_size, Fn&& fn) {
-  auto with_type = [&](auto tag) {
-    switch (head_size) {
+auto dispatch(const PagedKVCache& cache, Fn&& fn) {
+  auto with_types = [&](auto tag, auto cache_tag) {
+    switch (cache.head_size) {
       case 64:
-        return fn(tag, std::integral_constant<int, 64>{});
+        return fn(tag, cache_tag, std::integral_constant<int, 64>{});
       case 80:
-        return fn(tag, std::integral_constant<int, 80>{});
+        return fn(tag, cache_tag, std::integral_constant<int, 80>{});
       case 96:
-        return fn(tag, std::integral_constant<int, 96>{});
+        return fn(tag, cache_tag, std::integral_constant<int, 96>{});
       case 128:
-        return fn(tag, std::integral_constant<int, 128>{});
+        return fn(tag, cache_tag, std::integral_constant<int, 128>{});
       default:
-        return fn(tag, std::integral_constant<int, 256>{});
+        return fn(tag, cache_tag, std::integral_constant<int, 256>{});
     }
   };
-  return with_dtype(dtype, with_type);
+  return with_dtype(cache.dtype, [&](auto tag) {
+    if (cache.cache_dtype == DType::kFloat8E5M2) return with_types(tag, TypeTag<Float8E5M2>{});
+    return with_types(tag, tag);
+  });
 }
 
+template <typename Tag>
+using type_of = typename Tag::type;
+
 int64_t decode_workspace_floats(const AttentionProblem& p, int64_t partition_size) {
-  return dispatch(p.cache.dtype, p.cache.head_size, [&](auto tag, auto head_size) {
-    return Decode<typename decltype(tag)::type, decltype(head_size)::value>::workspace_floats(
-        p, partition_size);
+  return dispatch(p.cache, [&](auto tag, auto cache_tag, auto head_size) {
+    return Decode<type_of<decltype(tag)>, type_of<decltype(cache_tag)>,
+                  decltype(head_size)::value>::workspace_floats(p, partition_size);
   });
 }
 
 void decode_attention(const AttentionProblem& p, int64_t partition_size, float* workspace) {
-  dispatch(p.cache.dtype, p.cache.head_size, [&](auto tag, auto head_size) {
-    Decode<typename decltype(tag)::type, decltype(head_size)::value>::run(p, partition_size,
-                                                                          workspace);
+  dispatch(p.cache, [&](auto tag, auto cache_tag, auto head_size) {
+    Decode<type_of<decltype(tag)>, type_of<decltype(cache_tag)>, decltype(head_size)::value>::run(
+        p, partition_size, workspace);
   });
 }
 
 int64_t prefill_workspace_floats(const AttentionProblem& p) {
-  return dispatch(p.cache.dtype, p.cache.head_size, [&](auto tag, auto head_size) {
-    return Prefill<typename decltype(tag)::type, decltype(head_size)::value>::scratch_floats(p) *
+  return dispatch(p.cache, [&](auto tag, auto cache_tag, auto head_size) {
+    return Prefill<type_of<decltype(tag)>, type_of<decltype(cache_tag)>,
+                   decltype(head_size)::value>::scratch_floats(p) *
            p.num_threads;
   });
 }
 
 void prefill_attention(const AttentionProblem& p, const int32_t* query_start_loc,
                        const PrefillItem* items, int64_t num_items, float* workspace) {
-  dispatch(p.cache.dtype, p.cache.head_size, [&](auto tag, auto head_size) {
-    Prefill<typename decltype(tag)::type, decltype(head_size)::value>::run(
+  dispatch(p.cache, [&](auto tag, auto cache_tag, auto head_size) {
+    Prefill<type_of<decltype(tag)>, type_of<decltype(cache_tag)>, decltype(head_size)::value>::run(
         p, query_start_loc, items, num_items, workspace);
   });
 }

@@ -1,4 +1,5 @@
-// Cache writes and block copies of ops.h: plain memcpy, parallel when there is enough to copy.
+// Cache writes and block copies of ops.h: plain memcpy, parallel when there is enough to copy;
+// a float8 cache's writes round each value (vec.h's scalar conversions).
 #include <omp.h>
 
 #include <cstring>
@@ -8,11 +9,18 @@
 #include "block_mapping.h"
 #include "ops.h"
 
+// This file is built with the baseline flags, as the generic kernel variant is: its inline
+// scalar conversions are the same definitions.
+#define PAGEDSERVE_ISA_NS generic
+#include "vec.h"
+
 namespace pagedserve::cpu {
 namespace {
 
 // Below this many bytes a copy runs on the calling thread: waking the pool costs more.
 constexpr int64_t kParallelCopyBytes = int64_t{1} << 20;
+// Values a float8 write rounds before it is worth the pool (each ~2 ns on one core).
+constexpr int64_t kParallelConvert = int64_t{1} << 16;
 
 int64_t element_bytes(DType dtype) {
   switch (dtype) {
@@ -21,9 +29,42 @@ int64_t element_bytes(DType dtype) {
     case DType::kBFloat16:
     case DType::kFloat16:
       return 2;
+    case DType::kFloat8E5M2:
+      break;
   }
   throw std::invalid_argument("dtype code " + std::to_string(static_cast<int>(dtype)) +
                               " is not supported (0 float32, 1 bfloat16, 2 float16)");
+}
+
+// Every token's K and V rows into a float8 e5m2 cache, each value rounded from float32.
+template <typename T>
+void write_float8(const T* key, int64_t key_token_stride, const T* value,
+                  int64_t value_token_stride, const int64_t* slot_mapping, int64_t num_tokens,
+                  const PagedKVCache& cache, bool parallel) {
+  using generic::from_float;
+  using generic::to_float;
+  const int64_t head_size = cache.head_size;
+  const int64_t head_stride = cache.block_size * head_size;
+  auto* key_cache = static_cast<Float8E5M2*>(cache.key_cache);
+  auto* value_cache = static_cast<Float8E5M2*>(cache.value_cache);
+#pragma omp parallel for num_threads(get_num_threads()) if (parallel) schedule(static)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;  // padding token
+    const int64_t block = slot / cache.block_size;
+    const int64_t in_block = slot % cache.block_size * head_size;
+    for (int64_t h = 0; h < cache.num_kv_heads; ++h) {
+      const T* k = key + t * key_token_stride + h * head_size;
+      const T* v = value + t * value_token_stride + h * head_size;
+      Float8E5M2* k_dst = key_cache + block * cache.key_block_stride + h * head_stride + in_block;
+      Float8E5M2* v_dst =
+          value_cache + block * cache.value_block_stride + h * head_stride + in_block;
+      for (int64_t d = 0; d < head_size; ++d) {
+        k_dst[d] = from_float<Float8E5M2>(to_float(k[d]));
+        v_dst[d] = from_float<Float8E5M2>(to_float(v[d]));
+      }
+    }
+  }
 }
 
 void copy_pairs(const char* src, char* dst, int64_t block_bytes, const int64_t* block_mapping,
@@ -42,6 +83,11 @@ void reshape_and_cache(const void* key, int64_t key_token_stride, const void* va
                        int64_t value_token_stride, const int64_t* slot_mapping, int64_t num_tokens,
                        const PagedKVCache& cache) {
   const int64_t elem = element_bytes(cache.dtype);
+  if (cache.cache_dtype != cache.dtype && cache.cache_dtype != DType::kFloat8E5M2) {
+    throw std::invalid_argument("cache dtype code " +
+                                std::to_string(static_cast<int>(cache.cache_dtype)) +
+                                " is neither the activations' dtype nor 3 (float8 e5m2)");
+  }
   const int64_t num_slots = cache.num_blocks * cache.block_size;
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slot_mapping[t] >= num_slots) {
@@ -53,6 +99,15 @@ void reshape_and_cache(const void* key, int64_t key_token_stride, const void* va
     }
   }
   const int64_t row_bytes = cache.head_size * elem;
+  if (cache.cache_dtype == DType::kFloat8E5M2) {
+    const bool parallel = 2 * num_tokens * cache.num_kv_heads * cache.head_size >= kParallelConvert;
+    generic::with_dtype(cache.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      write_float8(static_cast<const T*>(key), key_token_stride, static_cast<const T*>(value),
+                   value_token_stride, slot_mapping, num_tokens, cache, parallel);
+    });
+    return;
+  }
   const int64_t head_stride = cache.block_size * cache.head_size;  // elements
   const char* key_bytes = static_cast<const char*>(key);
   const char* value_bytes = static_cast<const char*>(value);

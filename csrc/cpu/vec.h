@@ -57,6 +57,8 @@ inline float to_float(Half x) {
   return f;
 }
 
+inline float to_float(Float8E5M2 x) { return to_float(Half{static_cast<uint16_t>(x.bits << 8)}); }
+
 template <typename T>
 inline T from_float(float x);
 template <>
@@ -91,6 +93,33 @@ inline Half from_float<Half>(float x) {
   const uint32_t odd = (bits >> 13) & 1;
   bits += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
   return Half{static_cast<uint16_t>(sign | (bits >> 13))};
+}
+// Straight from float32, as c10's fp8e5m2_from_fp32_value (torch's .to(torch.float8_e5m2)):
+// rounding through float16 first could round twice.
+template <>
+inline Float8E5M2 from_float<Float8E5M2>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t result;
+  if (bits >= (uint32_t{143} << 23)) {  // |x| >= 65536, inf or NaN
+    result = bits > 0x7f800000u ? 0x7f : 0x7c;
+  } else if (bits < (uint32_t{113} << 23)) {  // e5m2 subnormal or zero: add to shift out
+    constexpr uint32_t kDenormMagic = uint32_t{134} << 23;
+    float magnitude, magic;
+    std::memcpy(&magnitude, &bits, sizeof(magnitude));
+    std::memcpy(&magic, &kDenormMagic, sizeof(magic));
+    magnitude += magic;
+    uint32_t m;
+    std::memcpy(&m, &magnitude, sizeof(m));
+    result = static_cast<uint8_t>(m - kDenormMagic);
+  } else {
+    const uint32_t odd = (bits >> 21) & 1;
+    bits += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffff + odd;  // rebias, round to even
+    result = static_cast<uint8_t>(bits >> 21);
+  }
+  return Float8E5M2{static_cast<uint8_t>(result | (sign >> 24))};
 }
 
 // SLEEF's expf_u10 (sleefsimdsp.c, xexpf), which torch's vectorized float exp calls
@@ -132,6 +161,10 @@ struct VecF {
   static VecF load(const int8_t* p) {
     return VecF(_mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+  }
+  static VecF load(const Float8E5M2* p) {  // each byte the top of a float16
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return VecF(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8)));
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(BFloat16* p) const {
@@ -316,6 +349,10 @@ struct VecF {
   static VecF load(const int8_t* p) {
     return VecF(_mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  }
+  static VecF load(const Float8E5M2* p) {  // each byte the top of a float16
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return VecF(_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8)));
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(BFloat16* p) const {

@@ -286,7 +286,7 @@ def test_model_info_health_and_reflection(server, server_model_dir):
     assert info.architecture == "LlamaForCausalLM"
     assert (info.vocab_size, info.max_model_len, info.block_size) == (512, 512, 16)
     assert info.num_blocks > 0 and info.max_num_seqs == 64 and info.dtype == "float32"
-    assert info.quantization == ""
+    assert (info.quantization, info.kv_cache_dtype) == ("", "auto")
     health = health_pb2_grpc.HealthStub(server.channel)
     for service in ("", "pagedserve.v1.Generation"):
         reply = health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -335,13 +335,18 @@ def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
     assert grew("pagedserve_engine_num_sampled_tokens") == 6
 
 
-def test_a_server_with_int8_weights_says_so_and_runs_the_quantized_model(
+def test_a_server_with_int8_weights_and_a_float8_cache_says_so_and_runs_them(
     start_server, server_model_dir
 ):
-    server = start_server("--quantization", "int8", "--no-request-log")
-    assert server.stub.GetModelInfo(pb.GetModelInfoRequest()).quantization == "int8"
+    server = start_server(
+        "--quantization", "int8", "--kv-cache-dtype", "fp8_e5m2", "--no-request-log"
+    )
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.quantization, info.kv_cache_dtype) == ("int8", "fp8_e5m2")
     got = server.stub.Generate(token_request(PROMPTS[0], greedy(12)))
-    quantized = LLM(server_model_dir, num_blocks=128, quantization="int8")
+    quantized = LLM(
+        server_model_dir, num_blocks=128, quantization="int8", kv_cache_dtype="fp8_e5m2"
+    )
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = quantized.generate(PROMPTS[0], params)[0].outputs[0].token_ids
     assert list(got.outputs[0].token_ids) == want

@@ -136,6 +136,7 @@ WORKER_SPEC = WorkerSpec(
     lora_modules=[["sql", "/adapters/sql-é"], ["chat", "/adapters/chat"]],
     enable_lora=True,
     quantization="int8",
+    kv_cache_dtype="fp8_e5m2",
 )
 SCHEDULER_CONFIG = SchedulerConfig(
     max_num_seqs=8,
@@ -602,12 +603,14 @@ def _plan_fields(**overrides) -> list:
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
         (
-            _frame(WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0, [], False, None),
+            _frame(
+                WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0, [], False, None, "auto"
+            ),
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
             _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None),
-            "WorkerSpec: expected an array of 12 fields",
+            "WorkerSpec: expected an array of 13 fields",
         ),
         (
             _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),
