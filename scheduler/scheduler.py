@@ -302,6 +302,7 @@ class Scheduler:
         if self._by_priority:
             self._preempt_for_priority(plan)
 
+        frees_behind_window = bool(self.block_manager.sliding_window)
         index = 0
         while index < len(self.running):
             request = self.running[index]
@@ -309,7 +310,8 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            self._free_blocks_before_window(plan, request)
+            if frees_behind_window:
+                self._free_blocks_before_window(plan, request)
             target = request.num_computed_tokens + num_new
             drafts = self._draft_tokens(request, num_new, budget)
             num_left = len(self.running) - index
@@ -913,16 +915,16 @@ class Scheduler:
         block_size = block_manager.block_size
         accounting = self.accounting
         table_slots = 0
+        tables = block_manager.block_tables
         for sequence in self.running:
             request_id = sequence.request_id
-            slots = block_manager.num_held_blocks(request_id) * block_size
+            # Blocks a sliding window freed hold no slot, nor the tokens that were in them.
+            freed_slots = block_manager.num_window_freed(request_id) * block_size
+            slots = len(tables.get(request_id, ())) * block_size - freed_slots
             table_slots += slots
-            # Tokens whose blocks a sliding window freed are stored no more.
-            stored = (
-                sequence.num_computed_tokens
-                - block_manager.num_window_freed(request_id) * block_size
+            accounting.record_sequence(
+                request_id, slots, sequence.num_computed_tokens - freed_slots
             )
-            accounting.record_sequence(request_id, slots, stored)
         pool = block_manager.pool
         used_slots = (pool.num_blocks - pool.num_free_blocks) * block_size
         external_slots = 0
