@@ -1,9 +1,11 @@
-"""Convert a llama-architecture GGUF file into a local Hugging Face model directory.
+"""Convert a GGUF file (llama.cpp's architectures llama, qwen2, qwen3, qwen2moe, qwen3moe)
+into a local Hugging Face model directory.
 
 The engine loads plain float32 HF directories, so a GGUF file is converted once:
 
     model.gguf ──read──> metadata ──> config.json, generation_config.json
-              └─dequantize + un-permute Q/K──> model.safetensors (float32, HF names)
+              └─dequantize, un-permute Llama's Q/K, split the stacked experts──>
+                model.safetensors (float32, HF names)
               └─transformers' GGUF tokenizer converter──> tokenizer.json, chat_template.jinja, ...
 
 Everything is written into a temporary directory beside the target and renamed into place at
@@ -19,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,22 +32,85 @@ from safetensors.numpy import save_file
 
 logger = logging.getLogger(__name__)
 
+# The float32 weights go into files of about this many bytes each, so a conversion holds one
+# file's tensors in memory, not the whole model's.
+SHARD_BYTES = 2 << 30
 # Bump whenever the converter's output changes: the resolver keys its cache on it, so old
 # conversions are redone instead of being served stale.
 CONVERTER_VERSION = 1
-SUPPORTED_ARCHITECTURES = ("llama",)
 
-# GGUF per-layer tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
+
+@dataclass(frozen=True)
+class _Family:
+    """How one of llama.cpp's architectures maps onto an HF one."""
+
+    hf_architecture: str
+    model_type: str
+    # llama.cpp rotates adjacent pairs for Llama and interleaves each head's Q/K rows to
+    # match (see _undo_rope_permutation); the Qwen families rotate halves, as HF does, and
+    # their rows are stored as HF has them.
+    permuted_qk: bool
+    # The HF config field saying whether q/k/v have biases (None: the HF class always has
+    # them, or never), set from whether the GGUF has them.
+    bias_field: str | None
+    # Mixture-of-experts: the config's expert fields, the stacked experts split apart.
+    has_experts: bool = False
+    # Whether the top-k routing weights are renormalised when the GGUF does not say
+    # (llama.cpp's graph for the architecture; HF's config default for it).
+    default_renormalize: bool = False
+
+
+_FAMILIES = {
+    "llama": _Family("LlamaForCausalLM", "llama", permuted_qk=True, bias_field="attention_bias"),
+    "qwen2": _Family("Qwen2ForCausalLM", "qwen2", permuted_qk=False, bias_field=None),
+    "qwen3": _Family("Qwen3ForCausalLM", "qwen3", permuted_qk=False, bias_field="attention_bias"),
+    "qwen2moe": _Family(
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        permuted_qk=False,
+        bias_field="qkv_bias",
+        has_experts=True,
+    ),
+    "qwen3moe": _Family(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        permuted_qk=False,
+        bias_field="attention_bias",
+        has_experts=True,
+        default_renormalize=True,
+    ),
+}
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+_FAMILIES_BY_HF = {family.hf_architecture: family for family in _FAMILIES.values()}
+
+# GGUF per-layer tensor name (after "blk.N.", before ".weight" / ".bias") -> HF name (after
+# "model.layers.N.", likewise).
 _LAYER_TENSOR_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    # Qwen3: an RMSNorm over each query and key head.
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    # Mixture-of-experts: the router, and Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# llama.cpp stacks a layer's experts into one [num_experts, rows, columns] tensor per
+# projection; HF has one matrix per expert ("mlp.experts.E.<projection>").
+_STACKED_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 _GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -118,15 +183,10 @@ def _convert_into(gguf_path: Path, out_dir: Path, report: _Reporter) -> None:
     report("reading")
     reader = gguf.GGUFReader(gguf_path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    config = _llama_config(fields, tensor_names)
-    tensors = _dequantize_tensors(reader, config, report)
-
-    report("writing")
+    config = _hf_config(fields, _tensor_shapes(reader))
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(config))
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    del tensors  # ~4 bytes per parameter; no need to hold it while the tokenizer converts
+    _write_weights(_dequantized_tensors(reader, config, report), out_dir, report)
 
     report("tokenizer")
     _write_tokenizer(gguf_path, out_dir, fields, config["max_position_embeddings"])
@@ -143,21 +203,24 @@ def _publish(partial_dir: Path, out_dir: Path) -> None:
         logger.info("%s was converted concurrently; keeping that copy", out_dir)
 
 
-def _llama_config(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+def _hf_config(fields: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """config.json from the GGUF's metadata, and from its tensors where llama.cpp keeps a
+    setting only in their presence or shape (biases, a tied LM head, experts)."""
     architecture = fields.get("general.architecture")
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    if architecture not in _FAMILIES:
         raise ValueError(
             f"GGUF architecture {architecture!r} is not supported; "
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if "rope_freqs.weight" in tensor_names:
+    family = _FAMILIES[architecture]
+    if "rope_freqs.weight" in tensor_shapes:
         raise ValueError(
             "GGUF has a rope_freqs tensor (llama3-style RoPE scaling), which this converter "
             "does not support; supported: no RoPE scaling, or linear/yarn scaling metadata"
         )
 
     def key(name: str, default: Any = None) -> Any:
-        return fields.get(f"llama.{name}", default)
+        return fields.get(f"{architecture}.{name}", default)
 
     hidden_size = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
@@ -166,17 +229,18 @@ def _llama_config(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, A
     if rope_dim != head_dim:
         raise ValueError(
             f"GGUF rope.dimension_count={rope_dim} differs from head_dim={head_dim}; partial "
-            "rotary embeddings are not supported for llama"
+            f"rotary embeddings are not supported for {architecture}"
         )
     vocab_size = key("vocab_size") or len(fields["tokenizer.ggml.tokens"])
     rope_theta = _float32_value(key("rope.freq_base", 10000.0))
+    num_layers = int(key("block_count"))
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [family.hf_architecture],
+        "model_type": family.model_type,
         "vocab_size": int(vocab_size),
         "hidden_size": hidden_size,
         "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
         "head_dim": head_dim,
@@ -184,17 +248,26 @@ def _llama_config(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, A
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": _float32_value(key("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": rope_theta,
-        "attention_bias": False,
-        "mlp_bias": False,
-        # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _optional_int(fields.get("tokenizer.ggml.bos_token_id")),
-        "eos_token_id": _optional_int(fields.get("tokenizer.ggml.eos_token_id")),
-        "pad_token_id": _optional_int(fields.get("tokenizer.ggml.padding_token_id")),
-        # transformers 5 reads "dtype"; older readers (and other engines) read "torch_dtype".
-        "torch_dtype": "float32",
-        "dtype": "float32",
     }
+    if family.bias_field is not None:
+        config[family.bias_field] = "blk.0.attn_q.bias" in tensor_shapes
+    if architecture == "llama":
+        config["mlp_bias"] = False
+    if family.has_experts:
+        config.update(_experts_config(family, key, tensor_shapes, num_layers))
+    config.update(
+        {
+            # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
+            "tie_word_embeddings": "output.weight" not in tensor_shapes,
+            "bos_token_id": _optional_int(fields.get("tokenizer.ggml.bos_token_id")),
+            "eos_token_id": _optional_int(fields.get("tokenizer.ggml.eos_token_id")),
+            "pad_token_id": _optional_int(fields.get("tokenizer.ggml.padding_token_id")),
+            # transformers 5 reads "dtype"; older readers (and other engines) read
+            # "torch_dtype".
+            "torch_dtype": "float32",
+            "dtype": "float32",
+        }
+    )
     rope_scaling = _rope_scaling(key)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
@@ -205,6 +278,38 @@ def _llama_config(fields: dict[str, Any], tensor_names: set[str]) -> dict[str, A
         **(rope_scaling or {}),
         "rope_theta": rope_theta,
     }
+    return config
+
+
+def _experts_config(
+    family: _Family,
+    key: Callable[..., Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+) -> dict[str, Any]:
+    """Qwen2-MoE / Qwen3-MoE's expert fields. The sizes come from the tensors (a layer with
+    a router is sparse; llama.cpp has no key for dense layers), the routing from the keys."""
+    sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes]
+    if not sparse:
+        raise ValueError(
+            f"GGUF architecture {family.model_type!r} has no expert router (ffn_gate_inp) in "
+            "any layer"
+        )
+    top_k = key("expert_used_count")
+    if top_k is None:
+        raise ValueError("GGUF has experts but no expert_used_count (the experts per token)")
+    num_experts, moe_intermediate_size, _ = tensor_shapes[f"blk.{sparse[0]}.ffn_gate_exps.weight"]
+    config: dict[str, Any] = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(top_k),
+        "moe_intermediate_size": moe_intermediate_size,
+        "norm_topk_prob": bool(key("expert_weights_norm", family.default_renormalize)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(num_layers) if i not in sparse],
+    }
+    shared_gate = tensor_shapes.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight")
+    if shared_gate is not None:
+        config["shared_expert_intermediate_size"] = shared_gate[0]
     return config
 
 
@@ -245,36 +350,98 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _hf_tensor_name(gguf_name: str) -> str:
+def _hf_tensor_names(gguf_name: str, num_experts: int) -> list[str]:
+    """The HF names of a GGUF tensor: one, or one per expert for a stacked expert tensor."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
-        return _GLOBAL_TENSOR_NAMES[gguf_name]
+        return [_GLOBAL_TENSOR_NAMES[gguf_name]]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_TENSOR_NAMES:
-        return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[suffix]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no llama equivalent in this converter")
+    base, _, kind = suffix.rpartition(".")
+    if prefix == "blk" and layer.isdigit() and kind in ("weight", "bias"):
+        if base in _LAYER_TENSOR_NAMES:
+            return [f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[base]}.{kind}"]
+        if base in _STACKED_EXPERT_NAMES and kind == "weight":
+            projection = _STACKED_EXPERT_NAMES[base]
+            return [
+                f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+                for expert in range(num_experts)
+            ]
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no HF equivalent in this converter")
 
 
-def _dequantize_tensors(
+def _tensor_shapes(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
+    # GGUF lists dimensions fastest-first; torch wants them slowest-first.
+    return {
+        tensor.name: tuple(int(dim) for dim in reversed(tensor.shape)) for tensor in reader.tensors
+    }
+
+
+def _dequantized_tensors(
     reader: gguf.GGUFReader, config: dict[str, Any], report: _Reporter
-) -> dict[str, np.ndarray]:
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Each HF tensor in float32, one GGUF tensor at a time."""
+    permuted_qk = _FAMILIES_BY_HF[config["architectures"][0]].permuted_qk
     num_tensors = len(reader.tensors)
     report_every = max(1, num_tensors // 10)
-    tensors: dict[str, np.ndarray] = {}
     for index, tensor in enumerate(reader.tensors, start=1):
-        name = _hf_tensor_name(tensor.name)
-        # GGUF lists dimensions fastest-first; torch wants them slowest-first.
+        names = _hf_tensor_names(tensor.name, config.get("num_experts", 0))
         torch_shape = tuple(int(dim) for dim in reversed(tensor.shape))
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weight = weight.astype(np.float32, copy=False).reshape(torch_shape)
-        if name.endswith("q_proj.weight"):
-            weight = _undo_rope_permutation(weight, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            weight = _undo_rope_permutation(weight, config["num_key_value_heads"])
-        tensors[name] = np.ascontiguousarray(weight)
+        if len(names) > 1:  # stacked experts: [num_experts, rows, columns]
+            for name, expert_weight in zip(names, weight, strict=True):
+                yield name, np.ascontiguousarray(expert_weight)
+        else:
+            name = names[0]
+            if permuted_qk and ".q_proj." in name:
+                weight = _undo_rope_permutation(weight, config["num_attention_heads"])
+            elif permuted_qk and ".k_proj." in name:
+                weight = _undo_rope_permutation(weight, config["num_key_value_heads"])
+            elif name.endswith("shared_expert_gate.weight"):
+                weight = weight.reshape(1, -1)  # llama.cpp drops HF's leading 1
+            yield name, np.ascontiguousarray(weight)
         if index % report_every == 0 or index == num_tensors:
             report("dequantizing", index, num_tensors)
-    return tensors
+
+
+def _write_weights(
+    tensors: Iterator[tuple[str, np.ndarray]], out_dir: Path, report: _Reporter
+) -> None:
+    """Writes the tensors as HF does: model.safetensors, or shards of about SHARD_BYTES
+    (model-00001-of-00003.safetensors, ...) listed in model.safetensors.index.json. Only
+    one shard is ever held in memory."""
+    shard_paths: list[Path] = []
+    shard_names: list[list[str]] = []
+    shard: dict[str, np.ndarray] = {}
+    shard_bytes = total_bytes = 0
+
+    def write_shard() -> None:
+        # Numbered once the count is known; the directory is not published before then.
+        path = out_dir / f"shard-{len(shard_paths)}.partial"
+        report("writing")
+        save_file(shard, path, metadata={"format": "pt"})
+        shard_paths.append(path)
+        shard_names.append(list(shard))
+        shard.clear()
+
+    for name, weight in tensors:
+        if shard and shard_bytes + weight.nbytes > SHARD_BYTES:
+            write_shard()
+            shard_bytes = 0
+        shard[name] = weight
+        shard_bytes += weight.nbytes
+        total_bytes += weight.nbytes
+    write_shard()
+    if len(shard_paths) == 1:
+        shard_paths[0].rename(out_dir / "model.safetensors")
+        return
+    weight_map = {}
+    for index, (path, names) in enumerate(zip(shard_paths, shard_names, strict=True), start=1):
+        file_name = f"model-{index:05d}-of-{len(shard_paths):05d}.safetensors"
+        path.rename(out_dir / file_name)
+        weight_map.update(dict.fromkeys(names, file_name))
+    index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    _write_json(out_dir / "model.safetensors.index.json", index_json)
 
 
 def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -285,10 +452,11 @@ def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     rows [r0, r(d/2), r1, r(d/2+1), ...]. Viewing the rows as (head, pair, half) and swapping
     the last two axes restores [r0, r1, ..., r(d/2), ...].
     """
-    rows, columns = weight.shape
+    rows = weight.shape[0]
     half_head_dim = rows // num_heads // 2
-    by_head = weight.reshape(num_heads, half_head_dim, 2, columns)
-    return by_head.swapaxes(1, 2).reshape(rows, columns)
+    # A bias permutes as a matrix of one column.
+    by_head = weight.reshape(num_heads, half_head_dim, 2, -1)
+    return by_head.swapaxes(1, 2).reshape(weight.shape)
 
 
 def _write_tokenizer(

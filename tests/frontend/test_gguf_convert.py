@@ -181,9 +181,10 @@ def test_file_named_gguf_without_gguf_header_is_rejected(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    gguf_path = _write_tiny_gguf(tmp_path / "tiny-qwen.gguf", architecture="qwen2")
+    gguf_path = _write_tiny_gguf(tmp_path / "tiny-phi.gguf", architecture="phi3")
     cache_dir = tmp_path / "cache"
-    with pytest.raises(ValueError, match="'qwen2'.*supported architectures: llama"):
+    supported = "llama, qwen2, qwen3, qwen2moe, qwen3moe"
+    with pytest.raises(ValueError, match=f"'phi3'.*supported architectures: {supported}"):
         resolve_model(gguf_path, cache_dir=str(cache_dir))
     assert list(cache_dir.iterdir()) == []
 

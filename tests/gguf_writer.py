@@ -1,0 +1,157 @@
+"""Write an HF model directory as a GGUF file the way llama.cpp's converter
+(convert_hf_to_gguf.py) does, so the engine's GGUF converter can be checked against the
+HF model it came from: tensor names from gguf-py's own name map (not the converter's
+tables), Llama's Q/K rows interleaved for llama.cpp's RoPE, a layer's experts stacked into
+one tensor per projection, the shared-expert gate's leading 1 dropped, 1-D tensors kept in
+float32, and a byte-level BPE vocabulary in the tokenizer keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+# HF architecture -> llama.cpp's architecture name.
+GGUF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+}
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_gguf(
+    hf_dir: Path,
+    path: Path,
+    tokens: tuple[list[str], list[str]],
+    quantization: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+) -> Path:
+    """``tokens``: a byte-level BPE vocabulary by id and its merges (``byte_level_vocab``);
+    ``quantization`` applies to the matrices."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    architecture = GGUF_ARCHITECTURES[config["architectures"][0]]
+    arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
+    num_layers = config["num_hidden_layers"]
+    name_map = gguf.get_tensor_name_map(arch, num_layers)
+    writer = gguf.GGUFWriter(path, architecture)
+    _write_hparams(writer, config)
+    _write_vocab(writer, *tokens)
+
+    weights = load_file(hf_dir / "model.safetensors")
+    if config.get("tie_word_embeddings"):
+        weights.pop("lm_head.weight", None)
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name, weight in weights.items():
+        module, _, kind = name.rpartition(".")
+        parts = module.split(".")
+        if "experts" in parts:  # model.layers.L.mlp.experts.E.<projection>
+            layer, expert, projection = int(parts[2]), int(parts[5]), parts[6]
+            experts.setdefault((layer, projection), {})[expert] = weight
+            continue
+        gguf_name = name_map.get_name(module)
+        if gguf_name is None:
+            raise ValueError(f"llama.cpp has no {architecture} tensor for {name!r}")
+        if architecture == "llama" and module.endswith(("q_proj", "k_proj")):
+            heads = config["num_attention_heads"]
+            if module.endswith("k_proj"):
+                heads = config.get("num_key_value_heads", heads)
+            weight = permute_for_llama_cpp(weight, heads)
+        if module.endswith("shared_expert_gate"):
+            weight = weight.reshape(-1)
+        _add(writer, f"{gguf_name}.{kind}", weight, quantization)
+    for (layer, projection), by_expert in sorted(experts.items()):
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
+        gguf_name = name_map.get_name(f"model.layers.{layer}.mlp.experts.{projection}")
+        _add(writer, f"{gguf_name}.weight", stacked, quantization)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def permute_for_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: each head's rows (r0 .. r(d-1)) reordered to
+    (r0, r(d/2), r1, r(d/2+1), ...) for its adjacent-pair RoPE."""
+    rows = weight.shape[0]
+    by_head = weight.reshape(num_heads, 2, rows // num_heads // 2, -1)
+    return by_head.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _write_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
+    # transformers 5 saves RoPE's base in rope_parameters.
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("head_dim") is not None:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts.
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if "shared_expert_intermediate_size" in config:
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+        if config.get("norm_topk_prob") is not None:
+            writer.add_expert_weights_norm(config["norm_topk_prob"])
+
+
+def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary of ``vocab_size`` tokens and its merges: ids 0-2 the
+    special tokens ``<|endoftext|> <|im_start|> <|im_end|>``, then the 256 bytes (as GPT-2
+    spells them), then two-letter tokens, each made by one merge ("a b" -> "ab")."""
+    from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_piece
+
+    tokens = [*BYTE_LEVEL_SPECIALS, *(byte_level_piece(bytes([b])) for b in range(256))]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pairs = [(first, second) for first in letters for second in letters]
+    merges = [f"{first} {second}" for first, second in pairs[: vocab_size - len(tokens)]]
+    tokens += [merge.replace(" ", "") for merge in merges]
+    return tokens, merges
+
+
+def _write_vocab(writer: gguf.GGUFWriter, tokens: list[str], merges: list[str]) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    control = int(gguf.TokenType.CONTROL)
+    writer.add_token_types([control] * 3 + [int(gguf.TokenType.NORMAL)] * (len(tokens) - 3))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def _add(
+    writer: gguf.GGUFWriter,
+    name: str,
+    weight: np.ndarray,
+    quantization: gguf.GGMLQuantizationType,
+) -> None:
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    if weight.ndim == 1 or quantization == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, weight)
+        return
+    writer.add_tensor(name, gguf.quants.quantize(weight, quantization), raw_dtype=quantization)
