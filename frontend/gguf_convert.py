@@ -1,11 +1,11 @@
-"""Convert a GGUF file (llama.cpp's architectures llama, qwen2, qwen3, qwen2moe, qwen3moe)
-into a local Hugging Face model directory.
+"""Convert a GGUF file (llama.cpp's architectures llama, qwen2, qwen3, qwen2moe, qwen3moe,
+gemma2, gemma3) into a local Hugging Face model directory.
 
 The engine loads plain float32 HF directories, so a GGUF file is converted once:
 
     model.gguf ──read──> metadata ──> config.json, generation_config.json
-              └─dequantize, un-permute Llama's Q/K, split the stacked experts──>
-                model.safetensors (float32, HF names)
+              └─dequantize, un-permute Llama's Q/K, split stacked experts, un-shift Gemma's
+                norms──> model.safetensors or shards of it (float32, HF names)
               └─transformers' GGUF tokenizer converter──> tokenizer.json, chat_template.jinja, ...
 
 Everything is written into a temporary directory beside the target and renamed into place at
@@ -58,6 +58,10 @@ class _Family:
     # Whether the top-k routing weights are renormalised when the GGUF does not say
     # (llama.cpp's graph for the architecture; HF's config default for it).
     default_renormalize: bool = False
+    # Gemma: llama.cpp stores every norm's weight as 1 + w (its RMSNorm multiplies by the
+    # weight; HF's Gemma norms multiply by 1 + w), and names some norms its own way.
+    gemma: bool = False
+    layer_names: tuple[tuple[str, str], ...] = ()
 
 
 _FAMILIES = {
@@ -78,6 +82,32 @@ _FAMILIES = {
         bias_field="attention_bias",
         has_experts=True,
         default_renormalize=True,
+    ),
+    # Gemma 2 and 3 have four norms a layer: llama.cpp's ffn_norm is HF's pre-feed-forward
+    # norm, not the post-attention one.
+    "gemma2": _Family(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        permuted_qk=False,
+        bias_field="attention_bias",
+        gemma=True,
+        layer_names=(
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+        ),
+    ),
+    "gemma3": _Family(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        permuted_qk=False,
+        bias_field="attention_bias",
+        gemma=True,
+        layer_names=(
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+        ),
     ),
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
@@ -231,7 +261,8 @@ def _hf_config(fields: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]
             f"GGUF rope.dimension_count={rope_dim} differs from head_dim={head_dim}; partial "
             f"rotary embeddings are not supported for {architecture}"
         )
-    vocab_size = key("vocab_size") or len(fields["tokenizer.ggml.tokens"])
+    # The embedding's rows: llama.cpp drops Gemma 3's rows past the tokenizer's vocabulary.
+    vocab_size = tensor_shapes["token_embd.weight"][0]
     rope_theta = _float32_value(key("rope.freq_base", 10000.0))
     num_layers = int(key("block_count"))
     config: dict[str, Any] = {
@@ -255,6 +286,8 @@ def _hf_config(fields: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]
         config["mlp_bias"] = False
     if family.has_experts:
         config.update(_experts_config(family, key, tensor_shapes, num_layers))
+    if family.gemma:
+        config.update(_gemma_config(architecture, key, config))
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
@@ -278,7 +311,55 @@ def _hf_config(fields: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]
         **(rope_scaling or {}),
         "rope_theta": rope_theta,
     }
+    if architecture == "gemma3":
+        # Gemma 3's global layers take the GGUF's RoPE base and scaling; llama.cpp gives its
+        # sliding layers a base of 10000 and no scaling, as HF's Gemma 3 does by default.
+        config["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_THETA
+        config["rope_parameters"] = {
+            "full_attention": config["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA},
+        }
     return config
+
+
+# What llama.cpp fixes for Gemma 2 / 3 rather than reading from the file (llama-model.cpp):
+# the 27B models (46 and 62 layers) scale attention by (hidden / heads) ** -0.5, the others by
+# head_dim ** -0.5; Gemma 2 alternates sliding and global layers, Gemma 3 makes every sixth
+# global; Gemma 3's sliding layers rotate with base 10000.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA3_GLOBAL_EVERY = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def _gemma_config(
+    architecture: str, key: Callable[..., Any], config: dict[str, Any]
+) -> dict[str, Any]:
+    gelu = "gelu_pytorch_tanh"
+    num_layers = config["num_hidden_layers"]
+    query_pre_attn_scalar = config["head_dim"]
+    if num_layers == _GEMMA_27B_LAYERS[architecture]:
+        query_pre_attn_scalar = config["hidden_size"] // config["num_attention_heads"]
+    if architecture == "gemma2":
+        layer_types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        ]
+    else:
+        layer_types = [
+            "full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    soft_caps = {
+        name: None if key(name) is None else _float32_value(key(name))
+        for name in ("attn_logit_softcapping", "final_logit_softcapping")
+    }
+    return {
+        "hidden_act": gelu,
+        "hidden_activation": gelu,
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "sliding_window": int(key("attention.sliding_window")),
+        "layer_types": layer_types,
+        **soft_caps,
+    }
 
 
 def _experts_config(
@@ -350,16 +431,17 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _hf_tensor_names(gguf_name: str, num_experts: int) -> list[str]:
+def _hf_tensor_names(gguf_name: str, family: _Family, num_experts: int) -> list[str]:
     """The HF names of a GGUF tensor: one, or one per expert for a stacked expert tensor."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return [_GLOBAL_TENSOR_NAMES[gguf_name]]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
     base, _, kind = suffix.rpartition(".")
+    layer_names = {**_LAYER_TENSOR_NAMES, **dict(family.layer_names)}
     if prefix == "blk" and layer.isdigit() and kind in ("weight", "bias"):
-        if base in _LAYER_TENSOR_NAMES:
-            return [f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[base]}.{kind}"]
+        if base in layer_names:
+            return [f"model.layers.{layer}.{layer_names[base]}.{kind}"]
         if base in _STACKED_EXPERT_NAMES and kind == "weight":
             projection = _STACKED_EXPERT_NAMES[base]
             return [
@@ -380,11 +462,11 @@ def _dequantized_tensors(
     reader: gguf.GGUFReader, config: dict[str, Any], report: _Reporter
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Each HF tensor in float32, one GGUF tensor at a time."""
-    permuted_qk = _FAMILIES_BY_HF[config["architectures"][0]].permuted_qk
+    family = _FAMILIES_BY_HF[config["architectures"][0]]
     num_tensors = len(reader.tensors)
     report_every = max(1, num_tensors // 10)
     for index, tensor in enumerate(reader.tensors, start=1):
-        names = _hf_tensor_names(tensor.name, config.get("num_experts", 0))
+        names = _hf_tensor_names(tensor.name, family, config.get("num_experts", 0))
         torch_shape = tuple(int(dim) for dim in reversed(tensor.shape))
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weight = weight.astype(np.float32, copy=False).reshape(torch_shape)
@@ -393,10 +475,12 @@ def _dequantized_tensors(
                 yield name, np.ascontiguousarray(expert_weight)
         else:
             name = names[0]
-            if permuted_qk and ".q_proj." in name:
+            if family.permuted_qk and ".q_proj." in name:
                 weight = _undo_rope_permutation(weight, config["num_attention_heads"])
-            elif permuted_qk and ".k_proj." in name:
+            elif family.permuted_qk and ".k_proj." in name:
                 weight = _undo_rope_permutation(weight, config["num_key_value_heads"])
+            elif family.gemma and name.endswith("norm.weight"):
+                weight = weight - 1.0
             elif name.endswith("shared_expert_gate.weight"):
                 weight = weight.reshape(1, -1)  # llama.cpp drops HF's leading 1
             yield name, np.ascontiguousarray(weight)

@@ -2,8 +2,9 @@
 (convert_hf_to_gguf.py) does, so the engine's GGUF converter can be checked against the
 HF model it came from: tensor names from gguf-py's own name map (not the converter's
 tables), Llama's Q/K rows interleaved for llama.cpp's RoPE, a layer's experts stacked into
-one tensor per projection, the shared-expert gate's leading 1 dropped, 1-D tensors kept in
-float32, and a byte-level BPE vocabulary in the tokenizer keys.
+one tensor per projection, the shared-expert gate's leading 1 dropped, Gemma's norms
+stored as 1 + w, 1-D tensors kept in float32, and a byte-level BPE vocabulary (or for Gemma
+a SentencePiece one) in the tokenizer keys.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ GGUF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2MoeForCausalLM": "qwen2moe",
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CHAT_TEMPLATE = (
@@ -46,10 +49,14 @@ def write_gguf(
     name_map = gguf.get_tensor_name_map(arch, num_layers)
     writer = gguf.GGUFWriter(path, architecture)
     _write_hparams(writer, config)
-    _write_vocab(writer, *tokens)
+    if architecture.startswith("gemma"):
+        _write_gemma_hparams(writer, architecture, config)
+        _write_sentencepiece_vocab(writer, config["vocab_size"])
+    else:
+        _write_vocab(writer, *tokens)
 
     weights = load_file(hf_dir / "model.safetensors")
-    if config.get("tie_word_embeddings"):
+    if config.get("tie_word_embeddings", architecture.startswith("gemma")):
         weights.pop("lm_head.weight", None)
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, weight in weights.items():
@@ -69,6 +76,8 @@ def write_gguf(
             weight = permute_for_llama_cpp(weight, heads)
         if module.endswith("shared_expert_gate"):
             weight = weight.reshape(-1)
+        if architecture.startswith("gemma") and name.endswith("norm.weight"):
+            weight = weight + np.float32(1.0)
         _add(writer, f"{gguf_name}.{kind}", weight, quantization)
     for (layer, projection), by_expert in sorted(experts.items()):
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
@@ -115,6 +124,60 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
         if config.get("norm_topk_prob") is not None:
             writer.add_expert_weights_norm(config["norm_topk_prob"])
+
+
+def _write_gemma_hparams(writer: gguf.GGUFWriter, architecture: str, config: dict) -> None:
+    """What llama.cpp's Gemma 2 / 3 converters add; the rest (the attention scale, the layer
+    kinds, Gemma 3's local RoPE) llama.cpp fixes itself, so a config must match it."""
+    num_layers = config["num_hidden_layers"]
+    assert config["query_pre_attn_scalar"] == config["head_dim"], "llama.cpp's rule (not 27B)"
+    if architecture == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    else:
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        kinds = [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)
+        ]
+        rope = config["rope_parameters"]
+        assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+        full = rope["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full["rope_type"] == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+    assert config["layer_types"] == kinds, "llama.cpp's fixed layer kinds"
+    writer.add_sliding_window(config["sliding_window"])
+
+
+def _write_sentencepiece_vocab(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """Gemma's kind of vocabulary: ``<pad> <eos> <bos> <unk>``, the 256 byte tokens, ``▁``,
+    the letters and two-letter pieces, best first (Gemma's GGUFs give no merges)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    pieces = [
+        "▁",
+        *letters,
+        *(f"▁{c}" for c in letters),
+        *(a + b for a in letters for b in letters),
+    ]
+    tokens = [*specials, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    tokens = tokens[:vocab_size]
+    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.UNKNOWN]
+    types += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (len(tokens) - 260)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 260 + [-float(i) for i in range(len(tokens) - 260)])
+    writer.add_token_types([int(t) for t in types])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
 
 
 def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str]]:

@@ -209,3 +209,101 @@ def test_the_writer_follows_llama_cpp_as_transformers_reads_it(hf_dirs, tmp_path
     state = model.state_dict()
     for name, weight in original.items():
         np.testing.assert_array_equal(state[name].numpy(), weight, err_msg=name)
+
+
+_GEMMA_COMMON = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=VOCAB_SIZE,
+    max_position_embeddings=512,
+)
+# Configs llama.cpp can hold: it fixes the attention scale (head_dim ** -0.5 below 27B), the
+# layer kinds and Gemma 3's local RoPE itself, so these take the same values.
+GEMMA_FAMILIES = {
+    # Sliding (16 tokens) and global layers alternating; both soft-caps.
+    "gemma2": dict(
+        architectures=["Gemma2ForCausalLM"],
+        num_hidden_layers=4,
+        query_pre_attn_scalar=64,
+        sliding_window=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        **_GEMMA_COMMON,
+    ),
+    # Five sliding layers, then a global one with its own RoPE base and linear scaling; the
+    # final soft-cap.
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"],
+        num_hidden_layers=6,
+        query_pre_attn_scalar=64,
+        sliding_window=16,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+        },
+        final_logit_softcapping=5.0,
+        **_GEMMA_COMMON,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma_dirs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """family -> (the HF directory, its GGUF's conversion)."""
+    root = tmp_path_factory.mktemp("gemma")
+    result = {}
+    for family, config in GEMMA_FAMILIES.items():
+        hf_dir = random_hf_model(config, root / family)
+        gguf_path = write_gguf(hf_dir, root / f"{family}.gguf", byte_level_vocab(VOCAB_SIZE))
+        result[family] = (hf_dir, resolve_model(gguf_path, cache_dir=str(root / "cache")).path)
+    return result
+
+
+@pytest.mark.parametrize("family", list(GEMMA_FAMILIES))
+def test_gemma_gguf_converts_to_the_original_model(gemma_dirs, family):
+    hf_dir, converted = gemma_dirs[family]
+    original = load_file(hf_dir / "model.safetensors")
+    original.pop("lm_head.weight", None)  # tied
+    ours = load_file(converted / "model.safetensors")
+    assert sorted(ours) == sorted(original)
+    for name, weight in original.items():
+        if name.endswith("norm.weight"):
+            # Stored as 1 + w: w comes back to float32's resolution near 1.
+            np.testing.assert_allclose(ours[name], weight, rtol=0, atol=2**-22, err_msg=name)
+        else:
+            np.testing.assert_array_equal(ours[name], weight, err_msg=name)
+    # The config makes HF compute what it computes on the original model.
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([random_prompts(6, VOCAB_SIZE)[-1]])
+    logits = [
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
+        for path in (hf_dir, converted)
+    ]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(GEMMA_FAMILIES))
+def test_engine_on_a_converted_gemma_gguf_matches_hf(gemma_dirs, family):
+    _, converted = gemma_dirs[family]
+    prompts = random_prompts(7, VOCAB_SIZE)
+    llm = LLM(converted, num_blocks=256)
+    tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY)]
+    assert tokens == hf_greedy(converted, prompts)
+
+
+def test_gemma_config_and_tokenizer_come_through(gemma_dirs):
+    config = json.loads((gemma_dirs["gemma3"][1] / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert (config["query_pre_attn_scalar"], config["sliding_window"]) == (64, 16)
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["rope_parameters"]["full_attention"]["factor"] == 4.0
+    assert config["final_logit_softcapping"] == 5.0
+    assert config["attn_logit_softcapping"] is None
+    gemma2 = json.loads((gemma_dirs["gemma2"][1] / "config.json").read_text())
+    assert (gemma2["attn_logit_softcapping"], gemma2["final_logit_softcapping"]) == (50.0, 30.0)
+    tokenizer = Tokenizer(gemma_dirs["gemma3"][1])
+    assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
