@@ -215,7 +215,7 @@ def _convert_into(gguf_path: Path, out_dir: Path, report: _Reporter) -> None:
     fields = {name: field.contents() for name, field in reader.fields.items()}
     config = _hf_config(fields, _tensor_shapes(reader))
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "generation_config.json", _generation_config(config))
+    _write_json(out_dir / "generation_config.json", _generation_config(config, fields))
     _write_weights(_dequantized_tensors(reader, config, report), out_dir, report)
 
     report("tokenizer")
@@ -423,10 +423,18 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+def _generation_config(config: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp ends a generation at EOS and at the end-of-turn / end-of-message tokens a chat
+    # model closes its turn with (Gemma's <end_of_turn>, Llama 3's <|eot_id|>), as the HF
+    # model's own generation_config lists them.
+    stops = [config["eos_token_id"]]
+    stops += [
+        _optional_int(fields.get(f"tokenizer.ggml.{kind}_token_id")) for kind in ("eot", "eom")
+    ]
+    eos = list(dict.fromkeys(token for token in stops if token is not None))
     return {
         "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "pad_token_id": config["pad_token_id"],
     }
 

@@ -39,9 +39,10 @@ def write_gguf(
     path: Path,
     tokens: tuple[list[str], list[str]],
     quantization: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    end_of_turn_id: int | None = None,
 ) -> Path:
     """``tokens``: a byte-level BPE vocabulary by id and its merges (``byte_level_vocab``);
-    ``quantization`` applies to the matrices."""
+    ``quantization`` applies to the matrices; ``end_of_turn_id`` is written as the EOT token."""
     config = json.loads((hf_dir / "config.json").read_text())
     architecture = GGUF_ARCHITECTURES[config["architectures"][0]]
     arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
@@ -54,6 +55,8 @@ def write_gguf(
         _write_sentencepiece_vocab(writer, config["vocab_size"])
     else:
         _write_vocab(writer, *tokens)
+    if end_of_turn_id is not None:
+        writer.add_eot_token_id(end_of_turn_id)
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):

@@ -183,6 +183,19 @@ def test_quantized_gguf_converts_to_its_dequantized_weights(hf_dirs, tmp_path):
     assert tokens == hf_greedy(converted, prompts)
 
 
+def test_end_of_turn_token_stops_generation_too(hf_dirs, converted, tmp_path):
+    # A chat GGUF names its end-of-turn token apart from EOS (Qwen: <|im_end|> beside
+    # <|endoftext|>); both end a generation, as the HF model's generation_config says.
+    generation = json.loads((converted["qwen2"] / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2
+    gguf_path = write_gguf(
+        hf_dirs["qwen2"], tmp_path / "chat.gguf", byte_level_vocab(VOCAB_SIZE), end_of_turn_id=1
+    )
+    chat = resolve_model(gguf_path, cache_dir=str(tmp_path / "cache")).path
+    assert json.loads((chat / "generation_config.json").read_text())["eos_token_id"] == [2, 1]
+    assert LLM(chat, num_blocks=64).eos_token_ids == frozenset({1, 2})
+
+
 def test_tokenizer_and_chat_template_come_through(converted):
     tokenizer = Tokenizer(converted["qwen2"])
     text = "hello world, Paris!"
