@@ -142,6 +142,8 @@ _STACKED_EXPERT_NAMES = {
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
 }
+# Llama 3's per-frequency RoPE divisors, which llama.cpp stores as a tensor.
+_ROPE_FREQS_TENSOR = "rope_freqs.weight"
 _GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -213,7 +215,10 @@ def _convert_into(gguf_path: Path, out_dir: Path, report: _Reporter) -> None:
     report("reading")
     reader = gguf.GGUFReader(gguf_path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
-    config = _hf_config(fields, _tensor_shapes(reader))
+    rope_freqs = next(
+        (tensor.data for tensor in reader.tensors if tensor.name == _ROPE_FREQS_TENSOR), None
+    )
+    config = _hf_config(fields, _tensor_shapes(reader), rope_freqs)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(config, fields))
     _write_weights(_dequantized_tensors(reader, config, report), out_dir, report)
@@ -233,7 +238,11 @@ def _publish(partial_dir: Path, out_dir: Path) -> None:
         logger.info("%s was converted concurrently; keeping that copy", out_dir)
 
 
-def _hf_config(fields: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def _hf_config(
+    fields: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    rope_freqs: np.ndarray | None = None,
+) -> dict[str, Any]:
     """config.json from the GGUF's metadata, and from its tensors where llama.cpp keeps a
     setting only in their presence or shape (biases, a tied LM head, experts)."""
     architecture = fields.get("general.architecture")
@@ -243,11 +252,6 @@ def _hf_config(fields: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = _FAMILIES[architecture]
-    if "rope_freqs.weight" in tensor_shapes:
-        raise ValueError(
-            "GGUF has a rope_freqs tensor (llama3-style RoPE scaling), which this converter "
-            "does not support; supported: no RoPE scaling, or linear/yarn scaling metadata"
-        )
 
     def key(name: str, default: Any = None) -> Any:
         return fields.get(f"{architecture}.{name}", default)
@@ -301,7 +305,10 @@ def _hf_config(fields: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]
             "dtype": "float32",
         }
     )
-    rope_scaling = _rope_scaling(key)
+    if rope_freqs is not None:
+        rope_scaling = _llama3_rope_scaling(rope_freqs, rope_theta, head_dim)
+    else:
+        rope_scaling = _rope_scaling(key)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     # transformers 5 keeps RoPE settings in rope_parameters; the legacy keys above stay for
@@ -394,6 +401,52 @@ def _experts_config(
     return config
 
 
+# Llama 3's RoPE scaling besides its factor: every Llama 3.x model's values, and those
+# llama.cpp assumes when a config leaves them out.
+_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _llama3_rope_scaling(
+    rope_freqs: np.ndarray, rope_theta: float, head_dim: int
+) -> dict[str, Any]:
+    """HF's llama3 rope_scaling for a GGUF's rope_freqs tensor. llama.cpp's converter turns
+    HF's settings into one divisor per frequency (1 for short wavelengths, the factor for long
+    ones, a blend between); the factor is the largest divisor, and the other settings are
+    Llama 3's if, and only if, they give back every divisor."""
+    factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    if factors.shape != (head_dim // 2,):
+        raise ValueError(
+            f"GGUF rope_freqs has {factors.size} values; expected head_dim / 2 = {head_dim // 2}"
+        )
+    scaling = {"rope_type": "llama3", "factor": _float32_value(factors.max()), **_LLAMA3_ROPE}
+    expected = _llama3_divisors(scaling, rope_theta, head_dim)
+    if not np.allclose(factors, expected, rtol=1e-5, atol=0):
+        raise ValueError(
+            "GGUF rope_freqs is not Llama 3's RoPE scaling with factor "
+            f"{scaling['factor']}, low_freq_factor 1, high_freq_factor 4 and "
+            "original_max_position_embeddings 8192, the only llama3 settings this converter "
+            "reads from a GGUF"
+        )
+    return scaling
+
+
+def _llama3_divisors(scaling: dict[str, Any], rope_theta: float, head_dim: int) -> np.ndarray:
+    """What each RoPE frequency is divided by under llama3 scaling (HF's and llama.cpp's)."""
+    frequencies = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelengths = 2 * np.pi / frequencies
+    original = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    smooth = (original / wavelengths - low) / (high - low)
+    divisors = 1 / ((1 - smooth) / factor + smooth)
+    divisors[wavelengths < original / high] = 1.0
+    divisors[wavelengths > original / low] = factor
+    return divisors
+
+
 def _rope_scaling(key: Callable[[str], Any]) -> dict[str, Any] | None:
     scaling_type = key("rope.scaling.type")
     if scaling_type in (None, "none"):
@@ -474,26 +527,35 @@ def _dequantized_tensors(
     num_tensors = len(reader.tensors)
     report_every = max(1, num_tensors // 10)
     for index, tensor in enumerate(reader.tensors, start=1):
-        names = _hf_tensor_names(tensor.name, family, config.get("num_experts", 0))
-        torch_shape = tuple(int(dim) for dim in reversed(tensor.shape))
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = weight.astype(np.float32, copy=False).reshape(torch_shape)
-        if len(names) > 1:  # stacked experts: [num_experts, rows, columns]
-            for name, expert_weight in zip(names, weight, strict=True):
-                yield name, np.ascontiguousarray(expert_weight)
-        else:
-            name = names[0]
-            if family.permuted_qk and ".q_proj." in name:
-                weight = _undo_rope_permutation(weight, config["num_attention_heads"])
-            elif family.permuted_qk and ".k_proj." in name:
-                weight = _undo_rope_permutation(weight, config["num_key_value_heads"])
-            elif family.gemma and name.endswith("norm.weight"):
-                weight = weight - 1.0
-            elif name.endswith("shared_expert_gate.weight"):
-                weight = weight.reshape(1, -1)  # llama.cpp drops HF's leading 1
-            yield name, np.ascontiguousarray(weight)
+        # rope_freqs is no weight: it became the config's rope_scaling (_llama3_rope_scaling).
+        if tensor.name != _ROPE_FREQS_TENSOR:
+            yield from _hf_tensors(tensor, family, config)
         if index % report_every == 0 or index == num_tensors:
             report("dequantizing", index, num_tensors)
+
+
+def _hf_tensors(
+    tensor: Any, family: _Family, config: dict[str, Any]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """One GGUF tensor as HF tensors: dequantized, renamed, and undone what llama.cpp did."""
+    names = _hf_tensor_names(tensor.name, family, config.get("num_experts", 0))
+    torch_shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    weight = weight.astype(np.float32, copy=False).reshape(torch_shape)
+    if len(names) > 1:  # stacked experts: [num_experts, rows, columns]
+        for name, expert_weight in zip(names, weight, strict=True):
+            yield name, np.ascontiguousarray(expert_weight)
+        return
+    name = names[0]
+    if family.permuted_qk and ".q_proj." in name:
+        weight = _undo_rope_permutation(weight, config["num_attention_heads"])
+    elif family.permuted_qk and ".k_proj." in name:
+        weight = _undo_rope_permutation(weight, config["num_key_value_heads"])
+    elif family.gemma and name.endswith("norm.weight"):
+        weight = weight - 1.0
+    elif name.endswith("shared_expert_gate.weight"):
+        weight = weight.reshape(1, -1)  # llama.cpp drops HF's leading 1
+    yield name, np.ascontiguousarray(weight)
 
 
 def _write_weights(

@@ -10,6 +10,7 @@ a SentencePiece one) in the tokenizer keys.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -57,6 +58,10 @@ def write_gguf(
         _write_vocab(writer, *tokens)
     if end_of_turn_id is not None:
         writer.add_eot_token_id(end_of_turn_id)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, head_dim))
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
@@ -92,6 +97,28 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's rope_freqs for HF's llama3 scaling: per frequency the divisor of its
+    angle, computed in float32 one frequency at a time as llama.cpp's converter does."""
+    import torch
+
+    theta, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    frequencies = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    divisors = []
+    for frequency in frequencies:
+        wavelength = 2 * math.pi / frequency
+        if wavelength < original / high:
+            divisors.append(1)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(divisors, dtype=torch.float32).numpy()
 
 
 def permute_for_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -8,6 +8,7 @@ and the tokenizer and chat template come through."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
@@ -39,6 +40,20 @@ _COMMON = dict(
 FAMILIES = {
     # Separate LM head; Q/K interleaved by llama.cpp for its RoPE.
     "llama": dict(architectures=["LlamaForCausalLM"], tie_word_embeddings=False, **_COMMON),
+    # Llama 3's RoPE scaling, which llama.cpp keeps as a rope_freqs tensor.
+    "llama3": dict(
+        architectures=["LlamaForCausalLM"],
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500_000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        **_COMMON,
+    ),
     # q/k/v biases, tied LM head, another RoPE base.
     "qwen2": dict(
         architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, rope_theta=1e6, **_COMMON
@@ -134,6 +149,10 @@ def test_config_carries_what_llama_cpp_keeps_in_tensors(converted):
     }
     assert configs["llama"]["architectures"] == ["LlamaForCausalLM"]
     assert configs["llama"]["tie_word_embeddings"] is False
+    assert configs["llama3"]["rope_parameters"] == {
+        **FAMILIES["llama3"]["rope_parameters"],
+        "rope_theta": 500_000.0,
+    }
     assert configs["qwen2"]["architectures"] == ["Qwen2ForCausalLM"]
     assert configs["qwen2"]["tie_word_embeddings"] is True
     assert configs["qwen2"]["rope_theta"] == 1e6
@@ -181,6 +200,19 @@ def test_quantized_gguf_converts_to_its_dequantized_weights(hf_dirs, tmp_path):
     llm = LLM(converted, num_blocks=256)
     tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY)]
     assert tokens == hf_greedy(converted, prompts)
+
+
+def test_rope_freqs_other_than_llama_3s_are_refused(hf_dirs, tmp_path):
+    # The GGUF keeps only the divisors; settings other than Llama 3's low / high frequency
+    # factors and original context cannot be told apart from them reliably, so say so.
+    config_dir = tmp_path / "other"
+    shutil.copytree(hf_dirs["llama3"], config_dir)
+    config = json.loads((config_dir / "config.json").read_text())
+    config["rope_parameters"]["high_freq_factor"] = 2.0
+    (config_dir / "config.json").write_text(json.dumps(config))
+    gguf_path = write_gguf(config_dir, tmp_path / "other.gguf", byte_level_vocab(VOCAB_SIZE))
+    with pytest.raises(ValueError, match="rope_freqs is not Llama 3's RoPE scaling"):
+        resolve_model(gguf_path, cache_dir=str(tmp_path / "cache"))
 
 
 def test_end_of_turn_token_stops_generation_too(hf_dirs, converted, tmp_path):
