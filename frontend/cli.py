@@ -230,6 +230,21 @@ def build_parser() -> argparse.ArgumentParser:
         "blocks), llama3_json (Llama 3.1+ JSON calls) or pythonic (Llama 3.2 / 4: a Python "
         "list of calls)",
     )
+    serve.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for what a request leaves unset: auto (the model's "
+        "generation_config.json: its temperature if it sets do_sample, else greedy; top_k, "
+        "top_p, min_p, repetition_penalty), vllm (none of it) or DIR/generation_config.json",
+    )
+    serve.add_argument(
+        "--override-generation-config",
+        type=_override_generation_config,
+        default=None,
+        metavar="JSON",
+        help="sampling defaults on top of --generation-config, e.g. '{\"temperature\": 0.5}'",
+    )
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0: any free port")
     serve.add_argument(
         "--http-port",
@@ -343,6 +358,17 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _override_generation_config(value: str) -> dict:
+    """``--override-generation-config JSON``: a JSON object (checked by the engine)."""
+    try:
+        config = json.loads(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return config
+
+
 def _speculative_config(value: str) -> dict:
     """``--speculative-config``: vLLM's JSON object, checked here so a mistake is a usage
     error before the model loads."""
@@ -426,6 +452,8 @@ def _serve(args: argparse.Namespace) -> int:
             startup_timeout_s=args.startup_timeout_s,
             # Structured output then constrains a chat answer after the thinking only.
             reasoning_parser=args.reasoning_parser,
+            generation_config=args.generation_config,
+            override_generation_config=args.override_generation_config,
         ),
         config,
     )

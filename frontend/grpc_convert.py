@@ -18,6 +18,7 @@ from pagedserve.frontend.chat_request import (
     ChatReading,
     tool_constraint,
 )
+from pagedserve.frontend.generation_config import DEFAULT_FIELDS
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.reasoning import ReasoningParser
 from pagedserve.frontend.tool_calls import (
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 _OPTIONAL_FIELDS = (
     "max_tokens",
     "min_tokens",
+    "temperature",
     "top_k",
     "top_p",
     "min_p",
@@ -80,17 +82,19 @@ FINISH_REASONS = {
 def sampling_params_from_proto(
     message: pb.SamplingParams | None, default: SamplingParams
 ) -> SamplingParams:
-    """The request's ``SamplingParams``. ``default`` is the model's (its generation config):
-    all of it when the request sets none, its temperature when the request leaves that
-    unset. Raises ``ValueError`` naming ``sampling.<field>``, the value and the limit."""
+    """The request's ``SamplingParams``. ``default`` is the model's (its generation config,
+    ``generation_config.py``): all of it when the request sets none, its temperature, top_k,
+    top_p, min_p and repetition_penalty where the request leaves them unset. Raises
+    ``ValueError`` naming ``sampling.<field>``, the value and the limit."""
     if message is None:
         return default
     kwargs: dict[str, object] = {
         name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)
     }
-    kwargs["temperature"] = (
-        message.temperature if message.HasField("temperature") else default.temperature
-    )
+    if kwargs.get("beam_width", 1) > 1:
+        kwargs.setdefault("temperature", 0.0)  # beam search is greedy, whatever the model's
+    for name in DEFAULT_FIELDS:  # unset: the model's generation config decides
+        kwargs.setdefault(name, getattr(default, name))
     if message.HasField("seed") and message.seed > MAX_SEED:
         raise ValueError(f"sampling.seed must be <= {MAX_SEED}, got {message.seed}")
     early_stopping = message.early_stopping.strip().lower()

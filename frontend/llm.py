@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
+from pagedserve.frontend.generation_config import load_generation_defaults
 from pagedserve.frontend.lora_request import LoRARequest
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
@@ -182,6 +182,13 @@ class LLM:
     block takes half the bytes of a 16-bit cache (a quarter of float32's), so the same
     ``kv_cache_bytes`` holds twice (four times) the tokens; the output is close to, not
     equal to, the model's with ``"auto"`` (the cache in ``dtype``).
+
+    ``generation_config`` / ``override_generation_config`` (vLLM's) set what a request
+    samples with where it sets nothing (``default_sampling_params``, and the server's
+    defaults for unset fields): ``"auto"``, the model's generation_config.json (greedy
+    unless it sets ``do_sample``; its temperature, top_k, top_p, min_p,
+    repetition_penalty), ``"vllm"`` (none of it), or a directory holding such a file; then
+    ``override_generation_config={"temperature": 0.5, ...}`` on top.
     """
 
     def __init__(
@@ -216,6 +223,8 @@ class LLM:
         max_loras: int | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ) -> None:
         check_dtype_name(dtype)
         check_quantization_name(quantization, device)
@@ -253,6 +262,9 @@ class LLM:
         graph_max_len = max_model_len or 0
         resolved = resolve_model(model, cache_dir=cache_dir, progress=_print_progress)
         self.model_path: Path = resolved.path
+        self.generation_defaults = load_generation_defaults(
+            self.model_path, generation_config, override_generation_config
+        )
         self.tokenizer = (
             Tokenizer(resolved.path, chat_template) if Tokenizer.exists_in(resolved.path) else None
         )
@@ -408,6 +420,7 @@ class LLM:
             dtype if kv_cache_dtype == "auto" else kv_cache_dtype,
             self.num_host_blocks,
         )
+        logger.info("sampling defaults: %s", self.generation_defaults.describe())
 
     # ------------------------------------------------------------------ public API
 
@@ -799,13 +812,10 @@ class LLM:
         return [self.lora_id(lora_request)] * count
 
     def default_sampling_params(self) -> SamplingParams:
-        """As HF does, the model's generation_config.json decides: greedy unless it sets
-        ``do_sample``, in which case its temperature applies."""
-        generation_file = self.model_path / "generation_config.json"
-        config = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
-        if config.get("do_sample"):
-            return SamplingParams(temperature=float(config.get("temperature", 1.0)))
-        return SamplingParams(temperature=0.0)
+        """What a request that sets nothing samples with: the model's generation_config.json
+        (greedy unless it sets ``do_sample``; its top_k, top_p, min_p, repetition_penalty),
+        as ``generation_config`` and ``override_generation_config`` say (generation_config.py)."""
+        return self.generation_defaults.sampling_params()
 
     def _require_tokenizer(self, field: str) -> Tokenizer:
         if self.tokenizer is None:

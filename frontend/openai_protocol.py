@@ -37,6 +37,7 @@ from pagedserve.frontend.chat_request import (
     render_chat_prompt,
     tool_constraint,
 )
+from pagedserve.frontend.generation_config import DEFAULT_FIELDS
 from pagedserve.frontend.reasoning import ReasoningParser
 from pagedserve.frontend.tool_calls import ToolCallDelta, ToolCallError, ToolCalling
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -608,7 +609,8 @@ def _base_params(
         name = "length_penalty" if "length_penalty" in kwargs else "early_stopping"
         raise _invalid(f"{name} applies to beam search only: set use_beam_search", name)
     # Unset: the model's generation config decides (as in the gRPC API).
-    kwargs.setdefault("temperature", default_params.temperature)
+    for name in DEFAULT_FIELDS:
+        kwargs.setdefault(name, getattr(default_params, name))
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
         if echo:

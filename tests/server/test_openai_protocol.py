@@ -44,6 +44,13 @@ def test_defaults_follow_openai_and_the_model(llm):
     sampled = parse(llm, {"prompt": [5]}, default=SamplingParams(temperature=0.7))
     assert sampled.params[0].temperature == 0.7
     assert parse(llm, {"prompt": [5], "temperature": 1.2}).params[0].temperature == 1.2
+    # The model's other sampling defaults (generation_config.py) fill what is left unset.
+    model = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
+    filled = parse(llm, {"prompt": [5], "top_k": 3}, default=model).params[0]
+    assert (filled.temperature, filled.top_k, filled.top_p, filled.min_p) == (0.7, 3, 0.8, 0.0)
+    assert filled.repetition_penalty == 1.05
+    beams = parse(llm, {"prompt": [5], "use_beam_search": True, "n": 2}, default=model)
+    assert (beams.params[0].temperature, beams.params[0].beam_width) == (0.0, 2)
     # Chat: the rest of the window by default.
     chat = parse(llm, {"messages": [{"role": "user", "content": "hi"}]}, "chat")
     assert chat.params[0].max_tokens == 512 - len(chat.prompts[0].token_ids)

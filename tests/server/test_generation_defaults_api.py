@@ -1,0 +1,48 @@
+"""``--generation-config`` / ``--override-generation-config`` on a real server: the
+defaults reach both APIs for the fields a call leaves unset, the start-up log says what
+they are, and a bad override stops the server before it serves (exit 2), naming it."""
+
+from __future__ import annotations
+
+from engine.test_parity import hf_greedy
+from server.test_grpc_api import token_request
+from server.test_http_api import post
+
+from pagedserve.v1 import generation_pb2 as pb
+
+PROMPT = [5, 9, 31, 2, 77, 300]
+
+
+def test_the_override_is_every_calls_default(start_server, server_model_dir):
+    # Sampling at temperature 1.5 from the single most likely token: greedy's tokens, which
+    # only the defaults' top_k can give (a call sets max_tokens, ignore_eos and no more).
+    server = start_server(
+        "--http-port", "0",
+        "--served-model-name", "m",
+        "--generation-config", "vllm",
+        "--override-generation-config", '{"temperature": 1.5, "top_k": 1}',
+    )  # fmt: skip
+    assert "sampling defaults: temperature=1.5, top_k=1 (from vllm + override)" in server.log()
+    greedy = hf_greedy(server_model_dir, [PROMPT])[0][:12]
+    sampling = pb.SamplingParams(max_tokens=12, ignore_eos=True)
+    output = server.stub.Generate(token_request(PROMPT, sampling)).outputs[0]
+    assert list(output.token_ids) == greedy
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    status, answer = post(server, "/v1/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == output.text
+    # A call's own top_k wins: sampled at 1.5 over every token, it leaves the greedy path.
+    status, wide = post(server, "/v1/completions", {**body, "top_k": -1, "seed": 3})
+    assert status == 200, wide
+    assert wide["choices"][0]["text"] != output.text
+    wide_sampling = pb.SamplingParams(max_tokens=12, ignore_eos=True, top_k=0, seed=3)
+    completion = server.stub.Generate(token_request(PROMPT, wide_sampling))
+    assert list(completion.outputs[0].token_ids) != greedy
+    server.assert_blocks_all_free()
+
+
+def test_a_bad_override_exits_2_before_serving(start_server):
+    server = start_server("--override-generation-config", '{"top_p": 3}', wait=False)
+    assert server.process.wait(120) == 2
+    assert "override_generation_config: top_p must be" in server.log()
+    assert not server.port_file.exists()
