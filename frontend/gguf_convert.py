@@ -355,6 +355,12 @@ def _gemma_config(
             "full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
             for i in range(num_layers)
         ]
+    sliding_window = key("attention.sliding_window")
+    if sliding_window is None:
+        raise ValueError(
+            f"GGUF has no {architecture}.attention.sliding_window, which every "
+            f"{architecture} model has (its sliding layers' window)"
+        )
     soft_caps = {
         name: None if key(name) is None else _float32_value(key(name))
         for name in ("attn_logit_softcapping", "final_logit_softcapping")
@@ -363,7 +369,7 @@ def _gemma_config(
         "hidden_act": gelu,
         "hidden_activation": gelu,
         "query_pre_attn_scalar": query_pre_attn_scalar,
-        "sliding_window": int(key("attention.sliding_window")),
+        "sliding_window": int(sliding_window),
         "layer_types": layer_types,
         **soft_caps,
     }

@@ -1,4 +1,5 @@
-"""LoRA adapters served beside the base model (vLLM's multi-LoRA), on the Llama family.
+"""LoRA adapters served beside the base model (vLLM's multi-LoRA), on the Llama family
+(its mixture-of-experts members' attention and dense MLPs included) and Gemma 1 / 2 / 3.
 
 Each adapter is a PEFT LoRA directory (``adapter_config.json``, ``adapter_model.safetensors``),
 loaded at start-up or at run time (``LLM.load_lora``; the scheduler hands the load to the
@@ -42,7 +43,16 @@ LORA_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    # Mixture-of-experts: attention, and the MLP of layers without experts; an expert's or a
+    # shared expert's projection is refused by name.
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _WEIGHTS_FILE = "adapter_model.safetensors"
 _CONFIG_FILE = "adapter_config.json"
 
@@ -132,7 +142,9 @@ def check_adapter_weights(name: str, path: str | Path, config: ModelConfig) -> N
     for tensor_name, entry in header.items():
         if tensor_name == "__metadata__":
             continue
-        layer, projection, which = _checked_weight_name(name, tensor_name, config.num_layers)
+        layer, projection, which = _checked_weight_name(
+            name, tensor_name, config.num_layers, _sparse_layers(config.layer_experts)
+        )
         pairs.setdefault((layer, projection), {})[which] = list(entry.get("shape", []))
     for (layer, projection), pair in sorted(pairs.items()):
         _check_pair(name, layer, projection, pair)
@@ -159,8 +171,12 @@ def _safetensors_header(name: str, weights_file: Path) -> dict:
         ) from None
 
 
-def _checked_weight_name(name: str, tensor_name: str, num_layers: int) -> tuple[int, str, str]:
-    """(layer, projection, "lora_A" | "lora_B") of an adapter tensor, or ``ValueError``."""
+def _checked_weight_name(
+    name: str, tensor_name: str, num_layers: int, sparse_layers: frozenset[int] = frozenset()
+) -> tuple[int, str, str]:
+    """(layer, projection, "lora_A" | "lora_B") of an adapter tensor, or ``ValueError``.
+    ``sparse_layers``: the layers whose MLP is a mixture of experts, which no adapter
+    reaches."""
     parsed = _weight_name(tensor_name)
     if parsed is None:
         raise ValueError(
@@ -178,7 +194,23 @@ def _checked_weight_name(name: str, tensor_name: str, num_layers: int) -> tuple[
             f"lora_modules[{name!r}]: tensor {tensor_name!r} names layer {layer}; "
             f"the model has {num_layers}"
         )
+    # The projection must sit where the layer keeps it (self_attn.q_proj, mlp.gate_proj), not
+    # in an expert (mlp.experts.3.gate_proj) or a shared expert (mlp.shared_expert.up_proj).
+    expected = TARGET_MODULES[projection][0].partition(".")[0]
+    parts = tensor_name.split(".")
+    parent = ".".join(parts[parts.index("layers") + 2 : -3])
+    if parent != expected or (projection in _MLP_PROJECTIONS and layer in sparse_layers):
+        where = "mixture-of-experts " if layer in sparse_layers else ""
+        raise ValueError(
+            f"lora_modules[{name!r}]: tensor {tensor_name!r} targets {parent}.{projection} of "
+            f"{where}layer {layer}; adapters may target self_attn's projections and a dense "
+            "mlp's, not an expert's"
+        )
     return parsed
+
+
+def _sparse_layers(layer_experts: tuple) -> frozenset[int]:
+    return frozenset(index for index, experts in enumerate(layer_experts) if experts is not None)
 
 
 def _check_pair(name: str, layer: int, projection: str, pair: dict) -> None:
@@ -268,7 +300,9 @@ def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str,
         raise ValueError(f"lora_modules[{name!r}]: {weights_file} is missing")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in load_file(str(weights_file)).items():
-        layer, projection, which = _checked_weight_name(name, tensor_name, len(layers))
+        layer, projection, which = _checked_weight_name(
+            name, tensor_name, len(layers), _sparse_layers(model.config.layer_experts)
+        )
         pairs.setdefault((layer, projection), {})[which] = tensor
     products: list[tuple[nn.Module, _Product]] = []
     for (layer, projection), pair in sorted(pairs.items()):

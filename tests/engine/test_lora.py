@@ -657,3 +657,71 @@ def test_a_lora_request_with_a_path_loads_its_adapter_as_vllm_offline_does(
     fixed = LLM(tiny_model_dirs["llama"], num_blocks=16)
     with pytest.raises(ValueError, match=r"lora_request: no LoRA adapter named 'r16'"):
         fixed.generate(prompts, GREEDY, lora_request=request)
+
+
+# ---------------------------------------------------------------- Gemma and mixture-of-experts
+
+
+@pytest.fixture(scope="module")
+def more_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Gemma 2 / Gemma 3 (test_gemma.py's: sliding and global layers, soft-caps) and
+    the mixture-of-experts models of test_moe.py (Qwen2-MoE with a dense layer)."""
+    from engine.test_gemma import TINY_CONFIGS
+    from engine.test_moe import MOE_CONFIGS
+    from tiny_models import random_hf_model
+
+    root = tmp_path_factory.mktemp("lora_more_models")
+    configs = {**{f: TINY_CONFIGS[f] for f in ("gemma", "gemma2", "gemma3")}, **MOE_CONFIGS}
+    return {family: random_hf_model(config, root / family) for family, config in configs.items()}
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [
+        ("gemma", ALL_MODULES),
+        ("gemma2", ALL_MODULES),
+        ("gemma3", ALL_MODULES),
+        # Attention only: PEFT would put gate/up/down on every expert too.
+        ("mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+        ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ],
+)
+def test_gemma_and_moe_adapters_match_hf_peft(more_model_dirs, tmp_path, family, targets):
+    prompts = random_prompts(3, [1, 17, 40])
+    model_dir = more_model_dirs[family]
+    adapter = make_lora_adapter(
+        model_dir, tmp_path / "adapter", seed=5, target_modules=targets, r=8, lora_alpha=16
+    )
+    llm = LLM(model_dir, num_blocks=128, lora_modules={"a": str(adapter)})
+    expected = hf_greedy(model_dir, adapter, prompts)
+    both = llm.generate(prompts * 2, GREEDY, lora_request=["a"] * 3 + [None] * 3)
+    assert token_ids(both[:3]) == expected
+    assert token_ids(both[3:]) == hf_greedy(model_dir, None, prompts)
+    assert_adapter_changes_every_prompt(expected, token_ids(both[3:]))
+
+
+def test_a_moe_adapter_reaches_the_dense_layers_mlp_but_never_an_expert(more_model_dirs, tmp_path):
+    # Qwen2-MoE's layer 1 is dense (mlp_only_layers): an adapter on its MLP is served. PEFT
+    # targets every gate_proj it finds, the experts' and the shared expert's too: refused by
+    # name, before anything loads.
+    model_dir = more_model_dirs["qwen2_moe"]
+    prompts = random_prompts(4, [1, 17, 40])
+    dense = make_lora_adapter(
+        model_dir,
+        tmp_path / "dense",
+        seed=6,
+        target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+        layers_to_transform=[1],
+        r=8,
+        lora_alpha=16,
+    )
+    llm = LLM(model_dir, num_blocks=128, lora_modules={"dense": str(dense)})
+    assert token_ids(llm.generate(prompts, GREEDY, lora_request="dense")) == hf_greedy(
+        model_dir, dense, prompts
+    )
+    experts = make_lora_adapter(
+        model_dir, tmp_path / "experts", seed=7, target_modules=["gate_proj"], r=4, lora_alpha=8
+    )
+    refusal = r"lora_modules\['experts'\].*mlp\.(experts\.\d+|shared_expert)\.gate_proj of mix"
+    with pytest.raises(ValueError, match=refusal):
+        LLM(model_dir, num_blocks=128, lora_modules={"experts": str(experts)})
