@@ -1,5 +1,5 @@
-"""Convert a GGUF file (llama.cpp's architectures llama, qwen2, qwen3, qwen2moe, qwen3moe,
-gemma2, gemma3) into a local Hugging Face model directory.
+"""Convert a GGUF file (llama.cpp's architectures llama (and Mixtral, llama with experts),
+qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3) into a local Hugging Face model directory.
 
 The engine loads plain float32 HF directories, so a GGUF file is converted once:
 
@@ -62,6 +62,14 @@ class _Family:
     # weight; HF's Gemma norms multiply by 1 + w), and names some norms its own way.
     gemma: bool = False
     layer_names: tuple[tuple[str, str], ...] = ()
+    # Where HF keeps expert E's projections, and their names (llama.cpp's stacked tensor ->
+    # HF's projection).
+    expert_format: str = "mlp.experts.{expert}.{projection}"
+    expert_projections: tuple[tuple[str, str], ...] = (
+        ("ffn_gate_exps", "gate_proj"),
+        ("ffn_up_exps", "up_proj"),
+        ("ffn_down_exps", "down_proj"),
+    )
 
 
 _FAMILIES = {
@@ -110,8 +118,20 @@ _FAMILIES = {
         ),
     ),
 }
+# llama.cpp converts Mixtral as "llama" with experts: HF's Mixtral names, w1 / w3 / w2.
+_MIXTRAL = _Family(
+    "MixtralForCausalLM",
+    "mixtral",
+    permuted_qk=True,
+    bias_field=None,
+    has_experts=True,
+    default_renormalize=True,
+    layer_names=(("ffn_gate_inp", "block_sparse_moe.gate"),),
+    expert_format="block_sparse_moe.experts.{expert}.{projection}",
+    expert_projections=(("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")),
+)
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
-_FAMILIES_BY_HF = {family.hf_architecture: family for family in _FAMILIES.values()}
+_FAMILIES_BY_HF = {family.hf_architecture: family for family in (*_FAMILIES.values(), _MIXTRAL)}
 
 # GGUF per-layer tensor name (after "blk.N.", before ".weight" / ".bias") -> HF name (after
 # "model.layers.N.", likewise).
@@ -134,13 +154,6 @@ _LAYER_TENSOR_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
-}
-# llama.cpp stacks a layer's experts into one [num_experts, rows, columns] tensor per
-# projection; HF has one matrix per expert ("mlp.experts.E.<projection>").
-_STACKED_EXPERT_NAMES = {
-    "ffn_gate_exps": "gate_proj",
-    "ffn_up_exps": "up_proj",
-    "ffn_down_exps": "down_proj",
 }
 # Llama 3's per-frequency RoPE divisors, which llama.cpp stores as a tensor.
 _ROPE_FREQS_TENSOR = "rope_freqs.weight"
@@ -252,6 +265,10 @@ def _hf_config(
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = _FAMILIES[architecture]
+    if architecture == "llama" and any(
+        name.endswith(".ffn_gate_inp.weight") for name in tensor_shapes
+    ):
+        family = _MIXTRAL
 
     def key(name: str, default: Any = None) -> Any:
         return fields.get(f"{architecture}.{name}", default)
@@ -288,7 +305,9 @@ def _hf_config(
         config[family.bias_field] = "blk.0.attn_q.bias" in tensor_shapes
     if architecture == "llama":
         config["mlp_bias"] = False
-    if family.has_experts:
+    if family is _MIXTRAL:
+        config.update(_mixtral_config(key, tensor_shapes))
+    elif family.has_experts:
         config.update(_experts_config(family, key, tensor_shapes, num_layers))
     if family.gemma:
         config.update(_gemma_config(architecture, key, config))
@@ -407,6 +426,23 @@ def _experts_config(
     return config
 
 
+def _mixtral_config(
+    key: Callable[..., Any], tensor_shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Any]:
+    """Mixtral: every layer sparse, the experts' size is the intermediate size, top-k
+    renormalised (no field: always)."""
+    top_k = key("expert_used_count")
+    if top_k is None:
+        raise ValueError("GGUF has experts but no expert_used_count (the experts per token)")
+    num_experts, intermediate_size, _ = tensor_shapes["blk.0.ffn_gate_exps.weight"]
+    return {
+        "num_local_experts": num_experts,
+        "num_experts_per_tok": int(top_k),
+        "intermediate_size": intermediate_size,
+        "sliding_window": None,
+    }
+
+
 # Llama 3's RoPE scaling besides its factor: every Llama 3.x model's values, and those
 # llama.cpp assumes when a config leaves them out.
 _LLAMA3_ROPE = {
@@ -509,10 +545,14 @@ def _hf_tensor_names(gguf_name: str, family: _Family, num_experts: int) -> list[
     if prefix == "blk" and layer.isdigit() and kind in ("weight", "bias"):
         if base in layer_names:
             return [f"model.layers.{layer}.{layer_names[base]}.{kind}"]
-        if base in _STACKED_EXPERT_NAMES and kind == "weight":
-            projection = _STACKED_EXPERT_NAMES[base]
+        # llama.cpp stacks a layer's experts into one [num_experts, rows, columns] tensor per
+        # projection; HF has one matrix per expert.
+        stacked = dict(family.expert_projections)
+        if base in stacked and kind == "weight":
             return [
-                f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+                f"model.layers.{layer}.{family.expert_format}.weight".format(
+                    expert=expert, projection=stacked[base]
+                )
                 for expert in range(num_experts)
             ]
     raise ValueError(f"GGUF tensor {gguf_name!r} has no HF equivalent in this converter")
@@ -544,7 +584,8 @@ def _hf_tensors(
     tensor: Any, family: _Family, config: dict[str, Any]
 ) -> Iterator[tuple[str, np.ndarray]]:
     """One GGUF tensor as HF tensors: dequantized, renamed, and undone what llama.cpp did."""
-    names = _hf_tensor_names(tensor.name, family, config.get("num_experts", 0))
+    num_experts = config.get("num_experts") or config.get("num_local_experts", 0)
+    names = _hf_tensor_names(tensor.name, family, num_experts)
     torch_shape = tuple(int(dim) for dim in reversed(tensor.shape))
     weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     weight = weight.astype(np.float32, copy=False).reshape(torch_shape)

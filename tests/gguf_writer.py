@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 # HF architecture -> llama.cpp's architecture name.
 GGUF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",  # llama.cpp's Mixtral: llama with stacked experts
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2MoeForCausalLM": "qwen2moe",
@@ -66,13 +67,13 @@ def write_gguf(
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
         weights.pop("lm_head.weight", None)
-    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, weight in weights.items():
         module, _, kind = name.rpartition(".")
         parts = module.split(".")
-        if "experts" in parts:  # model.layers.L.mlp.experts.E.<projection>
-            layer, expert, projection = int(parts[2]), int(parts[5]), parts[6]
-            experts.setdefault((layer, projection), {})[expert] = weight
+        if "experts" in parts:  # model.layers.L.<mlp | block_sparse_moe>.experts.E.<projection>
+            prefix, expert, projection = ".".join(parts[:5]), int(parts[5]), parts[6]
+            experts.setdefault((prefix, projection), {})[expert] = weight
             continue
         gguf_name = name_map.get_name(module)
         if gguf_name is None:
@@ -87,9 +88,9 @@ def write_gguf(
         if architecture.startswith("gemma") and name.endswith("norm.weight"):
             weight = weight + np.float32(1.0)
         _add(writer, f"{gguf_name}.{kind}", weight, quantization)
-    for (layer, projection), by_expert in sorted(experts.items()):
+    for (prefix, projection), by_expert in sorted(experts.items()):
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
-        gguf_name = name_map.get_name(f"model.layers.{layer}.mlp.experts.{projection}")
+        gguf_name = name_map.get_name(f"{prefix}.{projection}")
         _add(writer, f"{gguf_name}.weight", stacked, quantization)
 
     writer.write_header_to_file()
@@ -149,7 +150,8 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     if num_experts:
         writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if "moe_intermediate_size" in config:  # Mixtral's experts: intermediate_size
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if "shared_expert_intermediate_size" in config:
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
         if config.get("norm_topk_prob") is not None:

@@ -1,9 +1,9 @@
-"""GGUF files of every architecture the converter reads (llama, qwen2, qwen3, qwen2moe,
-qwen3moe), written from tiny HF models the way llama.cpp writes them (tests/gguf_writer.py):
-the engine on the converted model gives HF transformers' greedy tokens on the original
-(float32 weights survive exactly), a Q8_0 file converts to its dequantized weights, the
-config carries what llama.cpp keeps only in tensors (biases, a tied head, expert sizes),
-and the tokenizer and chat template come through."""
+"""GGUF files of every architecture the converter reads (llama and its Mixtral, qwen2,
+qwen3, qwen2moe, qwen3moe; gemma2 and gemma3 below), written from tiny HF models the way
+llama.cpp writes them (tests/gguf_writer.py): the engine on the converted model gives HF
+transformers' greedy tokens on the original (float32 weights survive exactly), a Q8_0 file
+converts to its dequantized weights, the config carries what llama.cpp keeps only in tensors
+(biases, a tied head, expert sizes), and the tokenizer and chat template come through."""
 
 from __future__ import annotations
 
@@ -52,6 +52,14 @@ FAMILIES = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
+        **_COMMON,
+    ),
+    # llama.cpp's Mixtral: "llama" with stacked experts (4, top 2); Q/K interleaved.
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
         **_COMMON,
     ),
     # q/k/v biases, tied LM head, another RoPE base.
@@ -153,6 +161,9 @@ def test_config_carries_what_llama_cpp_keeps_in_tensors(converted):
         **FAMILIES["llama3"]["rope_parameters"],
         "rope_theta": 500_000.0,
     }
+    mixtral = configs["mixtral"]
+    assert mixtral["architectures"] == ["MixtralForCausalLM"]
+    assert (mixtral["num_local_experts"], mixtral["num_experts_per_tok"]) == (4, 2)
     assert configs["qwen2"]["architectures"] == ["Qwen2ForCausalLM"]
     assert configs["qwen2"]["tie_word_embeddings"] is True
     assert configs["qwen2"]["rope_theta"] == 1e6
