@@ -28,6 +28,8 @@ GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 # generation_config.json's sampling fields that become request defaults (vLLM's set).
 DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 _FILE_NAME = "generation_config.json"
+# SamplingParams' own defaults of those fields.
+_BASELINE = {name: getattr(SamplingParams(), name) for name in DEFAULT_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def load_generation_defaults(
     if source != "vllm":
         # HF's generate: without do_sample the model decodes greedily.
         sampled = config.get("do_sample")
-        values["temperature"] = float(config.get("temperature", 1.0)) if sampled else 0.0
+        values["temperature"] = config.get("temperature", 1.0) if sampled else 0.0
     # Each value checked as a request's would be, the error naming where it came from.
     _check(values, f"{source} {_FILE_NAME}")
     values.update(_checked_override(override))
@@ -81,9 +83,6 @@ def load_generation_defaults(
     }
     label = {"auto": "model", "vllm": "vllm"}.get(source, source)
     return GenerationDefaults(defaults, label + (" + override" if override else ""))
-
-
-_BASELINE = {name: getattr(SamplingParams(), name) for name in DEFAULT_FIELDS}
 
 
 def _check(values: dict[str, Any], where: str) -> SamplingParams:
