@@ -72,6 +72,23 @@ class _Family:
     )
 
 
+def _gemma_family(hf_architecture: str, model_type: str) -> _Family:
+    """Gemma 2 and 3 have four norms a layer: llama.cpp's ffn_norm is HF's pre-feed-forward
+    norm, not the post-attention one."""
+    return _Family(
+        hf_architecture,
+        model_type,
+        permuted_qk=False,
+        bias_field="attention_bias",
+        gemma=True,
+        layer_names=(
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+        ),
+    )
+
+
 _FAMILIES = {
     "llama": _Family("LlamaForCausalLM", "llama", permuted_qk=True, bias_field="attention_bias"),
     "qwen2": _Family("Qwen2ForCausalLM", "qwen2", permuted_qk=False, bias_field=None),
@@ -91,32 +108,8 @@ _FAMILIES = {
         has_experts=True,
         default_renormalize=True,
     ),
-    # Gemma 2 and 3 have four norms a layer: llama.cpp's ffn_norm is HF's pre-feed-forward
-    # norm, not the post-attention one.
-    "gemma2": _Family(
-        "Gemma2ForCausalLM",
-        "gemma2",
-        permuted_qk=False,
-        bias_field="attention_bias",
-        gemma=True,
-        layer_names=(
-            ("post_attention_norm", "post_attention_layernorm"),
-            ("ffn_norm", "pre_feedforward_layernorm"),
-            ("post_ffw_norm", "post_feedforward_layernorm"),
-        ),
-    ),
-    "gemma3": _Family(
-        "Gemma3ForCausalLM",
-        "gemma3_text",
-        permuted_qk=False,
-        bias_field="attention_bias",
-        gemma=True,
-        layer_names=(
-            ("post_attention_norm", "post_attention_layernorm"),
-            ("ffn_norm", "pre_feedforward_layernorm"),
-            ("post_ffw_norm", "post_feedforward_layernorm"),
-        ),
-    ),
+    "gemma2": _gemma_family("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": _gemma_family("Gemma3ForCausalLM", "gemma3_text"),
 }
 # llama.cpp converts Mixtral as "llama" with experts: HF's Mixtral names, w1 / w3 / w2.
 _MIXTRAL = _Family(
