@@ -22,8 +22,7 @@ from pagedserve.frontend.server import (
     serve,
 )
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
-from pagedserve.gpu_worker.kv_cache import KV_CACHE_DTYPES
-from pagedserve.gpu_worker.model_config import QUANTIZATION_NAMES
+from pagedserve.gpu_worker.model_config import KV_CACHE_DTYPES, QUANTIZATION_NAMES
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -15,11 +15,16 @@ All sockets are ipc:// in a private temporary directory, removed at shutdown.
 
 Lifecycle:
 
-- Start-up is ordered and bounded: the scheduler reports ``Ready("scheduler")`` once it
-  has started the workers, forwards each worker's ``Ready("worker")`` once its model is
+- Start-up is in two calls, so that the caller's own start-up (loading the tokenizer,
+  seconds) runs while the workers load the model: the constructor starts the scheduler,
+  which starts the workers at once, and returns; ``finish_start()`` sends what structured
+  output needs (``StartStructuredOutput``) and waits. Until it returns, only
+  ``shutdown()`` may be called. The scheduler reports ``Ready("scheduler")`` once it has
+  started the workers, forwards each worker's ``Ready("worker")`` once its model is
   loaded, and sends ``Ready("engine")`` once the workers have joined the step broadcast.
-  Past ``startup_timeout_s``, or when a process fails first, the constructor raises
-  ``EngineStartupError`` naming the component that did not come up.
+  Past ``startup_timeout_s`` (counted from the constructor), or when a process fails
+  first, ``finish_start()`` raises ``EngineStartupError`` naming the component that did
+  not come up.
 - A death is noticed at once: ``step()`` and every other wait poll the scheduler's
   socket together with a pidfd of the scheduler process; the scheduler polls its
   workers' sentinels the same way, even when idle, and exits after a worker's death.
@@ -70,6 +75,7 @@ from pagedserve.scheduler.engine_messages import (
     ResetPrefixCache,
     Shutdown,
     StartEngine,
+    StartStructuredOutput,
     StopSample,
     UnloadLoRA,
     WorkerSpec,
@@ -112,8 +118,9 @@ class EngineDeadError(RuntimeError):
 class EngineClient:
     """A scheduler process and its workers, driven like an in-process ``EngineCore``.
 
-    ``step()`` blocks until the engine has produced outputs for this client's unfinished
-    requests and returns their deltas. Not thread-safe: one thread drives it.
+    Construct, then ``finish_start()`` (the module docstring's start-up). ``step()``
+    blocks until the engine has produced outputs for this client's unfinished requests
+    and returns their deltas. Not thread-safe: one thread drives it.
     """
 
     def __init__(
@@ -126,11 +133,11 @@ class EngineClient:
         world_size: int = 1,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-        grammar_vocabulary: GrammarVocabulary | None = None,
-        structured_outputs_disable_any_whitespace: bool = False,
     ) -> None:
         if not startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s!r}")
+        self._startup_deadline_s = time.monotonic() + startup_timeout_s
+        self._startup_timeout_s = startup_timeout_s
         self.scheduler_config = scheduler_config
         self.block_size = worker_spec.block_size
         self._process = _SchedulerProcess(shutdown_timeout_s)
@@ -156,13 +163,31 @@ class EngineClient:
                     enable_prefix_caching=enable_prefix_caching,
                     world_size=world_size,
                     worker=worker_spec,
-                    grammar_vocabulary=grammar_vocabulary,
-                    structured_outputs_disable_any_whitespace=(
-                        structured_outputs_disable_any_whitespace
-                    ),
                 )
             )
-            engine_ready = self._process.wait_until_ready(startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = self.num_host_blocks = self.bytes_per_block = 0  # finish_start's
+
+    def finish_start(
+        self,
+        grammar_vocabulary: GrammarVocabulary | None = None,
+        structured_outputs_disable_any_whitespace: bool = False,
+    ) -> None:
+        """Hand the scheduler what structured output matches grammars over (None: a model
+        without a tokenizer) and wait until the engine serves; ``EngineStartupError``
+        (the engine shut down) if it does not come up in time."""
+        try:
+            self._send(
+                StartStructuredOutput(grammar_vocabulary, structured_outputs_disable_any_whitespace)
+            )
+            engine_ready = self._process.wait_until_ready(
+                self._startup_deadline_s, self._startup_timeout_s
+            )
+        except EngineDeadError as error:
+            self.shutdown()
+            raise EngineStartupError(f"engine start-up failed: {error}") from None
         except BaseException:
             self.shutdown()
             raise
@@ -472,23 +497,24 @@ class _SchedulerProcess:
         except BrokenPipeError:
             pass  # it died at once: receive() reports how
 
-    def wait_until_ready(self, timeout_s: float) -> Ready:
+    def wait_until_ready(self, deadline_s: float, timeout_s: float) -> Ready:
         """The ``Ready("engine")`` message; ``EngineStartupError`` on a failure or past
-        ``timeout_s``, naming the component that did not come up."""
-        deadline_s = time.monotonic() + timeout_s
+        ``deadline_s`` (``time.monotonic()``; ``timeout_s`` after the start), naming the
+        component that did not come up."""
         scheduler_ready: Ready | None = None
         ready_ranks: set[int] = set()
         while True:
-            remaining_s = deadline_s - time.monotonic()
-            if remaining_s <= 0:
-                raise EngineStartupError(
-                    "engine start-up timed out: "
-                    + self._not_ready(scheduler_ready, ready_ranks, timeout_s)
-                )
+            # What has arrived is read even past the deadline: the caller may come late.
+            remaining_s = max(0.0, deadline_s - time.monotonic())
             try:
                 message = self.receive(remaining_s)
             except EngineDeadError as error:
                 raise EngineStartupError(f"engine start-up failed: {error}") from None
+            if message is None and remaining_s == 0:
+                raise EngineStartupError(
+                    "engine start-up timed out: "
+                    + self._not_ready(scheduler_ready, ready_ranks, timeout_s)
+                )
             if isinstance(message, Ready) and message.component == "scheduler":
                 scheduler_ready = message
                 self.worker_pids = message.info["worker_pids"]
@@ -529,9 +555,12 @@ class _SchedulerProcess:
                 return
             except zmq.Again:
                 # Without a high-water mark only a missing peer blocks: the scheduler
-                # is not connected (any more). NOTE: polled until it is, or has exited.
+                # is not connected (yet, or any more). NOTE: polled until it is, or has
+                # exited.
                 if not self.to_scheduler.poll(_EXIT_POLL_S * 1000, zmq.POLLOUT):
                     self._raise_if_exited()
+                    if self.popen is not None and _has_exited(self.popen.pid):
+                        return  # never delivered: receive() reads its last words, then fails
 
     def receive(self, timeout_s: float | None, wake: bool = False) -> Message | None:
         """The scheduler's next message, or None after ``timeout_s`` (0: only what has

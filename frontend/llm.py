@@ -18,7 +18,6 @@ from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
 from pagedserve.frontend.tokenizer import Tokenizer
-from pagedserve.gpu_worker.kv_cache import check_kv_cache_dtype
 from pagedserve.gpu_worker.lora import (
     check_adapter_files,
     check_adapter_weights,
@@ -28,6 +27,7 @@ from pagedserve.gpu_worker.model_config import (
     ModelConfig,
     check_cuda_graph_support,
     check_dtype_name,
+    check_kv_cache_dtype,
     check_quantization_name,
     check_tensor_parallel_size,
 )
@@ -265,9 +265,6 @@ class LLM:
         self.generation_defaults = load_generation_defaults(
             self.model_path, generation_config, override_generation_config
         )
-        self.tokenizer = (
-            Tokenizer(resolved.path, chat_template) if Tokenizer.exists_in(resolved.path) else None
-        )
         if isinstance(swap_space_bytes, bool) or not isinstance(swap_space_bytes, int):
             raise TypeError(f"swap_space_bytes must be an integer, got {swap_space_bytes!r}")
         if swap_space_bytes < 0:
@@ -337,23 +334,10 @@ class LLM:
             sliding_window=model_config.attention_window,
             **_speculative_fields(speculative_config),
         )
-        # What structured output matches grammars over (None: no tokenizer, no grammars).
-        think_token_ids = (None, None)
-        if reasoning_parser is not None:
-            think_token_ids = thinking_token_ids(reasoning_parser, self.tokenizer)
-        tokenizer_json = self.tokenizer.backend_json() if self.tokenizer is not None else None
-        self.grammar_vocabulary = (
-            None
-            if tokenizer_json is None
-            else GrammarVocabulary(
-                tokenizer_json,
-                model_config.vocab_size,
-                sorted(model_config.eos_token_ids),
-                *think_token_ids,
-            )
-        )
         self.engine: EngineCore | EngineClient
         if multiprocess:
+            # Started before the tokenizer loads (seconds: transformers' imports), which
+            # it then does while the workers load the model.
             self.engine = EngineClient(
                 scheduler_config,
                 WorkerSpec(
@@ -375,15 +359,22 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 world_size=tensor_parallel_size,
                 startup_timeout_s=startup_timeout_s,
-                grammar_vocabulary=self.grammar_vocabulary,
-                structured_outputs_disable_any_whitespace=structured_outputs_disable_any_whitespace,
             )
+            try:
+                self._load_tokenizer(resolved.path, chat_template, reasoning_parser)
+                self.engine.finish_start(
+                    self.grammar_vocabulary, structured_outputs_disable_any_whitespace
+                )
+            except BaseException:
+                self.engine.shutdown()
+                raise
             cache_sizes = (
                 self.engine.num_blocks,
                 self.engine.bytes_per_block,
                 self.engine.num_host_blocks,
             )
         else:
+            self._load_tokenizer(resolved.path, chat_template, reasoning_parser)
             self.engine = EngineCore(
                 scheduler_config,
                 self.worker.num_blocks,
@@ -816,6 +807,27 @@ class LLM:
         (greedy unless it sets ``do_sample``; its top_k, top_p, min_p, repetition_penalty),
         as ``generation_config`` and ``override_generation_config`` say (generation_config.py)."""
         return self.generation_defaults.sampling_params()
+
+    def _load_tokenizer(
+        self, path: Path, chat_template: str | None, reasoning_parser: str | None
+    ) -> None:
+        """``tokenizer`` (None for a model without one), and from it ``grammar_vocabulary``:
+        what structured output matches grammars over (None: no tokenizer, no grammars)."""
+        self.tokenizer = Tokenizer(path, chat_template) if Tokenizer.exists_in(path) else None
+        think_token_ids = (None, None)
+        if reasoning_parser is not None:
+            think_token_ids = thinking_token_ids(reasoning_parser, self.tokenizer)
+        tokenizer_json = self.tokenizer.backend_json() if self.tokenizer is not None else None
+        self.grammar_vocabulary = (
+            None
+            if tokenizer_json is None
+            else GrammarVocabulary(
+                tokenizer_json,
+                self.model_config.vocab_size,
+                sorted(self.model_config.eos_token_ids),
+                *think_token_ids,
+            )
+        )
 
     def _require_tokenizer(self, field: str) -> Tokenizer:
         if self.tokenizer is None:

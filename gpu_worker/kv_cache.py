@@ -11,25 +11,6 @@ import torch
 
 _HUGE_PAGE_BYTES = 2 << 20
 
-# vLLM's kv_cache_dtype values that this engine runs: "auto" keeps the cache in the model's
-# dtype; "fp8_e5m2" stores float8 e5m2 (CPU only; csrc/ops.h). vLLM's "fp8" means e4m3 on a
-# GPU, which the CPU cannot convert cheaply: refused by name rather than read another way.
-KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str, device: str = "cpu") -> None:
-    """Raise ``ValueError`` naming the value and the choices for a cache dtype this engine
-    does not run, or one asked for on a device it does not run on."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
-        )
-    if kv_cache_dtype != "auto" and not str(device).startswith("cpu"):
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} runs on CPU only (the CUDA kernels keep the "
-            f"cache in the model's dtype), got device={device!r}"
-        )
-
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache tensor's dtype for ``kv_cache_dtype`` under a model of ``model_dtype``."""

@@ -475,6 +475,26 @@ def check_quantization_name(quantization: str | None, device: str = "cpu") -> No
         raise ValueError(f"quantization={quantization!r} runs on CPU only, got device={device!r}")
 
 
+# vLLM's kv_cache_dtype values that this engine runs: "auto" keeps the cache in the model's
+# dtype; "fp8_e5m2" stores float8 e5m2 (CPU only; csrc/ops.h). vLLM's "fp8" means e4m3 on a
+# GPU, which the CPU cannot convert cheaply: refused by name rather than read another way.
+KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: str = "cpu") -> None:
+    """Raise ``ValueError`` naming the value and the choices for a cache dtype this engine
+    does not run, or one asked for on a device it does not run on."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    if kv_cache_dtype != "auto" and not str(device).startswith("cpu"):
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} runs on CPU only (the CUDA kernels keep the "
+            f"cache in the model's dtype), got device={device!r}"
+        )
+
+
 def check_dtype_name(dtype: str) -> None:
     """Raise ``ValueError`` naming the value and the choices for an unknown dtype."""
     if dtype not in DTYPE_NAMES:

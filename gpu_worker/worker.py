@@ -12,11 +12,7 @@ import torch
 
 from pagedserve.gpu_worker import cuda_ops, ops
 from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
-from pagedserve.gpu_worker.kv_cache import (
-    KVCacheSpec,
-    check_kv_cache_dtype,
-    kv_cache_torch_dtype,
-)
+from pagedserve.gpu_worker.kv_cache import KVCacheSpec, kv_cache_torch_dtype
 from pagedserve.gpu_worker.lora import (
     LoRABatch,
     check_lora_support,
@@ -29,6 +25,7 @@ from pagedserve.gpu_worker.model_config import (
     ModelConfig,
     check_cuda_graph_support,
     check_dtype_name,
+    check_kv_cache_dtype,
     check_quantization_name,
 )
 from pagedserve.gpu_worker.model_runner import ModelRunner

@@ -6,9 +6,10 @@ Frontend -> scheduler: ``AddRequest``, ``AbortRequest``, ``StopSample``, ``GetSt
 scheduler's last word before it exits) and, for a request it could not take or an
 engine-wide failure, ``EngineError``. Every process announces itself with ``Ready`` once
 it can serve. A process starts from one message: the scheduler from ``StartEngine`` (on
-its stdin), a worker from ``StartWorker`` (its only argument). Like ``messages.py``, only
-ints, floats, strings, lists, dicts and nested dataclasses of those live here, so
-``serialization.py`` can encode them explicitly, field by field.
+its stdin; then ``StartStructuredOutput``, the first on its input socket, sent once the
+frontend's tokenizer has loaded), a worker from ``StartWorker`` (its only argument). Like
+``messages.py``, only ints, floats, strings, lists, dicts and nested dataclasses of those
+live here, so ``serialization.py`` can encode them explicitly, field by field.
 """
 
 from __future__ import annotations
@@ -172,9 +173,8 @@ class StartEngine:
     (ipc:// in ``ipc_dir``, a directory only this engine uses); the scheduler binds its
     own sockets in ``ipc_dir`` too. ``frontend_pid`` lets the scheduler check that its
     parent is still the one that started it. There is no start-up deadline here: the
-    frontend owns it, and kills the engine when it passes. ``grammar_vocabulary`` (None
-    for a model without a tokenizer) is what structured output matches grammars over;
-    ``structured_outputs_disable_any_whitespace`` makes every request's JSON compact.
+    frontend owns it, and kills the engine when it passes. What structured output needs
+    comes later, in ``StartStructuredOutput``: the workers load meanwhile.
     """
 
     frontend_pid: int
@@ -186,8 +186,21 @@ class StartEngine:
     enable_prefix_caching: bool
     world_size: int
     worker: WorkerSpec
+
+
+@dataclass
+class StartStructuredOutput:
+    """The rest of the scheduler's start, the first message on its input socket: sent
+    once the frontend has loaded the tokenizer (seconds), which it does while the workers
+    load the model rather than before starting them.
+
+    ``grammar_vocabulary`` (None for a model without a tokenizer) is what structured
+    output matches grammars over; ``disable_any_whitespace`` makes every request's JSON
+    compact (``structured_outputs_disable_any_whitespace``).
+    """
+
     grammar_vocabulary: GrammarVocabulary | None = None
-    structured_outputs_disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = False
 
 
 @dataclass

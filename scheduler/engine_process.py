@@ -6,14 +6,16 @@ script), it reads one encoded ``StartEngine`` from stdin, then::
 
     1. connects to the frontend's two sockets, starts the workers
        (``MultiprocExecutor``)                    -> Ready("scheduler", worker pids)
-    2. waits for every worker                     -> Ready("worker") each, forwarded
-    3. builds the EngineCore on the blocks every
+    2. while they load, reads ``StartStructuredOutput`` (the frontend sends it once its
+       tokenizer has loaded) and builds the grammar tokenizer on a thread
+    3. waits for every worker                     -> Ready("worker") each, forwarded
+    4. builds the EngineCore on the blocks every
        rank holds (the smallest count), once the
-       grammar tokenizer (built during 2) is done -> Ready("engine", cache sizes)
-    4. serves: AddRequest / AbortRequest / StopSample / GetStats / ResetPrefixCache /
+       grammar tokenizer is done                  -> Ready("engine", cache sizes)
+    5. serves: AddRequest / AbortRequest / StopSample / GetStats / ResetPrefixCache /
        LoadLoRA / UnloadLoRA /
        Shutdown in, one OutputBatch per step out
-    5. on Shutdown or a failure: ends every request still in flight (on a failure
+    6. on Shutdown or a failure: ends every request still in flight (on a failure
        after an EngineError naming the cause, each with finish_reason "error"), sends
        its final EngineStats, stops the workers, exits
 
@@ -45,6 +47,7 @@ from pagedserve.scheduler.engine_messages import (
     ResetPrefixCache,
     Shutdown,
     StartEngine,
+    StartStructuredOutput,
     StopSample,
     UnloadLoRA,
 )
@@ -173,7 +176,7 @@ def end_all_requests(engine: EngineCore, finish_reason: str | None) -> list[Requ
 
 
 def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zmq.Context) -> int:
-    """Steps 1-5 of the module docstring; returns the exit code."""
+    """Steps 1-6 of the module docstring; returns the exit code."""
     executor: MultiprocExecutor | None = None
     engine: EngineCore | None = None
     exit_code = 0
@@ -183,8 +186,9 @@ def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zm
         outbox.send(encode(Ready("scheduler", os.getpid(), scheduler_info)))
         # Made after the workers are spawned: its grammar tokenizer builds on a thread
         # (holding the GIL, StructuredOutput's NOTE) while this thread only waits for them.
+        vocabulary = decode_as(inbox.recv(), StartStructuredOutput)
         structured_output = StructuredOutput(
-            start.grammar_vocabulary, start.structured_outputs_disable_any_whitespace
+            vocabulary.grammar_vocabulary, vocabulary.disable_any_whitespace
         )
         cache = executor.wait_until_ready(on_ready=lambda ready: outbox.send(encode(ready)))
         engine = EngineCore(

@@ -54,6 +54,7 @@ from pagedserve.scheduler.engine_messages import (
     ResetPrefixCache,
     Shutdown,
     StartEngine,
+    StartStructuredOutput,
     StartWorker,
     StopSample,
     UnloadLoRA,
@@ -89,6 +90,7 @@ Message = (
     | LoadLoRA
     | UnloadLoRA
     | StartEngine
+    | StartStructuredOutput
     | StartWorker
     | WorkerSpec
     | SchedulerConfig
@@ -272,9 +274,8 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "enable_prefix_caching",
         "world_size",
         "worker",
-        "grammar_vocabulary",
-        "structured_outputs_disable_any_whitespace",
     ),
+    StartStructuredOutput: ("grammar_vocabulary", "disable_any_whitespace"),
     StartWorker: (
         "rank",
         "world_size",
@@ -931,21 +932,30 @@ def _pack_start_engine(start: StartEngine) -> list:
     fields = _pack_flat(start)
     fields[4] = _pack_flat(start.scheduler_config)
     fields[8] = _pack_flat(start.worker)
-    if start.grammar_vocabulary is not None:
-        fields[9] = _pack_flat(start.grammar_vocabulary)
     return fields
 
 
 def _unpack_start_engine(value: Any) -> StartEngine:
     fields = _fields(value, "StartEngine")
-    expected = (int, str, str, str, list, int, bool, int, list, (list, type(None)), bool)
+    expected = (int, str, str, str, list, int, bool, int, list)
     for name, field_value, field_type in zip(WIRE_FIELDS[StartEngine], fields, expected):
         _check(field_value, field_type, f"StartEngine.{name}")
     fields[4] = _unpack_flat(fields[4], SchedulerConfig)
     fields[8] = _unpack_flat(fields[8], WorkerSpec)
-    if fields[9] is not None:
-        fields[9] = _unpack_flat(fields[9], GrammarVocabulary)
     return StartEngine(*fields)
+
+
+def _pack_start_structured_output(start: StartStructuredOutput) -> list:
+    return [_pack_optional_flat(start.grammar_vocabulary), start.disable_any_whitespace]
+
+
+def _unpack_start_structured_output(value: Any) -> StartStructuredOutput:
+    vocabulary, disable_any_whitespace = _fields(value, "StartStructuredOutput")
+    _check(vocabulary, (list, type(None)), "StartStructuredOutput.grammar_vocabulary")
+    _check(disable_any_whitespace, bool, "StartStructuredOutput.disable_any_whitespace")
+    return StartStructuredOutput(
+        _unpack_optional_flat(vocabulary, GrammarVocabulary), disable_any_whitespace
+    )
 
 
 def _pack_start_worker(start: StartWorker) -> list:
@@ -992,6 +1002,7 @@ _CODECS: dict[int, tuple[type, Callable[[Any], list], Callable[[Any], Any]]] = {
     23: _flat_codec(LoadLoRA),
     24: _flat_codec(UnloadLoRA),
     25: _flat_codec(PoolingParams),
+    26: (StartStructuredOutput, _pack_start_structured_output, _unpack_start_structured_output),
 }
 
 #: Each encodable type and its wire tag.

@@ -25,13 +25,16 @@ from pathlib import Path
 import pytest
 from process_helpers import (
     is_live,
+    live_children,
     live_processes_in_group,
     stat_fields,
     wait_until,
 )
 
 from pagedserve.frontend import LLM, SamplingParams
-from pagedserve.frontend.engine_client import EngineDeadError, EngineStartupError
+from pagedserve.frontend.engine_client import EngineClient, EngineDeadError, EngineStartupError
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import WorkerSpec
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = [1, 5, 16, 17, 31, 64, 100, 150]
@@ -325,6 +328,56 @@ def test_worker_that_cannot_load_the_model_fails_start_up_naming_it(tiny_model_d
     assert "failed to start: ValueError: model: " in message
     assert "has no *.safetensors or pytorch_model*.bin weight files" in message
     assert wait_until(lambda: live_schedulers() <= schedulers_before, 5.0)
+
+
+def test_a_tokenizer_that_cannot_load_fails_start_up_and_stops_the_engine(
+    tiny_model_dirs, tmp_path
+):
+    # The engine starts before the tokenizer loads (they overlap): a tokenizer that fails
+    # must take the already started scheduler and worker down with it.
+    shutil.copytree(tiny_model_dirs["llama"], tmp_path, dirs_exist_ok=True)
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "TokenizersBackend"}')
+    schedulers_before = live_schedulers()
+    with pytest.raises(Exception) as raised:
+        LLM(tmp_path, num_blocks=16, multiprocess=True)
+    assert not isinstance(raised.value, EngineStartupError), raised.value
+    assert wait_until(lambda: live_schedulers() <= schedulers_before, 5.0)
+
+
+def test_a_scheduler_killed_before_the_start_ends_fails_it_promptly(tiny_model_dirs):
+    """Killed after it started the worker (its Ready unread): the second half of the
+    start-up reports the death instead of waiting on a socket nobody reads."""
+    client = EngineClient(
+        SchedulerConfig(max_model_len=512),
+        WorkerSpec(str(tiny_model_dirs["llama"]), "float32", 16, 16, None, "cpu", 0),
+    )
+    scheduler = client.scheduler_pid
+    try:
+        assert wait_until(lambda: live_children(scheduler), 10.0)
+        time.sleep(1.0)  # its Ready("scheduler") follows the spawn
+        os.kill(scheduler, signal.SIGKILL)
+        outcome: list[BaseException | None] = []
+
+        def finish() -> None:
+            try:
+                client.finish_start()
+                outcome.append(None)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                outcome.append(error)
+
+        thread = threading.Thread(target=finish, daemon=True)
+        thread.start()
+        thread.join(DEATH_NOTICED_WITHIN_S)
+        assert not thread.is_alive(), "finish_start() hung on a dead scheduler"
+        assert isinstance(outcome[0], EngineStartupError), outcome
+        assert str(outcome[0]) == (
+            f"engine start-up failed: the scheduler process (pid {scheduler}) died with "
+            "exit code -9 (killed by SIGKILL)"
+        )
+    finally:
+        client.shutdown()
+    assert not client.is_running
 
 
 def test_start_up_past_its_timeout_names_what_did_not_come_up(tiny_model_dirs):

@@ -22,6 +22,7 @@ from pagedserve.scheduler.engine_messages import (
     ResetPrefixCache,
     Shutdown,
     StartEngine,
+    StartStructuredOutput,
     StartWorker,
     StopSample,
     UnloadLoRA,
@@ -242,19 +243,10 @@ ROUND_TRIP_CASES = {
         world_size=1,
         worker=WORKER_SPEC,
     ),
-    "start-engine-grammar": StartEngine(
-        frontend_pid=77,
-        input_endpoint="ipc:///tmp/ps-x/input.sock",
-        output_endpoint="ipc:///tmp/ps-x/output.sock",
-        ipc_dir="/tmp/ps-x",
-        scheduler_config=SCHEDULER_CONFIG,
-        seed=0,
-        enable_prefix_caching=False,
-        world_size=2,
-        worker=WORKER_SPEC,
-        grammar_vocabulary=GrammarVocabulary('{"model": {"vocab": {"é": 0}}}', 49152, [0, 2], 7, 8),
-        structured_outputs_disable_any_whitespace=True,
+    "start-structured-output": StartStructuredOutput(
+        GrammarVocabulary('{"model": {"vocab": {"é": 0}}}', 49152, [0, 2], 7, 8), True
     ),
+    "start-structured-output-none": StartStructuredOutput(None, False),
     "start-worker": StartWorker(
         rank=0,
         world_size=1,
