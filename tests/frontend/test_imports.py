@@ -32,4 +32,3 @@ def test_the_frontend_modules_do_not_import_torch():
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=60
     )
     assert finished.returncode == 0, finished.stderr
-
