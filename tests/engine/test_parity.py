@@ -145,10 +145,11 @@ EMBEDDED_PROMPTS = [
 
 
 @pytest.mark.slow
-def test_embedded_model_matches_hf(embedded_model_dir):
+def test_embedded_model_matches_hf(embedded_hf_greedy):
+    prompts, expected = embedded_hf_greedy
     llm = LLM(kv_cache_bytes=256 << 20)
-    prompts = [llm.tokenizer.encode(text) for text in EMBEDDED_PROMPTS]
+    assert prompts == [llm.tokenizer.encode(text) for text in EMBEDDED_PROMPTS]
     assert len({len(p) for p in prompts}) >= 6
     outputs = llm.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(embedded_model_dir, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert outputs[0].outputs[0].text.startswith(" Paris.")

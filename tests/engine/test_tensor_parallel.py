@@ -24,7 +24,7 @@ from test_multiprocess import (
     random_prompts,
     token_ids,
 )
-from test_parity import EMBEDDED_PROMPTS, hf_greedy
+from test_parity import GREEDY as HF_LENGTH_GREEDY
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.engine_client import EngineClient, EngineDeadError
@@ -141,17 +141,15 @@ def test_a_size_that_does_not_divide_the_heads_fails_before_any_process_starts(
 
 
 @pytest.mark.slow
-def test_embedded_model_split_over_three_ranks_matches_hf(embedded_model_dir):
+def test_embedded_model_split_over_three_ranks_matches_hf(embedded_hf_greedy):
     # SmolLM2-135M has 9 query and 3 KV heads: 3 ranks split it, 2 do not.
     with pytest.raises(ValueError, match="num_attention_heads=9"):
         LLM(tensor_parallel_size=2)
+    prompts, expected = embedded_hf_greedy
     llm = LLM(kv_cache_bytes=128 << 20, tensor_parallel_size=3)
     try:
-        prompts = [llm.tokenizer.encode(text) for text in EMBEDDED_PROMPTS]
-        outputs = llm.generate(
-            prompts, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-        )
-        assert token_ids(outputs) == hf_greedy(embedded_model_dir, prompts)
+        outputs = llm.generate(prompts, HF_LENGTH_GREEDY)
+        assert token_ids(outputs) == expected
         assert outputs[0].outputs[0].text.startswith(" Paris.")
     finally:
         llm.shutdown()
