@@ -3,7 +3,6 @@
 #pragma once
 
 #include <sys/mman.h>
-#include <ucontext.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -20,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "fiber.h"
 #include "runtime.h"
 
 namespace pagedserve_emu {
@@ -69,7 +69,7 @@ class Stack {
 };
 
 struct Thread {
-  ucontext_t context;
+  FiberContext context;
   Stack* stack = nullptr;
   dim3 index;
   int linear = 0;
@@ -156,11 +156,7 @@ class Block {
       thread.epoch = 0;
       thread.loads_at_site.clear();
       thread.loads.clear();
-      getcontext(&thread.context);
-      thread.context.uc_stack.ss_sp = thread.stack->bottom();
-      thread.context.uc_stack.ss_size = kStackBytes;
-      thread.context.uc_link = nullptr;
-      makecontext(&thread.context, &Block::entry, 0);
+      thread.context.prepare(thread.stack->bottom(), kStackBytes, &Block::entry);
     }
     std::vector<int> order(num_threads_);
     for (int i = 0; i < num_threads_; ++i)
@@ -172,7 +168,7 @@ class Block {
         Thread& thread = threads_[i];
         if (thread.wait != Wait::kRunnable) continue;
         current_ = &thread;
-        swapcontext(&scheduler_, &thread.context);
+        scheduler_.switch_to(thread.context);
         current_ = nullptr;
         if (!error_.empty()) break;
       }
@@ -252,10 +248,10 @@ class Block {
       block->fail("thread " + std::to_string(thread.linear) + " threw");
     }
     thread.wait = Wait::kExited;
-    setcontext(&block->scheduler_);
+    thread.context.switch_to(block->scheduler_);  // never switched back to
   }
 
-  void yield() { swapcontext(&current_->context, &scheduler_); }
+  void yield() { current_->context.switch_to(scheduler_); }
 
   void fail(const std::string& message) {
     if (error_.empty()) error_ = message;
@@ -448,7 +444,7 @@ class Block {
   std::vector<double> dynamic_shared_;
   Schedule schedule_ = kForward;
   std::mt19937 random_;
-  ucontext_t scheduler_;
+  FiberContext scheduler_;
   Thread* current_ = nullptr;
   dim3 block_idx_, grid_dim_;
   const std::function<void()>* body_ = nullptr;

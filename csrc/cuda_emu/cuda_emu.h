@@ -5,7 +5,7 @@
 // remain the acceptance.
 //
 // What it models:
-// - A launch runs its thread blocks one after another. A block's threads are fibers (ucontext)
+// - A launch runs its thread blocks one after another. A block's threads are fibers (fiber.h)
 //   on the calling thread, each with its own guarded stack, switched only at barriers
 //   (__syncthreads, __syncwarp) and warp collectives (__shfl*_sync). Between two such points a
 //   thread runs alone, so the emulation is deterministic for a given schedule.
@@ -29,7 +29,7 @@
 //
 // Files: device_types.h (keywords, types, conversions, math), runtime.h (the runtime API),
 // block.h (a thread block's fibers, barriers, collectives, shared memory, load statistics),
-// launch.h (launches, built-in variables, device functions).
+// fiber.h (switching between fibers), launch.h (launches, built-in variables, device functions).
 #pragma once
 
 #include "block.h"
