@@ -9,8 +9,11 @@ Elementwise: one decoder layer's elementwise work on the embedded model's shapes
 FFN 1536), HF's torch code against the fused ops, at 1, 64 and 256 tokens, and the sum over a
 layer (2 add + RMSNorm, RoPE, SiLU * up).
 
-    .venv/bin/python tools/bench_ops.py [--threads N] [--isa avx512|avx2|generic]
-        [--only attention|elementwise]
+    .venv/bin/python tools/bench_ops.py [--threads N] [--isa avx512,avx2,generic]
+        [--only attention|elementwise] [--json results.json]
+
+``--isa`` lists the kernel variants to run, one after another in the same process (default:
+the best this CPU runs), so their figures compare within one run.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
+import json
 import time
+from typing import Any
 
 import torch
+from machine import cpu_model
 
 from pagedserve import _C_cpu
 from pagedserve.gpu_worker import ops
@@ -28,6 +34,13 @@ from pagedserve.gpu_worker import ops
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
 HIDDEN_SIZE, INTERMEDIATE_SIZE, RMS_NORM_EPS, MAX_POSITIONS = 576, 1536, 1e-5, 8192
 POOL_BYTES = 1 << 30  # >> last-level cache, so every call reads K/V from memory
+
+# Every figure printed, as a record for --json (each with the kernel variant that ran).
+RESULTS: list[dict[str, Any]] = []
+
+
+def record(kind: str, **fields: Any) -> None:
+    RESULTS.append({"kind": kind, "isa": _C_cpu.isa(), **fields})
 
 
 def timed(fn, iters: int) -> float:
@@ -102,6 +115,16 @@ def bench_decode(
             )
 
         seconds = timed(call, iters)
+        record(
+            "decode",
+            batch=num_seqs,
+            context=context,
+            dtype=str(dtype),
+            hugepages=hugepages,
+            partition_size=partition_size,
+            us_per_call=seconds * 1e6,
+            kv_read_gbps=layer_bytes / seconds / 1e9,
+        )
         print(
             f"decode  batch {num_seqs:4d} ctx {context} {str(dtype):15s} "
             f"{'huge pages ' if hugepages else ''}"
@@ -150,6 +173,14 @@ def bench_prefill(q_lens: list[int], dtype: torch.dtype, iters: int) -> None:
             )
 
     sdpa_seconds = timed(sdpa, iters)
+    record(
+        "prefill",
+        q_lens=q_lens,
+        dtype=str(dtype),
+        us_per_call=seconds * 1e6,
+        gflops=flops / seconds / 1e9,
+        torch_sdpa_contiguous_us=sdpa_seconds * 1e6,
+    )
     print(
         f"prefill q_lens {q_lens} {str(dtype):15s}: {seconds * 1e6:8.1f} us/call  "
         f"{flops / seconds / 1e9:6.1f} GFLOP/s  (torch SDPA on contiguous K/V: "
@@ -228,11 +259,27 @@ def bench_elementwise(num_tokens: int, dtype: torch.dtype, iters: int) -> None:
         torch_seconds, fused_seconds = timed(torch_fn, iters), timed(fused_fn, iters)
         layer_torch += per_layer * torch_seconds
         layer_fused += per_layer * fused_seconds
+        record(
+            "elementwise",
+            step=name,
+            tokens=num_tokens,
+            dtype=str(dtype),
+            torch_us=torch_seconds * 1e6,
+            fused_us=fused_seconds * 1e6,
+        )
         print(
             f"  {name:16s} tokens {num_tokens:4d} {str(dtype):15s}: torch "
             f"{torch_seconds * 1e6:7.1f} us  fused {fused_seconds * 1e6:7.1f} us  "
             f"({torch_seconds / fused_seconds:4.1f}x)"
         )
+    record(
+        "elementwise",
+        step="per layer",
+        tokens=num_tokens,
+        dtype=str(dtype),
+        torch_us=layer_torch * 1e6,
+        fused_us=layer_fused * 1e6,
+    )
     print(
         f"  per layer        tokens {num_tokens:4d} {str(dtype):15s}: torch "
         f"{layer_torch * 1e6:7.1f} us  fused {layer_fused * 1e6:7.1f} us  "
@@ -243,33 +290,51 @@ def bench_elementwise(num_tokens: int, dtype: torch.dtype, iters: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--isa", default=None, help="force a kernel variant")
+    parser.add_argument(
+        "--isa", default=None, help="kernel variants to run, comma-separated (avx512,avx2,generic)"
+    )
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument(
         "--hugepages", action="store_true", help="also run decode on a pool with huge pages"
     )
     parser.add_argument("--only", choices=("attention", "elementwise"), default=None)
+    parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args()
-    torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
-    if args.isa:
-        _C_cpu.force_isa(args.isa)
-    print(f"threads {args.threads}, kernels {_C_cpu.isa()}")
+    isas = args.isa.split(",") if args.isa else [_C_cpu.isa()]
+    print(f"{cpu_model()}: threads {args.threads}, kernel variants {', '.join(isas)}")
+    bandwidth_gbps = None
     if args.only != "elementwise":
-        print(f"memory bandwidth (512 MiB copy): {memory_bandwidth_gbps():.1f} GB/s")
-        for hugepages in (False, True) if args.hugepages else (False,):
+        bandwidth_gbps = memory_bandwidth_gbps()
+        print(f"memory bandwidth (512 MiB copy): {bandwidth_gbps:.1f} GB/s")
+    for isa in isas:
+        _C_cpu.force_isa(isa)
+        torch.manual_seed(0)  # the same data for every variant
+        print(f"kernels {isa}")
+        if args.only != "elementwise":
+            for hugepages in (False, True) if args.hugepages else (False,):
+                for dtype in (torch.bfloat16, torch.float32):
+                    for num_seqs in (64, 256):
+                        bench_decode(num_seqs, 512, dtype, args.iters, hugepages)
             for dtype in (torch.bfloat16, torch.float32):
-                for num_seqs in (64, 256):
-                    bench_decode(num_seqs, 512, dtype, args.iters, hugepages)
-        for dtype in (torch.bfloat16, torch.float32):
-            bench_prefill([512], dtype, max(5, args.iters // 5))
-            bench_prefill([128, 256, 64], dtype, max(5, args.iters // 5))
-    if args.only != "attention":
-        print("elementwise steps of one decoder layer (per layer: 2 add + norm, RoPE, SiLU * up)")
-        for dtype in (torch.bfloat16, torch.float32):
-            for num_tokens in (1, 64, 256):
-                bench_elementwise(num_tokens, dtype, 4 * args.iters)
+                bench_prefill([512], dtype, max(5, args.iters // 5))
+                bench_prefill([128, 256, 64], dtype, max(5, args.iters // 5))
+        if args.only != "attention":
+            print("elementwise steps of one layer (per layer: 2 add + norm, RoPE, SiLU * up)")
+            for dtype in (torch.bfloat16, torch.float32):
+                for num_tokens in (1, 64, 256):
+                    bench_elementwise(num_tokens, dtype, 4 * args.iters)
+    if args.json:
+        summary = {
+            "cpu": cpu_model(),
+            "threads": args.threads,
+            "isas": isas,
+            "memory_bandwidth_gbps": bandwidth_gbps,
+            "results": RESULTS,
+        }
+        with open(args.json, "w") as file:
+            json.dump(summary, file, indent=1)
 
 
 if __name__ == "__main__":
