@@ -168,7 +168,8 @@ class EngineClient:
         except BaseException:
             self.shutdown()
             raise
-        self.num_blocks = self.num_host_blocks = self.bytes_per_block = 0  # finish_start's
+        # Known once finish_start() returns.
+        self.num_blocks = self.num_host_blocks = self.bytes_per_block = 0
 
     def finish_start(
         self,
