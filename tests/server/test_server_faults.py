@@ -191,7 +191,16 @@ def test_while_the_model_loads_health_says_not_serving_and_calls_wait_for_nothin
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = start_server("--port", str(port), wait=False)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    # Reconnects every 50 ms: by default a channel refused while the server imports waits
+    # out a growing backoff (1 s, 1.6 s, 2.6 s, ...) and may first reach it once it serves.
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{port}",
+        options=[
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 50),
+        ],
+    )
     health = health_pb2_grpc.HealthStub(channel)
     stub = pb_grpc.GenerationStub(channel)
     short = pb.GenerateRequest(
