@@ -34,11 +34,16 @@
 // GQA: num_heads % num_kv_heads == 0 and query head h reads kv head h / (num_heads /
 // num_kv_heads), so the query heads of one kv head are adjacent.
 //
-// float8 e5m2 cache (CPU only; vLLM's kv_cache_dtype "fp8_e5m2"): PagedKVCache.cache_dtype
-// kFloat8E5M2 under activations of any of the three dtypes. reshape_and_cache rounds each K/V
-// value as torch's .to(torch.float8_e5m2) does (from float32, to nearest even, overflow to
-// inf); the attention ops read it back exactly (e5m2 is the top byte of a float16). Half the
-// bytes of a 16-bit cache, a quarter of float32's, with 2 mantissa bits.
+// float8 caches (CPU only), PagedKVCache.cache_dtype under activations of any of the three
+// dtypes; half the bytes of a 16-bit cache, a quarter of float32's:
+// - kFloat8E5M2 (vLLM's kv_cache_dtype "fp8_e5m2"): reshape_and_cache rounds each K/V value as
+//   torch's .to(torch.float8_e5m2) does (from float32, to nearest even, overflow to inf); the
+//   attention ops read it back exactly (e5m2 is the top byte of a float16). 2 mantissa bits.
+// - kFloat8E4M3 (vLLM's "fp8" / "fp8_e4m3", torch.float8_e4m3fn): rounded as torch's
+//   .to(torch.float8_e4m3fn) rounds below 448, saturating to +-448 at and past it (infinities
+//   too; torch gives NaN there, vLLM's CUDA conversion saturates); read back exactly. 3 mantissa
+//   bits, range 2^-9 to 448. No scales: values are stored as they are (vLLM's k_scale =
+//   v_scale = 1).
 //
 // Sliding window (Mistral, Qwen2 and Qwen3 sliding layers): every attention op takes
 // sliding_window, in tokens; 0 means full causal attention. With a window W > 0 the query token
@@ -65,8 +70,14 @@
 
 namespace pagedserve {
 
-// Codes shared with gpu_worker/ops.py. kFloat8E5M2 is a cache type only.
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8E5M2 = 3 };
+// Codes shared with gpu_worker/ops.py. The float8 codes are cache types only.
+enum class DType : int {
+  kFloat32 = 0,
+  kBFloat16 = 1,
+  kFloat16 = 2,
+  kFloat8E5M2 = 3,
+  kFloat8E4M3 = 4,
+};
 
 // One layer's paged key and value caches (views into the pool tensor, see above).
 struct PagedKVCache {
@@ -79,7 +90,7 @@ struct PagedKVCache {
   int64_t block_size;  // tokens per block
   int64_t head_size;
   DType dtype;        // the activations: query, out, and the key / value written
-  DType cache_dtype;  // the caches' elements: dtype, or kFloat8E5M2 (CPU only)
+  DType cache_dtype;  // the caches' elements: dtype, or a float8 code (CPU only)
 };
 
 // A batch of sequences' block tables and cache lengths.

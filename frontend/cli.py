@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="what the KV cache stores: auto (the --dtype) or fp8_e5m2 (CPU only): half the "
-        "bytes of a 16-bit cache, so twice the tokens; output close to auto's",
+        help="what the KV cache stores: auto (the --dtype), or float8 (CPU only): fp8 = fp8_e4m3 "
+        "(3 mantissa bits, saturating at 448) or fp8_e5m2 (2 bits, wider range); half the bytes "
+        "of a 16-bit cache, so twice the tokens; output close to auto's",
     )
     engine.add_argument(
         "--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (cuda)"

@@ -177,11 +177,12 @@ class LLM:
     every weight once, so at small batches it runs up to about as many times faster as
     the weights shrink; the output is close to, not equal to, the unquantized model's.
 
-    ``kv_cache_dtype="fp8_e5m2"`` (CPU only; vLLM's name) stores the KV cache as float8 e5m2:
-    each key and value rounded to 2 mantissa bits as it is written, read back exactly. A
-    block takes half the bytes of a 16-bit cache (a quarter of float32's), so the same
-    ``kv_cache_bytes`` holds twice (four times) the tokens; the output is close to, not
-    equal to, the model's with ``"auto"`` (the cache in ``dtype``).
+    ``kv_cache_dtype="fp8"`` (or ``"fp8_e4m3"``; CPU only; vLLM's names) stores the KV cache
+    as float8 e4m3: each key and value rounded to 3 mantissa bits as it is written (saturating
+    at +-448, no scales), read back exactly; ``"fp8_e5m2"`` rounds to 2 mantissa bits with
+    float16's range. A block takes half the bytes of a 16-bit cache (a quarter of float32's),
+    so the same ``kv_cache_bytes`` holds twice (four times) the tokens; the output is close
+    to, not equal to, the model's with ``"auto"`` (the cache in ``dtype``).
 
     ``generation_config`` / ``override_generation_config`` (vLLM's) set what a request
     samples with where it sets nothing (``default_sampling_params``, and the server's

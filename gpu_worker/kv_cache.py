@@ -12,9 +12,17 @@ import torch
 _HUGE_PAGE_BYTES = 2 << 20
 
 
+# vLLM's names (model_config.KV_CACHE_DTYPES): "fp8" is e4m3, as on vLLM's GPUs.
+_FLOAT8_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache tensor's dtype for ``kv_cache_dtype`` under a model of ``model_dtype``."""
-    return torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else model_dtype
+    return _FLOAT8_CACHE_DTYPES.get(kv_cache_dtype, model_dtype)
 
 
 @dataclass(frozen=True)

@@ -476,9 +476,9 @@ def check_quantization_name(quantization: str | None, device: str = "cpu") -> No
 
 
 # vLLM's kv_cache_dtype values that this engine runs: "auto" keeps the cache in the model's
-# dtype; "fp8_e5m2" stores float8 e5m2 (CPU only; csrc/ops.h). vLLM's "fp8" means e4m3 on a
-# GPU, which the CPU cannot convert cheaply: refused by name rather than read another way.
-KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
+# dtype; "fp8" (as in vLLM, the same as "fp8_e4m3") stores float8 e4m3, saturating at +-448
+# with no scales; "fp8_e5m2" stores float8 e5m2 (both CPU only; csrc/ops.h).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: str = "cpu") -> None:

@@ -40,9 +40,17 @@ from pagedserve.gpu_worker import cuda_ops
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# A cache may also hold float8 e5m2 under activations of any supported dtype (CPU only; ops.h).
-SUPPORTED_CACHE_DTYPES = (*SUPPORTED_DTYPES, torch.float8_e5m2)
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e5m2: 3}
+# A cache may also hold float8 (e5m2, or e4m3 "fn") under activations of any supported dtype
+# (CPU only; ops.h).
+FLOAT8_CACHE_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
+SUPPORTED_CACHE_DTYPES = (*SUPPORTED_DTYPES, *FLOAT8_CACHE_DTYPES)
+_DTYPE_CODES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.float8_e5m2: 3,
+    torch.float8_e4m3fn: 4,
+}
 
 _LAYOUT_TOKENS = "[num_tokens, num_heads, head_size]"
 _LAYOUT_ROWS = "[num_tokens, hidden_size]"
@@ -89,8 +97,9 @@ def reshape_and_cache(
         key, value: ``[num_tokens, num_kv_heads, head_size]``; the token stride may be
             anything (views into a fused qkv output), heads and dims contiguous.
         key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``, inner
-            three dims contiguous, any block stride; same dtype as ``key``, or float8_e5m2
-            (CPU only): each value rounded as ``.to(torch.float8_e5m2)`` rounds it.
+            three dims contiguous, any block stride; same dtype as ``key``, or float8 (CPU
+            only): each value rounded as ``.to(torch.float8_e5m2)`` rounds it, or for
+            float8_e4m3fn as ``.clamp(-448, 448).to(torch.float8_e4m3fn)`` (saturating).
         slot_mapping: int64 ``[num_tokens]``; ``slot = block_id * block_size + offset``, a
             negative slot marks a padding token, which is skipped.
     """
@@ -622,7 +631,7 @@ class _CacheGeometry:
         if self.is_cuda and self.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"key_cache has dtype {self.dtype}: the CUDA kernels keep the cache in the "
-                "activations' dtype (a float8_e5m2 cache runs on the CPU only)"
+                "activations' dtype (a float8 cache runs on the CPU only)"
             )
         # key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
         # num_kv_heads, block_size, head_size, dtype (the bindings' order).
@@ -796,7 +805,7 @@ def _check_tokens(
     name: str, tensor: torch.Tensor, num_heads: int, head_size: int, dtype: torch.dtype
 ) -> None:
     """``tensor`` is ``[num_tokens, num_heads, head_size]`` of the cache's dtype (any
-    supported one over a float8_e5m2 cache)."""
+    supported one over a float8 cache)."""
     _check_device(name, tensor)
     if tensor.dtype != dtype or dtype not in SUPPORTED_DTYPES:
         _check_dtype(name, tensor, SUPPORTED_DTYPES)

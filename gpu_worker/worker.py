@@ -86,7 +86,8 @@ class Worker:
         ... in order; ``enable_lora``: adapters may also load at run time (the plans'
         ``load_loras``), even with none at start-up; ``quantization`` ("int8", CPU only):
         the linear layers' weights quantized as they are packed; ``kv_cache_dtype``
-        ("auto": the model's dtype; "fp8_e5m2", CPU only): what the KV cache stores."""
+        ("auto": the model's dtype; "fp8" = "fp8_e4m3", or "fp8_e5m2"; CPU only): what the
+        KV cache stores."""
         self.device = _parse_device(device)
         check_quantization_name(quantization, self.device.type)
         check_kv_cache_dtype(kv_cache_dtype, self.device.type)

@@ -161,7 +161,8 @@ class WorkerSpec:
     enable_lora: bool = False
     # Weight-only quantization of the linear layers ("int8"; CPU only), or None.
     quantization: str | None = None
-    # What the KV cache stores: "auto" (the model's dtype) or "fp8_e5m2" (CPU only).
+    # What the KV cache stores: "auto" (the model's dtype), "fp8" / "fp8_e4m3" or "fp8_e5m2"
+    # (CPU only).
     kv_cache_dtype: str = "auto"
 
 

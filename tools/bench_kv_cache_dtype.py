@@ -1,13 +1,13 @@
-"""A float8 e5m2 KV cache against the model's own dtype under one memory budget (not a test):
-blocks, throughput and agreement, all measured in one run.
+"""Float8 KV caches (e4m3 and e5m2) against the model's own dtype under one memory budget (not
+a test): blocks, throughput and agreement, all measured in one run.
 
 Engines, in process on the same model and the same ``--kv-cache-mib`` of KV cache: float32
-with ``kv_cache_dtype="auto"`` (the peer), float32 with ``"fp8_e5m2"``, and the same pair in
-bfloat16. A float8 block takes a quarter of a float32 block's bytes (half a bfloat16 one's), so
-the same memory holds four (two) times the tokens. ``--requests`` chat prompts each generate
-``--new-tokens`` tokens greedily (EOS ignored), submitted at once; the figure is output tokens
-per second of the whole ``generate`` call: with few blocks the batch is small and sequences are
-preempted (recomputed), with more it is larger. Trials alternate the engines; the best counts.
+with ``kv_cache_dtype="auto"`` (the peer), float32 with ``"fp8"`` (e4m3) and with
+``"fp8_e5m2"``, and the same three in bfloat16. A float8 block takes a quarter of a float32
+block's bytes (half a bfloat16 one's), so the same memory holds four (two) times the tokens.
+``--requests`` chat prompts each generate ``--new-tokens`` tokens greedily (EOS ignored),
+submitted at once; the figure is output tokens per second of the whole ``generate`` call: with
+few blocks the batch is small and sequences are preempted (recomputed), with more it is larger. Trials alternate the engines; the best counts.
 
 Agreement with the engine of the same dtype and ``"auto"``, over every prompt: the next-token
 agreement (fed the auto engine's output as context, how often the float8 engine's most likely
@@ -35,8 +35,10 @@ from pagedserve.frontend import LLM, SamplingParams
 
 ENGINES = [
     ("float32", "auto"),
+    ("float32", "fp8"),
     ("float32", "fp8_e5m2"),
     ("bfloat16", "auto"),
+    ("bfloat16", "fp8"),
     ("bfloat16", "fp8_e5m2"),
 ]
 

@@ -231,7 +231,7 @@ inline VecF dot(const float* q, const VecF* k) {
   }
 }
 
-// T: the activations (query, out); C: the cache's elements (T, or Float8E5M2).
+// T: the activations (query, out); C: the cache's elements (T, Float8E5M2 or Float8E4M3).
 template <typename T, typename C, int D>
 struct Decode {
   static constexpr int kVecs = D / kWidth;
@@ -811,8 +811,8 @@ struct Prefill {
 };
 
 // Calls fn(TypeTag<T>{}, TypeTag<C>{}, std::integral_constant<int, D>{}) for the problem's
-// activation dtype, cache dtype (T's own, or float8 e5m2) and head size (all validated by the
-// dispatcher).
+// activation dtype, cache dtype (T's own, float8 e5m2 or float8 e4m3) and head size (all validated
+// by the dispatcher).
 template <typename Fn>
 auto dispatch(const PagedKVCache& cache, Fn&& fn) {
   auto with_types = [&](auto tag, auto cache_tag) {
@@ -831,6 +831,7 @@ auto dispatch(const PagedKVCache& cache, Fn&& fn) {
   };
   return with_dtype(cache.dtype, [&](auto tag) {
     if (cache.cache_dtype == DType::kFloat8E5M2) return with_types(tag, TypeTag<Float8E5M2>{});
+    if (cache.cache_dtype == DType::kFloat8E4M3) return with_types(tag, TypeTag<Float8E4M3>{});
     return with_types(tag, tag);
   });
 }

@@ -30,14 +30,16 @@ int64_t element_bytes(DType dtype) {
     case DType::kFloat16:
       return 2;
     case DType::kFloat8E5M2:
+    case DType::kFloat8E4M3:
       break;
   }
   throw std::invalid_argument("dtype code " + std::to_string(static_cast<int>(dtype)) +
                               " is not supported (0 float32, 1 bfloat16, 2 float16)");
 }
 
-// Every token's K and V rows into a float8 e5m2 cache, each value rounded from float32.
-template <typename T>
+// Every token's K and V rows into a float8 cache of elements C, each value rounded from
+// float32.
+template <typename T, typename C>
 void write_float8(const T* key, int64_t key_token_stride, const T* value,
                   int64_t value_token_stride, const int64_t* slot_mapping, int64_t num_tokens,
                   const PagedKVCache& cache, bool parallel) {
@@ -45,8 +47,8 @@ void write_float8(const T* key, int64_t key_token_stride, const T* value,
   using generic::to_float;
   const int64_t head_size = cache.head_size;
   const int64_t head_stride = cache.block_size * head_size;
-  auto* key_cache = static_cast<Float8E5M2*>(cache.key_cache);
-  auto* value_cache = static_cast<Float8E5M2*>(cache.value_cache);
+  auto* key_cache = static_cast<C*>(cache.key_cache);
+  auto* value_cache = static_cast<C*>(cache.value_cache);
 #pragma omp parallel for num_threads(get_num_threads()) if (parallel) schedule(static)
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = slot_mapping[t];
@@ -56,12 +58,11 @@ void write_float8(const T* key, int64_t key_token_stride, const T* value,
     for (int64_t h = 0; h < cache.num_kv_heads; ++h) {
       const T* k = key + t * key_token_stride + h * head_size;
       const T* v = value + t * value_token_stride + h * head_size;
-      Float8E5M2* k_dst = key_cache + block * cache.key_block_stride + h * head_stride + in_block;
-      Float8E5M2* v_dst =
-          value_cache + block * cache.value_block_stride + h * head_stride + in_block;
+      C* k_dst = key_cache + block * cache.key_block_stride + h * head_stride + in_block;
+      C* v_dst = value_cache + block * cache.value_block_stride + h * head_stride + in_block;
       for (int64_t d = 0; d < head_size; ++d) {
-        k_dst[d] = from_float<Float8E5M2>(to_float(k[d]));
-        v_dst[d] = from_float<Float8E5M2>(to_float(v[d]));
+        k_dst[d] = from_float<C>(to_float(k[d]));
+        v_dst[d] = from_float<C>(to_float(v[d]));
       }
     }
   }
@@ -83,10 +84,13 @@ void reshape_and_cache(const void* key, int64_t key_token_stride, const void* va
                        int64_t value_token_stride, const int64_t* slot_mapping, int64_t num_tokens,
                        const PagedKVCache& cache) {
   const int64_t elem = element_bytes(cache.dtype);
-  if (cache.cache_dtype != cache.dtype && cache.cache_dtype != DType::kFloat8E5M2) {
+  const bool float8 =
+      cache.cache_dtype == DType::kFloat8E5M2 || cache.cache_dtype == DType::kFloat8E4M3;
+  if (cache.cache_dtype != cache.dtype && !float8) {
     throw std::invalid_argument("cache dtype code " +
                                 std::to_string(static_cast<int>(cache.cache_dtype)) +
-                                " is neither the activations' dtype nor 3 (float8 e5m2)");
+                                " is neither the activations' dtype nor 3 (float8 e5m2) or 4 "
+                                "(float8 e4m3)");
   }
   const int64_t num_slots = cache.num_blocks * cache.block_size;
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -99,12 +103,19 @@ void reshape_and_cache(const void* key, int64_t key_token_stride, const void* va
     }
   }
   const int64_t row_bytes = cache.head_size * elem;
-  if (cache.cache_dtype == DType::kFloat8E5M2) {
+  if (float8) {
     const bool parallel = 2 * num_tokens * cache.num_kv_heads * cache.head_size >= kParallelConvert;
     generic::with_dtype(cache.dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      write_float8(static_cast<const T*>(key), key_token_stride, static_cast<const T*>(value),
-                   value_token_stride, slot_mapping, num_tokens, cache, parallel);
+      const auto* k = static_cast<const T*>(key);
+      const auto* v = static_cast<const T*>(value);
+      if (cache.cache_dtype == DType::kFloat8E4M3) {
+        write_float8<T, Float8E4M3>(k, key_token_stride, v, value_token_stride, slot_mapping,
+                                    num_tokens, cache, parallel);
+      } else {
+        write_float8<T, Float8E5M2>(k, key_token_stride, v, value_token_stride, slot_mapping,
+                                    num_tokens, cache, parallel);
+      }
     });
     return;
   }

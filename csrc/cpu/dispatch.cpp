@@ -127,11 +127,12 @@ void check_cache(const PagedKVCache& c) {
     throw std::invalid_argument("dtype code " + std::to_string(static_cast<int>(c.dtype)) +
                                 " is not supported (0 float32, 1 bfloat16, 2 float16)");
   }
-  if (c.cache_dtype != c.dtype && c.cache_dtype != DType::kFloat8E5M2) {
-    throw std::invalid_argument("cache dtype code " +
-                                std::to_string(static_cast<int>(c.cache_dtype)) +
-                                " is neither the activations' dtype code " +
-                                std::to_string(static_cast<int>(c.dtype)) + " nor 3 (float8 e5m2)");
+  if (c.cache_dtype != c.dtype && c.cache_dtype != DType::kFloat8E5M2 &&
+      c.cache_dtype != DType::kFloat8E4M3) {
+    throw std::invalid_argument(
+        "cache dtype code " + std::to_string(static_cast<int>(c.cache_dtype)) +
+        " is neither the activations' dtype code " + std::to_string(static_cast<int>(c.dtype)) +
+        " nor 3 (float8 e5m2) or 4 (float8 e4m3)");
   }
 }
 

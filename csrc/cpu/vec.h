@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "ops.h"
@@ -58,6 +59,13 @@ inline float to_float(Half x) {
 }
 
 inline float to_float(Float8E5M2 x) { return to_float(Half{static_cast<uint16_t>(x.bits << 8)}); }
+// e4m3's 7 magnitude bits placed 7 bits up in a float16 keep their mantissa, and the exponent
+// bias 15 instead of 7 makes the value 256 times smaller (subnormals included): exact.
+inline float to_float(Float8E4M3 x) {
+  if ((x.bits & 0x7f) == 0x7f) return std::numeric_limits<float>::quiet_NaN();
+  const auto half = static_cast<uint16_t>(((x.bits & 0x80) << 8) | ((x.bits & 0x7f) << 7));
+  return to_float(Half{half}) * 256.0f;
+}
 
 template <typename T>
 inline T from_float(float x);
@@ -121,6 +129,37 @@ inline Float8E5M2 from_float<Float8E5M2>(float x) {
   }
   return Float8E5M2{static_cast<uint8_t>(result | (sign >> 24))};
 }
+// As c10's fp8e4m3fn_from_fp32_value (torch's .to(torch.float8_e4m3fn)) for |x| < 448, to
+// nearest even; but saturating, as vLLM's CUDA conversion (__NV_SATFINITE): |x| >= 448 and
+// infinities give +-448 where torch gives NaN (a NaN key would poison every later attention
+// over it). NaN stays NaN.
+template <>
+inline Float8E4M3 from_float<Float8E4M3>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t result;
+  if (bits > 0x7f800000u) {  // NaN
+    result = 0x7f;
+  } else if (bits >= 0x43e00000u) {  // |x| >= 448, inf included: the largest finite
+    result = 0x7e;
+  } else if (bits < (uint32_t{121} << 23)) {  // e4m3 subnormal or zero: add to shift out
+    constexpr uint32_t kDenormMagic = uint32_t{141} << 23;
+    float magnitude, magic;
+    std::memcpy(&magnitude, &bits, sizeof(magnitude));
+    std::memcpy(&magic, &kDenormMagic, sizeof(magic));
+    magnitude += magic;
+    uint32_t m;
+    std::memcpy(&m, &magnitude, sizeof(m));
+    result = static_cast<uint8_t>(m - kDenormMagic);
+  } else {
+    const uint32_t odd = (bits >> 20) & 1;
+    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffff + odd;  // rebias, round to even
+    result = static_cast<uint8_t>(bits >> 20);
+  }
+  return Float8E4M3{static_cast<uint8_t>(result | (sign >> 24))};
+}
 
 // SLEEF's expf_u10 (sleefsimdsp.c, xexpf), which torch's vectorized float exp calls
 // (Sleef_expf16_u10 / Sleef_expf8_u10): exp_like_torch repeats it operation for operation, FMAs
@@ -165,6 +204,16 @@ struct VecF {
   static VecF load(const Float8E5M2* p) {  // each byte the top of a float16
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return VecF(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8)));
+  }
+  static VecF load(const Float8E4M3* p) {  // as the scalar to_float: via a float16, * 256
+    const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i magnitude = _mm256_and_si256(raw, _mm256_set1_epi16(0x7f));
+    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_xor_si256(raw, magnitude), 8),
+                                         _mm256_slli_epi16(magnitude, 7));
+    const __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7f));
+    return VecF(
+        _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(BFloat16* p) const {
@@ -353,6 +402,16 @@ struct VecF {
   static VecF load(const Float8E5M2* p) {  // each byte the top of a float16
     const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return VecF(_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8)));
+  }
+  static VecF load(const Float8E4M3* p) {  // as the scalar to_float: via a float16, * 256
+    const __m128i raw = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i magnitude = _mm_and_si128(raw, _mm_set1_epi16(0x7f));
+    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_xor_si128(raw, magnitude), 8),
+                                      _mm_slli_epi16(magnitude, 7));
+    const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+    const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f)));
+    return VecF(_mm256_blendv_ps(value, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                                 _mm256_castsi256_ps(nan)));
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(BFloat16* p) const {

@@ -157,8 +157,8 @@ def gathered_prefill_attention(
     def gather(cache: torch.Tensor) -> torch.Tensor:
         # Two index tensors around a slice: the indexed dims come first, [S, K, kv_heads, D];
         # only the sequences' rows are copied, never the pool.
-        # A float8 cache's rows widen to the query's dtype (exactly: e5m2 fits float16 and
-        # bfloat16 alike).
+        # A float8 cache's rows widen to the query's dtype (exactly: e5m2 and e4m3 fit float16
+        # and bfloat16 alike).
         rows = cache[plan.key_blocks, :, plan.key_offsets, :].to(query.dtype)
         # Padding reads block 0, whatever it holds: a fused kernel adds the mask as a bias,
         # and NaN + -inf is NaN, so padding must hold finite values.

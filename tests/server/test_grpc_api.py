@@ -338,15 +338,11 @@ def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
 def test_a_server_with_int8_weights_and_a_float8_cache_says_so_and_runs_them(
     start_server, server_model_dir
 ):
-    server = start_server(
-        "--quantization", "int8", "--kv-cache-dtype", "fp8_e5m2", "--no-request-log"
-    )
+    server = start_server("--quantization", "int8", "--kv-cache-dtype", "fp8", "--no-request-log")
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
-    assert (info.quantization, info.kv_cache_dtype) == ("int8", "fp8_e5m2")
+    assert (info.quantization, info.kv_cache_dtype) == ("int8", "fp8")
     got = server.stub.Generate(token_request(PROMPTS[0], greedy(12)))
-    quantized = LLM(
-        server_model_dir, num_blocks=128, quantization="int8", kv_cache_dtype="fp8_e5m2"
-    )
+    quantized = LLM(server_model_dir, num_blocks=128, quantization="int8", kv_cache_dtype="fp8")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = quantized.generate(PROMPTS[0], params)[0].outputs[0].token_ids
     assert list(got.outputs[0].token_ids) == want
