@@ -236,14 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="auto|vllm|DIR",
         help="sampling defaults for what a request leaves unset: auto (the model's "
         "generation_config.json: its temperature if it sets do_sample, else greedy; top_k, "
-        "top_p, min_p, repetition_penalty), vllm (none of it) or DIR/generation_config.json",
+        "top_p, min_p, repetition_penalty; its max_new_tokens limits every call's max_tokens), "
+        "vllm (none of it) or DIR/generation_config.json",
     )
     serve.add_argument(
         "--override-generation-config",
         type=_override_generation_config,
         default=None,
         metavar="JSON",
-        help="sampling defaults on top of --generation-config, e.g. '{\"temperature\": 0.5}'",
+        help="sampling defaults on top of --generation-config, e.g. "
+        '\'{"temperature": 0.5, "max_new_tokens": 512}\'',
     )
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0: any free port")
     serve.add_argument(

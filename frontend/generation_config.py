@@ -12,6 +12,11 @@ become defaults when present (Qwen2.5-Instruct: 0.7, 20, 0.8, -, 1.05). The temp
 follows HF's ``generate``: a file that does not set ``do_sample`` means greedy (0), whatever
 temperature it names; an override's temperature is used as given. A request's own values
 always win; offline, ``LLM.generate`` without ``SamplingParams`` takes all of them.
+
+``max_new_tokens`` (file or override) is, as in vLLM, the server's limit on output tokens:
+a request that leaves ``max_tokens`` unset gets it, and one that asks for more is cut to it
+(``max_tokens_limit``; the start-up log says so, since the cap is otherwise silent). Offline,
+it is the default ``max_tokens`` and an explicit ``SamplingParams`` is taken as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 # generation_config.json's sampling fields that become request defaults (vLLM's set).
 DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 _FILE_NAME = "generation_config.json"
+# The file's (and the override's) limit on output tokens, as vLLM reads it.
+LIMIT_FIELD = "max_new_tokens"
 # SamplingParams' own defaults of those fields.
 _BASELINE = {name: getattr(SamplingParams(), name) for name in DEFAULT_FIELDS}
 
@@ -39,14 +46,20 @@ class GenerationDefaults:
     values: dict[str, Any]
     # Where they came from, for the start-up log: "model", "vllm" or a directory.
     source: str
+    # max_new_tokens: the most output tokens a server request gets (None: no limit).
+    max_tokens_limit: int | None = None
 
     def sampling_params(self) -> SamplingParams:
         """A request that sets nothing."""
-        return SamplingParams(**self.values)
+        if self.max_tokens_limit is None:
+            return SamplingParams(**self.values)
+        return SamplingParams(**self.values, max_tokens=self.max_tokens_limit)
 
     def describe(self) -> str:
-        fields = ", ".join(f"{name}={value}" for name, value in self.values.items())
-        return f"{fields or 'none'} (from {self.source})"
+        fields = [f"{name}={value}" for name, value in self.values.items()]
+        if self.max_tokens_limit is not None:
+            fields.append(f"max_tokens<={self.max_tokens_limit} ({LIMIT_FIELD})")
+        return f"{', '.join(fields) or 'none'} (from {self.source})"
 
 
 def load_generation_defaults(
@@ -75,14 +88,40 @@ def load_generation_defaults(
         values["temperature"] = config.get("temperature", 1.0) if sampled else 0.0
     # Each value checked as a request's would be, the error naming where it came from.
     _check(values, f"{source} {_FILE_NAME}")
-    values.update(_checked_override(override))
+    limit = _limit(config.get(LIMIT_FIELD), f"{source} {_FILE_NAME}")
+    overridden = _checked_override(override)
+    if LIMIT_FIELD in overridden:
+        limit = _limit(overridden.pop(LIMIT_FIELD), "override_generation_config")
+    values.update(overridden)
     checked = _check(values, "override_generation_config")
     # As SamplingParams reads them (top_k -1 is 0), those that differ from its own.
     defaults = {
         name: getattr(checked, name) for name in values if getattr(checked, name) != _BASELINE[name]
     }
     label = {"auto": "model", "vllm": "vllm"}.get(source, source)
-    return GenerationDefaults(defaults, label + (" + override" if override else ""))
+    return GenerationDefaults(defaults, label + (" + override" if override else ""), limit)
+
+
+def limit_max_tokens(max_tokens: int, min_tokens: int, limit: int | None) -> int:
+    """A server request's ``max_tokens`` under the limit (``max_tokens_limit``). Raises
+    ValueError starting ``min_tokens=`` when the request needs more than the limit gives."""
+    if limit is None:
+        return max_tokens
+    if min_tokens > limit:
+        raise ValueError(
+            f"min_tokens={min_tokens} is more than the {limit} output tokens this server gives "
+            f"a request ({LIMIT_FIELD} of its generation config)"
+        )
+    return min(max_tokens, limit)
+
+
+def _limit(value: Any, where: str) -> int | None:
+    """``max_new_tokens`` as a limit: None (unset) or a positive integer."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {LIMIT_FIELD} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _check(values: dict[str, Any], where: str) -> SamplingParams:
@@ -107,13 +146,15 @@ def _checked_override(override: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(override, dict):
         raise TypeError(f"override_generation_config must be a dict, got {override!r}")
-    unknown = sorted(set(override) - set(DEFAULT_FIELDS))
+    unknown = sorted(set(override) - {*DEFAULT_FIELDS, LIMIT_FIELD})
     if unknown:
         raise ValueError(
             f"override_generation_config: {', '.join(map(repr, unknown))} not supported; "
-            f"supported: {', '.join(DEFAULT_FIELDS)}"
+            f"supported: {', '.join(DEFAULT_FIELDS)}, {LIMIT_FIELD}"
         )
     for name, value in override.items():
+        if name == LIMIT_FIELD:
+            continue  # an integer, checked by _limit
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or not math.isfinite(value):
             raise ValueError(f"override_generation_config: {name} must be a number, got {value!r}")

@@ -18,7 +18,7 @@ from pagedserve.frontend.chat_request import (
     ChatReading,
     tool_constraint,
 )
-from pagedserve.frontend.generation_config import DEFAULT_FIELDS
+from pagedserve.frontend.generation_config import DEFAULT_FIELDS, limit_max_tokens
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.reasoning import ReasoningParser
 from pagedserve.frontend.tool_calls import (
@@ -80,21 +80,30 @@ FINISH_REASONS = {
 
 
 def sampling_params_from_proto(
-    message: pb.SamplingParams | None, default: SamplingParams
+    message: pb.SamplingParams | None,
+    default: SamplingParams,
+    max_tokens_limit: int | None = None,
 ) -> SamplingParams:
     """The request's ``SamplingParams``. ``default`` is the model's (its generation config,
     ``generation_config.py``): all of it when the request sets none, its temperature, top_k,
-    top_p, min_p and repetition_penalty where the request leaves them unset. Raises
+    top_p, min_p, repetition_penalty and max_tokens where the request leaves them unset.
+    ``max_tokens_limit`` (the config's max_new_tokens) cuts a larger max_tokens. Raises
     ``ValueError`` naming ``sampling.<field>``, the value and the limit."""
     if message is None:
         return default
-    kwargs: dict[str, object] = {
+    kwargs: dict[str, Any] = {
         name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)
     }
     if kwargs.get("beam_width", 1) > 1:
         kwargs.setdefault("temperature", 0.0)  # beam search is greedy, whatever the model's
-    for name in DEFAULT_FIELDS:  # unset: the model's generation config decides
+    for name in (*DEFAULT_FIELDS, "max_tokens"):  # unset: the model's generation config decides
         kwargs.setdefault(name, getattr(default, name))
+    try:
+        kwargs["max_tokens"] = limit_max_tokens(
+            kwargs["max_tokens"], kwargs.get("min_tokens", 0), max_tokens_limit
+        )
+    except ValueError as error:
+        raise ValueError(f"sampling.{error}") from None
     if message.HasField("seed") and message.seed > MAX_SEED:
         raise ValueError(f"sampling.seed must be <= {MAX_SEED}, got {message.seed}")
     early_stopping = message.early_stopping.strip().lower()

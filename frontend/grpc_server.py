@@ -288,7 +288,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             llm.engine.check_request_fits(len(token_ids), 0)
             return params
         sampling = request.sampling if request.HasField("sampling") else None
-        params = sampling_params_from_proto(sampling, self._server.default_params)
+        params = sampling_params_from_proto(
+            sampling, self._server.default_params, llm.generation_defaults.max_tokens_limit
+        )
         if reading is not None:
             params = chat_sampling_params(params, sampling, reading, llm)
         self._server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")

@@ -189,7 +189,8 @@ class LLM:
     defaults for unset fields): ``"auto"``, the model's generation_config.json (greedy
     unless it sets ``do_sample``; its temperature, top_k, top_p, min_p,
     repetition_penalty), ``"vllm"`` (none of it), or a directory holding such a file; then
-    ``override_generation_config={"temperature": 0.5, ...}`` on top.
+    ``override_generation_config={"temperature": 0.5, ...}`` on top. Their
+    ``max_new_tokens`` is the default ``max_tokens`` here and the server's limit on it.
     """
 
     def __init__(

@@ -37,7 +37,7 @@ from pagedserve.frontend.chat_request import (
     render_chat_prompt,
     tool_constraint,
 )
-from pagedserve.frontend.generation_config import DEFAULT_FIELDS
+from pagedserve.frontend.generation_config import DEFAULT_FIELDS, limit_max_tokens
 from pagedserve.frontend.reasoning import ReasoningParser
 from pagedserve.frontend.tool_calls import ToolCallDelta, ToolCallError, ToolCalling
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -312,7 +312,7 @@ def parse_request(
                 )
             # An unset max_tokens never undercuts min_tokens.
             max_tokens = min(max(default, base.min_tokens), room)
-            prompt_params = dataclasses.replace(base, max_tokens=max_tokens)
+            prompt_params = dataclasses.replace(base, max_tokens=_limited(max_tokens, base, llm))
         elif num_prompt_tokens + base.max_tokens > max_model_len:
             # As OpenAI's API and vLLM's server refuse it (the offline engine and the gRPC
             # API stop such a request at the window instead).
@@ -323,7 +323,10 @@ def parse_request(
                 max_tokens_name,
             )
         else:
+            max_tokens = _limited(base.max_tokens, base, llm)
             prompt_params = base
+            if max_tokens != base.max_tokens:
+                prompt_params = dataclasses.replace(base, max_tokens=max_tokens)
         params.append(prompt_params)
     return ApiRequest(
         kind=kind,
@@ -570,6 +573,17 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
             raise _invalid(f"logit_bias[{key!r}] must be a number, got {value!r}", "logit_bias")
         result[token_id] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
     return result
+
+
+def _limited(max_tokens: int, params: SamplingParams, llm: LLM) -> int:
+    """``max_tokens`` cut to the generation config's max_new_tokens, as vLLM's server cuts it
+    (a request's min_tokens above it is refused by name)."""
+    try:
+        return limit_max_tokens(
+            max_tokens, params.min_tokens, llm.generation_defaults.max_tokens_limit
+        )
+    except ValueError as error:
+        raise _invalid(str(error), "min_tokens") from None
 
 
 def _base_params(

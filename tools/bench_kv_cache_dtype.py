@@ -7,7 +7,8 @@ with ``kv_cache_dtype="auto"`` (the peer), float32 with ``"fp8"`` (e4m3) and wit
 block's bytes (half a bfloat16 one's), so the same memory holds four (two) times the tokens.
 ``--requests`` chat prompts each generate ``--new-tokens`` tokens greedily (EOS ignored),
 submitted at once; the figure is output tokens per second of the whole ``generate`` call: with
-few blocks the batch is small and sequences are preempted (recomputed), with more it is larger. Trials alternate the engines; the best counts.
+few blocks the batch is small and sequences are preempted (recomputed), with more it is
+larger. Trials alternate the engines; the best counts.
 
 Agreement with the engine of the same dtype and ``"auto"``, over every prompt: the next-token
 agreement (fed the auto engine's output as context, how often the float8 engine's most likely
