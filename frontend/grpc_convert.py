@@ -125,6 +125,8 @@ def sampling_params_from_proto(
         kwargs["logit_bias"] = dict(message.logit_bias)
     if message.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(message.allowed_token_ids)
+    if message.bad_words:
+        kwargs["bad_words"] = list(message.bad_words)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
@@ -196,6 +198,11 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         message.logit_bias.update(params.logit_bias)
     if params.allowed_token_ids:
         message.allowed_token_ids.extend(params.allowed_token_ids)
+    if params.bad_words_token_ids is not None and not params.bad_words:
+        raise ValueError(
+            "bad_words_token_ids: the server tokenizes bad_words itself; set bad_words instead"
+        )
+    message.bad_words.extend(params.bad_words or ())
     return message
 
 

@@ -293,6 +293,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
         if reading is not None:
             params = chat_sampling_params(params, sampling, reading, llm)
+        params = llm.resolve_bad_words(params, "sampling")
         self._server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")
         return params
 

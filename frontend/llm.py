@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -439,6 +440,7 @@ class LLM:
             self.encode_prompt(prompt, f"prompts[{index}]")
             for index, prompt in enumerate(prompt_list)
         ]
+        params_list = [self.resolve_bad_words(p, "sampling_params") for p in params_list]
         for index, (token_ids, params) in enumerate(zip(encoded, params_list)):
             try:
                 self.engine.check_request_fits(
@@ -638,6 +640,22 @@ class LLM:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
         return [trackers[request_id].output for request_id in request_ids]
+
+    def resolve_bad_words(self, params: SamplingParams, field: str) -> SamplingParams:
+        """``params`` with its ``bad_words`` tokenized into ``bad_words_token_ids`` (each word
+        as it stands and after a space, as vLLM does: the same word starts a text or follows
+        one). ``ValueError`` naming ``<field>.bad_words`` when the model has no tokenizer."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        name = f"{field}.bad_words" if field else "bad_words"
+        tokenizer = self._require_tokenizer(name)
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                token_ids = tokenizer.encode(text, add_special_tokens=False)
+                if token_ids and token_ids not in sequences:
+                    sequences.append(token_ids)
+        return dataclasses.replace(params, bad_words_token_ids=sequences)
 
     def check_token_ids(self, params: SamplingParams, field: str) -> None:
         """``ValueError`` naming the field (under ``field``, the parameters' own name; ""

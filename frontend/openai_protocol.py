@@ -87,6 +87,7 @@ _SAMPLING_FIELDS = {
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "prompt_logprobs": "prompt_logprobs",
     "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
 }
 # Fields read elsewhere in this module, or accepted and without effect here.
 _COMMON_FIELDS = {
@@ -275,6 +276,10 @@ def parse_request(
     if tool_calling is not None and tool_calling.constraint() is not None:
         structured = _tool_constraint(tool_calling, structured, llm)
     base = _base_params(body, default_params, logprobs, echo, max_tokens_names, structured)
+    try:
+        base = llm.resolve_bad_words(base, "")
+    except ValueError as error:
+        raise _invalid(str(error), "bad_words") from None
     if (
         body.get("skip_special_tokens") is None
         and chat_reading is not None

@@ -364,11 +364,8 @@ class ModelRunner:
         penalized = [row for row, p in enumerate(params) if p.has_penalties]
         biased = [row for row, p in enumerate(params) if p.logit_bias]
         restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
-        banned = [
-            row
-            for row, (state, p) in enumerate(zip(states, params))
-            if state.num_output_tokens < p.min_tokens
-        ]
+        banned_token_ids = [_banned_token_ids(state) for state in states]
+        banned = [row for row, token_ids in enumerate(banned_token_ids) if token_ids.size]
         return SamplingBatch(
             temperatures=np.array([p.temperature for p in params], dtype=np.float32),
             top_k=np.array([p.top_k for p in params], dtype=np.int64),
@@ -396,7 +393,7 @@ class ModelRunner:
                 for r in penalized
             ],
             banned_rows=np.array(banned, dtype=np.int64),
-            banned_token_ids=[_banned_token_ids(states[r]) for r in banned],
+            banned_token_ids=[banned_token_ids[r] for r in banned],
             bias_rows=np.array(biased, dtype=np.int64),
             bias_token_ids=[np.fromiter(params[r].logit_bias, dtype=np.int64) for r in biased],
             bias_values=[
@@ -451,13 +448,27 @@ def _pooled(hidden_row: torch.Tensor, params: PoolingParams) -> bytes:
     return vector.cpu().numpy().astype("<f4").tobytes()
 
 
+_NO_TOKENS = np.empty(0, dtype=np.int64)
+
+
 def _banned_token_ids(state: CachedRequestState) -> np.ndarray:
-    """Tokens a request may not pick before min_tokens: its stop tokens and EOS."""
+    """Tokens a sequence may not pick now: before min_tokens its stop tokens and EOS; and
+    the last token of each bad word whose other tokens end its output."""
     params = state.sampling_params
-    banned = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        banned.update(state.eos_token_ids)
-    return np.array(sorted(banned), dtype=np.int64)
+    short = state.num_output_tokens < params.min_tokens
+    if not short and not params.bad_words_token_ids:
+        return _NO_TOKENS
+    banned: set[int] = set()
+    if short:
+        banned.update(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned.update(state.eos_token_ids)
+    token_ids, num_output_tokens = state.token_ids, state.num_output_tokens
+    for word in params.bad_words_token_ids or ():
+        before = len(word) - 1  # the tokens that must end the output already
+        if before <= num_output_tokens and token_ids[len(token_ids) - before :] == word[:-1]:
+            banned.add(word[-1])
+    return np.array(sorted(banned), dtype=np.int64) if banned else _NO_TOKENS
 
 
 def _row_bitmasks(

@@ -10,6 +10,8 @@ from typing import Any
 MAX_LOGPROBS = 20
 # A beam step looks at the top (1 + EOS ids) * beam_width tokens of each beam.
 MAX_BEAM_WIDTH = 16
+# bad_words per request: each is matched against the output at every step.
+MAX_BAD_WORDS = 256
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -137,6 +139,12 @@ class SamplingParams:
     penalties; ``allowed_token_ids`` lets only those tokens be picked (as vLLM). Neither
     changes the reported logprobs (the raw distribution's).
 
+    ``bad_words`` (vLLM's) are strings the output may not contain as tokens: the frontend
+    tokenizes each (as it stands and after a space) into ``bad_words_token_ids``, and a
+    step may not pick a sequence's last token where the output so far ends with the ones
+    before it (a one-token word is never picked). Matched against output tokens only, as
+    vLLM does; a word the tokenizer splits differently inside other text is not caught.
+
     The last four fields are the frontend's (the scheduler and workers ignore them).
     ``stop`` strings end the output where one first appears in the text, even split
     across tokens (checked only after ``min_tokens``, as EOS is); the text is cut before
@@ -170,6 +178,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token sequences (LLM.resolve_bad_words); what the workers match.
+    bad_words_token_ids: list[list[int]] | None = None
     stop: list[str] | str | None = None  # kept as a list
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -217,6 +228,7 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
             for token_id in self.allowed_token_ids:
                 _check_int("allowed_token_ids[]", token_id, minimum=0)
+        self._check_bad_words()
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -232,6 +244,35 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_sequences()
+
+    def _check_bad_words(self) -> None:
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str) or not isinstance(words, (list, tuple)):
+                raise TypeError(f"bad_words must be a list of strings, got {words!r:.100}")
+            if len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words must have <= {MAX_BAD_WORDS} words, got {len(words)}")
+            for word in words:
+                if not isinstance(word, str) or not word.strip():
+                    raise ValueError(f"bad_words[] must be non-blank strings, got {word!r:.100}")
+            self.bad_words = list(words) or None
+        sequences = self.bad_words_token_ids
+        if sequences is not None:
+            if not isinstance(sequences, (list, tuple)):
+                raise TypeError(
+                    f"bad_words_token_ids must be a list of token id lists, got {sequences!r:.100}"
+                )
+            checked = []
+            for sequence in sequences:
+                if not isinstance(sequence, (list, tuple)) or not sequence:
+                    raise ValueError(
+                        f"bad_words_token_ids[] must be non-empty lists of token ids, "
+                        f"got {sequence!r:.100}"
+                    )
+                for token_id in sequence:
+                    _check_int("bad_words_token_ids[][]", token_id, minimum=0)
+                checked.append(list(sequence))
+            self.bad_words_token_ids = checked
 
     def _check_sequences(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -268,6 +309,11 @@ class SamplingParams:
                 raise ValueError(
                     "structured_outputs is not supported with beam search (beams are "
                     "chosen from the unconstrained candidates)"
+                )
+            if self.bad_words or self.bad_words_token_ids:
+                raise ValueError(
+                    "bad_words is not supported with beam search (beams are chosen from "
+                    "the unconstrained candidates)"
                 )
 
     @property
@@ -335,6 +381,7 @@ def token_ids_outside_vocabulary(params: SamplingParams, vocab_size: int) -> str
     for name, token_ids in (
         ("logit_bias", params.logit_bias or ()),
         ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("bad_words_token_ids", [t for ids in params.bad_words_token_ids or () for t in ids]),
     ):
         outside = [token_id for token_id in token_ids if token_id >= vocab_size]
         if outside:

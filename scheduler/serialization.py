@@ -139,6 +139,8 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "structured_outputs",
         "logit_bias",
         "allowed_token_ids",
+        "bad_words",
+        "bad_words_token_ids",
         "stop",
         "include_stop_str_in_output",
         "skip_special_tokens",

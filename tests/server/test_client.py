@@ -46,6 +46,7 @@ def same_output(got, want) -> None:
         SamplingParams(max_tokens=8, temperature=0.0, beam_width=3, n=2, early_stopping="never"),
         SamplingParams(max_tokens=8, temperature=1.0, seed=1, n=2, best_of=4, stop=["a", "b"]),
         SamplingParams(logit_bias={5: -100.0, 70000: 0.25}, allowed_token_ids=[5, 9, 70000]),
+        SamplingParams(bad_words=["no", " way"]),
     ],
 )
 def test_sampling_params_survive_the_wire(params):
@@ -70,6 +71,13 @@ def test_generate_stream_and_chat_match_the_offline_engine(server, offline):
         want = offline.generate(PROMPTS[0], steered)[0]
         assert set(want.outputs[0].token_ids) <= {7, 300, 301}
         same_output(client.generate(PROMPTS[0], steered), want)
+        # bad_words go as words; the server tokenizes them as the offline engine does.
+        plain = offline.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
+        letter = next(t for t in map(offline.tokenizer.decode, ([i] for i in plain)) if t.isalpha())
+        unsaid = SamplingParams(temperature=0.0, bad_words=[letter])
+        want = offline.generate(PROMPTS[0], unsaid)[0]
+        assert letter in offline.tokenizer.decode(plain) and letter not in want.outputs[0].text
+        same_output(client.generate(PROMPTS[0], unsaid), want)
         messages = [{"role": "user", "content": "hi there"}]
         chat_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         same_output(client.chat(messages, chat_params), offline.chat(messages, chat_params)[0])

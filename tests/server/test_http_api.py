@@ -129,14 +129,19 @@ def test_completions_equal_the_offline_engine_whole_and_streamed(server, client,
     assert len({c.id for c in chunks}) == 1
 
 
-def test_logit_bias_and_allowed_token_ids_equal_the_offline_engine(server, client, offline):
+def test_logit_bias_allowed_token_ids_and_bad_words_equal_the_offline_engine(
+    server, client, offline
+):
     plain = offline.generate(PROMPT_IDS, greedy_params())[0].outputs[0].token_ids
     # OpenAI's range is [-100, 100]; a bias past it is clamped, as vLLM does.
     bias = {plain[0]: -100.0, 300: 6.5}
     allowed = [5, 17, 300, 301, 302, 450]
+    # A letter the output says as a token of its own (vLLM's bad_words field).
+    letter = next(t for t in map(offline.tokenizer.decode, ([i] for i in plain)) if t.isalpha())
     for fields, wire in (
         (dict(logit_bias=bias), dict(logit_bias={str(plain[0]): -1000, "300": 6.5})),
         (dict(allowed_token_ids=allowed), dict(extra_body={"allowed_token_ids": allowed})),
+        (dict(bad_words=[letter]), dict(extra_body={"bad_words": [letter]})),
     ):
         want = offline.generate(PROMPT_IDS, greedy_params(**fields))[0].outputs[0]
         extra = {**GREEDY["extra_body"], **wire.pop("extra_body", {})}
@@ -357,6 +362,8 @@ def test_bad_input_gets_openai_errors_naming_the_field(server):
         ({"prompt": "hi", "allowed_token_ids": [1, 600]}, 400, None,
          "allowed_token_ids: token id 600 is outside the vocabulary"),
         ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "non-empty list"),
+        ({"prompt": "hi", "bad_words": "no"}, 400, "bad_words", "must be a list of strings"),
+        ({"prompt": "hi", "bad_words": [" "]}, 400, "bad_words", "must be non-blank strings"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
          "stream is not true"),
         ({"prompt": [5] * 5000}, 400, "prompt", "context window"),
