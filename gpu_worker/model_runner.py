@@ -399,6 +399,9 @@ class ModelRunner:
             bias_values=[
                 np.fromiter(params[r].logit_bias.values(), dtype=np.float32) for r in biased
             ],
+            beam_rows=np.array(
+                [row for row, p in enumerate(params) if p.use_beam_search], dtype=np.int64
+            ),
             allowed_rows=np.array(restricted, dtype=np.int64),
             allowed_token_ids=[
                 np.array(params[r].allowed_token_ids, dtype=np.int64) for r in restricted

@@ -131,7 +131,9 @@ class SamplingParams:
       ``n`` best beams are returned, scored by cumulative log-probability divided by
       ``length ** length_penalty``; ``early_stopping`` is True (stop once ``beam_width``
       hypotheses are done), False (stop when no running beam can beat them, judged at
-      the current length) or "never" (judged at the longest possible length).
+      the current length) or "never" (judged at the longest possible length). Penalties,
+      ``logit_bias``, ``allowed_token_ids``, ``bad_words`` and ``min_tokens`` act on each
+      step's log-probabilities, which the beams then rank and score by (HF's processors).
 
     ``structured_outputs`` constrains what the output may be (``StructuredOutputsParams``:
     a JSON schema, a regex, a choice of strings, a grammar); not with beam search.
@@ -309,11 +311,6 @@ class SamplingParams:
                 raise ValueError(
                     "structured_outputs is not supported with beam search (beams are "
                     "chosen from the unconstrained candidates)"
-                )
-            if self.bad_words or self.bad_words_token_ids:
-                raise ValueError(
-                    "bad_words is not supported with beam search (beams are chosen from "
-                    "the unconstrained candidates)"
                 )
 
     @property

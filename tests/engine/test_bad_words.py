@@ -139,11 +139,6 @@ def test_across_processes_with_speculation_and_parallel_samples(model_dir, llm, 
         ),
         (dict(bad_words_token_ids=[[1], []]), ValueError, "bad_words_token_ids.. must be non-emp"),
         (dict(bad_words_token_ids=[[1, -2]]), ValueError, r"bad_words_token_ids\[\]\[\] must be"),
-        (
-            dict(bad_words=["x"], beam_width=2, temperature=0.0),
-            ValueError,
-            "bad_words is not supported with beam search",
-        ),
     ],
 )
 def test_bad_settings_are_refused_by_name(fields, error, message):

@@ -34,8 +34,19 @@ def hf_beam_search(model, prompt: list[int], params: SamplingParams, eos: int) -
 def hf_beam_search_steps(
     model, prompt: list[int], params: SamplingParams, eos: int
 ) -> tuple[list[list[int]], int]:
-    """hf_beam_search, and how many steps HF's search ran."""
+    """hf_beam_search, and how many steps HF's search ran. The settings HF has logits
+    processors for go to them: repetition_penalty, min_tokens, logit_bias (as a sequence
+    bias of one token each) and bad_words_token_ids."""
     ends = [eos, *params.stop_token_ids]
+    processors = {}
+    if params.repetition_penalty != 1.0:
+        processors["repetition_penalty"] = params.repetition_penalty
+    if params.min_tokens:
+        processors["min_new_tokens"] = params.min_tokens
+    if params.logit_bias:
+        processors["sequence_bias"] = {(t,): bias for t, bias in params.logit_bias.items()}
+    if params.bad_words_token_ids:
+        processors["bad_words_ids"] = params.bad_words_token_ids
     input_ids = torch.tensor([prompt])
     with torch.no_grad():
         generated = model.generate(
@@ -48,6 +59,7 @@ def hf_beam_search_steps(
             length_penalty=params.length_penalty,
             early_stopping=params.early_stopping,
             eos_token_id=ends,
+            **processors,
         )
     beams = []
     for row in generated[:, len(prompt) :].tolist():
@@ -120,6 +132,36 @@ def test_beam_search_matches_hf(beam_model_dir, beam_hf_model, case):
     if case == "w4-default":
         # Both ways a hypothesis ends are exercised.
         assert finish_reasons == {"stop", "length"}
+
+
+def test_beams_rank_by_processed_log_probs_as_hf(beam_model_dir, beam_hf_model):
+    """A repetition penalty, min_tokens, a logit bias and a bad word each change the beams,
+    and each as HF's processors change its beams."""
+    path, eos = beam_model_dir
+    prompts = prompts_for(0)
+    llm = LLM(path, block_size=8, num_blocks=256)
+    base = dict(beam_width=3, n=2, temperature=0.0, max_tokens=12)
+    plain = [
+        [c.token_ids for c in o.outputs] for o in llm.generate(prompts, SamplingParams(**base))
+    ]
+    # A token the best beams say that is not EOS (a one-token bad word: HF, which also
+    # matches a word's first tokens against the prompt, bans it as the engine does).
+    said = next(t for beams in plain for t in beams[0] if t != eos)
+    cases = {
+        "penalty-and-min-tokens": SamplingParams(**base, repetition_penalty=1.8, min_tokens=7),
+        "logit-bias": SamplingParams(**base, logit_bias={said: -3.0, 300: 2.5}),
+        "bad-word": SamplingParams(**base, bad_words_token_ids=[[said]]),
+    }
+    for name, params in cases.items():
+        outputs = llm.generate(prompts, params)
+        beams = [[c.token_ids for c in output.outputs] for output in outputs]
+        assert beams != plain, name
+        for prompt, got in zip(prompts, beams):
+            assert got == hf_beam_search(beam_hf_model, prompt, params, eos), (name, prompt)
+        if name == "penalty-and-min-tokens":
+            assert all(eos not in beam[:7] for output in beams for beam in output)
+        if name == "bad-word":
+            assert all(said not in beam for output in beams for beam in output)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
