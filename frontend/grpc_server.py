@@ -194,6 +194,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             eos_token_ids=sorted(llm.eos_token_ids),
             quantization=llm.quantization or "",
             kv_cache_dtype=llm.kv_cache_dtype,
+            max_output_tokens=llm.generation_defaults.max_tokens_limit,
         )
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.Stats:

@@ -31,6 +31,8 @@ def test_the_override_is_every_calls_default(start_server, server_model_dir):
         "sampling defaults: temperature=1.5, top_k=1, max_tokens<=10 (max_new_tokens) "
         "(from vllm + override)"
     ) in server.log()
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.HasField("max_output_tokens") and info.max_output_tokens == 10
     greedy = hf_greedy(server_model_dir, [PROMPT])[0][:10]
     sampling = pb.SamplingParams(max_tokens=12, ignore_eos=True)
     output = server.stub.Generate(token_request(PROMPT, sampling)).outputs[0]

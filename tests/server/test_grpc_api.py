@@ -288,6 +288,7 @@ def test_model_info_health_and_reflection(server, server_model_dir):
     assert (info.vocab_size, info.max_model_len, info.block_size) == (512, 512, 16)
     assert info.num_blocks > 0 and info.max_num_seqs == 64 and info.dtype == "float32"
     assert (info.quantization, info.kv_cache_dtype) == ("", "auto")
+    assert not info.HasField("max_output_tokens")  # no max_new_tokens in its config
     health = health_pb2_grpc.HealthStub(server.channel)
     for service in ("", "pagedserve.v1.Generation"):
         reply = health.Check(health_pb2.HealthCheckRequest(service=service))
