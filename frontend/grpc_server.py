@@ -251,7 +251,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         llm = server.check_admission()
         try:
             prompt, token_ids, reading = self._prompt(llm, request)
-            params = self._checked_params(llm, request, token_ids, reading)
+            params, token_ids = self._checked_params(llm, request, token_ids, reading)
             llm.check_priority(request.priority)
         except (ValueError, TypeError) as error:
             raise CallError("INVALID_ARGUMENT", str(error)) from None
@@ -276,10 +276,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         request: pb.GenerateRequest | pb.EmbedRequest,
         token_ids: list[int],
         reading: ChatReading | None,
-    ) -> SamplingParams | PoolingParams:
+    ) -> tuple[SamplingParams | PoolingParams, list[int]]:
         """A generation request's ``SamplingParams`` (unset fields: the defaults; a chat's
         tool choice may constrain the output) or an embedding request's
-        ``PoolingParams``, checked against the model and its window."""
+        ``PoolingParams``, checked against the model and its window; and the prompt's
+        token ids as the request keeps them (``truncate_prompt_tokens``)."""
         if isinstance(request, pb.EmbedRequest):
             params = PoolingParams(
                 normalize=request.normalize if request.HasField("normalize") else True,
@@ -287,7 +288,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
             params.check_dimensions(llm.model_config.embedding_size)
             llm.engine.check_request_fits(len(token_ids), 0)
-            return params
+            return params, token_ids
         sampling = request.sampling if request.HasField("sampling") else None
         params = sampling_params_from_proto(
             sampling, self._server.default_params, llm.generation_defaults.max_tokens_limit
@@ -295,8 +296,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if reading is not None:
             params = chat_sampling_params(params, sampling, reading, llm)
         params = llm.resolve_bad_words(params, "sampling")
+        token_ids = llm.truncate_prompt(token_ids, params, "sampling")
         self._server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")
-        return params
+        return params, token_ids
 
     def _prompt(
         self, llm: LLM, request: pb.GenerateRequest | pb.EmbedRequest

@@ -441,6 +441,8 @@ class LLM:
             for index, prompt in enumerate(prompt_list)
         ]
         params_list = [self.resolve_bad_words(p, "sampling_params") for p in params_list]
+        for index, params in enumerate(params_list):
+            encoded[index] = self.truncate_prompt(encoded[index], params, "sampling_params")
         for index, (token_ids, params) in enumerate(zip(encoded, params_list)):
             try:
                 self.engine.check_request_fits(
@@ -640,6 +642,24 @@ class LLM:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
         return [trackers[request_id].output for request_id in request_ids]
+
+    def truncate_prompt(
+        self, token_ids: list[int], params: SamplingParams, field: str
+    ) -> list[int]:
+        """The prompt's last ``params.truncate_prompt_tokens`` tokens (-1: the context
+        window's worth), as vLLM cuts it. ``ValueError`` naming
+        ``<field>.truncate_prompt_tokens`` when it is more than the window."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        max_model_len = self.scheduler_config.max_model_len
+        if keep > max_model_len:
+            name = f"{field}.truncate_prompt_tokens" if field else "truncate_prompt_tokens"
+            raise ValueError(
+                f"{name} must be -1 or in [1, {max_model_len}] (the model's context window), "
+                f"got {keep}"
+            )
+        return token_ids[-(max_model_len if keep == -1 else keep) :]
 
     def resolve_bad_words(self, params: SamplingParams, field: str) -> SamplingParams:
         """``params`` with its ``bad_words`` tokenized into ``bad_words_token_ids`` (each word

@@ -88,6 +88,7 @@ _SAMPLING_FIELDS = {
     "prompt_logprobs": "prompt_logprobs",
     "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
 }
 # Fields read elsewhere in this module, or accepted and without effect here.
 _COMMON_FIELDS = {
@@ -298,6 +299,12 @@ def parse_request(
         field_name = "prompt" if len(prompts) == 1 else f"prompt[{position}]"
         if kind == "chat":
             field_name = "messages"
+        try:
+            kept = llm.truncate_prompt(prompt.token_ids, base, "")
+        except ValueError as error:
+            raise _invalid(str(error), "truncate_prompt_tokens") from None
+        if len(kept) < len(prompt.token_ids):  # its text is no longer the prompt's
+            prompt = prompts[position] = Prompt(None, kept)
         num_prompt_tokens = len(prompt.token_ids)
         if num_prompt_tokens >= max_model_len:
             raise _invalid(

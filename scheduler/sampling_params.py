@@ -147,7 +147,9 @@ class SamplingParams:
     before it (a one-token word is never picked). Matched against output tokens only, as
     vLLM does; a word the tokenizer splits differently inside other text is not caught.
 
-    The last four fields are the frontend's (the scheduler and workers ignore them).
+    The last five fields are the frontend's (the scheduler and workers ignore them).
+    ``truncate_prompt_tokens`` keeps only a prompt's last k tokens (-1: as many as the
+    context window holds), as vLLM does; the output's ``prompt_token_ids`` are those kept.
     ``stop`` strings end the output where one first appears in the text, even split
     across tokens (checked only after ``min_tokens``, as EOS is); the text is cut before
     it unless ``include_stop_str_in_output``, and the token ids run up to the token that
@@ -187,6 +189,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -231,6 +234,10 @@ class SamplingParams:
             for token_id in self.allowed_token_ids:
                 _check_int("allowed_token_ids[]", token_id, minimum=0)
         self._check_bad_words()
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be -1 or >= 1, got 0")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

@@ -145,6 +145,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "include_stop_str_in_output",
         "skip_special_tokens",
         "spaces_between_special_tokens",
+        "truncate_prompt_tokens",
     ),
     StructuredOutputsParams: (
         "json",

@@ -174,6 +174,33 @@ def test_too_long_prompt_and_too_big_request_are_rejected_up_front(tiny_model_di
     assert len(output.outputs[0].token_ids) == 28
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_each_prompt(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64, block_size=16, max_model_len=64)
+    long, short = [(7 * i) % 500 + 3 for i in range(100)], [9, 8, 7]
+    greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with pytest.raises(
+        ValueError, match=r"prompts\[0\]: prompt is 100 tokens; max_model_len is 64"
+    ):
+        llm.generate([long], SamplingParams(**greedy))
+    kept = llm.generate([long, short], SamplingParams(**greedy, truncate_prompt_tokens=20))
+    direct = llm.generate([long[-20:], short], SamplingParams(**greedy))
+    assert [o.prompt_token_ids for o in kept] == [long[-20:], short]
+    assert [o.outputs[0].token_ids for o in kept] == [o.outputs[0].token_ids for o in direct]
+    # -1 keeps what the window holds: here all of a shorter prompt.
+    whole = llm.generate([short], SamplingParams(**greedy, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt_token_ids == short
+    with pytest.raises(
+        ValueError,
+        match=r"^sampling_params.truncate_prompt_tokens must be -1 or in \[1, 64\] \(the "
+        r"model's context window\), got 65$",
+    ):
+        llm.generate([long], SamplingParams(**greedy, truncate_prompt_tokens=65))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or >= 1, got 0"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= -1, got -2"):
+        SamplingParams(truncate_prompt_tokens=-2)
+
+
 def test_mismatched_params_count(tiny_llm):
     with pytest.raises(ValueError, match="sampling_params: got 2 for 3 prompts"):
         tiny_llm.generate([[1], [2], [3]], [SamplingParams(), SamplingParams()])

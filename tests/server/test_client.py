@@ -46,7 +46,7 @@ def same_output(got, want) -> None:
         SamplingParams(max_tokens=8, temperature=0.0, beam_width=3, n=2, early_stopping="never"),
         SamplingParams(max_tokens=8, temperature=1.0, seed=1, n=2, best_of=4, stop=["a", "b"]),
         SamplingParams(logit_bias={5: -100.0, 70000: 0.25}, allowed_token_ids=[5, 9, 70000]),
-        SamplingParams(bad_words=["no", " way"]),
+        SamplingParams(bad_words=["no", " way"], truncate_prompt_tokens=-1),
     ],
 )
 def test_sampling_params_survive_the_wire(params):

@@ -161,6 +161,42 @@ def test_logit_bias_allowed_token_ids_and_bad_words_equal_the_offline_engine(
     )
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end_in_both_apis(server, offline):
+    # 600 tokens: past the 512-token window, so only a truncated prompt can run.
+    long = [5 + (i * 7) % 500 for i in range(600)]
+    want = offline.generate(long, greedy_params(truncate_prompt_tokens=20))[0]
+    assert want.prompt_token_ids == long[-20:]
+    assert (
+        want.outputs[0].token_ids
+        == offline.generate(long[-20:], greedy_params())[0].outputs[0].token_ids
+    )
+    body = {"model": SERVED_MODEL_NAME, "prompt": long, "max_tokens": NUM_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, "truncate_prompt_tokens": 20}  # fmt: skip
+    status, answer = post(server, "/v1/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == want.outputs[0].text
+    assert answer["usage"]["prompt_tokens"] == 20
+    sampling = pb.SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=20
+    )
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=long), sampling=sampling)
+    output = server.stub.Generate(request)
+    assert list(output.outputs[0].token_ids) == want.outputs[0].token_ids
+    assert list(output.prompt_token_ids) == long[-20:] and output.usage.prompt_tokens == 20
+    # More than the window holds is refused by name, in both APIs.
+    status, answer = post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 513})
+    assert (status, answer["error"]["param"]) == (400, "truncate_prompt_tokens"), answer
+    assert (
+        "must be -1 or in [1, 512] (the model's context window), got 513"
+        in (answer["error"]["message"])
+    )
+    request.sampling.truncate_prompt_tokens = 513
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub.Generate(request)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("sampling.truncate_prompt_tokens must be -1 or in")
+
+
 def test_text_prompts_in_a_batch_stop_strings_and_seeded_samples(server, client, offline):
     prompts = ["hello world", "the cat"]
     want = offline.generate(prompts, greedy_params())

@@ -75,6 +75,7 @@ ALL_SET_PARAMS = SamplingParams(
     allowed_token_ids=[1, 5, 2**31],
     bad_words=["nein", " 終"],
     bad_words_token_ids=[[9], [4, 2**31]],
+    truncate_prompt_tokens=-1,
 )
 BEAM_PARAMS = SamplingParams(
     temperature=0.0, beam_width=4, n=2, length_penalty=0.5, early_stopping="never"
@@ -510,7 +511,7 @@ def _plan_fields(**overrides) -> list:
         ),
         (
             _frame(AddRequest, "r", [1], [16], 0.0, [2], None, 0, 0, None),
-            "SamplingParams: expected an array of 28",
+            "SamplingParams: expected an array of 29",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None, 0, 0, None),
