@@ -42,13 +42,18 @@ def render_chat_prompt(
     conversation: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     field: str,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of ``conversation`` (each message as the template gets
     it: role, content, and tool calling's fields) with ``tools`` (OpenAI's function-tool
-    definitions; None: no tools). ``ValueError`` naming ``field`` when the template refuses
-    the messages (its ``raise_exception``) or the prompt is not one the engine takes."""
+    definitions; None: no tools), ending as ``LLM.render_chat`` says. ``ValueError`` naming
+    ``field`` when the template refuses the messages (its ``raise_exception``) or the prompt
+    is not one the engine takes (``continue_final_message`` for that setting's errors)."""
     try:
-        text = llm.render_chat(conversation, field, tools=tools)
+        text = llm.render_chat(
+            conversation, field, tools, add_generation_prompt, continue_final_message
+        )
         token_ids = llm.encode_prompt(llm.tokenizer.encode(text, add_special_tokens=False), field)
     except TemplateError as error:
         raise ValueError(f"{field}: the chat template refused them: {error}") from None

@@ -169,7 +169,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kind = request.WhichOneof("input")
             if kind == "chat":
                 conversation, tools = chat_from_proto(request.chat)
-                _, token_ids = self._render_chat(llm, conversation, tools)
+                _, token_ids = self._render_chat(llm, request.chat, conversation, tools)
             elif kind == "text":
                 token_ids = llm.encode_prompt(request.text, "text")
             else:
@@ -316,7 +316,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             reading = chat_reading_from_proto(
                 request.chat, tools, config.tool_call_parser, config.reasoning_parser
             )
-            text, token_ids = self._render_chat(llm, conversation, tools)
+            text, token_ids = self._render_chat(llm, request.chat, conversation, tools)
             return text, token_ids, reading
         choices = (
             "text, token_ids" if isinstance(request, pb.EmbedRequest) else "text, token_ids, chat"
@@ -325,10 +325,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     @staticmethod
     def _render_chat(
-        llm: LLM, conversation: list[dict], tools: list[Tool] | None
+        llm: LLM, chat: pb.Chat, conversation: list[dict], tools: list[Tool] | None
     ) -> tuple[str, list[int]]:
         definitions = None if tools is None else [tool.definition for tool in tools]
-        return render_chat_prompt(llm, conversation, definitions, "chat.messages")
+        opens_turn = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        try:
+            return render_chat_prompt(
+                llm, conversation, definitions, "chat.messages", opens_turn,
+                chat.continue_final_message,
+            )  # fmt: skip
+        except ValueError as error:
+            if str(error).startswith("continue_final_message"):
+                raise ValueError(f"chat.{error}") from None
+            raise
 
 
 class GrpcApi:

@@ -466,16 +466,28 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARef | Sequence[LoRARef] = None,
         priority: int | Sequence[int] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of ``{"role", "content"}``
         dicts) or several, then generate the assistant's turn. ``tools`` (OpenAI's
         function tools) go to the template; the output stays text (the HTTP server reads
-        tool calls out of it)."""
+        tool calls out of it). As in vLLM, ``continue_final_message=True`` (with
+        ``add_generation_prompt=False``) leaves the last message open and the output goes
+        on with it (an assistant message started for the model)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self._require_tokenizer("messages")
-        texts = [self.render_chat(conversation, tools=tools) for conversation in conversations]
+        texts = [
+            self.render_chat(
+                conversation,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            for conversation in conversations
+        ]
         # The template already wrote the special tokens it wants.
         prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outputs = self.generate(
@@ -731,11 +743,32 @@ class LLM:
         conversation: list[Message],
         field: str = "messages",
         tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text of a conversation: the chat template, ending with the
-        assistant's turn to speak (encode it with ``add_special_tokens=False``); ``tools``
-        (OpenAI's function tools) go to the template."""
-        return self._require_tokenizer(field).apply_chat_template(list(conversation), tools)
+        assistant's turn to speak (``add_generation_prompt``), or inside the last message so
+        that the model goes on with it (``continue_final_message``: vLLM's, for an assistant
+        message to complete); encode it with ``add_special_tokens=False``. ``tools``
+        (OpenAI's function tools) go to the template. ``ValueError`` starting
+        ``continue_final_message`` when both are set or the template hides the last message."""
+        tokenizer = self._require_tokenizer(field)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: the "
+                "prompt either goes on with the last message or opens a new turn"
+            )
+        try:
+            return tokenizer.apply_chat_template(
+                list(conversation), tools, add_generation_prompt, continue_final_message
+            )
+        except ValueError as error:
+            if not str(error).startswith("continue_final_message"):  # HF's own words
+                raise
+            raise ValueError(
+                "continue_final_message: the chat template does not write the last message's "
+                "content as it is, so there is no end of it to go on from"
+            ) from None
 
     def _as_params_list(
         self, params: SamplingParams | Sequence[SamplingParams] | None, count: int

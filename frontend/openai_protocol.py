@@ -123,6 +123,7 @@ _CHAT_FIELDS = {
     "parallel_tool_calls",
     "include_reasoning",
     "add_generation_prompt",
+    "continue_final_message",
 }
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # vLLM's older structured-output fields -> StructuredOutputsParams' field.
@@ -386,12 +387,6 @@ def _refuse_unsupported(kind: str, body: dict) -> None:
                 "tools (type 'function') and choose with tool_choice",
                 name,
             )
-    if body.get("add_generation_prompt", True) is not True:
-        raise _invalid(
-            "add_generation_prompt must be true: the prompt always ends with the "
-            "assistant's turn to speak",
-            "add_generation_prompt",
-        )
 
 
 def _tool_calling(body: dict, tool_call_parser: str | None) -> ToolCalling | None:
@@ -729,10 +724,17 @@ def chat_prompt(body: dict, llm: LLM) -> Prompt:
             tools = [tool.definition for tool in tool_calls.parse_tools(body["tools"])]
         except ToolCallError as error:
             raise _invalid(str(error), error.field) from None
+    # vLLM's: a new assistant turn (the default), or the last message left open to go on.
+    opens_turn = _typed(body, "add_generation_prompt", (bool,), "a boolean", True)
+    continues = _typed(body, "continue_final_message", (bool,), "a boolean", False)
     try:
-        text, token_ids = render_chat_prompt(llm, conversation, tools, "messages")
+        text, token_ids = render_chat_prompt(
+            llm, conversation, tools, "messages", opens_turn, continues
+        )
     except (ValueError, TypeError) as error:
-        raise _invalid(str(error), "messages") from None
+        message = str(error)
+        name = "continue_final_message"
+        raise _invalid(message, name if message.startswith(name) else "messages") from None
     return Prompt(text, token_ids)
 
 

@@ -79,10 +79,16 @@ class Tokenizer:
         return self._tokenizer.convert_ids_to_tokens(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
-        """The conversation as the template writes it, ending with the assistant's turn;
-        ``tools`` (OpenAI's function tools) go to the template, which may show them."""
+        """The conversation as the template writes it, ending with the assistant's turn
+        (``add_generation_prompt``) or open inside the last message, for the model to go on
+        with it (``continue_final_message``); ``tools`` (OpenAI's function tools) go to the
+        template, which may show them."""
         template = self._chat_template or getattr(self._tokenizer, "chat_template", None)
         if not template:
             raise ValueError("messages: this model's tokenizer has no chat template")
@@ -91,5 +97,6 @@ class Tokenizer:
             tools=tools,
             chat_template=template,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )

@@ -317,6 +317,52 @@ def test_chat_completions_use_the_chat_template_as_offline(server, client, offli
         assert bytes(item.bytes).decode(errors="replace") == item.token
 
 
+def test_a_final_message_is_continued_as_offline_and_as_hf_renders_it(
+    server, offline, server_model_dir
+):
+    from transformers import AutoTokenizer
+
+    started = [
+        {"role": "user", "content": "name a fruit"},
+        {"role": "assistant", "content": "I would say the"},
+    ]
+    reference = AutoTokenizer.from_pretrained(server_model_dir).apply_chat_template(
+        started, tokenize=False, continue_final_message=True
+    )
+    assert reference.endswith("I would say the")  # no end of turn: the model goes on
+    flags = dict(add_generation_prompt=False, continue_final_message=True)
+    want = offline.chat(started, greedy_params(8), **flags)[0]
+    assert want.prompt == reference
+    assert want.prompt_token_ids == offline.tokenizer.encode(reference, add_special_tokens=False)
+    body = {"model": SERVED_MODEL_NAME, "messages": started, "max_tokens": 8,
+            "temperature": 0.0, "ignore_eos": True, **flags}  # fmt: skip
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
+    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    chat = pb.Chat(add_generation_prompt=False, continue_final_message=True)
+    for message in started:
+        chat.messages.add(role=message["role"], content=message["content"])
+    sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    output = server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
+    assert list(output.prompt_token_ids) == want.prompt_token_ids
+    assert list(output.outputs[0].token_ids) == want.outputs[0].token_ids
+    # Without the assistant's header: the conversation as it stands, no turn opened.
+    closed = offline.chat(started[:1], greedy_params(8), add_generation_prompt=False)[0]
+    assert closed.prompt.endswith("<|im_end|>\n")
+    # Both at once is refused by name, in each API.
+    status, answer = post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert (status, answer["error"]["param"]) == (400, "continue_final_message"), answer
+    assert "cannot both be true" in answer["error"]["message"]
+    chat.add_generation_prompt = True
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("chat.continue_final_message and add_generation")
+    with pytest.raises(ValueError, match="^continue_final_message and add_generation_prompt"):
+        offline.chat(started, greedy_params(8), continue_final_message=True)
+
+
 def want_logprobs(offline, messages) -> list[dict[int, float]]:
     return offline.chat(messages, greedy_params(8, logprobs=3))[0].outputs[0].logprobs
 
