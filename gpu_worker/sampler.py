@@ -94,17 +94,19 @@ class Sampler:
             # As HF's beam search: penalties, biases and bans act on the log-probs, and the
             # beams rank (and score) their candidates by what those make of them.
             logits[beam_rows] = raw_logprobs[beam_rows]
-        if batch.penalty_rows.size:
-            apply_penalties(logits, batch)
-        if batch.bias_rows.size:
-            rows, columns = _flatten_rows(batch.bias_rows, batch.bias_token_ids)
-            logits[rows, columns] += torch.from_numpy(np.concatenate(batch.bias_values))
+        # vLLM's order (HF's too, where it has the processor): what may be picked at all,
+        # then logit_bias, then the penalties (a bias moves a token the penalty then scales).
         if batch.allowed_rows.size:
             keep_only_allowed_tokens(logits, batch)
         if batch.grammar_rows.size:
             apply_grammar_masks(logits, batch)
         if batch.banned_rows.size:
             ban_tokens(logits, batch)
+        if batch.bias_rows.size:
+            rows, columns = _flatten_rows(batch.bias_rows, batch.bias_token_ids)
+            logits[rows, columns] += torch.from_numpy(np.concatenate(batch.bias_values))
+        if batch.penalty_rows.size:
+            apply_penalties(logits, batch)
         if beam_rows is not None:
             raw_logprobs[beam_rows] = logits[beam_rows]
 

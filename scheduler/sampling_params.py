@@ -137,9 +137,9 @@ class SamplingParams:
 
     ``structured_outputs`` constrains what the output may be (``StructuredOutputsParams``:
     a JSON schema, a regex, a choice of strings, a grammar); not with beam search.
-    ``logit_bias`` adds its value to the logit of each token id it names, after the
-    penalties; ``allowed_token_ids`` lets only those tokens be picked (as vLLM). Neither
-    changes the reported logprobs (the raw distribution's).
+    ``logit_bias`` adds its value to the logit of each token id it names, before the
+    penalties (vLLM's and HF's order); ``allowed_token_ids`` lets only those tokens be
+    picked (as vLLM). Neither changes the reported logprobs (the raw distribution's).
 
     ``bad_words`` (vLLM's) are strings the output may not contain as tokens: the frontend
     tokenizes each (as it stands and after a space) into ``bad_words_token_ids``, and a

@@ -274,6 +274,28 @@ def test_logit_bias_shifts_the_greedy_pick_and_the_sampled_distribution():
     assert out[1] == reference_draw(softmax(biased.numpy() / 0.8), uniform)
 
 
+def test_logit_bias_goes_before_the_penalties_as_in_vllm_and_hf():
+    # Token 1 leads (2.0 against 1.5), was seen (repetition penalty 4) and gets a bias of
+    # +2: biased first, (2.0 + 2.0) / 4 = 1.0 and token 0 wins; penalized first, it would
+    # be 2.0 / 4 + 2.0 = 2.5 and token 1 would.
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, 0], logits[0, 1] = 1.5, 2.0
+    batch = make_batch(
+        1,
+        num_logprobs=[-1],
+        penalty_rows=[0],
+        repetition_penalties=[4.0],
+        presence_penalties=[0.0],
+        frequency_penalties=[0.0],
+        penalty_prompt_tokens=[np.array([1])],
+        penalty_output_tokens=[np.array([], np.int64)],
+        bias_rows=[0],
+        bias_token_ids=[np.array([1])],
+        bias_values=[np.array([2.0], np.float32)],
+    )
+    assert Sampler()(logits, batch).token_ids.tolist() == [0]
+
+
 def test_allowed_token_ids_restrict_each_row_to_its_own_list():
     logits = fixed_logits(3, seed=7)
     batch = make_batch(
