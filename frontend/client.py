@@ -177,12 +177,17 @@ def _chat_request(
     tool_choice: ToolChoice | None,
     parallel_tool_calls: bool | None,
     include_reasoning: bool | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
     request_id: str,
     cache_namespace: str,
     lora_adapter: str,
     priority: int,
 ) -> pb.GenerateRequest:
-    chat = chat_to_proto(messages, tools, tool_choice, parallel_tool_calls, include_reasoning)
+    chat = chat_to_proto(
+        messages, tools, tool_choice, parallel_tool_calls, include_reasoning,
+        add_generation_prompt, continue_final_message,
+    )  # fmt: skip
     return build_request(chat, params, request_id, cache_namespace, lora_adapter, priority)
 
 
@@ -227,6 +232,8 @@ class Client:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         include_reasoning: bool | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -237,9 +244,12 @@ class Client:
         message dicts, an assistant's ``tool_calls`` and a tool's ``tool_call_id``
         included). ``tools`` (OpenAI's function tools) go to the template, and
         ``tool_choice`` (unset: "auto" with tools) says how calls come out: each output's
-        ``tool_calls``, its ``text`` the content around them."""
+        ``tool_calls``, its ``text`` the content around them. ``continue_final_message``
+        (with ``add_generation_prompt=False``) has the model go on with the last message,
+        as ``LLM.chat``."""
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
+            add_generation_prompt, continue_final_message,
             request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return self._whole(request, timeout_s)
@@ -269,6 +279,8 @@ class Client:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         include_reasoning: bool | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -279,6 +291,7 @@ class Client:
         (a call's arguments grow until the output ends)."""
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
+            add_generation_prompt, continue_final_message,
             request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return self._stream(request, timeout_s)
@@ -377,6 +390,8 @@ class AsyncClient:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         include_reasoning: bool | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -385,6 +400,7 @@ class AsyncClient:
     ) -> RequestOutput:
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
+            add_generation_prompt, continue_final_message,
             request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return await self._whole(request, timeout_s)
@@ -412,6 +428,8 @@ class AsyncClient:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         include_reasoning: bool | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -420,6 +438,7 @@ class AsyncClient:
     ) -> AsyncIterator[RequestOutput]:
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
+            add_generation_prompt, continue_final_message,
             request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return self._stream(request, timeout_s)

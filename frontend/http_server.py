@@ -311,7 +311,7 @@ class HttpApi:
         server = self._server
         llm = server.engine.llm
         response_id = protocol.response_id(api_request)
-        texts = protocol.TokenTexts(llm)
+        texts = protocol.TokenTexts(llm, api_request.tokens_as_ids)
         interval_tokens = server.config.stream_interval_tokens
         writers = [
             protocol.StreamWriter(api_request, response_id, i, llm, texts, interval_tokens)

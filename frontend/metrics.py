@@ -5,9 +5,9 @@ Served over HTTP at ``/metrics``: on ``--metrics-port`` by prometheus_client's o
 and on the HTTP API's port (``--http-port``) as OpenAI-compatible servers do. Two kinds:
 
 - the server's own, counted as calls end: calls by API and outcome (a gRPC status name,
-  for HTTP calls too: ``call_errors.py`` maps them), calls running,
-  prompt and generated tokens, and histograms of time to first token, time per output
-  token and call duration;
+  for HTTP calls too: ``call_errors.py`` maps them), calls running, outputs by finish
+  reason, prompt and generated tokens (in all, and histograms per call), and histograms of
+  time to first token, time per output token and call duration;
 - the engine's, read at scrape time (one ``GetStats`` round trip to the scheduler, on
   the event loop): queue lengths, free and total KV blocks on device and host,
   preemptions, prefix-cache queries and hits, and the scheduler's other counters.
@@ -50,6 +50,8 @@ ENGINE_STATS_TIMEOUT_S = 2.0
 # Latency buckets (seconds): from a decode step on a GPU to a long generation on a CPU.
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Tokens per call (prompt, or generated over all outputs): 1-2-5 steps up to 100k.
+_TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 
 class _EngineCollector(Collector):
@@ -94,6 +96,25 @@ class ServerMetrics:
             "tokens generated (all outputs of a call)",
             registry=self.registry,
         )
+        self.finished_outputs = Counter(
+            f"{PREFIX}_request_success",
+            "outputs that ended, by finish reason (stop, length, tool_calls; vLLM's "
+            "request_success by output)",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens_per_call = Histogram(
+            f"{PREFIX}_request_prompt_tokens",
+            "prompt tokens of each call that ended",
+            buckets=_TOKEN_COUNT_BUCKETS,
+            registry=self.registry,
+        )
+        self.generation_tokens_per_call = Histogram(
+            f"{PREFIX}_request_generation_tokens",
+            "tokens each call that ended generated (all its outputs)",
+            buckets=_TOKEN_COUNT_BUCKETS,
+            registry=self.registry,
+        )
         self.time_to_first_token_s = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "from admission to the first generated token of a call",
@@ -122,10 +143,16 @@ class ServerMetrics:
     ) -> None:
         """A call that ran to its end (``*_s``: seconds since its admission)."""
         self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.prompt_tokens_per_call.observe(len(output.prompt_token_ids))
         self.duration_s.observe(duration_s)
         if isinstance(output, EmbeddingRequestOutput):
             return  # prompt only: no generated tokens, no first token
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+        num_generated = sum(len(c.token_ids) for c in output.outputs)
+        self.generation_tokens.inc(num_generated)
+        self.generation_tokens_per_call.observe(num_generated)
+        for completion in output.outputs:
+            if completion.finish_reason is not None:
+                self.finished_outputs.labels(completion.finish_reason).inc()
         if first_token_s is not None:
             self.time_to_first_token_s.observe(first_token_s)
             num_tokens = len(output.outputs[0].token_ids) if output.outputs else 0

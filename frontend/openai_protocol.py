@@ -101,6 +101,7 @@ _COMMON_FIELDS = {
     "cache_salt",
     "priority",
     "request_id",
+    "return_tokens_as_token_ids",
     "user",
     "logprobs",
     "logit_bias",
@@ -206,6 +207,9 @@ class ApiRequest:
     # than "none"; the thinking on a server with --reasoning-parser, reported unless
     # include_reasoning is false); None for completions, whose text is raw.
     chat_reading: ChatReading | None = None
+    # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>" (a token
+    # that is part of a character has no text of its own to name it by).
+    tokens_as_ids: bool = False
     created_s: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -357,6 +361,7 @@ def parse_request(
         cache_namespace=cache_salt,
         client_request_id=request_id,
         chat_reading=chat_reading,
+        tokens_as_ids=_typed(body, "return_tokens_as_token_ids", (bool,), "a boolean", False),
     )
 
 
@@ -794,13 +799,21 @@ def usage(outputs: list[RequestOutput]) -> dict:
 
 
 class TokenTexts:
-    """Each token's own text, as logprobs report it (``tokenizer.decode([id])``, cached)."""
+    """Each token as logprobs name it (``__call__``: its own text, ``tokenizer.decode([id])``,
+    or ``"token_id:<id>"`` when asked or without a tokenizer) and its text (``text``: what it
+    adds to the output, for offsets); cached."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, as_token_ids: bool = False) -> None:
         self._tokenizer = llm.tokenizer
+        self._as_token_ids = as_token_ids
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
+        if self._as_token_ids:
+            return f"token_id:{token_id}"
+        return self.text(token_id)
+
+    def text(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
             if self._tokenizer is None:
@@ -827,10 +840,9 @@ def completion_logprobs(
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset_start
     for token_id, entry in zip(token_ids, entries, strict=True):
-        text = texts(token_id)
-        tokens.append(text)
+        tokens.append(texts(token_id))
         offsets.append(offset)
-        offset += len(text)
+        offset += len(texts.text(token_id))
         if entry is None:  # the prompt's first token: nothing predicts it
             token_logprobs.append(None)
             top_logprobs.append(None)
@@ -851,8 +863,11 @@ def chat_logprobs(
     """The chat format: per token its text, logprob, UTF-8 bytes and the top ``k``."""
 
     def item(token_id: int, logprob: float) -> dict:
-        text = texts(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {
+            "token": texts(token_id),
+            "logprob": logprob,
+            "bytes": list(texts.text(token_id).encode()),
+        }
 
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
@@ -878,7 +893,7 @@ def prompt_logprobs(output: RequestOutput, texts: TokenTexts) -> list[dict | Non
 
 def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) -> dict:
     """The answer of a call that did not stream: every choice in full."""
-    texts = TokenTexts(llm)
+    texts = TokenTexts(llm, request.tokens_as_ids)
     choices = []
     for prompt_index, (prompt, output) in enumerate(zip(request.prompts, outputs, strict=True)):
         num_outputs = len(output.outputs)

@@ -81,6 +81,11 @@ def test_generate_stream_and_chat_match_the_offline_engine(server, offline):
         messages = [{"role": "user", "content": "hi there"}]
         chat_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         same_output(client.chat(messages, chat_params), offline.chat(messages, chat_params)[0])
+        started = [*messages, {"role": "assistant", "content": "well"}]
+        flags = dict(add_generation_prompt=False, continue_final_message=True)
+        want = offline.chat(started, chat_params, **flags)[0]
+        assert want.prompt.endswith("well")
+        same_output(client.chat(started, chat_params, **flags), want)
         assert client.tokenize("hello") == offline.tokenizer.encode("hello")
         assert client.model_info().vocab_size == 512
         # Leaving a stream early cancels the call (the fixture then finds every block free).

@@ -269,6 +269,24 @@ def test_completion_logprobs_and_echo(server, offline):
         for lp in c["logprobs"]["token_logprobs"]
     ]  # fmt: skip
     assert streamed == pytest.approx(logprobs["token_logprobs"][num_prompt:], abs=1e-6)
+    # vLLM's return_tokens_as_token_ids: tokens named by id; offsets still the text's.
+    by_id = {**body, "return_tokens_as_token_ids": True}
+    status, answer = post(server, "/v1/completions", by_id)
+    named = answer["choices"][0]["logprobs"]
+    assert named["tokens"] == [f"token_id:{t}" for t in PROMPT_IDS + want.outputs[0].token_ids]
+    assert named["text_offset"] == offsets
+    assert all(k.startswith("token_id:") for top in named["top_logprobs"][1:] for k in top)
+    events = sse_events(server, "/v1/completions", {**by_id, "echo": False, "stream": True})
+    tokens = [t for e in events[:-1] for c in e["choices"] if c["logprobs"]
+              for t in c["logprobs"]["tokens"]]  # fmt: skip
+    assert tokens == [f"token_id:{t}" for t in want.outputs[0].token_ids]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+    status, answer = post(server, "/v1/chat/completions", chat)
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(item["token"].startswith("token_id:") for item in content)
+    status, answer = post(server, "/v1/completions", {**by_id, "return_tokens_as_token_ids": 1})
+    assert (status, answer["error"]["param"]) == (400, "return_tokens_as_token_ids"), answer
 
 
 # ---------------------------------------------------------------- chat
@@ -508,6 +526,15 @@ def test_both_apis_share_one_engine_and_the_metrics(server, client, offline):
     assert 'pagedserve_requests_total{api="http",code="OK"}' in text
     assert 'pagedserve_requests_total{api="grpc",code="OK"}' in text
     assert "pagedserve_engine_num_total_blocks" in text  # the scheduler's, at scrape time
+    # Per output and per call (the module's server has served other tests' calls too).
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples['pagedserve_request_success_total{finish_reason="length"}'] >= 12
+    assert samples['pagedserve_request_generation_tokens_bucket{le="10.0"}'] >= 12
+    assert samples["pagedserve_request_prompt_tokens_count"] >= 12
     assert server.stats().requests_running == 0
     # A call is counted before its end reaches the client: no waiting for the stats.
     finished_before = server.stats().requests_finished
