@@ -246,6 +246,7 @@ class SamplingParams:
                 f"got {self.structured_outputs!r}"
             )
         for name in (
+            "ignore_eos",
             "include_stop_str_in_output",
             "skip_special_tokens",
             "spaces_between_special_tokens",

@@ -33,6 +33,8 @@ def test_special_token_defaults_are_vllms():
         (dict(stop=7), TypeError, "stop must be a string or a list of strings, got 7"),
         (dict(include_stop_str_in_output=1), TypeError, "include_stop_str_in_output must be a"),
         (dict(skip_special_tokens="no"), TypeError, "skip_special_tokens must be a bool, got 'no'"),
+        # Unchecked, it reached the scheduler's decoder, which stopped the whole server.
+        (dict(ignore_eos={}), TypeError, "ignore_eos must be a bool, got {}"),
         (dict(spaces_between_special_tokens=None), TypeError, "spaces_between_special_tokens"),
         (dict(logit_bias=[(1, 2.0)]), TypeError, "logit_bias must be a dict of token id -> bias"),
         (dict(logit_bias={-1: 1.0}), ValueError, "logit_bias key must be >= 0, got -1"),
