@@ -14,8 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
+from engine.test_parity import hf_greedy
 from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, SamplingParams
@@ -51,22 +50,7 @@ def plain(llm) -> list[list[int]]:
 
 
 def hf_greedy_without(model_dir: Path, bad_words_ids: list[list[int]]) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # as ignore_eos
-    model.generation_config.pad_token_id = 0
-    outputs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            input_ids = torch.tensor([prompt])
-            generated = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NUM_TOKENS,
-                do_sample=False,
-                bad_words_ids=bad_words_ids,
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy(model_dir, PROMPTS, max_new_tokens=NUM_TOKENS, bad_words_ids=bad_words_ids)
 
 
 def a_letter_it_says(llm: LLM, plain: list[list[int]]) -> tuple[str, int]:

@@ -19,8 +19,15 @@ def random_prompts(seed: int, vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], dtype=torch.float32) -> list[list[int]]:
-    """One prompt at a time, so the reference carries no padding effects."""
+def hf_greedy(
+    model_dir,
+    prompts: list[list[int]],
+    dtype=torch.float32,
+    max_new_tokens: int = NEW_TOKENS,
+    **generate_kwargs,
+) -> list[list[int]]:
+    """One prompt at a time, so the reference carries no padding effects
+    (``generate_kwargs``: HF's own, such as ``bad_words_ids``)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.generation_config.eos_token_id = None  # generate exactly NEW_TOKENS, like ignore_eos
     model.generation_config.pad_token_id = 0
@@ -31,8 +38,9 @@ def hf_greedy(model_dir, prompts: list[list[int]], dtype=torch.float32) -> list[
             generated = model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NEW_TOKENS,
+                max_new_tokens=max_new_tokens,
                 do_sample=False,
+                **generate_kwargs,
             )
             outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
