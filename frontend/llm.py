@@ -440,7 +440,12 @@ class LLM:
             self.encode_prompt(prompt, f"prompts[{index}]")
             for index, prompt in enumerate(prompt_list)
         ]
-        params_list = [self.resolve_bad_words(p, "sampling_params") for p in params_list]
+        # One SamplingParams is often every prompt's: its bad_words are tokenized once.
+        distinct = {id(p): p for p in params_list}
+        resolved = {
+            key: self.resolve_bad_words(p, "sampling_params") for key, p in distinct.items()
+        }
+        params_list = [resolved[id(p)] for p in params_list]
         for index, params in enumerate(params_list):
             encoded[index] = self.truncate_prompt(encoded[index], params, "sampling_params")
         for index, (token_ids, params) in enumerate(zip(encoded, params_list)):
