@@ -102,6 +102,29 @@ inline Half from_float<Half>(float x) {
   bits += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
   return Half{static_cast<uint16_t>(sign | (bits >> 13))};
 }
+// A non-negative float32 (its bits, below the format's overflow) rounded to a float8 with
+// kMantissa mantissa bits and exponent bias kBias, to nearest even, as c10 rounds: a subnormal
+// by adding a power of two whose last mantissa bit is the float8's smallest step (the FPU
+// rounds as it shifts the rest out), a normal by rebiasing the exponent and rounding the
+// dropped bits.
+template <int kMantissa, int kBias>
+inline uint8_t round_to_float8(uint32_t bits) {
+  constexpr int kDropped = 23 - kMantissa;
+  if (bits < (uint32_t{128 - kBias} << 23)) {  // below the float8's smallest normal
+    constexpr uint32_t kDenormMagic = uint32_t{151 - kBias - kMantissa} << 23;
+    float magnitude, magic;
+    std::memcpy(&magnitude, &bits, sizeof(magnitude));
+    std::memcpy(&magic, &kDenormMagic, sizeof(magic));
+    magnitude += magic;
+    uint32_t m;
+    std::memcpy(&m, &magnitude, sizeof(m));
+    return static_cast<uint8_t>(m - kDenormMagic);
+  }
+  const uint32_t odd = (bits >> kDropped) & 1;
+  bits += (static_cast<uint32_t>(kBias - 127) << 23) + ((uint32_t{1} << (kDropped - 1)) - 1) + odd;
+  return static_cast<uint8_t>(bits >> kDropped);
+}
+
 // Straight from float32, as c10's fp8e5m2_from_fp32_value (torch's .to(torch.float8_e5m2)):
 // rounding through float16 first could round twice.
 template <>
@@ -113,19 +136,8 @@ inline Float8E5M2 from_float<Float8E5M2>(float x) {
   uint8_t result;
   if (bits >= (uint32_t{143} << 23)) {  // |x| >= 65536, inf or NaN
     result = bits > 0x7f800000u ? 0x7f : 0x7c;
-  } else if (bits < (uint32_t{113} << 23)) {  // e5m2 subnormal or zero: add to shift out
-    constexpr uint32_t kDenormMagic = uint32_t{134} << 23;
-    float magnitude, magic;
-    std::memcpy(&magnitude, &bits, sizeof(magnitude));
-    std::memcpy(&magic, &kDenormMagic, sizeof(magic));
-    magnitude += magic;
-    uint32_t m;
-    std::memcpy(&m, &magnitude, sizeof(m));
-    result = static_cast<uint8_t>(m - kDenormMagic);
   } else {
-    const uint32_t odd = (bits >> 21) & 1;
-    bits += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffff + odd;  // rebias, round to even
-    result = static_cast<uint8_t>(bits >> 21);
+    result = round_to_float8<2, 15>(bits);
   }
   return Float8E5M2{static_cast<uint8_t>(result | (sign >> 24))};
 }
@@ -144,19 +156,8 @@ inline Float8E4M3 from_float<Float8E4M3>(float x) {
     result = 0x7f;
   } else if (bits >= 0x43e00000u) {  // |x| >= 448, inf included: the largest finite
     result = 0x7e;
-  } else if (bits < (uint32_t{121} << 23)) {  // e4m3 subnormal or zero: add to shift out
-    constexpr uint32_t kDenormMagic = uint32_t{141} << 23;
-    float magnitude, magic;
-    std::memcpy(&magnitude, &bits, sizeof(magnitude));
-    std::memcpy(&magic, &kDenormMagic, sizeof(magic));
-    magnitude += magic;
-    uint32_t m;
-    std::memcpy(&m, &magnitude, sizeof(m));
-    result = static_cast<uint8_t>(m - kDenormMagic);
   } else {
-    const uint32_t odd = (bits >> 20) & 1;
-    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffff + odd;  // rebias, round to even
-    result = static_cast<uint8_t>(bits >> 20);
+    result = round_to_float8<3, 7>(bits);
   }
   return Float8E4M3{static_cast<uint8_t>(result | (sign >> 24))};
 }
