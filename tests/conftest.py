@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import weakref
 from pathlib import Path
 
@@ -147,6 +148,18 @@ def make_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
     return {family: make_tiny_model(family, root / family) for family in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def byte_level_llama_dir(tiny_model_dirs, tmp_path_factory) -> Path:
+    """The tiny Llama with a byte-level tokenizer of its 512-token vocabulary (bytes and
+    filler words), so its output decodes to text. Shared: tests must not write into it."""
+    from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
+
+    path = tmp_path_factory.mktemp("tiny_llama_bytes")
+    shutil.copytree(tiny_model_dirs["llama"], path, dirs_exist_ok=True)
+    tokenizer = byte_level_tokenizer([], vocab_size=512)
+    return save_for_transformers(tokenizer, path, BYTE_LEVEL_SPECIALS)
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,10 @@ the model may emit), so a one-letter word is one token and " x" two.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 from engine.test_parity import hf_greedy
-from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.scheduler.sampling_params import MAX_BAD_WORDS
@@ -31,12 +29,8 @@ def greedy(**fields) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dirs, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llama_bad_words")
-    shutil.copytree(tiny_model_dirs["llama"], path, dirs_exist_ok=True)
-    return save_for_transformers(
-        byte_level_tokenizer([], vocab_size=512), path, BYTE_LEVEL_SPECIALS
-    )
+def model_dir(byte_level_llama_dir) -> Path:
+    return byte_level_llama_dir
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,12 @@ drafts were really proposed and accepted (else the comparisons would prove nothi
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 from test_parity import NEW_TOKENS, hf_greedy
 from test_structured_output import CONSTRAINTS
 from test_structured_output import PROMPTS as STRUCTURED_PROMPTS
-from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.scheduler.sampling_params import StructuredOutputsParams
@@ -196,13 +194,9 @@ def test_across_processes_and_tensor_parallel_ranks(tiny_model_dirs, plain_llama
 
 
 @pytest.fixture(scope="module")
-def byte_model_dir(tiny_model_dirs, tmp_path_factory) -> Path:
+def byte_model_dir(byte_level_llama_dir) -> Path:
     """The tiny Llama with a byte-level tokenizer: grammars force many tokens."""
-    path = tmp_path_factory.mktemp("tiny_llama_bytes")
-    shutil.copytree(tiny_model_dirs["llama"], path, dirs_exist_ok=True)
-    return save_for_transformers(
-        byte_level_tokenizer([], vocab_size=512), path, BYTE_LEVEL_SPECIALS
-    )
+    return byte_level_llama_dir
 
 
 def test_structured_output_speculates_on_forced_and_looked_up_tokens(byte_model_dir):

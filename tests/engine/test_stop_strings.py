@@ -10,11 +10,9 @@ string, and every block free again (asserted here and by conftest after each tes
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.detokenizer import REPLACEMENT_CHAR
@@ -25,11 +23,8 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dirs, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llama_with_tokenizer")
-    shutil.copytree(tiny_model_dirs["llama"], path, dirs_exist_ok=True)
-    tokenizer = byte_level_tokenizer([], vocab_size=512)
-    return save_for_transformers(tokenizer, path, BYTE_LEVEL_SPECIALS)
+def model_dir(byte_level_llama_dir) -> Path:
+    return byte_level_llama_dir
 
 
 @pytest.fixture(scope="module")
