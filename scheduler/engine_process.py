@@ -15,6 +15,8 @@ script), it reads one encoded ``StartEngine`` from stdin, then::
     5. serves: AddRequest / AbortRequest / StopSample / GetStats / ResetPrefixCache /
        LoadLoRA / UnloadLoRA /
        Shutdown in, one OutputBatch per step out
+       (an AddRequest frame that does not decode but names its request ends that
+       request with an EngineError for it; any other bad frame is a failure)
     6. on Shutdown or a failure: ends every request still in flight (on a failure
        after an EngineError naming the cause, each with finish_reason "error"), sends
        its final EngineStats, stops the workers, exits
@@ -53,7 +55,13 @@ from pagedserve.scheduler.engine_messages import (
 )
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.multiproc_executor import MultiprocExecutor, WorkerDiedError
-from pagedserve.scheduler.serialization import Message, decode, decode_as, encode
+from pagedserve.scheduler.serialization import (
+    DecodeError,
+    Message,
+    decode,
+    decode_as,
+    encode,
+)
 from pagedserve.scheduler.structured_output import StructuredOutput
 
 # How long the last messages (final stats, an error) may take to reach the frontend
@@ -105,7 +113,16 @@ class EngineLoop:
 
     def _drain_inbox(self) -> None:
         while not self._stop and self.inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._handle(decode(self.inbox.recv()))
+            try:
+                message = decode(self.inbox.recv())
+            except DecodeError as error:
+                if error.request_id is None:
+                    raise  # a frame that names no request: a broken peer
+                # A frontend bug (a field its checks let through) ends that request,
+                # not the server: every other request runs on.
+                self.outbox.send(encode(EngineError(error.request_id, str(error))))
+                continue
+            self._handle(message)
 
     def _handle(self, message: Message) -> None:
         engine = self.engine

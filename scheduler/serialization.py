@@ -26,7 +26,10 @@ type of every scalar field and of every per-request column, and ``SamplingParams
 validation. It does not check each element of token-id, block-id or logprob lists (that
 would cost a Python-level pass per token); those only have to be lists. The checks guard
 against a peer built from another version, a truncated frame or a frame from the wrong
-socket, not against a hostile peer: every process of an engine is trusted.
+socket, not against a hostile peer: every process of an engine is trusted. An
+``AddRequest`` that fails them after its id was read raises a ``DecodeError`` that names
+the request, so the scheduler refuses it alone (a field the frontend's checks let through
+is that request's problem, not the server's).
 
 Tags are part of the wire format: never renumber or reuse one.
 """
@@ -108,7 +111,14 @@ MessageT = TypeVar("MessageT")
 
 class DecodeError(ValueError):
     """A frame that is not a well-formed message: bad msgpack, unknown tag, wrong number
-    or type of fields. The message names the message type and the field."""
+    or type of fields. The message names the message type and the field.
+
+    ``request_id``: set when the frame is an ``AddRequest`` whose id could be read, so a
+    receiver can refuse that one request instead of failing as a whole."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 # The fields each type puts on the wire, in wire order. A test checks that these match
@@ -726,20 +736,30 @@ def _unpack_add_request(value: Any) -> AddRequest:
         priority,
         pooling_params,
     ) = _fields(value, "AddRequest")
-    # A few ids: checked one by one, unlike the prompt's tokens.
-    _check(eos_token_ids, list, "AddRequest.eos_token_ids")
-    _check_column(eos_token_ids, int, len(eos_token_ids), "AddRequest.eos_token_ids")
-    return AddRequest(
-        request_id=_check(request_id, str, "AddRequest.request_id"),
-        prompt_token_ids=_check(prompt_token_ids, list, "AddRequest.prompt_token_ids"),
-        sampling_params=_unpack_sampling_params(sampling_params),
-        arrival_time_s=_check(arrival_time_s, float, "AddRequest.arrival_time_s"),
-        eos_token_ids=eos_token_ids,
-        cache_namespace=_check(cache_namespace, (str, type(None)), "AddRequest.cache_namespace"),
-        lora_id=_check(lora_id, int, "AddRequest.lora_id"),
-        priority=_check(priority, int, "AddRequest.priority"),
-        pooling_params=_unpack_optional_flat(pooling_params, PoolingParams),
-    )
+    _check(request_id, str, "AddRequest.request_id")
+    try:
+        # A few ids: checked one by one, unlike the prompt's tokens.
+        _check(eos_token_ids, list, "AddRequest.eos_token_ids")
+        _check_column(eos_token_ids, int, len(eos_token_ids), "AddRequest.eos_token_ids")
+        return AddRequest(
+            request_id=request_id,
+            prompt_token_ids=_check(prompt_token_ids, list, "AddRequest.prompt_token_ids"),
+            sampling_params=_unpack_sampling_params(sampling_params),
+            arrival_time_s=_check(arrival_time_s, float, "AddRequest.arrival_time_s"),
+            eos_token_ids=eos_token_ids,
+            cache_namespace=_check(
+                cache_namespace, (str, type(None)), "AddRequest.cache_namespace"
+            ),
+            lora_id=_check(lora_id, int, "AddRequest.lora_id"),
+            priority=_check(priority, int, "AddRequest.priority"),
+            pooling_params=_unpack_optional_flat(pooling_params, PoolingParams),
+        )
+    except Exception as error:
+        # Decoding changes no state, so whatever a field's value made fail (a check, or a
+        # dataclass's own validation tripping over an unexpected type) ends only this
+        # request: the receiver can name it.
+        message = str(error) if isinstance(error, DecodeError) else f"AddRequest: {error!r}"
+        raise DecodeError(message, request_id=request_id) from error
 
 
 def _unpack_abort_request(value: Any) -> AbortRequest:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 from process_helpers import (
     is_live,
@@ -32,9 +33,15 @@ from process_helpers import (
 )
 
 from pagedserve.frontend import LLM, SamplingParams
-from pagedserve.frontend.engine_client import EngineClient, EngineDeadError, EngineStartupError
+from pagedserve.frontend.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineStartupError,
+    RequestRefusedError,
+)
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.engine_messages import WorkerSpec
+from pagedserve.scheduler.engine_messages import AddRequest, WorkerSpec
+from pagedserve.scheduler.serialization import WIRE_FIELDS, encode
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = [1, 5, 16, 17, 31, 64, 100, 150]
@@ -143,6 +150,25 @@ def test_stats_and_prefix_cache_reset_over_the_wire(shared_llm):
 def test_request_that_cannot_fit_is_refused_before_it_is_sent(shared_llm):
     with pytest.raises(ValueError, match="prompts\\[0\\]: prompt is 600 tokens; max_model_len"):
         shared_llm.generate([[1] * 600], GREEDY)
+
+
+def test_a_request_the_scheduler_cannot_decode_is_refused_and_the_engine_runs_on(shared_llm):
+    # A frontend bug: a field its checks let through, which the scheduler's decoder
+    # refuses. That request ends with an error naming the field; the engine is untouched.
+    engine = shared_llm.engine
+    frame = msgpack.unpackb(
+        encode(AddRequest("bad", [1, 2, 3], GREEDY, 0.0, eos_token_ids=[])), raw=False
+    )
+    frame[3][WIRE_FIELDS[SamplingParams].index("ignore_eos")] = {}
+    engine._process.to_scheduler.send(msgpack.packb(frame))
+    engine._unfinished.add("bad")
+    with pytest.raises(RequestRefusedError, match="ignore_eos: expected bool, got dict") as raised:
+        engine.step()
+    assert raised.value.request_id == "bad" and not engine.has_unfinished_requests()
+    assert engine.is_running
+    prompts = random_prompts(seed=5)[:3]
+    assert len(token_ids(shared_llm.generate(prompts, GREEDY))[2]) == GREEDY.max_tokens
+    assert shared_llm.stats()["num_free_blocks"] == 64
 
 
 def test_scheduler_never_imports_torch_and_sleeps_when_idle(shared_llm):

@@ -661,3 +661,25 @@ def test_encode_rejects_what_is_not_a_message():
     # A numpy scalar leaking out of the sampler is caught at the sender, not the receiver.
     with pytest.raises(TypeError, match="cannot encode StepResult"):
         encode(StepResult(step_id=1, request_ids=["a"], sampled_token_ids=[np.int64(5)]))
+
+
+@pytest.mark.parametrize(
+    "frame, request_id",
+    [
+        # The id is readable: the receiver can refuse this one request.
+        (
+            _frame(AddRequest, "r7", [1], _pack_params(ignore_eos={}), 0.0, [2], None, 0, 0, None),
+            "r7",
+        ),
+        (_frame(AddRequest, "r7", [1], _pack_params(), 0.0, [2], None, 0, "high", None), "r7"),
+        (_frame(AddRequest, "r7", [1], [16], 0.0, [2], None, 0, 0, None), "r7"),
+        # It is not: nothing to name but the frame.
+        (_frame(AddRequest, 7, [1], _pack_params(), 0.0, [2], None, 0, 0, None), None),
+        (_frame(AddRequest, "r7", [1], _pack_params(), 0.0), None),
+        (_frame(StopSample, "r7", True), None),
+    ],
+)
+def test_a_bad_add_request_names_its_request_when_it_can(frame, request_id):
+    with pytest.raises(DecodeError) as raised:
+        decode(frame)
+    assert raised.value.request_id == request_id
