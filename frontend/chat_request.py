@@ -44,15 +44,22 @@ def render_chat_prompt(
     field: str,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of ``conversation`` (each message as the template gets
     it: role, content, and tool calling's fields) with ``tools`` (OpenAI's function-tool
-    definitions; None: no tools), ending as ``LLM.render_chat`` says. ``ValueError`` naming
-    ``field`` when the template refuses the messages (its ``raise_exception``) or the prompt
-    is not one the engine takes (``continue_final_message`` for that setting's errors)."""
+    definitions; None: no tools) and ``chat_template_kwargs`` (more template variables),
+    ending as ``LLM.render_chat`` says. ``ValueError`` naming ``field`` when the template
+    refuses the messages (its ``raise_exception``) or the prompt is not one the engine takes
+    (``continue_final_message`` or ``chat_template_kwargs`` for those settings' errors)."""
     try:
         text = llm.render_chat(
-            conversation, field, tools, add_generation_prompt, continue_final_message
+            conversation,
+            field,
+            tools,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
         )
         token_ids = llm.encode_prompt(llm.tokenizer.encode(text, add_special_tokens=False), field)
     except TemplateError as error:

@@ -179,6 +179,7 @@ def _chat_request(
     include_reasoning: bool | None,
     add_generation_prompt: bool,
     continue_final_message: bool,
+    chat_template_kwargs: dict[str, Any] | None,
     request_id: str,
     cache_namespace: str,
     lora_adapter: str,
@@ -186,7 +187,7 @@ def _chat_request(
 ) -> pb.GenerateRequest:
     chat = chat_to_proto(
         messages, tools, tool_choice, parallel_tool_calls, include_reasoning,
-        add_generation_prompt, continue_final_message,
+        add_generation_prompt, continue_final_message, chat_template_kwargs,
     )  # fmt: skip
     return build_request(chat, params, request_id, cache_namespace, lora_adapter, priority)
 
@@ -234,6 +235,7 @@ class Client:
         include_reasoning: bool | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -246,10 +248,10 @@ class Client:
         ``tool_choice`` (unset: "auto" with tools) says how calls come out: each output's
         ``tool_calls``, its ``text`` the content around them. ``continue_final_message``
         (with ``add_generation_prompt=False``) has the model go on with the last message,
-        as ``LLM.chat``."""
+        and ``chat_template_kwargs`` are more template variables, as ``LLM.chat``."""
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
-            add_generation_prompt, continue_final_message,
+            add_generation_prompt, continue_final_message, chat_template_kwargs,
             request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return self._whole(request, timeout_s)
@@ -281,6 +283,7 @@ class Client:
         include_reasoning: bool | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -291,7 +294,7 @@ class Client:
         (a call's arguments grow until the output ends)."""
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
-            add_generation_prompt, continue_final_message,
+            add_generation_prompt, continue_final_message, chat_template_kwargs,
             request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return self._stream(request, timeout_s)
@@ -392,6 +395,7 @@ class AsyncClient:
         include_reasoning: bool | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -400,7 +404,7 @@ class AsyncClient:
     ) -> RequestOutput:
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
-            add_generation_prompt, continue_final_message,
+            add_generation_prompt, continue_final_message, chat_template_kwargs,
             request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return await self._whole(request, timeout_s)
@@ -430,6 +434,7 @@ class AsyncClient:
         include_reasoning: bool | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -438,7 +443,7 @@ class AsyncClient:
     ) -> AsyncIterator[RequestOutput]:
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
-            add_generation_prompt, continue_final_message,
+            add_generation_prompt, continue_final_message, chat_template_kwargs,
             request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return self._stream(request, timeout_s)

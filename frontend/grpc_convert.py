@@ -387,15 +387,19 @@ def chat_to_proto(
     include_reasoning: bool | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> pb.Chat:
     """A ``Chat`` from OpenAI's shapes (the client's side of ``chat_from_proto``):
     messages as dicts (``tool_calls`` with arguments as JSON text or an object,
     ``tool_call_id``), tools as ``{"type": "function", "function": {"name",
     "description", "parameters"}}`` (the offline ``LLM.chat``'s), ``tool_choice`` a mode
-    or ``{"type": "function", "function": {"name": ...}}``. The server checks the rest."""
+    or ``{"type": "function", "function": {"name": ...}}``, ``chat_template_kwargs``
+    sent as JSON text. The server checks the rest."""
     chat = pb.Chat(continue_final_message=continue_final_message)
     if not add_generation_prompt:
         chat.add_generation_prompt = False
+    if chat_template_kwargs is not None:
+        chat.chat_template_kwargs = json.dumps(chat_template_kwargs, ensure_ascii=False)
     for message in messages:
         entry = chat.messages.add(
             role=message["role"],

@@ -22,6 +22,7 @@ drain and engine (``server.py``).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -329,13 +330,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> tuple[str, list[int]]:
         definitions = None if tools is None else [tool.definition for tool in tools]
         opens_turn = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        template_kwargs = None
+        if chat.chat_template_kwargs:
+            try:
+                template_kwargs = json.loads(chat.chat_template_kwargs)
+            except ValueError as error:
+                raise ValueError(f"chat.chat_template_kwargs: not JSON text: {error}") from None
         try:
             return render_chat_prompt(
                 llm, conversation, definitions, "chat.messages", opens_turn,
-                chat.continue_final_message,
+                chat.continue_final_message, template_kwargs,
             )  # fmt: skip
         except ValueError as error:
-            if str(error).startswith("continue_final_message"):
+            if str(error).startswith(("continue_final_message", "chat_template_kwargs")):
                 raise ValueError(f"chat.{error}") from None
             raise
 

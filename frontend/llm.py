@@ -18,7 +18,7 @@ from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
-from pagedserve.frontend.tokenizer import Tokenizer
+from pagedserve.frontend.tokenizer import Tokenizer, check_template_kwargs
 from pagedserve.gpu_worker.lora import (
     check_adapter_files,
     check_adapter_weights,
@@ -473,13 +473,16 @@ class LLM:
         priority: int | Sequence[int] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of ``{"role", "content"}``
         dicts) or several, then generate the assistant's turn. ``tools`` (OpenAI's
         function tools) go to the template; the output stays text (the HTTP server reads
         tool calls out of it). As in vLLM, ``continue_final_message=True`` (with
         ``add_generation_prompt=False``) leaves the last message open and the output goes
-        on with it (an assistant message started for the model)."""
+        on with it (an assistant message started for the model);
+        ``chat_template_kwargs`` are more variables for the template (a Qwen3-style
+        ``{"enable_thinking": False}``)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -490,6 +493,7 @@ class LLM:
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for conversation in conversations
         ]
@@ -750,14 +754,19 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text of a conversation: the chat template, ending with the
         assistant's turn to speak (``add_generation_prompt``), or inside the last message so
         that the model goes on with it (``continue_final_message``: vLLM's, for an assistant
         message to complete); encode it with ``add_special_tokens=False``. ``tools``
-        (OpenAI's function tools) go to the template. ``ValueError`` starting
-        ``continue_final_message`` when both are set or the template hides the last message."""
+        (OpenAI's function tools) go to the template, and so do ``chat_template_kwargs``
+        (vLLM's: more template variables). ``ValueError`` starting
+        ``continue_final_message`` when both are set or the template hides the last message,
+        ``chat_template_kwargs`` when one of those is not a variable a caller may set."""
         tokenizer = self._require_tokenizer(field)
+        if chat_template_kwargs is not None:
+            check_template_kwargs(chat_template_kwargs, "chat_template_kwargs")
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be true: the "
@@ -765,7 +774,11 @@ class LLM:
             )
         try:
             return tokenizer.apply_chat_template(
-                list(conversation), tools, add_generation_prompt, continue_final_message
+                list(conversation),
+                tools,
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
             )
         except ValueError as error:
             if not str(error).startswith("continue_final_message"):  # HF's own words

@@ -125,6 +125,7 @@ _CHAT_FIELDS = {
     "include_reasoning",
     "add_generation_prompt",
     "continue_final_message",
+    "chat_template_kwargs",
 }
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # vLLM's older structured-output fields -> StructuredOutputsParams' field.
@@ -732,14 +733,23 @@ def chat_prompt(body: dict, llm: LLM) -> Prompt:
     # vLLM's: a new assistant turn (the default), or the last message left open to go on.
     opens_turn = _typed(body, "add_generation_prompt", (bool,), "a boolean", True)
     continues = _typed(body, "continue_final_message", (bool,), "a boolean", False)
+    # vLLM's: more variables for the template (a Qwen3-style {"enable_thinking": false}).
+    template_kwargs = body.get("chat_template_kwargs")
     try:
         text, token_ids = render_chat_prompt(
-            llm, conversation, tools, "messages", opens_turn, continues
+            llm, conversation, tools, "messages", opens_turn, continues, template_kwargs
         )
     except (ValueError, TypeError) as error:
         message = str(error)
-        name = "continue_final_message"
-        raise _invalid(message, name if message.startswith(name) else "messages") from None
+        name = next(
+            (
+                name
+                for name in ("continue_final_message", "chat_template_kwargs")
+                if message.startswith(name)
+            ),
+            "messages",
+        )
+        raise _invalid(message, name) from None
     return Prompt(text, token_ids)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +86,14 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The conversation as the template writes it, ending with the assistant's turn
         (``add_generation_prompt``) or open inside the last message, for the model to go on
         with it (``continue_final_message``); ``tools`` (OpenAI's function tools) go to the
-        template, which may show them."""
+        template, which may show them. ``template_kwargs``: more variables for the template
+        (vLLM's ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), checked
+        first with ``check_template_kwargs``."""
         template = self._chat_template or getattr(self._tokenizer, "chat_template", None)
         if not template:
             raise ValueError("messages: this model's tokenizer has no chat template")
@@ -99,4 +104,40 @@ class Tokenizer:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
+
+
+def check_template_kwargs(value: object, field: str) -> dict[str, Any]:
+    """``value`` as extra chat-template variables, or a ``ValueError`` starting with
+    ``field``: a mapping from names to values, none of them a name the rendering sets
+    itself (the conversation, the tools, where the prompt ends: each has its own field,
+    and a second value for it would be ambiguous)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} must be an object of template variables, got {value!r:.100}")
+    reserved = _reserved_template_names()
+    for name in value:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"{field}: {name!r:.100} is not a template variable name")
+        if name in reserved:
+            raise ValueError(
+                f"{field}.{name}: set by the rendering itself, not a variable a request may "
+                f"set (reserved: {', '.join(sorted(reserved))})"
+            )
+    return value
+
+
+@functools.cache
+def _reserved_template_names() -> frozenset[str]:
+    """The keywords of transformers' ``apply_chat_template`` (its own settings, and what it
+    passes to the template: ``tools``, ``documents``, ``add_generation_prompt``) and the
+    ``messages`` it renders."""
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    names = {
+        name
+        for name, parameter in parameters.items()
+        if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    return frozenset(names | {"messages"})

@@ -26,10 +26,14 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 SERVED_MODEL_NAME = "tiny-llama"
-# A ChatML template, enough to test chat requests on the tiny tokenizer's byte vocabulary.
+# A ChatML template, enough to test chat requests on the tiny tokenizer's byte vocabulary;
+# as Qwen3's, chat_template_kwargs {"enable_thinking": false} opens the turn with an empty
+# thinking block.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
 )
 
 

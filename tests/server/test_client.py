@@ -86,6 +86,10 @@ def test_generate_stream_and_chat_match_the_offline_engine(server, offline):
         want = offline.chat(started, chat_params, **flags)[0]
         assert want.prompt.endswith("well")
         same_output(client.chat(started, chat_params, **flags), want)
+        no_thinking = {"enable_thinking": False}
+        want = offline.chat(messages, chat_params, chat_template_kwargs=no_thinking)[0]
+        assert want.prompt.endswith("</think>\n\n")
+        same_output(client.chat(messages, chat_params, chat_template_kwargs=no_thinking), want)
         assert client.tokenize("hello") == offline.tokenizer.encode("hello")
         assert client.model_info().vocab_size == 512
         # Leaving a stream early cancels the call (the fixture then finds every block free).

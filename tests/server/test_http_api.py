@@ -381,6 +381,55 @@ def test_a_final_message_is_continued_as_offline_and_as_hf_renders_it(
         offline.chat(started, greedy_params(8), continue_final_message=True)
 
 
+def test_chat_template_kwargs_reach_the_template_in_each_api(server, offline, server_model_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "name a fruit"}]
+    kwargs = {"enable_thinking": False}
+    reference = AutoTokenizer.from_pretrained(server_model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+    assert reference.endswith("assistant\n<think>\n\n</think>\n\n")  # the variable was read
+    want = offline.chat(messages, greedy_params(8), chat_template_kwargs=kwargs)[0]
+    assert want.prompt == reference
+    plain = offline.chat(messages, greedy_params(8))[0]
+    assert len(want.prompt_token_ids) > len(plain.prompt_token_ids)
+    body = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 8,
+            "temperature": 0.0, "ignore_eos": True, "chat_template_kwargs": kwargs}  # fmt: skip
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
+    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    status, answer = post(
+        server, "/tokenize", {"messages": messages, "chat_template_kwargs": kwargs}
+    )
+    assert (status, answer["tokens"]) == (200, want.prompt_token_ids), answer
+    chat = pb.Chat(chat_template_kwargs=json.dumps(kwargs))
+    chat.messages.add(role="user", content="name a fruit")
+    sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    output = server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
+    assert list(output.prompt_token_ids) == want.prompt_token_ids
+    assert list(output.outputs[0].token_ids) == want.outputs[0].token_ids
+    # A name the rendering sets itself, or not an object: refused by name in each API.
+    for bad, words in [({"add_generation_prompt": False}, "add_generation_prompt: set by"),
+                       ([1], "must be an object")]:  # fmt: skip
+        status, answer = post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": bad})
+        assert (status, answer["error"]["param"]) == (400, "chat_template_kwargs"), answer
+        assert words in answer["error"]["message"]
+        chat.chat_template_kwargs = json.dumps(bad)
+        with pytest.raises(grpc.RpcError) as caught:
+            server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details().startswith("chat.chat_template_kwargs")
+        assert words in caught.value.details()
+        with pytest.raises(ValueError, match=f"^chat_template_kwargs.*{words}"):
+            offline.chat(messages, greedy_params(8), chat_template_kwargs=bad)
+    chat.chat_template_kwargs = "{not json"
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
+    assert caught.value.details().startswith("chat.chat_template_kwargs: not JSON text")
+
+
 def want_logprobs(offline, messages) -> list[dict[int, float]]:
     return offline.chat(messages, greedy_params(8, logprobs=3))[0].outputs[0].logprobs
 
