@@ -102,6 +102,7 @@ _COMMON_FIELDS = {
     "priority",
     "request_id",
     "return_tokens_as_token_ids",
+    "return_token_ids",
     "user",
     "logprobs",
     "logit_bias",
@@ -211,6 +212,10 @@ class ApiRequest:
     # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>" (a token
     # that is part of a character has no text of its own to name it by).
     tokens_as_ids: bool = False
+    # vLLM's return_token_ids: each choice's token ids beside its text, and the prompt's
+    # (the response's for chat, each choice's for completions; a stream sends them once,
+    # first).
+    return_token_ids: bool = False
     created_s: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -363,6 +368,7 @@ def parse_request(
         client_request_id=request_id,
         chat_reading=chat_reading,
         tokens_as_ids=_typed(body, "return_tokens_as_token_ids", (bool,), "a boolean", False),
+        return_token_ids=_typed(body, "return_token_ids", (bool,), "a boolean", False),
     )
 
 
@@ -941,8 +947,12 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
                     )
             if request.prompt_logprobs:
                 choice["prompt_logprobs"] = prompt_logprobs(output, texts)
+            if request.return_token_ids:
+                if request.kind == "completion":
+                    choice["prompt_token_ids"] = list(output.prompt_token_ids)
+                choice["token_ids"] = list(completion.token_ids)
             choices.append(choice)
-    return {
+    response = {
         "id": response_id(request),
         "object": "chat.completion" if request.kind == "chat" else "text_completion",
         "created": request.created_s,
@@ -950,6 +960,9 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
         "choices": choices,
         "usage": usage(outputs),
     }
+    if request.return_token_ids and request.kind == "chat":
+        response["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
+    return response
 
 
 def _chat_message(reading: ChatReading, answer: ChatAnswer) -> dict[str, Any]:
@@ -1103,12 +1116,20 @@ class StreamWriter:
             choice["stop_reason"] = completion.stop_reason if newly_finished else None
             if request.prompt_logprobs and not cursor.started:
                 choice["prompt_logprobs"] = prompt_logprobs(output, self._texts)
+            first_of_stream = not any(c.started for c in self._cursors.values())
+            if request.return_token_ids:
+                if request.kind == "completion" and not cursor.started:
+                    choice["prompt_token_ids"] = list(output.prompt_token_ids)
+                # Every token since the last chunk, those whose text is held back included.
+                choice["token_ids"] = list(new_tokens)
             cursor.started = True
             cursor.finished = cursor.finished or newly_finished
             cursor.text_chars = len(completion.text)
             cursor.tokens = len(completion.token_ids)
             cursor.logprobs += len(new_entries)
             chunk = self.chunk([choice])
+            if request.return_token_ids and request.kind == "chat" and first_of_stream:
+                chunk["prompt_token_ids"] = list(output.prompt_token_ids)
             if request.continuous_usage:
                 chunk["usage"] = usage([output])
             chunks.append(chunk)

@@ -430,6 +430,49 @@ def test_chat_template_kwargs_reach_the_template_in_each_api(server, offline, se
     assert caught.value.details().startswith("chat.chat_template_kwargs: not JSON text")
 
 
+def test_return_token_ids_beside_the_text_whole_and_streamed(server, offline):
+    """vLLM's return_token_ids: completions give each choice its prompt's ids and its own;
+    chat gives the prompt's once (the response's, or the stream's first chunk) and each
+    choice its own. A stream's token_ids add up to the whole, held-back text or not."""
+    prompts = ["hello there", "a b c"]
+    wants = offline.generate(prompts, greedy_params(10))
+    body = {"model": SERVED_MODEL_NAME, "prompt": prompts, "max_tokens": 10,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    status, plain = post(server, "/v1/completions", body)
+    assert status == 200 and "token_ids" not in plain["choices"][0], plain
+    assert "prompt_token_ids" not in plain["choices"][0]
+    status, answer = post(server, "/v1/completions", {**body, "return_token_ids": True})
+    assert status == 200, answer
+    for choice, want in zip(answer["choices"], wants):
+        assert choice["prompt_token_ids"] == want.prompt_token_ids
+        assert choice["token_ids"] == want.outputs[0].token_ids
+        assert choice["text"] == want.outputs[0].text
+    events = sse_events(
+        server, "/v1/completions", {**body, "return_token_ids": True, "stream": True}
+    )
+    for index, want in enumerate(wants):
+        mine = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == index]
+        assert mine[0]["prompt_token_ids"] == want.prompt_token_ids
+        assert all("prompt_token_ids" not in choice for choice in mine[1:])
+        assert [t for choice in mine for t in choice["token_ids"]] == want.outputs[0].token_ids
+    messages = [{"role": "user", "content": "name a fruit"}]
+    want = offline.chat(messages, greedy_params(10))[0]
+    body = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 10,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["prompt_token_ids"] == want.prompt_token_ids
+    assert answer["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    events = sse_events(server, "/v1/chat/completions", {**body, "stream": True})
+    chunks = [event for event in events if event != "[DONE]"]
+    assert chunks[0]["prompt_token_ids"] == want.prompt_token_ids
+    assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+    streamed = [t for chunk in chunks for t in chunk["choices"][0]["token_ids"]]
+    assert streamed == want.outputs[0].token_ids
+    status, answer = post(server, "/v1/chat/completions", {**body, "return_token_ids": 1})
+    assert (status, answer["error"]["param"]) == (400, "return_token_ids"), answer
+
+
 def want_logprobs(offline, messages) -> list[dict[int, float]]:
     return offline.chat(messages, greedy_params(8, logprobs=3))[0].outputs[0].logprobs
 
