@@ -127,6 +127,7 @@ _CHAT_FIELDS = {
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "echo",
 }
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # vLLM's older structured-output fields -> StructuredOutputsParams' field.
@@ -212,6 +213,10 @@ class ApiRequest:
     # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>" (a token
     # that is part of a character has no text of its own to name it by).
     tokens_as_ids: bool = False
+    # vLLM's chat ``echo``: the text each choice's content starts with (the last message's,
+    # when it is the role that answers: the assistant's unless add_generation_prompt is
+    # false); "" for completions (their echo is ``echo``).
+    chat_echo: str = ""
     # vLLM's return_token_ids: each choice's token ids beside its text, and the prompt's
     # (the response's for chat, each choice's for completions; a stream sends them once,
     # first).
@@ -254,6 +259,7 @@ def parse_request(
             ReasoningParser(reasoning_parser) if reasoning_parser else None,
             _typed(body, "include_reasoning", (bool,), "a boolean", True),
         )
+    chat_echo = ""
     if kind == "completion":
         prompts = _completion_prompts(body, llm, max_prompts)
         logprobs = _int_field(body, "logprobs", 0, MAX_LOGPROBS)
@@ -270,6 +276,7 @@ def parse_request(
             )
         echo = False
         max_tokens_names = ("max_completion_tokens", "max_tokens")
+        chat_echo = _chat_echo(body)
     stream = _typed(body, "stream", (bool,), "a boolean", False)
     options = _typed(body, "stream_options", (dict,), "an object", {})
     if options and not stream:
@@ -369,6 +376,7 @@ def parse_request(
         chat_reading=chat_reading,
         tokens_as_ids=_typed(body, "return_tokens_as_token_ids", (bool,), "a boolean", False),
         return_token_ids=_typed(body, "return_token_ids", (bool,), "a boolean", False),
+        chat_echo=chat_echo if kind == "chat" else "",
     )
 
 
@@ -759,6 +767,18 @@ def chat_prompt(body: dict, llm: LLM) -> Prompt:
     return Prompt(text, token_ids)
 
 
+def _chat_echo(body: dict) -> str:
+    """vLLM's chat ``echo`` of a checked chat body: the last message's text when it is of
+    the role that answers (the assistant's, or the last message's own with
+    add_generation_prompt false: the continued message then reads whole)."""
+    if not _typed(body, "echo", (bool,), "a boolean", False):
+        return ""
+    last = body["messages"][-1]
+    if body.get("add_generation_prompt", True) and last.get("role") != "assistant":
+        return ""
+    return _message_text(last, f"messages[{len(body['messages']) - 1}]")
+
+
 def _message_text(message: dict, name: str) -> str:
     content = message.get("content")
     if content is None:
@@ -917,9 +937,12 @@ def whole_response(request: ApiRequest, outputs: list[RequestOutput], llm: LLM) 
             index = prompt_index * num_outputs + completion.index
             if request.chat_reading is not None:
                 answer = request.chat_reading.whole(completion.text, finish_reason(completion))
+                message = _chat_message(request.chat_reading, answer)
+                if request.chat_echo:
+                    message["content"] = request.chat_echo + (message["content"] or "")
                 choice = {
                     "index": index,
-                    "message": _chat_message(request.chat_reading, answer),
+                    "message": message,
                     "logprobs": None,
                     "finish_reason": answer.finish_reason,
                     "stop_reason": completion.stop_reason,
@@ -1084,6 +1107,7 @@ class StreamWriter:
                 delta: dict[str, Any] = {}
                 if not cursor.started:
                     delta["role"] = "assistant"
+                    new_text = request.chat_echo + new_text
                 if new_reasoning:
                     delta["reasoning_content"] = new_reasoning
                 if new_text or not (call_deltas or new_reasoning):

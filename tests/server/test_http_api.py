@@ -381,6 +381,33 @@ def test_a_final_message_is_continued_as_offline_and_as_hf_renders_it(
         offline.chat(started, greedy_params(8), continue_final_message=True)
 
 
+def test_chat_echo_starts_the_answer_with_the_message_it_goes_on_with(server, offline):
+    """vLLM's chat echo: with the last message continued, the answer reads whole."""
+    started = [
+        {"role": "user", "content": "name a fruit"},
+        {"role": "assistant", "content": "I would say the"},
+    ]
+    flags = dict(add_generation_prompt=False, continue_final_message=True)
+    want = offline.chat(started, greedy_params(8), **flags)[0].outputs[0].text
+    body = {"model": SERVED_MODEL_NAME, "messages": started, "max_tokens": 8,
+            "temperature": 0.0, "ignore_eos": True, "echo": True, **flags}  # fmt: skip
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == "I would say the" + want
+    events = sse_events(server, "/v1/chat/completions", {**body, "stream": True})
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert streamed == "I would say the" + want
+    # The last message is not the answering role's: nothing to echo.
+    asked = started[:1]
+    want = offline.chat(asked, greedy_params(8))[0].outputs[0].text
+    body = {**body, "messages": asked, "add_generation_prompt": True,
+            "continue_final_message": False}  # fmt: skip
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert (status, answer["choices"][0]["message"]["content"]) == (200, want), answer
+    status, answer = post(server, "/v1/chat/completions", {**body, "echo": "yes"})
+    assert (status, answer["error"]["param"]) == (400, "echo"), answer
+
+
 def test_chat_template_kwargs_reach_the_template_in_each_api(server, offline, server_model_dir):
     from transformers import AutoTokenizer
 
