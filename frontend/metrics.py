@@ -9,8 +9,9 @@ and on the HTTP API's port (``--http-port``) as OpenAI-compatible servers do. Tw
   reason, prompt and generated tokens (in all, and histograms per call), and histograms of
   time to first token, time per output token and call duration;
 - the engine's, read at scrape time (one ``GetStats`` round trip to the scheduler, on
-  the event loop): queue lengths, free and total KV blocks on device and host,
-  preemptions, prefix-cache queries and hits, and the scheduler's other counters.
+  the event loop): queue lengths, free and total KV blocks on device and host, the KV
+  cache's usage, and as counters preemptions, prefix-cache queries and hits, and the
+  scheduler's other counts (``COUNTER_STATS``).
 
 Each registry is private to its ``ServerMetrics``, so several servers (tests) can live in
 one process.
@@ -33,10 +34,11 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedserve.frontend.outputs import EmbeddingRequestOutput
+from pagedserve.scheduler.engine_core import COUNTER_STATS
 
 if TYPE_CHECKING:
     from pagedserve.frontend.outputs import RequestOutput
@@ -60,7 +62,7 @@ class _EngineCollector(Collector):
     def __init__(self, read_stats: Callable[[], EngineStats | None]) -> None:
         self._read_stats = read_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily(
             f"{PREFIX}_engine_up", "1 when the engine answered this scrape, else 0"
         )
@@ -71,9 +73,20 @@ class _EngineCollector(Collector):
             return
         for name, value in sorted(stats.stats.items()):
             metric_name = f"{PREFIX}_engine_{re.sub(r'[^a-zA-Z0-9_]', '_', name)}"
-            family = GaugeMetricFamily(metric_name, f"the scheduler's {name}")
+            # Counters as counters (exposed with _total), so rate() and resets read right.
+            kind = CounterMetricFamily if name in COUNTER_STATS else GaugeMetricFamily
+            family = kind(metric_name, f"the scheduler's {name}")
             family.add_metric([], float(value))
             yield family
+        total = stats.stats.get("num_total_blocks", 0)
+        if total:
+            # vLLM's kv_cache_usage_perc: what an operator alerts on.
+            usage = GaugeMetricFamily(
+                f"{PREFIX}_engine_kv_cache_usage",
+                "fraction of the device KV cache blocks in use (0 to 1)",
+            )
+            usage.add_metric([], 1.0 - stats.stats["num_free_blocks"] / total)
+            yield usage
 
 
 class ServerMetrics:

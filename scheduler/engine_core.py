@@ -24,6 +24,23 @@ class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
+# The keys of ``EngineCore.stats()`` that count events since start (a Prometheus
+# counter's semantics: rates are what an operator graphs); the rest are levels.
+COUNTER_STATS = frozenset(
+    {
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+        "num_recompute_preemptions",
+        "num_swap_preemptions",
+        "num_sampled_tokens",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "num_window_freed_blocks",
+    }
+)
+
+
 class EngineCore:
     """Owns the scheduler and drives the executor, one step per call."""
 
@@ -156,7 +173,8 @@ class EngineCore:
         self.block_manager.reset_prefix_cache()
 
     def stats(self) -> dict[str, int | float]:
-        """Counters, and the memory accounting of finished sequences (fractions)."""
+        """Counters (``COUNTER_STATS``: they only grow), levels (queues, free blocks), and
+        the memory accounting of finished sequences (fractions)."""
         scheduler = self.scheduler
         prefix_cache = self.block_manager.prefix_cache
         return {

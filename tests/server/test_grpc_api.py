@@ -334,7 +334,11 @@ def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
     assert after["pagedserve_requests_running"] == 0
     assert after["pagedserve_engine_up"] == 1
     assert after["pagedserve_engine_num_free_blocks"] == after["pagedserve_engine_num_total_blocks"]
-    assert grew("pagedserve_engine_num_sampled_tokens") == 6
+    # The scheduler's counts are counters (rate() reads them), its levels gauges.
+    assert grew("pagedserve_engine_num_sampled_tokens_total") == 6
+    assert "pagedserve_engine_num_preemptions_total" in after
+    assert "pagedserve_engine_prefix_cache_hits_total" in after
+    assert after["pagedserve_engine_kv_cache_usage"] == 0.0  # nothing in flight
 
 
 def test_a_server_with_int8_weights_and_a_float8_cache_says_so_and_runs_them(
