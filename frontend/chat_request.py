@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
 
 
+# The rendering's settings beside the messages: an error about one starts with its name.
+RENDER_SETTINGS = ("continue_final_message", "chat_template_kwargs", "chat_template", "documents")
+
+
 def render_chat_prompt(
     llm: LLM,
     conversation: list[dict[str, Any]],
@@ -45,13 +49,16 @@ def render_chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of ``conversation`` (each message as the template gets
     it: role, content, and tool calling's fields) with ``tools`` (OpenAI's function-tool
-    definitions; None: no tools) and ``chat_template_kwargs`` (more template variables),
-    ending as ``LLM.render_chat`` says. ``ValueError`` naming ``field`` when the template
-    refuses the messages (its ``raise_exception``) or the prompt is not one the engine takes
-    (``continue_final_message`` or ``chat_template_kwargs`` for those settings' errors)."""
+    definitions; None: no tools), ``documents`` and ``chat_template_kwargs`` (more template
+    variables), through ``chat_template`` (None: the model's), ending as
+    ``LLM.render_chat`` says. ``ValueError`` naming ``field`` when the template refuses the
+    messages (its ``raise_exception``) or the prompt is not one the engine takes; one
+    starting with the setting's name (``RENDER_SETTINGS``) for that setting's errors."""
     try:
         text = llm.render_chat(
             conversation,
@@ -60,6 +67,8 @@ def render_chat_prompt(
             add_generation_prompt,
             continue_final_message,
             chat_template_kwargs,
+            chat_template,
+            documents,
         )
         token_ids = llm.encode_prompt(llm.tokenizer.encode(text, add_special_tokens=False), field)
     except TemplateError as error:

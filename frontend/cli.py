@@ -216,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         "it only for trusted clients",
     )
     serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a chat request bring its own template (chat_template, vLLM's): a template "
+        "is code the server runs, so allow it only for trusted clients",
+    )
+    serve.add_argument(
         "--reasoning-parser",
         default=None,
         choices=REASONING_PARSERS,
@@ -440,6 +446,7 @@ def _serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)

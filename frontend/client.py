@@ -180,6 +180,8 @@ def _chat_request(
     add_generation_prompt: bool,
     continue_final_message: bool,
     chat_template_kwargs: dict[str, Any] | None,
+    chat_template: str | None,
+    documents: Sequence[dict[str, str]] | None,
     request_id: str,
     cache_namespace: str,
     lora_adapter: str,
@@ -187,7 +189,8 @@ def _chat_request(
 ) -> pb.GenerateRequest:
     chat = chat_to_proto(
         messages, tools, tool_choice, parallel_tool_calls, include_reasoning,
-        add_generation_prompt, continue_final_message, chat_template_kwargs,
+        add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template,
+        documents,
     )  # fmt: skip
     return build_request(chat, params, request_id, cache_namespace, lora_adapter, priority)
 
@@ -236,6 +239,8 @@ class Client:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        documents: Sequence[dict[str, str]] | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -248,11 +253,13 @@ class Client:
         ``tool_choice`` (unset: "auto" with tools) says how calls come out: each output's
         ``tool_calls``, its ``text`` the content around them. ``continue_final_message``
         (with ``add_generation_prompt=False``) has the model go on with the last message,
-        and ``chat_template_kwargs`` are more template variables, as ``LLM.chat``."""
+        ``chat_template_kwargs`` are more template variables, ``documents`` a RAG
+        template's sources, and ``chat_template`` a template of the call's own (a server
+        started with ``--trust-request-chat-template``), as ``LLM.chat``."""
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
             add_generation_prompt, continue_final_message, chat_template_kwargs,
-            request_id, cache_namespace, lora_adapter, priority,
+            chat_template, documents, request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return self._whole(request, timeout_s)
 
@@ -284,6 +291,8 @@ class Client:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        documents: Sequence[dict[str, str]] | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -295,7 +304,7 @@ class Client:
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
             add_generation_prompt, continue_final_message, chat_template_kwargs,
-            request_id, cache_namespace, lora_adapter, priority,
+            chat_template, documents, request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return self._stream(request, timeout_s)
 
@@ -396,6 +405,8 @@ class AsyncClient:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        documents: Sequence[dict[str, str]] | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -405,7 +416,7 @@ class AsyncClient:
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
             add_generation_prompt, continue_final_message, chat_template_kwargs,
-            request_id, cache_namespace, lora_adapter, priority,
+            chat_template, documents, request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return await self._whole(request, timeout_s)
 
@@ -435,6 +446,8 @@ class AsyncClient:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        documents: Sequence[dict[str, str]] | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -444,7 +457,7 @@ class AsyncClient:
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
             add_generation_prompt, continue_final_message, chat_template_kwargs,
-            request_id, cache_namespace, lora_adapter, priority,
+            chat_template, documents, request_id, cache_namespace, lora_adapter, priority,
         )  # fmt: skip
         return self._stream(request, timeout_s)
 

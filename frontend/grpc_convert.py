@@ -388,6 +388,8 @@ def chat_to_proto(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+    documents: Sequence[dict[str, str]] | None = None,
 ) -> pb.Chat:
     """A ``Chat`` from OpenAI's shapes (the client's side of ``chat_from_proto``):
     messages as dicts (``tool_calls`` with arguments as JSON text or an object,
@@ -400,6 +402,10 @@ def chat_to_proto(
         chat.add_generation_prompt = False
     if chat_template_kwargs is not None:
         chat.chat_template_kwargs = json.dumps(chat_template_kwargs, ensure_ascii=False)
+    if chat_template is not None:
+        chat.chat_template = chat_template
+    for document in documents or []:
+        chat.documents.add(fields=document)
     for message in messages:
         entry = chat.messages.add(
             role=message["role"],

@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.async_engine import RequestStream
 from pagedserve.frontend.call_errors import CallError
-from pagedserve.frontend.chat_request import ChatReading, render_chat_prompt
+from pagedserve.frontend.chat_request import RENDER_SETTINGS, ChatReading, render_chat_prompt
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.grpc_convert import (
     StreamState,
@@ -324,9 +324,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
         raise ValueError(f"prompt: set one of {choices}")
 
-    @staticmethod
     def _render_chat(
-        llm: LLM, chat: pb.Chat, conversation: list[dict], tools: list[Tool] | None
+        self, llm: LLM, chat: pb.Chat, conversation: list[dict], tools: list[Tool] | None
     ) -> tuple[str, list[int]]:
         definitions = None if tools is None else [tool.definition for tool in tools]
         opens_turn = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
@@ -336,13 +335,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 template_kwargs = json.loads(chat.chat_template_kwargs)
             except ValueError as error:
                 raise ValueError(f"chat.chat_template_kwargs: not JSON text: {error}") from None
+        template = chat.chat_template or None
+        if template is not None and not self._server.config.trust_request_chat_template:
+            raise ValueError(
+                "chat.chat_template: this server does not render a request's own template "
+                "(start it with --trust-request-chat-template to allow that)"
+            )
+        documents = [dict(document.fields) for document in chat.documents] or None
         try:
             return render_chat_prompt(
                 llm, conversation, definitions, "chat.messages", opens_turn,
-                chat.continue_final_message, template_kwargs,
+                chat.continue_final_message, template_kwargs, template, documents,
             )  # fmt: skip
         except ValueError as error:
-            if str(error).startswith(("continue_final_message", "chat_template_kwargs")):
+            if str(error).startswith(RENDER_SETTINGS):
                 raise ValueError(f"chat.{error}") from None
             raise
 

@@ -210,6 +210,7 @@ class HttpApi:
                 server.config.max_concurrent_requests,
                 server.config.tool_call_parser,
                 server.config.reasoning_parser,
+                server.config.trust_request_chat_template,
             )
             llm = server.check_admission(len(api_request.prompts))
             for prompt, params in zip(api_request.prompts, api_request.params, strict=True):
@@ -455,7 +456,9 @@ class HttpApi:
             raise CallError("INVALID_ARGUMENT", "the request body must be a JSON object", "")
         try:
             if "messages" in body:
-                prompt = protocol.chat_prompt(body, llm)
+                prompt = protocol.chat_prompt(
+                    body, llm, self._server.config.trust_request_chat_template
+                )
                 token_ids = prompt.token_ids
             else:
                 text = body.get("prompt")

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateSyntaxError
+
 from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
 from pagedserve.frontend.generation_config import load_generation_defaults
 from pagedserve.frontend.lora_request import LoRARequest
@@ -18,7 +20,7 @@ from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
-from pagedserve.frontend.tokenizer import Tokenizer, check_template_kwargs
+from pagedserve.frontend.tokenizer import Tokenizer, check_documents, check_template_kwargs
 from pagedserve.gpu_worker.lora import (
     check_adapter_files,
     check_adapter_weights,
@@ -474,6 +476,8 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of ``{"role", "content"}``
         dicts) or several, then generate the assistant's turn. ``tools`` (OpenAI's
@@ -482,7 +486,8 @@ class LLM:
         ``add_generation_prompt=False``) leaves the last message open and the output goes
         on with it (an assistant message started for the model);
         ``chat_template_kwargs`` are more variables for the template (a Qwen3-style
-        ``{"enable_thinking": False}``)."""
+        ``{"enable_thinking": False}``), ``chat_template`` a template for this call
+        instead of the model's, ``documents`` a RAG template's sources (all vLLM's)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -494,6 +499,8 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                chat_template=chat_template,
+                documents=documents,
             )
             for conversation in conversations
         ]
@@ -755,18 +762,31 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> str:
         """The prompt text of a conversation: the chat template, ending with the
         assistant's turn to speak (``add_generation_prompt``), or inside the last message so
         that the model goes on with it (``continue_final_message``: vLLM's, for an assistant
         message to complete); encode it with ``add_special_tokens=False``. ``tools``
-        (OpenAI's function tools) go to the template, and so do ``chat_template_kwargs``
-        (vLLM's: more template variables). ``ValueError`` starting
-        ``continue_final_message`` when both are set or the template hides the last message,
-        ``chat_template_kwargs`` when one of those is not a variable a caller may set."""
+        (OpenAI's function tools) go to the template, and so do ``documents`` (a RAG
+        template's sources) and ``chat_template_kwargs`` (more template variables);
+        ``chat_template`` replaces the model's template for this call (all vLLM's).
+        ``ValueError`` starting with the setting's name: ``continue_final_message`` when
+        both are set or the template hides the last message, ``chat_template_kwargs`` for a
+        variable a caller may not set, ``documents`` for one that is not an object of
+        strings, ``chat_template`` for text that is not a Jinja template."""
         tokenizer = self._require_tokenizer(field)
         if chat_template_kwargs is not None:
             check_template_kwargs(chat_template_kwargs, "chat_template_kwargs")
+        if documents is not None:
+            check_documents(documents, "documents")
+        if chat_template is not None and (
+            not isinstance(chat_template, str) or not chat_template.strip()
+        ):
+            raise ValueError(
+                f"chat_template must be a Jinja template's text, got {chat_template!r:.100}"
+            )
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be true: the "
@@ -779,7 +799,15 @@ class LLM:
                 add_generation_prompt,
                 continue_final_message,
                 chat_template_kwargs,
+                chat_template,
+                documents,
             )
+        except TemplateSyntaxError as error:
+            if chat_template is None:
+                raise  # the model's own template: the model directory's problem
+            raise ValueError(
+                f"chat_template: not a Jinja template: {error.message} (line {error.lineno})"
+            ) from None
         except ValueError as error:
             if not str(error).startswith("continue_final_message"):  # HF's own words
                 raise

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.frontend import tool_calls
 from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.chat_request import (
+    RENDER_SETTINGS,
     ChatAnswer,
     ChatAnswerStream,
     ChatReading,
@@ -127,6 +128,8 @@ _CHAT_FIELDS = {
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "chat_template",
+    "documents",
     "echo",
 }
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -234,6 +237,7 @@ def parse_request(
     max_prompts: int = 1024,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> ApiRequest:
     """The request ``body`` (decoded JSON) of ``/v1/completions`` (``kind="completion"``)
     or ``/v1/chat/completions`` (``"chat"``), checked and tokenized. A batch of more than
@@ -241,7 +245,8 @@ def parse_request(
     anything is tokenized: it could never be admitted. ``tool_call_parser``: the server's
     reader of calls in the model's own format, for ``tool_choice="auto"``; None: off.
     ``reasoning_parser``: the server's splitter of a reasoning model's thinking from its
-    answer (chat only); None: off."""
+    answer (chat only); None: off. ``trust_request_chat_template``: a chat request may
+    bring its own template (``--trust-request-chat-template``)."""
     if not isinstance(body, dict):
         raise _invalid(f"the request body must be a JSON object, got {type(body).__name__}", "")
     known = _COMMON_FIELDS | set(_SAMPLING_FIELDS)
@@ -266,7 +271,7 @@ def parse_request(
         echo = _typed(body, "echo", (bool,), "a boolean", False)
         max_tokens_names = ("max_tokens",)
     else:
-        prompts = [chat_prompt(body, llm)]
+        prompts = [chat_prompt(body, llm, trust_request_chat_template)]
         logprobs = None
         if _typed(body, "logprobs", (bool,), "a boolean", False):
             logprobs = _int_field(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
@@ -713,9 +718,10 @@ def _completion_prompts(
     return prompts
 
 
-def chat_prompt(body: dict, llm: LLM) -> Prompt:
+def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False) -> Prompt:
     """The prompt of a chat request: its messages (and tools, when it gives them) through
-    the model's chat template."""
+    the model's chat template (or the request's own, when the server trusts its clients
+    with one)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid(
@@ -747,22 +753,28 @@ def chat_prompt(body: dict, llm: LLM) -> Prompt:
     # vLLM's: a new assistant turn (the default), or the last message left open to go on.
     opens_turn = _typed(body, "add_generation_prompt", (bool,), "a boolean", True)
     continues = _typed(body, "continue_final_message", (bool,), "a boolean", False)
-    # vLLM's: more variables for the template (a Qwen3-style {"enable_thinking": false}).
+    # vLLM's: more variables for the template (a Qwen3-style {"enable_thinking": false}),
+    # a RAG template's documents, and a template of the request's own (a server that
+    # trusts its clients with one: a template is code the server runs).
     template_kwargs = body.get("chat_template_kwargs")
+    documents = body.get("documents")
+    template = body.get("chat_template")
+    if template is not None and not trust_request_chat_template:
+        raise _invalid(
+            "chat_template: this server does not render a request's own template (start it "
+            "with --trust-request-chat-template to allow that)",
+            "chat_template",
+        )
     try:
         text, token_ids = render_chat_prompt(
-            llm, conversation, tools, "messages", opens_turn, continues, template_kwargs
-        )
+            llm, conversation, tools, "messages", opens_turn, continues, template_kwargs,
+            template, documents,
+        )  # fmt: skip
     except (ValueError, TypeError) as error:
         message = str(error)
-        name = next(
-            (
-                name
-                for name in ("continue_final_message", "chat_template_kwargs")
-                if message.startswith(name)
-            ),
-            "messages",
-        )
+        # The longest name first: chat_template_kwargs starts with chat_template.
+        names = sorted(RENDER_SETTINGS, key=len, reverse=True)
+        name = next((name for name in names if message.startswith(name)), "messages")
         raise _invalid(message, name) from None
     return Prompt(text, token_ids)
 

@@ -110,6 +110,10 @@ class ServerConfig:
     # serve LoRA adapters). Off by default: a client then names directories the server
     # reads, which only a trusted client may do.
     allow_runtime_lora_updating: bool = False
+    # A chat request may bring its own template (vLLM's --trust-request-chat-template).
+    # Off by default: a template is code the server runs (sandboxed, but a loop in one can
+    # hold the frontend), so only trusted clients should send one.
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):

@@ -87,25 +87,50 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> str:
         """The conversation as the template writes it, ending with the assistant's turn
         (``add_generation_prompt``) or open inside the last message, for the model to go on
-        with it (``continue_final_message``); ``tools`` (OpenAI's function tools) go to the
-        template, which may show them. ``template_kwargs``: more variables for the template
-        (vLLM's ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), checked
-        first with ``check_template_kwargs``."""
-        template = self._chat_template or getattr(self._tokenizer, "chat_template", None)
+        with it (``continue_final_message``); ``tools`` (OpenAI's function tools) and
+        ``documents`` (a RAG template's sources) go to the template, which may show them.
+        ``template_kwargs``: more variables for the template (vLLM's
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), checked first with
+        ``check_template_kwargs``. ``chat_template``: this call's template instead of the
+        tokenizer's (vLLM's per-request one)."""
+        template = (
+            chat_template or self._chat_template or getattr(self._tokenizer, "chat_template", None)
+        )
         if not template:
-            raise ValueError("messages: this model's tokenizer has no chat template")
+            raise ValueError(
+                "messages: this model's tokenizer has no chat template (give one: chat_template)"
+            )
         return self._tokenizer.apply_chat_template(
             messages,
             tools=tools,
+            documents=documents,
             chat_template=template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             **(template_kwargs or {}),
         )
+
+
+def check_documents(value: object, field: str) -> list[dict[str, str]]:
+    """``value`` as a RAG template's documents (vLLM's ``documents``: a list of objects of
+    strings, such as ``{"title": ..., "text": ...}``), or a ``ValueError`` naming the
+    entry."""
+    if not isinstance(value, list):
+        raise ValueError(f"{field} must be a list of objects of strings, got {value!r:.100}")
+    for index, document in enumerate(value):
+        if not isinstance(document, dict) or not all(
+            isinstance(key, str) and isinstance(text, str) for key, text in document.items()
+        ):
+            raise ValueError(
+                f"{field}[{index}] must be an object of strings, got {document!r:.100}"
+            )
+    return value
 
 
 def check_template_kwargs(value: object, field: str) -> dict[str, Any]:

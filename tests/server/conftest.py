@@ -28,9 +28,10 @@ STOP_TIMEOUT_S = 30.0
 SERVED_MODEL_NAME = "tiny-llama"
 # A ChatML template, enough to test chat requests on the tiny tokenizer's byte vocabulary;
 # as Qwen3's, chat_template_kwargs {"enable_thinking": false} opens the turn with an empty
-# thinking block.
+# thinking block, and as a RAG template's, documents come first.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% for d in documents or [] %}<|im_start|>document\n{{ d['text'] }}<|im_end|>\n"
+    "{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}"

@@ -90,6 +90,10 @@ def test_generate_stream_and_chat_match_the_offline_engine(server, offline):
         want = offline.chat(messages, chat_params, chat_template_kwargs=no_thinking)[0]
         assert want.prompt.endswith("</think>\n\n")
         same_output(client.chat(messages, chat_params, chat_template_kwargs=no_thinking), want)
+        sources = [{"text": "plums are fruit"}]
+        want = offline.chat(messages, chat_params, documents=sources)[0]
+        assert want.prompt.startswith("<|im_start|>document\nplums")
+        same_output(client.chat(messages, chat_params, documents=sources), want)
         assert client.tokenize("hello") == offline.tokenizer.encode("hello")
         assert client.model_info().vocab_size == 512
         # Leaving a stream early cancels the call (the fixture then finds every block free).

@@ -381,6 +381,77 @@ def test_a_final_message_is_continued_as_offline_and_as_hf_renders_it(
         offline.chat(started, greedy_params(8), continue_final_message=True)
 
 
+def test_documents_reach_the_template_and_a_request_template_needs_trust(
+    server, offline, server_model_dir
+):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "what is it?"}]
+    documents = [{"title": "a", "text": "plums are fruit"}]
+    reference = AutoTokenizer.from_pretrained(server_model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, documents=documents
+    )
+    assert reference.startswith("<|im_start|>document\nplums are fruit")
+    want = offline.chat(messages, greedy_params(8), documents=documents)[0]
+    assert want.prompt == reference
+    body = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 8,
+            "temperature": 0.0, "ignore_eos": True, "documents": documents}  # fmt: skip
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
+    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    chat = pb.Chat()
+    chat.messages.add(role="user", content="what is it?")
+    chat.documents.add(fields=documents[0])
+    sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    output = server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
+    assert list(output.outputs[0].token_ids) == want.outputs[0].token_ids
+    assert list(output.prompt_token_ids) == want.prompt_token_ids
+    status, answer = post(server, "/v1/chat/completions", {**body, "documents": [{"text": 1}]})
+    assert (status, answer["error"]["param"]) == (400, "documents"), answer
+    assert "documents[0] must be an object of strings" in answer["error"]["message"]
+    with pytest.raises(ValueError, match=r"^documents must be a list"):
+        offline.chat(messages, greedy_params(8), documents="plums")
+    # A template of the request's own: this server does not trust its clients with one.
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    status, answer = post(server, "/v1/chat/completions", {**body, "chat_template": own})
+    assert (status, answer["error"]["param"]) == (400, "chat_template"), answer
+    assert "--trust-request-chat-template" in answer["error"]["message"]
+    chat.chat_template = own
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("chat.chat_template: this server does not")
+
+
+def test_a_trusting_server_renders_a_request_template(start_server, offline):
+    server = start_server(
+        "--http-port", "0", "--served-model-name", SERVED_MODEL_NAME,
+        "--kv-cache-bytes", str(4 << 20), "--trust-request-chat-template",
+    )  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    own = "{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}>"
+    want = offline.chat(messages, greedy_params(8), chat_template=own)[0]
+    assert want.prompt == "[user: hi]>"
+    body = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 8,
+            "temperature": 0.0, "ignore_eos": True, "chat_template": own}  # fmt: skip
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
+    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    chat = pb.Chat(chat_template=own)
+    chat.messages.add(role="user", content="hi")
+    tokens = server.stub.Tokenize(pb.TokenizeRequest(chat=chat))
+    assert list(tokens.token_ids) == want.prompt_token_ids
+    # Text that is not a template is refused by name, the server serving on.
+    status, answer = post(server, "/v1/chat/completions", {**body, "chat_template": "{% for %}"})
+    assert (status, answer["error"]["param"]) == (400, "chat_template"), answer
+    assert answer["error"]["message"].startswith("chat_template: not a Jinja template")
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    server.assert_blocks_all_free()
+
+
 def test_chat_echo_starts_the_answer_with_the_message_it_goes_on_with(server, offline):
     """vLLM's chat echo: with the last message continued, the answer reads whole."""
     started = [

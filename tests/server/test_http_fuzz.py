@@ -29,7 +29,7 @@ FIELDS = [
     "return_tokens_as_token_ids", "continue_final_message", "add_generation_prompt",
     "priority", "cache_salt", "request_id", "tools", "tool_choice", "parallel_tool_calls",
     "include_reasoning", "spaces_between_special_tokens", "model", "user", "suffix",
-    "chat_template_kwargs", "return_token_ids",
+    "chat_template_kwargs", "return_token_ids", "documents", "chat_template",
 ]  # fmt: skip
 CHATS = [
     [{"role": "user", "content": "hi"}],
