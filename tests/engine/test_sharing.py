@@ -383,10 +383,12 @@ def test_sharing_in_multiprocess_mode_matches_in_process(beam_model_dir):
         assert _token_ids(outputs) == _token_ids(expected)
         # The same tokens; the log-probabilities to float32 rounding only: requests reach the
         # engine process over ZeroMQ and may start in different steps, and a float32 GEMM's
-        # last bit depends on how many rows share it.
+        # last bits depend on how many rows share it (which kernel, which reduction order).
+        # Summed over nine tokens that reached 1.3e-5 relative on an Intel Xeon (session 20,
+        # 1 run in 3); a different token anywhere would move it by far more.
         for got, want in zip(outputs, expected):
             assert [c.cumulative_logprob for c in got.outputs] == pytest.approx(
-                [c.cumulative_logprob for c in want.outputs], rel=1e-6
+                [c.cumulative_logprob for c in want.outputs], rel=1e-4
             )
         stats = llm.stats()
         assert stats["kv_sharing_savings"] > 0
