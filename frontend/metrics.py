@@ -7,7 +7,8 @@ and on the HTTP API's port (``--http-port``) as OpenAI-compatible servers do. Tw
 - the server's own, counted as calls end: calls by API and outcome (a gRPC status name,
   for HTTP calls too: ``call_errors.py`` maps them), calls running, outputs by finish
   reason, prompt and generated tokens (in all, and histograms per call), and histograms of
-  time to first token, time per output token and call duration;
+  time queued (the scheduler's), time to first token, time per output token and call
+  duration;
 - the engine's, read at scrape time (one ``GetStats`` round trip to the scheduler, on
   the event loop): queue lengths, free and total KV blocks on device and host, the KV
   cache's usage, and as counters preemptions, prefix-cache queries and hits, and the
@@ -52,6 +53,8 @@ ENGINE_STATS_TIMEOUT_S = 2.0
 # Latency buckets (seconds): from a decode step on a GPU to a long generation on a CPU.
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Time queued: none at all (an idle server admits at once) to minutes (an overloaded one).
+_QUEUE_BUCKETS_S = tuple(sorted(set(_TOKEN_BUCKETS_S) | set(_REQUEST_BUCKETS_S)))
 # Tokens per call (prompt, or generated over all outputs): 1-2-5 steps up to 100k.
 _TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
@@ -140,6 +143,12 @@ class ServerMetrics:
             buckets=_TOKEN_BUCKETS_S,
             registry=self.registry,
         )
+        self.queue_time_s = Histogram(
+            f"{PREFIX}_request_queue_time_seconds",
+            "from arrival to the scheduler's first step of a call (time queued)",
+            buckets=_QUEUE_BUCKETS_S,
+            registry=self.registry,
+        )
         self.duration_s = Histogram(
             f"{PREFIX}_request_duration_seconds",
             "from admission to the end of a call",
@@ -158,6 +167,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.prompt_tokens_per_call.observe(len(output.prompt_token_ids))
         self.duration_s.observe(duration_s)
+        if output.queue_time_s is not None:
+            self.queue_time_s.observe(output.queue_time_s)
         if isinstance(output, EmbeddingRequestOutput):
             return  # prompt only: no generated tokens, no first token
         num_generated = sum(len(c.token_ids) for c in output.outputs)

@@ -48,6 +48,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Prompt tokens whose K/V came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
+    # Seconds the request waited before the scheduler first ran it (vLLM's time in queue);
+    # known from the first token on, None before.
+    queue_time_s: float | None = None
 
 
 @dataclass
@@ -73,3 +76,4 @@ class EmbeddingRequestOutput:
     # "stop" once the vector is in; "abort" or "error" when the request ended without one.
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    queue_time_s: float | None = None  # as RequestOutput's

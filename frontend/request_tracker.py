@@ -110,6 +110,8 @@ class EmbeddingTracker:
             output.outputs = EmbeddingOutput(decode_embedding(delta.embedding))
         if delta.num_cached_tokens is not None:
             output.num_cached_tokens = delta.num_cached_tokens
+        if delta.queue_time_s is not None:
+            output.queue_time_s = delta.queue_time_s
         output.finish_reason = delta.finish_reason or output.finish_reason
         output.finished = output.finished or delta.finished
         return EngineAction.NONE
@@ -148,6 +150,8 @@ def _apply_delta(
         )
     if delta.num_cached_tokens is not None:
         output.num_cached_tokens = delta.num_cached_tokens
+    if delta.queue_time_s is not None:
+        output.queue_time_s = delta.queue_time_s
     stop_string = None if detokenizer is None else detokenizer.stop_string
     if stop_string is not None:
         completion.finish_reason = "stop"

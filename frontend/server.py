@@ -313,7 +313,8 @@ class Server:
         if not self.config.log_requests:
             return
         logger.info(
-            "%s (client id %r): %d prompt tokens (%d cached), %d output tokens, %s, %.3f s",
+            "%s (client id %r): %d prompt tokens (%d cached), %d output tokens, %s, %.3f s "
+            "(%s queued)",
             request_id,
             client_request_id,
             len(output.prompt_token_ids),
@@ -321,6 +322,7 @@ class Server:
             _num_output_tokens(output),
             _finish_reasons(output),
             duration_s,
+            "-" if output.queue_time_s is None else f"{output.queue_time_s:.3f} s",
         )
 
     @contextlib.asynccontextmanager

@@ -173,3 +173,6 @@ class RequestOutputDelta:
     cumulative_logprob: float | None = None  # for outputs ranked by it (best_of, beams)
     # A pooling request's vector (little-endian float32), in its one and final delta.
     embedding: bytes | None = None
+    # Seconds from the request's arrival to its first admission (its time queued); sent
+    # with num_cached_tokens.
+    queue_time_s: float | None = None

@@ -77,6 +77,9 @@ class Request:
     arrival_index: int = 0
     # An embedding request: it computes its prompt, then ends with the pooled vector.
     pooling_params: PoolingParams | None = None
+    # Seconds from arrival to the first admission (None until then); later admissions,
+    # after a preemption, do not count.
+    queue_time_s: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -107,6 +110,7 @@ class Request:
             lora_id=self.lora_id,
             priority=self.priority,
             arrival_index=self.arrival_index,
+            queue_time_s=self.queue_time_s,
         )
         child.token_ids = list(self.token_ids)
         return child

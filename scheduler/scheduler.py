@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -662,6 +663,9 @@ class Scheduler:
     def _add_running(self, sequence: Request) -> None:
         """Put a sequence into the batch: last (arrival order of admission), or under
         the priority policy after every sequence that ranks at or above it."""
+        if sequence.queue_time_s is None:
+            # arrival_time_s is the frontend's time.monotonic(): one clock on one machine.
+            sequence.queue_time_s = max(0.0, time.monotonic() - sequence.arrival_time_s)
         if not self._by_priority:
             self.running.append(sequence)
             return
@@ -944,6 +948,7 @@ class Scheduler:
             finish_reason=RequestStatus.FINISHED_STOPPED.value,
             num_cached_tokens=request.num_cached_tokens,
             embedding=embedding,
+            queue_time_s=request.queue_time_s,
         )
 
     def _advance(
@@ -965,6 +970,9 @@ class Scheduler:
         finished = status.is_finished
         if finished:
             self._release(request, status)
+        # Known from the first token on; sent then too, for a frontend that ends the
+        # request itself (a stop string) and never sees the last delta.
+        first_or_last = finished or request.num_output_tokens == 1
         return RequestOutputDelta(
             request.request_id,
             token_ids,
@@ -972,11 +980,8 @@ class Scheduler:
             finish_reason=status.value if finished else None,
             logprobs=logprobs or None,
             prompt_logprobs=prompt_logprobs,
-            # Known from the first token on; sent then too, for a frontend that ends the
-            # request itself (a stop string) and never sees the last delta.
-            num_cached_tokens=request.num_cached_tokens
-            if finished or request.num_output_tokens == 1
-            else None,
+            num_cached_tokens=request.num_cached_tokens if first_or_last else None,
+            queue_time_s=request.queue_time_s if first_or_last else None,
         )
 
     def _advance_samples(
@@ -1014,6 +1019,7 @@ class Scheduler:
             if finished:
                 self._release(sequence, status)
             if group.streams_outputs:
+                first_or_last = finished or sequence.num_output_tokens == 1
                 deltas.append(
                     RequestOutputDelta(
                         group.request_id,
@@ -1022,9 +1028,8 @@ class Scheduler:
                         finish_reason=status.value if finished else None,
                         logprobs=[logprobs] if wants_logprobs else None,
                         prompt_logprobs=prompt_logprobs if sequence is request else None,
-                        num_cached_tokens=sequence.num_cached_tokens
-                        if finished or sequence.num_output_tokens == 1
-                        else None,
+                        num_cached_tokens=sequence.num_cached_tokens if first_or_last else None,
+                        queue_time_s=sequence.queue_time_s if first_or_last else None,
                         index=sequence.sample_index,
                         cumulative_logprob=sequence.cumulative_logprob
                         if logprobs is not None
@@ -1045,7 +1050,7 @@ class Scheduler:
                 )
                 for sequence in group.best_samples()
             ]
-            deltas.extend(_ranked_deltas(group.request_id, ranked, request.num_cached_tokens))
+            deltas.extend(_ranked_deltas(group.request_id, ranked, request))
 
     def _beam_step(self, group: SequenceGroup, deltas: list[RequestOutputDelta]) -> None:
         """All beams of ``group`` have reported their candidates: pick the next beams,
@@ -1068,7 +1073,7 @@ class Scheduler:
                 (h.output_token_ids, h.finish_reason, h.cumulative_logprob, None)
                 for h in group.beam_search.best(group.params.n)
             ]
-            deltas.extend(_ranked_deltas(group.request_id, ranked, first.num_cached_tokens))
+            deltas.extend(_ranked_deltas(group.request_id, ranked, first))
             return
         continuing: list[Request] = []
         reused: set[int] = set()
@@ -1159,11 +1164,12 @@ def _leading_sequences(queue: deque[Request]) -> list[Request]:
 def _ranked_deltas(
     request_id: str,
     ranked: list[tuple[list[int], str, float, list | None]],
-    num_cached_tokens: int,
+    first: Request,
 ) -> list[RequestOutputDelta]:
     """The final deltas of outputs reported only at the end (best_of > n, beams): one per
     output, best first, each ``(token ids, finish reason, cumulative logprob, logprobs)``;
-    the last one ends the request."""
+    the last one ends the request. ``first``: the group's first sequence (its cached
+    tokens and time queued are the request's)."""
     return [
         RequestOutputDelta(
             request_id,
@@ -1171,7 +1177,8 @@ def _ranked_deltas(
             finished=rank == len(ranked) - 1,
             finish_reason=finish_reason,
             logprobs=logprobs,
-            num_cached_tokens=num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            queue_time_s=first.queue_time_s,
             index=rank,
             cumulative_logprob=cumulative_logprob,
         )

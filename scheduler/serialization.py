@@ -15,7 +15,7 @@ Encoding choices, and why:
   scheduled counts as four parallel arrays): at hundreds of running requests that packs
   and unpacks faster than one small array per request, and rebuilding the dataclasses is
   a single ``map``.
-- ``OutputBatch.deltas`` likewise: ten columns (one per ``RequestOutputDelta`` field),
+- ``OutputBatch.deltas`` likewise: eleven columns (one per ``RequestOutputDelta`` field),
   the logprob columns decoded entry by entry only when a request asked for them.
 - Swap pairs are sent flat, ``[src0, dst0, src1, dst1, ...]``, and decoded with ``zip``:
   they come back as ``tuple[int, int]`` (msgpack itself has no tuple).
@@ -224,6 +224,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "index",
         "cumulative_logprob",
         "embedding",
+        "queue_time_s",
     ),
     AddRequest: (
         "request_id",
@@ -672,6 +673,7 @@ def _pack_request_output_delta(delta: RequestOutputDelta) -> list:
         delta.index,
         delta.cumulative_logprob,
         delta.embedding,
+        delta.queue_time_s,
     ]
 
 
@@ -687,6 +689,7 @@ def _unpack_request_output_delta(value: Any) -> RequestOutputDelta:
         index,
         cumulative_logprob,
         embedding,
+        queue_time_s,
     ) = _fields(value, "RequestOutputDelta")
     return RequestOutputDelta(
         request_id=_check(request_id, str, "RequestOutputDelta.request_id"),
@@ -705,6 +708,7 @@ def _unpack_request_output_delta(value: Any) -> RequestOutputDelta:
             cumulative_logprob, (float, type(None)), "RequestOutputDelta.cumulative_logprob"
         ),
         embedding=_check(embedding, (bytes, type(None)), "RequestOutputDelta.embedding"),
+        queue_time_s=_check(queue_time_s, (float, type(None)), "RequestOutputDelta.queue_time_s"),
     )
 
 
@@ -804,6 +808,7 @@ def _pack_output_batch(batch: OutputBatch) -> list:
             [delta.index for delta in deltas],
             [delta.cumulative_logprob for delta in deltas],
             [delta.embedding for delta in deltas],
+            [delta.queue_time_s for delta in deltas],
         ]
     ]
 
@@ -826,6 +831,7 @@ def _unpack_output_batch(value: Any) -> OutputBatch:
         indices,
         cumulative_logprobs,
         embeddings,
+        queue_times_s,
     ) = columns
     where = "OutputBatch.deltas."
     count = len(_check(request_ids, list, where + "request_id"))
@@ -839,6 +845,7 @@ def _unpack_output_batch(value: Any) -> OutputBatch:
     _check_column(indices, int, count, where + "index")
     _check_column_of(cumulative_logprobs, (float, type(None)), count, where + "cumulative_logprob")
     _check_column_of(embeddings, (bytes, type(None)), count, where + "embedding")
+    _check_column_of(queue_times_s, (float, type(None)), count, where + "queue_time_s")
     # Logprobs are rare: decoded entry by entry only where present.
     if any(entry is not None for entry in logprobs):
         logprobs = [_unpack_optional_logprobs(entry, where + "logprobs") for entry in logprobs]
@@ -861,6 +868,7 @@ def _unpack_output_batch(value: Any) -> OutputBatch:
                 indices,
                 cumulative_logprobs,
                 embeddings,
+                queue_times_s,
             )
         )
     )

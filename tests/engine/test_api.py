@@ -75,6 +75,22 @@ def test_one_result_per_prompt_in_order(tiny_llm):
     assert single[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
 
 
+def test_each_output_reports_how_long_it_queued(tiny_model_dirs):
+    # One sequence at a time: each request waits for those before it to end, so the
+    # scheduler's time queued grows along the batch; sampled outputs (n > 1, ranked at the
+    # end) and embeddings report it too.
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64, max_num_seqs=1)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([[1, 2, 3], [4, 5], [6]], greedy)
+    queued = [output.queue_time_s for output in outputs]
+    assert None not in queued and queued[0] >= 0.0, queued
+    assert queued[0] < queued[1] < queued[2], queued
+    assert llm.embed([1, 2, 3])[0].queue_time_s is not None
+    ranked = SamplingParams(n=2, best_of=3, max_tokens=4, temperature=1.0, seed=1)
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=64)
+    assert llm.generate([1, 2, 3], ranked)[0].queue_time_s is not None
+
+
 def test_max_model_len_caps_generation(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], num_blocks=64, max_model_len=40)
     output = llm.generate([1] * 30, SamplingParams(max_tokens=100, temperature=0.0))[0]

@@ -117,7 +117,10 @@ def shared_llm(tiny_model_dirs) -> Iterator[LLM]:
 def test_same_greedy_tokens_as_in_process(tiny_model_dirs, shared_llm):
     prompts = random_prompts(seed=3)
     expected = token_ids(LLM(tiny_model_dirs["llama"], num_blocks=64).generate(prompts, GREEDY))
-    assert token_ids(shared_llm.generate(prompts, GREEDY)) == expected
+    outputs = shared_llm.generate(prompts, GREEDY)
+    assert token_ids(outputs) == expected
+    # The scheduler's time queued crosses the wire too.
+    assert all(output.queue_time_s is not None for output in outputs)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

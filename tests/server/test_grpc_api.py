@@ -331,6 +331,7 @@ def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
     assert grew("pagedserve_prompt_tokens_total") == len(PROMPTS[0])
     assert grew("pagedserve_time_to_first_token_seconds_count") == 1
     assert grew("pagedserve_time_per_output_token_seconds_count") == 1
+    assert grew("pagedserve_request_queue_time_seconds_count") == 1
     assert after["pagedserve_requests_running"] == 0
     assert after["pagedserve_engine_up"] == 1
     assert after["pagedserve_engine_num_free_blocks"] == after["pagedserve_engine_num_total_blocks"]

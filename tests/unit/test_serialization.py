@@ -126,6 +126,7 @@ FULL_DELTA = RequestOutputDelta(
     num_cached_tokens=48,
     index=3,
     cumulative_logprob=-1.25,
+    queue_time_s=0.125,
 )
 WORKER_SPEC = WorkerSpec(
     model_path="/models/tiny-é",
@@ -551,24 +552,25 @@ def _plan_fields(**overrides) -> list:
         (
             _frame(
                 OutputBatch,
-                [["a"], [[]], ["yes"], [None], [None], [None], [None], [0], [None], [None]],
+                [["a"], [[]], ["yes"], [None], [None], [None], [None], [0], [None], [None], [None]],
             ),
             r"OutputBatch.deltas.finished: expected only bool, found \['str'\]",
         ),
         (
             _frame(OutputBatch, [["a", "b"], [[], []], [True, False], [None], [None], [None]]),
-            "OutputBatch.deltas: expected 10 columns",
+            "OutputBatch.deltas: expected 11 columns",
         ),
         (
             _frame(
                 OutputBatch,
-                [["a", "b"], [[], []], [True, False], [None], [None], [None], [], [], [], []],
+                [["a", "b"], [[], []], [True, False], [None], [None], [None], [], [], [], [], []],
             ),
             "OutputBatch.deltas.finish_reason: expected 2 entries, got 1",
         ),
         (
             _frame(
-                OutputBatch, [["a"], [[]], [True], [7], [None], [None], [None], [0], [None], [None]]
+                OutputBatch,
+                [["a"], [[]], [True], [7], [None], [None], [None], [0], [None], [None], [None]],
             ),
             r"OutputBatch.deltas.finish_reason: unexpected \['int'\]",
         ),
@@ -584,6 +586,7 @@ def _plan_fields(**overrides) -> list:
                     [None],
                     [3],
                     [0],
+                    [None],
                     [None],
                     [None],
                 ],
@@ -632,9 +635,16 @@ def _plan_fields(**overrides) -> list:
         (
             _frame(
                 OutputBatch,
-                [["a"], [[]], [True], [None], [None], [None], [None], [0], [None], [[]]],
+                [["a"], [[]], [True], [None], [None], [None], [None], [0], [None], [[]], [None]],
             ),
             r"OutputBatch.deltas.embedding: unexpected \['list'\]",
+        ),
+        (
+            _frame(
+                OutputBatch,
+                [["a"], [[]], [True], [None], [None], [None], [None], [0], [None], [None], [1]],
+            ),
+            r"OutputBatch.deltas.queue_time_s: unexpected \['int'\]",
         ),
         (_frame(Shutdown, 1), "Shutdown: expected an array of 0 fields"),
         (_frame(Ready, "w", 1, {1: "x"}), "not a msgpack frame.*map key"),
