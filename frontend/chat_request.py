@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from pagedserve.frontend.chat_template import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions
 from pagedserve.frontend.outputs import ToolCall
 from pagedserve.frontend.reasoning import ReasoningParser, ReasoningStream
 from pagedserve.frontend.tool_calls import (
@@ -37,39 +38,21 @@ if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
 
 
-# The rendering's settings beside the messages: an error about one starts with its name.
-RENDER_SETTINGS = ("continue_final_message", "chat_template_kwargs", "chat_template", "documents")
-
-
 def render_chat_prompt(
     llm: LLM,
     conversation: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     field: str,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    chat_template: str | None = None,
-    documents: list[dict[str, str]] | None = None,
+    options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of ``conversation`` (each message as the template gets
     it: role, content, and tool calling's fields) with ``tools`` (OpenAI's function-tool
-    definitions; None: no tools), ``documents`` and ``chat_template_kwargs`` (more template
-    variables), through ``chat_template`` (None: the model's), ending as
-    ``LLM.render_chat`` says. ``ValueError`` naming ``field`` when the template refuses the
-    messages (its ``raise_exception``) or the prompt is not one the engine takes; one
-    starting with the setting's name (``RENDER_SETTINGS``) for that setting's errors."""
+    definitions; None: no tools), rendered as ``options`` say (``LLM.render_chat``).
+    ``ValueError`` naming ``field`` when the template refuses the messages (its
+    ``raise_exception``) or the prompt is not one the engine takes; one starting with the
+    setting's name (``chat_template.SETTING_NAMES``) for that setting's errors."""
     try:
-        text = llm.render_chat(
-            conversation,
-            field,
-            tools,
-            add_generation_prompt,
-            continue_final_message,
-            chat_template_kwargs,
-            chat_template,
-            documents,
-        )
+        text = llm.render_chat(conversation, field, tools, options)
         token_ids = llm.encode_prompt(llm.tokenizer.encode(text, add_special_tokens=False), field)
     except TemplateError as error:
         raise ValueError(f"{field}: the chat template refused them: {error}") from None

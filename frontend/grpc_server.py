@@ -34,7 +34,8 @@ from grpc_reflection.v1alpha import reflection
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.async_engine import RequestStream
 from pagedserve.frontend.call_errors import CallError
-from pagedserve.frontend.chat_request import RENDER_SETTINGS, ChatReading, render_chat_prompt
+from pagedserve.frontend.chat_request import ChatReading, render_chat_prompt
+from pagedserve.frontend.chat_template import SETTING_NAMES, ChatTemplateOptions
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.grpc_convert import (
     StreamState,
@@ -343,12 +344,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
         documents = [dict(document.fields) for document in chat.documents] or None
         try:
-            return render_chat_prompt(
-                llm, conversation, definitions, "chat.messages", opens_turn,
-                chat.continue_final_message, template_kwargs, template, documents,
-            )  # fmt: skip
+            options = ChatTemplateOptions(
+                opens_turn, chat.continue_final_message, template_kwargs, documents, template
+            )
+            return render_chat_prompt(llm, conversation, definitions, "chat.messages", options)
         except ValueError as error:
-            if str(error).startswith(RENDER_SETTINGS):
+            if str(error).startswith(SETTING_NAMES):
                 raise ValueError(f"chat.{error}") from None
             raise
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateSyntaxError
 
+from pagedserve.frontend.chat_template import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions
 from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
 from pagedserve.frontend.generation_config import load_generation_defaults
 from pagedserve.frontend.lora_request import LoRARequest
@@ -20,7 +21,7 @@ from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
-from pagedserve.frontend.tokenizer import Tokenizer, check_documents, check_template_kwargs
+from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.lora import (
     check_adapter_files,
     check_adapter_weights,
@@ -492,16 +493,15 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self._require_tokenizer("messages")
+        options = ChatTemplateOptions(
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+            documents,
+            chat_template,
+        )
         texts = [
-            self.render_chat(
-                conversation,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-                chat_template=chat_template,
-                documents=documents,
-            )
+            self.render_chat(conversation, tools=tools, options=options)
             for conversation in conversations
         ]
         # The template already wrote the special tokens it wants.
@@ -759,51 +759,19 @@ class LLM:
         conversation: list[Message],
         field: str = "messages",
         tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        chat_template: str | None = None,
-        documents: list[dict[str, str]] | None = None,
+        options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS,
     ) -> str:
-        """The prompt text of a conversation: the chat template, ending with the
-        assistant's turn to speak (``add_generation_prompt``), or inside the last message so
-        that the model goes on with it (``continue_final_message``: vLLM's, for an assistant
-        message to complete); encode it with ``add_special_tokens=False``. ``tools``
-        (OpenAI's function tools) go to the template, and so do ``documents`` (a RAG
-        template's sources) and ``chat_template_kwargs`` (more template variables);
-        ``chat_template`` replaces the model's template for this call (all vLLM's).
-        ``ValueError`` starting with the setting's name: ``continue_final_message`` when
-        both are set or the template hides the last message, ``chat_template_kwargs`` for a
-        variable a caller may not set, ``documents`` for one that is not an object of
-        strings, ``chat_template`` for text that is not a Jinja template."""
+        """The prompt text of a conversation: the chat template (the model's, or the
+        options' own), ending as ``options`` say (the assistant's turn to speak, by
+        default); encode it with ``add_special_tokens=False``. ``tools`` (OpenAI's function
+        tools) go to the template. ``ValueError`` starting ``continue_final_message`` when the
+        template hides the last message (no end of it to go on from), ``chat_template`` for
+        the options' template when it is not a Jinja template."""
         tokenizer = self._require_tokenizer(field)
-        if chat_template_kwargs is not None:
-            check_template_kwargs(chat_template_kwargs, "chat_template_kwargs")
-        if documents is not None:
-            check_documents(documents, "documents")
-        if chat_template is not None and (
-            not isinstance(chat_template, str) or not chat_template.strip()
-        ):
-            raise ValueError(
-                f"chat_template must be a Jinja template's text, got {chat_template!r:.100}"
-            )
-        if continue_final_message and add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true: the "
-                "prompt either goes on with the last message or opens a new turn"
-            )
         try:
-            return tokenizer.apply_chat_template(
-                list(conversation),
-                tools,
-                add_generation_prompt,
-                continue_final_message,
-                chat_template_kwargs,
-                chat_template,
-                documents,
-            )
+            return tokenizer.apply_chat_template(list(conversation), tools, options)
         except TemplateSyntaxError as error:
-            if chat_template is None:
+            if options.chat_template is None:
                 raise  # the model's own template: the model directory's problem
             raise ValueError(
                 f"chat_template: not a Jinja template: {error.message} (line {error.lineno})"

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.frontend import tool_calls
 from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.chat_request import (
-    RENDER_SETTINGS,
     ChatAnswer,
     ChatAnswerStream,
     ChatReading,
     render_chat_prompt,
     tool_constraint,
 )
+from pagedserve.frontend.chat_template import SETTING_NAMES, ChatTemplateOptions
 from pagedserve.frontend.generation_config import DEFAULT_FIELDS, limit_max_tokens
 from pagedserve.frontend.reasoning import ReasoningParser
 from pagedserve.frontend.tool_calls import ToolCallDelta, ToolCallError, ToolCalling
@@ -756,8 +756,6 @@ def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False)
     # vLLM's: more variables for the template (a Qwen3-style {"enable_thinking": false}),
     # a RAG template's documents, and a template of the request's own (a server that
     # trusts its clients with one: a template is code the server runs).
-    template_kwargs = body.get("chat_template_kwargs")
-    documents = body.get("documents")
     template = body.get("chat_template")
     if template is not None and not trust_request_chat_template:
         raise _invalid(
@@ -766,15 +764,17 @@ def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False)
             "chat_template",
         )
     try:
-        text, token_ids = render_chat_prompt(
-            llm, conversation, tools, "messages", opens_turn, continues, template_kwargs,
-            template, documents,
-        )  # fmt: skip
+        options = ChatTemplateOptions(
+            opens_turn,
+            continues,
+            body.get("chat_template_kwargs"),
+            body.get("documents"),
+            template,
+        )
+        text, token_ids = render_chat_prompt(llm, conversation, tools, "messages", options)
     except (ValueError, TypeError) as error:
         message = str(error)
-        # The longest name first: chat_template_kwargs starts with chat_template.
-        names = sorted(RENDER_SETTINGS, key=len, reverse=True)
-        name = next((name for name in names if message.startswith(name)), "messages")
+        name = next((name for name in SETTING_NAMES if message.startswith(name)), "messages")
         raise _invalid(message, name) from None
     return Prompt(text, token_ids)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 from pathlib import Path
 from typing import Any
+
+from pagedserve.frontend.chat_template import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions
 
 
 def preload() -> None:
@@ -84,22 +84,15 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
-        chat_template: str | None = None,
-        documents: list[dict[str, str]] | None = None,
+        options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS,
     ) -> str:
-        """The conversation as the template writes it, ending with the assistant's turn
-        (``add_generation_prompt``) or open inside the last message, for the model to go on
-        with it (``continue_final_message``); ``tools`` (OpenAI's function tools) and
-        ``documents`` (a RAG template's sources) go to the template, which may show them.
-        ``template_kwargs``: more variables for the template (vLLM's
-        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), checked first with
-        ``check_template_kwargs``. ``chat_template``: this call's template instead of the
-        tokenizer's (vLLM's per-request one)."""
+        """The conversation as the template writes it (the call's own template, or the
+        model's), ending as ``options`` say; ``tools`` (OpenAI's function tools) and the
+        options' documents and variables go to the template, which may show them."""
         template = (
-            chat_template or self._chat_template or getattr(self._tokenizer, "chat_template", None)
+            options.chat_template
+            or self._chat_template
+            or getattr(self._tokenizer, "chat_template", None)
         )
         if not template:
             raise ValueError(
@@ -108,61 +101,10 @@ class Tokenizer:
         return self._tokenizer.apply_chat_template(
             messages,
             tools=tools,
-            documents=documents,
+            documents=options.documents,
             chat_template=template,
             tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **(template_kwargs or {}),
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **(options.chat_template_kwargs or {}),
         )
-
-
-def check_documents(value: object, field: str) -> list[dict[str, str]]:
-    """``value`` as a RAG template's documents (vLLM's ``documents``: a list of objects of
-    strings, such as ``{"title": ..., "text": ...}``), or a ``ValueError`` naming the
-    entry."""
-    if not isinstance(value, list):
-        raise ValueError(f"{field} must be a list of objects of strings, got {value!r:.100}")
-    for index, document in enumerate(value):
-        if not isinstance(document, dict) or not all(
-            isinstance(key, str) and isinstance(text, str) for key, text in document.items()
-        ):
-            raise ValueError(
-                f"{field}[{index}] must be an object of strings, got {document!r:.100}"
-            )
-    return value
-
-
-def check_template_kwargs(value: object, field: str) -> dict[str, Any]:
-    """``value`` as extra chat-template variables, or a ``ValueError`` starting with
-    ``field``: a mapping from names to values, none of them a name the rendering sets
-    itself (the conversation, the tools, where the prompt ends: each has its own field,
-    and a second value for it would be ambiguous)."""
-    if not isinstance(value, dict):
-        raise ValueError(f"{field} must be an object of template variables, got {value!r:.100}")
-    reserved = _reserved_template_names()
-    for name in value:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"{field}: {name!r:.100} is not a template variable name")
-        if name in reserved:
-            raise ValueError(
-                f"{field}.{name}: set by the rendering itself, not a variable a request may "
-                f"set (reserved: {', '.join(sorted(reserved))})"
-            )
-    return value
-
-
-@functools.cache
-def _reserved_template_names() -> frozenset[str]:
-    """The keywords of transformers' ``apply_chat_template`` (its own settings, and what it
-    passes to the template: ``tools``, ``documents``, ``add_generation_prompt``) and the
-    ``messages`` it renders."""
-    from transformers import PreTrainedTokenizerBase
-
-    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-    names = {
-        name
-        for name, parameter in parameters.items()
-        if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD
-    }
-    return frozenset(names | {"messages"})

@@ -335,6 +335,19 @@ def test_chat_completions_use_the_chat_template_as_offline(server, client, offli
         assert bytes(item.bytes).decode(errors="replace") == item.token
 
 
+def assert_refused_by_name(server, body: dict, request, field: str, words: str) -> None:
+    """The same bad chat setting, as an HTTP body and as a gRPC request: each API refuses it
+    naming the field (HTTP's param; gRPC's "chat.<field>") and saying ``words``."""
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert (status, answer["error"]["param"]) == (400, field), answer
+    assert words in answer["error"]["message"]
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub.Generate(request)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(f"chat.{field}"), caught.value.details()
+    assert words in caught.value.details()
+
+
 def test_a_final_message_is_continued_as_offline_and_as_hf_renders_it(
     server, offline, server_model_dir
 ):
@@ -369,14 +382,11 @@ def test_a_final_message_is_continued_as_offline_and_as_hf_renders_it(
     closed = offline.chat(started[:1], greedy_params(8), add_generation_prompt=False)[0]
     assert closed.prompt.endswith("<|im_end|>\n")
     # Both at once is refused by name, in each API.
-    status, answer = post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
-    assert (status, answer["error"]["param"]) == (400, "continue_final_message"), answer
-    assert "cannot both be true" in answer["error"]["message"]
     chat.add_generation_prompt = True
-    with pytest.raises(grpc.RpcError) as caught:
-        server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert caught.value.details().startswith("chat.continue_final_message and add_generation")
+    assert_refused_by_name(
+        server, {**body, "add_generation_prompt": True}, pb.GenerateRequest(chat=chat),
+        "continue_final_message", "cannot both be true",
+    )  # fmt: skip
     with pytest.raises(ValueError, match="^continue_final_message and add_generation_prompt"):
         offline.chat(started, greedy_params(8), continue_final_message=True)
 
@@ -414,14 +424,11 @@ def test_documents_reach_the_template_and_a_request_template_needs_trust(
         offline.chat(messages, greedy_params(8), documents="plums")
     # A template of the request's own: this server does not trust its clients with one.
     own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
-    status, answer = post(server, "/v1/chat/completions", {**body, "chat_template": own})
-    assert (status, answer["error"]["param"]) == (400, "chat_template"), answer
-    assert "--trust-request-chat-template" in answer["error"]["message"]
     chat.chat_template = own
-    with pytest.raises(grpc.RpcError) as caught:
-        server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert caught.value.details().startswith("chat.chat_template: this server does not")
+    assert_refused_by_name(
+        server, {**body, "chat_template": own}, pb.GenerateRequest(chat=chat),
+        "chat_template", "--trust-request-chat-template",
+    )  # fmt: skip
 
 
 def test_a_trusting_server_renders_a_request_template(start_server, offline):
@@ -511,15 +518,11 @@ def test_chat_template_kwargs_reach_the_template_in_each_api(server, offline, se
     # A name the rendering sets itself, or not an object: refused by name in each API.
     for bad, words in [({"add_generation_prompt": False}, "add_generation_prompt: set by"),
                        ([1], "must be an object")]:  # fmt: skip
-        status, answer = post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": bad})
-        assert (status, answer["error"]["param"]) == (400, "chat_template_kwargs"), answer
-        assert words in answer["error"]["message"]
         chat.chat_template_kwargs = json.dumps(bad)
-        with pytest.raises(grpc.RpcError) as caught:
-            server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert caught.value.details().startswith("chat.chat_template_kwargs")
-        assert words in caught.value.details()
+        assert_refused_by_name(
+            server, {**body, "chat_template_kwargs": bad}, pb.GenerateRequest(chat=chat),
+            "chat_template_kwargs", words,
+        )  # fmt: skip
         with pytest.raises(ValueError, match=f"^chat_template_kwargs.*{words}"):
             offline.chat(messages, greedy_params(8), chat_template_kwargs=bad)
     chat.chat_template_kwargs = "{not json"

@@ -1,0 +1,96 @@
+"""How one conversation is rendered with the chat template, beside its messages and tools:
+where the prompt ends, the template's extra variables, a RAG template's documents, and a
+template of the call's own. Checked when made, each error starting with the setting's name
+(vLLM's request field), so both APIs can name it."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+# The settings' names, the longest first: an error about one starts with its name (and
+# chat_template_kwargs starts with chat_template).
+SETTING_NAMES = ("continue_final_message", "chat_template_kwargs", "chat_template", "documents")
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """``add_generation_prompt``: the prompt ends with the assistant's turn to speak;
+    ``continue_final_message`` (with it false): the prompt ends inside the last message, for
+    the model to go on with it. ``chat_template_kwargs``: more variables for the template
+    (e.g. Qwen3's ``{"enable_thinking": False}``); ``documents``: a RAG template's sources
+    (objects of strings such as ``{"title": ..., "text": ...}``); ``chat_template``: the
+    call's own template instead of the model's. All vLLM's."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: the "
+                "prompt either goes on with the last message or opens a new turn"
+            )
+        if self.chat_template_kwargs is not None:
+            _check_template_kwargs(self.chat_template_kwargs, "chat_template_kwargs")
+        if self.documents is not None:
+            _check_documents(self.documents, "documents")
+        template = self.chat_template
+        if template is not None and (not isinstance(template, str) or not template.strip()):
+            raise ValueError(
+                f"chat_template must be a Jinja template's text, got {template!r:.100}"
+            )
+
+
+def _check_documents(value: object, field: str) -> None:
+    if not isinstance(value, list):
+        raise ValueError(f"{field} must be a list of objects of strings, got {value!r:.100}")
+    for index, document in enumerate(value):
+        if not isinstance(document, dict) or not all(
+            isinstance(key, str) and isinstance(text, str) for key, text in document.items()
+        ):
+            raise ValueError(
+                f"{field}[{index}] must be an object of strings, got {document!r:.100}"
+            )
+
+
+def _check_template_kwargs(value: object, field: str) -> None:
+    """A mapping from names to values, none of them a name the rendering sets itself (the
+    conversation, the tools, where the prompt ends: each has its own setting, and a second
+    value for it would be ambiguous)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} must be an object of template variables, got {value!r:.100}")
+    reserved = _reserved_template_names()
+    for name in value:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"{field}: {name!r:.100} is not a template variable name")
+        if name in reserved:
+            raise ValueError(
+                f"{field}.{name}: set by the rendering itself, not a variable a request may "
+                f"set (reserved: {', '.join(sorted(reserved))})"
+            )
+
+
+@functools.cache
+def _reserved_template_names() -> frozenset[str]:
+    """The keywords of transformers' ``apply_chat_template`` (its own settings, and what it
+    passes to the template: ``tools``, ``documents``, ``add_generation_prompt``) and the
+    ``messages`` it renders."""
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    names = {
+        name
+        for name, parameter in parameters.items()
+        if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    return frozenset(names | {"messages"})
+
+
+# A new assistant turn after the conversation, the model's template: the usual rendering.
+DEFAULT_CHAT_OPTIONS = ChatTemplateOptions()
