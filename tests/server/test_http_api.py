@@ -335,6 +335,15 @@ def test_chat_completions_use_the_chat_template_as_offline(server, client, offli
         assert bytes(item.bytes).decode(errors="replace") == item.token
 
 
+def assert_chat_answer_is(server, body: dict, want) -> None:
+    """An HTTP chat call answers as the offline engine did (``want``): the same text from
+    the same number of prompt tokens."""
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
+    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+
+
 def assert_refused_by_name(server, body: dict, request, field: str, words: str) -> None:
     """The same bad chat setting, as an HTTP body and as a gRPC request: each API refuses it
     naming the field (HTTP's param; gRPC's "chat.<field>") and saying ``words``."""
@@ -367,10 +376,7 @@ def test_a_final_message_is_continued_as_offline_and_as_hf_renders_it(
     assert want.prompt_token_ids == offline.tokenizer.encode(reference, add_special_tokens=False)
     body = {"model": SERVED_MODEL_NAME, "messages": started, "max_tokens": 8,
             "temperature": 0.0, "ignore_eos": True, **flags}  # fmt: skip
-    status, answer = post(server, "/v1/chat/completions", body)
-    assert status == 200, answer
-    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
-    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert_chat_answer_is(server, body, want)
     chat = pb.Chat(add_generation_prompt=False, continue_final_message=True)
     for message in started:
         chat.messages.add(role=message["role"], content=message["content"])
@@ -406,10 +412,7 @@ def test_documents_reach_the_template_and_a_request_template_needs_trust(
     assert want.prompt == reference
     body = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 8,
             "temperature": 0.0, "ignore_eos": True, "documents": documents}  # fmt: skip
-    status, answer = post(server, "/v1/chat/completions", body)
-    assert status == 200, answer
-    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
-    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert_chat_answer_is(server, body, want)
     chat = pb.Chat()
     chat.messages.add(role="user", content="what is it?")
     chat.documents.add(fields=documents[0])
@@ -442,10 +445,7 @@ def test_a_trusting_server_renders_a_request_template(start_server, offline):
     assert want.prompt == "[user: hi]>"
     body = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 8,
             "temperature": 0.0, "ignore_eos": True, "chat_template": own}  # fmt: skip
-    status, answer = post(server, "/v1/chat/completions", body)
-    assert status == 200, answer
-    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
-    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert_chat_answer_is(server, body, want)
     chat = pb.Chat(chat_template=own)
     chat.messages.add(role="user", content="hi")
     tokens = server.stub.Tokenize(pb.TokenizeRequest(chat=chat))
@@ -501,10 +501,7 @@ def test_chat_template_kwargs_reach_the_template_in_each_api(server, offline, se
     assert len(want.prompt_token_ids) > len(plain.prompt_token_ids)
     body = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 8,
             "temperature": 0.0, "ignore_eos": True, "chat_template_kwargs": kwargs}  # fmt: skip
-    status, answer = post(server, "/v1/chat/completions", body)
-    assert status == 200, answer
-    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
-    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert_chat_answer_is(server, body, want)
     status, answer = post(
         server, "/tokenize", {"messages": messages, "chat_template_kwargs": kwargs}
     )
