@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from pagedserve.frontend.api_key import ENVIRONMENT_VARIABLE as API_KEY_ENVIRONMENT_VARIABLE
+from pagedserve.frontend.cors import parse_origins
 from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -214,6 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; implies "
         "--enable-lora): clients then name adapter directories this server reads, so allow "
         "it only for trusted clients",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="origins whose browser pages may call the HTTP API (CORS): comma-separated "
+        "or a JSON list, * for any; default none (vLLM allows any: name them here)",
+    )
+    serve.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="with --allowed-origins: browsers may send credentials (cookies, HTTP auth) "
+        "cross-origin",
     )
     serve.add_argument(
         "--trust-request-chat-template",
@@ -447,6 +460,8 @@ def _serve(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             trust_request_chat_template=args.trust_request_chat_template,
+            allowed_origins=parse_origins(args.allowed_origins or ""),
+            allow_credentials=args.allow_credentials,
         )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)

@@ -37,6 +37,7 @@ from aiohttp import web
 from pagedserve.frontend import openai_protocol as protocol
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
+from pagedserve.frontend.cors import CorsPolicy
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
@@ -130,6 +131,8 @@ class HttpApi:
         if server.config.api_key is not None:
             middlewares.append(_api_key_check(server.config.api_key))
         app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=middlewares)
+        if server.config.allowed_origins:
+            CorsPolicy(server.config.allowed_origins, server.config.allow_credentials).install(app)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/embeddings", self._embeddings)

@@ -114,6 +114,10 @@ class ServerConfig:
     # Off by default: a template is code the server runs (sandboxed, but a loop in one can
     # hold the frontend), so only trusted clients should send one.
     trust_request_chat_template: bool = False
+    # Origins whose browser pages may call the HTTP API (vLLM's --allowed-origins; "*":
+    # any), and whether with credentials (cookies, HTTP auth); () : no cross-origin calls.
+    allowed_origins: tuple[str, ...] = ()
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):
@@ -130,6 +134,10 @@ class ServerConfig:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
             )
+        if self.allowed_origins and self.http_port is None:
+            raise ValueError("allowed_origins is for the HTTP API: serve it too (http_port)")
+        if self.allow_credentials and not self.allowed_origins:
+            raise ValueError("allow_credentials needs allowed_origins (the origins it is for)")
         if self.max_concurrent_requests < 1:
             raise ValueError(
                 f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"

@@ -870,6 +870,81 @@ def test_an_api_key_guards_generation_in_both_apis(start_server):
     assert server.terminate() == 0
 
 
+def http_call(server, method: str, path: str, headers: dict, body: bytes | None = None):
+    """One raw call: (status, headers, body bytes), an error status included."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    try:
+        connection.request(method, path, body, headers)
+        response = connection.getresponse()
+        return response.status, response.headers, response.read()
+    finally:
+        connection.close()
+
+
+def test_allowed_origins_let_a_browser_page_call_the_api(start_server):
+    """CORS: a preflight from an allowed origin is answered before the API key is asked
+    for; every answer to it, a stream's too, names the origin; other origins get none."""
+    key = "s3cret-key"
+    page = "http://app.example:8080"
+    server = start_server(
+        "--http-port", "0", "--allowed-origins", f"{page},https://other.example",
+        env={"PAGEDSERVE_API_KEY": key},
+    )  # fmt: skip
+    asks = {"Origin": page, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    status, headers, _ = http_call(server, "OPTIONS", "/v1/chat/completions", asks)
+    assert status == 204
+    assert headers["Access-Control-Allow-Origin"] == page
+    assert headers["Access-Control-Allow-Methods"] == "OPTIONS, POST"
+    assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert int(headers["Access-Control-Max-Age"]) > 0
+    status, headers, body = http_call(
+        server, "OPTIONS", "/v1/chat/completions", {**asks, "Origin": "http://evil.example"}
+    )
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    assert "'http://evil.example' may not call" in json.loads(body)["error"]["message"]
+    call = {"Origin": page, "Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    completion = json.dumps({"prompt": PROMPT_IDS, "max_tokens": 3}).encode()
+    status, headers, _ = http_call(server, "POST", "/v1/completions", call, completion)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == page
+    assert "Origin" in headers["Vary"]
+    stream = json.dumps({"prompt": PROMPT_IDS, "max_tokens": 3, "stream": True}).encode()
+    status, headers, body = http_call(server, "POST", "/v1/completions", call, stream)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == page
+    assert body.endswith(b"data: [DONE]\n\n")
+    # An error still reaches the page (it can read why), and the key is still asked for.
+    status, headers, _ = http_call(server, "POST", "/v1/completions", {"Origin": page}, stream)
+    assert status == 401 and headers["Access-Control-Allow-Origin"] == page
+    status, headers, _ = http_call(
+        server, "POST", "/v1/completions", {**call, "Origin": "http://evil.example"}, completion
+    )
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    assert server.terminate() == 0
+
+
+def test_without_allowed_origins_no_page_of_another_origin_may_call(server):
+    asks = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+    status, headers, _ = http_call(server, "OPTIONS", "/v1/completions", asks)
+    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+    completion = json.dumps({"prompt": PROMPT_IDS, "max_tokens": 2}).encode()
+    status, headers, _ = http_call(server, "POST", "/v1/completions", asks, completion)
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+
+
+def test_cross_origin_settings_are_checked_at_start(start_server):
+    for flags, words in [
+        (
+            ["--http-port", "0", "--allowed-origins", "app.example"],
+            "'app.example' is not an origin",
+        ),
+        (["--allowed-origins", "*"], "allowed_origins is for the HTTP API"),
+        (["--http-port", "0", "--allow-credentials"], "allow_credentials needs allowed_origins"),
+    ]:
+        server = start_server(*flags, wait=False)
+        assert server.process.wait(timeout=60) == 2
+        assert words in server.log()
+
+
 def test_while_the_model_loads_http_answers_503_then_serves(start_server):
     with socket.socket() as probe:  # a free port, named up front: no port file yet
         probe.bind(("127.0.0.1", 0))
