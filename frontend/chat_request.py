@@ -53,9 +53,15 @@ def render_chat_prompt(
     setting's name (``chat_template.SETTING_NAMES``) for that setting's errors."""
     try:
         text = llm.render_chat(conversation, field, tools, options)
-        token_ids = llm.encode_prompt(llm.tokenizer.encode(text, add_special_tokens=False), field)
     except TemplateError as error:
         raise ValueError(f"{field}: the chat template refused them: {error}") from None
+    except (ArithmeticError, LookupError, TypeError, AttributeError) as error:
+        # A template is code: on these messages it failed (a division by zero, an index
+        # out of range, a string added to a number). The request's input, not the server.
+        raise ValueError(
+            f"{field}: the chat template failed on them: {type(error).__name__}: {error}"
+        ) from None
+    token_ids = llm.encode_prompt(llm.tokenizer.encode(text, add_special_tokens=False), field)
     return text, token_ids
 
 

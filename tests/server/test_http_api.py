@@ -454,6 +454,19 @@ def test_a_trusting_server_renders_a_request_template(start_server, offline):
     status, answer = post(server, "/v1/chat/completions", {**body, "chat_template": "{% for %}"})
     assert (status, answer["error"]["param"]) == (400, "chat_template"), answer
     assert answer["error"]["message"].startswith("chat_template: not a Jinja template")
+    # A template that fails on the messages (it is code) is the request's error, in both
+    # APIs: not the server's.
+    for failing, error in [("{{ 1 / 0 }}", "ZeroDivisionError"),
+                           ("{{ messages[0].content + 1 }}", "TypeError"),
+                           ("{{ messages[0]['x']['y'] }}", "refused them")]:  # fmt: skip
+        status, answer = post(server, "/v1/chat/completions", {**body, "chat_template": failing})
+        assert (status, answer["error"]["param"]) == (400, "messages"), answer
+        assert error in answer["error"]["message"], answer
+        chat.chat_template = failing
+        with pytest.raises(grpc.RpcError) as caught:
+            server.stub.Generate(pb.GenerateRequest(chat=chat))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error in caught.value.details()
     status, answer = post(server, "/v1/chat/completions", body)
     assert status == 200, answer
     server.assert_blocks_all_free()
