@@ -104,7 +104,7 @@ def _internal_error(error: Exception) -> CallError:
 
 
 # Open without the API key: probes, scrapers and version checks hold none.
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 def _api_key_check(api_key: str):
@@ -141,6 +141,10 @@ class HttpApi:
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
+        # SageMaker's routes (vLLM serves them too): a probe, and one route for all calls.
+        app.router.add_get("/ping", self._health)
+        app.router.add_post("/ping", self._health)
+        app.router.add_post("/invocations", self._invocations)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
         if server.config.allow_runtime_lora_updating:
@@ -506,6 +510,24 @@ class HttpApi:
         if llm.tokenizer is None:
             raise CallError("INVALID_ARGUMENT", "this model has no tokenizer to decode with")
         return web.json_response({"prompt": llm.tokenizer.decode(token_ids)})
+
+    async def _invocations(self, request: web.Request) -> web.StreamResponse:
+        """The body's shape picks the API, as vLLM's ``/invocations`` does: ``messages`` a
+        chat completion, ``prompt`` a completion, ``input`` an embedding."""
+        body = await _json_body(request)  # aiohttp keeps it for the handler's own read
+        if isinstance(body, dict):
+            if "messages" in body:
+                return await self._generate("chat", request)
+            if "prompt" in body:
+                return await self._generate("completion", request)
+            if "input" in body:
+                return await self._embeddings(request)
+        raise CallError(
+            "INVALID_ARGUMENT",
+            "/invocations: the body must be a chat completion (messages), a completion "
+            "(prompt) or an embedding (input) request",
+            "",
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
         server = self._server

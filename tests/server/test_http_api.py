@@ -645,6 +645,32 @@ def test_models_tokenize_detokenize_health_and_version(server, offline):
     assert status == 200 and json.loads(body)["version"]
 
 
+def test_sagemaker_routes_ping_and_invocations(server, offline):
+    """vLLM's /ping (a probe) and /invocations (the body's shape picks the API)."""
+    assert get(server, "/ping")[0] == 200
+    assert post(server, "/ping", {})[0] == 200
+    messages = [{"role": "user", "content": "hi"}]
+    want = offline.chat(messages, greedy_params(6))[0]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    status, answer = post(server, "/invocations", body)
+    assert status == 200 and answer["object"] == "chat.completion", answer
+    assert answer["choices"][0]["message"]["content"] == want.outputs[0].text
+    want = offline.generate(PROMPT_IDS, greedy_params(6))[0]
+    body = {"prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    status, answer = post(server, "/invocations", body)
+    assert status == 200 and answer["object"] == "text_completion", answer
+    assert answer["choices"][0]["text"] == want.outputs[0].text
+    events = sse_events(server, "/invocations", {**body, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want.outputs[0].text
+    status, answer = post(server, "/invocations", {"input": "hello"})
+    assert status == 200 and answer["object"] == "list", answer
+    assert answer["data"][0]["embedding"] == pytest.approx(
+        offline.embed("hello")[0].outputs.embedding, abs=1e-5
+    )
+    status, answer = post(server, "/invocations", {"text": "hello"})
+    assert status == 400 and "messages" in answer["error"]["message"], answer
+
+
 def test_bad_input_gets_openai_errors_naming_the_field(server):
     cases = [
         ({"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
