@@ -24,6 +24,8 @@ from pagedserve.frontend.server import (
 )
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.gpu_worker.model_config import KV_CACHE_DTYPES, QUANTIZATION_NAMES
+from pagedserve.scheduler.logs import ENVIRONMENT_VARIABLE as LOG_FORMAT_ENVIRONMENT_VARIABLE
+from pagedserve.scheduler.logs import LOG_FORMATS, configure_logging
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -310,6 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="info (default) logs start-up, each finished call and the drain",
     )
     serve.add_argument(
+        "--log-format",
+        default=os.environ.get(LOG_FORMAT_ENVIRONMENT_VARIABLE) or "text",
+        choices=LOG_FORMATS,
+        help="text (default), or json: one JSON object per line (time, level, logger, pid, "
+        "message, and each call's ids, token counts and times), for a log shipper; the "
+        f"engine's processes follow it; default ${LOG_FORMAT_ENVIRONMENT_VARIABLE}",
+    )
+    serve.add_argument(
         "--no-request-log",
         action="store_true",
         help="do not log a line per finished call (busy servers; metrics still count them)",
@@ -525,7 +535,10 @@ def main(argv: list[str] | None = None) -> int:
         level = logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper())
     else:  # the one-shot commands: only what went wrong
         level = logging.INFO if args.verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_format = args.log_format if args.command == "serve" else "text"
+    # The engine's processes read it from the environment they inherit.
+    os.environ[LOG_FORMAT_ENVIRONMENT_VARIABLE] = log_format
+    configure_logging(level, "%(asctime)s %(name)s %(levelname)s %(message)s", log_format)
     if args.command == "serve":
         return _serve(args)
     from pagedserve.frontend.llm import LLM

@@ -320,17 +320,29 @@ class Server:
         self.metrics.observe_finished(output, first_token_s, duration_s)
         if not self.config.log_requests:
             return
+        fields = {
+            "request_id": request_id,
+            "client_request_id": client_request_id,
+            "prompt_tokens": len(output.prompt_token_ids),
+            "cached_tokens": output.num_cached_tokens,
+            "output_tokens": _num_output_tokens(output),
+            "finish_reasons": _finish_reasons(output),
+            "duration_s": round(duration_s, 6),
+            "queue_time_s": output.queue_time_s,
+            "first_token_s": first_token_s,
+        }
         logger.info(
             "%s (client id %r): %d prompt tokens (%d cached), %d output tokens, %s, %.3f s "
             "(%s queued)",
             request_id,
             client_request_id,
-            len(output.prompt_token_ids),
-            output.num_cached_tokens,
-            _num_output_tokens(output),
-            _finish_reasons(output),
+            fields["prompt_tokens"],
+            fields["cached_tokens"],
+            fields["output_tokens"],
+            fields["finish_reasons"],
             duration_s,
             "-" if output.queue_time_s is None else f"{output.queue_time_s:.3f} s",
+            extra={"fields": fields},  # the JSON log format's (--log-format json)
         )
 
     @contextlib.asynccontextmanager

@@ -14,6 +14,7 @@ whose peer dies fails in its next collective (gloo notices the closed connection
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -27,6 +28,7 @@ from pagedserve.gpu_worker.worker import Worker
 from pagedserve.scheduler.broadcast import BroadcastClosedError, BroadcastHandle, StepReceiver
 from pagedserve.scheduler.child_process import die_with_parent
 from pagedserve.scheduler.engine_messages import EngineError, Ready, StartWorker
+from pagedserve.scheduler.logs import configure_logging
 from pagedserve.scheduler.messages import StepPlan
 from pagedserve.scheduler.serialization import decode_as, encode
 
@@ -38,6 +40,8 @@ def main(start_frame: bytes) -> None:
     """The process's target: returns on a clean end, ``sys.exit(1)`` on a failure."""
     start = decode_as(start_frame, StartWorker)
     die_with_parent(start.scheduler_pid)
+    # Warnings (a weight's dtype, a fallback), named, in the frontend's log format.
+    configure_logging(logging.WARNING, "%(name)s %(levelname)s %(message)s")
     context = zmq.Context(io_threads=1)
     results = context.socket(zmq.PUSH)
     results.setsockopt(zmq.LINGER, _LINGER_MS)

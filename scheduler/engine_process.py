@@ -53,6 +53,7 @@ from pagedserve.scheduler.engine_messages import (
     StopSample,
     UnloadLoRA,
 )
+from pagedserve.scheduler.logs import configure_logging
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.multiproc_executor import MultiprocExecutor, WorkerDiedError
 from pagedserve.scheduler.serialization import (
@@ -270,6 +271,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # The scheduler package's warnings, named, on the inherited stderr.
-    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    # The scheduler package's warnings, named, on the inherited stderr (in the frontend's
+    # log format).
+    configure_logging(logging.WARNING, "%(name)s %(levelname)s %(message)s")
     sys.exit(main())

@@ -6,7 +6,9 @@ for greedy tokens, with HF transformers); streams must add up to the whole resul
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import random
+import re
 import subprocess
 import sys
 import urllib.request
@@ -340,6 +342,26 @@ def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
     assert "pagedserve_engine_num_preemptions_total" in after
     assert "pagedserve_engine_prefix_cache_hits_total" in after
     assert after["pagedserve_engine_kv_cache_usage"] == 0.0  # nothing in flight
+
+
+def test_json_logs_carry_each_calls_fields(start_server):
+    """--log-format json: the server's lines are JSON objects, the request log's with its
+    ids, token counts and times as fields; an unknown format is refused at start."""
+    server = start_server("--log-format", "json")
+    server.stub.Generate(token_request(PROMPTS[1], greedy(5)), metadata=(("x-request-id", "c1"),))
+    assert server.terminate() == 0
+    lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+    assert {"time", "level", "logger", "pid", "message"} <= set(lines[0])
+    (call,) = [line for line in lines if "prompt_tokens" in line]
+    assert call["logger"] == "pagedserve.server" and call["level"] == "INFO"
+    assert call["prompt_tokens"] == len(PROMPTS[1]) and call["output_tokens"] == 5
+    assert call["finish_reasons"] == "length" and call["duration_s"] > 0
+    assert call["queue_time_s"] is not None and call["first_token_s"] is not None
+    # No line of ours in the text format.
+    assert not re.search(r"^\S+ \S+ pagedserve[.\w]* (INFO|WARNING)", server.log(), re.MULTILINE)
+    refused = start_server("--log-format", "yaml", wait=False)
+    assert refused.process.wait(timeout=60) == 2
+    assert "invalid choice: 'yaml'" in refused.log()
 
 
 def test_a_server_with_int8_weights_and_a_float8_cache_says_so_and_runs_them(
