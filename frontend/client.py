@@ -116,6 +116,8 @@ def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) 
     if response.finished:
         output.finished = True
         output.num_cached_tokens = response.usage.cached_prompt_tokens
+        if response.usage.HasField("queue_time_s"):
+            output.queue_time_s = response.usage.queue_time_s
     return output
 
 
@@ -155,6 +157,9 @@ def embedding_output(prompt: PromptType, response: pb.EmbedResponse) -> Embeddin
         finished=True,
         finish_reason="stop",
         num_cached_tokens=response.usage.cached_prompt_tokens,
+        queue_time_s=response.usage.queue_time_s
+        if response.usage.HasField("queue_time_s")
+        else None,
     )
 
 

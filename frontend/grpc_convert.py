@@ -474,6 +474,7 @@ def _usage(output: RequestOutput) -> pb.Usage:
         prompt_tokens=len(output.prompt_token_ids),
         completion_tokens=sum(len(c.token_ids) for c in output.outputs),
         cached_prompt_tokens=output.num_cached_tokens,
+        queue_time_s=output.queue_time_s,
     )
 
 

@@ -162,6 +162,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 usage=pb.Usage(
                     prompt_tokens=len(output.prompt_token_ids),
                     cached_prompt_tokens=output.num_cached_tokens,
+                    queue_time_s=output.queue_time_s,
                 ),
             )
 

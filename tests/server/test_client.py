@@ -95,6 +95,8 @@ def test_generate_stream_and_chat_match_the_offline_engine(server, offline):
         assert want.prompt.startswith("<|im_start|>document\nplums")
         same_output(client.chat(messages, chat_params, documents=sources), want)
         assert client.tokenize("hello") == offline.tokenizer.encode("hello")
+        assert client.generate(PROMPTS[0], GREEDY).queue_time_s is not None
+        assert client.embed("hello").queue_time_s is not None
         assert client.model_info().vocab_size == 512
         # Leaving a stream early cancels the call (the fixture then finds every block free).
         long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

@@ -319,7 +319,8 @@ def scrape(server) -> dict[str, float]:
 
 def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
     before = scrape(server)
-    server.stub.Generate(token_request(PROMPTS[0], greedy(6)))
+    response = server.stub.Generate(token_request(PROMPTS[0], greedy(6)))
+    assert response.usage.HasField("queue_time_s") and response.usage.queue_time_s >= 0.0
     with pytest.raises(grpc.RpcError):
         server.stub.Generate(token_request([1], greedy(top_p=2.0)))
     after = scrape(server)
