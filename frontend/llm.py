@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import os
 import sys
 from collections.abc import Sequence
@@ -738,15 +739,24 @@ class LLM:
             if not prompt:
                 raise ValueError(f"{field}: prompt is empty; it needs at least 1 token")
             return self._require_tokenizer(field).encode(prompt)
-        token_ids = list(prompt)
+        try:
+            token_ids = list(prompt)
+        except TypeError:
+            raise TypeError(
+                f"{field}: a prompt is a string or a list of token ids, got {prompt!r:.100}"
+            ) from None
         if not token_ids:
             raise ValueError(f"{field}: prompt is empty; it needs at least 1 token")
         vocab_size = self.model_config.vocab_size
         for position, token_id in enumerate(token_ids):
-            if isinstance(token_id, bool) or not isinstance(token_id, int):
-                raise TypeError(
-                    f"{field}[{position}]: token ids must be integers, got {token_id!r}"
-                )
+            if type(token_id) is not int:
+                # Another library's integer (numpy's int64) becomes Python's: only those
+                # cross to the scheduler.
+                if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+                    raise TypeError(
+                        f"{field}[{position}]: token ids must be integers, got {token_id!r}"
+                    )
+                token_id = token_ids[position] = int(token_id)
             if not 0 <= token_id < vocab_size:
                 raise ValueError(
                     f"{field}[{position}]: token id {token_id} is outside the "
@@ -928,6 +938,10 @@ class LLM:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str):
         return [prompts]
+    if hasattr(prompts, "tolist") and not isinstance(prompts, Sequence):
+        # A numpy array or a torch tensor of token ids (one prompt, or one per row).
+        prompts = prompts.tolist()
+        prompts = [prompts] if isinstance(prompts, int) else prompts
     if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
         raise TypeError(
             f"prompts must be a string, a list of token ids, or a list of those; got "
@@ -935,7 +949,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
         )
     if len(prompts) == 0:
         raise ValueError("prompts is empty; pass at least one prompt")
-    if all(isinstance(item, int) and not isinstance(item, bool) for item in prompts):
+    if all(isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in prompts):
         return [list(prompts)]
     return list(prompts)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,14 +194,14 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_int("min_tokens", self.min_tokens, minimum=0)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, minimum=1)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         self.temperature = _check_float("temperature", self.temperature, 0.0, None)
-        _check_int("top_k", self.top_k, minimum=-1)
+        self.top_k = _check_int("top_k", self.top_k, minimum=-1)
         if self.top_k == -1:
             self.top_k = 0
         self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -212,14 +214,15 @@ class SamplingParams:
             "frequency_penalty", self.frequency_penalty, -2.0, 2.0
         )
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
-        self.stop_token_ids = list(self.stop_token_ids)
-        for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids[]", token_id, minimum=0)
+            self.seed = _check_int("seed", self.seed, minimum=0)
+        self.stop_token_ids = [
+            _check_int("stop_token_ids[]", token_id, minimum=0) for token_id in self.stop_token_ids
+        ]
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, minimum=0)
+                value = _check_int(name, value, minimum=0)
+                setattr(self, name, value)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
         self.stop = _check_stop_strings(self.stop)
@@ -230,12 +233,15 @@ class SamplingParams:
                     f"allowed_token_ids must be a non-empty list of token ids, "
                     f"got {self.allowed_token_ids!r}"
                 )
-            self.allowed_token_ids = list(self.allowed_token_ids)
-            for token_id in self.allowed_token_ids:
+            self.allowed_token_ids = [
                 _check_int("allowed_token_ids[]", token_id, minimum=0)
+                for token_id in self.allowed_token_ids
+            ]
         self._check_bad_words()
         if self.truncate_prompt_tokens is not None:
-            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1)
+            self.truncate_prompt_tokens = _check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1
+            )
             if self.truncate_prompt_tokens == 0:
                 raise ValueError("truncate_prompt_tokens must be -1 or >= 1, got 0")
         if self.structured_outputs is not None and not isinstance(
@@ -279,18 +285,18 @@ class SamplingParams:
                         f"bad_words_token_ids[] must be non-empty lists of token ids, "
                         f"got {sequence!r:.100}"
                     )
-                for token_id in sequence:
-                    _check_int("bad_words_token_ids[][]", token_id, minimum=0)
-                checked.append(list(sequence))
+                checked.append(
+                    [_check_int("bad_words_token_ids[][]", token_id, 0) for token_id in sequence]
+                )
             self.bad_words_token_ids = checked
 
     def _check_sequences(self) -> None:
-        _check_int("n", self.n, minimum=1)
-        _check_int("beam_width", self.beam_width, minimum=1)
+        self.n = _check_int("n", self.n, minimum=1)
+        self.beam_width = _check_int("beam_width", self.beam_width, minimum=1)
         if self.beam_width > MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be <= {MAX_BEAM_WIDTH}, got {self.beam_width}")
         if self.best_of is not None:
-            _check_int("best_of", self.best_of, minimum=1)
+            self.best_of = _check_int("best_of", self.best_of, minimum=1)
             if self.best_of < self.n:
                 raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
         self.length_penalty = _check_float("length_penalty", self.length_penalty, -1e9, None)
@@ -358,11 +364,18 @@ def derive_seed(seed: int, sequence_index: int) -> int:
     return (z ^ (z >> 31)) >> 1  # 63 bits: seeds are non-negative int64 on the wire
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as a Python int: an int, or an integer scalar of another library (numpy's
+    ``int64``: what ``__index__`` gives, as vLLM takes them), never a bool."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
         raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def _check_logit_bias(bias: object) -> dict[int, float] | None:
@@ -372,7 +385,7 @@ def _check_logit_bias(bias: object) -> dict[int, float] | None:
         raise TypeError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
     checked = {}
     for token_id, value in bias.items():
-        _check_int("logit_bias key", token_id, minimum=0)
+        token_id = _check_int("logit_bias key", token_id, minimum=0)
         value = _check_float(f"logit_bias[{token_id}]", value, -math.inf, None)
         if math.isinf(value):
             raise ValueError(f"logit_bias[{token_id}] must be finite, got {value}")
@@ -412,7 +425,8 @@ def _check_stop_strings(stop: object) -> list[str]:
 def _check_float(
     name: str, value: object, low: float, high: float | None, low_open: bool = False
 ) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real: Python's int and float, and other libraries' scalars (numpy's float32).
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
     value = float(value)
     too_low = value <= low if low_open else value < low

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,6 +175,24 @@ def test_text_prompt_without_tokenizer_asks_for_token_ids(tiny_llm):
 def test_out_of_vocabulary_token_names_position_and_limit(tiny_llm):
     with pytest.raises(ValueError, match=r"prompts\[0\]\[2\]: token id 512 .* \[0, 512\)"):
         tiny_llm.generate([[1, 2, 512]])
+
+
+def test_numpy_and_torch_prompts_and_settings_are_taken_as_python_values(tiny_llm):
+    # As vLLM: token ids and settings computed with numpy (or a tensor of ids) work, and
+    # give what the same Python values give.
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in tiny_llm.generate([[1, 2, 3], [4, 5]], greedy)]
+    from_numpy = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.0))
+    for prompts in ([np.int64(1), np.int64(2), np.int64(3)], np.array([1, 2, 3])):
+        outputs = tiny_llm.generate(prompts, from_numpy)
+        assert [o.outputs[0].token_ids for o in outputs] == want[:1]
+        assert type(outputs[0].prompt_token_ids[0]) is int
+    outputs = tiny_llm.generate(torch.tensor([[1, 2, 3], [1, 2, 3]]), greedy)
+    assert [o.outputs[0].token_ids for o in outputs] == [want[0], want[0]]
+    outputs = tiny_llm.generate([np.array([1, 2, 3]), [np.int32(4), np.int32(5)]], greedy)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    with pytest.raises(TypeError, match=r"prompts\[0\]: a prompt is a string or a list"):
+        tiny_llm.generate([np.True_])
 
 
 def test_too_long_prompt_and_too_big_request_are_rejected_up_front(tiny_model_dirs):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.scheduler.engine_messages import AddRequest
 from pagedserve.scheduler.sampling_params import SamplingParams, token_ids_outside_vocabulary
+from pagedserve.scheduler.serialization import decode, encode
 
 
 def test_stop_defaults_to_no_stop_strings_and_a_single_string_becomes_a_list():
@@ -62,3 +64,34 @@ def test_token_ids_outside_the_vocabulary_are_named():
         "allowed_token_ids: token id 512 is outside the vocabulary [0, 512)"
     )
     assert token_ids_outside_vocabulary(SamplingParams(logit_bias={}), 512) is None
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    # As vLLM: a count or a seed computed with numpy works; what crosses processes is
+    # plain Python (msgpack cannot hold a numpy scalar).
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(
+        max_tokens=np.int64(5),
+        min_tokens=np.int32(1),
+        temperature=np.float32(0.5),
+        top_p=np.float64(0.9),
+        top_k=np.int8(3),
+        seed=np.uint64(2**63),
+        stop_token_ids=[np.int32(2)],
+        logit_bias={np.int64(4): np.float32(1.5)},
+        allowed_token_ids=list(np.arange(3, 6)),
+        n=np.int16(2),
+    )
+    assert params.max_tokens == 5 and type(params.max_tokens) is int
+    assert type(params.temperature) is float and params.seed == 2**63 and type(params.seed) is int
+    assert params.stop_token_ids == [2] and type(params.stop_token_ids[0]) is int
+    assert params.logit_bias == {4: 1.5} and type(next(iter(params.logit_bias))) is int
+    assert params.allowed_token_ids == [3, 4, 5] and type(params.allowed_token_ids[0]) is int
+    assert (
+        decode(encode(AddRequest("r", [1], params, 0.0, eos_token_ids=[]))).sampling_params
+        == params
+    )
+    with pytest.raises(TypeError, match="max_tokens must be an integer, got np.True_|True"):
+        SamplingParams(max_tokens=np.bool_(True))
+    with pytest.raises(TypeError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=np.float64(2.0))
