@@ -29,13 +29,8 @@ def greedy(**fields) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def model_dir(byte_level_llama_dir) -> Path:
-    return byte_level_llama_dir
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir) -> LLM:
-    return LLM(model_dir, num_blocks=64, block_size=16)
+def llm(byte_level_llama_dir) -> LLM:
+    return LLM(byte_level_llama_dir, num_blocks=64, block_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +51,7 @@ def a_letter_it_says(llm: LLM, plain: list[list[int]]) -> tuple[str, int]:
     raise AssertionError(f"no one-letter token in {plain[0]}")
 
 
-def test_a_word_is_tokenized_both_ways_and_never_said(llm, plain, model_dir):
+def test_a_word_is_tokenized_both_ways_and_never_said(llm, plain, byte_level_llama_dir):
     letter, token_id = a_letter_it_says(llm, plain)
     params = llm.resolve_bad_words(greedy(bad_words=[letter]), "sampling_params")
     space = llm.tokenizer.encode(" ", add_special_tokens=False)
@@ -65,11 +60,13 @@ def test_a_word_is_tokenized_both_ways_and_never_said(llm, plain, model_dir):
     tokens = [output.outputs[0].token_ids for output in outputs]
     assert all(token_id not in output for output in tokens)
     assert tokens[0] != plain[0]  # the word was there to ban
-    assert tokens == hf_greedy_without(model_dir, params.bad_words_token_ids)
+    assert tokens == hf_greedy_without(byte_level_llama_dir, params.bad_words_token_ids)
     assert all(letter not in output.outputs[0].text for output in outputs)
 
 
-def test_a_sequence_is_banned_only_where_its_first_tokens_end_the_output(llm, plain, model_dir):
+def test_a_sequence_is_banned_only_where_its_first_tokens_end_the_output(
+    llm, plain, byte_level_llama_dir
+):
     # Two tokens the output says in a row: the second stays allowed anywhere else.
     first, second = plain[0][5], plain[0][6]
     word = [first, second]
@@ -79,14 +76,14 @@ def test_a_sequence_is_banned_only_where_its_first_tokens_end_the_output(llm, pl
     assert tokens[0][:6] == plain[0][:6] and tokens[0][6] != second
     for output in tokens:
         assert not any(output[i : i + 2] == word for i in range(len(output) - 1))
-    assert tokens == hf_greedy_without(model_dir, [word])
+    assert tokens == hf_greedy_without(byte_level_llama_dir, [word])
 
 
-def test_across_processes_with_speculation_and_parallel_samples(model_dir, llm, plain):
+def test_across_processes_with_speculation_and_parallel_samples(byte_level_llama_dir, llm, plain):
     letter, token_id = a_letter_it_says(llm, plain)
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(bad_words=[letter]))]
     speculating = LLM(
-        model_dir,
+        byte_level_llama_dir,
         num_blocks=64,
         block_size=16,
         multiprocess=True,

@@ -10,8 +10,6 @@ string, and every block free again (asserted here and by conftest after each tes
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pagedserve.frontend import LLM, SamplingParams
@@ -23,13 +21,8 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(byte_level_llama_dir) -> Path:
-    return byte_level_llama_dir
-
-
-@pytest.fixture(scope="module")
-def in_process_llm(model_dir) -> LLM:
-    return LLM(model_dir, num_blocks=64, block_size=16)
+def in_process_llm(byte_level_llama_dir) -> LLM:
+    return LLM(byte_level_llama_dir, num_blocks=64, block_size=16)
 
 
 def stop_string_across_a_boundary(llm: LLM, token_ids: list[int]) -> tuple[str, int]:
@@ -116,8 +109,8 @@ def test_stop_string_ends_the_request_in_process(in_process_llm, monkeypatch):
     check_stops_there(in_process_llm, monkeypatch, exact=True)
 
 
-def test_stop_string_ends_the_request_across_processes(model_dir, monkeypatch):
-    llm = LLM(model_dir, num_blocks=64, block_size=16, multiprocess=True)
+def test_stop_string_ends_the_request_across_processes(byte_level_llama_dir, monkeypatch):
+    llm = LLM(byte_level_llama_dir, num_blocks=64, block_size=16, multiprocess=True)
     try:
         check_stops_there(llm, monkeypatch, exact=False)
     finally:
@@ -160,14 +153,14 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_model_dirs):
         llm.generate([1, 2, 3], SamplingParams(stop="x"))
 
 
-def test_command_line_stop_across_processes(model_dir, in_process_llm, capsys):
+def test_command_line_stop_across_processes(byte_level_llama_dir, in_process_llm, capsys):
     from pagedserve.frontend.cli import main
 
     prompt = "Once upon"
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0)
     reference = in_process_llm.generate(prompt, params)[0].outputs[0]
     stop, _ = stop_string_across_a_boundary(in_process_llm, reference.token_ids)
-    arguments = ["generate", "--model", str(model_dir), "--kv-cache-bytes", str(1 << 20)]
+    arguments = ["generate", "--model", str(byte_level_llama_dir), "--kv-cache-bytes", str(1 << 20)]
     arguments += ["--max-tokens", str(NUM_TOKENS), "--multiprocess", "--stop", "never"]
     assert main([*arguments, "--stop", stop, prompt]) == 0
     assert capsys.readouterr().out == reference.text[: reference.text.find(stop)] + "\n"
@@ -210,8 +203,8 @@ def test_each_sample_of_a_request_stops_on_its_own(in_process_llm, monkeypatch):
     check_each_sample_stops_on_its_own(in_process_llm, monkeypatch, exact=True)
 
 
-def test_each_sample_stops_on_its_own_across_processes(model_dir, monkeypatch):
-    llm = LLM(model_dir, num_blocks=64, block_size=16, multiprocess=True)
+def test_each_sample_stops_on_its_own_across_processes(byte_level_llama_dir, monkeypatch):
+    llm = LLM(byte_level_llama_dir, num_blocks=64, block_size=16, multiprocess=True)
     try:
         check_each_sample_stops_on_its_own(llm, monkeypatch, exact=False)
     finally:
