@@ -24,7 +24,7 @@ _BASE_KEYS = frozenset({"time", "level", "logger", "pid", "message", "exception"
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        created = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        created = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
         entry = {
             "time": created.isoformat(timespec="milliseconds"),
             "level": record.levelname,
