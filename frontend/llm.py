@@ -20,6 +20,7 @@ from pagedserve.frontend.generation_config import load_generation_defaults
 from pagedserve.frontend.lora_request import LoRARequest
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedserve.frontend.progress import ProgressBar
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
 from pagedserve.frontend.tokenizer import Tokenizer
@@ -429,13 +430,15 @@ class LLM:
         cache_namespace: str | None = None,
         lora_request: LoRARef | Sequence[LoRARef] = None,
         priority: int | Sequence[int] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) as one continuously batched run;
         returns one ``RequestOutput`` per prompt, in order. Requests share cached prompt
         prefixes only within one ``cache_namespace``. ``lora_request``: the LoRA adapter
         (a name or a ``LoRARequest``; None: the base model), or one per prompt.
         ``priority``: one per prompt (or one for all), lower first; needs
-        ``scheduling_policy="priority"`` unless every one is 0."""
+        ``scheduling_policy="priority"`` unless every one is 0. ``use_tqdm``: vLLM's
+        progress bar of finished prompts and token speeds, on stderr when it is a terminal."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         lora_ids = self.lora_ids_of(lora_request, len(prompt_list))
@@ -466,7 +469,9 @@ class LLM:
                 )
             self.check_token_ids(params, "sampling_params")
             self.check_structured_outputs(params, "sampling_params")
-        return self._run(prompt_list, encoded, params_list, cache_namespace, lora_ids, priorities)
+        return self._run(
+            prompt_list, encoded, params_list, cache_namespace, lora_ids, priorities, use_tqdm
+        )
 
     def chat(
         self,
@@ -480,6 +485,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
         documents: list[dict[str, str]] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation (a list of ``{"role", "content"}``
         dicts) or several, then generate the assistant's turn. ``tools`` (OpenAI's
@@ -508,7 +514,11 @@ class LLM:
         # The template already wrote the special tokens it wants.
         prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outputs = self.generate(
-            prompts, sampling_params, lora_request=lora_request, priority=priority
+            prompts,
+            sampling_params,
+            lora_request=lora_request,
+            priority=priority,
+            use_tqdm=use_tqdm,
         )
         for output, text in zip(outputs, texts):
             output.prompt = text
@@ -520,6 +530,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARef | Sequence[LoRARef] = None,
         priority: int | Sequence[int] | None = None,
+        use_tqdm: bool = True,
     ) -> list[EmbeddingRequestOutput]:
         """Embed every prompt (text or token ids) as one continuously batched run, as
         vLLM's embed task does: each request computes its prompt only (chunked, with
@@ -541,7 +552,7 @@ class LLM:
                 self.engine.check_request_fits(len(token_ids), 0)
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
-        return self._run(prompt_list, encoded, params_list, None, lora_ids, priorities)
+        return self._run(prompt_list, encoded, params_list, None, lora_ids, priorities, use_tqdm)
 
     def load_lora(self, name: str, path: str | os.PathLike[str]) -> int:
         """Serve the PEFT LoRA adapter in directory ``path`` as ``name`` from now on (an
@@ -624,13 +635,16 @@ class LLM:
         cache_namespace: str | None = None,
         lora_ids: list[int] | None = None,
         priorities: list[int] | None = None,
+        use_tqdm: bool = False,
     ) -> list[Any]:
         """Run one request per prompt to its end: a generation request for
-        ``SamplingParams``, an embedding request for ``PoolingParams``."""
+        ``SamplingParams``, an embedding request for ``PoolingParams``; ``use_tqdm``: a
+        progress bar (``ProgressBar``)."""
         request_ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
         lora_ids = lora_ids or [0] * len(prompts)
         priorities = priorities or [0] * len(prompts)
         trackers: dict[str, RequestTracker | EmbeddingTracker] = {}
+        progress = ProgressBar(len(prompts), enabled=use_tqdm)
         try:
             for request_id, prompt, token_ids, params, lora_id, priority in zip(
                 request_ids, prompts, encoded, params_list, lora_ids, priorities
@@ -657,6 +671,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
                     tracker = trackers[delta.request_id]
+                    was_finished = tracker.finished
                     action = tracker.apply(delta)
                     # A stop string ended an output; the engine would go on: end the
                     # request, or this sample of it, there and free the blocks.
@@ -666,7 +681,10 @@ class LLM:
                         self.engine.stop_sample(delta.request_id, delta.index) is not None
                     ):
                         tracker.output.finished = True  # the others had just ended
+                    if tracker.finished and not was_finished:
+                        progress.finished(tracker.output)
         finally:
+            progress.close()
             # An interrupted run (Ctrl-C, an error) must not leave requests holding blocks.
             for request_id in request_ids:
                 self.engine.abort_request(request_id)

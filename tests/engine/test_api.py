@@ -195,6 +195,15 @@ def test_numpy_and_torch_prompts_and_settings_are_taken_as_python_values(tiny_ll
         tiny_llm.generate([np.True_])
 
 
+def test_use_tqdm_is_taken_as_vllm_takes_it_and_draws_only_on_a_terminal(tiny_llm, capfd):
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    quiet = tiny_llm.generate([1, 2, 3], greedy, use_tqdm=False)
+    drawn = tiny_llm.generate([1, 2, 3], greedy, use_tqdm=True)
+    assert quiet[0].outputs[0].token_ids == drawn[0].outputs[0].token_ids
+    assert tiny_llm.embed([1, 2, 3], use_tqdm=False)[0].outputs.embedding
+    assert "Processed prompts" not in capfd.readouterr().err  # stderr is no terminal here
+
+
 def test_too_long_prompt_and_too_big_request_are_rejected_up_front(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], num_blocks=8, block_size=16)
     with pytest.raises(
