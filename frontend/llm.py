@@ -923,6 +923,15 @@ class LLM:
         as ``generation_config`` and ``override_generation_config`` say (generation_config.py)."""
         return self.generation_defaults.sampling_params()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's name for ``default_sampling_params``."""
+        return self.default_sampling_params()
+
+    def get_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer, as vLLM's ``LLM.get_tokenizer`` returns it
+        (``apply_chat_template``, ``decode`` ...); ``ValueError`` for a model without one."""
+        return self._require_tokenizer("get_tokenizer").hf_tokenizer
+
     def _load_tokenizer(
         self, path: Path, chat_template: str | None, reasoning_parser: str | None
     ) -> None:

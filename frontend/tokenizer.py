@@ -41,6 +41,11 @@ class Tokenizer:
             self.token_text(token_id) for token_id in special_ids
         )
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer this wraps (for callers that want its whole API)."""
+        return self._tokenizer
+
     @staticmethod
     def exists_in(path: Path) -> bool:
         return any(
