@@ -204,11 +204,14 @@ def test_use_tqdm_is_taken_as_vllm_takes_it_and_draws_only_on_a_terminal(tiny_ll
     assert "Processed prompts" not in capfd.readouterr().err  # stderr is no terminal here
 
 
-def test_vllm_accessors_get_tokenizer_and_get_default_sampling_params(embedded_llm, tiny_llm):
-    tokenizer = embedded_llm.get_tokenizer()
-    assert tokenizer.encode("Paris") == embedded_llm.tokenizer.encode("Paris")
+def test_vllm_accessors_get_tokenizer_and_get_default_sampling_params(
+    byte_level_llama_dir, tiny_llm
+):
+    llm = LLM(byte_level_llama_dir, num_blocks=16)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.encode("Paris") == llm.tokenizer.encode("Paris")
     assert tokenizer.decode(tokenizer.encode("Paris", add_special_tokens=False)) == "Paris"
-    assert embedded_llm.get_default_sampling_params() == embedded_llm.default_sampling_params()
+    assert llm.get_default_sampling_params() == llm.default_sampling_params()
     with pytest.raises(ValueError, match="get_tokenizer: text needs a tokenizer"):
         tiny_llm.get_tokenizer()
 
