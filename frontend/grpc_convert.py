@@ -57,6 +57,7 @@ _OPTIONAL_FIELDS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "truncate_prompt_tokens",
+    "detokenize",
 )
 _EARLY_STOPPING = {"": False, "false": False, "true": True, "never": "never"}
 # uint64 on the wire; the engine's generators take seeds below 2**63.

@@ -297,6 +297,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             sampling, self._server.default_params, llm.generation_defaults.max_tokens_limit
         )
         if reading is not None:
+            if not params.detokenize:
+                raise ValueError(
+                    "sampling.detokenize=false is for token-only calls: a chat's answer "
+                    "(its content, thinking and tool calls) is read from its text"
+                )
             params = chat_sampling_params(params, sampling, reading, llm)
         params = llm.resolve_bad_words(params, "sampling")
         token_ids = llm.truncate_prompt(token_ids, params, "sampling")

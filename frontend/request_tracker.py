@@ -65,7 +65,7 @@ class RequestTracker:
         )
         self._detokenizers = (
             None
-            if tokenizer is None
+            if tokenizer is None or not params.detokenize
             else [IncrementalDetokenizer(tokenizer, params) for _ in range(params.n)]
         )
 

@@ -192,6 +192,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    # False: no output text (token ids only), as vLLM's; saves the frontend's decoding.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -256,9 +258,14 @@ class SamplingParams:
             "include_stop_str_in_output",
             "skip_special_tokens",
             "spaces_between_special_tokens",
+            "detokenize",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError(
+                "stop strings are matched in the output text: they need detokenize=True"
+            )
         self._check_sequences()
 
     def _check_bad_words(self) -> None:

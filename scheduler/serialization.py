@@ -156,6 +156,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "skip_special_tokens",
         "spaces_between_special_tokens",
         "truncate_prompt_tokens",
+        "detokenize",
     ),
     StructuredOutputsParams: (
         "json",

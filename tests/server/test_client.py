@@ -47,6 +47,7 @@ def same_output(got, want) -> None:
         SamplingParams(max_tokens=8, temperature=1.0, seed=1, n=2, best_of=4, stop=["a", "b"]),
         SamplingParams(logit_bias={5: -100.0, 70000: 0.25}, allowed_token_ids=[5, 9, 70000]),
         SamplingParams(bad_words=["no", " way"], truncate_prompt_tokens=-1),
+        SamplingParams(max_tokens=3, detokenize=False),
     ],
 )
 def test_sampling_params_survive_the_wire(params):

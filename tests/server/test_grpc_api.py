@@ -148,6 +148,38 @@ def test_text_prompt_stop_string_and_seeded_samples_as_offline(server, offline):
         assert streamed[index]["token_ids"] == want.outputs[index].token_ids
 
 
+def test_detokenize_false_gives_the_same_tokens_without_text(server, offline):
+    """vLLM's detokenize=False, offline and over gRPC: the ids only; not with stop strings
+    (matched in the text), nor for a gRPC chat (its answer is read from the text)."""
+    text = "hello world"
+    want = offline.generate(text, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+    got = offline.generate(text, params)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids and want.outputs[0].text
+    assert got.outputs[0].text == ""
+    sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+    whole = server.stub.Generate(pb.GenerateRequest(text=text, sampling=sampling))
+    assert list(whole.outputs[0].token_ids) == want.outputs[0].token_ids
+    assert whole.outputs[0].text == ""
+    _messages, streamed = collect_stream(
+        server.stub.GenerateStream(pb.GenerateRequest(text=text, sampling=sampling))
+    )
+    assert streamed[0]["token_ids"] == want.outputs[0].token_ids and streamed[0]["text"] == ""
+    with pytest.raises(ValueError, match="stop strings .* need detokenize=True"):
+        SamplingParams(stop=["a"], detokenize=False)
+    bad = [
+        pb.GenerateRequest(text=text, sampling=pb.SamplingParams(stop=["a"], detokenize=False)),
+        pb.GenerateRequest(
+            chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")]), sampling=sampling
+        ),
+    ]
+    for request, words in zip(bad, ["need detokenize=True", "detokenize=false is for token"]):
+        with pytest.raises(grpc.RpcError) as caught:
+            server.stub.Generate(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in caught.value.details()
+
+
 def test_chat_and_tokenize_use_the_chat_template(server, offline):
     messages = [pb.ChatMessage(role="user", content="hi there")]
     tokens = server.stub.Tokenize(pb.TokenizeRequest(chat=pb.Chat(messages=messages)))

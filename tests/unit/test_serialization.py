@@ -78,8 +78,9 @@ ALL_SET_PARAMS = SamplingParams(
     truncate_prompt_tokens=-1,
 )
 BEAM_PARAMS = SamplingParams(
-    temperature=0.0, beam_width=4, n=2, length_penalty=0.5, early_stopping="never"
-)
+    temperature=0.0, beam_width=4, n=2, length_penalty=0.5, early_stopping="never",
+    detokenize=False,
+)  # fmt: skip
 TOP = TokenLogprobs(token_ids=[11, 3, 9], logprobs=[-0.125, -1.0e-9, float("-inf")])
 OTHER = TokenLogprobs(token_ids=[4], logprobs=[-2.5])
 
@@ -512,7 +513,7 @@ def _plan_fields(**overrides) -> list:
         ),
         (
             _frame(AddRequest, "r", [1], [16], 0.0, [2], None, 0, 0, None),
-            "SamplingParams: expected an array of 29",
+            "SamplingParams: expected an array of 30",
         ),
         (
             _frame(AddRequest, "r", [1], _pack_params(stop="\n"), 0.0, [2], None, 0, 0, None),
