@@ -15,7 +15,7 @@ from typing import Any
 SETTING_NAMES = ("continue_final_message", "chat_template_kwargs", "chat_template", "documents")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatTemplateOptions:
     """``add_generation_prompt``: the prompt ends with the assistant's turn to speak;
     ``continue_final_message`` (with it false): the prompt ends inside the last message, for

@@ -351,7 +351,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         documents = [dict(document.fields) for document in chat.documents] or None
         try:
             options = ChatTemplateOptions(
-                opens_turn, chat.continue_final_message, template_kwargs, documents, template
+                add_generation_prompt=opens_turn,
+                continue_final_message=chat.continue_final_message,
+                chat_template_kwargs=template_kwargs,
+                documents=documents,
+                chat_template=template,
             )
             return render_chat_prompt(llm, conversation, definitions, "chat.messages", options)
         except ValueError as error:

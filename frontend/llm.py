@@ -501,11 +501,11 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self._require_tokenizer("messages")
         options = ChatTemplateOptions(
-            add_generation_prompt,
-            continue_final_message,
-            chat_template_kwargs,
-            documents,
-            chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+            documents=documents,
+            chat_template=chat_template,
         )
         texts = [
             self.render_chat(conversation, tools=tools, options=options)

@@ -765,11 +765,11 @@ def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False)
         )
     try:
         options = ChatTemplateOptions(
-            opens_turn,
-            continues,
-            body.get("chat_template_kwargs"),
-            body.get("documents"),
-            template,
+            add_generation_prompt=opens_turn,
+            continue_final_message=continues,
+            chat_template_kwargs=body.get("chat_template_kwargs"),
+            documents=body.get("documents"),
+            chat_template=template,
         )
         text, token_ids = render_chat_prompt(llm, conversation, tools, "messages", options)
     except (ValueError, TypeError) as error:
