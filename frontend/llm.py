@@ -625,6 +625,13 @@ class LLM:
         if isinstance(self.engine, EngineClient):
             self.engine.shutdown()
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """``with LLM(...) as llm:`` shuts the engine down at the block's end."""
+        self.shutdown()
+
     # ------------------------------------------------------------------ internals
 
     def _run(

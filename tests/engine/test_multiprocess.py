@@ -447,6 +447,19 @@ def test_shutdown_leaves_no_process_socket_or_shared_memory(tiny_model_dirs, mak
     assert len(expected) == 2
 
 
+def test_a_with_block_shuts_the_engine_down_even_after_an_error(tiny_model_dirs):
+    with (
+        pytest.raises(ValueError, match="out of the with block"),
+        LLM(tiny_model_dirs["llama"], num_blocks=64, multiprocess=True) as llm,
+    ):
+        engine = llm.engine
+        scheduler_pid, worker_pids = engine.scheduler_pid, engine.worker_pids
+        ring = engine._process.ring_name
+        assert len(llm.generate([5, 6, 7], GREEDY)[0].outputs[0].token_ids) == 24
+        raise ValueError("out of the with block")
+    assert_engine_gone(llm, scheduler_pid, worker_pids, ring)
+
+
 def test_generation_config_eos_reaches_the_scheduler(tiny_model_dirs, tmp_path, make_llm):
     # The frontend sends each request's EOS ids (from generation_config.json) with it.
     model_dir = tmp_path / "model"
