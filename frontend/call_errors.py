@@ -9,6 +9,7 @@ from __future__ import annotations
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
     "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
     "NOT_FOUND": 404,
     "RESOURCE_EXHAUSTED": 429,
     "UNAVAILABLE": 503,

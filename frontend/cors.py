@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from pagedserve.frontend.call_errors import CallError
+
 # How long a browser may reuse a preflight's answer.
 PREFLIGHT_MAX_AGE_S = 600
 _ORIGIN = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#\s]+$")
@@ -64,9 +66,10 @@ class CorsPolicy:
         return origin
 
     def install(self, app: web.Application) -> None:
-        """Answer preflights (the first middleware: before the API key) and mark every
-        response to an allowed origin."""
-        app.middlewares.insert(0, self._preflight)
+        """Answer preflights (right after the error middleware, which gives a refusal
+        OpenAI's shape; before the API key's) and mark every response to an allowed
+        origin."""
+        app.middlewares.insert(1, self._preflight)
         app.on_response_prepare.append(self._mark)
 
     @web.middleware
@@ -76,17 +79,9 @@ class CorsPolicy:
         if request.method != "OPTIONS" or origin is None or asked_method is None:
             return await handler(request)
         if not self.allows(origin):
-            return web.json_response(
-                {
-                    "error": {
-                        "message": f"origin {origin!r} may not call this API (the server's "
-                        "--allowed-origins)",
-                        "type": "forbidden_error",
-                        "param": None,
-                        "code": 403,
-                    }
-                },
-                status=403,
+            raise CallError(
+                "PERMISSION_DENIED",
+                f"origin {origin!r} may not call this API (the server's --allowed-origins)",
             )
         # Routing has run: a path served without OPTIONS matched as 405, which names the
         # methods it serves; an unknown path answers as any other (404).

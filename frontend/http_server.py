@@ -49,6 +49,7 @@ logger = logging.getLogger("pagedserve.server")
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_error",
     500: "internal_server_error",
