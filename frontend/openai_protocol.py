@@ -786,7 +786,8 @@ def _chat_echo(body: dict) -> str:
     if not _typed(body, "echo", (bool,), "a boolean", False):
         return ""
     last = body["messages"][-1]
-    if body.get("add_generation_prompt", True) and last.get("role") != "assistant":
+    opens_turn = _typed(body, "add_generation_prompt", (bool,), "a boolean", True)
+    if opens_turn and last.get("role") != "assistant":
         return ""
     return _message_text(last, f"messages[{len(body['messages']) - 1}]")
 
