@@ -92,5 +92,15 @@ def _reserved_template_names() -> frozenset[str]:
     return frozenset(names | {"messages"})
 
 
+def check_template_allowed(chat_template: object, trusted: bool) -> None:
+    """A request's own template only on a server that trusts its clients with one
+    (``--trust-request-chat-template``): a template is code the server runs."""
+    if chat_template is not None and not trusted:
+        raise ValueError(
+            "chat_template: this server does not render a request's own template (start it "
+            "with --trust-request-chat-template to allow that)"
+        )
+
+
 # A new assistant turn after the conversation, the model's template: the usual rendering.
 DEFAULT_CHAT_OPTIONS = ChatTemplateOptions()

@@ -35,7 +35,11 @@ from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.async_engine import RequestStream
 from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.chat_request import ChatReading, render_chat_prompt
-from pagedserve.frontend.chat_template import SETTING_NAMES, ChatTemplateOptions
+from pagedserve.frontend.chat_template import (
+    SETTING_NAMES,
+    ChatTemplateOptions,
+    check_template_allowed,
+)
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.grpc_convert import (
     StreamState,
@@ -343,13 +347,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             except ValueError as error:
                 raise ValueError(f"chat.chat_template_kwargs: not JSON text: {error}") from None
         template = chat.chat_template or None
-        if template is not None and not self._server.config.trust_request_chat_template:
-            raise ValueError(
-                "chat.chat_template: this server does not render a request's own template "
-                "(start it with --trust-request-chat-template to allow that)"
-            )
         documents = [dict(document.fields) for document in chat.documents] or None
         try:
+            check_template_allowed(template, self._server.config.trust_request_chat_template)
             options = ChatTemplateOptions(
                 add_generation_prompt=opens_turn,
                 continue_final_message=chat.continue_final_message,

@@ -37,7 +37,11 @@ from pagedserve.frontend.chat_request import (
     render_chat_prompt,
     tool_constraint,
 )
-from pagedserve.frontend.chat_template import SETTING_NAMES, ChatTemplateOptions
+from pagedserve.frontend.chat_template import (
+    SETTING_NAMES,
+    ChatTemplateOptions,
+    check_template_allowed,
+)
 from pagedserve.frontend.generation_config import DEFAULT_FIELDS, limit_max_tokens
 from pagedserve.frontend.reasoning import ReasoningParser
 from pagedserve.frontend.tool_calls import ToolCallDelta, ToolCallError, ToolCalling
@@ -381,7 +385,7 @@ def parse_request(
         chat_reading=chat_reading,
         tokens_as_ids=_typed(body, "return_tokens_as_token_ids", (bool,), "a boolean", False),
         return_token_ids=_typed(body, "return_token_ids", (bool,), "a boolean", False),
-        chat_echo=chat_echo if kind == "chat" else "",
+        chat_echo=chat_echo,
     )
 
 
@@ -757,13 +761,8 @@ def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False)
     # a RAG template's documents, and a template of the request's own (a server that
     # trusts its clients with one: a template is code the server runs).
     template = body.get("chat_template")
-    if template is not None and not trust_request_chat_template:
-        raise _invalid(
-            "chat_template: this server does not render a request's own template (start it "
-            "with --trust-request-chat-template to allow that)",
-            "chat_template",
-        )
     try:
+        check_template_allowed(template, trust_request_chat_template)
         options = ChatTemplateOptions(
             add_generation_prompt=opens_turn,
             continue_final_message=continues,
