@@ -1,7 +1,7 @@
 """``pagedserve``: the command line. ``chat`` answers a message, ``generate`` continues
 a prompt, ``serve`` runs the server (gRPC, and OpenAI-compatible HTTP with
-``--http-port``); all on the embedded model unless ``--model``
-names another."""
+``--http-port``), ``run-batch`` runs a file of OpenAI batch requests; all on the embedded
+model unless ``--model`` names another."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ from pagedserve.scheduler.logs import ENVIRONMENT_VARIABLE as LOG_FORMAT_ENVIRON
 from pagedserve.scheduler.logs import LOG_FORMATS, configure_logging
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+
+# run-batch: no limit of the server's own on requests in flight (see _run_batch).
+UNBOUNDED_REQUESTS = 1 << 40
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,9 +196,93 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", parents=[engine, request], help="continue raw prompts"
     )
     generate.add_argument("prompt", nargs="+", help="one or more prompts, run as one batch")
+    # What the OpenAI API's calls need, served (serve) or read from a file (run-batch).
+    api = argparse.ArgumentParser(add_help=False)
+    api.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (serve: the APIs and metrics; run-batch: metrics)",
+    )
+    api.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let the model decide to call tools (tool_choice 'auto', the default when a chat "
+        "request gives tools); needs --tool-call-parser",
+    )
+    api.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a chat request bring its own template (chat_template, vLLM's): a template "
+        "is code the server runs, so allow it only for trusted clients",
+    )
+    api.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split a reasoning model's thinking (<think>...</think>) from its chat answers into "
+        "reasoning_content: qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and distills)",
+    )
+    api.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call format: hermes (Hermes, Qwen2.5, Qwen3: <tool_call> "
+        "blocks), llama3_json (Llama 3.1+ JSON calls) or pythonic (Llama 3.2 / 4: a Python "
+        "list of calls)",
+    )
+    api.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for what a request leaves unset: auto (the model's "
+        "generation_config.json: its temperature if it sets do_sample, else greedy; top_k, "
+        "top_p, min_p, repetition_penalty; its max_new_tokens limits every call's max_tokens), "
+        "vllm (none of it) or DIR/generation_config.json",
+    )
+    api.add_argument(
+        "--override-generation-config",
+        type=_override_generation_config,
+        default=None,
+        metavar="JSON",
+        help="sampling defaults on top of --generation-config, e.g. "
+        '\'{"temperature": 0.5, "max_new_tokens": 512}\'',
+    )
+    api.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the OpenAI API (a request's model, the answers'; default: "
+        "the model as --model names it)",
+    )
+    api.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
+        "default: off)",
+    )
+    api.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="info (default) logs start-up, each finished call (serve) and the drain",
+    )
+    api.add_argument(
+        "--log-format",
+        default=os.environ.get(LOG_FORMAT_ENVIRONMENT_VARIABLE) or "text",
+        choices=LOG_FORMATS,
+        help="text (default), or json: one JSON object per line (time, level, logger, pid, "
+        "message, and each call's ids, token counts and times), for a log shipper; the "
+        f"engine's processes follow it; default ${LOG_FORMAT_ENVIRONMENT_VARIABLE}",
+    )
+    api.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=120.0,
+        help="how long the engine's processes may take to load the model",
+    )
     serve = commands.add_parser(
         "serve",
-        parents=[engine],
+        parents=[engine, api],
         help="serve the gRPC API (protos/pagedserve/v1/generation.proto) and, with "
         "--http-port, the OpenAI-compatible HTTP API",
         description="Serve pagedserve.v1.Generation, grpc.health.v1.Health and reflection "
@@ -203,13 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/chat/completions, /v1/models, /health, /metrics). "
         "SIGTERM drains: new calls are refused, calls in flight finish (up to "
         "--drain-timeout-s), then the process exits 0; it exits 1 if the engine dies.",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="let the model decide to call tools (tool_choice 'auto', the default when a chat "
-        "request gives tools); needs --tool-call-parser",
     )
     serve.add_argument(
         "--allow-runtime-lora-updating",
@@ -230,44 +310,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --allowed-origins: browsers may send credentials (cookies, HTTP auth) "
         "cross-origin",
     )
-    serve.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="let a chat request bring its own template (chat_template, vLLM's): a template "
-        "is code the server runs, so allow it only for trusted clients",
-    )
-    serve.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=REASONING_PARSERS,
-        help="split a reasoning model's thinking (<think>...</think>) from its chat answers into "
-        "reasoning_content: qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and distills)",
-    )
-    serve.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=TOOL_CALL_PARSERS,
-        help="the model's tool-call format: hermes (Hermes, Qwen2.5, Qwen3: <tool_call> "
-        "blocks), llama3_json (Llama 3.1+ JSON calls) or pythonic (Llama 3.2 / 4: a Python "
-        "list of calls)",
-    )
-    serve.add_argument(
-        "--generation-config",
-        default="auto",
-        metavar="auto|vllm|DIR",
-        help="sampling defaults for what a request leaves unset: auto (the model's "
-        "generation_config.json: its temperature if it sets do_sample, else greedy; top_k, "
-        "top_p, min_p, repetition_penalty; its max_new_tokens limits every call's max_tokens), "
-        "vllm (none of it) or DIR/generation_config.json",
-    )
-    serve.add_argument(
-        "--override-generation-config",
-        type=_override_generation_config,
-        default=None,
-        metavar="JSON",
-        help="sampling defaults on top of --generation-config, e.g. "
-        '\'{"temperature": 0.5, "max_new_tokens": 512}\'',
-    )
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0: any free port")
     serve.add_argument(
         "--http-port",
@@ -275,11 +317,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve the OpenAI-compatible HTTP API on this port too (0: any free port; "
         "default: off)",
-    )
-    serve.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model's name in the HTTP API (default: the model as --model names it)",
     )
     serve.add_argument(
         "--port-file",
@@ -297,27 +334,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM, how long calls in flight may run on before they are ended",
-    )
-    serve.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
-        "default: off)",
-    )
-    serve.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="info (default) logs start-up, each finished call and the drain",
-    )
-    serve.add_argument(
-        "--log-format",
-        default=os.environ.get(LOG_FORMAT_ENVIRONMENT_VARIABLE) or "text",
-        choices=LOG_FORMATS,
-        help="text (default), or json: one JSON object per line (time, level, logger, pid, "
-        "message, and each call's ids, token counts and times), for a log shipper; the "
-        f"engine's processes follow it; default ${LOG_FORMAT_ENVIRONMENT_VARIABLE}",
     )
     serve.add_argument(
         "--no-request-log",
@@ -345,11 +361,41 @@ def build_parser() -> argparse.ArgumentParser:
         f"metadata); default ${API_KEY_ENVIRONMENT_VARIABLE}, which keeps it out of `ps`; "
         "health, metrics and version stay open",
     )
-    serve.add_argument(
-        "--startup-timeout-s",
-        type=float,
-        default=120.0,
-        help="how long the engine's processes may take to load the model",
+    run_batch = commands.add_parser(
+        "run-batch",
+        parents=[engine, api],
+        help="run a file of OpenAI batch requests (JSON Lines) and write their answers",
+        description="Run OpenAI batch requests (vLLM's run-batch): each input line is "
+        '{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" (or '
+        '/v1/completions, /v1/embeddings), "body": {...}}; each output line, in the input\'s '
+        'order, is {"id", "custom_id", "response": {"status_code", "request_id", "body"}, '
+        '"error"}. Exits 0 once every line is answered (whatever their statuses), 1 if the '
+        "engine fails or a signal stops the batch, 2 for bad arguments or unreadable files.",
+    )
+    run_batch.add_argument(
+        "-i",
+        "--input-file",
+        required=True,
+        help="the requests, one JSON object per line; - for standard input",
+    )
+    run_batch.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        help="where the answers go (written as they come, in the input's order); - for "
+        "standard output",
+    )
+    run_batch.add_argument(
+        "--max-lines-in-flight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="lines running at once, at most (default: twice --max-num-seqs)",
+    )
+    run_batch.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log a line per finished request (its custom_id as the client id)",
     )
     return parser
 
@@ -439,10 +485,7 @@ def _embedded_name() -> str:
     return EMBEDDED_GGUF_NAME.split(".")[0]
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from pagedserve.frontend.llm import LLM
-    from pagedserve.frontend.tokenizer import preload as preload_tokenizer
-
+def _auto_tool_choice_error(args: argparse.Namespace) -> int | None:
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         print(
             "pagedserve: error: --enable-auto-tool-choice and --tool-call-parser go together "
@@ -450,47 +493,87 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    return None
+
+
+def _api_config(args: argparse.Namespace, **kwargs) -> dict:
+    """The ``ServerConfig`` settings of the ``api`` flags, which serve and run-batch share."""
+    return dict(
+        host=args.host,
+        served_model_name=args.served_model_name or args.model or _embedded_name(),
+        metrics_port=args.metrics_port,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
+        **kwargs,
+    )
+
+
+def _server_llm(args: argparse.Namespace):
+    """How serve and run-batch build their engine (in the server's engine thread)."""
+    from pagedserve.frontend.llm import LLM
+    from pagedserve.frontend.tokenizer import preload as preload_tokenizer
+
+    kwargs = _engine_kwargs(args)
+    preload_tokenizer()
+    # The server is the frontend process: the scheduler and workers always run apart.
+    return lambda: LLM(
+        **kwargs,
+        multiprocess=True,
+        startup_timeout_s=args.startup_timeout_s,
+        # Structured output then constrains a chat answer after the thinking only.
+        reasoning_parser=args.reasoning_parser,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if (code := _auto_tool_choice_error(args)) is not None:
+        return code
     try:
         config = ServerConfig(
-            host=args.host,
-            port=args.port,
-            http_port=args.http_port,
-            served_model_name=args.served_model_name or args.model or _embedded_name(),
-            max_concurrent_requests=args.max_concurrent_requests,
-            drain_timeout_s=args.drain_timeout_s,
-            port_file=args.port_file,
-            metrics_port=args.metrics_port,
-            stream_interval_tokens=args.stream_interval,
-            log_requests=not args.no_request_log,
-            tls_cert_file=args.tls_cert_file,
-            tls_key_file=args.tls_key_file,
-            tls_client_ca_file=args.tls_client_ca_file,
-            api_key=args.api_key,
-            tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
-            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-            trust_request_chat_template=args.trust_request_chat_template,
-            allowed_origins=parse_origins(args.allowed_origins or ""),
-            allow_credentials=args.allow_credentials,
+            **_api_config(
+                args,
+                port=args.port,
+                http_port=args.http_port,
+                max_concurrent_requests=args.max_concurrent_requests,
+                drain_timeout_s=args.drain_timeout_s,
+                port_file=args.port_file,
+                stream_interval_tokens=args.stream_interval,
+                log_requests=not args.no_request_log,
+                tls_cert_file=args.tls_cert_file,
+                tls_key_file=args.tls_key_file,
+                tls_client_ca_file=args.tls_client_ca_file,
+                api_key=args.api_key,
+                allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                allowed_origins=parse_origins(args.allowed_origins or ""),
+                allow_credentials=args.allow_credentials,
+            )
         )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)
         return 2
-    kwargs = _engine_kwargs(args)
-    preload_tokenizer()
-    # The server is the frontend process: the scheduler and workers always run apart.
-    return serve(
-        lambda: LLM(
-            **kwargs,
-            multiprocess=True,
-            startup_timeout_s=args.startup_timeout_s,
-            # Structured output then constrains a chat answer after the thinking only.
-            reasoning_parser=args.reasoning_parser,
-            generation_config=args.generation_config,
-            override_generation_config=args.override_generation_config,
-        ),
-        config,
-    )
+    return serve(_server_llm(args), config)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from pagedserve.frontend.batch_runner import BatchConfig, run_batch
+
+    if (code := _auto_tool_choice_error(args)) is not None:
+        return code
+    try:
+        config = ServerConfig(
+            # The lines in flight are bounded (max_lines_in_flight), not the requests:
+            # a line of many prompts waits its turn in the scheduler, never a 429.
+            **_api_config(args, max_concurrent_requests=UNBOUNDED_REQUESTS),
+            log_requests=args.enable_log_requests,
+        )
+        batch = BatchConfig(args.input_file, args.output_file, args.max_lines_in_flight)
+    except ValueError as error:
+        print(f"pagedserve: error: {error}", file=sys.stderr)
+        return 2
+    return run_batch(_server_llm(args), config, batch)
 
 
 def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
@@ -530,17 +613,20 @@ def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | N
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
+    served = args.command in ("serve", "run-batch")
+    if served:
         # A server logs each finished call (an operator's access log) unless told not to.
         level = logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper())
     else:  # the one-shot commands: only what went wrong
         level = logging.INFO if args.verbose else logging.WARNING
-    log_format = args.log_format if args.command == "serve" else "text"
+    log_format = args.log_format if served else "text"
     # The engine's processes read it from the environment they inherit.
     os.environ[LOG_FORMAT_ENVIRONMENT_VARIABLE] = log_format
     configure_logging(level, "%(asctime)s %(name)s %(levelname)s %(message)s", log_format)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "run-batch":
+        return _run_batch(args)
     from pagedserve.frontend.llm import LLM
 
     try:

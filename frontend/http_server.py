@@ -38,10 +38,10 @@ from pagedserve.frontend import openai_protocol as protocol
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
 from pagedserve.frontend.cors import CorsPolicy
+from pagedserve.frontend.openai_calls import OpenAiCalls
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
-    from pagedserve.frontend.outputs import RequestOutput
     from pagedserve.frontend.server import Server
 
 logger = logging.getLogger("pagedserve.server")
@@ -128,6 +128,7 @@ class HttpApi:
 
     def __init__(self, server: Server) -> None:
         self._server = server
+        self._calls = OpenAiCalls(server, "http")
         middlewares = [_errors]
         if server.config.api_key is not None:
             middlewares.append(_api_key_check(server.config.api_key))
@@ -206,47 +207,13 @@ class HttpApi:
     async def _generate_counted(self, kind: str, http_request: web.Request):
         server = self._server
         async with server.call("http"):
-            llm = server.check_admission()
-            body = await _json_body(http_request)
-            api_request = protocol.parse_request(
-                kind,
-                body,
-                llm,
-                server.default_params,
-                server.served_model_name(),
-                http_request.headers.get("X-Request-Id"),
-                server.config.max_concurrent_requests,
-                server.config.tool_call_parser,
-                server.config.reasoning_parser,
-                server.config.trust_request_chat_template,
+            server.check_admission()  # before the body is read: refused while starting
+            api_request, streams, llm = self._calls.start_generation(
+                kind, await _json_body(http_request), http_request.headers.get("X-Request-Id")
             )
-            llm = server.check_admission(len(api_request.prompts))
-            for prompt, params in zip(api_request.prompts, api_request.params, strict=True):
-                try:
-                    server.check_fits(llm, prompt.token_ids, params, "stop", "")
-                except (ValueError, TypeError) as error:
-                    raise CallError("INVALID_ARGUMENT", str(error)) from None
-            streams = []
-            try:
-                for prompt, params in zip(api_request.prompts, api_request.params, strict=True):
-                    streams.append(
-                        server.submit(
-                            "http",
-                            prompt.text,
-                            prompt.token_ids,
-                            params,
-                            api_request.cache_namespace,
-                            api_request.lora_id,
-                            api_request.priority,
-                        )
-                    )
-            except CallError:
-                for stream in streams:
-                    server.engine.abort(stream.output.request_id)
-                raise
             if api_request.stream:
                 return await self._stream(api_request, streams, http_request)
-            outputs = await self._whole(api_request, streams)
+            outputs = await self._calls.whole(api_request.client_request_id, streams)
             return web.json_response(
                 protocol.whole_response(api_request, outputs, llm),
                 headers=_request_id_header(http_request),
@@ -255,65 +222,11 @@ class HttpApi:
     async def _embeddings(self, http_request: web.Request) -> web.Response:
         server = self._server
         async with server.call("http"):
-            llm = server.check_admission()
-            api_request = protocol.parse_embedding_request(
-                await _json_body(http_request),
-                llm,
-                server.served_model_name(),
-                http_request.headers.get("X-Request-Id"),
-                server.config.max_concurrent_requests,
+            server.check_admission()
+            body = await self._calls.embedding(
+                await _json_body(http_request), http_request.headers.get("X-Request-Id")
             )
-            llm = server.check_admission(len(api_request.prompts))
-            for position, prompt in enumerate(api_request.prompts):
-                name = "input" if len(api_request.prompts) == 1 else f"input[{position}]"
-                try:
-                    llm.engine.check_request_fits(len(prompt.token_ids), 0)
-                except ValueError as error:
-                    raise CallError("INVALID_ARGUMENT", f"{name}: {error}", name) from None
-            streams = []
-            try:
-                for prompt in api_request.prompts:
-                    streams.append(
-                        server.submit(
-                            "http",
-                            prompt.text,
-                            prompt.token_ids,
-                            api_request.params,
-                            None,
-                            api_request.lora_id,
-                            api_request.priority,
-                        )
-                    )
-            except CallError:
-                for stream in streams:
-                    server.engine.abort(stream.output.request_id)
-                raise
-            outputs = await self._whole(api_request, streams)
-            for output in outputs:
-                if output.outputs is None:  # ended by the engine without its vector
-                    raise CallError(
-                        "INTERNAL", f"request {output.request_id} ended: {output.finish_reason}"
-                    )
-            return web.json_response(
-                protocol.embedding_response(api_request, outputs),
-                headers=_request_id_header(http_request),
-            )
-
-    async def _whole(self, api_request, streams) -> list[RequestOutput]:
-        async def run(stream) -> RequestOutput:
-            outputs = self._server.outputs(stream, api_request.client_request_id)
-            async with contextlib.aclosing(outputs):
-                async for _output in outputs:
-                    pass
-            return stream.output
-
-        tasks = [asyncio.ensure_future(run(stream)) for stream in streams]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:  # one failed or the call was cancelled: end the others
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            return web.json_response(body, headers=_request_id_header(http_request))
 
     async def _stream(self, api_request, streams, http_request: web.Request):
         """The chunks as server-sent events; ``_generate`` sends [DONE] after the count."""

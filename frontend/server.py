@@ -436,9 +436,7 @@ class Server:
                 return self._exit_code
             if llm is None:
                 return self._exit_code  # told to stop while the model loaded
-            self.default_params = llm.default_sampling_params()
-            self.serving_since_s = time.time()
-            self.serving = True
+            self._begin_serving(llm)
             await self._notify_serving(True)
             logger.info(
                 "serving %s on %s:%d (gRPC)%s (pid %d); KV cache %d blocks x %d tokens",
@@ -466,6 +464,20 @@ class Server:
                 loop.remove_signal_handler(signal_number)
         logger.info("stopped (exit code %d)", self._exit_code)
         return self._exit_code
+
+    async def start_engine(self) -> LLM:
+        """Start the engine and wait until it serves, for a caller without the APIs (the
+        batch runner); the engine's start-up error if it fails. ``engine.shutdown()``
+        ends it."""
+        self.engine.start()
+        llm = await self.engine.wait_ready()
+        self._begin_serving(llm)
+        return llm
+
+    def _begin_serving(self, llm: LLM) -> None:
+        self.default_params = llm.default_sampling_params()
+        self.serving_since_s = time.time()
+        self.serving = True
 
     async def _notify_serving(self, serving: bool) -> None:
         for callback in self._on_serving:

@@ -1,0 +1,160 @@
+"""The OpenAI API's calls on a ``Server``, apart from how they arrive: the HTTP API
+(``http_server.py``) and the batch runner (``batch_runner.py``) share them, so a line of a
+batch file is answered exactly as the same body POSTed to ``pagedserve serve``.
+
+A call here is checked (admission, the body, whether it fits the engine), submitted as
+one engine request per prompt, and its outputs gathered; a ``CallError`` says why one
+did not run. Streaming stays with the HTTP API: only it has a client to stream to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.frontend import openai_protocol as protocol
+from pagedserve.frontend.call_errors import CallError
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.async_engine import RequestStream
+    from pagedserve.frontend.llm import LLM
+    from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
+    from pagedserve.frontend.server import Server
+
+
+class OpenAiCalls:
+    """``api`` names the calls' engine requests (``<api>-<n>``) and their metrics."""
+
+    def __init__(self, server: Server, api: str) -> None:
+        self._server = server
+        self.api = api
+
+    def start_generation(
+        self, kind: str, body: Any, client_request_id: str | None, streaming_allowed: bool = True
+    ) -> tuple[protocol.ApiRequest, list[RequestStream], LLM]:
+        """Check and submit a ``/v1/completions`` (``kind="completion"``) or
+        ``/v1/chat/completions`` (``"chat"``) body: its parsed request, one stream per
+        prompt, and the engine's ``LLM``. Without ``streaming_allowed``, ``"stream": true``
+        is refused (a batch has no one to stream to)."""
+        server = self._server
+        llm = server.check_admission()
+        api_request = protocol.parse_request(
+            kind,
+            body,
+            llm,
+            server.default_params,
+            server.served_model_name(),
+            client_request_id,
+            server.config.max_concurrent_requests,
+            server.config.tool_call_parser,
+            server.config.reasoning_parser,
+            server.config.trust_request_chat_template,
+        )
+        if api_request.stream and not streaming_allowed:
+            raise CallError(
+                "INVALID_ARGUMENT",
+                "stream=true: a batch's answers are written whole; leave stream unset",
+                "stream",
+            )
+        llm = server.check_admission(len(api_request.prompts))
+        for prompt, params in zip(api_request.prompts, api_request.params, strict=True):
+            try:
+                server.check_fits(llm, prompt.token_ids, params, "stop", "")
+            except (ValueError, TypeError) as error:
+                raise CallError("INVALID_ARGUMENT", str(error)) from None
+        streams = self._submit(
+            [
+                (prompt, params)
+                for prompt, params in zip(api_request.prompts, api_request.params, strict=True)
+            ],
+            api_request.cache_namespace,
+            api_request.lora_id,
+            api_request.priority,
+        )
+        return api_request, streams, llm
+
+    async def generation(self, kind: str, body: Any, client_request_id: str | None) -> dict:
+        """A completion or chat completion answered whole (OpenAI's response body)."""
+        api_request, streams, llm = self.start_generation(
+            kind, body, client_request_id, streaming_allowed=False
+        )
+        outputs = await self.whole(api_request.client_request_id, streams)
+        return protocol.whole_response(api_request, outputs, llm)
+
+    async def embedding(self, body: Any, client_request_id: str | None) -> dict:
+        """A ``/v1/embeddings`` body answered (OpenAI's response body)."""
+        server = self._server
+        llm = server.check_admission()
+        api_request = protocol.parse_embedding_request(
+            body,
+            llm,
+            server.served_model_name(),
+            client_request_id,
+            server.config.max_concurrent_requests,
+        )
+        llm = server.check_admission(len(api_request.prompts))
+        for position, prompt in enumerate(api_request.prompts):
+            name = "input" if len(api_request.prompts) == 1 else f"input[{position}]"
+            try:
+                llm.engine.check_request_fits(len(prompt.token_ids), 0)
+            except ValueError as error:
+                raise CallError("INVALID_ARGUMENT", f"{name}: {error}", name) from None
+        streams = self._submit(
+            [(prompt, api_request.params) for prompt in api_request.prompts],
+            None,
+            api_request.lora_id,
+            api_request.priority,
+        )
+        outputs = await self.whole(api_request.client_request_id, streams)
+        for output in outputs:
+            if output.outputs is None:  # ended by the engine without its vector
+                raise CallError(
+                    "INTERNAL", f"request {output.request_id} ended: {output.finish_reason}"
+                )
+        return protocol.embedding_response(api_request, outputs)
+
+    async def whole(
+        self, client_request_id: str, streams: list[RequestStream]
+    ) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """Every stream's final output, in order; at the first failure (or when the call is
+        cancelled) the others end too."""
+
+        async def run(stream):
+            outputs = self._server.outputs(stream, client_request_id)
+            async with contextlib.aclosing(outputs):
+                async for _output in outputs:
+                    pass
+            return stream.output
+
+        tasks = [asyncio.ensure_future(run(stream)) for stream in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # one failed or the call was cancelled: end the others
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _submit(self, requests, cache_namespace, lora_id, priority) -> list[RequestStream]:
+        """One engine request per (prompt, params); if one cannot be queued, those already
+        queued end."""
+        server = self._server
+        streams = []
+        try:
+            for prompt, params in requests:
+                streams.append(
+                    server.submit(
+                        self.api,
+                        prompt.text,
+                        prompt.token_ids,
+                        params,
+                        cache_namespace,
+                        lora_id,
+                        priority,
+                    )
+                )
+        except CallError:
+            for stream in streams:
+                server.engine.abort(stream.output.request_id)
+            raise
+        return streams
