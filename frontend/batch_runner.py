@@ -22,6 +22,9 @@ the limit); a line that is no request at all (not JSON, a field missing or of th
 type, a ``custom_id`` already used) has ``"response": null`` and ``"error": {"code":
 "invalid_request_line", "message": "line N: ..."}``.
 
+Either end may be a local file, ``-`` (standard input or output) or an http(s) URL
+(``batch_files.py``: the input streamed from a GET, the output PUT once the batch ends).
+
 Lines run concurrently, up to ``max_lines_in_flight`` at once (default twice the engine's
 ``max_num_seqs``: enough to keep every batch full, while the file is read as it goes).
 SIGTERM or SIGINT stops reading: the lines in flight finish and are written, then the
@@ -34,21 +37,29 @@ the files cannot be opened.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import signal
-import sys
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from pagedserve.frontend.batch_files import (
+    MAX_LINE_BYTES,
+    TOO_LONG,
+    BatchFileError,
+    FileLines,
+    Output,
+    UrlLines,
+    open_input,
+    open_output,
+)
 from pagedserve.frontend.call_errors import HTTP_STATUS, CallError, ServerDrainingError
 from pagedserve.frontend.http_server import error_body
 from pagedserve.frontend.openai_calls import OpenAiCalls
-from pagedserve.frontend.server import MAX_MESSAGE_BYTES, Server, ServerConfig
+from pagedserve.frontend.server import Server, ServerConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -64,17 +75,17 @@ ROUTES = {
     "/v1/embeddings": "embedding",
 }
 INVALID_LINE_CODE = "invalid_request_line"
-# A line is at most one HTTP request body and its envelope.
-MAX_LINE_BYTES = MAX_MESSAGE_BYTES + (64 << 10)
 
 
 @dataclass(frozen=True)
 class BatchConfig:
-    input_path: str  # "-": standard input
-    output_path: str  # "-": standard output
+    input_path: str  # "-": standard input; http(s)://: GET (batch_files.py)
+    output_path: str  # "-": standard output; http(s)://: PUT once the batch ends
     # Lines running at once, at most; None: twice the engine's max_num_seqs.
     max_lines_in_flight: int | None = None
     show_progress: bool = True  # a tqdm bar on stderr, drawn only on a terminal
+    # Where an output URL's answers are written before the upload (None: the system's).
+    output_tmp_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_lines_in_flight is not None and self.max_lines_in_flight < 1:
@@ -212,9 +223,8 @@ class BatchRunner:
         self._server = server
         self._config = config
         self._calls = OpenAiCalls(server, "batch")
-        self.stopping = False  # told to stop reading (a signal, or the engine died)
 
-    async def run(self, input_file: IO[bytes], output_file: IO[str]) -> BatchSummary:
+    async def run(self, lines: FileLines | UrlLines, output_file: IO[str]) -> BatchSummary:
         server = self._server
         llm = server.engine.llm
         limit = self._config.max_lines_in_flight or 2 * llm.scheduler_config.max_num_seqs
@@ -224,7 +234,6 @@ class BatchRunner:
         progress = _Progress(self._config.show_progress)
         seen: dict[str, int] = {}
         tasks: set[asyncio.Task] = set()
-        loop = asyncio.get_running_loop()
 
         def finish(index: int, record: dict) -> None:
             writer.add(index, record)
@@ -240,12 +249,22 @@ class BatchRunner:
         index = 0
         line_number = 0
         try:
-            while not self.stopping:
+            while not server.stop_requested.is_set():
                 await slots.acquire()
-                if self.stopping or server.engine.dead_message is not None:
+                if server.stop_requested.is_set():
                     slots.release()
                     break
-                raw = await loop.run_in_executor(None, read_line, input_file)
+                try:
+                    raw = await self._next_line(lines)
+                except (BatchFileError, OSError) as error:
+                    # The lines in flight still finish and are written.
+                    logger.error("reading the input failed: %s", error)
+                    server.stop_requested.set()
+                    slots.release()
+                    break
+                if server.stop_requested.is_set():
+                    slots.release()
+                    break
                 if raw is None:
                     slots.release()
                     break
@@ -270,12 +289,26 @@ class BatchRunner:
                 await asyncio.gather(*tasks)
         finally:
             progress.close()
-        summary.stopped_early = self.stopping or server.engine.dead_message is not None
+        summary.stopped_early = server.stop_requested.is_set()
         if summary.stopped_early:
             logger.warning(
                 "stopped after %d lines of the input: the rest were not run", line_number
             )
         return summary
+
+    async def _next_line(self, lines: FileLines | UrlLines) -> bytes | object | None:
+        """The input's next line, or None once the batch is told to stop (a signal, the
+        engine died) while it waits for one: a pipe may say nothing for long."""
+        read = asyncio.ensure_future(lines.next_line())
+        stop = asyncio.ensure_future(self._server.stop_requested.wait())
+        try:
+            await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not read.done():
+            read.cancel()
+            return None
+        return read.result()
 
     async def _answer(self, line: BatchLine) -> dict:
         """The output line of a request line: the API's answer or its error."""
@@ -295,23 +328,6 @@ class BatchRunner:
             )
             return answered(line.custom_id, 500, error_body(failure))
         return answered(line.custom_id, 200, body)
-
-
-TOO_LONG = object()  # read_line's answer for a line past its limit
-
-
-def read_line(file: IO[bytes], max_bytes: int = MAX_LINE_BYTES) -> bytes | object | None:
-    """The next line, None at the end, or ``TOO_LONG`` for a line past ``max_bytes`` (read
-    to its end: the next call reads the line after it)."""
-    raw = file.readline(max_bytes)
-    if not raw:
-        return None
-    if len(raw) == max_bytes and not raw.endswith(b"\n"):
-        while True:
-            rest = file.readline(1 << 20)
-            if not rest or rest.endswith(b"\n"):
-                return TOO_LONG
-    return raw
 
 
 class _Progress:
@@ -337,27 +353,36 @@ class _Progress:
 async def _run(
     make_llm: Callable[[], LLM], server_config: ServerConfig, config: BatchConfig
 ) -> int:
-    with contextlib.ExitStack() as files:
+    # Both ends are opened before the model loads: a wrong path fails at once.
+    try:
+        lines = await open_input(config.input_path)
+    except BatchFileError as error:
+        logger.error("%s", error)
+        return 2
+    try:
         try:
-            if config.input_path == "-":
-                input_file = sys.stdin.buffer
-            else:
-                input_file = files.enter_context(open(config.input_path, "rb"))
-        except OSError as error:
-            logger.error("cannot read the input file %r: %s", config.input_path, error.strerror)
+            output = open_output(config.output_path, config.output_tmp_dir)
+        except BatchFileError as error:
+            logger.error("%s", error)
             return 2
-        try:
-            if config.output_path == "-":
-                output_file = sys.stdout
-            else:
-                output_file = files.enter_context(open(config.output_path, "w", encoding="utf-8"))
-        except OSError as error:
-            logger.error("cannot write the output file %r: %s", config.output_path, error.strerror)
-            return 2
-        return await _run_on_engine(make_llm, server_config, config, input_file, output_file)
+        code, ran = await _run_on_engine(make_llm, server_config, config, lines, output)
+    finally:
+        await lines.close()
+    if not ran:  # the engine never started: there is nothing to deliver
+        output.discard()
+        return code
+    try:
+        await output.finish()
+    except BatchFileError as error:
+        logger.error("%s", error)
+        return 1
+    return code
 
 
-async def _run_on_engine(make_llm, server_config, config, input_file, output_file) -> int:
+async def _run_on_engine(
+    make_llm, server_config, config, lines: FileLines | UrlLines, output: Output
+) -> tuple[int, bool]:
+    """The exit code, and whether the batch ran (the engine started)."""
     server = Server(make_llm, server_config)
     runner = BatchRunner(server, config)
     loop = asyncio.get_running_loop()
@@ -367,7 +392,7 @@ async def _run_on_engine(make_llm, server_config, config, input_file, output_fil
         nonlocal signals
         signals += 1
         name = signal.Signals(signal_number).name
-        runner.stopping = True
+        server.stop_requested.set()
         if signals == 1:
             logger.info("%s: reading no more lines; the lines in flight finish", name)
         else:
@@ -382,7 +407,7 @@ async def _run_on_engine(make_llm, server_config, config, input_file, output_fil
             llm = await server.start_engine()
         except Exception as error:
             logger.error("engine start-up failed: %s", error)
-            return 2 if isinstance(error, (ValueError, TypeError)) else 1
+            return (2 if isinstance(error, (ValueError, TypeError)) else 1), False
         logger.info(
             "engine ready in %.1f s (%s); running %s",
             time.monotonic() - started_s,
@@ -394,14 +419,14 @@ async def _run_on_engine(make_llm, server_config, config, input_file, output_fil
             port = server.metrics.serve(server_config.host, server_config.metrics_port)
             logger.info("metrics on http://%s:%d/metrics", server_config.host, port)
         started_s = time.monotonic()
-        summary = await runner.run(input_file, output_file)
+        summary = await runner.run(lines, output.file)
         _log_summary(summary, time.monotonic() - started_s)
         if server.engine.dead_message is not None:
             logger.error("the engine died: %s", server.engine.dead_message)
-            return 1
+            return 1, True
         if not summary.stopped_early and not await _blocks_all_free(server):
-            return 1
-        return 1 if summary.stopped_early else 0
+            return 1, True
+        return (1 if summary.stopped_early else 0), True
     finally:
         for signal_number in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signal_number)

@@ -376,14 +376,22 @@ def build_parser() -> argparse.ArgumentParser:
         "-i",
         "--input-file",
         required=True,
-        help="the requests, one JSON object per line; - for standard input",
+        help="the requests, one JSON object per line: a file, - for standard input, or an "
+        "http(s) URL to GET",
     )
     run_batch.add_argument(
         "-o",
         "--output-file",
         required=True,
-        help="where the answers go (written as they come, in the input's order); - for "
-        "standard output",
+        help="where the answers go (written as they come, in the input's order): a file, - "
+        "for standard output, or an http(s) URL to PUT them to once the batch ends",
+    )
+    run_batch.add_argument(
+        "--output-tmp-dir",
+        default=None,
+        metavar="DIR",
+        help="with an output URL: where the answers are written before the upload (kept "
+        "there if it fails; default: the system's temporary directory)",
     )
     run_batch.add_argument(
         "--max-lines-in-flight",
@@ -569,7 +577,12 @@ def _run_batch(args: argparse.Namespace) -> int:
             **_api_config(args, max_concurrent_requests=UNBOUNDED_REQUESTS),
             log_requests=args.enable_log_requests,
         )
-        batch = BatchConfig(args.input_file, args.output_file, args.max_lines_in_flight)
+        batch = BatchConfig(
+            args.input_file,
+            args.output_file,
+            args.max_lines_in_flight,
+            output_tmp_dir=args.output_tmp_dir,
+        )
     except ValueError as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)
         return 2

@@ -213,7 +213,8 @@ class Server:
         self.default_params: SamplingParams | None = None
         self.serving_since_s = 0.0  # wall-clock time (seconds since the epoch)
         self._exit_code = 0
-        self._stop = asyncio.Event()
+        # Set by the first SIGTERM or SIGINT, or when the engine dies: serving ends.
+        self.stop_requested = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._signals = 0
@@ -450,7 +451,7 @@ class Server:
             )
             self._write_port_file(grpc_port, http_port, metrics_port)
             systemd_notify.notify("READY=1", f"STATUS=serving on {self.config.host}:{grpc_port}")
-            await self._stop.wait()
+            await self.stop_requested.wait()
             await self._drain()
         finally:
             watchdog.cancel()
@@ -487,7 +488,7 @@ class Server:
 
     async def _wait_ready(self) -> LLM | None:
         ready = asyncio.ensure_future(self.engine.wait_ready())
-        stop = asyncio.ensure_future(self._stop.wait())
+        stop = asyncio.ensure_future(self.stop_requested.wait())
         await asyncio.wait((ready, stop), return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
         if ready.done():
@@ -524,14 +525,14 @@ class Server:
         name = signal.Signals(signal_number).name
         if self._signals == 1:
             logger.info("%s: draining", name)
-            self._stop.set()
+            self.stop_requested.set()
         else:
             logger.info("%s again: ending the calls in flight now", name)
             self._forced_stop.set()
 
     def _on_engine_dead(self, message: str) -> None:
         self._exit_code = 1
-        self._stop.set()
+        self.stop_requested.set()
 
     async def _watchdog(self) -> None:
         interval_s = systemd_notify.watchdog_interval_s()

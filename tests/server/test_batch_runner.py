@@ -6,27 +6,26 @@ the lines in flight; the command checks the engine's block accounting at the end
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import math
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from conftest import SERVED_MODEL_NAME
 from process_helpers import is_live, live_children, wait_until
 from test_http_api import post
 
-from pagedserve.frontend.batch_runner import (
-    TOO_LONG,
-    InvalidLine,
-    OrderedWriter,
-    parse_line,
-    read_line,
-)
+from pagedserve.frontend.batch_files import TOO_LONG, FileLines, UrlLines
+from pagedserve.frontend.batch_runner import InvalidLine, OrderedWriter, parse_line
 
 BATCH_TIMEOUT_S = 180.0
 KV_CACHE_FLAGS = ("--kv-cache-bytes", str(4 << 20), "--served-model-name", SERVED_MODEL_NAME)
@@ -237,6 +236,41 @@ def test_a_signal_stops_reading_and_the_lines_in_flight_finish(server_model_dir,
     assert wait_until(lambda: not any(is_live(pid) for pid in engine_pids), 10.0)
 
 
+def test_a_signal_stops_a_batch_waiting_on_a_silent_pipe(server_model_dir, tmp_path):
+    """Standard input kept open with nothing more to say: SIGTERM still ends the batch
+    (the read does not hold the process), the lines read are answered."""
+    output_path = tmp_path / "out.jsonl"
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "pagedserve.frontend.cli", "run-batch",
+            "--model", str(server_model_dir), "-i", "-", "-o", str(output_path),
+            *KV_CACHE_FLAGS,
+        ],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        for i in range(3):
+            line = request_line(f"q{i}", "/v1/completions", {"prompt": "ab", "max_tokens": 2})
+            process.stdin.write(line.encode() + b"\n")
+        process.stdin.flush()  # and kept open
+        assert wait_until(
+            lambda: output_path.exists() and output_path.read_text().count("\n") == 3,
+            BATCH_TIMEOUT_S,
+        )
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdin.close()
+    stderr = process.stderr.read().decode()
+    process.stderr.close()
+    assert "stopped after 3 lines of the input" in stderr, stderr
+    records = [json.loads(line) for line in output_path.read_text().splitlines()]
+    assert [r["response"]["status_code"] for r in records] == [200] * 3
+
+
 def test_files_that_cannot_be_opened_exit_2_before_the_engine_starts(server_model_dir, tmp_path):
     started_s = time.monotonic()
     missing = subprocess.run(
@@ -293,13 +327,22 @@ def test_parse_line_names_what_is_wrong():
                       b'"body": {}}', seen)  # fmt: skip
 
 
-def test_read_line_skips_a_line_past_its_limit():
-    file = io.BytesIO(b"short\n" + b"x" * 100 + b"\nnext\nlast")
-    assert read_line(file, 16) == b"short\n"
-    assert read_line(file, 16) is TOO_LONG
-    assert read_line(file, 16) == b"next\n"
-    assert read_line(file, 16) == b"last"
-    assert read_line(file, 16) is None
+def test_file_lines_skip_a_line_past_their_limit(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"short\n" + b"x" * 100 + b"\n\nnext\n" + b"y" * 40 + b"\nlast")
+
+    async def read_all() -> list:
+        lines = FileLines(path.open("rb"), max_bytes=16)
+        lines.READ_BYTES = 7  # lines cut across reads
+        try:
+            got = []
+            while (line := await lines.next_line()) is not None:
+                got.append(line)
+            return got
+        finally:
+            await lines.close()
+
+    assert asyncio.run(read_all()) == [b"short\n", TOO_LONG, b"\n", b"next\n", TOO_LONG, b"last"]
 
 
 def test_ordered_writer_holds_a_line_until_those_before_it_are_written():
@@ -335,3 +378,145 @@ def test_run_batch_on_the_embedded_model(tmp_path):
     assert result.returncode == 0, result.stderr
     (record,) = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert "Paris" in record["response"]["body"]["choices"][0]["message"]["content"]
+
+
+# ---------------------------------------------------------------- URLs (an object store)
+
+
+class ObjectStore:
+    """A loopback HTTP server holding objects, as an object store's pre-signed URLs do:
+    GET streams one in small chunks (lines cut across them), PUT stores one. The first
+    ``put_failures`` PUTs are answered 503."""
+
+    CHUNK_BYTES = 7
+
+    def __init__(self, put_failures: int = 0) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.put_failures = put_failures
+        self.puts = 0
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        assert self._started.wait(10)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/{name}", self._get)
+        app.router.add_put("/{name}", self._put)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.port = self._runner.addresses[0][1]
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _get(self, request: web.Request) -> web.StreamResponse:
+        data = self.objects.get(request.match_info["name"])
+        if data is None:
+            raise web.HTTPNotFound()
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for start in range(0, len(data), self.CHUNK_BYTES):
+            await response.write(data[start : start + self.CHUNK_BYTES])
+        await response.write_eof()
+        return response
+
+    async def _put(self, request: web.Request) -> web.Response:
+        self.puts += 1
+        body = await request.read()
+        if self.puts <= self.put_failures:
+            return web.Response(status=503)
+        self.objects[request.match_info["name"]] = body
+        return web.Response(status=200)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def store() -> Iterator[ObjectStore]:
+    store = ObjectStore(put_failures=1)
+    yield store
+    store.close()
+
+
+def run_batch_command(model_dir: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable, "-m", "pagedserve.frontend.cli", "run-batch",
+            "--model", str(model_dir), *KV_CACHE_FLAGS, *flags,
+        ],
+        capture_output=True, text=True, timeout=BATCH_TIMEOUT_S,
+    )  # fmt: skip
+
+
+def test_the_input_is_read_from_a_url_and_the_answers_put_to_one(store, server_model_dir, tmp_path):
+    lines = [
+        request_line(f"q{i}", "/v1/completions", {"prompt": "ab" * i, "max_tokens": 3})
+        for i in range(1, 8)
+    ]
+    store.objects["in.jsonl"] = "".join(line + "\n" for line in lines).encode()
+    result = run_batch_command(
+        server_model_dir, "-i", store.url("in.jsonl"), "-o", store.url("out.jsonl"),
+        "--output-tmp-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in store.objects["out.jsonl"].splitlines()]
+    assert [r["custom_id"] for r in records] == [f"q{i}" for i in range(1, 8)]
+    assert all(r["response"]["status_code"] == 200 for r in records)
+    # The first PUT was refused and tried again; the local copy is gone once uploaded.
+    assert store.puts == 2
+    assert "PUT answered 503" in result.stderr and "trying again" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_input_url_that_cannot_be_read_exits_2(store, server_model_dir):
+    result = run_batch_command(server_model_dir, "-i", store.url("missing.jsonl"), "-o", "-")
+    assert result.returncode == 2
+    assert "cannot read the input" in result.stderr and "GET answered 404" in result.stderr
+
+
+def test_a_failed_upload_keeps_the_answers_and_says_where(server_model_dir, tmp_path):
+    store = ObjectStore(put_failures=1000)
+    try:
+        store.objects["in.jsonl"] = (request_line("a", "/v1/completions", {"prompt": "x"})).encode()
+        result = run_batch_command(
+            server_model_dir, "-i", store.url("in.jsonl"), "-o", store.url("out.jsonl"),
+            "--output-tmp-dir", str(tmp_path),
+        )  # fmt: skip
+    finally:
+        store.close()
+    assert result.returncode == 1
+    (kept,) = tmp_path.iterdir()
+    assert f"they are kept in {kept}" in result.stderr
+    (record,) = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert record["custom_id"] == "a" and record["response"]["status_code"] == 200
+
+
+def test_url_lines_are_split_across_chunks_and_a_long_one_skipped():
+    store = ObjectStore()
+    store.objects["in"] = b"first\n" + b"x" * 40 + b"\nthird\n\n" + b"y" * 40 + b"\nlast"
+
+    async def read_all() -> list:
+        lines = await UrlLines.open(store.url("in"), max_bytes=16)
+        try:
+            got = []
+            while (line := await lines.next_line()) is not None:
+                got.append(line)
+            return got
+        finally:
+            await lines.close()
+
+    try:
+        got = asyncio.run(read_all())
+    finally:
+        store.close()
+    assert got == [b"first\n", TOO_LONG, b"third\n", b"\n", TOO_LONG, b"last"]
