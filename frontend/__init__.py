@@ -15,6 +15,7 @@ from pagedserve.frontend.outputs import (
     EmbeddingRequestOutput,
     RequestOutput,
 )
+from pagedserve.frontend.scores import ScoringOutput, ScoringRequestOutput
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -31,6 +32,8 @@ __all__ = [
     "PoolingParams",
     "EmbeddingRequestOutput",
     "EmbeddingOutput",
+    "ScoringRequestOutput",
+    "ScoringOutput",
 ]
 
 

@@ -11,6 +11,9 @@ Routes:
 - ``POST /v1/embeddings``: OpenAI's embeddings (``input`` as text, token ids or a batch
   of either; ``encoding_format`` float or base64; ``dimensions``), vLLM's
   ``truncate_prompt_tokens`` and ``normalize``: one prompt-only engine request per input.
+- ``POST /score`` (``/v1/score``) and ``POST /rerank`` (``/v1/rerank``, ``/v2/rerank``):
+  vLLM's scores of an embedding model, the cosine similarity of two texts' embeddings
+  (``openai_scores.py``).
 - ``GET /v1/models`` (and ``/v1/models/{name}``): the one model served.
 - ``POST /tokenize``, ``POST /detokenize``: as vLLM's.
 - ``GET /health``: 200 while serving, 503 while the model loads, when draining, or once
@@ -138,6 +141,11 @@ class HttpApi:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/embeddings", self._embeddings)
+        # vLLM's scores of an embedding model (and the rerank route's versions it serves).
+        for path in ("/score", "/v1/score"):
+            app.router.add_post(path, self._score)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.router.add_post(path, self._rerank)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{name:.+}", self._model)
         app.router.add_post("/tokenize", self._tokenize)
@@ -225,6 +233,21 @@ class HttpApi:
             server.check_admission()
             body = await self._calls.embedding(
                 await _json_body(http_request), http_request.headers.get("X-Request-Id")
+            )
+            return web.json_response(body, headers=_request_id_header(http_request))
+
+    async def _score(self, http_request: web.Request) -> web.Response:
+        return await self._scores("score", http_request)
+
+    async def _rerank(self, http_request: web.Request) -> web.Response:
+        return await self._scores("rerank", http_request)
+
+    async def _scores(self, kind: str, http_request: web.Request) -> web.Response:
+        server = self._server
+        async with server.call("http"):
+            server.check_admission()
+            body = await self._calls.score(
+                kind, await _json_body(http_request), http_request.headers.get("X-Request-Id")
             )
             return web.json_response(body, headers=_request_id_header(http_request))
 
@@ -427,7 +450,8 @@ class HttpApi:
 
     async def _invocations(self, request: web.Request) -> web.StreamResponse:
         """The body's shape picks the API, as vLLM's ``/invocations`` does: ``messages`` a
-        chat completion, ``prompt`` a completion, ``input`` an embedding."""
+        chat completion, ``prompt`` a completion, ``input`` an embedding, ``text_1`` a
+        score, ``query`` a rerank."""
         body = await _json_body(request)  # aiohttp keeps it for the handler's own read
         if isinstance(body, dict):
             if "messages" in body:
@@ -436,10 +460,14 @@ class HttpApi:
                 return await self._generate("completion", request)
             if "input" in body:
                 return await self._embeddings(request)
+            if "text_1" in body:
+                return await self._scores("score", request)
+            if "query" in body:
+                return await self._scores("rerank", request)
         raise CallError(
             "INVALID_ARGUMENT",
             "/invocations: the body must be a chat completion (messages), a completion "
-            "(prompt) or an embedding (input) request",
+            "(prompt), an embedding (input), a score (text_1) or a rerank (query) request",
             "",
         )
 

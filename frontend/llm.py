@@ -23,6 +23,12 @@ from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.frontend.progress import ProgressBar
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
+from pagedserve.frontend.scores import (
+    ScoringOutput,
+    ScoringRequestOutput,
+    cosine_similarity,
+    pair_indices,
+)
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.lora import (
     check_adapter_files,
@@ -553,6 +559,59 @@ class LLM:
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
         return self._run(prompt_list, encoded, params_list, None, lora_ids, priorities, use_tqdm)
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARef = None,
+        priority: int = 0,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's score for an embedding model: the cosine similarity of each pair's
+        embeddings (``embed``'s). One ``data_1`` is scored against every ``data_2``, or
+        as many of each pairwise; each distinct prompt is embedded once.
+        ``truncate_prompt_tokens`` keeps each prompt's last k tokens (-1: the context
+        window). One ``ScoringRequestOutput`` per pair, in order: ``.outputs.score``."""
+        prompts_1 = _as_prompt_list(data_1)
+        prompts_2 = _as_prompt_list(data_2)
+        pairs = pair_indices(len(prompts_1), len(prompts_2), ("data_1", "data_2"))
+        prompts: list[PromptType] = [*prompts_1, *prompts_2]
+        if truncate_prompt_tokens is not None:
+            max_model_len = self.scheduler_config.max_model_len
+            keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            valid = isinstance(keep, int) and not isinstance(keep, bool)
+            if not valid or not 1 <= keep <= max_model_len:
+                raise ValueError(
+                    f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the "
+                    f"model's context window), got {truncate_prompt_tokens!r}"
+                )
+            prompts = [
+                self.encode_prompt(prompt, f"data_{1 if i < len(prompts_1) else 2}")[-keep:]
+                for i, prompt in enumerate(prompts)
+            ]
+        embeddings = self.embed(
+            prompts,
+            PoolingParams(normalize=True),
+            lora_request=lora_request,
+            priority=priority,
+            use_tqdm=use_tqdm,
+        )
+        offset = len(prompts_1)
+        outputs = []
+        for i, j in pairs:
+            first, second = embeddings[i], embeddings[offset + j]
+            outputs.append(
+                ScoringRequestOutput(
+                    request_id=f"{first.request_id}+{second.request_id}",
+                    outputs=ScoringOutput(
+                        cosine_similarity(first.outputs.embedding, second.outputs.embedding)
+                    ),
+                    prompt_token_ids=first.prompt_token_ids + second.prompt_token_ids,
+                )
+            )
+        return outputs
 
     def load_lora(self, name: str, path: str | os.PathLike[str]) -> int:
         """Serve the PEFT LoRA adapter in directory ``path`` as ``name`` from now on (an

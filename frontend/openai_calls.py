@@ -14,6 +14,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend import openai_protocol as protocol
+from pagedserve.frontend import openai_scores as scores
 from pagedserve.frontend.call_errors import CallError
 
 if TYPE_CHECKING:
@@ -93,9 +94,32 @@ class OpenAiCalls:
             client_request_id,
             server.config.max_concurrent_requests,
         )
+        outputs = await self._pooled(api_request)
+        return protocol.embedding_response(api_request, outputs)
+
+    async def score(self, kind: str, body: Any, client_request_id: str | None) -> dict:
+        """A ``/score`` (``kind="score"``) or ``/rerank`` (``"rerank"``) body answered
+        (vLLM's response body): the texts embedded, each pair's cosine similarity."""
+        server = self._server
+        llm = server.check_admission()
+        parse = scores.parse_score_request if kind == "score" else scores.parse_rerank_request
+        api_request = parse(
+            body,
+            llm,
+            server.served_model_name(),
+            client_request_id,
+            server.config.max_concurrent_requests,
+        )
+        outputs = await self._pooled(api_request)
+        if kind == "score":
+            return scores.score_response(api_request, outputs)
+        return scores.rerank_response(api_request, outputs)
+
+    async def _pooled(self, api_request) -> list[EmbeddingRequestOutput]:
+        """The embedding of each of a checked pooling request's prompts, in order."""
+        server = self._server
         llm = server.check_admission(len(api_request.prompts))
-        for position, prompt in enumerate(api_request.prompts):
-            name = "input" if len(api_request.prompts) == 1 else f"input[{position}]"
+        for name, prompt in zip(api_request.prompt_names, api_request.prompts, strict=True):
             try:
                 llm.engine.check_request_fits(len(prompt.token_ids), 0)
             except ValueError as error:
@@ -112,7 +136,7 @@ class OpenAiCalls:
                 raise CallError(
                     "INTERNAL", f"request {output.request_id} ended: {output.finish_reason}"
                 )
-        return protocol.embedding_response(api_request, outputs)
+        return outputs
 
     async def whole(
         self, client_request_id: str, streams: list[RequestStream]

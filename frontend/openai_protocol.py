@@ -146,7 +146,7 @@ _GUIDED_FIELDS = {
 }
 
 
-def _invalid(message: str, param: str) -> CallError:
+def invalid_field(message: str, param: str) -> CallError:
     return CallError("INVALID_ARGUMENT", message, param)
 
 
@@ -160,24 +160,24 @@ def _sampling_error(error: Exception, names: dict[str, str]) -> CallError:
     return CallError("INVALID_ARGUMENT", message, param)
 
 
-def _typed(body: dict, name: str, kinds: tuple[type, ...], what: str, default: Any = None):
+def typed_field(body: dict, name: str, kinds: tuple[type, ...], what: str, default: Any = None):
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds:
-        raise _invalid(f"{name} must be {what}, got {value!r}", name)
+        raise invalid_field(f"{name} must be {what}, got {value!r}", name)
     if not isinstance(value, kinds):
-        raise _invalid(f"{name} must be {what}, got {value!r}", name)
+        raise invalid_field(f"{name} must be {what}, got {value!r}", name)
     return value
 
 
-def _int_field(body: dict, name: str, minimum: int, maximum: int | None = None) -> int | None:
-    value = _typed(body, name, (int,), "an integer")
+def int_field(body: dict, name: str, minimum: int, maximum: int | None = None) -> int | None:
+    value = typed_field(body, name, (int,), "an integer")
     if value is None:
         return None
     if value < minimum or (maximum is not None and value > maximum):
         limit = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise _invalid(f"{name} must be {limit}, got {value}", name)
+        raise invalid_field(f"{name} must be {limit}, got {value}", name)
     return value
 
 
@@ -252,13 +252,15 @@ def parse_request(
     answer (chat only); None: off. ``trust_request_chat_template``: a chat request may
     bring its own template (``--trust-request-chat-template``)."""
     if not isinstance(body, dict):
-        raise _invalid(f"the request body must be a JSON object, got {type(body).__name__}", "")
+        raise invalid_field(
+            f"the request body must be a JSON object, got {type(body).__name__}", ""
+        )
     known = _COMMON_FIELDS | set(_SAMPLING_FIELDS)
     known |= _COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS
     ignored = sorted(set(body) - known)
     if ignored:
         logger.warning("fields ignored (not part of the %s API): %s", kind, ", ".join(ignored))
-    model, lora_id = _served_model(body, llm, served_model_name)
+    model, lora_id = served_model(body, llm, served_model_name)
     _refuse_unsupported(kind, body)
     tool_calling = _tool_calling(body, tool_call_parser) if kind == "chat" else None
     chat_reading = None
@@ -266,40 +268,35 @@ def parse_request(
         chat_reading = ChatReading(
             tool_calling,
             ReasoningParser(reasoning_parser) if reasoning_parser else None,
-            _typed(body, "include_reasoning", (bool,), "a boolean", True),
+            typed_field(body, "include_reasoning", (bool,), "a boolean", True),
         )
     chat_echo = ""
     if kind == "completion":
         prompts = _completion_prompts(body, llm, max_prompts)
-        logprobs = _int_field(body, "logprobs", 0, MAX_LOGPROBS)
-        echo = _typed(body, "echo", (bool,), "a boolean", False)
+        logprobs = int_field(body, "logprobs", 0, MAX_LOGPROBS)
+        echo = typed_field(body, "echo", (bool,), "a boolean", False)
         max_tokens_names = ("max_tokens",)
     else:
         prompts = [chat_prompt(body, llm, trust_request_chat_template)]
         logprobs = None
-        if _typed(body, "logprobs", (bool,), "a boolean", False):
-            logprobs = _int_field(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+        if typed_field(body, "logprobs", (bool,), "a boolean", False):
+            logprobs = int_field(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
         elif body.get("top_logprobs") is not None:
-            raise _invalid(
+            raise invalid_field(
                 f"top_logprobs={body['top_logprobs']!r} needs logprobs: true", "top_logprobs"
             )
         echo = False
         max_tokens_names = ("max_completion_tokens", "max_tokens")
         chat_echo = _chat_echo(body)
-    stream = _typed(body, "stream", (bool,), "a boolean", False)
-    options = _typed(body, "stream_options", (dict,), "an object", {})
+    stream = typed_field(body, "stream", (bool,), "a boolean", False)
+    options = typed_field(body, "stream_options", (dict,), "an object", {})
     if options and not stream:
-        raise _invalid("stream_options is set but stream is not true", "stream_options")
-    include_usage = _typed(options, "include_usage", (bool,), "a boolean", False)
-    continuous_usage = _typed(options, "continuous_usage_stats", (bool,), "a boolean", False)
-    cache_salt = _typed(body, "cache_salt", (str,), "a string")
-    request_id = _typed(body, "request_id", (str,), "a string", client_request_id or "")
-    priority = _typed(body, "priority", (int,), "an integer", 0)
-    try:
-        llm.check_priority(priority)
-    except ValueError as error:
-        raise _invalid(str(error), "priority") from None
-
+        raise invalid_field("stream_options is set but stream is not true", "stream_options")
+    include_usage = typed_field(options, "include_usage", (bool,), "a boolean", False)
+    continuous_usage = typed_field(options, "continuous_usage_stats", (bool,), "a boolean", False)
+    cache_salt = typed_field(body, "cache_salt", (str,), "a string")
+    request_id = typed_field(body, "request_id", (str,), "a string", client_request_id or "")
+    priority = checked_priority(body, llm)
     structured = _structured_outputs(body, llm)
     if tool_calling is not None and tool_calling.constraint() is not None:
         structured = _tool_constraint(tool_calling, structured, llm)
@@ -307,7 +304,7 @@ def parse_request(
     try:
         base = llm.resolve_bad_words(base, "")
     except ValueError as error:
-        raise _invalid(str(error), "bad_words") from None
+        raise invalid_field(str(error), "bad_words") from None
     if (
         body.get("skip_special_tokens") is None
         and chat_reading is not None
@@ -329,12 +326,12 @@ def parse_request(
         try:
             kept = llm.truncate_prompt(prompt.token_ids, base, "")
         except ValueError as error:
-            raise _invalid(str(error), "truncate_prompt_tokens") from None
+            raise invalid_field(str(error), "truncate_prompt_tokens") from None
         if len(kept) < len(prompt.token_ids):  # its text is no longer the prompt's
             prompt = prompts[position] = Prompt(None, kept)
         num_prompt_tokens = len(prompt.token_ids)
         if num_prompt_tokens >= max_model_len:
-            raise _invalid(
+            raise invalid_field(
                 f"{field_name}: {num_prompt_tokens} prompt tokens leave no room to generate "
                 f"in the model's context window of {max_model_len} tokens",
                 field_name,
@@ -343,7 +340,7 @@ def parse_request(
             default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else max_model_len
             room = max(1, max_total_tokens - num_prompt_tokens)
             if base.min_tokens > room:
-                raise _invalid(
+                raise invalid_field(
                     f"min_tokens={base.min_tokens}: {field_name} takes {num_prompt_tokens} "
                     f"of the {max_total_tokens} tokens a sequence can hold here, which "
                     f"leaves at most {room}",
@@ -355,7 +352,7 @@ def parse_request(
         elif num_prompt_tokens + base.max_tokens > max_model_len:
             # As OpenAI's API and vLLM's server refuse it (the offline engine and the gRPC
             # API stop such a request at the window instead).
-            raise _invalid(
+            raise invalid_field(
                 f"{max_tokens_name}={base.max_tokens}: the model's context window is "
                 f"{max_model_len} tokens and {field_name} takes {num_prompt_tokens}, which "
                 f"leaves at most {max_model_len - num_prompt_tokens}",
@@ -383,15 +380,15 @@ def parse_request(
         cache_namespace=cache_salt,
         client_request_id=request_id,
         chat_reading=chat_reading,
-        tokens_as_ids=_typed(body, "return_tokens_as_token_ids", (bool,), "a boolean", False),
-        return_token_ids=_typed(body, "return_token_ids", (bool,), "a boolean", False),
+        tokens_as_ids=typed_field(body, "return_tokens_as_token_ids", (bool,), "a boolean", False),
+        return_token_ids=typed_field(body, "return_token_ids", (bool,), "a boolean", False),
         chat_echo=chat_echo,
     )
 
 
-def _served_model(body: dict, llm: LLM, served_model_name: str) -> tuple[str, int]:
+def served_model(body: dict, llm: LLM, served_model_name: str) -> tuple[str, int]:
     """The ``model`` a request names and its LoRA adapter id (0: the base model)."""
-    model = _typed(body, "model", (str,), "a string", served_model_name)
+    model = typed_field(body, "model", (str,), "a string", served_model_name)
     lora_id = 0 if model == served_model_name else llm.lora_ids.get(model)
     if lora_id is None:
         served = ", ".join([repr(served_model_name), *map(repr, llm.lora_ids)])
@@ -406,12 +403,12 @@ def _served_model(body: dict, llm: LLM, served_model_name: str) -> tuple[str, in
 def _refuse_unsupported(kind: str, body: dict) -> None:
     if kind == "completion":
         if body.get("suffix"):
-            raise _invalid("suffix (insertion) is not supported by this server", "suffix")
+            raise invalid_field("suffix (insertion) is not supported by this server", "suffix")
         return
     # OpenAI's deprecated forms of tools and tool_choice.
     for name in ("functions", "function_call"):
         if body.get(name) not in (None, "none"):
-            raise _invalid(
+            raise invalid_field(
                 f"{name} is deprecated by OpenAI and not supported here: give the functions as "
                 "tools (type 'function') and choose with tool_choice",
                 name,
@@ -422,10 +419,10 @@ def _tool_calling(body: dict, tool_call_parser: str | None) -> ToolCalling | Non
     """The request's tool calling; None without tools or with tool_choice "none"."""
     tools = body.get("tools")
     tool_choice = body.get("tool_choice")
-    parallel = _typed(body, "parallel_tool_calls", (bool,), "a boolean", True)
+    parallel = typed_field(body, "parallel_tool_calls", (bool,), "a boolean", True)
     if tools is None:
         if tool_choice not in (None, "none"):
-            raise _invalid(
+            raise invalid_field(
                 f"tool_choice={tool_choice!r:.200} needs tools to choose from", "tool_choice"
             )
         return None
@@ -434,7 +431,7 @@ def _tool_calling(body: dict, tool_call_parser: str | None) -> ToolCalling | Non
             tool_calls.parse_tools(tools), tool_choice, parallel, tool_call_parser
         )
     except ToolCallError as error:
-        raise _invalid(str(error), error.field) from None
+        raise invalid_field(str(error), error.field) from None
     return None if calling.mode == "none" else calling
 
 
@@ -446,7 +443,7 @@ def _tool_constraint(
     """The structured output that makes a required or named tool choice's calls: the
     output is constrained to the calls' JSON."""
     if structured is not None:
-        raise _invalid(
+        raise invalid_field(
             f"tool_choice={'required' if calling.mode == 'required' else 'a named function'} "
             f"constrains the output to the calls, and {structured[0]} sets another constraint; "
             "give one",
@@ -455,7 +452,7 @@ def _tool_constraint(
     try:
         params = tool_constraint(calling, llm)
     except ToolCallError as error:
-        raise _invalid(str(error), error.field) from None
+        raise invalid_field(str(error), error.field) from None
     assert params is not None
     return "tool_choice", params
 
@@ -479,12 +476,12 @@ def _structured_outputs(body: dict, llm: LLM) -> tuple[str, StructuredOutputsPar
         return None
     if len(constraints) > 1:
         names = " and ".join(name for name, _, _ in constraints)
-        raise _invalid(
+        raise invalid_field(
             f"one structured output constraint per request, got {names}", constraints[1][0]
         )
     ((name, kind, value),) = constraints
     if llm.grammar_vocabulary is None:
-        raise _invalid(
+        raise invalid_field(
             f"{name}: structured output is matched over the model's tokenizer, and "
             f"{str(llm.model_path)!r} has none (or only a slow one)",
             name,
@@ -499,7 +496,7 @@ def _structured_outputs(body: dict, llm: LLM) -> tuple[str, StructuredOutputsPar
         prefix = f"structured_outputs.{kind}"
         if message.startswith(prefix):
             message = name + message[len(prefix) :]
-        raise _invalid(message, name) from None
+        raise invalid_field(message, name) from None
     return name, params
 
 
@@ -507,7 +504,7 @@ def _response_format_constraints(body: dict) -> list[_Constraint]:
     """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON
     schema (``json_schema.name`` required, as OpenAI and vLLM require it; ``strict`` and
     ``description`` change nothing here: the schema is always enforced)."""
-    response_format = _typed(body, "response_format", (dict,), "an object")
+    response_format = typed_field(body, "response_format", (dict,), "an object")
     if response_format is None:
         return []
     kind = response_format.get("type")
@@ -516,20 +513,20 @@ def _response_format_constraints(body: dict) -> list[_Constraint]:
     if kind == "json_object":
         return [("response_format", "json_object", True)]
     if kind != "json_schema":
-        raise _invalid(
+        raise invalid_field(
             f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
             "response_format.type",
         )
     json_schema = response_format.get("json_schema")
     if not isinstance(json_schema, dict):
-        raise _invalid(
+        raise invalid_field(
             "response_format.json_schema must be an object with name and schema, got "
             f"{json_schema!r:.200}",
             "response_format.json_schema",
         )
     name = json_schema.get("name")
     if not isinstance(name, str) or not name:
-        raise _invalid(
+        raise invalid_field(
             f"response_format.json_schema.name must be a non-empty string, got {name!r:.100}",
             "response_format.json_schema.name",
         )
@@ -537,7 +534,7 @@ def _response_format_constraints(body: dict) -> list[_Constraint]:
     if not isinstance(schema, dict):
         # vLLM runs such a request unconstrained; refused here, as an ignored schema would
         # be (use type json_object for any JSON object).
-        raise _invalid(
+        raise invalid_field(
             "response_format.json_schema.schema must be a JSON schema (an object), got "
             f"{schema!r:.200}; for any JSON object use response_format type 'json_object'",
             "response_format.json_schema.schema",
@@ -550,7 +547,7 @@ def _structured_outputs_constraints(body: dict) -> list[_Constraint]:
     ``disable_any_whitespace`` (``_disable_any_whitespace``). Its other fields (backend
     options, structural tags) are refused by name unless unset (null or false, which
     clients that send every field do)."""
-    structured = _typed(body, "structured_outputs", (dict,), "an object")
+    structured = typed_field(body, "structured_outputs", (dict,), "an object")
     if structured is None:
         return []
     constraints = []
@@ -560,17 +557,17 @@ def _structured_outputs_constraints(body: dict) -> list[_Constraint]:
         name = f"structured_outputs.{key}"
         if key == "disable_any_whitespace":
             if value is not True:
-                raise _invalid(f"{name} must be a boolean, got {value!r:.100}", name)
+                raise invalid_field(f"{name} must be a boolean, got {value!r:.100}", name)
             continue
         if key not in STRUCTURED_OUTPUT_KINDS:
-            raise _invalid(
+            raise invalid_field(
                 f"{name} is not supported by this server; set one of "
                 f"{', '.join(STRUCTURED_OUTPUT_KINDS)}",
                 name,
             )
         constraints.append((name, key, value))
     if not constraints:
-        raise _invalid(
+        raise invalid_field(
             f"structured_outputs must set one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; got none",
             "structured_outputs",
         )
@@ -592,7 +589,7 @@ LOGIT_BIAS_LIMIT = 100.0
 def _logit_bias(body: dict) -> dict[int, float] | None:
     """OpenAI's ``logit_bias``: token ids (as JSON object keys, so strings) -> bias,
     each clamped to [-100, 100] as vLLM does."""
-    bias = _typed(body, "logit_bias", (dict,), "an object of token id -> bias")
+    bias = typed_field(body, "logit_bias", (dict,), "an object of token id -> bias")
     if bias is None:
         return None
     result = {}
@@ -602,11 +599,13 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
         except ValueError:
             token_id = -1
         if token_id < 0 or str(token_id) != key.strip():
-            raise _invalid(
+            raise invalid_field(
                 f"logit_bias: key {key!r} is not a token id (a non-negative integer)", "logit_bias"
             )
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _invalid(f"logit_bias[{key!r}] must be a number, got {value!r}", "logit_bias")
+            raise invalid_field(
+                f"logit_bias[{key!r}] must be a number, got {value!r}", "logit_bias"
+            )
         result[token_id] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
     return result
 
@@ -619,7 +618,7 @@ def _limited(max_tokens: int, params: SamplingParams, llm: LLM) -> int:
             max_tokens, params.min_tokens, llm.generation_defaults.max_tokens_limit
         )
     except ValueError as error:
-        raise _invalid(str(error), "min_tokens") from None
+        raise invalid_field(str(error), "min_tokens") from None
 
 
 def _base_params(
@@ -643,21 +642,21 @@ def _base_params(
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise _invalid(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+            raise invalid_field(f"stop must be a string or a list of strings, got {stop!r}", "stop")
         kwargs["stop"] = stop or None
-    use_beam_search = _typed(body, "use_beam_search", (bool,), "a boolean", False)
+    use_beam_search = typed_field(body, "use_beam_search", (bool,), "a boolean", False)
     if use_beam_search:
         # vLLM's convention: best_of (else n) beams, n of them returned.
         kwargs["beam_width"] = kwargs.pop("best_of", None) or kwargs.get("n", 1)
         kwargs.setdefault("temperature", 0.0)
         if kwargs["temperature"] != 0:  # checked as SamplingParams would, named here
-            raise _invalid(
+            raise invalid_field(
                 f"temperature={kwargs['temperature']!r}: beam search is greedy; set it to 0",
                 "temperature",
             )
     elif "length_penalty" in kwargs or "early_stopping" in kwargs:
         name = "length_penalty" if "length_penalty" in kwargs else "early_stopping"
-        raise _invalid(f"{name} applies to beam search only: set use_beam_search", name)
+        raise invalid_field(f"{name} applies to beam search only: set use_beam_search", name)
     # Unset: the model's generation config decides (as in the gRPC API).
     for name in DEFAULT_FIELDS:
         kwargs.setdefault(name, getattr(default_params, name))
@@ -690,7 +689,9 @@ def _completion_prompts(
     a string, token ids, or a batch of either."""
     prompt = body.get(field)
     if prompt is None:
-        raise _invalid(f"{field} is required: a string, a list of strings, or token ids", field)
+        raise invalid_field(
+            f"{field} is required: a string, a list of strings, or token ids", field
+        )
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
@@ -698,13 +699,13 @@ def _completion_prompts(
     elif isinstance(prompt, list) and prompt:
         items = prompt
     else:
-        raise _invalid(
+        raise invalid_field(
             f"{field} must be a string, a list of strings, a list of token ids or a list of "
             f"lists of token ids, and not empty; got {prompt!r:.200}",
             field,
         )
     if len(items) > max_prompts:
-        raise _invalid(
+        raise invalid_field(
             f"{field}: a batch of {len(items)} prompts; this server takes at most "
             f"{max_prompts} (its max_concurrent_requests)",
             field,
@@ -713,11 +714,13 @@ def _completion_prompts(
     for position, item in enumerate(items):
         name = field if len(items) == 1 else f"{field}[{position}]"
         if not isinstance(item, (str, list)) or isinstance(item, bool):
-            raise _invalid(f"{name} must be a string or a list of token ids, got {item!r}", name)
+            raise invalid_field(
+                f"{name} must be a string or a list of token ids, got {item!r}", name
+            )
         try:
             token_ids = llm.encode_prompt(item, name)
         except (ValueError, TypeError) as error:
-            raise _invalid(str(error), name) from None
+            raise invalid_field(str(error), name) from None
         prompts.append(Prompt(item if isinstance(item, str) else None, token_ids))
     return prompts
 
@@ -728,7 +731,7 @@ def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False)
     with one)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _invalid(
+        raise invalid_field(
             f"messages must be a non-empty list of {{role, content}} objects, got "
             f"{messages!r:.200}",
             "messages",
@@ -737,26 +740,26 @@ def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False)
     for position, message in enumerate(messages):
         name = f"messages[{position}]"
         if not isinstance(message, dict):
-            raise _invalid(f"{name} must be an object, got {message!r:.200}", name)
+            raise invalid_field(f"{name} must be an object, got {message!r:.200}", name)
         role = message.get("role")
         if role not in _CHAT_ROLES:
             roles = ", ".join(_CHAT_ROLES)
-            raise _invalid(f"{name}.role must be one of {roles}; got {role!r}", f"{name}.role")
+            raise invalid_field(f"{name}.role must be one of {roles}; got {role!r}", f"{name}.role")
         entry = {"role": role, "content": _message_text(message, name)}
         try:
             entry.update(tool_calls.chat_message_tool_fields(message, name))
         except ToolCallError as error:
-            raise _invalid(str(error), error.field) from None
+            raise invalid_field(str(error), error.field) from None
         conversation.append(entry)
     tools = None
     if body.get("tools") is not None:
         try:
             tools = [tool.definition for tool in tool_calls.parse_tools(body["tools"])]
         except ToolCallError as error:
-            raise _invalid(str(error), error.field) from None
+            raise invalid_field(str(error), error.field) from None
     # vLLM's: a new assistant turn (the default), or the last message left open to go on.
-    opens_turn = _typed(body, "add_generation_prompt", (bool,), "a boolean", True)
-    continues = _typed(body, "continue_final_message", (bool,), "a boolean", False)
+    opens_turn = typed_field(body, "add_generation_prompt", (bool,), "a boolean", True)
+    continues = typed_field(body, "continue_final_message", (bool,), "a boolean", False)
     # vLLM's: more variables for the template (a Qwen3-style {"enable_thinking": false}),
     # a RAG template's documents, and a template of the request's own (a server that
     # trusts its clients with one: a template is code the server runs).
@@ -774,7 +777,7 @@ def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False)
     except (ValueError, TypeError) as error:
         message = str(error)
         name = next((name for name in SETTING_NAMES if message.startswith(name)), "messages")
-        raise _invalid(message, name) from None
+        raise invalid_field(message, name) from None
     return Prompt(text, token_ids)
 
 
@@ -782,10 +785,10 @@ def _chat_echo(body: dict) -> str:
     """vLLM's chat ``echo`` of a checked chat body: the last message's text when it is of
     the role that answers (the assistant's, or the last message's own with
     add_generation_prompt false: the continued message then reads whole)."""
-    if not _typed(body, "echo", (bool,), "a boolean", False):
+    if not typed_field(body, "echo", (bool,), "a boolean", False):
         return ""
     last = body["messages"][-1]
-    opens_turn = _typed(body, "add_generation_prompt", (bool,), "a boolean", True)
+    opens_turn = typed_field(body, "add_generation_prompt", (bool,), "a boolean", True)
     if opens_turn and last.get("role") != "assistant":
         return ""
     return _message_text(last, f"messages[{len(body['messages']) - 1}]")
@@ -798,7 +801,7 @@ def _message_text(message: dict, name: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _invalid(
+        raise invalid_field(
             f"{name}.content must be a string or a list of text parts, got {content!r:.200}",
             f"{name}.content",
         )
@@ -807,13 +810,13 @@ def _message_text(message: dict, name: str) -> str:
         part_name = f"{name}.content[{position}]"
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else part
-            raise _invalid(
+            raise invalid_field(
                 f"{part_name}: only text parts are supported (type 'text'), got {kind!r:.100}",
                 part_name,
             )
         text = part.get("text")
         if not isinstance(text, str):
-            raise _invalid(f"{part_name}.text must be a string, got {text!r:.100}", part_name)
+            raise invalid_field(f"{part_name}.text must be a string, got {text!r:.100}", part_name)
         texts.append(text)
     return "".join(texts)
 
@@ -1231,6 +1234,13 @@ class EmbeddingApiRequest:
     priority: int = 0
     created_s: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def prompt_names(self) -> list[str]:
+        """Each prompt's field, as errors name it."""
+        if len(self.prompts) == 1:
+            return ["input"]
+        return [f"input[{i}]" for i in range(len(self.prompts))]
+
 
 def parse_embedding_request(
     body: Any,
@@ -1244,26 +1254,48 @@ def parse_embedding_request(
     ``truncate_prompt_tokens`` keeps a prompt's last k tokens (-1: the context window), as
     vLLM does; a prompt longer than the context window is refused."""
     if not isinstance(body, dict):
-        raise _invalid(f"the request body must be a JSON object, got {type(body).__name__}", "")
+        raise invalid_field(
+            f"the request body must be a JSON object, got {type(body).__name__}", ""
+        )
     ignored = sorted(set(body) - _EMBEDDING_FIELDS)
     if ignored:
         logger.warning("fields ignored (not part of the embeddings API): %s", ", ".join(ignored))
-    model, lora_id = _served_model(body, llm, served_model_name)
-    prompts = _completion_prompts(body, llm, max_prompts, "input")
-    encoding_format = _typed(body, "encoding_format", (str,), "a string", "float")
+    model, lora_id = served_model(body, llm, served_model_name)
+    prompts = pooling_prompts(body, llm, max_prompts, "input")
+    encoding_format = typed_field(body, "encoding_format", (str,), "a string", "float")
     if encoding_format not in EMBEDDING_ENCODING_FORMATS:
-        raise _invalid(
+        raise invalid_field(
             f"encoding_format must be 'float' or 'base64', got {encoding_format!r:.100}",
             "encoding_format",
         )
-    dimensions = _int_field(body, "dimensions", 1, llm.model_config.embedding_size)
-    normalize = _typed(body, "normalize", (bool,), "a boolean", True)
+    dimensions = int_field(body, "dimensions", 1, llm.model_config.embedding_size)
+    normalize = typed_field(body, "normalize", (bool,), "a boolean", True)
+    priority = checked_priority(body, llm)
+    return EmbeddingApiRequest(
+        model=model,
+        prompts=prompts,
+        params=PoolingParams(normalize=normalize, dimensions=dimensions),
+        encoding_format=encoding_format,
+        client_request_id=typed_field(
+            body, "request_id", (str,), "a string", client_request_id or ""
+        ),
+        lora_id=lora_id,
+        priority=priority,
+    )
+
+
+def pooling_prompts(body: dict, llm: LLM, max_prompts: int, field: str) -> list[Prompt]:
+    """The prompts of a pooling request's ``field`` (the embeddings' ``input``, a score's
+    ``text_1``, ...): a string, token ids, or a batch of either, each cut to its last
+    ``truncate_prompt_tokens`` tokens (-1: the context window), as vLLM does, and refused
+    if longer than the context window."""
+    prompts = _completion_prompts(body, llm, max_prompts, field)
     max_model_len = llm.scheduler_config.max_model_len
-    truncate = _typed(body, "truncate_prompt_tokens", (int,), "an integer")
+    truncate = typed_field(body, "truncate_prompt_tokens", (int,), "an integer")
     if truncate == -1:
         truncate = max_model_len
     if truncate is not None and not 1 <= truncate <= max_model_len:
-        raise _invalid(
+        raise invalid_field(
             f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the model's "
             f"context window), got {truncate}",
             "truncate_prompt_tokens",
@@ -1273,26 +1305,23 @@ def parse_embedding_request(
             prompts[position] = Prompt(None, prompt.token_ids[-truncate:])
         num_prompt_tokens = len(prompts[position].token_ids)
         if num_prompt_tokens > max_model_len:
-            name = "input" if len(prompts) == 1 else f"input[{position}]"
-            raise _invalid(
+            name = field if len(prompts) == 1 else f"{field}[{position}]"
+            raise invalid_field(
                 f"{name}: {num_prompt_tokens} prompt tokens exceed the model's context window "
                 f"of {max_model_len} tokens (truncate_prompt_tokens can cut them)",
                 name,
             )
-    priority = _typed(body, "priority", (int,), "an integer", 0)
+    return prompts
+
+
+def checked_priority(body: dict, llm: LLM) -> int:
+    """vLLM's ``priority`` (lower first), checked against the engine's policy."""
+    priority = typed_field(body, "priority", (int,), "an integer", 0)
     try:
         llm.check_priority(priority)
     except ValueError as error:
-        raise _invalid(str(error), "priority") from None
-    return EmbeddingApiRequest(
-        model=model,
-        prompts=prompts,
-        params=PoolingParams(normalize=normalize, dimensions=dimensions),
-        encoding_format=encoding_format,
-        client_request_id=_typed(body, "request_id", (str,), "a string", client_request_id or ""),
-        lora_id=lora_id,
-        priority=priority,
-    )
+        raise invalid_field(str(error), "priority") from None
+    return priority
 
 
 def embedding_response(request: EmbeddingApiRequest, outputs: list[EmbeddingRequestOutput]) -> dict:

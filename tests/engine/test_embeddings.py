@@ -159,3 +159,31 @@ def test_multiprocess_embeddings_match_hf(tiny_model_dirs, hf_hidden, tensor_par
             assert_close(output.outputs.embedding, hidden)
     finally:
         llm.shutdown()
+
+
+def test_score_is_the_cosine_of_hf_hidden_states(tiny_model_dirs, hf_hidden):
+    """vLLM's score for an embedding model: 1:N and pairwise, each prompt embedded once."""
+    llm = chunked_llm(tiny_model_dirs["llama"])
+    prompts = embed_prompts(3)
+    hidden = hf_hidden["llama"]
+
+    def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+        return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+    one_to_many = llm.score(prompts[0], prompts[1:4])
+    assert [o.outputs.score for o in one_to_many] == pytest.approx(
+        [cosine(hidden[0], hidden[j]) for j in (1, 2, 3)], abs=1e-5
+    )
+    assert [o.prompt_token_ids for o in one_to_many] == [prompts[0] + p for p in prompts[1:4]]
+    pairwise = llm.score(prompts[1:3], prompts[3:5])
+    assert [o.outputs.score for o in pairwise] == pytest.approx(
+        [cosine(hidden[1], hidden[3]), cosine(hidden[2], hidden[4])], abs=1e-5
+    )
+    assert llm.score(prompts[2], [prompts[2]])[0].outputs.score == pytest.approx(1.0)
+    # The last 5 tokens of each: the 100-token prompt and its last 5 tokens score 1.
+    (cut,) = llm.score([prompts[4]], [prompts[4][-5:]], truncate_prompt_tokens=5)
+    assert cut.outputs.score == pytest.approx(1.0) and len(cut.prompt_token_ids) == 10
+    with pytest.raises(ValueError, match="data_1 has 2 texts and data_2 3: give one data_1"):
+        llm.score(prompts[:2], prompts[:3])
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be -1 or in \[1, "):
+        llm.score(prompts[0], prompts[1], truncate_prompt_tokens=0)

@@ -98,6 +98,8 @@ CALLS = [
     ),
     ("sampled", "/v1/completions", {"prompt": "abc", "max_tokens": 5, "seed": 7, "n": 2}),
     ("embeddings", "/v1/embeddings", {"input": ["hello", "world"]}),
+    ("score", "/v1/score", {"text_1": "hello", "text_2": ["world", "hello"]}),
+    ("rerank", "/v1/rerank", {"query": "hello", "documents": ["a", "hello", "b"], "top_n": 2}),
     ("refused", "/v1/completions", {"prompt": "abc", "max_tokens": 1 << 20}),
 ]
 
@@ -122,8 +124,8 @@ def test_each_line_is_answered_as_the_http_api_answers_its_body(server, server_m
     assert records[0]["response"]["body"]["id"] == "chatcmpl-chat"
     assert "(client id 'completions')" in result.stderr
     assert records[-1]["response"]["body"]["error"]["param"] == "max_tokens"
-    assert "batch done: 5 lines" in result.stderr
-    assert "4 answered 200, 1 answered 400" in result.stderr
+    assert "batch done: 7 lines" in result.stderr
+    assert "6 answered 200, 1 answered 400" in result.stderr
     assert "all 256 blocks free, block accounting consistent" in result.stderr, result.stderr
 
 
@@ -151,7 +153,8 @@ def test_bad_lines_are_answered_in_order_naming_the_line(server_model_dir, tmp_p
         (None, "line 5: custom_id must be a non-empty string, got None"),
         ("b", "line 6: method must be 'POST', got 'GET'"),
         ("c", "line 7: url must be one of /v1/chat/completions, /v1/completions, "
-              "/v1/embeddings, got '/v1/responses'"),
+              "/v1/embeddings, /v1/score, /v1/rerank, /score, /rerank, /v2/rerank, got "
+              "'/v1/responses'"),
         ("d", "line 8: body must be a JSON object (the request /v1/completions takes), "
               "got list"),
         ("a", "line 9: custom_id 'a' is line 1's already"),

@@ -1,0 +1,218 @@
+"""vLLM's ``/score`` and ``/rerank`` (Jina's and Cohere's rerank shape) on an embedding
+model, JSON <-> the engine's: the bodies checked and tokenized into the distinct texts to
+embed and the pairs to score (``scores.py``), and the answers built from the texts'
+embeddings.
+
+- ``/score``: ``text_1`` (a string, or a list) against ``text_2`` (a string, or a list):
+  one ``text_1`` against every ``text_2``, or pairwise; ``data[i].score`` per pair.
+- ``/rerank``: a ``query`` against ``documents`` (a list of strings); ``results`` sorted by
+  ``relevance_score``, best first, the first ``top_n`` (0: all), each with its ``index``
+  in ``documents`` and the ``document`` itself.
+
+Both take ``truncate_prompt_tokens`` (each text's last k tokens; -1: the context window)
+and ``priority``, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.frontend.openai_protocol import (
+    Prompt,
+    checked_priority,
+    int_field,
+    invalid_field,
+    pooling_prompts,
+    served_model,
+    typed_field,
+)
+from pagedserve.frontend.scores import cosine_similarity, pair_indices
+from pagedserve.scheduler.pooling_params import PoolingParams
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.llm import LLM
+    from pagedserve.frontend.outputs import EmbeddingRequestOutput
+
+logger = logging.getLogger("pagedserve.server")
+
+_COMMON_FIELDS = {"model", "truncate_prompt_tokens", "priority", "request_id", "user"}
+_SCORE_FIELDS = _COMMON_FIELDS | {"text_1", "text_2"}
+_RERANK_FIELDS = _COMMON_FIELDS | {"query", "documents", "top_n"}
+# Every text is embedded whole, normalized: the dot product of two is their cosine.
+SCORE_POOLING_PARAMS = PoolingParams(normalize=True)
+
+
+@dataclass
+class ScoreApiRequest:
+    """A checked ``/score`` or ``/rerank`` request: the distinct texts to embed (the first
+    side's, then the second's) and the pairs to score, as indices into them."""
+
+    kind: str  # "score" or "rerank"
+    model: str
+    prompts: list[Prompt]
+    prompt_names: list[str]  # each prompt's field, as errors name it ("text_2[3]")
+    pairs: list[tuple[int, int]]
+    client_request_id: str
+    documents: list[str] = field(default_factory=list)  # rerank: answered with each result
+    top_n: int = 0  # rerank: how many results (0: all)
+    lora_id: int = 0
+    priority: int = 0
+    params: PoolingParams = SCORE_POOLING_PARAMS
+    created_s: int = field(default_factory=lambda: int(time.time()))
+
+
+def _texts(body: dict, name: str, single_allowed: bool = True) -> list[str]:
+    value = body.get(name)
+    if isinstance(value, str) and single_allowed:
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        return value
+    what = (
+        "a string or a non-empty list of strings"
+        if single_allowed
+        else ("a non-empty list of strings")
+    )
+    if value is None:
+        raise invalid_field(f"{name} is required: {what}", name)
+    raise invalid_field(f"{name} must be {what}, got {value!r:.200}", name)
+
+
+def _check_body(body: Any, known: set[str], kind: str) -> dict:
+    if not isinstance(body, dict):
+        raise invalid_field(
+            f"the request body must be a JSON object, got {type(body).__name__}", ""
+        )
+    ignored = sorted(set(body) - known)
+    if ignored:
+        logger.warning("fields ignored (not part of the %s API): %s", kind, ", ".join(ignored))
+    return body
+
+
+def _prompts(body: dict, name: str, texts: list[str], llm: LLM, max_prompts: int) -> list[Prompt]:
+    return pooling_prompts({**body, name: texts}, llm, max_prompts, name)
+
+
+def _names(name: str, count: int) -> list[str]:
+    return [name] if count == 1 else [f"{name}[{i}]" for i in range(count)]
+
+
+def parse_score_request(
+    body: Any,
+    llm: LLM,
+    served_model_name: str,
+    client_request_id: str | None,
+    max_prompts: int = 1024,
+) -> ScoreApiRequest:
+    body = _check_body(body, _SCORE_FIELDS, "score")
+    model, lora_id = served_model(body, llm, served_model_name)
+    texts_1 = _texts(body, "text_1")
+    texts_2 = _texts(body, "text_2")
+    try:
+        pairs = pair_indices(len(texts_1), len(texts_2), ("text_1", "text_2"))
+    except ValueError as error:
+        raise invalid_field(str(error), "text_2") from None
+    prompts = _prompts(body, "text_1", texts_1, llm, max_prompts)
+    prompts += _prompts(body, "text_2", texts_2, llm, max_prompts)
+    offset = len(texts_1)
+    return ScoreApiRequest(
+        kind="score",
+        model=model,
+        prompts=prompts,
+        prompt_names=_names("text_1", len(texts_1)) + _names("text_2", len(texts_2)),
+        pairs=[(i, offset + j) for i, j in pairs],
+        client_request_id=typed_field(
+            body, "request_id", (str,), "a string", client_request_id or ""
+        ),
+        lora_id=lora_id,
+        priority=checked_priority(body, llm),
+    )
+
+
+def parse_rerank_request(
+    body: Any,
+    llm: LLM,
+    served_model_name: str,
+    client_request_id: str | None,
+    max_prompts: int = 1024,
+) -> ScoreApiRequest:
+    body = _check_body(body, _RERANK_FIELDS, "rerank")
+    model, lora_id = served_model(body, llm, served_model_name)
+    query = body.get("query")
+    if not isinstance(query, str):
+        raise invalid_field(f"query must be a string, got {query!r:.200}", "query")
+    documents = _texts(body, "documents", single_allowed=False)
+    top_n = int_field(body, "top_n", 0) or 0
+    prompts = _prompts(body, "query", [query], llm, max_prompts)
+    prompts += _prompts(body, "documents", documents, llm, max_prompts)
+    return ScoreApiRequest(
+        kind="rerank",
+        model=model,
+        prompts=prompts,
+        prompt_names=["query", *_names("documents", len(documents))],
+        pairs=[(0, 1 + j) for j in range(len(documents))],
+        client_request_id=typed_field(
+            body, "request_id", (str,), "a string", client_request_id or ""
+        ),
+        documents=documents,
+        top_n=top_n,
+        lora_id=lora_id,
+        priority=checked_priority(body, llm),
+    )
+
+
+def _scored(
+    request: ScoreApiRequest, outputs: list[EmbeddingRequestOutput]
+) -> list[tuple[float, int]]:
+    """Each pair's score and prompt tokens, in the pairs' order."""
+    scored = []
+    for i, j in request.pairs:
+        first, second = outputs[i], outputs[j]
+        score = cosine_similarity(first.outputs.embedding, second.outputs.embedding)
+        scored.append((score, len(first.prompt_token_ids) + len(second.prompt_token_ids)))
+    return scored
+
+
+def _response_id(prefix: str, request: ScoreApiRequest) -> str:
+    return prefix + (request.client_request_id or uuid.uuid4().hex)
+
+
+def score_response(request: ScoreApiRequest, outputs: list[EmbeddingRequestOutput]) -> dict:
+    scored = _scored(request, outputs)
+    prompt_tokens = sum(tokens for _score, tokens in scored)
+    return {
+        "id": _response_id("score-", request),
+        "object": "list",
+        "created": request.created_s,
+        "model": request.model,
+        "data": [
+            {"index": index, "object": "score", "score": score}
+            for index, (score, _tokens) in enumerate(scored)
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "completion_tokens": 0,
+        },
+    }
+
+
+def rerank_response(request: ScoreApiRequest, outputs: list[EmbeddingRequestOutput]) -> dict:
+    scored = _scored(request, outputs)
+    results = [
+        {"index": index, "document": {"text": request.documents[index]}, "relevance_score": score}
+        for index, (score, _tokens) in enumerate(scored)
+    ]
+    # Best first; sorting is stable, so equal scores keep the documents' order.
+    results.sort(key=lambda result: result["relevance_score"], reverse=True)
+    if request.top_n:
+        results = results[: request.top_n]
+    return {
+        "id": _response_id("rerank-", request),
+        "model": request.model,
+        "usage": {"total_tokens": sum(tokens for _score, tokens in scored)},
+        "results": results,
+    }
