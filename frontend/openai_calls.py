@@ -85,35 +85,30 @@ class OpenAiCalls:
 
     async def embedding(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/v1/embeddings`` body answered (OpenAI's response body)."""
-        server = self._server
-        llm = server.check_admission()
-        api_request = protocol.parse_embedding_request(
-            body,
-            llm,
-            server.served_model_name(),
-            client_request_id,
-            server.config.max_concurrent_requests,
-        )
+        api_request = self._parse_pooling(protocol.parse_embedding_request, body, client_request_id)
         outputs = await self._pooled(api_request)
         return protocol.embedding_response(api_request, outputs)
 
     async def score(self, kind: str, body: Any, client_request_id: str | None) -> dict:
         """A ``/score`` (``kind="score"``) or ``/rerank`` (``"rerank"``) body answered
         (vLLM's response body): the texts embedded, each pair's cosine similarity."""
-        server = self._server
-        llm = server.check_admission()
         parse = scores.parse_score_request if kind == "score" else scores.parse_rerank_request
-        api_request = parse(
-            body,
-            llm,
-            server.served_model_name(),
-            client_request_id,
-            server.config.max_concurrent_requests,
-        )
+        api_request = self._parse_pooling(parse, body, client_request_id)
         outputs = await self._pooled(api_request)
         if kind == "score":
             return scores.score_response(api_request, outputs)
         return scores.rerank_response(api_request, outputs)
+
+    def _parse_pooling(self, parse, body: Any, client_request_id: str | None):
+        """A pooling request's body checked by ``parse`` (once the server admits calls)."""
+        server = self._server
+        return parse(
+            body,
+            server.check_admission(),
+            server.served_model_name(),
+            client_request_id,
+            server.config.max_concurrent_requests,
+        )
 
     async def _pooled(self, api_request) -> list[EmbeddingRequestOutput]:
         """The embedding of each of a checked pooling request's prompts, in order."""

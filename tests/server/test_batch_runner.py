@@ -330,6 +330,17 @@ def test_parse_line_names_what_is_wrong():
                       b'"body": {}}', seen)  # fmt: skip
 
 
+async def every_line(lines) -> list:
+    """A line source read to its end, then closed."""
+    try:
+        got = []
+        while (line := await lines.next_line()) is not None:
+            got.append(line)
+        return got
+    finally:
+        await lines.close()
+
+
 def test_file_lines_skip_a_line_past_their_limit(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"short\n" + b"x" * 100 + b"\n\nnext\n" + b"y" * 40 + b"\nlast")
@@ -337,13 +348,7 @@ def test_file_lines_skip_a_line_past_their_limit(tmp_path):
     async def read_all() -> list:
         lines = FileLines(path.open("rb"), max_bytes=16)
         lines.READ_BYTES = 7  # lines cut across reads
-        try:
-            got = []
-            while (line := await lines.next_line()) is not None:
-                got.append(line)
-            return got
-        finally:
-            await lines.close()
+        return await every_line(lines)
 
     assert asyncio.run(read_all()) == [b"short\n", TOO_LONG, b"\n", b"next\n", TOO_LONG, b"last"]
 
@@ -509,14 +514,7 @@ def test_url_lines_are_split_across_chunks_and_a_long_one_skipped():
     store.objects["in"] = b"first\n" + b"x" * 40 + b"\nthird\n\n" + b"y" * 40 + b"\nlast"
 
     async def read_all() -> list:
-        lines = await UrlLines.open(store.url("in"), max_bytes=16)
-        try:
-            got = []
-            while (line := await lines.next_line()) is not None:
-                got.append(line)
-            return got
-        finally:
-            await lines.close()
+        return await every_line(await UrlLines.open(store.url("in"), max_bytes=16))
 
     try:
         got = asyncio.run(read_all())
