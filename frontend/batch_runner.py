@@ -123,13 +123,15 @@ def parse_line(line_number: int, raw: bytes, seen: dict[str, int]) -> BatchLine:
     custom ids read so far to their lines, and gains this one's."""
     where = f"line {line_number}"
     try:
-        record = json.loads(raw)
+        text = raw.decode("utf-8")  # JSON Lines is UTF-8 (json.loads would guess UTF-16 too)
     except UnicodeDecodeError as error:
         raise InvalidLine(f"{where}: not UTF-8: {error}") from None
-    except ValueError as error:
-        raise InvalidLine(f"{where}: not valid JSON: {error}") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidLine(f"{where}: not valid JSON: {error.msg} (column {error.colno})") from None
     if not isinstance(record, dict):
-        raise InvalidLine(f"{where}: must be a JSON object, got {type(record).__name__}")
+        raise InvalidLine(f"{where}: must be a JSON object, got {_json_type(record)}")
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise InvalidLine(f"{where}: custom_id must be a non-empty string, got {custom_id!r:.100}")
@@ -137,7 +139,7 @@ def parse_line(line_number: int, raw: bytes, seen: dict[str, int]) -> BatchLine:
     if method != "POST":
         raise InvalidLine(f"{where}: method must be 'POST', got {method!r:.100}", custom_id)
     url = record.get("url")
-    if url not in ROUTES:
+    if not isinstance(url, str) or url not in ROUTES:
         raise InvalidLine(
             f"{where}: url must be one of {', '.join(ROUTES)}, got {url!r:.100}", custom_id
         )
@@ -145,7 +147,7 @@ def parse_line(line_number: int, raw: bytes, seen: dict[str, int]) -> BatchLine:
     if not isinstance(body, dict):
         raise InvalidLine(
             f"{where}: body must be a JSON object (the request {url} takes), got "
-            f"{type(body).__name__}",
+            f"{_json_type(body)}",
             custom_id,
         )
     if custom_id in seen:
@@ -156,6 +158,19 @@ def parse_line(line_number: int, raw: bytes, seen: dict[str, int]) -> BatchLine:
         )
     seen[custom_id] = line_number
     return BatchLine(line_number, custom_id, ROUTES[url], body)
+
+
+def _json_type(value: Any) -> str:
+    """A decoded JSON value's type, as JSON names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r:.50})"
+    if isinstance(value, str):
+        return f"a string ({value!r:.50})"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def _record(custom_id: str | None, response: dict | None, error: dict | None) -> dict:

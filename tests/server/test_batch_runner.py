@@ -148,15 +148,16 @@ def test_bad_lines_are_answered_in_order_naming_the_line(server_model_dir, tmp_p
     result, records = run_batch(server_model_dir, tmp_path, lines)
     assert result.returncode == 0, result.stderr
     invalid = [
-        (None, "line 3: not valid JSON"),
-        (None, "line 4: must be a JSON object, got list"),
+        (None, "line 3: not valid JSON: Expecting property name enclosed in double quotes "
+               "(column 2)"),
+        (None, "line 4: must be a JSON object, got an array"),
         (None, "line 5: custom_id must be a non-empty string, got None"),
         ("b", "line 6: method must be 'POST', got 'GET'"),
         ("c", "line 7: url must be one of /v1/chat/completions, /v1/completions, "
               "/v1/embeddings, /v1/score, /v1/rerank, /score, /rerank, /v2/rerank, got "
               "'/v1/responses'"),
         ("d", "line 8: body must be a JSON object (the request /v1/completions takes), "
-              "got list"),
+              "got an array"),
         ("a", "line 9: custom_id 'a' is line 1's already"),
     ]  # fmt: skip
     assert len(records) == 1 + len(invalid) + 3
@@ -325,6 +326,13 @@ def test_parse_line_names_what_is_wrong():
     assert caught.value.custom_id is None
     with pytest.raises(InvalidLine, match="line 5: custom_id must be a non-empty string, got 7"):
         parse_line(5, b'{"custom_id": 7}', seen)
+    # UTF-16 (which json.loads would take) is no JSON Lines file's encoding.
+    with pytest.raises(InvalidLine, match="line 7: not UTF-8"):
+        parse_line(7, '{"custom_id": "y"}'.encode("utf-16"), seen)
+    with pytest.raises(InvalidLine, match=r"line 8: url must be one of .*, got \['/v1/score'\]"):
+        parse_line(8, b'{"custom_id": "y", "method": "POST", "url": ["/v1/score"]}', seen)
+    with pytest.raises(InvalidLine, match="line 9: body must be a JSON object .*, got null"):
+        parse_line(9, b'{"custom_id": "y", "method": "POST", "url": "/v1/score"}', seen)
     with pytest.raises(InvalidLine, match="line 6: custom_id 'x' is line 3's already"):
         parse_line(6, b'{"custom_id": "x", "method": "POST", "url": "/v1/embeddings", '
                       b'"body": {}}', seen)  # fmt: skip
