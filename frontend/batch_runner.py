@@ -6,7 +6,7 @@ The input is JSON Lines, one request per line (blank lines are skipped)::
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
 ``url`` is ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
-``/v1/score`` or ``/v1/rerank`` and ``body`` what the HTTP API takes there
+``/v1/responses``, ``/v1/score`` or ``/v1/rerank`` and ``body`` what the HTTP API takes there
 (``openai_calls.py`` answers both, so a line reads exactly as the same body POSTed to
 ``pagedserve serve``), except ``"stream": true``.
 ``custom_id`` is the caller's name for the line, unique in the file.
@@ -74,6 +74,7 @@ ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
     "/v1/embeddings": "embedding",
+    "/v1/responses": "response",
     "/v1/score": "score",
     "/v1/rerank": "rerank",
     # vLLM's batch runner takes any URL ending in /score or /rerank; these are the
@@ -340,6 +341,8 @@ class BatchRunner:
             async with self._server.call("batch"):
                 if line.kind == "embedding":
                     body = await calls.embedding(line.body, line.custom_id)
+                elif line.kind == "response":
+                    body = await calls.response(line.body, line.custom_id)
                 elif line.kind in ("score", "rerank"):
                     body = await calls.score(line.kind, line.body, line.custom_id)
                 else:

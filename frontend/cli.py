@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pagedserve.frontend.api_key import ENVIRONMENT_VARIABLE as API_KEY_ENVIRONMENT_VARIABLE
 from pagedserve.frontend.cors import parse_origins
+from pagedserve.frontend.openai_responses import DEFAULT_RESPONSES_STORE_SIZE
 from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -252,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the model's name in the OpenAI API (a request's model, the answers'; default: "
         "the model as --model names it)",
+    )
+    api.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_SIZE,
+        metavar="N",
+        help="the Responses API keeps the most recent N responses made with store=true, in "
+        "memory, for previous_response_id and GET /v1/responses/{id} (0: none)",
     )
     api.add_argument(
         "--metrics-port",
@@ -509,6 +518,7 @@ def _api_config(args: argparse.Namespace, **kwargs) -> dict:
     return dict(
         host=args.host,
         served_model_name=args.served_model_name or args.model or _embedded_name(),
+        responses_store_size=args.responses_store_size,
         metrics_port=args.metrics_port,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

@@ -8,6 +8,9 @@ Routes:
   (``openai_protocol.py``); ``"stream": true`` answers with server-sent events, one
   ``data: {chunk}`` per step (or per ``--stream-interval`` tokens), then
   ``data: [DONE]``. A client that disconnects ends its requests in the engine at once.
+- ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: OpenAI's Responses
+  API (``openai_responses.py``), run as a chat completion; a stream's events are typed
+  (``event: <type>``) and end without ``[DONE]``, as OpenAI's do.
 - ``POST /v1/embeddings``: OpenAI's embeddings (``input`` as text, token ids or a batch
   of either; ``encoding_format`` float or base64; ``dimensions``), vLLM's
   ``truncate_prompt_tokens`` and ``normalize``: one prompt-only engine request per input.
@@ -38,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from pagedserve.frontend import openai_protocol as protocol
+from pagedserve.frontend import openai_responses as responses
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
 from pagedserve.frontend.cors import CorsPolicy
@@ -82,6 +86,11 @@ def error_response(error: CallError) -> web.Response:
 
 def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _typed_sse(event: dict) -> bytes:
+    """A Responses API event: its type named on the ``event:`` line too."""
+    return f"event: {event['type']}\n".encode() + _sse(event)
 
 
 @web.middleware
@@ -140,6 +149,9 @@ class HttpApi:
             CorsPolicy(server.config.allowed_origins, server.config.allow_credentials).install(app)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_get("/v1/responses/{response_id}", self._get_response)
+        app.router.add_delete("/v1/responses/{response_id}", self._delete_response)
         app.router.add_post("/v1/embeddings", self._embeddings)
         # vLLM's scores of an embedding model (and the rerank route's versions it serves).
         for path in ("/score", "/v1/score"):
@@ -236,6 +248,53 @@ class HttpApi:
             )
             return web.json_response(body, headers=_request_id_header(http_request))
 
+    async def _responses(self, http_request: web.Request) -> web.StreamResponse:
+        try:
+            response = await self._responses_counted(http_request)
+        except _StreamFailed as failure:
+            response = failure.response
+        if response.prepared:
+            with contextlib.suppress(ConnectionResetError):
+                await response.write_eof()  # a Responses stream ends without [DONE]
+        return response
+
+    async def _responses_counted(self, http_request: web.Request) -> web.StreamResponse:
+        server = self._server
+        async with server.call("http"):
+            server.check_admission()
+            body = await _json_body(http_request)
+            request_id = http_request.headers.get("X-Request-Id")
+            if not (isinstance(body, dict) and body.get("stream") is True):
+                answer = await self._calls.response(body, request_id)
+                return web.json_response(answer, headers=_request_id_header(http_request))
+            call, api_request, streams, llm = self._calls.start_response(body, request_id)
+            writer = responses.ResponseStream(call, api_request, llm)
+            stream = await self._event_stream(http_request)
+            for event in writer.start():
+                await stream.write(_typed_sse(event))
+            failure = None
+            chunks = self._chunks(api_request, streams, [writer])
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    if isinstance(chunk, CallError):
+                        failure = chunk
+                        chunk = writer.failed(chunk, HTTP_STATUS[chunk.code])
+                    await stream.write(_typed_sse(chunk))
+            if failure is not None:
+                raise _StreamFailed(failure, stream)
+            if call.store and writer.response is not None:
+                server.responses.put(responses.stored(call, writer.response))
+            return stream
+
+    async def _get_response(self, http_request: web.Request) -> web.Response:
+        stored = self._server.responses.get(http_request.match_info["response_id"])
+        return web.json_response(stored.response)
+
+    async def _delete_response(self, http_request: web.Request) -> web.Response:
+        response_id = http_request.match_info["response_id"]
+        self._server.responses.delete(response_id)
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
     async def _score(self, http_request: web.Request) -> web.Response:
         return await self._scores("score", http_request)
 
@@ -262,15 +321,7 @@ class HttpApi:
             protocol.StreamWriter(api_request, response_id, i, llm, texts, interval_tokens)
             for i in range(len(streams))
         ]
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",  # proxies: pass events on as they come
-                **_request_id_header(http_request),
-            }
-        )
-        await response.prepare(http_request)
+        response = await self._event_stream(http_request)
         failure = None
         # aclosing: a client gone while a chunk is written ends the requests now, not when
         # the generator is collected.
@@ -283,6 +334,20 @@ class HttpApi:
                 await response.write(_sse(chunk))
         if failure is not None:
             raise _StreamFailed(failure, response)
+        return response
+
+    @staticmethod
+    async def _event_stream(http_request: web.Request) -> web.StreamResponse:
+        """A server-sent-event answer, its headers sent."""
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # proxies: pass events on as they come
+                **_request_id_header(http_request),
+            }
+        )
+        await response.prepare(http_request)
         return response
 
     async def _chunks(self, api_request, streams, writers) -> AsyncIterator[dict | CallError]:

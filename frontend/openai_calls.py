@@ -14,6 +14,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend import openai_protocol as protocol
+from pagedserve.frontend import openai_responses as responses
 from pagedserve.frontend import openai_scores as scores
 from pagedserve.frontend.call_errors import CallError
 
@@ -82,6 +83,31 @@ class OpenAiCalls:
         )
         outputs = await self.whole(api_request.client_request_id, streams)
         return protocol.whole_response(api_request, outputs, llm)
+
+    def start_response(
+        self, body: Any, client_request_id: str | None, streaming_allowed: bool = True
+    ) -> tuple[responses.ResponsesCall, protocol.ApiRequest, list[RequestStream], LLM]:
+        """Check and submit a ``/v1/responses`` body (it runs as a chat completion):
+        the call, its chat request, its one stream and the engine's ``LLM``."""
+        call = responses.prepare(body, self._server.responses)
+        try:
+            api_request, streams, llm = self.start_generation(
+                "chat", call.chat_body, client_request_id, streaming_allowed
+            )
+        except CallError as error:
+            raise responses.renamed(error) from None
+        return call, api_request, streams, llm
+
+    async def response(self, body: Any, client_request_id: str | None) -> dict:
+        """A Responses API body answered whole (and stored when it asks to be)."""
+        call, api_request, streams, llm = self.start_response(
+            body, client_request_id, streaming_allowed=False
+        )
+        (output,) = await self.whole(api_request.client_request_id, streams)
+        response = responses.whole_response(call, api_request, output, llm)
+        if call.store:
+            self._server.responses.put(responses.stored(call, response))
+        return response
 
     async def embedding(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/v1/embeddings`` body answered (OpenAI's response body)."""

@@ -49,6 +49,7 @@ from pagedserve.frontend.async_engine import AsyncEngine, RequestStream
 from pagedserve.frontend.call_errors import CallError, ServerDrainingError
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.metrics import ServerMetrics
+from pagedserve.frontend.openai_responses import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from pagedserve.frontend.outputs import EmbeddingRequestOutput
 from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
@@ -118,6 +119,9 @@ class ServerConfig:
     # any), and whether with credentials (cookies, HTTP auth); () : no cross-origin calls.
     allowed_origins: tuple[str, ...] = ()
     allow_credentials: bool = False
+    # The Responses API's stored responses (store=true; previous_response_id, GET): the
+    # most recent this many, in memory; 0: none.
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):
@@ -142,6 +146,8 @@ class ServerConfig:
             raise ValueError(
                 f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
             )
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if self.stream_interval_tokens < 1:
             raise ValueError(
                 f"stream_interval_tokens must be >= 1, got {self.stream_interval_tokens}"
@@ -208,6 +214,7 @@ class Server:
         self.engine = AsyncEngine(make_llm, on_dead=self._on_engine_dead)
         self.counters = Counters()
         self.metrics = ServerMetrics()
+        self.responses = ResponseStore(config.responses_store_size)
         self.draining = False
         self.serving = False  # the engine is up and the defaults are known
         self.default_params: SamplingParams | None = None

@@ -56,9 +56,18 @@ def run_batch(
     return result, records
 
 
-def without_ids(body: dict) -> dict:
-    """An answer without what differs between two runs of the same request."""
-    return {key: value for key, value in body.items() if key not in ("id", "created")}
+def without_ids(value):
+    """An answer without what differs between two runs of the same request (ids and
+    times, at any depth: a response's items have their own)."""
+    if isinstance(value, dict):
+        return {
+            key: without_ids(item)
+            for key, item in value.items()
+            if key not in ("id", "created", "created_at")
+        }
+    if isinstance(value, list):
+        return [without_ids(item) for item in value]
+    return value
 
 
 def assert_close(got, want, path: str = "") -> None:
@@ -98,6 +107,17 @@ CALLS = [
     ),
     ("sampled", "/v1/completions", {"prompt": "abc", "max_tokens": 5, "seed": 7, "n": 2}),
     ("embeddings", "/v1/embeddings", {"input": ["hello", "world"]}),
+    (
+        "response",
+        "/v1/responses",
+        {
+            "input": "Say hello",
+            "instructions": "Be brief",
+            "max_output_tokens": 6,
+            "temperature": 0,
+            "store": False,
+        },
+    ),  # fmt: skip
     ("score", "/v1/score", {"text_1": "hello", "text_2": ["world", "hello"]}),
     ("rerank", "/v1/rerank", {"query": "hello", "documents": ["a", "hello", "b"], "top_n": 2}),
     ("refused", "/v1/completions", {"prompt": "abc", "max_tokens": 1 << 20}),
@@ -124,8 +144,8 @@ def test_each_line_is_answered_as_the_http_api_answers_its_body(server, server_m
     assert records[0]["response"]["body"]["id"] == "chatcmpl-chat"
     assert "(client id 'completions')" in result.stderr
     assert records[-1]["response"]["body"]["error"]["param"] == "max_tokens"
-    assert "batch done: 7 lines" in result.stderr
-    assert "6 answered 200, 1 answered 400" in result.stderr
+    assert "batch done: 8 lines" in result.stderr
+    assert "7 answered 200, 1 answered 400" in result.stderr
     assert "all 256 blocks free, block accounting consistent" in result.stderr, result.stderr
 
 
@@ -138,7 +158,7 @@ def test_bad_lines_are_answered_in_order_naming_the_line(server_model_dir, tmp_p
         "[1, 2]",
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
         json.dumps({"custom_id": "b", "method": "GET", "url": "/v1/completions", "body": {}}),
-        request_line("c", "/v1/responses", {}),
+        request_line("c", "/v1/audio/speech", {}),
         json.dumps({"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": []}),
         request_line("a", "/v1/completions", {"prompt": "x"}),
         request_line("e", "/v1/chat/completions", {**chat, "stream": True}),
@@ -154,8 +174,9 @@ def test_bad_lines_are_answered_in_order_naming_the_line(server_model_dir, tmp_p
         (None, "line 5: custom_id must be a non-empty string, got None"),
         ("b", "line 6: method must be 'POST', got 'GET'"),
         ("c", "line 7: url must be one of /v1/chat/completions, /v1/completions, "
-              "/v1/embeddings, /v1/score, /v1/rerank, /score, /rerank, /v2/rerank, got "
-              "'/v1/responses'"),
+              "/v1/embeddings, /v1/responses, /v1/score, /v1/rerank, /score, /rerank, "
+              "/v2/rerank, got "
+              "'/v1/audio/speech'"),
         ("d", "line 8: body must be a JSON object (the request /v1/completions takes), "
               "got an array"),
         ("a", "line 9: custom_id 'a' is line 1's already"),

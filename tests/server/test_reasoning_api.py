@@ -9,6 +9,7 @@ import openai
 import pytest
 from conftest import SERVED_MODEL_NAME
 from test_http_api import post, sse_events
+from test_responses_api import typed_events
 
 FORCED = r"Paris is big\.</think>It is Paris\."
 BODY = {
@@ -74,3 +75,31 @@ def test_thinking_and_answer_come_apart_whole_and_streamed(thinking_server):
 def test_a_bad_include_reasoning_is_refused_by_name(thinking_server):
     status, answer = post(thinking_server, "/v1/chat/completions", {**BODY, "include_reasoning": 1})
     assert status == 400 and answer["error"]["param"] == "include_reasoning", answer
+
+
+def test_responses_put_the_thinking_in_a_reasoning_item(thinking_server):
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "input": "Capital of France?",
+        "max_output_tokens": 40,
+        "temperature": 0,
+        "structured_outputs": {"regex": FORCED},
+        "store": False,
+    }
+    status, answer = post(thinking_server, "/v1/responses", body)
+    assert status == 200, answer
+    reasoning, message = answer["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Paris is big."}]
+    assert message["type"] == "message"
+    assert message["content"][0]["text"] == "It is Paris."
+    events = typed_events(thinking_server, body)
+    kinds = [e["type"] for e in events]
+    thinking = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (thinking, text) == ("Paris is big.", "It is Paris.")
+    # The reasoning item closes before the message opens.
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"][0]["text"] == "Paris is big."

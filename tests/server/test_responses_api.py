@@ -1,0 +1,302 @@
+"""OpenAI's Responses API (``/v1/responses``) over the real server, with OpenAI's own client:
+each response answers as the same conversation sent to ``/v1/chat/completions`` (greedy,
+token for token); streams send typed events that add up to the whole response; stored
+responses continue (``previous_response_id``), are read back and deleted; tools, a JSON
+schema and logprobs take the Responses shapes; what is not served is refused by name."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+from conftest import SERVED_MODEL_NAME, ServerProcess, serving
+from test_http_api import post
+from test_tool_calling_api import TOOL_TEMPLATE, WEATHER
+
+STORE_SIZE = 4
+GREEDY = {"temperature": 0.0}
+TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+
+
+@pytest.fixture(scope="module")
+def responses_server(server_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    with serving(
+        server_model_dir, tmp_path_factory.mktemp("responses_server"),
+        "--chat-template", TOOL_TEMPLATE, "--structured-outputs-disable-any-whitespace",
+        "--responses-store-size", str(STORE_SIZE),
+    ) as server:  # fmt: skip
+        yield server
+
+
+@pytest.fixture
+def server(responses_server) -> Iterator[ServerProcess]:
+    yield responses_server
+    responses_server.assert_blocks_all_free()
+
+
+@pytest.fixture
+def client(server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as client:
+        yield client
+
+
+def chat(client, messages: list[dict], max_tokens: int, **fields):
+    return client.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=messages, max_tokens=max_tokens, **GREEDY, **fields
+    )
+
+
+def typed_events(server, body: dict) -> list[dict]:
+    """A streamed response read to its end: each event's data, checked against its
+    ``event:`` line."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        connection.request("POST", "/v1/responses", json.dumps({**body, "stream": True}))
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        assert response.getheader("Content-Type").startswith("text/event-stream")
+        events = []
+        for raw in response.read().decode().split("\n\n"):
+            if not raw.strip():
+                continue
+            event_line, data_line = raw.split("\n")
+            event = json.loads(data_line.removeprefix("data: "))
+            assert event_line == f"event: {event['type']}"
+            events.append(event)
+        return events
+    finally:
+        connection.close()
+
+
+def without_ids(value):
+    """A response without what differs between two runs (ids, times, prefix-cache hits)."""
+    if isinstance(value, dict):
+        return {
+            k: without_ids(v)
+            for k, v in value.items()
+            if k not in ("id", "item_id", "created_at", "call_id", "cached_tokens")
+        }
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    return value
+
+
+def test_a_response_answers_as_the_chat_completion_of_its_conversation(client):
+    response = client.responses.create(
+        model=SERVED_MODEL_NAME, input="Hello", instructions="Be brief", max_output_tokens=12,
+        **GREEDY,
+    )  # fmt: skip
+    want = chat(client, [{"role": "system", "content": "Be brief"},
+                         {"role": "user", "content": "Hello"}], 12)  # fmt: skip
+    assert response.output_text == want.choices[0].message.content
+    assert response.id.startswith("resp_") and response.object == "response"
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_")
+    length = want.choices[0].finish_reason == "length"
+    assert response.status == ("incomplete" if length else "completed")
+    if length:
+        assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == want.usage.prompt_tokens
+    assert response.usage.output_tokens == want.usage.completion_tokens
+    assert response.usage.total_tokens == want.usage.total_tokens
+    assert response.instructions == "Be brief" and response.max_output_tokens == 12
+    assert response.model == SERVED_MODEL_NAME
+
+
+def test_a_stream_adds_up_to_the_whole_response(server, client):
+    body = {"model": SERVED_MODEL_NAME, "input": [{"role": "user", "content": "Tell"}],
+            "max_output_tokens": 10, "store": False, **GREEDY}  # fmt: skip
+    status, whole = post(server, "/v1/responses", body)
+    assert status == 200, whole
+    events = typed_events(server, body)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
+    ]  # fmt: skip
+    assert kinds[-4:] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    assert events[0]["response"]["status"] == "in_progress"
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    final = events[-1]["response"]
+    assert deltas == final["output"][0]["content"][0]["text"]
+    assert without_ids(final) == without_ids(whole)
+    assert events[2]["item"]["id"] == final["output"][0]["id"]  # the item's id throughout
+    # OpenAI's stream helper assembles the same response.
+    with client.responses.stream(**body) as stream:
+        for _event in stream:
+            pass
+        assembled = stream.get_final_response()
+    assert assembled.output_text == deltas
+
+
+def test_stored_responses_continue_are_read_back_and_deleted(client):
+    first = client.responses.create(
+        model=SERVED_MODEL_NAME, input="Hi", max_output_tokens=6, **GREEDY
+    )
+    second = client.responses.create(
+        model=SERVED_MODEL_NAME, input="More", previous_response_id=first.id,
+        max_output_tokens=6, **GREEDY,
+    )  # fmt: skip
+    want = chat(client, [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": first.output_text},
+                         {"role": "user", "content": "More"}], 6)  # fmt: skip
+    assert second.output_text == want.choices[0].message.content
+    assert second.usage.input_tokens == want.usage.prompt_tokens
+    assert second.previous_response_id == first.id
+    assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.responses.create(model=SERVED_MODEL_NAME, input="x", previous_response_id=first.id)
+    assert refused.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(
+        model=SERVED_MODEL_NAME, input="x", max_output_tokens=2, store=False
+    )
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    # The store keeps the most recent STORE_SIZE responses.
+    made = [
+        client.responses.create(model=SERVED_MODEL_NAME, input="x", max_output_tokens=1).id
+        for _ in range(STORE_SIZE + 1)
+    ]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made[0])
+    assert client.responses.retrieve(made[-1]).id == made[-1]
+
+
+def test_function_calls_and_their_outputs(client):
+    question = {"role": "user", "content": "Weather in Paris?"}
+    response = client.responses.create(
+        model=SERVED_MODEL_NAME, input=[question], tools=[TOOL], tool_choice="required",
+        **GREEDY,
+    )  # fmt: skip
+    want = chat(client, [question], 64, tools=[{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER}}], tool_choice="required")  # fmt: skip
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id
+    assert call.arguments == want.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    # The call and its result go back as input items; the model answers after them.
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    after = client.responses.create(
+        model=SERVED_MODEL_NAME, input=[question, call.model_dump(), result], tools=[TOOL],
+        tool_choice="none", max_output_tokens=4, **GREEDY,
+    )  # fmt: skip
+    messages = [
+        question,
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id,
+         "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]  # fmt: skip
+    want = chat(client, messages, 4, tools=[{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER}}], tool_choice="none")  # fmt: skip
+    assert after.usage.input_tokens == want.usage.prompt_tokens
+    assert after.output_text == want.choices[0].message.content
+    named = client.responses.create(
+        model=SERVED_MODEL_NAME, input=[question], tools=[TOOL],
+        tool_choice={"type": "function", "name": "get_weather"},
+    )  # fmt: skip
+    assert named.output[0].type == "function_call"
+
+
+def test_a_stream_of_calls_adds_up(server):
+    """tool_choice "required" lets the random model write several calls: each item opens,
+    takes its arguments and closes before the next opens; the last event lists them."""
+    body = {"model": SERVED_MODEL_NAME, "input": "Weather?", "tools": [TOOL],
+            "tool_choice": "required", "store": False}  # fmt: skip
+    events = typed_events(server, body)
+    final = events[-1]["response"]
+    assert len(final["output"]) >= 1
+    opened = [e for e in events if e["type"] == "response.output_item.added"]
+    assert [e["item"]["id"] for e in opened] == [item["id"] for item in final["output"]]
+    for position, item in enumerate(final["output"]):
+        assert item["type"] == "function_call" and item["status"] == "completed"
+        mine = [e for e in events if e.get("item_id") == item["id"] or
+                e.get("item", {}).get("id") == item["id"]]  # fmt: skip
+        assert [e["type"] for e in mine][0] == "response.output_item.added"
+        assert [e["type"] for e in mine][-2:] == [
+            "response.function_call_arguments.done", "response.output_item.done"
+        ]  # fmt: skip
+        assert all(e["output_index"] == position for e in mine)
+        deltas = [e["delta"] for e in mine if e["type"].endswith("arguments.delta")]
+        assert "".join(deltas) == item["arguments"] == mine[-2]["arguments"]
+        if position + 1 < len(final["output"]):  # closed before the next call opens
+            next_added = events.index(opened[position + 1])
+            assert events.index(mine[-1]) < next_added
+    one = typed_events(server, {**body, "parallel_tool_calls": False})[-1]["response"]
+    assert len(one["output"]) == 1 and one["parallel_tool_calls"] is False
+
+
+def test_text_format_and_logprobs(client):
+    structured = client.responses.create(
+        model=SERVED_MODEL_NAME, input="A city?",
+        text={"format": {"type": "json_schema", "name": "city", "schema": WEATHER}},
+    )  # fmt: skip
+    assert json.loads(structured.output_text)["city"] in ("Paris", "Rome")
+    assert structured.text.format.type == "json_schema"
+    scored = client.responses.create(
+        model=SERVED_MODEL_NAME, input="Hello", max_output_tokens=5, top_logprobs=2, **GREEDY
+    )
+    logprobs = scored.output[0].content[0].logprobs
+    assert len(logprobs) == scored.usage.output_tokens == 5
+    assert all(len(entry.top_logprobs) == 2 for entry in logprobs)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "message"),
+    [
+        ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens",
+         "max_output_tokens must be >= 1, got 0"),
+        ({"input": ""}, 400, "input", "input is empty"),
+        ({"input": []}, 400, "input", "input must be a string or a non-empty list"),
+        ({}, 400, "input", "input must be a string or a non-empty list of items, got None"),
+        ({"input": [{"role": "robot", "content": "x"}]}, 400, "input[0].role",
+         "input[0].role must be one of user, assistant, system, developer"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+         400, "input[0].content[0]", "only text parts are served"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type",
+         "'item_reference' is not served here"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, 400,
+         "input[0].call_id", "input[0].call_id must be a non-empty string"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type",
+         "'web_search' is not served here"),
+        ({"input": "x", "background": True}, 400, "background", "background=true"),
+        ({"input": "x", "truncation": "auto"}, 400, "truncation", "only 'disabled'"),
+        ({"input": "x", "metadata": {"k": 1}}, 400, "metadata", "metadata must map"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format",
+         "text.format must be an object of type text, json_object or json_schema"),
+        ({"input": "x", "previous_response_id": "resp_none"}, 404, "previous_response_id",
+         "no response 'resp_none' is stored here"),
+        ({"input": "x", "model": "other"}, 404, "model", "model 'other' is not served here"),
+        (["x"], 400, "", "the request body must be a JSON object, got list"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_refused_naming_the_field(server, body, status, param, message):
+    got_status, answer = post(server, "/v1/responses", body)
+    assert got_status == status, answer
+    assert answer["error"]["param"] == param
+    assert message in answer["error"]["message"], answer
+
+
+def test_get_and_delete_of_an_unknown_response_are_404(server):
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    try:
+        for method in ("GET", "DELETE"):
+            connection.request(method, "/v1/responses/resp_unknown")
+            response = connection.getresponse()
+            answer = json.loads(response.read())
+            assert response.status == 404 and answer["error"]["param"] == "response_id"
+    finally:
+        connection.close()
