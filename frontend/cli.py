@@ -28,7 +28,11 @@ from pagedserve.gpu_worker.model_config import KV_CACHE_DTYPES, QUANTIZATION_NAM
 from pagedserve.scheduler.logs import ENVIRONMENT_VARIABLE as LOG_FORMAT_ENVIRONMENT_VARIABLE
 from pagedserve.scheduler.logs import LOG_FORMATS, configure_logging
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
-from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.scheduler.sampling_params import (
+    DEFAULT_MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # run-batch: no limit of the server's own on requests in flight (see _run_batch).
 UNBOUNDED_REQUESTS = 1 << 40
@@ -155,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="JSON constraints (a schema, a JSON object) allow no whitespace between JSON "
         "tokens, for every request",
+    )
+    engine.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=DEFAULT_MAX_LOGPROBS,
+        metavar="N",
+        help="the most logprobs (top alternatives per token) and prompt logprobs a request may "
+        f"ask for (vLLM's; default {DEFAULT_MAX_LOGPROBS}; -1: the whole vocabulary)",
     )
     engine.add_argument("--verbose", action="store_true", help="log engine events to stderr")
     request = argparse.ArgumentParser(add_help=False)
@@ -441,6 +453,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         enable_lora=args.enable_lora or getattr(args, "allow_runtime_lora_updating", False),
         max_loras=args.max_loras,
         structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
+        max_logprobs=args.max_logprobs,
     )
 
 

@@ -48,7 +48,11 @@ from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS, PoolingParams
-from pagedserve.scheduler.sampling_params import SamplingParams, token_ids_outside_vocabulary
+from pagedserve.scheduler.sampling_params import (
+    DEFAULT_MAX_LOGPROBS,
+    SamplingParams,
+    token_ids_outside_vocabulary,
+)
 from pagedserve.scheduler.structured_output import (
     GrammarVocabulary,
     StructuredOutput,
@@ -239,8 +243,15 @@ class LLM:
         kv_cache_dtype: str = "auto",
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         check_dtype_name(dtype)
+        valid = isinstance(max_logprobs, int) and not isinstance(max_logprobs, bool)
+        if not valid or max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary; got "
+                f"{max_logprobs!r}"
+            )
         check_quantization_name(quantization, device)
         self.quantization = quantization
         check_kv_cache_dtype(kv_cache_dtype, device)
@@ -407,6 +418,8 @@ class LLM:
                 self.worker.num_host_blocks,
             )
         self.eos_token_ids = model_config.eos_token_ids
+        # The most logprobs a request may ask for (-1: as many as the vocabulary has).
+        self.max_logprobs = model_config.vocab_size if max_logprobs == -1 else max_logprobs
         self.dtype = dtype
         self.block_size = block_size
         self.scheduler_config = scheduler_config
@@ -474,6 +487,7 @@ class LLM:
                     f"and {str(self.model_path)!r} has none; use stop_token_ids instead"
                 )
             self.check_token_ids(params, "sampling_params")
+            self.check_logprobs(params, "sampling_params")
             self.check_structured_outputs(params, "sampling_params")
         return self._run(
             prompt_list, encoded, params_list, cache_namespace, lora_ids, priorities, use_tqdm
@@ -797,6 +811,17 @@ class LLM:
         error = token_ids_outside_vocabulary(params, self.model_config.vocab_size)
         if error is not None:
             raise ValueError(f"{field}.{error}" if field else error)
+
+    def check_logprobs(self, params: SamplingParams, field: str) -> None:
+        """``ValueError`` naming the field when ``params`` asks for more logprobs (or
+        prompt logprobs) than this engine's ``max_logprobs``."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"{f'{field}.' if field else ''}{name} must be <= {self.max_logprobs} "
+                    f"(the engine's max_logprobs), got {value}"
+                )
 
     def check_structured_outputs(self, params: SamplingParams, field: str) -> None:
         """``ValueError`` naming the field when ``params`` asks for structured output this

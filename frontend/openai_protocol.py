@@ -47,7 +47,6 @@ from pagedserve.frontend.reasoning import ReasoningParser
 from pagedserve.frontend.tool_calls import ToolCallDelta, ToolCallError, ToolCalling
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import (
-    MAX_LOGPROBS,
     STRUCTURED_OUTPUT_KINDS,
     SamplingParams,
     StructuredOutputsParams,
@@ -273,14 +272,14 @@ def parse_request(
     chat_echo = ""
     if kind == "completion":
         prompts = _completion_prompts(body, llm, max_prompts)
-        logprobs = int_field(body, "logprobs", 0, MAX_LOGPROBS)
+        logprobs = int_field(body, "logprobs", 0, llm.max_logprobs)
         echo = typed_field(body, "echo", (bool,), "a boolean", False)
         max_tokens_names = ("max_tokens",)
     else:
         prompts = [chat_prompt(body, llm, trust_request_chat_template)]
         logprobs = None
         if typed_field(body, "logprobs", (bool,), "a boolean", False):
-            logprobs = int_field(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+            logprobs = int_field(body, "top_logprobs", 0, llm.max_logprobs) or 0
         elif body.get("top_logprobs") is not None:
             raise invalid_field(
                 f"top_logprobs={body['top_logprobs']!r} needs logprobs: true", "top_logprobs"

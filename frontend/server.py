@@ -273,6 +273,7 @@ class Server:
                 f"{str(llm.model_path)!r} has none; use stop token ids instead"
             )
         llm.check_token_ids(params, params_field)
+        llm.check_logprobs(params, params_field)
         llm.check_structured_outputs(params, params_field)
         llm.engine.check_request_fits(len(token_ids), params.max_tokens, params.num_sequences)
 

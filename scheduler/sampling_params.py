@@ -9,7 +9,9 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_LOGPROBS = 20
+# The most logprobs (and prompt logprobs) a request may ask for unless the engine is told
+# otherwise (vLLM's max_logprobs; the engine checks it, LLM.check_logprobs).
+DEFAULT_MAX_LOGPROBS = 20
 # A beam step looks at the top (1 + EOS ids) * beam_width tokens of each beam.
 MAX_BEAM_WIDTH = 16
 # bad_words per request: each is matched against the output at every step.
@@ -225,8 +227,6 @@ class SamplingParams:
             if value is not None:
                 value = _check_int(name, value, minimum=0)
                 setattr(self, name, value)
-                if value > MAX_LOGPROBS:
-                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
         self.stop = _check_stop_strings(self.stop)
         self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:

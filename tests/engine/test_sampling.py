@@ -3,6 +3,8 @@ match HF's log_softmax, every parameter reaches the sampler."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -143,7 +145,7 @@ def test_repetition_penalty_changes_a_repetitive_greedy_path(tiny_model_dirs):
         ("top_p", 0.0, "top_p must be > 0.0 and <= 1.0, got 0.0"),
         ("top_k", -2, "top_k must be >= -1, got -2"),
         ("min_p", 1.5, "min_p must be >= 0.0 and <= 1.0, got 1.5"),
-        ("logprobs", 21, "logprobs must be <= 20, got 21"),
+        ("logprobs", -1, "logprobs must be >= 0, got -1"),
         ("prompt_logprobs", -1, "prompt_logprobs must be >= 0, got -1"),
         ("presence_penalty", 3.0, "presence_penalty must be >= -2.0 and <= 2.0, got 3.0"),
         ("repetition_penalty", 0.0, "repetition_penalty must be > 0.0, got 0.0"),
@@ -153,6 +155,34 @@ def test_repetition_penalty_changes_a_repetitive_greedy_path(tiny_model_dirs):
 def test_bad_sampling_values_name_field_value_and_limit(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(tiny_model_dirs):
+    """vLLM's max_logprobs: 20 unless the engine is told otherwise; -1 is the vocabulary."""
+    path = tiny_model_dirs["llama"]
+    default = LLM(path, num_blocks=64)
+    with pytest.raises(
+        ValueError,
+        match=r"sampling_params.logprobs must be <= 20 \(the engine's max_logprobs\), got 21",
+    ):
+        default.generate(PROMPTS[0], SamplingParams(max_tokens=2, logprobs=21))
+    wide = LLM(path, num_blocks=64, max_logprobs=40)
+    (output,) = wide.generate(
+        PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, logprobs=40, prompt_logprobs=40)
+    )
+    # The 40 most likely tokens, and the chosen one when it is not among them.
+    assert all(len(entry) in (40, 41) for entry in output.outputs[0].logprobs)
+    assert all(len(entry) in (40, 41) for entry in output.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be <= 40 .*, got 41"):
+        wide.generate(PROMPTS[0], SamplingParams(max_tokens=2, prompt_logprobs=41))
+    everything = LLM(path, num_blocks=64, max_logprobs=-1)
+    assert everything.max_logprobs == 512  # the tiny model's vocabulary
+    (output,) = everything.generate(PROMPTS[0], SamplingParams(max_tokens=1, logprobs=512))
+    (entry,) = output.outputs[0].logprobs
+    assert len(entry) == 512
+    assert math.fsum(math.exp(value) for value in entry.values()) == pytest.approx(1.0, abs=1e-4)
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, or -1"):
+        LLM(path, num_blocks=64, max_logprobs=-2)
 
 
 def hf_greedy_with(path, prompt: list[int], num_tokens: int, adjust) -> list[int]:

@@ -286,7 +286,10 @@ def test_bad_input_names_the_field_value_and_limit(server):
         (token_request([1, 2, 999], greedy()), "token_ids.ids[2]: token id 999"),
         (token_request([1], greedy(top_p=1.5)), "sampling.top_p"),
         (token_request([1], pb.SamplingParams(max_tokens=0)), "sampling.max_tokens"),
-        (token_request([1], greedy(logprobs=21)), "sampling.logprobs must be <= 20, got 21"),
+        (
+            token_request([1], greedy(logprobs=21)),
+            "sampling.logprobs must be <= 20 (the engine's max_logprobs), got 21",
+        ),
         (token_request([1], greedy(early_stopping="maybe")), "sampling.early_stopping"),
         (token_request([1], greedy(seed=1 << 63)), "sampling.seed must be <="),
         (token_request([1] * 600, greedy()), "max_model_len is 512"),

@@ -268,3 +268,12 @@ def test_thinking_streams_apart_and_tool_calls_are_read_from_the_answer(llm, inc
     )
     body_only = whole_response(thinking, [grown(output, [1], "Hmm", "length")], llm)
     assert body_only["choices"][0]["message"]["content"] is None
+
+
+def test_the_logprobs_limit_is_the_engines_max_logprobs(server_model_dir):
+    wide = LLM(server_model_dir, num_blocks=40, max_logprobs=30)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    assert parse(wide, {**chat, "top_logprobs": 30}, "chat").logprobs == 30
+    assert parse(wide, {"prompt": [5], "logprobs": 30}).logprobs == 30
+    error = refusal(wide, {**chat, "top_logprobs": 31}, "chat")
+    assert error.param == "top_logprobs" and "in [0, 30], got 31" in error.message
