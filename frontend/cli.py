@@ -282,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default: off)",
     )
     api.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="also expose the metrics vLLM has under its names (vllm:num_requests_running, "
+        "vllm:e2e_request_latency_seconds, vllm:kv_cache_usage_perc, ...; label model_name), "
+        "so vLLM's Grafana dashboards and alerts read this server",
+    )
+    api.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -532,6 +539,7 @@ def _api_config(args: argparse.Namespace, **kwargs) -> dict:
         host=args.host,
         served_model_name=args.served_model_name or args.model or _embedded_name(),
         responses_store_size=args.responses_store_size,
+        vllm_metric_names=args.vllm_metric_names,
         metrics_port=args.metrics_port,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

@@ -14,6 +14,11 @@ and on the HTTP API's port (``--http-port``) as OpenAI-compatible servers do. Tw
   cache's usage, and as counters preemptions, prefix-cache queries and hits, and the
   scheduler's other counts (``COUNTER_STATS``).
 
+With ``--vllm-metric-names`` the series vLLM also has are exposed a second time under its
+names (``vllm:prompt_tokens_total``, ``vllm:e2e_request_latency_seconds``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, ...) with its ``model_name``
+label, so an operator's vLLM dashboards and alerts read this server unchanged.
+
 Each registry is private to its ``ServerMetrics``, so several servers (tests) can live in
 one process.
 """
@@ -35,7 +40,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedserve.frontend.outputs import EmbeddingRequestOutput
@@ -59,13 +64,74 @@ _QUEUE_BUCKETS_S = tuple(sorted(set(_TOKEN_BUCKETS_S) | set(_REQUEST_BUCKETS_S))
 _TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 
+# vLLM's names for the same series (``--vllm-metric-names``): what its Grafana dashboards
+# and alerts read, each with vLLM's model_name label. Ours -> vLLM's.
+_VLLM_NAMES = {
+    f"{PREFIX}_prompt_tokens": "vllm:prompt_tokens",
+    f"{PREFIX}_generation_tokens": "vllm:generation_tokens",
+    f"{PREFIX}_request_success": "vllm:request_success",
+    f"{PREFIX}_request_prompt_tokens": "vllm:request_prompt_tokens",
+    f"{PREFIX}_request_generation_tokens": "vllm:request_generation_tokens",
+    f"{PREFIX}_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    f"{PREFIX}_time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
+    f"{PREFIX}_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    f"{PREFIX}_request_duration_seconds": "vllm:e2e_request_latency_seconds",
+    f"{PREFIX}_engine_num_running": "vllm:num_requests_running",
+    f"{PREFIX}_engine_num_waiting": "vllm:num_requests_waiting",
+    f"{PREFIX}_engine_num_swapped": "vllm:num_requests_swapped",
+    f"{PREFIX}_engine_num_preemptions": "vllm:num_preemptions",
+    f"{PREFIX}_engine_prefix_cache_queries": "vllm:prefix_cache_queries",
+    f"{PREFIX}_engine_prefix_cache_hits": "vllm:prefix_cache_hits",
+    # vLLM's current name, and the one its older dashboards read.
+    f"{PREFIX}_engine_kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
+_VLLM_LABELS = {"finish_reason": "finished_reason"}
+
+
+def _vllm_families(family: Metric, model_name: str) -> Iterator[Metric]:
+    """``family`` again under each of vLLM's names for it (none if it has none)."""
+    names = _VLLM_NAMES.get(family.name, ())
+    for name in (names,) if isinstance(names, str) else names:
+        renamed = Metric(name, family.documentation, family.type, family.unit)
+        for sample in family.samples:
+            labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+            labels["model_name"] = model_name
+            suffix = sample.name[len(family.name) :]  # _total, _bucket, _sum, _created ...
+            renamed.add_sample(name + suffix, labels, sample.value, sample.timestamp)
+        yield renamed
+
+
+class _VllmNames(Collector):
+    """The server's own series under vLLM's names too (the engine's are renamed where
+    they are read, in ``_EngineCollector``: one round trip per scrape)."""
+
+    def __init__(self, sources: list[Collector], model_name: str) -> None:
+        self._sources = sources
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self._sources:
+            for family in source.collect():
+                yield from _vllm_families(family, self._model_name)
+
+
 class _EngineCollector(Collector):
-    """The scheduler's counters, asked for at each scrape."""
+    """The scheduler's counters, asked for at each scrape; with ``vllm_model_name``, also
+    under vLLM's names."""
 
-    def __init__(self, read_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self, read_stats: Callable[[], EngineStats | None], vllm_model_name: str | None = None
+    ) -> None:
         self._read_stats = read_stats
+        self._vllm_model_name = vllm_model_name
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families():
+            yield family
+            if self._vllm_model_name is not None:
+                yield from _vllm_families(family, self._vllm_model_name)
+
+    def _families(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily(
             f"{PREFIX}_engine_up", "1 when the engine answered this scrape, else 0"
         )
@@ -93,8 +159,12 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    """``vllm_model_name``: also expose vLLM's names for the series vLLM has (labelled
+    ``model_name`` with it); None: ours only."""
+
+    def __init__(self, vllm_model_name: str | None = None) -> None:
         self.registry = CollectorRegistry()
+        self._vllm_model_name = vllm_model_name
         self.calls = Counter(
             f"{PREFIX}_requests",
             "generation calls that ended, by API (grpc, http) and status (gRPC's names)",
@@ -156,6 +226,19 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._http_server = None
+        if vllm_model_name is not None:
+            sources = [
+                self.prompt_tokens,
+                self.generation_tokens,
+                self.finished_outputs,
+                self.prompt_tokens_per_call,
+                self.generation_tokens_per_call,
+                self.time_to_first_token_s,
+                self.time_per_output_token_s,
+                self.queue_time_s,
+                self.duration_s,
+            ]
+            self.registry.register(_VllmNames(sources, vllm_model_name))
 
     def observe_finished(
         self,
@@ -199,7 +282,7 @@ class ServerMetrics:
                 logger.warning("metrics: no engine stats for this scrape: %r", error)
                 return None
 
-        self.registry.register(_EngineCollector(read_stats))
+        self.registry.register(_EngineCollector(read_stats, self._vllm_model_name))
 
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on ``host:port`` (0: any free port) from a thread of its

@@ -122,6 +122,9 @@ class ServerConfig:
     # The Responses API's stored responses (store=true; previous_response_id, GET): the
     # most recent this many, in memory; 0: none.
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
+    # The metrics vLLM also has, a second time under its names (vllm:...), labelled
+    # model_name with the served model's name: vLLM's dashboards read this server.
+    vllm_metric_names: bool = False
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):
@@ -213,7 +216,9 @@ class Server:
         self.config = config
         self.engine = AsyncEngine(make_llm, on_dead=self._on_engine_dead)
         self.counters = Counters()
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(
+            (config.served_model_name or "") if config.vllm_metric_names else None
+        )
         self.responses = ResponseStore(config.responses_store_size)
         self.draining = False
         self.serving = False  # the engine is up and the defaults are known
