@@ -240,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=TOOL_CALL_PARSERS,
         help="the model's tool-call format: hermes (Hermes, Qwen2.5, Qwen3: <tool_call> "
-        "blocks), llama3_json (Llama 3.1+ JSON calls) or pythonic (Llama 3.2 / 4: a Python "
-        "list of calls)",
+        "blocks), llama3_json (Llama 3.1+ JSON calls), pythonic (Llama 3.2 / 4: a Python "
+        "list of calls), mistral ([TOOL_CALLS]: Mistral, Mixtral, Devstral) or qwen3_coder "
+        "(Qwen3-Coder's XML calls)",
     )
     api.add_argument(
         "--generation-config",

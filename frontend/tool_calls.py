@@ -33,7 +33,7 @@ from typing import Any
 from pagedserve.frontend.outputs import ToolCall
 
 # --tool-call-parser: the model families whose output format the server can read.
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 # OpenAI's rule for a function name.
@@ -297,6 +297,10 @@ class ToolCalling:
             return _Llama3JsonReader()
         if tool_call_parser == "pythonic":
             return _PythonicReader()
+        if tool_call_parser == "mistral":
+            return _MistralReader()
+        if tool_call_parser == "qwen3_coder":
+            return _Qwen3CoderReader({tool.name: tool.parameters for tool in self.tools})
         raise ValueError(
             f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
             f"got {tool_call_parser!r}"
@@ -615,3 +619,142 @@ class _PythonicReader(_OutputReader):
                 return []
             calls.append(ParsedCall(element.func.id, arguments_text))
         return calls
+
+
+class _MistralReader(_OutputReader):
+    """Mistral's calls, after its ``[TOOL_CALLS]`` token: a JSON array of ``{"name",
+    "arguments"}`` objects (Mistral 7B v0.3, Mixtral 8x22B), or, from its v11 tokenizer on
+    (Mistral Small 3.2, Devstral, Magistral), each call as ``name[ARGS]{...}`` after a
+    ``[TOOL_CALLS]`` of its own. Text before the first ``[TOOL_CALLS]`` is content; a call
+    counts once its JSON is complete; an output whose calls do not read stays content."""
+
+    TOOL_CALLS = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+    markers = (TOOL_CALLS, ARGS)
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        start = text.find(self.TOOL_CALLS)
+        if start < 0:
+            if final:
+                return ParsedOutput(text)
+            return ParsedOutput(text[: len(text) - partial_marker_chars(text, self.TOOL_CALLS)])
+        calls = self._calls(text[start:].split(self.TOOL_CALLS)[1:], final)
+        if final and not calls:
+            return ParsedOutput(text)
+        return ParsedOutput(text[:start], calls)
+
+    def _calls(self, segments: list[str], final: bool) -> list[ParsedCall]:
+        first = segments[0].lstrip(_WHITESPACE)
+        if first.startswith("[") or (not first and not final and len(segments) == 1):
+            return self._array_calls(first)
+        calls = []
+        for segment in segments:
+            name, separator, rest = segment.partition(self.ARGS)
+            name = name.strip()
+            if not separator or not _FUNCTION_NAME.fullmatch(name):
+                break  # still being written, or not a call
+            try:
+                arguments, _end = _JSON.raw_decode(rest, _skip(rest, 0, _WHITESPACE))
+            except ValueError:
+                break
+            if not isinstance(arguments, dict):
+                break
+            calls.append(ParsedCall(name, _arguments_text(arguments)))
+        return calls
+
+    @staticmethod
+    def _array_calls(body: str) -> list[ParsedCall]:
+        calls: list[ParsedCall] = []
+        position = 1
+        while True:
+            position = _skip(body, position, _WHITESPACE + ",")
+            try:
+                item, position = _JSON.raw_decode(body, position)
+            except ValueError:
+                return calls
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return calls
+            arguments = item.get("arguments", {})
+            if not isinstance(arguments, (dict, str)):
+                return calls
+            calls.append(ParsedCall(item["name"], _arguments_text(arguments)))
+
+
+class _Qwen3CoderReader(_HermesReader):
+    """Qwen3-Coder's XML calls, in ``<tool_call>`` blocks as Hermes' (content around them
+    read the same way)::
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        </function>
+        </tool_call>
+
+    A parameter's text takes the type its tool's schema gives it (a number, a boolean, an
+    object or array as JSON; a string as written); a parameter the schema does not type
+    is JSON when it reads as JSON, else a string."""
+
+    FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    PARAMETER = re.compile(
+        r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL
+    )
+
+    def __init__(self, schemas: dict[str, dict[str, Any]]) -> None:
+        self._schemas = schemas
+
+    def _call(self, body: str) -> ParsedCall | None:
+        function = self.FUNCTION.search(body)
+        if function is None:
+            return None
+        name = function.group(1).strip()
+        if not _FUNCTION_NAME.fullmatch(name):
+            return None
+        properties = self._schemas.get(name, {}).get("properties", {})
+        arguments = {}
+        for parameter in self.PARAMETER.finditer(function.group(2)):
+            key = parameter.group(1).strip()
+            value = parameter.group(2)
+            # The value sits on lines of its own: one newline each side is layout.
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key] = _typed_value(value, properties.get(key))
+        return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _typed_value(text: str, schema: Any) -> Any:
+    """A parameter's text as its JSON schema types it (``_Qwen3CoderReader``)."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    if kinds == ["string"] or (isinstance(schema, dict) and "enum" in schema and not kinds):
+        return text
+    stripped = text.strip()
+    if "null" in kinds and stripped.lower() == "null":
+        return None
+    if "boolean" in kinds and stripped.lower() in ("true", "false"):
+        return stripped.lower() == "true"
+    if "integer" in kinds:
+        try:
+            return int(stripped)
+        except ValueError:
+            pass
+    if "number" in kinds:
+        try:
+            number = float(stripped)
+            return int(number) if number.is_integer() and "." not in stripped else number
+        except ValueError:
+            pass
+    try:
+        value = json.loads(stripped)
+    except ValueError:
+        try:
+            value = ast.literal_eval(stripped)  # Python's literals (True, single quotes)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return text
+    if kinds and "string" in kinds and not isinstance(value, (dict, list)):
+        return text
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return text
+    return value

@@ -231,10 +231,70 @@ def test_required_reads_each_complete_call():
     assert required.parse(REQUIRED_TEXTS[2], False) == ParsedOutput("")
 
 
+MISTRAL_TEXTS = [
+    "No call here.",
+    'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_time", "arguments": {}}]',
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "unit": "C"}[TOOL_CALLS]get_time[ARGS]{}',
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Ro',  # cut short before any call: content
+    "[TOOL_CALLS] not a call",
+    '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_wea',  # one complete
+]
+
+
+def test_mistral_reads_both_of_its_formats():
+    mistral = calling("auto", "mistral")
+    assert mistral.parse(MISTRAL_TEXTS[0], True) == ParsedOutput("No call here.")
+    assert mistral.parse(MISTRAL_TEXTS[1], True) == ParsedOutput(
+        "Checking. ",
+        [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("get_time", "{}")],
+    )
+    assert mistral.parse(MISTRAL_TEXTS[2], True).calls == [
+        ParsedCall("get_weather", '{"city": "Rome", "unit": "C"}'),
+        ParsedCall("get_time", "{}"),
+    ]
+    for text in MISTRAL_TEXTS[3:5]:
+        assert mistral.parse(text, True) == ParsedOutput(text)
+    assert mistral.parse(MISTRAL_TEXTS[5], True).calls == [ParsedCall("get_time", "{}")]
+    # While streaming, a possible [TOOL_CALLS] is held back, and a call waits for its JSON.
+    assert mistral.parse("Sure [TOOL_", False) == ParsedOutput("Sure ")
+    assert mistral.parse(MISTRAL_TEXTS[3], False) == ParsedOutput("")
+
+
+QWEN3_CODER_TEXTS = [
+    "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n"
+    "</parameter>\n<parameter=unit>\nC\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n"
+    "<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\n3\n"
+    "</parameter>\n<parameter=tags>\n['a', 'b']\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nOs",  # cut short, still a call
+    "<tool_call>no function here</tool_call>",
+]
+
+
+def test_qwen3_coder_reads_xml_calls_typed_by_their_schema():
+    coder = calling("auto", "qwen3_coder")
+    assert coder.parse(QWEN3_CODER_TEXTS[0], True) == ParsedOutput(
+        "Let me look.\n", [ParsedCall("get_weather", '{"city": "New York", "unit": "C"}')]
+    )
+    # city is a string in the schema, whatever it looks like; untyped values read as
+    # JSON (or Python) when they can.
+    assert coder.parse(QWEN3_CODER_TEXTS[1], True).calls == [
+        ParsedCall("get_time", "{}"),
+        ParsedCall("get_weather", '{"city": "42", "days": 3, "tags": ["a", "b"]}'),
+    ]
+    assert coder.parse(QWEN3_CODER_TEXTS[2], True).calls == [
+        ParsedCall("get_weather", '{"city": "Os"}')
+    ]
+    assert coder.parse(QWEN3_CODER_TEXTS[3], True) == ParsedOutput(QWEN3_CODER_TEXTS[3])
+
+
 CASES = (
     [("auto", "hermes", text) for text in HERMES_TEXTS]
     + [("auto", "llama3_json", text) for text in LLAMA_TEXTS]
     + [("auto", "pythonic", text) for text in PYTHONIC_TEXTS]
+    + [("auto", "mistral", text) for text in MISTRAL_TEXTS]
+    + [("auto", "qwen3_coder", text) for text in QWEN3_CODER_TEXTS]
     + [("required", None, text) for text in REQUIRED_TEXTS]
     + [({"type": "function", "function": {"name": "get_weather"}}, None, '{"city": "Oslo"}')]
     + [("none", None, HERMES_TEXTS[2])]
