@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=REASONING_PARSERS,
         help="split a reasoning model's thinking (<think>...</think>) from its chat answers into "
-        "reasoning_content: qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and distills)",
+        "reasoning_content: qwen3 (Qwen3, QwQ), deepseek_r1 (DeepSeek-R1 and distills) or "
+        "mistral (Magistral: [THINK] ... [/THINK])",
     )
     api.add_argument(
         "--tool-call-parser",

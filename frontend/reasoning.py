@@ -9,6 +9,7 @@ serves it: a chat answer's ``message.reasoning_content`` holds what the model wr
 - ``deepseek_r1`` (DeepSeek-R1 and its distills, whose chat template opens the ``<think>``
   itself): the output thinks from its start (a ``<think>`` there is skipped) until
   ``</think>``; one that never closes it is all thinking.
+- ``mistral`` (Magistral): as ``qwen3``, between ``[THINK]`` and ``[/THINK]``.
 
 Like tool calls (``tool_calls.py``), one reading serves whole answers and streams:
 ``parse(text, final)`` reports only what more text cannot change, so a stream's deltas add
@@ -28,9 +29,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_START = "<think>"
 THINK_END = "</think>"
+
+
+@dataclass(frozen=True)
+class _Format:
+    start: str  # the marker that opens the thinking
+    end: str  # the marker that closes it
+    # The chat template opens the thinking in the prompt: the output thinks from its start.
+    opened_by_template: bool = False
+
+
+_FORMATS = {
+    "qwen3": _Format(THINK_START, THINK_END),
+    "deepseek_r1": _Format(THINK_START, THINK_END, opened_by_template=True),
+    "mistral": _Format("[THINK]", "[/THINK]"),
+}
+REASONING_PARSERS = tuple(_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -50,19 +66,20 @@ def thinking_token_ids(name: str, tokenizer: Tokenizer | None) -> tuple[int | No
         )
     if tokenizer is None:
         return None, None
-    start = tokenizer.single_token_id(THINK_START)
-    end = tokenizer.single_token_id(THINK_END)
-    if end is None or (name == "qwen3" and start is None):
+    markers = _FORMATS[name]
+    start = tokenizer.single_token_id(markers.start)
+    end = tokenizer.single_token_id(markers.end)
+    if end is None or (not markers.opened_by_template and start is None):
         logger.warning(
             "reasoning_parser %s: the tokenizer does not hold %s and %s as single tokens; "
             "structured output will constrain the thinking too",
             name,
-            THINK_START,
-            THINK_END,
+            markers.start,
+            markers.end,
         )
         return None, None
     # DeepSeek-R1's template opens the thinking in the prompt: it thinks from the start.
-    return (start if name == "qwen3" else None), end
+    return (None if markers.opened_by_template else start), end
 
 
 class ReasoningParser:
@@ -74,28 +91,31 @@ class ReasoningParser:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}"
             )
         self.name = name
-        self.markers = (THINK_START, THINK_END)
+        self._format = _FORMATS[name]
+        self.markers = (self._format.start, self._format.end)
 
     def parse(self, text: str, final: bool) -> SplitOutput:
         """The thinking and the answer in ``text``; with ``final=False`` only what more
         text cannot change (a possible marker start is held back)."""
-        if self.name == "qwen3":
-            if not text.startswith(THINK_START):
-                if not final and THINK_START.startswith(text):
+        start, end_marker = self.markers
+        if not self._format.opened_by_template:
+            if not text.startswith(start):
+                if not final and start.startswith(text):
                     return SplitOutput("", "")  # it may still open
                 return SplitOutput("", text)
-            body_start = len(THINK_START)
+            body_start = len(start)
         else:
-            if not final and text and THINK_START.startswith(text):
+            if not final and text and start.startswith(text):
                 return SplitOutput("", "")  # a leading <think> may be arriving
-            body_start = len(THINK_START) if text.startswith(THINK_START) else 0
-        end = text.find(THINK_END, body_start)
+            body_start = len(start) if text.startswith(start) else 0
+        end = text.find(end_marker, body_start)
         if end < 0:
             reasoning = text[body_start:]
             if not final:
-                reasoning = reasoning[: len(reasoning) - partial_marker_chars(reasoning, THINK_END)]
+                held = partial_marker_chars(reasoning, end_marker)
+                reasoning = reasoning[: len(reasoning) - held]
             return SplitOutput(reasoning, "")
-        return SplitOutput(text[body_start:end], text[end + len(THINK_END) :])
+        return SplitOutput(text[body_start:end], text[end + len(end_marker) :])
 
 
 class ReasoningStream:

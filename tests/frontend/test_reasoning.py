@@ -9,6 +9,7 @@ from pagedserve.frontend.reasoning import ReasoningParser, ReasoningStream, Spli
 
 QWEN3 = ReasoningParser("qwen3")
 DEEPSEEK = ReasoningParser("deepseek_r1")
+MISTRAL = ReasoningParser("mistral")
 
 CASES = [
     # (text, qwen3's split, deepseek_r1's split)
@@ -37,7 +38,9 @@ def test_whole_outputs_split_as_each_format_says(text, qwen3, deepseek):
     assert DEEPSEEK.parse(text, final=True) == deepseek
 
 
-@pytest.mark.parametrize("parser", [QWEN3, DEEPSEEK], ids=["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize(
+    "parser", [QWEN3, DEEPSEEK, MISTRAL], ids=["qwen3", "deepseek_r1", "mistral"]
+)
 @pytest.mark.parametrize("text", [case[0] for case in CASES])
 def test_a_stream_adds_up_to_the_whole_answer(parser, text):
     stream = ReasoningStream(parser)
@@ -55,5 +58,21 @@ def test_markers_are_held_back_while_they_may_be_arriving():
     assert QWEN3.parse("<think>abc</th", final=False) == SplitOutput("abc", "")
     assert DEEPSEEK.parse("<th", final=False) == SplitOutput("", "")
     assert DEEPSEEK.parse("plan </thi", final=False) == SplitOutput("plan ", "")
-    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+    with pytest.raises(
+        ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1, mistral"
+    ):
         ReasoningParser("o1")
+
+
+def test_mistral_thinks_between_its_own_markers_as_qwen3_does():
+    """Magistral's format: Qwen3's rule with [THINK] and [/THINK]."""
+    for text, _qwen3, _deepseek in CASES:
+        mistral_text = text.replace("</think>", "[/THINK]").replace("<think>", "[THINK]")
+        want = QWEN3.parse(text, final=True)
+        mistral = MISTRAL.parse(mistral_text, final=True)
+        # The same split, with the markers that stay in the text written Mistral's way.
+        assert mistral.reasoning == want.reasoning.replace("</think>", "[/THINK]")
+        assert mistral.content == want.content.replace("</think>", "[/THINK]")
+    assert MISTRAL.parse("[THI", final=False) == SplitOutput("", "")
+    assert MISTRAL.parse("[THINK]plan[/TH", final=False) == SplitOutput("plan", "")
+    assert MISTRAL.parse("<think>x</think>y", final=True) == SplitOutput("", "<think>x</think>y")
