@@ -265,8 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument(
         "--served-model-name",
         default=None,
+        nargs="+",
+        metavar="NAME",
         help="the model's name in the OpenAI API (a request's model, the answers'; default: "
-        "the model as --model names it)",
+        "the model as --model names it); more names are aliases requests may use, answers "
+        "give the first (vLLM's)",
     )
     api.add_argument(
         "--responses-store-size",
@@ -539,7 +542,8 @@ def _api_config(args: argparse.Namespace, **kwargs) -> dict:
     """The ``ServerConfig`` settings of the ``api`` flags, which serve and run-batch share."""
     return dict(
         host=args.host,
-        served_model_name=args.served_model_name or args.model or _embedded_name(),
+        served_model_name=(args.served_model_name or [args.model or _embedded_name()])[0],
+        served_model_aliases=tuple((args.served_model_name or [])[1:]),
         responses_store_size=args.responses_store_size,
         vllm_metric_names=args.vllm_metric_names,
         metrics_port=args.metrics_port,

@@ -411,7 +411,8 @@ class HttpApi:
         raise CallError("NOT_FOUND", f"model {name!r} is not served here", "model")
 
     def _model_cards(self) -> list[dict]:
-        """The base model's card, then one per LoRA adapter (``parent``: the base model,
+        """The base model's card (one per name it is served by, as vLLM lists them), then
+        one per LoRA adapter (``parent``: the base model,
         ``root``: the adapter's directory, as vLLM lists them). OpenAI's fields, and the
         limits a request must fit (``max_model_len``, as vLLM reports it; ``vocab_size``,
         which token-id prompts must stay below)."""
@@ -426,11 +427,12 @@ class HttpApi:
             "max_model_len": llm.scheduler_config.max_model_len,
             "vocab_size": llm.model_config.vocab_size,
         }
+        aliases = [{**base, "id": name} for name in self._server.config.served_model_aliases]
         adapters = [
             {**base, "id": name, "root": path, "parent": base["id"]}
             for name, path in llm.lora_paths.items()
         ]
-        return [base, *adapters]
+        return [base, *aliases, *adapters]
 
     async def _load_lora_adapter(self, request: web.Request) -> web.Response:
         """vLLM's ``{"lora_name", "lora_path"}``: serve a PEFT LoRA adapter from now on;

@@ -46,7 +46,7 @@ class OpenAiCalls:
             body,
             llm,
             server.default_params,
-            server.served_model_name(),
+            server.served_model_names(),
             client_request_id,
             server.config.max_concurrent_requests,
             server.config.tool_call_parser,
@@ -131,7 +131,7 @@ class OpenAiCalls:
         return parse(
             body,
             server.check_admission(),
-            server.served_model_name(),
+            server.served_model_names(),
             client_request_id,
             server.config.max_concurrent_requests,
         )

@@ -235,7 +235,7 @@ def parse_request(
     body: Any,
     llm: LLM,
     default_params: SamplingParams,
-    served_model_name: str,
+    served_model_name: str | tuple[str, ...],
     client_request_id: str | None,
     max_prompts: int = 1024,
     tool_call_parser: str | None = None,
@@ -385,12 +385,17 @@ def parse_request(
     )
 
 
-def served_model(body: dict, llm: LLM, served_model_name: str) -> tuple[str, int]:
-    """The ``model`` a request names and its LoRA adapter id (0: the base model)."""
-    model = typed_field(body, "model", (str,), "a string", served_model_name)
-    lora_id = 0 if model == served_model_name else llm.lora_ids.get(model)
+def served_model(body: dict, llm: LLM, served_model_name: str | tuple[str, ...]) -> tuple[str, int]:
+    """The ``model`` a request names and its LoRA adapter id (0: the base model).
+    ``served_model_name``: the base model's name, or its names (vLLM's several
+    ``--served-model-name``s: a request may give any, the answer names the first)."""
+    names = (served_model_name,) if isinstance(served_model_name, str) else served_model_name
+    model = typed_field(body, "model", (str,), "a string", names[0])
+    if model in names:
+        return names[0], 0
+    lora_id = llm.lora_ids.get(model)
     if lora_id is None:
-        served = ", ".join([repr(served_model_name), *map(repr, llm.lora_ids)])
+        served = ", ".join([*map(repr, names), *map(repr, llm.lora_ids)])
         raise CallError(
             "NOT_FOUND",
             f"model {model!r} is not served here; this server serves {served}",
@@ -1244,7 +1249,7 @@ class EmbeddingApiRequest:
 def parse_embedding_request(
     body: Any,
     llm: LLM,
-    served_model_name: str,
+    served_model_name: str | tuple[str, ...],
     client_request_id: str | None,
     max_prompts: int = 1024,
 ) -> EmbeddingApiRequest:

@@ -103,7 +103,7 @@ def _names(name: str, count: int) -> list[str]:
 def parse_score_request(
     body: Any,
     llm: LLM,
-    served_model_name: str,
+    served_model_name: str | tuple[str, ...],
     client_request_id: str | None,
     max_prompts: int = 1024,
 ) -> ScoreApiRequest:
@@ -135,7 +135,7 @@ def parse_score_request(
 def parse_rerank_request(
     body: Any,
     llm: LLM,
-    served_model_name: str,
+    served_model_name: str | tuple[str, ...],
     client_request_id: str | None,
     max_prompts: int = 1024,
 ) -> ScoreApiRequest:

@@ -79,6 +79,9 @@ class ServerConfig:
     # The model's name in the HTTP API (``model`` in requests and answers); None: the
     # model as the command line named it.
     served_model_name: str | None = None
+    # More names requests may give the base model by (vLLM's further --served-model-name
+    # values); answers name it served_model_name.
+    served_model_aliases: tuple[str, ...] = ()
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     # Written once serving: {"port": ..., "http_port": ..., "pid": ..., "metrics_port": ...},
@@ -161,6 +164,9 @@ class ServerConfig:
             raise ValueError("api_key is empty; leave it unset or give a secret")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name is empty; leave it unset or name the model")
+        for alias in self.served_model_aliases:
+            if not alias.strip():
+                raise ValueError("served_model_aliases: a name is empty")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
@@ -394,6 +400,11 @@ class Server:
         if self.config.served_model_name is not None:
             return self.config.served_model_name
         return str(self.engine.llm.model_path) if self.engine.llm is not None else ""
+
+    def served_model_names(self) -> tuple[str, ...]:
+        """The base model's names in the OpenAI API: the first, which answers carry, then
+        the aliases requests may use too."""
+        return (self.served_model_name(), *self.config.served_model_aliases)
 
     def on_serving(self, callback: Callable[[bool], object]) -> None:
         """``callback(True)`` once serving, ``callback(False)`` when draining (awaited

@@ -1028,3 +1028,24 @@ def test_the_drain_timeout_ends_an_http_stream_with_an_error_event(start_server)
     assert error["code"] == 503 and "drain timeout 0 s" in error["message"]
     connection.close()
     assert server.terminate() == 0
+
+
+def test_several_served_model_names_are_aliases(start_server):
+    """vLLM's --served-model-name with more than one name: a request may give any, the
+    answer names the first; /v1/models lists each."""
+    server = start_server(
+        "--http-port", "0", "--served-model-name", "main", "alias-a", "alias-b",
+        "--kv-cache-bytes", str(4 << 20),
+    )  # fmt: skip
+    status, body = get(server, "/v1/models")
+    assert status == 200
+    assert [card["id"] for card in json.loads(body)["data"]] == ["main", "alias-a", "alias-b"]
+    for name in ("main", "alias-a", "alias-b"):
+        status, answer = post(
+            server, "/v1/completions", {"model": name, "prompt": [5], "max_tokens": 1}
+        )
+        assert status == 200 and answer["model"] == "main", answer
+    status, answer = post(server, "/v1/completions", {"model": "other", "prompt": [5]})
+    assert status == 404
+    assert "serves 'main', 'alias-a', 'alias-b'" in answer["error"]["message"]
+    server.assert_blocks_all_free()
