@@ -10,11 +10,13 @@ import asyncio
 import io
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -263,35 +265,46 @@ def test_a_signal_stops_reading_and_the_lines_in_flight_finish(server_model_dir,
 
 def test_a_signal_stops_a_batch_waiting_on_a_silent_pipe(server_model_dir, tmp_path):
     """Standard input kept open with nothing more to say: SIGTERM still ends the batch
-    (the read does not hold the process), the lines read are answered."""
+    (the read does not hold the process), the lines read are answered. Meanwhile the
+    batch's metrics (--metrics-port) count its calls, under vLLM's names too."""
     output_path = tmp_path / "out.jsonl"
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "pagedserve.frontend.cli", "run-batch",
-            "--model", str(server_model_dir), "-i", "-", "-o", str(output_path),
-            *KV_CACHE_FLAGS,
-        ],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        for i in range(3):
-            line = request_line(f"q{i}", "/v1/completions", {"prompt": "ab", "max_tokens": 2})
-            process.stdin.write(line.encode() + b"\n")
-        process.stdin.flush()  # and kept open
-        assert wait_until(
-            lambda: output_path.exists() and output_path.read_text().count("\n") == 3,
-            BATCH_TIMEOUT_S,
-        )
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 1
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        process.stdin.close()
-    stderr = process.stderr.read().decode()
-    process.stderr.close()
-    assert "stopped after 3 lines of the input" in stderr, stderr
+    log_path = tmp_path / "batch.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable, "-m", "pagedserve.frontend.cli", "run-batch",
+                "--model", str(server_model_dir), "-i", "-", "-o", str(output_path),
+                *KV_CACHE_FLAGS, "--metrics-port", "0", "--vllm-metric-names",
+            ],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+        try:
+            for i in range(3):
+                line = request_line(f"q{i}", "/v1/completions", {"prompt": "ab", "max_tokens": 2})
+                process.stdin.write(line.encode() + b"\n")
+            process.stdin.flush()  # and kept open
+            assert wait_until(
+                lambda: output_path.exists() and output_path.read_text().count("\n") == 3,
+                BATCH_TIMEOUT_S,
+            )
+            port = re.search(r"metrics on http://127.0.0.1:(\d+)/metrics", log_path.read_text())
+            assert port is not None, log_path.read_text()
+            url = f"http://127.0.0.1:{port.group(1)}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                metrics = response.read().decode()
+            assert 'pagedserve_requests_total{api="batch",code="OK"} 3.0' in metrics
+            assert (
+                f'vllm:generation_tokens_total{{model_name="{SERVED_MODEL_NAME}"}} 6.0' in metrics
+            )
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 1
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            process.stdin.close()
+    log = log_path.read_text()
+    assert "stopped after 3 lines of the input" in log, log
     records = [json.loads(line) for line in output_path.read_text().splitlines()]
     assert [r["response"]["status_code"] for r in records] == [200] * 3
 
