@@ -146,6 +146,26 @@ def build_embed_request(
     return request
 
 
+def build_score_request(
+    text_1: str | Sequence[str],
+    text_2: str | Sequence[str],
+    truncate_prompt_tokens: int | None,
+    request_id: str,
+    lora_adapter: str,
+    priority: int,
+) -> pb.ScoreRequest:
+    request = pb.ScoreRequest(
+        request_id=request_id,
+        text_1=[text_1] if isinstance(text_1, str) else list(text_1),
+        text_2=[text_2] if isinstance(text_2, str) else list(text_2),
+        lora_adapter=lora_adapter,
+        priority=priority,
+    )
+    if truncate_prompt_tokens is not None:
+        request.truncate_prompt_tokens = truncate_prompt_tokens
+    return request
+
+
 def embedding_output(prompt: PromptType, response: pb.EmbedResponse) -> EmbeddingRequestOutput:
     """An ``Embed`` response as the offline ``LLM.embed`` returns it (the prompt's token
     ids are known only for a prompt given as ids)."""
@@ -332,6 +352,25 @@ class Client:
         response = self.stub.Embed(request, timeout=timeout_s, metadata=self._metadata)
         return embedding_output(prompt, response)
 
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str = "",
+        lora_adapter: str = "",
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> list[float]:
+        """Each pair's score (the ``Score`` RPC, as ``LLM.score``): one ``text_1``
+        against every ``text_2``, or pairwise."""
+        request = build_score_request(
+            text_1, text_2, truncate_prompt_tokens, request_id, lora_adapter, priority
+        )
+        response = self.stub.Score(request, timeout=timeout_s, metadata=self._metadata)
+        return list(response.scores)
+
     def tokenize(self, text: str) -> list[int]:
         return list(
             self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self._metadata).token_ids
@@ -483,6 +522,23 @@ class AsyncClient:
         )
         response = await self.stub.Embed(request, timeout=timeout_s, metadata=self._metadata)
         return embedding_output(prompt, response)
+
+    async def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str = "",
+        lora_adapter: str = "",
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> list[float]:
+        request = build_score_request(
+            text_1, text_2, truncate_prompt_tokens, request_id, lora_adapter, priority
+        )
+        response = await self.stub.Score(request, timeout=timeout_s, metadata=self._metadata)
+        return list(response.scores)
 
     async def close(self) -> None:
         await self.channel.close()

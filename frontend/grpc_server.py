@@ -49,6 +49,7 @@ from pagedserve.frontend.grpc_convert import (
     sampling_params_from_proto,
     whole_response,
 )
+from pagedserve.frontend.openai_calls import OpenAiCalls
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 from pagedserve.frontend.tool_calls import Tool
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -123,6 +124,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, server: Server) -> None:
         self._server = server
         self._engine = server.engine
+        self._calls = OpenAiCalls(server, "grpc")
 
     # ------------------------------------------------------------ RPCs
 
@@ -168,6 +170,29 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     cached_prompt_tokens=output.num_cached_tokens,
                     queue_time_s=output.queue_time_s,
                 ),
+            )
+
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        """Run as the HTTP API's ``/score`` (``openai_calls.py``), fields renamed."""
+        async with self._counted_call(context):
+            body: dict = {
+                "text_1": list(request.text_1),
+                "text_2": list(request.text_2),
+                "priority": request.priority,
+            }
+            if request.HasField("truncate_prompt_tokens"):
+                body["truncate_prompt_tokens"] = request.truncate_prompt_tokens
+            if request.lora_adapter:
+                try:  # Generate's check and message for an adapter not served
+                    self._server.check_admission().lora_id(request.lora_adapter, "lora_adapter")
+                except ValueError as error:
+                    raise CallError("NOT_FOUND", str(error), "lora_adapter") from None
+                body["model"] = request.lora_adapter
+            answer = await self._calls.score("score", body, request.request_id or None)
+            return pb.ScoreResponse(
+                request_id=request.request_id,
+                scores=[item["score"] for item in answer["data"]],
+                usage=pb.Usage(prompt_tokens=answer["usage"]["prompt_tokens"]),
             )
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:

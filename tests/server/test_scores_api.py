@@ -1,17 +1,20 @@
 """vLLM's ``/score`` and ``/rerank`` over the real server on an embedding model: the cosine
 similarity of the texts' embeddings, as the offline ``LLM.score`` gives it; rerank sorted
 best first and cut to ``top_n``; ``/invocations`` takes both shapes; bad bodies are a 400
-naming the field."""
+naming the field. The gRPC ``Score`` RPC gives the same scores."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from conftest import SERVED_MODEL_NAME, ServerProcess, serving
 from test_http_api import post
 
 from pagedserve.frontend import LLM
+from pagedserve.frontend.client import Client
+from pagedserve.v1 import generation_pb2 as pb
 
 QUERY = "The capital of France is"
 DOCUMENTS = ["Paris", "a small cat", "The capital of France is", "Berlin is in Germany"]
@@ -119,3 +122,32 @@ def test_bad_bodies_are_refused_naming_the_field(server, path, body, param, mess
     assert status == (404 if param == "model" else 400), answer
     assert answer["error"]["param"] == param
     assert message in answer["error"]["message"], answer
+
+
+def test_grpc_score_answers_as_the_http_route(server, offline):
+    """The Score RPC (and the Python client's ``score``): the same scores, the errors
+    named by the proto's fields."""
+    want = [o.outputs.score for o in offline.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    with Client(f"127.0.0.1:{server.port}") as client:
+        assert client.score(QUERY, DOCUMENTS) == pytest.approx(want, abs=1e-5)
+        pairwise = client.score(DOCUMENTS[:2], DOCUMENTS[2:], request_id="pairs")
+        assert len(pairwise) == 2
+    response = server.stub.Score(
+        pb.ScoreRequest(request_id="r1", text_1=[QUERY], text_2=DOCUMENTS[:1]), timeout=30
+    )
+    assert response.request_id == "r1" and len(response.scores) == 1
+    assert response.usage.prompt_tokens == tokens(offline, QUERY) + tokens(offline, DOCUMENTS[0])
+    for request, code, message in [
+        (pb.ScoreRequest(text_2=["a"]), grpc.StatusCode.INVALID_ARGUMENT,
+         "text_1 must be a string or a non-empty list of strings, got []"),
+        (pb.ScoreRequest(text_1=["a", "b"], text_2=["a", "b", "c"]),
+         grpc.StatusCode.INVALID_ARGUMENT, "text_1 has 2 texts and text_2 3"),
+        (pb.ScoreRequest(text_1=["a"], text_2=["b"], truncate_prompt_tokens=0),
+         grpc.StatusCode.INVALID_ARGUMENT, "truncate_prompt_tokens must be -1 or in [1, "),
+        (pb.ScoreRequest(text_1=["a"], text_2=["b"], lora_adapter="none"),
+         grpc.StatusCode.NOT_FOUND, "lora_adapter"),
+    ]:  # fmt: skip
+        with pytest.raises(grpc.RpcError) as caught:
+            server.stub.Score(request, timeout=30)
+        assert caught.value.code() == code
+        assert message in caught.value.details(), caught.value.details()
