@@ -800,22 +800,26 @@ def _chat_echo(body: dict) -> str:
 
 def _message_text(message: dict, name: str) -> str:
     content = message.get("content")
-    if content is None:
-        return ""
+    return "" if content is None else content_text(content, f"{name}.content")
+
+
+def content_text(content: Any, name: str, part_types: tuple[str, ...] = ("text",)) -> str:
+    """A message's content (field ``name``) as one text: a string, or a list of text
+    parts of ``part_types``."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid_field(
-            f"{name}.content must be a string or a list of text parts, got {content!r:.200}",
-            f"{name}.content",
+            f"{name} must be a string or a list of text parts, got {content!r:.200}", name
         )
     texts = []
     for position, part in enumerate(content):
-        part_name = f"{name}.content[{position}]"
-        if not isinstance(part, dict) or part.get("type") != "text":
+        part_name = f"{name}[{position}]"
+        if not isinstance(part, dict) or part.get("type") not in part_types:
             kind = part.get("type") if isinstance(part, dict) else part
+            types = ", ".join(map(repr, part_types))
             raise invalid_field(
-                f"{part_name}: only text parts are supported (type 'text'), got {kind!r:.100}",
+                f"{part_name}: only text parts are supported (type {types}), got {kind!r:.100}",
                 part_name,
             )
         text = part.get("text")

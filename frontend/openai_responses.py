@@ -35,6 +35,7 @@ from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.openai_protocol import (
     TokenTexts,
     chat_logprobs,
+    content_text,
     finish_reason,
     invalid_field,
     typed_field,
@@ -315,28 +316,7 @@ def _string(item: dict, key: str, name: str, empty_allowed: bool = False) -> str
 
 
 def _content_text(content: Any, name: str, key: str = "content") -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid_field(
-            f"{name}.{key} must be a string or a list of text parts, got {content!r:.100}",
-            f"{name}.{key}",
-        )
-    texts = []
-    for position, part in enumerate(content):
-        part_name = f"{name}.{key}[{position}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise invalid_field(
-                f"{part_name}: only text parts are served (input_text, output_text), got "
-                f"{kind if kind is not None else part!r:.100}",
-                part_name,
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid_field(f"{part_name}.text must be a string, got {text!r:.100}", part_name)
-        texts.append(text)
-    return "".join(texts)
+    return content_text(content, f"{name}.{key}", _TEXT_PARTS)
 
 
 def _chat_tools(tools: Any) -> list[dict]:

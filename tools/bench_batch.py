@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from bench_server import (
-    DEFAULT_KV_CACHE_BYTES,
     FIRST_ORDINARY_TOKEN_ID,
     EngineSettings,
     OfflineRun,
+    add_engine_arguments,
     machine_info,
     run_offline,
 )
@@ -141,13 +141,7 @@ def run_batch(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    add_engine_arguments(parser)
     parser.add_argument("--trace", default="sharegpt", choices=sorted(TRACE_SHAPES))
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--length-scale", type=float, default=0.25)
@@ -163,16 +157,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
-    engine = EngineSettings(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_bytes=args.kv_cache_bytes,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
+    engine = EngineSettings.from_args(args)
     requests = make_trace(
         args.trace, args.num_requests, args.seed, args.max_len, args.vocab_size,
         FIRST_ORDINARY_TOKEN_ID, length_scale=args.length_scale,

@@ -198,6 +198,20 @@ class EngineSettings:
     kv_cache_bytes: int
     enable_prefix_caching: bool
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineSettings:
+        """The settings ``add_engine_arguments``' flags gave."""
+        return cls(
+            model=args.model,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+
     def server_flags(self) -> list[str]:
         flags = [] if self.model is None else ["--model", self.model]
         flags += ["--dtype", self.dtype, "--block-size", str(self.block_size)]
@@ -1355,6 +1369,17 @@ def target_url(text: str) -> str:
     return f"{url.scheme}://{url.netloc}"
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (``EngineSettings.from_args``), besides ``--model``."""
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -1431,13 +1456,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="how long the server may take to load the model and write its port file",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    add_engine_arguments(parser)
     parser.add_argument(
         "--stream-interval",
         type=int,
@@ -1509,16 +1528,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench_started_server(args: argparse.Namespace, load_before: float) -> dict[str, Any]:
     """Start the server, then the warm-up and the repeats on it and offline; the record."""
-    engine = EngineSettings(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_bytes=args.kv_cache_bytes,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
+    engine = EngineSettings.from_args(args)
     apis = API_CHOICES[args.api]
     info: pb.ModelInfo | None = None
     requests: list[Request] = []

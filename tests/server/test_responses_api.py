@@ -265,7 +265,7 @@ def test_text_format_and_logprobs(client):
         ({"input": [{"role": "robot", "content": "x"}]}, 400, "input[0].role",
          "input[0].role must be one of user, assistant, system, developer"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-         400, "input[0].content[0]", "only text parts are served"),
+         400, "input[0].content[0]", "only text parts are supported"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type",
          "'item_reference' is not served here"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, 400,
