@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-port, the OpenAI-compatible HTTP API",
         description="Serve pagedserve.v1.Generation, grpc.health.v1.Health and reflection "
         "(and with --http-port the OpenAI-compatible HTTP API: /v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics). "
+        "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/score, /v1/rerank, "
+        "/v1/models, /health, /metrics). "
         "SIGTERM drains: new calls are refused, calls in flight finish (up to "
         "--drain-timeout-s), then the process exits 0; it exits 1 if the engine dies.",
     )
