@@ -167,7 +167,7 @@ class ServerMetrics:
         self._vllm_model_name = vllm_model_name
         self.calls = Counter(
             f"{PREFIX}_requests",
-            "generation calls that ended, by API (grpc, http) and status (gRPC's names)",
+            "generation calls that ended, by API (grpc, http, batch) and status (gRPC's names)",
             ["api", "code"],
             registry=self.registry,
         )
