@@ -262,12 +262,12 @@ class HttpApi:
         server = self._server
         async with server.call("http"):
             server.check_admission()
-            body = await _json_body(http_request)
-            request_id = http_request.headers.get("X-Request-Id")
-            if not (isinstance(body, dict) and body.get("stream") is True):
-                answer = await self._calls.response(body, request_id)
+            call, api_request, streams, llm = self._calls.start_response(
+                await _json_body(http_request), http_request.headers.get("X-Request-Id")
+            )
+            if not call.stream:
+                answer = await self._calls.whole_response(call, api_request, streams, llm)
                 return web.json_response(answer, headers=_request_id_header(http_request))
-            call, api_request, streams, llm = self._calls.start_response(body, request_id)
             writer = responses.ResponseStream(call, api_request, llm)
             stream = await self._event_stream(http_request)
             for event in writer.start():

@@ -100,9 +100,18 @@ class OpenAiCalls:
 
     async def response(self, body: Any, client_request_id: str | None) -> dict:
         """A Responses API body answered whole (and stored when it asks to be)."""
-        call, api_request, streams, llm = self.start_response(
-            body, client_request_id, streaming_allowed=False
-        )
+        started = self.start_response(body, client_request_id, streaming_allowed=False)
+        return await self.whole_response(*started)
+
+    async def whole_response(
+        self,
+        call: responses.ResponsesCall,
+        api_request: protocol.ApiRequest,
+        streams: list[RequestStream],
+        llm: LLM,
+    ) -> dict:
+        """A started Responses call's answer, once its output is whole (stored when the
+        request asks to be)."""
         (output,) = await self.whole(api_request.client_request_id, streams)
         response = responses.whole_response(call, api_request, output, llm)
         if call.store:
