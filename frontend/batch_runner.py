@@ -273,42 +273,34 @@ class BatchRunner:
         index = 0
         line_number = 0
         try:
-            while not server.stop_requested.is_set():
-                await slots.acquire()
-                if server.stop_requested.is_set():
-                    slots.release()
-                    break
+            while True:
+                await slots.acquire()  # room for one more line in flight
+                started = False
                 try:
                     raw = await self._next_line(lines)
-                except (BatchFileError, OSError) as error:
-                    # The lines in flight still finish and are written.
-                    logger.error("reading the input failed: %s", error)
-                    server.stop_requested.set()
-                    slots.release()
-                    break
-                if server.stop_requested.is_set():
-                    slots.release()
-                    break
-                if raw is None:
-                    slots.release()
-                    break
-                line_number += 1
-                if raw is not TOO_LONG and not raw.strip():
-                    slots.release()
-                    continue
-                try:
-                    if raw is TOO_LONG:
-                        raise InvalidLine(f"line {line_number}: longer than {MAX_LINE_BYTES} bytes")
-                    line = parse_line(line_number, raw, seen)
-                except InvalidLine as error:
-                    slots.release()
-                    finish(index, invalid(error))
+                    if raw is None:
+                        break
+                    line_number += 1
+                    if raw is not TOO_LONG and not raw.strip():
+                        continue
+                    try:
+                        if raw is TOO_LONG:
+                            raise InvalidLine(
+                                f"line {line_number}: longer than {MAX_LINE_BYTES} bytes"
+                            )
+                        line = parse_line(line_number, raw, seen)
+                    except InvalidLine as error:
+                        finish(index, invalid(error))
+                        index += 1
+                        continue
+                    task = asyncio.ensure_future(run_line(index, line))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    started = True
                     index += 1
-                    continue
-                task = asyncio.ensure_future(run_line(index, line))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                index += 1
+                finally:
+                    if not started:  # a running line frees its slot when it ends
+                        slots.release()
             if tasks:
                 await asyncio.gather(*tasks)
         finally:
@@ -321,18 +313,27 @@ class BatchRunner:
         return summary
 
     async def _next_line(self, lines: FileLines | UrlLines) -> bytes | object | None:
-        """The input's next line, or None once the batch is told to stop (a signal, the
-        engine died) while it waits for one: a pipe may say nothing for long."""
+        """The input's next line; None at its end, once the batch is told to stop (a
+        signal, the engine died: also while a pipe says nothing for long), or when the
+        input cannot be read (the batch then stops, the lines in flight finish)."""
+        stop_requested = self._server.stop_requested
+        if stop_requested.is_set():
+            return None
         read = asyncio.ensure_future(lines.next_line())
-        stop = asyncio.ensure_future(self._server.stop_requested.wait())
+        stop = asyncio.ensure_future(stop_requested.wait())
         try:
             await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
-        if not read.done():
+        if not read.done() or stop_requested.is_set():
             read.cancel()
             return None
-        return read.result()
+        try:
+            return read.result()
+        except (BatchFileError, OSError) as error:
+            logger.error("reading the input failed: %s", error)
+            stop_requested.set()
+            return None
 
     async def _answer(self, line: BatchLine) -> dict:
         """The output line of a request line: the API's answer or its error."""
