@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 from conftest import SERVED_MODEL_NAME, ServerProcess, serving
-from test_http_api import post
+from process_helpers import wait_until
+from test_http_api import get, post
 from test_tool_calling_api import TOOL_TEMPLATE, WEATHER
 
 STORE_SIZE = 4
@@ -300,3 +301,23 @@ def test_get_and_delete_of_an_unknown_response_are_404(server):
             assert response.status == 404 and answer["error"]["param"] == "response_id"
     finally:
         connection.close()
+
+
+def test_a_client_that_disconnects_mid_stream_ends_its_response(server):
+    """The request ends in the engine (the fixture then finds every block free), and an
+    unfinished response is not stored."""
+    cancelled_before = server.stats().requests_cancelled
+    sampled_before = server.stats().engine["num_sampled_tokens"]
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    body = {"model": SERVED_MODEL_NAME, "input": "Tell a long story", "max_output_tokens": 400,
+            "stream": True}  # fmt: skip
+    connection.request("POST", "/v1/responses", json.dumps(body))
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline() == b"event: response.created\n"
+    created = json.loads(response.readline().removeprefix(b"data: "))
+    connection.close()  # gone mid-stream
+    assert wait_until(lambda: server.stats().requests_cancelled == cancelled_before + 1, 10)
+    assert server.stats().engine["num_sampled_tokens"] - sampled_before < 400
+    status, _answer = get(server, f"/v1/responses/{created['response']['id']}")
+    assert status == 404
