@@ -375,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not log a line per finished call (busy servers; metrics still count them)",
     )
     serve.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every streamed completion and chat completion ends with a usage chunk, asked "
+        "for or not (vLLM's; for gateways that bill by the stream)",
+    )
+    serve.add_argument(
         "--stream-interval",
         type=int,
         default=1,
@@ -587,6 +593,7 @@ def _serve(args: argparse.Namespace) -> int:
                 drain_timeout_s=args.drain_timeout_s,
                 port_file=args.port_file,
                 stream_interval_tokens=args.stream_interval,
+                force_include_usage=args.enable_force_include_usage,
                 log_requests=not args.no_request_log,
                 tls_cert_file=args.tls_cert_file,
                 tls_key_file=args.tls_key_file,

@@ -53,6 +53,8 @@ class OpenAiCalls:
             server.config.reasoning_parser,
             server.config.trust_request_chat_template,
         )
+        if api_request.stream and server.config.force_include_usage:
+            api_request.include_usage = True  # the operator's choice (billing by stream)
         if api_request.stream and not streaming_allowed:
             raise CallError(
                 "INVALID_ARGUMENT",

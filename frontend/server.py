@@ -128,6 +128,9 @@ class ServerConfig:
     # The metrics vLLM also has, a second time under its names (vllm:...), labelled
     # model_name with the served model's name: vLLM's dashboards read this server.
     vllm_metric_names: bool = False
+    # Every streamed completion and chat completion ends with a usage chunk, as if it asked
+    # for one (stream_options.include_usage; vLLM's --enable-force-include-usage).
+    force_include_usage: bool = False
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):

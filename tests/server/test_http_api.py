@@ -1049,3 +1049,22 @@ def test_several_served_model_names_are_aliases(start_server):
     assert status == 404
     assert "serves 'main', 'alias-a', 'alias-b'" in answer["error"]["message"]
     server.assert_blocks_all_free()
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(start_server):
+    """vLLM's --enable-force-include-usage: a stream that did not ask for the usage chunk
+    still ends with it (the last before [DONE]), as one that asked does."""
+    server = start_server(
+        "--http-port", "0", "--enable-force-include-usage", "--kv-cache-bytes", str(4 << 20)
+    )
+    for path, body in [
+        ("/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "ignore_eos": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "max_tokens": 3, "ignore_eos": True}),
+    ]:  # fmt: skip
+        events = sse_events(server, path, {**body, "stream": True})
+        assert events[-1] == "[DONE]"
+        usage = events[-2]["usage"]
+        assert events[-2]["choices"] == [] and usage["completion_tokens"] == 3
+        assert all(event["usage"] is None for event in events[:-2])
+    server.assert_blocks_all_free()
