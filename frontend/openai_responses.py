@@ -25,6 +25,7 @@ Refused by name: hosted tools (web search, file search, ...), ``background``,
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.openai_protocol import ApiRequest
     from pagedserve.frontend.outputs import RequestOutput
+
+logger = logging.getLogger("pagedserve.server")
 
 # Passed on to the chat request as they are (vLLM's additions among them: sampling,
 # structured_outputs beside text.format).
@@ -181,6 +184,9 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
         raise invalid_field(
             f"the request body must be a JSON object, got {type(body).__name__}", ""
         )
+    ignored = sorted(set(body) - KNOWN_FIELDS)
+    if ignored:  # as the other routes do: ignored, and named in the log
+        logger.warning("fields ignored (not part of the responses API): %s", ", ".join(ignored))
     if typed_field(body, "background", (bool,), "a boolean", False):
         raise invalid_field(
             "background=true: responses run while the call is open; leave background unset",

@@ -115,21 +115,10 @@ def parse_score_request(
         pairs = pair_indices(len(texts_1), len(texts_2), ("text_1", "text_2"))
     except ValueError as error:
         raise invalid_field(str(error), "text_2") from None
-    prompts = _prompts(body, "text_1", texts_1, llm, max_prompts)
-    prompts += _prompts(body, "text_2", texts_2, llm, max_prompts)
-    offset = len(texts_1)
-    return ScoreApiRequest(
-        kind="score",
-        model=model,
-        prompts=prompts,
-        prompt_names=_names("text_1", len(texts_1)) + _names("text_2", len(texts_2)),
-        pairs=[(i, offset + j) for i, j in pairs],
-        client_request_id=typed_field(
-            body, "request_id", (str,), "a string", client_request_id or ""
-        ),
-        lora_id=lora_id,
-        priority=checked_priority(body, llm),
-    )
+    return _request(
+        "score", body, llm, model, lora_id, client_request_id, max_prompts,
+        ("text_1", texts_1), ("text_2", texts_2), pairs,
+    )  # fmt: skip
 
 
 def parse_rerank_request(
@@ -146,19 +135,42 @@ def parse_rerank_request(
         raise invalid_field(f"query must be a string, got {query!r:.200}", "query")
     documents = _texts(body, "documents", single_allowed=False)
     top_n = int_field(body, "top_n", 0) or 0
-    prompts = _prompts(body, "query", [query], llm, max_prompts)
-    prompts += _prompts(body, "documents", documents, llm, max_prompts)
+    request = _request(
+        "rerank", body, llm, model, lora_id, client_request_id, max_prompts,
+        ("query", [query]), ("documents", documents), [(0, j) for j in range(len(documents))],
+    )  # fmt: skip
+    request.documents = documents
+    request.top_n = top_n
+    return request
+
+
+def _request(
+    kind: str,
+    body: dict,
+    llm: LLM,
+    model: str,
+    lora_id: int,
+    client_request_id: str | None,
+    max_prompts: int,
+    first: tuple[str, list[str]],
+    second: tuple[str, list[str]],
+    pairs: list[tuple[int, int]],
+) -> ScoreApiRequest:
+    """The checked request: both sides' texts tokenized (each named by its field), and
+    ``pairs`` (indices into each side) as indices into all the prompts."""
+    (first_name, first_texts), (second_name, second_texts) = first, second
+    prompts = _prompts(body, first_name, first_texts, llm, max_prompts)
+    prompts += _prompts(body, second_name, second_texts, llm, max_prompts)
+    offset = len(first_texts)
     return ScoreApiRequest(
-        kind="rerank",
+        kind=kind,
         model=model,
         prompts=prompts,
-        prompt_names=["query", *_names("documents", len(documents))],
-        pairs=[(0, 1 + j) for j in range(len(documents))],
+        prompt_names=_names(first_name, len(first_texts)) + _names(second_name, len(second_texts)),
+        pairs=[(i, offset + j) for i, j in pairs],
         client_request_id=typed_field(
             body, "request_id", (str,), "a string", client_request_id or ""
         ),
-        documents=documents,
-        top_n=top_n,
         lora_id=lora_id,
         priority=checked_priority(body, llm),
     )
