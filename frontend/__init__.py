@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.lora_request import LoRARequest
 from pagedserve.frontend.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -34,6 +36,8 @@ __all__ = [
     "EmbeddingOutput",
     "ScoringRequestOutput",
     "ScoringOutput",
+    "ClassificationRequestOutput",
+    "ClassificationOutput",
 ]
 
 

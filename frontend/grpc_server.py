@@ -318,6 +318,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 normalize=request.normalize if request.HasField("normalize") else True,
                 dimensions=request.dimensions if request.HasField("dimensions") else None,
             )
+            llm.check_task(params)
             params.check_dimensions(llm.model_config.embedding_size)
             llm.engine.check_request_fits(len(token_ids), 0)
             return params, token_ids

@@ -19,13 +19,19 @@ from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineC
 from pagedserve.frontend.generation_config import load_generation_defaults
 from pagedserve.frontend.lora_request import LoRARequest
 from pagedserve.frontend.model_resolver import resolve_model
-from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedserve.frontend.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from pagedserve.frontend.progress import ProgressBar
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
 from pagedserve.frontend.scores import (
     ScoringOutput,
     ScoringRequestOutput,
+    check_cross_encoder,
     cosine_similarity,
     pair_indices,
 )
@@ -47,7 +53,11 @@ from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig, ch
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
-from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS, PoolingParams
+from pagedserve.scheduler.pooling_params import (
+    PROMPT_ONLY_SAMPLING_PARAMS,
+    PoolingParams,
+    check_task,
+)
 from pagedserve.scheduler.sampling_params import (
     DEFAULT_MAX_LOGPROBS,
     SamplingParams,
@@ -357,6 +367,7 @@ class LLM:
             scheduling_policy=scheduling_policy,
             max_loras=max_loras or 0,
             sliding_window=model_config.attention_window,
+            model_task=model_config.task,
             **_speculative_fields(speculative_config),
         )
         self.engine: EngineCore | EngineClient
@@ -458,6 +469,7 @@ class LLM:
         ``priority``: one per prompt (or one for all), lower first; needs
         ``scheduling_policy="priority"`` unless every one is 0. ``use_tqdm``: vLLM's
         progress bar of finished prompts and token speeds, on stderr when it is a terminal."""
+        self.check_task(None)
         prompt_list = _as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         lora_ids = self.lora_ids_of(lora_request, len(prompt_list))
@@ -560,19 +572,87 @@ class LLM:
         ``EmbeddingRequestOutput`` per prompt, in order: ``.outputs.embedding``."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
+        for params in params_list:
+            if params.task != "embed":
+                raise ValueError(
+                    f"pooling_params.task={params.task!r}: embed takes the embed task; "
+                    "classify with classify()"
+                )
+            params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
+        return self._pool(prompt_list, params_list, lora_request, priority, use_tqdm)
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARef | Sequence[LoRARef] = None,
+        priority: int | Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Classify every prompt (text or token ids) with a sequence classification model
+        (HF's ``*ForSequenceClassification``), as vLLM's classify task does: each request
+        computes its prompt only and its last token's final hidden state goes through the
+        classifier head, then a softmax over the labels (a sigmoid for a one-label model;
+        ``PoolingParams(task="classify", use_activation=False)``: the raw logits). One
+        ``ClassificationRequestOutput`` per prompt, in order: ``.outputs.probs`` (the
+        model's label order) and ``.label`` (the most probable)."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams(task="classify")
+        params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
+        for params in params_list:
+            if params.task != "classify":
+                raise ValueError(
+                    f"pooling_params.task={params.task!r}: classify takes "
+                    "PoolingParams(task='classify')"
+                )
+        pooled = self._pool(prompt_list, params_list, lora_request, priority, use_tqdm)
+        return [self._classification(output) for output in pooled]
+
+    def _classification(self, output: EmbeddingRequestOutput) -> ClassificationRequestOutput:
+        probs = output.outputs.embedding
+        return ClassificationRequestOutput(
+            request_id=output.request_id,
+            prompt=output.prompt,
+            prompt_token_ids=output.prompt_token_ids,
+            outputs=ClassificationOutput(probs),
+            label=self.model_config.labels[max(range(len(probs)), key=probs.__getitem__)],
+            num_cached_tokens=output.num_cached_tokens,
+        )
+
+    def _pool(
+        self,
+        prompt_list: list[PromptType],
+        params_list: list[PoolingParams],
+        lora_request: LoRARef | Sequence[LoRARef],
+        priority: int | Sequence[int] | None,
+        use_tqdm: bool,
+    ) -> list[EmbeddingRequestOutput]:
+        """Run one pooling request per prompt (``embed``'s and ``classify``'s); the pooled
+        vectors in order."""
+        for params in params_list:
+            self.check_task(params)
         lora_ids = self.lora_ids_of(lora_request, len(prompt_list))
         priorities = self.priorities_of(priority, len(prompt_list))
         encoded = [
             self.encode_prompt(prompt, f"prompts[{index}]")
             for index, prompt in enumerate(prompt_list)
         ]
-        for index, (token_ids, params) in enumerate(zip(encoded, params_list)):
-            params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
+        for index, token_ids in enumerate(encoded):
             try:
                 self.engine.check_request_fits(len(token_ids), 0)
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
         return self._run(prompt_list, encoded, params_list, None, lora_ids, priorities, use_tqdm)
+
+    def check_task(self, pooling_params: PoolingParams | None) -> None:
+        """``ValueError`` for a request of a task this model does not serve
+        (``pooling_params.check_task``): None for a generation request."""
+        try:
+            check_task(self.model_config.task, pooling_params)
+        except ValueError as error:
+            architecture = ", ".join(self.model_config.hf_config.get("architectures") or [])
+            raise ValueError(f"model {architecture}: {error}") from None
 
     def score(
         self,
@@ -583,15 +663,18 @@ class LLM:
         priority: int = 0,
         use_tqdm: bool = True,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's score for an embedding model: the cosine similarity of each pair's
-        embeddings (``embed``'s). One ``data_1`` is scored against every ``data_2``, or
-        as many of each pairwise; each distinct prompt is embedded once.
-        ``truncate_prompt_tokens`` keeps each prompt's last k tokens (-1: the context
-        window). One ``ScoringRequestOutput`` per pair, in order: ``.outputs.score``."""
+        """vLLM's score. An embedding model: the cosine similarity of each pair's
+        embeddings (``embed``'s), each distinct prompt embedded once. A cross-encoder (a
+        classification model with one label): each pair's texts joined as the tokenizer
+        joins a pair, classified, its sigmoid the score. One ``data_1`` is scored against
+        every ``data_2``, or as many of each pairwise. ``truncate_prompt_tokens``: keep
+        each prompt's last k tokens (a cross-encoder's pair: k tokens, cut from the longer
+        text first); -1: the context window. One ``ScoringRequestOutput`` per pair, in
+        order: ``.outputs.score``."""
         prompts_1 = _as_prompt_list(data_1)
         prompts_2 = _as_prompt_list(data_2)
         pairs = pair_indices(len(prompts_1), len(prompts_2), ("data_1", "data_2"))
-        prompts: list[PromptType] = [*prompts_1, *prompts_2]
+        keep = None
         if truncate_prompt_tokens is not None:
             max_model_len = self.scheduler_config.max_model_len
             keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
@@ -601,6 +684,12 @@ class LLM:
                     f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the "
                     f"model's context window), got {truncate_prompt_tokens!r}"
                 )
+        if self.model_config.task == "classify":
+            return self._cross_encoder_scores(
+                prompts_1, prompts_2, pairs, keep, lora_request, priority, use_tqdm
+            )
+        prompts: list[PromptType] = [*prompts_1, *prompts_2]
+        if keep is not None:
             prompts = [
                 self.encode_prompt(prompt, f"data_{1 if i < len(prompts_1) else 2}")[-keep:]
                 for i, prompt in enumerate(prompts)
@@ -626,6 +715,39 @@ class LLM:
                 )
             )
         return outputs
+
+    def _cross_encoder_scores(
+        self,
+        prompts_1: list[PromptType],
+        prompts_2: list[PromptType],
+        pairs: list[tuple[int, int]],
+        keep: int | None,
+        lora_request: LoRARef,
+        priority: int,
+        use_tqdm: bool,
+    ) -> list[ScoringRequestOutput]:
+        """``score`` on a cross-encoder: one classification per pair of texts."""
+        check_cross_encoder(self.model_config, "model")
+        tokenizer = self._require_tokenizer("data_1")
+        for name, prompt_list in (("data_1", prompts_1), ("data_2", prompts_2)):
+            for index, prompt in enumerate(prompt_list):
+                if not isinstance(prompt, str):
+                    raise ValueError(
+                        f"{name}[{index}]: a cross-encoder scores texts (the tokenizer joins "
+                        f"each pair), got {type(prompt).__name__}"
+                    )
+        encoded = [tokenizer.encode_pair(prompts_1[i], prompts_2[j], keep) for i, j in pairs]
+        classified = self.classify(
+            encoded, lora_request=lora_request, priority=priority, use_tqdm=use_tqdm
+        )
+        return [
+            ScoringRequestOutput(
+                request_id=output.request_id,
+                outputs=ScoringOutput(output.outputs.probs[0]),
+                prompt_token_ids=output.prompt_token_ids,
+            )
+            for output in classified
+        ]
 
     def load_lora(self, name: str, path: str | os.PathLike[str]) -> int:
         """Serve the PEFT LoRA adapter in directory ``path`` as ``name`` from now on (an

@@ -77,3 +77,30 @@ class EmbeddingRequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     queue_time_s: float | None = None  # as RequestOutput's
+
+
+@dataclass
+class ClassificationOutput:
+    """One classification (vLLM's ``ClassificationOutput``): a value per label, in the
+    model's label order: probabilities (softmax; a sigmoid for a one-label model), or the
+    raw logits when asked without the activation."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per prompt (vLLM's): ``outputs.probs``, and the
+    ``label`` of the most probable class (the model's ``id2label``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    label: str
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -281,6 +281,7 @@ class Server:
     ) -> None:
         """``ValueError`` for a request the engine could never run (it names the limit), or
         whose structured output it cannot give (named under ``params_field``)."""
+        llm.check_task(None)
         if params.stop and llm.tokenizer is None:
             raise ValueError(
                 f"{stop_field}={params.stop!r}: stop strings need a tokenizer, and "

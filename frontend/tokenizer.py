@@ -56,6 +56,19 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, text: str, text_pair: str, max_length: int | None = None) -> list[int]:
+        """The two texts as one input, joined as the tokenizer joins a pair (its special
+        tokens around and between them): a cross-encoder's input. ``max_length``: cut to
+        that many tokens, from the longer text first (HF's ``longest_first``)."""
+        return list(
+            self._tokenizer(
+                text,
+                text_pair=text_pair,
+                truncation=max_length is not None,
+                max_length=max_length,
+            )["input_ids"]
+        )
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``token_ids``, without transformers' clean-up of spaces before
         punctuation, which no incremental decoding could reproduce."""

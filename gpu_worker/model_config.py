@@ -31,6 +31,17 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma",
 }
 
+# Sequence classification models (HF's ``*ForSequenceClassification``): the family's decoder
+# and a ``score`` head (a bias-free linear map of the final hidden state to one logit per
+# label) in place of the LM head; read as the causal architecture beside them, with labels.
+# (Gemma 3's text-only classifier is Gemma3TextForSequenceClassification:
+# Gemma3ForSequenceClassification is the multimodal model's.)
+CLASSIFIER_ARCHITECTURES = {
+    name.replace("ForCausalLM", "ForSequenceClassification"): name
+    for name in SUPPORTED_ARCHITECTURES
+    if name != "Gemma3ForCausalLM"
+} | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
+
 # The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding
 # layers, soft-capping fields).
 _GEMMA2_LIKE = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -111,6 +122,15 @@ class ModelConfig:
     # Each layer's experts; None for a dense MLP (see _layer_experts).
     layer_experts: tuple[ExpertsSpec | None, ...]
     hf_config: dict[str, Any] = field(repr=False, compare=False)
+    # A sequence classification model's labels, in the order of its head's logits (its
+    # ``id2label``); empty for a causal LM.
+    labels: tuple[str, ...] = ()
+
+    @property
+    def task(self) -> str:
+        """``"classify"`` for a sequence classification model, else ``"generate"`` (a causal
+        LM: generation and embeddings), as ``SchedulerConfig.model_task`` takes it."""
+        return "classify" if self.labels else "generate"
 
     @property
     def has_experts(self) -> bool:
@@ -138,13 +158,16 @@ class ModelConfig:
             raise ValueError(f"model: {str(path)!r} has no config.json")
         hf_config = json.loads(config_file.read_text())
         architectures = hf_config.get("architectures") or []
-        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-        if architecture is None:
+        known = {**{name: name for name in SUPPORTED_ARCHITECTURES}, **CLASSIFIER_ARCHITECTURES}
+        declared = next((a for a in architectures if a in known), None)
+        if declared is None:
             raise ValueError(
                 f"model: architecture {architectures or hf_config.get('model_type')!r} in "
                 f"{str(config_file)!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(known)}"
             )
+        architecture = known[declared]
+        labels = _labels(hf_config) if declared in CLASSIFIER_ARCHITECTURES else ()
         family = SUPPORTED_ARCHITECTURES[architecture]
         hf_config = {**_CONFIG_DEFAULTS.get(architecture, {}), **hf_config}
         _check_supported_fields(architecture, hf_config)
@@ -166,7 +189,26 @@ class ModelConfig:
             layer_sliding_windows=_layer_sliding_windows(architecture, hf_config),
             layer_experts=_layer_experts(architecture, hf_config),
             hf_config=hf_config,
+            labels=labels,
         )
+
+
+def _labels(hf_config: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's labels as HF's ``PretrainedConfig`` reads them: ``id2label`` (keys 0 to
+    n - 1), else ``num_labels`` (default 2) labels named ``LABEL_<i>``."""
+    id2label = hf_config.get("id2label")
+    if id2label:
+        if not isinstance(id2label, dict) or sorted(map(str, id2label)) != sorted(
+            str(i) for i in range(len(id2label))
+        ):
+            raise ValueError(
+                f"model: id2label must map the label ids 0 to n - 1 to names, got {id2label!r:.200}"
+            )
+        return tuple(str(id2label[str(i)]) for i in range(len(id2label)))
+    num_labels = hf_config.get("num_labels", 2)
+    if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
+        raise ValueError(f"model: num_labels must be an integer >= 1, got {num_labels!r}")
+    return tuple(f"LABEL_{i}" for i in range(num_labels))
 
 
 def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> None:

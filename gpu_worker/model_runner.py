@@ -159,7 +159,7 @@ class ModelRunner:
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             embeddings = {
-                entry.request_id: _pooled(hidden[row], entry.state.pooling_params)
+                entry.request_id: _pooled(self.model, hidden[row], entry.state.pooling_params)
                 for entry, row in inputs.pooling_entries
             }
             prompt_logprobs = {
@@ -438,10 +438,17 @@ class ModelRunner:
         )
 
 
-def _pooled(hidden_row: torch.Tensor, params: PoolingParams) -> bytes:
-    """One embedding from the final-norm hidden state of a prompt's last token, as
-    little-endian float32 bytes: cut to ``dimensions`` first, then L2-normalized (the
-    order of vLLM and OpenAI's Matryoshka embeddings)."""
+def _pooled(model: CausalLM, hidden_row: torch.Tensor, params: PoolingParams) -> bytes:
+    """One vector from the final-norm hidden state of a prompt's last token, as
+    little-endian float32 bytes. An embedding: cut to ``dimensions`` first, then
+    L2-normalized (the order of vLLM and OpenAI's Matryoshka embeddings). A classification:
+    the classifier head's logits, through a softmax over the labels (a sigmoid for one label,
+    as vLLM's classifier pooler does) unless ``use_activation`` is off."""
+    if params.task == "classify":
+        logits = model.classify(hidden_row[None, :])[0]
+        if params.use_activation:
+            logits = torch.sigmoid(logits) if logits.numel() == 1 else logits.softmax(dim=0)
+        return logits.cpu().numpy().astype("<f4").tobytes()
     vector = hidden_row.float()
     if params.dimensions is not None:
         vector = vector[: params.dimensions]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
+from pagedserve.scheduler.pooling_params import MODEL_TASKS
 
 ALLOCATION_POLICIES = ("paged", "max", "pow2", "oracle")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -65,6 +66,10 @@ class SchedulerConfig:
     # sliding_window tokens of blocks however long it grows, and a request may outgrow the
     # KV cache (see check_request_fits). Set from the model by the engine.
     sliding_window: int = 0
+    # What the model does (pooling_params.MODEL_TASKS): "generate" (a causal LM: generation
+    # and embedding requests) or "classify" (a sequence classification model: classification
+    # requests only; it has no LM head). Set from the model by the engine.
+    model_task: str = "generate"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -127,6 +132,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"sliding_window must be an integer >= 0 (tokens; 0: none), "
                 f"got {self.sliding_window!r}"
+            )
+        if self.model_task not in MODEL_TASKS:
+            raise ValueError(
+                f"model_task must be one of {', '.join(MODEL_TASKS)}, got {self.model_task!r}"
             )
         if not 0.0 <= self.watermark_fraction < 1.0:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")

@@ -1,9 +1,17 @@
-"""Per-request embedding settings (vLLM's ``PoolingParams``, its "embed" task).
+"""Per-request pooling settings (vLLM's ``PoolingParams``: its "embed" and "classify" tasks).
 
 A request that carries a ``PoolingParams`` computes its prompt only: no token is sampled,
-and it ends in the step that computes its last prompt token, with one vector: the model's
-final-norm hidden state at that token (last-token pooling), cut to ``dimensions`` and then
-L2-normalized unless ``normalize=False``.
+and it ends in the step that computes its last prompt token, with one vector pooled from
+the model's final-norm hidden state at that token (last-token pooling):
+
+- ``task="embed"`` (a causal LM): the hidden state, cut to ``dimensions`` and then
+  L2-normalized unless ``normalize=False``.
+- ``task="classify"`` (a sequence classification model, ``*ForSequenceClassification``):
+  the classifier head's logits over the model's labels, through a softmax (a sigmoid for a
+  one-label model, a cross-encoder's relevance) unless ``use_activation=False``.
+
+Which tasks a model serves is its ``model_task`` (``check_task``): a causal LM generates and
+embeds; a classification model only classifies (it has no LM head).
 """
 
 from __future__ import annotations
@@ -18,19 +26,38 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 # pools the request's last prompt token instead.
 PROMPT_ONLY_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
+POOLING_TASKS = ("embed", "classify")
+# A model's task: "generate" (a causal LM: generation and embedding requests) or "classify"
+# (a sequence classification model: classification requests only).
+MODEL_TASKS = ("generate", "classify")
+
 
 @dataclass(frozen=True)
 class PoolingParams:
     """``normalize``: divide the vector by its L2 norm (after the cut). ``dimensions``:
     keep only the first ``dimensions`` values (Matryoshka embeddings, OpenAI's
-    ``dimensions``); None keeps the whole hidden state."""
+    ``dimensions``); None keeps the whole hidden state. Both are the embed task's.
+    ``task``: "embed" or "classify". ``use_activation``: the classify task's softmax (or
+    sigmoid); False gives the raw logits."""
 
     normalize: bool = True
     dimensions: int | None = None
+    task: str = "embed"
+    use_activation: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.normalize, bool):
-            raise TypeError(f"normalize must be a bool, got {self.normalize!r}")
+        for name in ("normalize", "use_activation"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.task not in POOLING_TASKS:
+            raise ValueError(
+                f"task must be one of {', '.join(map(repr, POOLING_TASKS))}, got {self.task!r}"
+            )
+        if self.task == "classify" and self.dimensions is not None:
+            raise ValueError(
+                f"dimensions={self.dimensions!r} is the embed task's; a classification has "
+                "one value per label"
+            )
         if self.dimensions is not None and (
             isinstance(self.dimensions, bool)
             or not isinstance(self.dimensions, int)
@@ -46,6 +73,25 @@ class PoolingParams:
                 f"{field}={self.dimensions} exceeds the model's embedding size "
                 f"({embedding_size}); it must be between 1 and {embedding_size}"
             )
+
+
+def check_task(model_task: str, pooling_params: PoolingParams | None) -> None:
+    """``ValueError`` for a request the model cannot serve: a generation (no
+    ``pooling_params``) or an embedding on a classification model, a classification on a
+    causal LM."""
+    task = "generate" if pooling_params is None else pooling_params.task
+    if model_task == "classify" and task != "classify":
+        raise ValueError(
+            f"this model is a sequence classification model (its head scores labels, it has "
+            f"no LM head): it serves classification and cross-encoder scores, not the "
+            f"{task} task"
+        )
+    if model_task == "generate" and task == "classify":
+        raise ValueError(
+            "this model is a causal LM, not a sequence classification model "
+            "(*ForSequenceClassification): it has no classifier head; it serves generation "
+            "and embeddings"
+        )
 
 
 def decode_embedding(data: bytes) -> list[float]:

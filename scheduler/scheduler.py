@@ -18,6 +18,7 @@ from pagedserve.scheduler.messages import (
     StepPlan,
     StepResult,
 )
+from pagedserve.scheduler.pooling_params import check_task
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sequence_group import SequenceGroup
 from pagedserve.scheduler.structured_output import StructuredOutput
@@ -223,6 +224,7 @@ class Scheduler:
                 "need allocation_policy 'paged'"
             )
         check_priority(request.priority, self.config.scheduling_policy)
+        check_task(self.config.model_task, request.pooling_params)
         if params.structured_outputs is not None:
             request.grammar = self.structured_output.new_matcher(params.structured_outputs)
         request.arrival_index = self._num_added

@@ -185,7 +185,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "lora_id",
         "pooling_params",
     ),
-    PoolingParams: ("normalize", "dimensions"),
+    PoolingParams: ("normalize", "dimensions", "task", "use_activation"),
     CachedRequestData: (
         "request_id",
         "new_block_ids",
@@ -263,6 +263,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "scheduling_policy",
         "max_loras",
         "sliding_window",
+        "model_task",
     ),
     WorkerSpec: (
         "model_path",
@@ -901,6 +902,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         str,
         int,
         int,
+        str,
     ),
     WorkerSpec: (
         str,
@@ -926,7 +928,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         bool,
     ),
     GrammarVocabulary: (str, int, list, _OPTIONAL_INT, _OPTIONAL_INT),
-    PoolingParams: (bool, _OPTIONAL_INT),
+    PoolingParams: (bool, _OPTIONAL_INT, str, bool),
 }
 
 

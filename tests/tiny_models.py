@@ -30,7 +30,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "GemmaForCausalLM": transformers.GemmaConfig,
         "Gemma2ForCausalLM": transformers.Gemma2Config,
         "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
-    }[architecture]
+    }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]
     torch.manual_seed(seed)
@@ -45,3 +45,10 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
                 parameter.normal_(0.0, 0.08)
     model.save_pretrained(path)
     return path
+
+
+def _causal_architecture(architecture: str) -> str:
+    """The causal LM whose config a sequence classification model shares."""
+    if architecture == "Gemma3TextForSequenceClassification":
+        return "Gemma3ForCausalLM"
+    return architecture.replace("ForSequenceClassification", "ForCausalLM")

@@ -12,7 +12,15 @@ from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 def build_model(
     config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel = SINGLE
 ) -> CausalLM:
-    """The model of ``config``'s family, holding rank ``parallel.rank``'s share of it."""
+    """The model of ``config``'s family, holding rank ``parallel.rank``'s share of it; a
+    sequence classification model (``config.labels``) with its classifier head."""
+    model = _build_decoder(config, dtype, parallel)
+    if config.labels:
+        model.attach_classifier(config, dtype)
+    return model
+
+
+def _build_decoder(config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel) -> CausalLM:
     if config.family == "llama":
         from pagedserve.gpu_worker.models.llama import LlamaForCausalLM
 

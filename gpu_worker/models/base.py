@@ -13,6 +13,7 @@ from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.linear import ShardedWeights
 from pagedserve.gpu_worker.layers.packed_weights import pack_linear_weights
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
+from pagedserve.gpu_worker.model_config import ModelConfig
 
 
 class CausalLM(nn.Module, abc.ABC):
@@ -45,9 +46,33 @@ class CausalLM(nn.Module, abc.ABC):
     def pack_weights(self, quantization: str | None = None) -> int:
         """Once loading is over: packs every matrix that has a faster packed form on this
         device and dtype (``layers/packed_weights.py``), the linear layers quantized as
-        ``quantization`` says (the LM head and embeddings never are); returns how many it
-        packed."""
-        return pack_linear_weights(self, quantization) + self.logits_table.pack_for_logits()
+        ``quantization`` says (the LM head, a classifier head and embeddings never are);
+        returns how many it packed."""
+        packed = pack_linear_weights(self, quantization)
+        if self.classifier is None:  # a classifier computes no logits over the vocabulary
+            packed += self.logits_table.pack_for_logits()
+        return packed
+
+    def attach_classifier(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        """Make this a sequence classification model (HF's ``*ForSequenceClassification``):
+        a ``score`` head maps the final hidden state to one logit per label, in place of
+        the LM head (an untied one is dropped: the checkpoint has none). Every rank holds
+        the whole head: it is small, and every rank has the whole hidden state."""
+        if getattr(self, "lm_head", None) is not None:
+            self.lm_head = None
+        self.score = nn.Linear(config.embedding_size, len(config.labels), bias=False, dtype=dtype)
+        self.score.weight.requires_grad_(False)
+
+    @property
+    def classifier(self) -> nn.Linear | None:
+        """The classifier head (``attach_classifier``); None for a causal LM."""
+        return self._modules.get("score")
+
+    def classify(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [rows, hidden] -> float32 logits [rows, num_labels]."""
+        if self.classifier is None:
+            raise ValueError("this model has no classifier head (it is a causal LM)")
+        return self.classifier(hidden_states).float()
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Point each layer's attention at its key/value views of ``kv_cache``."""

@@ -275,6 +275,8 @@ ROUND_TRIP_CASES = {
     ),
     "pooling-params": PoolingParams(normalize=False, dimensions=3),
     "pooling-params-defaults": PoolingParams(),
+    "pooling-params-classify": PoolingParams(task="classify", use_activation=False),
+    "scheduler-config-classifier": SchedulerConfig(model_task="classify"),
     "cached-request": CachedRequestData("req-1", [12, 13], 31, 1),
     "token-logprobs": TOP,
     "prompt-logprobs-chunk": PromptLogprobsChunk(first_position=1, entries=[TOP, OTHER]),
@@ -597,7 +599,21 @@ def _plan_fields(**overrides) -> list:
         (_frame(EngineStats, [], None), "EngineStats.stats: expected dict, got list"),
         (
             _frame(
-                SchedulerConfig, 0, 2048, 2048, True, 0.01, None, "paged", 0, 4, 2, "fcfs", 0, 0
+                SchedulerConfig,
+                0,
+                2048,
+                2048,
+                True,
+                0.01,
+                None,
+                "paged",
+                0,
+                4,
+                2,
+                "fcfs",
+                0,
+                0,
+                "generate",
             ),
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
@@ -626,12 +642,46 @@ def _plan_fields(**overrides) -> list:
             r"StepResult.embeddings: expected only bytes, found \['list'\]",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2], None, 0, 0, [True, 0]),
+            _frame(
+                AddRequest, "r", [1], _pack_params(), 0.0, [2], None, 0, 0, [True, 0, "embed", True]
+            ),
             "PoolingParams: dimensions must be an integer >= 1, got 0",
         ),
         (
-            _frame(AddRequest, "r", [1], _pack_params(), 0.0, [2], None, 0, 0, [1, None]),
+            _frame(
+                AddRequest, "r", [1], _pack_params(), 0.0, [2], None, 0, 0, [1, None, "embed", True]
+            ),
             "PoolingParams.normalize: expected bool, got int",
+        ),
+        (
+            _frame(
+                AddRequest,
+                "r",
+                [1],
+                _pack_params(),
+                0.0,
+                [2],
+                None,
+                0,
+                0,
+                [True, 3, "classify", True],
+            ),
+            "PoolingParams: dimensions=3 is the embed task's",
+        ),
+        (
+            _frame(
+                AddRequest,
+                "r",
+                [1],
+                _pack_params(),
+                0.0,
+                [2],
+                None,
+                0,
+                0,
+                [True, None, "rank", True],
+            ),
+            "PoolingParams: task must be one of 'embed', 'classify', got 'rank'",
         ),
         (
             _frame(
