@@ -6,7 +6,8 @@ The input is JSON Lines, one request per line (blank lines are skipped)::
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
 ``url`` is ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
-``/v1/responses``, ``/v1/score`` or ``/v1/rerank`` and ``body`` what the HTTP API takes there
+``/v1/responses``, ``/v1/score``, ``/v1/rerank`` or ``/v1/classify`` and ``body`` what the
+HTTP API takes there
 (``openai_calls.py`` answers both, so a line reads exactly as the same body POSTed to
 ``pagedserve serve``), except ``"stream": true``.
 ``custom_id`` is the caller's name for the line, unique in the file.
@@ -77,11 +78,13 @@ ROUTES = {
     "/v1/responses": "response",
     "/v1/score": "score",
     "/v1/rerank": "rerank",
+    "/v1/classify": "classify",
     # vLLM's batch runner takes any URL ending in /score or /rerank; these are the
     # server's other routes to them.
     "/score": "score",
     "/rerank": "rerank",
     "/v2/rerank": "rerank",
+    "/classify": "classify",
 }
 INVALID_LINE_CODE = "invalid_request_line"
 
@@ -346,6 +349,8 @@ class BatchRunner:
                     body = await calls.response(line.body, line.custom_id)
                 elif line.kind in ("score", "rerank"):
                     body = await calls.score(line.kind, line.body, line.custom_id)
+                elif line.kind == "classify":
+                    body = await calls.classification(line.body, line.custom_id)
                 else:
                     body = await calls.generation(line.kind, line.body, line.custom_id)
         except CallError as error:

@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve pagedserve.v1.Generation, grpc.health.v1.Health and reflection "
         "(and with --http-port the OpenAI-compatible HTTP API: /v1/completions, "
         "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/score, /v1/rerank, "
-        "/v1/models, /health, /metrics). "
+        "/v1/classify, /v1/models, /health, /metrics). "
         "SIGTERM drains: new calls are refused, calls in flight finish (up to "
         "--drain-timeout-s), then the process exits 0; it exits 1 if the engine dies.",
     )
@@ -407,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a file of OpenAI batch requests (JSON Lines) and write their answers",
         description="Run OpenAI batch requests (vLLM's run-batch): each input line is "
         '{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" (or '
-        '/v1/completions, /v1/embeddings), "body": {...}}; each output line, in the input\'s '
+        "/v1/completions, /v1/responses, /v1/embeddings, /v1/score, /v1/rerank, /v1/classify), "
+        '"body": {...}}; each output line, in the input\'s '
         'order, is {"id", "custom_id", "response": {"status_code", "request_id", "body"}, '
         '"error"}. Exits 0 once every line is answered (whatever their statuses), 1 if the '
         "engine fails or a signal stops the batch, 2 for bad arguments or unreadable files.",

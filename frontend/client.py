@@ -35,6 +35,8 @@ from pagedserve.frontend.grpc_convert import (
     sampling_params_to_proto,
 )
 from pagedserve.frontend.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -164,6 +166,44 @@ def build_score_request(
     if truncate_prompt_tokens is not None:
         request.truncate_prompt_tokens = truncate_prompt_tokens
     return request
+
+
+def build_classify_request(
+    texts: str | Sequence[str],
+    truncate_prompt_tokens: int | None,
+    use_activation: bool | None,
+    request_id: str,
+    lora_adapter: str,
+    priority: int,
+) -> pb.ClassifyRequest:
+    request = pb.ClassifyRequest(
+        request_id=request_id,
+        input=[texts] if isinstance(texts, str) else list(texts),
+        lora_adapter=lora_adapter,
+        priority=priority,
+    )
+    if truncate_prompt_tokens is not None:
+        request.truncate_prompt_tokens = truncate_prompt_tokens
+    if use_activation is not None:
+        request.use_activation = use_activation
+    return request
+
+
+def classification_outputs(
+    request: pb.ClassifyRequest, response: pb.ClassifyResponse
+) -> list[ClassificationRequestOutput]:
+    """A ``Classify`` response as the offline ``LLM.classify`` returns it (the prompts'
+    token ids are not sent back: empty)."""
+    return [
+        ClassificationRequestOutput(
+            request_id=response.request_id,
+            prompt=text,
+            prompt_token_ids=[],
+            outputs=ClassificationOutput(list(item.probs)),
+            label=item.label,
+        )
+        for text, item in zip(request.input, response.classifications, strict=True)
+    ]
 
 
 def embedding_output(prompt: PromptType, response: pb.EmbedResponse) -> EmbeddingRequestOutput:
@@ -371,6 +411,25 @@ class Client:
         response = self.stub.Score(request, timeout=timeout_s, metadata=self._metadata)
         return list(response.scores)
 
+    def classify(
+        self,
+        texts: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_activation: bool | None = None,
+        request_id: str = "",
+        lora_adapter: str = "",
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each text's classification (the ``Classify`` RPC, as ``LLM.classify``):
+        ``.outputs.probs`` over the model's labels and the most probable ``.label``."""
+        request = build_classify_request(
+            texts, truncate_prompt_tokens, use_activation, request_id, lora_adapter, priority
+        )
+        response = self.stub.Classify(request, timeout=timeout_s, metadata=self._metadata)
+        return classification_outputs(request, response)
+
     def tokenize(self, text: str) -> list[int]:
         return list(
             self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self._metadata).token_ids
@@ -539,6 +598,23 @@ class AsyncClient:
         )
         response = await self.stub.Score(request, timeout=timeout_s, metadata=self._metadata)
         return list(response.scores)
+
+    async def classify(
+        self,
+        texts: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_activation: bool | None = None,
+        request_id: str = "",
+        lora_adapter: str = "",
+        priority: int = 0,
+        timeout_s: float | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        request = build_classify_request(
+            texts, truncate_prompt_tokens, use_activation, request_id, lora_adapter, priority
+        )
+        response = await self.stub.Classify(request, timeout=timeout_s, metadata=self._metadata)
+        return classification_outputs(request, response)
 
     async def close(self) -> None:
         await self.channel.close()

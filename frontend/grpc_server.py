@@ -25,7 +25,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -180,20 +180,44 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 "text_2": list(request.text_2),
                 "priority": request.priority,
             }
-            if request.HasField("truncate_prompt_tokens"):
-                body["truncate_prompt_tokens"] = request.truncate_prompt_tokens
-            if request.lora_adapter:
-                try:  # Generate's check and message for an adapter not served
-                    self._server.check_admission().lora_id(request.lora_adapter, "lora_adapter")
-                except ValueError as error:
-                    raise CallError("NOT_FOUND", str(error), "lora_adapter") from None
-                body["model"] = request.lora_adapter
+            self._pooling_options(request, body)
             answer = await self._calls.score("score", body, request.request_id or None)
             return pb.ScoreResponse(
                 request_id=request.request_id,
                 scores=[item["score"] for item in answer["data"]],
                 usage=pb.Usage(prompt_tokens=answer["usage"]["prompt_tokens"]),
             )
+
+    async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
+        """Run as the HTTP API's ``/classify`` (``openai_calls.py``)."""
+        async with self._counted_call(context):
+            body: dict = {"input": list(request.input), "priority": request.priority}
+            if request.HasField("use_activation"):
+                body["use_activation"] = request.use_activation
+            self._pooling_options(request, body)
+            answer = await self._calls.classification(body, request.request_id or None)
+            return pb.ClassifyResponse(
+                request_id=request.request_id,
+                classifications=[
+                    pb.Classification(label=item["label"], probs=item["probs"])
+                    for item in answer["data"]
+                ],
+                usage=pb.Usage(prompt_tokens=answer["usage"]["prompt_tokens"]),
+            )
+
+    def _pooling_options(
+        self, request: pb.ScoreRequest | pb.ClassifyRequest, body: dict[str, Any]
+    ) -> None:
+        """A Score or Classify request's truncation and adapter, as the HTTP body names
+        them (the adapter is the body's ``model``)."""
+        if request.HasField("truncate_prompt_tokens"):
+            body["truncate_prompt_tokens"] = request.truncate_prompt_tokens
+        if request.lora_adapter:
+            try:  # Generate's check and message for an adapter not served
+                self._server.check_admission().lora_id(request.lora_adapter, "lora_adapter")
+            except ValueError as error:
+                raise CallError("NOT_FOUND", str(error), "lora_adapter") from None
+            body["model"] = request.lora_adapter
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         llm = await self._ready_llm(context)
@@ -215,7 +239,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         config = llm.scheduler_config
         return pb.ModelInfo(
             model=str(llm.model_path),
-            architecture=llm.model_config.architecture,
+            architecture=llm.model_config.declared_architecture,
             dtype=llm.dtype,
             vocab_size=llm.model_config.vocab_size,
             max_model_len=config.max_model_len,
@@ -227,6 +251,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             quantization=llm.quantization or "",
             kv_cache_dtype=llm.kv_cache_dtype,
             max_output_tokens=llm.generation_defaults.max_tokens_limit,
+            labels=llm.model_config.labels,
         )
 
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.Stats:

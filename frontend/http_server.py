@@ -15,8 +15,10 @@ Routes:
   of either; ``encoding_format`` float or base64; ``dimensions``), vLLM's
   ``truncate_prompt_tokens`` and ``normalize``: one prompt-only engine request per input.
 - ``POST /score`` (``/v1/score``) and ``POST /rerank`` (``/v1/rerank``, ``/v2/rerank``):
-  vLLM's scores of an embedding model, the cosine similarity of two texts' embeddings
-  (``openai_scores.py``).
+  vLLM's scores: of an embedding model, the cosine similarity of two texts' embeddings;
+  of a cross-encoder, each pair classified (``openai_scores.py``).
+- ``POST /classify`` (``/v1/classify``): vLLM's classifications by a sequence
+  classification model, probabilities over its labels (``openai_classify.py``).
 - ``GET /v1/models`` (and ``/v1/models/{name}``): the one model served.
 - ``POST /tokenize``, ``POST /detokenize``: as vLLM's.
 - ``GET /health``: 200 while serving, 503 while the model loads, when draining, or once
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -158,6 +161,8 @@ class HttpApi:
             app.router.add_post(path, self._score)
         for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
             app.router.add_post(path, self._rerank)
+        for path in ("/classify", "/v1/classify"):
+            app.router.add_post(path, self._classify)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{name:.+}", self._model)
         app.router.add_post("/tokenize", self._tokenize)
@@ -240,10 +245,17 @@ class HttpApi:
             )
 
     async def _embeddings(self, http_request: web.Request) -> web.Response:
+        return await self._answered(http_request, self._calls.embedding)
+
+    async def _classify(self, http_request: web.Request) -> web.Response:
+        return await self._answered(http_request, self._calls.classification)
+
+    async def _answered(self, http_request: web.Request, call) -> web.Response:
+        """A body answered whole by ``call`` (one of ``OpenAiCalls``'), as JSON."""
         server = self._server
         async with server.call("http"):
             server.check_admission()
-            body = await self._calls.embedding(
+            body = await call(
                 await _json_body(http_request), http_request.headers.get("X-Request-Id")
             )
             return web.json_response(body, headers=_request_id_header(http_request))
@@ -302,13 +314,7 @@ class HttpApi:
         return await self._scores("rerank", http_request)
 
     async def _scores(self, kind: str, http_request: web.Request) -> web.Response:
-        server = self._server
-        async with server.call("http"):
-            server.check_admission()
-            body = await self._calls.score(
-                kind, await _json_body(http_request), http_request.headers.get("X-Request-Id")
-            )
-            return web.json_response(body, headers=_request_id_header(http_request))
+        return await self._answered(http_request, functools.partial(self._calls.score, kind))
 
     async def _stream(self, api_request, streams, http_request: web.Request):
         """The chunks as server-sent events; ``_generate`` sends [DONE] after the count."""
@@ -517,8 +523,8 @@ class HttpApi:
 
     async def _invocations(self, request: web.Request) -> web.StreamResponse:
         """The body's shape picks the API, as vLLM's ``/invocations`` does: ``messages`` a
-        chat completion, ``prompt`` a completion, ``input`` an embedding, ``text_1`` a
-        score, ``query`` a rerank."""
+        chat completion, ``prompt`` a completion, ``input`` an embedding (a classification
+        on a classification model), ``text_1`` a score, ``query`` a rerank."""
         body = await _json_body(request)  # aiohttp keeps it for the handler's own read
         if isinstance(body, dict):
             if "messages" in body:
@@ -526,6 +532,9 @@ class HttpApi:
             if "prompt" in body:
                 return await self._generate("completion", request)
             if "input" in body:
+                llm = self._server.check_admission()
+                if llm.model_config.task == "classify":
+                    return await self._classify(request)
                 return await self._embeddings(request)
             if "text_1" in body:
                 return await self._scores("score", request)

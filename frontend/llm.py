@@ -24,6 +24,7 @@ from pagedserve.frontend.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    most_probable_label,
 )
 from pagedserve.frontend.progress import ProgressBar
 from pagedserve.frontend.reasoning import thinking_token_ids
@@ -616,7 +617,7 @@ class LLM:
             prompt=output.prompt,
             prompt_token_ids=output.prompt_token_ids,
             outputs=ClassificationOutput(probs),
-            label=self.model_config.labels[max(range(len(probs)), key=probs.__getitem__)],
+            label=most_probable_label(self.model_config.labels, probs),
             num_cached_tokens=output.num_cached_tokens,
         )
 
@@ -651,8 +652,7 @@ class LLM:
         try:
             check_task(self.model_config.task, pooling_params)
         except ValueError as error:
-            architecture = ", ".join(self.model_config.hf_config.get("architectures") or [])
-            raise ValueError(f"model {architecture}: {error}") from None
+            raise ValueError(f"model {self.model_config.declared_architecture}: {error}") from None
 
     def score(
         self,

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.frontend import openai_classify as classify
 from pagedserve.frontend import openai_protocol as protocol
 from pagedserve.frontend import openai_responses as responses
 from pagedserve.frontend import openai_scores as scores
@@ -41,6 +42,10 @@ class OpenAiCalls:
         is refused (a batch has no one to stream to)."""
         server = self._server
         llm = server.check_admission()
+        try:
+            llm.check_task(None)
+        except ValueError as error:
+            raise CallError("INVALID_ARGUMENT", str(error), "model") from None
         api_request = protocol.parse_request(
             kind,
             body,
@@ -126,9 +131,16 @@ class OpenAiCalls:
         outputs = await self._pooled(api_request)
         return protocol.embedding_response(api_request, outputs)
 
+    async def classification(self, body: Any, client_request_id: str | None) -> dict:
+        """A ``/classify`` body answered (vLLM's response body)."""
+        api_request = self._parse_pooling(classify.parse_classify_request, body, client_request_id)
+        outputs = await self._pooled(api_request)
+        return classify.classify_response(api_request, outputs)
+
     async def score(self, kind: str, body: Any, client_request_id: str | None) -> dict:
         """A ``/score`` (``kind="score"``) or ``/rerank`` (``"rerank"``) body answered
-        (vLLM's response body): the texts embedded, each pair's cosine similarity."""
+        (vLLM's response body): the texts embedded, each pair's cosine similarity; on a
+        cross-encoder, each pair classified."""
         parse = scores.parse_score_request if kind == "score" else scores.parse_rerank_request
         api_request = self._parse_pooling(parse, body, client_request_id)
         outputs = await self._pooled(api_request)
@@ -151,6 +163,10 @@ class OpenAiCalls:
         """The embedding of each of a checked pooling request's prompts, in order."""
         server = self._server
         llm = server.check_admission(len(api_request.prompts))
+        try:
+            llm.check_task(api_request.params)
+        except ValueError as error:
+            raise CallError("INVALID_ARGUMENT", str(error), "model") from None
         for name, prompt in zip(api_request.prompt_names, api_request.prompts, strict=True):
             try:
                 llm.engine.check_request_fits(len(prompt.token_ids), 0)

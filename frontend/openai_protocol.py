@@ -1298,6 +1298,18 @@ def pooling_prompts(body: dict, llm: LLM, max_prompts: int, field: str) -> list[
     ``truncate_prompt_tokens`` tokens (-1: the context window), as vLLM does, and refused
     if longer than the context window."""
     prompts = _completion_prompts(body, llm, max_prompts, field)
+    truncate = truncate_prompt_tokens(body, llm)
+    for position, prompt in enumerate(prompts):
+        if truncate is not None and len(prompt.token_ids) > truncate:
+            prompts[position] = Prompt(None, prompt.token_ids[-truncate:])
+        name = field if len(prompts) == 1 else f"{field}[{position}]"
+        check_prompt_length(prompts[position], llm, name)
+    return prompts
+
+
+def truncate_prompt_tokens(body: dict, llm: LLM) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: how many tokens a prompt keeps at most (-1: the
+    context window); None: no cut."""
     max_model_len = llm.scheduler_config.max_model_len
     truncate = typed_field(body, "truncate_prompt_tokens", (int,), "an integer")
     if truncate == -1:
@@ -1308,18 +1320,19 @@ def pooling_prompts(body: dict, llm: LLM, max_prompts: int, field: str) -> list[
             f"context window), got {truncate}",
             "truncate_prompt_tokens",
         )
-    for position, prompt in enumerate(prompts):
-        if truncate is not None and len(prompt.token_ids) > truncate:
-            prompts[position] = Prompt(None, prompt.token_ids[-truncate:])
-        num_prompt_tokens = len(prompts[position].token_ids)
-        if num_prompt_tokens > max_model_len:
-            name = field if len(prompts) == 1 else f"{field}[{position}]"
-            raise invalid_field(
-                f"{name}: {num_prompt_tokens} prompt tokens exceed the model's context window "
-                f"of {max_model_len} tokens (truncate_prompt_tokens can cut them)",
-                name,
-            )
-    return prompts
+    return truncate
+
+
+def check_prompt_length(prompt: Prompt, llm: LLM, name: str) -> None:
+    """A pooling prompt longer than the context window is refused, naming its field."""
+    max_model_len = llm.scheduler_config.max_model_len
+    num_prompt_tokens = len(prompt.token_ids)
+    if num_prompt_tokens > max_model_len:
+        raise invalid_field(
+            f"{name}: {num_prompt_tokens} prompt tokens exceed the model's context window "
+            f"of {max_model_len} tokens (truncate_prompt_tokens can cut them)",
+            name,
+        )
 
 
 def checked_priority(body: dict, llm: LLM) -> int:

@@ -1,7 +1,12 @@
-"""vLLM's ``/score`` and ``/rerank`` (Jina's and Cohere's rerank shape) on an embedding
-model, JSON <-> the engine's: the bodies checked and tokenized into the distinct texts to
-embed and the pairs to score (``scores.py``), and the answers built from the texts'
-embeddings.
+"""vLLM's ``/score`` and ``/rerank`` (Jina's and Cohere's rerank shape), JSON <-> the
+engine's (``scores.py``), on either kind of model:
+
+- an embedding model (a causal LM): the bodies checked and tokenized into the distinct
+  texts to embed and the pairs to score; each pair's score the cosine similarity of its
+  texts' embeddings.
+- a cross-encoder (a one-label classification model): one prompt per pair, the texts
+  joined as the tokenizer joins a pair; each pair's score its classification (the sigmoid
+  of the logit).
 
 - ``/score``: ``text_1`` (a string, or a list) against ``text_2`` (a string, or a list):
   one ``text_1`` against every ``text_2``, or pairwise; ``data[i].score`` per pair.
@@ -23,14 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.openai_protocol import (
     Prompt,
+    check_prompt_length,
     checked_priority,
     int_field,
     invalid_field,
     pooling_prompts,
     served_model,
+    truncate_prompt_tokens,
     typed_field,
 )
-from pagedserve.frontend.scores import cosine_similarity, pair_indices
+from pagedserve.frontend.scores import check_cross_encoder, cosine_similarity, pair_indices
 from pagedserve.scheduler.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
@@ -44,12 +51,15 @@ _SCORE_FIELDS = _COMMON_FIELDS | {"text_1", "text_2"}
 _RERANK_FIELDS = _COMMON_FIELDS | {"query", "documents", "top_n"}
 # Every text is embedded whole, normalized: the dot product of two is their cosine.
 SCORE_POOLING_PARAMS = PoolingParams(normalize=True)
+# A cross-encoder's pair through its one label's sigmoid.
+CROSS_ENCODER_POOLING_PARAMS = PoolingParams(task="classify")
 
 
 @dataclass
 class ScoreApiRequest:
     """A checked ``/score`` or ``/rerank`` request: the distinct texts to embed (the first
-    side's, then the second's) and the pairs to score, as indices into them."""
+    side's, then the second's) and the pairs to score, as indices into them; for a
+    cross-encoder, one prompt per pair (pair k is ``(k, k)``)."""
 
     kind: str  # "score" or "rerank"
     model: str
@@ -63,6 +73,10 @@ class ScoreApiRequest:
     priority: int = 0
     params: PoolingParams = SCORE_POOLING_PARAMS
     created_s: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def cross_encoder(self) -> bool:
+        return self.params.task == "classify"
 
 
 def _texts(body: dict, name: str, single_allowed: bool = True) -> list[str]:
@@ -157,29 +171,89 @@ def _request(
     pairs: list[tuple[int, int]],
 ) -> ScoreApiRequest:
     """The checked request: both sides' texts tokenized (each named by its field), and
-    ``pairs`` (indices into each side) as indices into all the prompts."""
+    ``pairs`` (indices into each side) as indices into all the prompts; on a
+    cross-encoder, each pair tokenized as one prompt."""
     (first_name, first_texts), (second_name, second_texts) = first, second
-    prompts = _prompts(body, first_name, first_texts, llm, max_prompts)
-    prompts += _prompts(body, second_name, second_texts, llm, max_prompts)
-    offset = len(first_texts)
-    return ScoreApiRequest(
+    common = dict(
         kind=kind,
         model=model,
-        prompts=prompts,
-        prompt_names=_names(first_name, len(first_texts)) + _names(second_name, len(second_texts)),
-        pairs=[(i, offset + j) for i, j in pairs],
         client_request_id=typed_field(
             body, "request_id", (str,), "a string", client_request_id or ""
         ),
         lora_id=lora_id,
         priority=checked_priority(body, llm),
     )
+    if llm.model_config.task == "classify":
+        prompts, names = _pair_prompts(body, llm, first, second, pairs, max_prompts)
+        return ScoreApiRequest(
+            prompts=prompts,
+            prompt_names=names,
+            pairs=[(k, k) for k in range(len(pairs))],
+            params=CROSS_ENCODER_POOLING_PARAMS,
+            **common,
+        )
+    prompts = _prompts(body, first_name, first_texts, llm, max_prompts)
+    prompts += _prompts(body, second_name, second_texts, llm, max_prompts)
+    offset = len(first_texts)
+    return ScoreApiRequest(
+        prompts=prompts,
+        prompt_names=_names(first_name, len(first_texts)) + _names(second_name, len(second_texts)),
+        pairs=[(i, offset + j) for i, j in pairs],
+        **common,
+    )
+
+
+def _pair_prompts(
+    body: dict,
+    llm: LLM,
+    first: tuple[str, list[str]],
+    second: tuple[str, list[str]],
+    pairs: list[tuple[int, int]],
+    max_prompts: int,
+) -> tuple[list[Prompt], list[str]]:
+    """A cross-encoder's prompts: each pair's texts joined by the tokenizer (cut to
+    ``truncate_prompt_tokens``, from the longer text first, as vLLM's cross-encoders cut),
+    named by the second text's field."""
+    try:
+        check_cross_encoder(llm.model_config, "model")
+    except ValueError as error:
+        raise invalid_field(str(error), "model") from None
+    (first_name, first_texts), (second_name, second_texts) = first, second
+    if len(pairs) > max_prompts:
+        raise invalid_field(
+            f"{second_name}: {len(pairs)} pairs exceed the {max_prompts} prompts one request "
+            "may hold",
+            second_name,
+        )
+    if llm.tokenizer is None:
+        raise invalid_field(
+            f"{first_name}: a cross-encoder joins each pair's texts with the tokenizer, and "
+            f"{str(llm.model_path)!r} has none",
+            first_name,
+        )
+    truncate = truncate_prompt_tokens(body, llm)
+    names = _names(second_name, len(second_texts))
+    prompts = []
+    for i, j in pairs:
+        token_ids = llm.tokenizer.encode_pair(first_texts[i], second_texts[j], truncate)
+        if not token_ids:
+            raise invalid_field(
+                f"{names[j]}: the pair ({first_name} and {names[j]}) is empty; it needs at "
+                "least 1 token",
+                names[j],
+            )
+        prompt = Prompt(None, token_ids)
+        check_prompt_length(prompt, llm, names[j])
+        prompts.append(prompt)
+    return prompts, [names[j] for _i, j in pairs]
 
 
 def _scored(
     request: ScoreApiRequest, outputs: list[EmbeddingRequestOutput]
 ) -> list[tuple[float, int]]:
     """Each pair's score and prompt tokens, in the pairs' order."""
+    if request.cross_encoder:
+        return [(output.outputs.embedding[0], len(output.prompt_token_ids)) for output in outputs]
     scored = []
     for i, j in request.pairs:
         first, second = outputs[i], outputs[j]

@@ -104,3 +104,8 @@ class ClassificationRequestOutput:
     label: str
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+def most_probable_label(labels: tuple[str, ...], probs: list[float]) -> str:
+    """The label of the largest value (the first of equal ones), as vLLM names a class."""
+    return labels[max(range(len(probs)), key=probs.__getitem__)]

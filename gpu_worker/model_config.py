@@ -125,6 +125,9 @@ class ModelConfig:
     # A sequence classification model's labels, in the order of its head's logits (its
     # ``id2label``); empty for a causal LM.
     labels: tuple[str, ...] = ()
+    # The architecture config.json names (LlamaForSequenceClassification for a classifier
+    # read as LlamaForCausalLM; the same as ``architecture`` for a causal LM).
+    declared_architecture: str = ""
 
     @property
     def task(self) -> str:
@@ -190,6 +193,7 @@ class ModelConfig:
             layer_experts=_layer_experts(architecture, hf_config),
             hf_config=hf_config,
             labels=labels,
+            declared_architecture=declared,
         )
 
 

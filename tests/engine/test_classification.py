@@ -73,14 +73,10 @@ def classifier_dirs(tmp_path_factory) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def cross_encoder_dir(tmp_path_factory):
+def make_cross_encoder(path):
     """A one-label Qwen3 classifier whose byte-level tokenizer joins a pair as
     ``<|im_start|> A <|im_end|> B``, as rerankers' tokenizers mark the boundary."""
-    path = random_hf_model(
-        classifier_config(TINY_CONFIGS["qwen3"], num_labels=1),
-        tmp_path_factory.mktemp("cross_encoder"),
-    )
+    random_hf_model(classifier_config(TINY_CONFIGS["qwen3"], num_labels=1), path)
     tokenizer = byte_level_tokenizer([], vocab_size=512)
     start, end = BYTE_LEVEL_SPECIALS[1], BYTE_LEVEL_SPECIALS[2]
     tokenizer.post_processor = TemplateProcessing(
@@ -89,6 +85,19 @@ def cross_encoder_dir(tmp_path_factory):
         special_tokens=[(start, tokenizer.token_to_id(start)), (end, tokenizer.token_to_id(end))],
     )
     return save_for_transformers(tokenizer, path, BYTE_LEVEL_SPECIALS)
+
+
+def make_text_classifier(path):
+    """A three-label Llama classifier with a byte-level tokenizer (texts to classify)."""
+    random_hf_model(classifier_config(TINY_CONFIGS["llama"], id2label=LABELS), path)
+    return save_for_transformers(
+        byte_level_tokenizer([], vocab_size=512), path, BYTE_LEVEL_SPECIALS
+    )
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(tmp_path_factory):
+    return make_cross_encoder(tmp_path_factory.mktemp("cross_encoder"))
 
 
 def chunked_llm(model_dir, **kwargs) -> LLM:
@@ -169,6 +178,7 @@ def test_a_multiprocess_engine_classifies_as_the_offline_one(classifier_dirs):
 def test_labels_come_from_id2label_or_num_labels(tmp_path, classifier_dirs):
     config = ModelConfig.from_dir(classifier_dirs["opt"])
     assert config.architecture == "OPTForCausalLM" and config.task == "classify"
+    assert config.declared_architecture == "OPTForSequenceClassification"
     import json
     import shutil
 
@@ -214,3 +224,13 @@ def test_cross_encoder_scores_match_hf(cross_encoder_dir):
         assert abs(output.outputs.score - float(torch.sigmoid(logit))) < 1e-5
     with pytest.raises(ValueError, match=r"data_2\[0\]: a cross-encoder scores texts"):
         llm.score(query, [[1, 2, 3]])
+
+
+def test_tensor_parallel_ranks_classify_as_one(classifier_dirs):
+    """Every rank holds the whole head and the whole final hidden state: two ranks give
+    one rank's probabilities."""
+    model_dir = classifier_dirs["llama"]
+    expected = hf_logits(model_dir, prompts())
+    with chunked_llm(model_dir, tensor_parallel_size=2) as llm:
+        for output, logits in zip(llm.classify(prompts()), expected):
+            assert_close(output.outputs.probs, logits.softmax(dim=0))

@@ -176,8 +176,8 @@ def test_bad_lines_are_answered_in_order_naming_the_line(server_model_dir, tmp_p
         (None, "line 5: custom_id must be a non-empty string, got None"),
         ("b", "line 6: method must be 'POST', got 'GET'"),
         ("c", "line 7: url must be one of /v1/chat/completions, /v1/completions, "
-              "/v1/embeddings, /v1/responses, /v1/score, /v1/rerank, /score, /rerank, "
-              "/v2/rerank, got "
+              "/v1/embeddings, /v1/responses, /v1/score, /v1/rerank, /v1/classify, /score, "
+              "/rerank, /v2/rerank, /classify, got "
               "'/v1/audio/speech'"),
         ("d", "line 8: body must be a JSON object (the request /v1/completions takes), "
               "got an array"),

@@ -151,3 +151,16 @@ def test_grpc_score_answers_as_the_http_route(server, offline):
             server.stub.Score(request, timeout=30)
         assert caught.value.code() == code
         assert message in caught.value.details(), caught.value.details()
+
+
+def test_a_causal_lm_refuses_classification(server):
+    """/classify needs a sequence classification model: a 400 naming ``model`` (the gRPC
+    Classify RPC: INVALID_ARGUMENT), nothing queued."""
+    status, answer = post(server, "/v1/classify", {"input": "a"})
+    assert status == 400, answer
+    assert answer["error"]["param"] == "model"
+    assert "LlamaForCausalLM: this model is a causal LM" in answer["error"]["message"]
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub.Classify(pb.ClassifyRequest(input=["a"]), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no classifier head" in caught.value.details()

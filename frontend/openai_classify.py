@@ -1,0 +1,138 @@
+"""vLLM's ``/classify`` (``/v1/classify``) on a sequence classification model, JSON <->
+the engine's: ``input`` (a string, token ids, or a batch of either) classified one
+prompt-only request per input; each answer holds the probabilities over the model's
+labels (its ``id2label`` order), the most probable label and the class count.
+
+``use_activation`` (vLLM's; ``activation`` its older name): false answers with the raw
+logits instead of the softmax (the sigmoid for a one-label model). ``truncate_prompt_tokens``
+keeps each prompt's last k tokens (-1: the context window) and ``priority`` orders it, as
+for embeddings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.frontend.openai_protocol import (
+    Prompt,
+    checked_priority,
+    invalid_field,
+    pooling_prompts,
+    served_model,
+    typed_field,
+)
+from pagedserve.frontend.outputs import most_probable_label
+from pagedserve.scheduler.pooling_params import PoolingParams
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.llm import LLM
+    from pagedserve.frontend.outputs import EmbeddingRequestOutput
+
+logger = logging.getLogger("pagedserve.server")
+
+_CLASSIFY_FIELDS = {
+    "model",
+    "input",
+    "truncate_prompt_tokens",
+    "priority",
+    "request_id",
+    "user",
+    "use_activation",
+    "activation",
+}
+
+
+@dataclass
+class ClassifyApiRequest:
+    """A checked ``/classify`` request: its prompts and their one ``PoolingParams``."""
+
+    model: str
+    prompts: list[Prompt]
+    params: PoolingParams
+    labels: tuple[str, ...]
+    client_request_id: str
+    lora_id: int = 0
+    priority: int = 0
+    created_s: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def prompt_names(self) -> list[str]:
+        """Each prompt's field, as errors name it."""
+        if len(self.prompts) == 1:
+            return ["input"]
+        return [f"input[{i}]" for i in range(len(self.prompts))]
+
+
+def parse_classify_request(
+    body: Any,
+    llm: LLM,
+    served_model_name: str | tuple[str, ...],
+    client_request_id: str | None,
+    max_prompts: int = 1024,
+) -> ClassifyApiRequest:
+    if not isinstance(body, dict):
+        raise invalid_field(
+            f"the request body must be a JSON object, got {type(body).__name__}", ""
+        )
+    ignored = sorted(set(body) - _CLASSIFY_FIELDS)
+    if ignored:
+        logger.warning("fields ignored (not part of the classify API): %s", ", ".join(ignored))
+    model, lora_id = served_model(body, llm, served_model_name)
+    try:
+        llm.check_task(PoolingParams(task="classify"))
+    except ValueError as error:
+        raise invalid_field(str(error), "model") from None
+    prompts = pooling_prompts(body, llm, max_prompts, "input")
+    use_activation = typed_field(body, "use_activation", (bool,), "a boolean")
+    activation = typed_field(body, "activation", (bool,), "a boolean")
+    if use_activation is not None and activation is not None and use_activation != activation:
+        raise invalid_field(
+            f"use_activation={use_activation} and activation={activation} disagree; "
+            "activation is use_activation's older name: give one",
+            "activation",
+        )
+    value = next((v for v in (use_activation, activation) if v is not None), True)
+    return ClassifyApiRequest(
+        model=model,
+        prompts=prompts,
+        params=PoolingParams(task="classify", use_activation=value),
+        labels=llm.model_config.labels,
+        client_request_id=typed_field(
+            body, "request_id", (str,), "a string", client_request_id or ""
+        ),
+        lora_id=lora_id,
+        priority=checked_priority(body, llm),
+    )
+
+
+def classify_response(request: ClassifyApiRequest, outputs: list[EmbeddingRequestOutput]) -> dict:
+    """vLLM's answer: one classification per input, in order, and the usage."""
+    data = []
+    for index, output in enumerate(outputs):
+        probs = output.outputs.embedding
+        data.append(
+            {
+                "index": index,
+                "label": most_probable_label(request.labels, probs),
+                "probs": probs,
+                "num_classes": len(probs),
+            }
+        )
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {
+        "id": "classify-" + (request.client_request_id or uuid.uuid4().hex),
+        "object": "list",
+        "created": request.created_s,
+        "model": request.model,
+        "data": data,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }
