@@ -168,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the most logprobs (top alternatives per token) and prompt logprobs a request may "
         f"ask for (vLLM's; default {DEFAULT_MAX_LOGPROBS}; -1: the whole vocabulary)",
     )
+    engine.add_argument(
+        "--pooler-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='how an embedding model pools (vLLM\'s): \'{"pooling_type": "MEAN"}\' (LAST, '
+        "MEAN or CLS) and '\"normalize\": false'; default: the model's sentence-transformers "
+        "files (modules.json), else LAST, normalized",
+    )
     engine.add_argument("--verbose", action="store_true", help="log engine events to stderr")
     request = argparse.ArgumentParser(add_help=False)
     request.add_argument("--max-tokens", type=int, default=128)
@@ -242,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TOOL_CALL_PARSERS,
         help="the model's tool-call format: hermes (Hermes, Qwen2.5, Qwen3: <tool_call> "
         "blocks), llama3_json (Llama 3.1+ JSON calls), pythonic (Llama 3.2 / 4: a Python "
-        "list of calls), mistral ([TOOL_CALLS]: Mistral, Mixtral, Devstral) or qwen3_coder "
-        "(Qwen3-Coder's XML calls)",
+        "list of calls), mistral ([TOOL_CALLS]: Mistral, Mixtral, Devstral), qwen3_coder "
+        "(Qwen3-Coder's XML calls), deepseek_v3 (DeepSeek V3, R1 and its Qwen / Llama "
+        "distills) or deepseek_v31 (DeepSeek V3.1)",
     )
     api.add_argument(
         "--generation-config",
@@ -256,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     api.add_argument(
         "--override-generation-config",
-        type=_override_generation_config,
+        type=_json_object,
         default=None,
         metavar="JSON",
         help="sampling defaults on top of --generation-config, e.g. "
@@ -474,6 +484,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_loras=args.max_loras,
         structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
         max_logprobs=args.max_logprobs,
+        pooler_config=args.pooler_config,
     )
 
 
@@ -485,8 +496,9 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
-def _override_generation_config(value: str) -> dict:
-    """``--override-generation-config JSON``: a JSON object (checked by the engine)."""
+def _json_object(value: str) -> dict:
+    """A JSON object flag (``--override-generation-config``, ``--pooler-config``), its
+    fields checked by the engine."""
     try:
         config = json.loads(value)
     except ValueError as error:

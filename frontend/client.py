@@ -126,7 +126,7 @@ def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) 
 def build_embed_request(
     prompt: PromptType,
     dimensions: int | None,
-    normalize: bool,
+    normalize: bool | None,
     request_id: str,
     cache_namespace: str,
     lora_adapter: str,
@@ -134,11 +134,12 @@ def build_embed_request(
 ) -> pb.EmbedRequest:
     request = pb.EmbedRequest(
         request_id=request_id,
-        normalize=normalize,
         cache_namespace=cache_namespace,
         lora_adapter=lora_adapter,
         priority=priority,
     )
+    if normalize is not None:  # unset: the model's default
+        request.normalize = normalize
     if dimensions is not None:
         request.dimensions = dimensions
     if isinstance(prompt, str):
@@ -378,7 +379,7 @@ class Client:
         prompt: PromptType,
         *,
         dimensions: int | None = None,
-        normalize: bool = True,
+        normalize: bool | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",
@@ -569,7 +570,7 @@ class AsyncClient:
         prompt: PromptType,
         *,
         dimensions: int | None = None,
-        normalize: bool = True,
+        normalize: bool | None = None,
         request_id: str = "",
         cache_namespace: str = "",
         lora_adapter: str = "",

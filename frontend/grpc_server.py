@@ -339,8 +339,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         ``PoolingParams``, checked against the model and its window; and the prompt's
         token ids as the request keeps them (``truncate_prompt_tokens``)."""
         if isinstance(request, pb.EmbedRequest):
-            params = PoolingParams(
-                normalize=request.normalize if request.HasField("normalize") else True,
+            params = llm.embedding_params(
+                normalize=request.normalize if request.HasField("normalize") else None,
                 dimensions=request.dimensions if request.HasField("dimensions") else None,
             )
             llm.check_task(params)

@@ -8,7 +8,8 @@ Routes:
   (``openai_protocol.py``); ``"stream": true`` answers with server-sent events, one
   ``data: {chunk}`` per step (or per ``--stream-interval`` tokens), then
   ``data: [DONE]``. A client that disconnects ends its requests in the engine at once.
-- ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: OpenAI's Responses
+- ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+  /v1/responses/{id}/input_items``: OpenAI's Responses
   API (``openai_responses.py``), run as a chat completion; a stream's events are typed
   (``event: <type>``) and end without ``[DONE]``, as OpenAI's do.
 - ``POST /v1/embeddings``: OpenAI's embeddings (``input`` as text, token ids or a batch
@@ -154,6 +155,7 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_get("/v1/responses/{response_id}", self._get_response)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self._input_items)
         app.router.add_delete("/v1/responses/{response_id}", self._delete_response)
         app.router.add_post("/v1/embeddings", self._embeddings)
         # vLLM's scores of an embedding model (and the rerank route's versions it serves).
@@ -301,6 +303,11 @@ class HttpApi:
     async def _get_response(self, http_request: web.Request) -> web.Response:
         stored = self._server.responses.get(http_request.match_info["response_id"])
         return web.json_response(stored.response)
+
+    async def _input_items(self, http_request: web.Request) -> web.Response:
+        stored = self._server.responses.get(http_request.match_info["response_id"])
+        page = responses.input_items_page(stored, dict(http_request.query))
+        return web.json_response(page)
 
     async def _delete_response(self, http_request: web.Request) -> web.Response:
         response_id = http_request.match_info["response_id"]

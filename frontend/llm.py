@@ -26,6 +26,7 @@ from pagedserve.frontend.outputs import (
     RequestOutput,
     most_probable_label,
 )
+from pagedserve.frontend.pooler_config import PoolerConfig, read_pooler_config
 from pagedserve.frontend.progress import ProgressBar
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
@@ -166,6 +167,12 @@ class LLM:
     ``chat_template``: a Jinja chat template used instead of the model's own (one that
     shows tools to the model, say).
 
+    A ``*ForSequenceClassification`` directory is a classification model: it serves
+    ``classify`` (and ``score`` as a cross-encoder when it has one label), nothing else.
+    ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` (vLLM's) sets how an
+    embedding model pools instead of its sentence-transformers files
+    (``pooler_config.py``); MEAN and CLS pooling turn chunked prefill and prefix caching off.
+
     ``speculative_config`` (vLLM's form: ``{"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}``) turns on speculative decoding by
     prompt lookup: a decoding sequence whose last tokens occurred before proposes what
@@ -255,6 +262,7 @@ class LLM:
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        pooler_config: dict[str, Any] | None = None,
     ) -> None:
         check_dtype_name(dtype)
         valid = isinstance(max_logprobs, int) and not isinstance(max_logprobs, bool)
@@ -351,6 +359,21 @@ class LLM:
             )
             model_config = self.worker.model_config
         self.model_config = model_config
+        # An embedding model's pooling (its sentence-transformers files, or pooler_config);
+        # a classifier's head always reads the last token.
+        self.pooler_config = (
+            read_pooler_config(resolved.path, pooler_config)
+            if model_config.task == "generate"
+            else PoolerConfig(source="classifier")
+        )
+        if self.pooler_config.needs_whole_prompt:
+            # Its vectors read every prompt token's state: one step computes each prompt.
+            logger.info(
+                "%s pooling (%s): chunked prefill and prefix caching are off",
+                self.pooler_config.pooling_type,
+                self.pooler_config.source,
+            )
+            enable_chunked_prefill = enable_prefix_caching = False
         model_limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > model_limit:
             raise ValueError(
@@ -572,15 +595,28 @@ class LLM:
         (``dimensions``: the first that many values, then normalized). One
         ``EmbeddingRequestOutput`` per prompt, in order: ``.outputs.embedding``."""
         prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = self.embedding_params()
         params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
-        for params in params_list:
-            if params.task != "embed":
-                raise ValueError(
-                    f"pooling_params.task={params.task!r}: embed takes the embed task; "
-                    "classify with classify()"
-                )
+        for index, params in enumerate(params_list):
             params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
-        return self._pool(prompt_list, params_list, lora_request, priority, use_tqdm)
+            if params.task == "embed":  # the model's pooling, whatever the caller's says
+                params_list[index] = dataclasses.replace(
+                    params, pooling_type=self.pooler_config.pooling_type
+                )
+        return self._pool("embed", prompt_list, params_list, lora_request, priority, use_tqdm)
+
+    def embedding_params(
+        self, normalize: bool | None = None, dimensions: int | None = None
+    ) -> PoolingParams:
+        """An embedding request's ``PoolingParams`` on this model: its pooling type, and
+        ``normalize`` unless given as its pooler config says (sentence-transformers'
+        Normalize module; normalized without one)."""
+        return PoolingParams(
+            normalize=self.pooler_config.normalize if normalize is None else normalize,
+            dimensions=dimensions,
+            pooling_type=self.pooler_config.pooling_type,
+        )
 
     def classify(
         self,
@@ -601,13 +637,7 @@ class LLM:
         if pooling_params is None:
             pooling_params = PoolingParams(task="classify")
         params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
-        for params in params_list:
-            if params.task != "classify":
-                raise ValueError(
-                    f"pooling_params.task={params.task!r}: classify takes "
-                    "PoolingParams(task='classify')"
-                )
-        pooled = self._pool(prompt_list, params_list, lora_request, priority, use_tqdm)
+        pooled = self._pool("classify", prompt_list, params_list, lora_request, priority, use_tqdm)
         return [self._classification(output) for output in pooled]
 
     def _classification(self, output: EmbeddingRequestOutput) -> ClassificationRequestOutput:
@@ -623,15 +653,21 @@ class LLM:
 
     def _pool(
         self,
+        task: str,
         prompt_list: list[PromptType],
         params_list: list[PoolingParams],
         lora_request: LoRARef | Sequence[LoRARef],
         priority: int | Sequence[int] | None,
         use_tqdm: bool,
     ) -> list[EmbeddingRequestOutput]:
-        """Run one pooling request per prompt (``embed``'s and ``classify``'s); the pooled
-        vectors in order."""
+        """Run one pooling request of ``task`` per prompt (``embed``'s and ``classify``'s);
+        the pooled vectors in order."""
         for params in params_list:
+            if params.task != task:
+                raise ValueError(
+                    f"pooling_params.task={params.task!r}: {task}() takes "
+                    f"PoolingParams(task={task!r})"
+                )
             self.check_task(params)
         lora_ids = self.lora_ids_of(lora_request, len(prompt_list))
         priorities = self.priorities_of(priority, len(prompt_list))

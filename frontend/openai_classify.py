@@ -11,7 +11,6 @@ for embeddings.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.openai_protocol import (
     Prompt,
+    checked_body,
     checked_priority,
+    input_names,
     invalid_field,
     pooling_prompts,
     served_model,
@@ -31,8 +32,6 @@ from pagedserve.scheduler.pooling_params import PoolingParams
 if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.outputs import EmbeddingRequestOutput
-
-logger = logging.getLogger("pagedserve.server")
 
 _CLASSIFY_FIELDS = {
     "model",
@@ -61,10 +60,7 @@ class ClassifyApiRequest:
 
     @property
     def prompt_names(self) -> list[str]:
-        """Each prompt's field, as errors name it."""
-        if len(self.prompts) == 1:
-            return ["input"]
-        return [f"input[{i}]" for i in range(len(self.prompts))]
+        return input_names(len(self.prompts))
 
 
 def parse_classify_request(
@@ -74,13 +70,7 @@ def parse_classify_request(
     client_request_id: str | None,
     max_prompts: int = 1024,
 ) -> ClassifyApiRequest:
-    if not isinstance(body, dict):
-        raise invalid_field(
-            f"the request body must be a JSON object, got {type(body).__name__}", ""
-        )
-    ignored = sorted(set(body) - _CLASSIFY_FIELDS)
-    if ignored:
-        logger.warning("fields ignored (not part of the classify API): %s", ", ".join(ignored))
+    checked_body(body, _CLASSIFY_FIELDS, "classify")
     model, lora_id = served_model(body, llm, served_model_name)
     try:
         llm.check_task(PoolingParams(task="classify"))

@@ -159,6 +159,19 @@ def _sampling_error(error: Exception, names: dict[str, str]) -> CallError:
     return CallError("INVALID_ARGUMENT", message, param)
 
 
+def checked_body(body: Any, known: set[str] | frozenset[str], api: str) -> dict:
+    """A request body that is a JSON object; the fields ``api`` does not know are ignored,
+    and named in the log (vLLM's behaviour: a client's extra fields do not fail it)."""
+    if not isinstance(body, dict):
+        raise invalid_field(
+            f"the request body must be a JSON object, got {type(body).__name__}", ""
+        )
+    ignored = sorted(set(body) - known)
+    if ignored:
+        logger.warning("fields ignored (not part of the %s API): %s", api, ", ".join(ignored))
+    return body
+
+
 def typed_field(body: dict, name: str, kinds: tuple[type, ...], what: str, default: Any = None):
     value = body.get(name)
     if value is None:
@@ -250,15 +263,9 @@ def parse_request(
     ``reasoning_parser``: the server's splitter of a reasoning model's thinking from its
     answer (chat only); None: off. ``trust_request_chat_template``: a chat request may
     bring its own template (``--trust-request-chat-template``)."""
-    if not isinstance(body, dict):
-        raise invalid_field(
-            f"the request body must be a JSON object, got {type(body).__name__}", ""
-        )
     known = _COMMON_FIELDS | set(_SAMPLING_FIELDS)
     known |= _COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS
-    ignored = sorted(set(body) - known)
-    if ignored:
-        logger.warning("fields ignored (not part of the %s API): %s", kind, ", ".join(ignored))
+    checked_body(body, known, kind)
     model, lora_id = served_model(body, llm, served_model_name)
     _refuse_unsupported(kind, body)
     tool_calling = _tool_calling(body, tool_call_parser) if kind == "chat" else None
@@ -1244,10 +1251,7 @@ class EmbeddingApiRequest:
 
     @property
     def prompt_names(self) -> list[str]:
-        """Each prompt's field, as errors name it."""
-        if len(self.prompts) == 1:
-            return ["input"]
-        return [f"input[{i}]" for i in range(len(self.prompts))]
+        return input_names(len(self.prompts))
 
 
 def parse_embedding_request(
@@ -1261,13 +1265,7 @@ def parse_embedding_request(
     ids, or a batch of either; ``dimensions`` in [1, the model's hidden size];
     ``truncate_prompt_tokens`` keeps a prompt's last k tokens (-1: the context window), as
     vLLM does; a prompt longer than the context window is refused."""
-    if not isinstance(body, dict):
-        raise invalid_field(
-            f"the request body must be a JSON object, got {type(body).__name__}", ""
-        )
-    ignored = sorted(set(body) - _EMBEDDING_FIELDS)
-    if ignored:
-        logger.warning("fields ignored (not part of the embeddings API): %s", ", ".join(ignored))
+    checked_body(body, _EMBEDDING_FIELDS, "embeddings")
     model, lora_id = served_model(body, llm, served_model_name)
     prompts = pooling_prompts(body, llm, max_prompts, "input")
     encoding_format = typed_field(body, "encoding_format", (str,), "a string", "float")
@@ -1277,12 +1275,12 @@ def parse_embedding_request(
             "encoding_format",
         )
     dimensions = int_field(body, "dimensions", 1, llm.model_config.embedding_size)
-    normalize = typed_field(body, "normalize", (bool,), "a boolean", True)
+    normalize = typed_field(body, "normalize", (bool,), "a boolean")
     priority = checked_priority(body, llm)
     return EmbeddingApiRequest(
         model=model,
         prompts=prompts,
-        params=PoolingParams(normalize=normalize, dimensions=dimensions),
+        params=llm.embedding_params(normalize, dimensions),
         encoding_format=encoding_format,
         client_request_id=typed_field(
             body, "request_id", (str,), "a string", client_request_id or ""
@@ -1290,6 +1288,11 @@ def parse_embedding_request(
         lora_id=lora_id,
         priority=priority,
     )
+
+
+def input_names(count: int) -> list[str]:
+    """Each of a pooling request's ``input`` prompts' field, as errors name it."""
+    return ["input"] if count == 1 else [f"input[{i}]" for i in range(count)]
 
 
 def pooling_prompts(body: dict, llm: LLM, max_prompts: int, field: str) -> list[Prompt]:

@@ -25,7 +25,6 @@ Refused by name: hosted tools (web search, file search, ...), ``background``,
 from __future__ import annotations
 
 import copy
-import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -36,6 +35,7 @@ from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.openai_protocol import (
     TokenTexts,
     chat_logprobs,
+    checked_body,
     content_text,
     finish_reason,
     invalid_field,
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.openai_protocol import ApiRequest
     from pagedserve.frontend.outputs import RequestOutput
-
-logger = logging.getLogger("pagedserve.server")
 
 # Passed on to the chat request as they are (vLLM's additions among them: sampling,
 # structured_outputs beside text.format).
@@ -121,6 +119,8 @@ class StoredResponse:
     # The conversation so far as chat messages (the instructions left out), for a
     # request that continues it.
     messages: list[dict]
+    # The request's own input as items, each with an id (GET .../input_items).
+    input_items: list[dict] = field(default_factory=list)
 
 
 class ResponseStore:
@@ -169,6 +169,7 @@ class ResponsesCall:
     chat_body: dict
     messages: list[dict]  # the conversation without the instructions
     store: bool
+    input_items: list[dict] = field(default_factory=list)  # the request's input, as items
     response_id: str = field(default_factory=lambda: _new_id("resp"))
     created_s: int = field(default_factory=lambda: int(time.time()))
 
@@ -180,13 +181,7 @@ class ResponsesCall:
 def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
     """The chat request a Responses ``body`` runs as; ``CallError`` naming the field for
     what is wrong or not served."""
-    if not isinstance(body, dict):
-        raise invalid_field(
-            f"the request body must be a JSON object, got {type(body).__name__}", ""
-        )
-    ignored = sorted(set(body) - KNOWN_FIELDS)
-    if ignored:  # as the other routes do: ignored, and named in the log
-        logger.warning("fields ignored (not part of the responses API): %s", ", ".join(ignored))
+    checked_body(body, KNOWN_FIELDS, "responses")
     if typed_field(body, "background", (bool,), "a boolean", False):
         raise invalid_field(
             "background=true: responses run while the call is open; leave background unset",
@@ -234,6 +229,7 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
         chat_body=chat_body,
         messages=messages,
         store=typed_field(body, "store", (bool,), "a boolean", True),
+        input_items=_input_items(body["input"]),
     )
 
 
@@ -308,6 +304,62 @@ def _input_messages(value: Any) -> list[dict]:
     if not messages:
         raise invalid_field("input holds no message to answer", "input")
     return messages
+
+
+def _input_items(value: str | list) -> list[dict]:
+    """A checked ``input`` (``_input_messages`` read it first) as OpenAI lists it back: each
+    item whole, with an id (its own, or a new one), text content as typed parts."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    items = []
+    for item in copy.deepcopy(value):
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, str):
+                part = "output_text" if item["role"] == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": content}]
+        prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(kind, "fco")
+        item.setdefault("id", _new_id(prefix))
+        item.setdefault("status", "completed")
+        items.append(item)
+    return items
+
+
+def input_items_page(stored: StoredResponse, query: dict[str, str]) -> dict:
+    """``GET /v1/responses/{id}/input_items``: OpenAI's list of a response's input items,
+    ``order`` "desc" (the default: the last item first) or "asc", at most ``limit`` (1 to
+    100, default 20) from the item after ``after`` (or up to ``before``), by id."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid_field(f"order must be 'asc' or 'desc', got {order!r:.50}", "order")
+    raw_limit = query.get("limit", "20")
+    try:
+        limit = int(raw_limit)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise invalid_field(f"limit must be an integer in [1, 100], got {raw_limit!r:.50}", "limit")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    ids = [item["id"] for item in items]
+    for name in ("after", "before"):
+        if name in query and query[name] not in ids:
+            raise invalid_field(
+                f"{name}: response {stored.response['id']!r} has no input item "
+                f"{query[name]!r:.100}",
+                name,
+            )
+    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    end = ids.index(query["before"]) if "before" in query else len(ids)
+    items = items[start:end]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
 
 
 def _string(item: dict, key: str, name: str, empty_allowed: bool = False) -> str:
@@ -504,7 +556,7 @@ def stored(call: ResponsesCall, response: dict) -> StoredResponse:
             calls.append(_chat_call(item["call_id"], item["name"], item["arguments"]))
     if calls:
         assistant["tool_calls"] = calls
-    return StoredResponse(copy.deepcopy(response), [*call.messages, assistant])
+    return StoredResponse(copy.deepcopy(response), [*call.messages, assistant], call.input_items)
 
 
 def _chat_call(call_id: str, name: str, arguments: str) -> dict:

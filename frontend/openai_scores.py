@@ -20,7 +20,6 @@ and ``priority``, as vLLM does.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.frontend.openai_protocol import (
     Prompt,
     check_prompt_length,
+    checked_body,
     checked_priority,
     int_field,
     invalid_field,
@@ -44,13 +44,9 @@ if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.outputs import EmbeddingRequestOutput
 
-logger = logging.getLogger("pagedserve.server")
-
 _COMMON_FIELDS = {"model", "truncate_prompt_tokens", "priority", "request_id", "user"}
 _SCORE_FIELDS = _COMMON_FIELDS | {"text_1", "text_2"}
 _RERANK_FIELDS = _COMMON_FIELDS | {"query", "documents", "top_n"}
-# Every text is embedded whole, normalized: the dot product of two is their cosine.
-SCORE_POOLING_PARAMS = PoolingParams(normalize=True)
 # A cross-encoder's pair through its one label's sigmoid.
 CROSS_ENCODER_POOLING_PARAMS = PoolingParams(task="classify")
 
@@ -71,7 +67,7 @@ class ScoreApiRequest:
     top_n: int = 0  # rerank: how many results (0: all)
     lora_id: int = 0
     priority: int = 0
-    params: PoolingParams = SCORE_POOLING_PARAMS
+    params: PoolingParams = CROSS_ENCODER_POOLING_PARAMS
     created_s: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -95,17 +91,6 @@ def _texts(body: dict, name: str, single_allowed: bool = True) -> list[str]:
     raise invalid_field(f"{name} must be {what}, got {value!r:.200}", name)
 
 
-def _check_body(body: Any, known: set[str], kind: str) -> dict:
-    if not isinstance(body, dict):
-        raise invalid_field(
-            f"the request body must be a JSON object, got {type(body).__name__}", ""
-        )
-    ignored = sorted(set(body) - known)
-    if ignored:
-        logger.warning("fields ignored (not part of the %s API): %s", kind, ", ".join(ignored))
-    return body
-
-
 def _prompts(body: dict, name: str, texts: list[str], llm: LLM, max_prompts: int) -> list[Prompt]:
     return pooling_prompts({**body, name: texts}, llm, max_prompts, name)
 
@@ -121,7 +106,7 @@ def parse_score_request(
     client_request_id: str | None,
     max_prompts: int = 1024,
 ) -> ScoreApiRequest:
-    body = _check_body(body, _SCORE_FIELDS, "score")
+    body = checked_body(body, _SCORE_FIELDS, "score")
     model, lora_id = served_model(body, llm, served_model_name)
     texts_1 = _texts(body, "text_1")
     texts_2 = _texts(body, "text_2")
@@ -142,7 +127,7 @@ def parse_rerank_request(
     client_request_id: str | None,
     max_prompts: int = 1024,
 ) -> ScoreApiRequest:
-    body = _check_body(body, _RERANK_FIELDS, "rerank")
+    body = checked_body(body, _RERANK_FIELDS, "rerank")
     model, lora_id = served_model(body, llm, served_model_name)
     query = body.get("query")
     if not isinstance(query, str):
@@ -199,6 +184,8 @@ def _request(
         prompts=prompts,
         prompt_names=_names(first_name, len(first_texts)) + _names(second_name, len(second_texts)),
         pairs=[(i, offset + j) for i, j in pairs],
+        # Normalized whatever the model's default: the dot product of two is their cosine.
+        params=llm.embedding_params(normalize=True),
         **common,
     )
 

@@ -33,7 +33,15 @@ from typing import Any
 from pagedserve.frontend.outputs import ToolCall
 
 # --tool-call-parser: the model families whose output format the server can read.
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "pythonic",
+    "mistral",
+    "qwen3_coder",
+    "deepseek_v3",
+    "deepseek_v31",
+)
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 # OpenAI's rule for a function name.
@@ -301,6 +309,8 @@ class ToolCalling:
             return _MistralReader()
         if tool_call_parser == "qwen3_coder":
             return _Qwen3CoderReader({tool.name: tool.parameters for tool in self.tools})
+        if tool_call_parser in ("deepseek_v3", "deepseek_v31"):
+            return _DeepSeekReader(v31=tool_call_parser == "deepseek_v31")
         raise ValueError(
             f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
             f"got {tool_call_parser!r}"
@@ -720,6 +730,77 @@ class _Qwen3CoderReader(_HermesReader):
             value = value.removeprefix("\n").removesuffix("\n")
             arguments[key] = _typed_value(value, properties.get(key))
         return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+class _DeepSeekReader(_OutputReader):
+    """DeepSeek's calls (V3, R1 and the R1 distills of Qwen and Llama: ``deepseek_v3``;
+    V3.1: ``deepseek_v31``), between its marker tokens::
+
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+        ```json
+        {"city": "Paris"}
+        ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+    V3.1 writes ``<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
+    <｜tool▁call▁end｜>`` (the name first, the arguments bare). Text before the calls is
+    content, as is text after them unless it is only whitespace; a call counts once its
+    end marker is written (or the output ended inside it and it reads whole); an output
+    whose calls do not read stays content."""
+
+    CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+    CALLS_END = "<｜tool▁calls▁end｜>"
+    CALL_BEGIN = "<｜tool▁call▁begin｜>"
+    CALL_END = "<｜tool▁call▁end｜>"
+    SEPARATOR = "<｜tool▁sep｜>"
+    markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEPARATOR)
+
+    def __init__(self, v31: bool) -> None:
+        self._v31 = v31
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        start = text.find(self.CALLS_BEGIN)
+        if start < 0:
+            if final:
+                return ParsedOutput(text)
+            return ParsedOutput(text[: len(text) - partial_marker_chars(text, self.CALLS_BEGIN)])
+        body = text[start + len(self.CALLS_BEGIN) :]
+        region, ended, tail = body.partition(self.CALLS_END)
+        calls = []
+        for block in region.split(self.CALL_BEGIN)[1:]:
+            inner, closed, _rest = block.partition(self.CALL_END)
+            if not closed and not (final and not ended):
+                break  # still being written
+            call = self._call(inner)
+            if call is None:
+                break
+            calls.append(call)
+        if final and not calls:
+            return ParsedOutput(text)
+        content = text[:start]
+        if ended and tail.strip():
+            content += tail
+        return ParsedOutput(content, calls)
+
+    def _call(self, inner: str) -> ParsedCall | None:
+        head, separator, rest = inner.partition(self.SEPARATOR)
+        if not separator:
+            return None
+        if self._v31:
+            name, arguments = head.strip(), rest.strip()
+        else:
+            name, _newline, arguments = rest.partition("\n")
+            name = name.strip()
+            arguments = arguments.strip().removeprefix("```json").removeprefix("```")
+            arguments = arguments.removesuffix("```").strip()
+        if not _FUNCTION_NAME.fullmatch(name):
+            return None
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        return ParsedCall(name, _arguments_text(value))
 
 
 def _typed_value(text: str, schema: Any) -> Any:

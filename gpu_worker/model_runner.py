@@ -124,7 +124,7 @@ class ModelInputs:
     # (entry, first row of its tokens in the batch) for entries scoring prompt positions
     prompt_logprob_entries: list[tuple[_ScheduledEntry, int]]
     # (pooling entry, the row of its last prompt token) for those that end in this step
-    pooling_entries: list[tuple[_ScheduledEntry, int]]
+    pooling_entries: list[tuple[_ScheduledEntry, slice]]
 
 
 class ModelRunner:
@@ -159,8 +159,8 @@ class ModelRunner:
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             embeddings = {
-                entry.request_id: _pooled(self.model, hidden[row], entry.state.pooling_params)
-                for entry, row in inputs.pooling_entries
+                entry.request_id: _pooled(self.model, hidden[rows], entry)
+                for entry, rows in inputs.pooling_entries
             }
             prompt_logprobs = {
                 entry.request_id: self._prompt_logprobs(hidden, entry, first_row)
@@ -280,7 +280,10 @@ class ModelRunner:
                 sampling_states.extend(entry.draft_states())
                 sample_seeds.extend([None] * num_rows)
             elif entry.samples and entry.state.pooling_params is not None:
-                pooling_entries.append((entry, len(input_ids) - 1))
+                # This step's rows of the prompt (all of it for MEAN and CLS pooling).
+                pooling_entries.append(
+                    (entry, slice(len(input_ids) - entry.num_scheduled_tokens, len(input_ids)))
+                )
             elif entry.samples:
                 num_samples = entry.state.num_samples
                 logits_indices.extend([len(input_ids) - 1] * num_samples)
@@ -438,18 +441,33 @@ class ModelRunner:
         )
 
 
-def _pooled(model: CausalLM, hidden_row: torch.Tensor, params: PoolingParams) -> bytes:
-    """One vector from the final-norm hidden state of a prompt's last token, as
-    little-endian float32 bytes. An embedding: cut to ``dimensions`` first, then
-    L2-normalized (the order of vLLM and OpenAI's Matryoshka embeddings). A classification:
-    the classifier head's logits, through a softmax over the labels (a sigmoid for one label,
-    as vLLM's classifier pooler does) unless ``use_activation`` is off."""
+def _pooled(model: CausalLM, hidden_rows: torch.Tensor, entry: _ScheduledEntry) -> bytes:
+    """One vector from the final-norm hidden states of the prompt tokens this step computed
+    (``hidden_rows``, its last token's last), as little-endian float32 bytes. An embedding:
+    the last token's state, the mean of all (MEAN) or the first (CLS), cut to
+    ``dimensions``, then L2-normalized (the order of vLLM and OpenAI's Matryoshka
+    embeddings). A classification: the classifier head's logits at the last token, through
+    a softmax over the labels (a sigmoid for one label, as vLLM's classifier pooler does)
+    unless ``use_activation`` is off."""
+    params = entry.state.pooling_params
+    if params.pooling_type != "LAST" and entry.num_computed_tokens != 0:
+        # The engine runs such a model without chunks or prefix-cache hits.
+        raise RuntimeError(
+            f"{entry.request_id}: {params.pooling_type} pooling needs the whole prompt in one "
+            f"step, but {entry.num_computed_tokens} tokens were computed before"
+        )
+    hidden_row = hidden_rows[-1]
     if params.task == "classify":
         logits = model.classify(hidden_row[None, :])[0]
         if params.use_activation:
             logits = torch.sigmoid(logits) if logits.numel() == 1 else logits.softmax(dim=0)
         return logits.cpu().numpy().astype("<f4").tobytes()
-    vector = hidden_row.float()
+    if params.pooling_type == "MEAN":
+        vector = hidden_rows.float().mean(dim=0)
+    elif params.pooling_type == "CLS":
+        vector = hidden_rows[0].float()
+    else:
+        vector = hidden_row.float()
     if params.dimensions is not None:
         vector = vector[: params.dimensions]
     if params.normalize:

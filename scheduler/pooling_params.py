@@ -4,8 +4,10 @@ A request that carries a ``PoolingParams`` computes its prompt only: no token is
 and it ends in the step that computes its last prompt token, with one vector pooled from
 the model's final-norm hidden state at that token (last-token pooling):
 
-- ``task="embed"`` (a causal LM): the hidden state, cut to ``dimensions`` and then
-  L2-normalized unless ``normalize=False``.
+- ``task="embed"`` (a causal LM): the hidden state (``pooling_type`` "LAST"; "MEAN": the
+  mean over every prompt token's state; "CLS": the first token's, as the model's
+  sentence-transformers config says, ``frontend/pooler_config.py``), cut to ``dimensions``
+  and then L2-normalized unless ``normalize=False``.
 - ``task="classify"`` (a sequence classification model, ``*ForSequenceClassification``):
   the classifier head's logits over the model's labels, through a softmax (a sigmoid for a
   one-label model, a cross-encoder's relevance) unless ``use_activation=False``.
@@ -27,6 +29,7 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 PROMPT_ONLY_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 POOLING_TASKS = ("embed", "classify")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # A model's task: "generate" (a causal LM: generation and embedding requests) or "classify"
 # (a sequence classification model: classification requests only).
 MODEL_TASKS = ("generate", "classify")
@@ -38,12 +41,15 @@ class PoolingParams:
     keep only the first ``dimensions`` values (Matryoshka embeddings, OpenAI's
     ``dimensions``); None keeps the whole hidden state. Both are the embed task's.
     ``task``: "embed" or "classify". ``use_activation``: the classify task's softmax (or
-    sigmoid); False gives the raw logits."""
+    sigmoid); False gives the raw logits. ``pooling_type``: which tokens' states the vector
+    pools (``POOLING_TYPES``; the model's, set by the engine); "MEAN" and "CLS" need the
+    whole prompt computed in the request's one step (no chunks, no prefix-cache hits)."""
 
     normalize: bool = True
     dimensions: int | None = None
     task: str = "embed"
     use_activation: bool = True
+    pooling_type: str = "LAST"
 
     def __post_init__(self) -> None:
         for name in ("normalize", "use_activation"):
@@ -52,6 +58,15 @@ class PoolingParams:
         if self.task not in POOLING_TASKS:
             raise ValueError(
                 f"task must be one of {', '.join(map(repr, POOLING_TASKS))}, got {self.task!r}"
+            )
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}"
+            )
+        if self.task == "classify" and self.pooling_type != "LAST":
+            raise ValueError(
+                f"pooling_type={self.pooling_type!r}: a classifier's head reads the last "
+                "token (LAST), as HF's does"
             )
         if self.task == "classify" and self.dimensions is not None:
             raise ValueError(

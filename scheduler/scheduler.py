@@ -225,6 +225,17 @@ class Scheduler:
             )
         check_priority(request.priority, self.config.scheduling_policy)
         check_task(self.config.model_task, request.pooling_params)
+        pooling = request.pooling_params
+        if (
+            pooling is not None
+            and pooling.pooling_type != "LAST"
+            and (self.config.enable_chunked_prefill or self.block_manager.prefix_cache is not None)
+        ):
+            raise ValueError(
+                f"pooling_type {pooling.pooling_type!r} pools every prompt token: it needs an "
+                "engine without chunked prefill and prefix caching (one step computes the "
+                "whole prompt)"
+            )
         if params.structured_outputs is not None:
             request.grammar = self.structured_output.new_matcher(params.structured_outputs)
         request.arrival_index = self._num_added

@@ -185,7 +185,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "lora_id",
         "pooling_params",
     ),
-    PoolingParams: ("normalize", "dimensions", "task", "use_activation"),
+    PoolingParams: ("normalize", "dimensions", "task", "use_activation", "pooling_type"),
     CachedRequestData: (
         "request_id",
         "new_block_ids",
@@ -928,7 +928,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         bool,
     ),
     GrammarVocabulary: (str, int, list, _OPTIONAL_INT, _OPTIONAL_INT),
-    PoolingParams: (bool, _OPTIONAL_INT, str, bool),
+    PoolingParams: (bool, _OPTIONAL_INT, str, bool, str),
 }
 
 

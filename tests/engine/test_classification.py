@@ -134,12 +134,12 @@ def test_a_classifier_serves_only_classification(classifier_dirs, tiny_model_dir
         classifier.embed([[1, 2, 3]])
     with pytest.raises(ValueError, match=r"score.*3 labels \(negative, neutral, positive\)"):
         classifier.score("a", ["b"])
-    with pytest.raises(ValueError, match="pooling_params.task='embed': classify takes"):
+    with pytest.raises(ValueError, match=r"pooling_params.task='embed': classify\(\) takes"):
         classifier.classify([[1, 2]], PoolingParams())
     causal = chunked_llm(tiny_model_dirs["llama"])
     with pytest.raises(ValueError, match="LlamaForCausalLM: .*no classifier head"):
         causal.classify([[1, 2, 3]])
-    with pytest.raises(ValueError, match="pooling_params.task='classify': embed takes"):
+    with pytest.raises(ValueError, match=r"pooling_params.task='classify': embed\(\) takes"):
         causal.embed([[1, 2]], PoolingParams(task="classify"))
     # Nothing was queued: both still answer.
     assert classifier.classify([[4, 5]])[0].outputs.num_classes == 3

@@ -289,12 +289,58 @@ def test_qwen3_coder_reads_xml_calls_typed_by_their_schema():
     assert coder.parse(QWEN3_CODER_TEXTS[3], True) == ParsedOutput(QWEN3_CODER_TEXTS[3])
 
 
+B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK_V3_TEXTS = [
+    "No call here.",
+    f'Let me check.{B}{CB}function{SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{CE}'
+    f"{CB}function{SEP}get_time\n```json\n{{}}\n```{CE}{E}",
+    f'{B}{CB}function{SEP}get_weather\n```json\n{{"city": "Ro',  # cut short: content
+    f"{B}{CB}function{SEP}get_time\n```json\n{{}}\n```{CE}{E} Done.",
+    f"{B}{CB}function{SEP}not a name\n```json\n{{}}\n```{CE}{E}",
+]
+DEEPSEEK_V31_TEXTS = [
+    f'Sure.{B}{CB}get_weather{SEP}{{"city": "Rome", "unit": "C"}}{CE}{CB}get_time{SEP}{{}}{CE}{E}',
+    f"{B}{CB}get_time{SEP}{{}}",  # the output ended inside the call, which reads whole
+    f"{B}{CB}get_weather{SEP}[1, 2]{CE}{E}",
+]
+
+
+def test_deepseek_reads_v3_and_v31_calls():
+    v3 = calling("auto", "deepseek_v3")
+    assert v3.parse(DEEPSEEK_V3_TEXTS[0], True) == ParsedOutput("No call here.")
+    assert v3.parse(DEEPSEEK_V3_TEXTS[1], True) == ParsedOutput(
+        "Let me check.",
+        [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("get_time", "{}")],
+    )
+    for text in (DEEPSEEK_V3_TEXTS[2], DEEPSEEK_V3_TEXTS[4]):
+        assert v3.parse(text, True) == ParsedOutput(text)
+    assert v3.parse(DEEPSEEK_V3_TEXTS[3], True) == ParsedOutput(
+        " Done.", [ParsedCall("get_time", "{}")]
+    )
+    # While streaming, a possible begin marker is held back; a call waits for its end.
+    assert v3.parse("Sure <｜tool▁ca", False) == ParsedOutput("Sure ")
+    assert v3.parse(DEEPSEEK_V3_TEXTS[2], False) == ParsedOutput("")
+    v31 = calling("auto", "deepseek_v31")
+    assert v31.parse(DEEPSEEK_V31_TEXTS[0], True) == ParsedOutput(
+        "Sure.",
+        [ParsedCall("get_weather", '{"city": "Rome", "unit": "C"}'), ParsedCall("get_time", "{}")],
+    )
+    assert v31.parse(DEEPSEEK_V31_TEXTS[1], True).calls == [ParsedCall("get_time", "{}")]
+    assert v31.parse(DEEPSEEK_V31_TEXTS[1], False).calls == []
+    assert v31.parse(DEEPSEEK_V31_TEXTS[2], True) == ParsedOutput(DEEPSEEK_V31_TEXTS[2])
+    # Each version's calls are not the other's.
+    assert v31.parse(DEEPSEEK_V3_TEXTS[1], True) == ParsedOutput(DEEPSEEK_V3_TEXTS[1])
+
+
 CASES = (
     [("auto", "hermes", text) for text in HERMES_TEXTS]
     + [("auto", "llama3_json", text) for text in LLAMA_TEXTS]
     + [("auto", "pythonic", text) for text in PYTHONIC_TEXTS]
     + [("auto", "mistral", text) for text in MISTRAL_TEXTS]
     + [("auto", "qwen3_coder", text) for text in QWEN3_CODER_TEXTS]
+    + [("auto", "deepseek_v3", text) for text in DEEPSEEK_V3_TEXTS]
+    + [("auto", "deepseek_v31", text) for text in DEEPSEEK_V31_TEXTS]
     + [("required", None, text) for text in REQUIRED_TEXTS]
     + [({"type": "function", "function": {"name": "get_weather"}}, None, '{"city": "Oslo"}')]
     + [("none", None, HERMES_TEXTS[2])]

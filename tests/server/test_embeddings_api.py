@@ -173,3 +173,31 @@ def test_grpc_embed_equals_the_offline_vectors(server, offline):
                 client.stub.Embed(request, timeout=60)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
             assert message in caught.value.details(), caught.value.details()
+
+
+def test_pooler_config_reaches_both_apis(server_model_dir, tmp_path):
+    """``--pooler-config``: mean pooling, unnormalized by default, on /v1/embeddings,
+    /v1/score and gRPC's Embed, as the offline engine with the same pooler_config."""
+    pooler = {"pooling_type": "MEAN", "normalize": False}
+    offline = LLM(server_model_dir, num_blocks=128, pooler_config=pooler)
+    want = [o.outputs.embedding for o in offline.embed(TEXTS)]
+    with serving(server_model_dir, tmp_path, "--pooler-config", json.dumps(pooler)) as server:
+        status, answer = post(server, {"input": TEXTS})
+        assert status == 200, answer
+        for item, vector in zip(answer["data"], want):
+            assert close(item["embedding"], vector)
+        status, answer = post(server, {"input": TEXTS[0], "normalize": True})
+        norm = sum(value * value for value in answer["data"][0]["embedding"]) ** 0.5
+        assert status == 200 and abs(norm - 1.0) < 1e-5
+        with Client(f"127.0.0.1:{server.port}") as client:
+            assert close(client.embed(TEXTS[2]).outputs.embedding, want[2])
+        request = urllib.request.Request(
+            server.http_url + "/v1/score",
+            data=json.dumps({"text_1": TEXTS[0], "text_2": TEXTS[1:]}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            scores = [item["score"] for item in json.loads(response.read())["data"]]
+        expected = [o.outputs.score for o in offline.score(TEXTS[0], TEXTS[1:])]
+        assert scores == pytest.approx(expected, abs=1e-5)
+        server.assert_blocks_all_free()

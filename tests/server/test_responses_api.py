@@ -321,3 +321,46 @@ def test_a_client_that_disconnects_mid_stream_ends_its_response(server):
     assert server.stats().engine["num_sampled_tokens"] - sampled_before < 400
     status, _answer = get(server, f"/v1/responses/{created['response']['id']}")
     assert status == 404
+
+
+def test_input_items_are_listed_and_paged(server, client):
+    """``GET /v1/responses/{id}/input_items`` (OpenAI's SDK ``responses.input_items.list``):
+    the request's own input items with ids, newest first by default, paged by id."""
+    question = {"role": "user", "content": "Weather in Paris?"}
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+        "id": "fc_mine",
+    }
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    response = client.responses.create(
+        model=SERVED_MODEL_NAME, input=[question, call, result], tools=[TOOL],
+        tool_choice="none", max_output_tokens=2, **GREEDY,
+    )  # fmt: skip
+    items = client.responses.input_items.list(response.id)
+    assert [item.type for item in items.data] == [
+        "function_call_output", "function_call", "message"
+    ]  # fmt: skip
+    message = items.data[2]
+    assert message.role == "user" and message.id.startswith("msg_")
+    assert message.content[0].type == "input_text"
+    assert message.content[0].text == "Weather in Paris?"
+    assert items.data[1].id == "fc_mine" and items.data[1].arguments == call["arguments"]
+    assert items.first_id == items.data[0].id and items.has_more is False
+    ascending = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [item.type for item in ascending.data] == ["message", "function_call"]
+    assert ascending.has_more is True and ascending.last_id == "fc_mine"
+    rest = client.responses.input_items.list(response.id, order="asc", after="fc_mine")
+    assert [item.type for item in rest.data] == ["function_call_output"]
+    text = client.responses.create(model=SERVED_MODEL_NAME, input="Hi", max_output_tokens=1)
+    (only,) = client.responses.input_items.list(text.id).data
+    assert only.role == "user" and only.content[0].text == "Hi"
+    for query, param in [("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"),
+                         ("after=nope", "after")]:  # fmt: skip
+        status, body = get(server, f"/v1/responses/{response.id}/input_items?{query}")
+        answer = json.loads(body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+    status, body = get(server, "/v1/responses/resp_unknown/input_items")
+    assert status == 404 and json.loads(body)["error"]["param"] == "response_id"
