@@ -11,16 +11,14 @@ for embeddings.
 
 from __future__ import annotations
 
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.openai_protocol import (
-    Prompt,
+    PoolingApiRequest,
     checked_body,
     checked_priority,
-    input_names,
     invalid_field,
     pooling_prompts,
     served_model,
@@ -45,22 +43,11 @@ _CLASSIFY_FIELDS = {
 }
 
 
-@dataclass
-class ClassifyApiRequest:
-    """A checked ``/classify`` request: its prompts and their one ``PoolingParams``."""
+@dataclass(kw_only=True)
+class ClassifyApiRequest(PoolingApiRequest):
+    """A checked ``/classify`` request."""
 
-    model: str
-    prompts: list[Prompt]
-    params: PoolingParams
-    labels: tuple[str, ...]
-    client_request_id: str
-    lora_id: int = 0
-    priority: int = 0
-    created_s: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def prompt_names(self) -> list[str]:
-        return input_names(len(self.prompts))
+    labels: tuple[str, ...]  # the model's, in its head's order
 
 
 def parse_classify_request(

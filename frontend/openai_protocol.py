@@ -1236,14 +1236,14 @@ _EMBEDDING_FIELDS = {
 EMBEDDING_ENCODING_FORMATS = ("float", "base64")
 
 
-@dataclass
-class EmbeddingApiRequest:
-    """A checked ``/v1/embeddings`` request: its prompts and their one ``PoolingParams``."""
+@dataclass(kw_only=True)
+class PoolingApiRequest:
+    """A checked pooling request of ``input`` prompts (embeddings, classifications): its
+    prompts and their one ``PoolingParams``."""
 
     model: str
     prompts: list[Prompt]
     params: PoolingParams
-    encoding_format: str  # "float" or "base64" (little-endian float32, as OpenAI sends)
     client_request_id: str
     lora_id: int = 0
     priority: int = 0
@@ -1252,6 +1252,13 @@ class EmbeddingApiRequest:
     @property
     def prompt_names(self) -> list[str]:
         return input_names(len(self.prompts))
+
+
+@dataclass(kw_only=True)
+class EmbeddingApiRequest(PoolingApiRequest):
+    """A checked ``/v1/embeddings`` request."""
+
+    encoding_format: str  # "float" or "base64" (little-endian float32, as OpenAI sends)
 
 
 def parse_embedding_request(
