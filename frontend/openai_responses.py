@@ -457,21 +457,30 @@ def _base(call: ResponsesCall, api_request: ApiRequest, status: str, output: lis
     }
 
 
-def _usage(output: RequestOutput) -> dict:
+def _usage(api_request: ApiRequest, output: RequestOutput, llm: LLM) -> dict:
     input_tokens = len(output.prompt_token_ids)
-    output_tokens = len(output.outputs[0].token_ids)
+    completion = output.outputs[0]
+    output_tokens = len(completion.token_ids)
+    reasoning = api_request.chat_reading.reasoning
+    reasoning_tokens = (
+        0
+        if reasoning is None
+        else reasoning.num_reasoning_tokens(completion.token_ids, completion.text, llm.tokenizer)
+    )
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
 
 
-def _finished(response: dict, output: RequestOutput, reason: str | None) -> dict:
+def _finished(
+    response: dict, api_request: ApiRequest, output: RequestOutput, reason: str | None, llm: LLM
+) -> dict:
     """``response`` completed (or incomplete, when the output ran out of tokens)."""
-    response["usage"] = _usage(output)
+    response["usage"] = _usage(api_request, output, llm)
     if reason == "length":
         response["status"] = "incomplete"
         response["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -541,7 +550,7 @@ def whole_response(
         _call_item(_new_id("fc"), c.id, c.name, c.arguments, "completed") for c in answer.tool_calls
     ]
     response = _base(call, api_request, "completed", items)
-    return _finished(response, output, finish_reason(completion))
+    return _finished(response, api_request, output, finish_reason(completion), llm)
 
 
 def stored(call: ResponsesCall, response: dict) -> StoredResponse:
@@ -575,6 +584,7 @@ class ResponseStream:
     def __init__(self, call: ResponsesCall, api_request: ApiRequest, llm: LLM) -> None:
         self._call = call
         self._request = api_request
+        self._llm = llm
         self._texts = TokenTexts(llm, api_request.tokens_as_ids)
         self._reader: ChatAnswerStream = api_request.chat_reading.stream()
         self._sequence = 0
@@ -622,7 +632,9 @@ class ResponseStream:
         if reason is not None:
             events += self._close()
             response = _base(self._call, self._request, "completed", self._items)
-            response = _finished(response, output, self._reader.finish_reason(reason))
+            response = _finished(
+                response, self._request, output, self._reader.finish_reason(reason), self._llm
+            )
             self.response = response
             # "response.completed" also when the status is "incomplete" (out of tokens), as
             # vLLM sends it: OpenAI's SDK waits for this event to hand over the response.

@@ -117,6 +117,28 @@ class ReasoningParser:
             return SplitOutput(reasoning, "")
         return SplitOutput(text[body_start:end], text[end + len(end_marker) :])
 
+    def num_reasoning_tokens(
+        self, token_ids: list[int], text: str, tokenizer: Tokenizer | None
+    ) -> int:
+        """How many of an output's tokens (``token_ids``, read as ``text``) are its thinking,
+        the markers included: the Responses API's ``reasoning_tokens``. Counted on the ids
+        when the closing marker is one token of the vocabulary (Qwen3, DeepSeek-R1,
+        Magistral); else the thinking's text is tokenized again, which can differ from the
+        ids the model chose by a token or two."""
+        split = self.parse(text, final=True)
+        if not split.reasoning and split.content == text:
+            return 0  # no thinking (qwen3 and mistral: the output did not open it)
+        end = text.find(self._format.end)
+        if end < 0:
+            return len(token_ids)  # it thought to the end
+        end_id = None if tokenizer is None else tokenizer.single_token_id(self._format.end)
+        if end_id is not None and end_id in token_ids:
+            return token_ids.index(end_id) + 1
+        if tokenizer is None:
+            return 0
+        thinking = text[: end + len(self._format.end)]
+        return min(len(token_ids), len(tokenizer.encode(thinking, add_special_tokens=False)))
+
 
 class ReasoningStream:
     """One streamed choice's thinking and answer: what each chunk adds to either."""

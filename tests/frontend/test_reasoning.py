@@ -76,3 +76,34 @@ def test_mistral_thinks_between_its_own_markers_as_qwen3_does():
     assert MISTRAL.parse("[THI", final=False) == SplitOutput("", "")
     assert MISTRAL.parse("[THINK]plan[/TH", final=False) == SplitOutput("plan", "")
     assert MISTRAL.parse("<think>x</think>y", final=True) == SplitOutput("", "<think>x</think>y")
+
+
+class _OneTokenMarkers:
+    """A tokenizer whose markers are single tokens (ids 1 and 2), as Qwen3's and
+    DeepSeek-R1's are; other text takes a token per character."""
+
+    IDS = {"<think>": 1, "</think>": 2, "[THINK]": 1, "[/THINK]": 2}
+
+    def single_token_id(self, text: str) -> int | None:
+        return self.IDS.get(text)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(character) for character in text]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "token_ids", "expected"),
+    [
+        # Counted on the ids: up to and including the closing marker's token.
+        (QWEN3, "<think>ab</think>cd", [1, 97, 98, 2, 99, 100], 4),
+        (DEEPSEEK, "ab</think>cd", [97, 98, 2, 99, 100], 3),
+        # No thinking (Qwen3 with thinking off), or thinking to the end.
+        (QWEN3, "just this", [106, 117], 0),
+        (DEEPSEEK, "still thinking", [115, 116], 2),
+        (QWEN3, "<think>cut", [1, 99, 117], 3),
+        # The marker written in pieces: the thinking tokenized again.
+        (DEEPSEEK, "ab</think>cd", [ord(c) for c in "ab</think>cd"], 10),
+    ],
+)
+def test_reasoning_tokens_count_the_thinking_and_its_markers(parser, text, token_ids, expected):
+    assert parser.num_reasoning_tokens(token_ids, text, _OneTokenMarkers()) == expected

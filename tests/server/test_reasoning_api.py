@@ -11,6 +11,8 @@ from conftest import SERVED_MODEL_NAME
 from test_http_api import post, sse_events
 from test_responses_api import typed_events
 
+from pagedserve.frontend.tokenizer import Tokenizer
+
 FORCED = r"Paris is big\.</think>It is Paris\."
 BODY = {
     "model": SERVED_MODEL_NAME,
@@ -77,7 +79,7 @@ def test_a_bad_include_reasoning_is_refused_by_name(thinking_server):
     assert status == 400 and answer["error"]["param"] == "include_reasoning", answer
 
 
-def test_responses_put_the_thinking_in_a_reasoning_item(thinking_server):
+def test_responses_put_the_thinking_in_a_reasoning_item(thinking_server, server_model_dir):
     body = {
         "model": SERVED_MODEL_NAME,
         "input": "Capital of France?",
@@ -103,3 +105,10 @@ def test_responses_put_the_thinking_in_a_reasoning_item(thinking_server):
     final = events[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
     assert final["output"][0]["content"][0]["text"] == "Paris is big."
+    # The thinking's tokens, its closing marker included (this byte-level vocabulary
+    # spells </think> in several tokens: counted by tokenizing the thinking again).
+    usage = answer["usage"]
+    thinking_tokens = len(Tokenizer(server_model_dir).encode("Paris is big.</think>", False))
+    assert usage["output_tokens_details"]["reasoning_tokens"] == thinking_tokens
+    assert 0 < thinking_tokens < usage["output_tokens"]
+    assert final["usage"]["output_tokens_details"] == usage["output_tokens_details"]
