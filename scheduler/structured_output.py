@@ -292,8 +292,12 @@ class StructuredOutput:
         self._build_error: Exception | None = None
         self._build: threading.Thread | None = None
         if vocabulary is not None:
+            # Not a daemon: the interpreter waits for the build before it finalizes. A
+            # daemon thread still inside llguidance at exit is ended by a forced unwind
+            # through its Rust frames, which crashed the process (SIGSEGV) after a short
+            # offline run about one time in ten.
             self._build = threading.Thread(
-                target=self._build_tokenizer, name="pagedserve-grammar-tokenizer", daemon=True
+                target=self._build_tokenizer, name="pagedserve-grammar-tokenizer", daemon=False
             )
             self._build.start()
 

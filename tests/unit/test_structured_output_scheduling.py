@@ -392,3 +392,27 @@ def test_a_refused_draft_leaves_the_matcher_where_it_was(structured, tokenizer):
     done = structured.new_matcher(choice("yes", "no"))
     assert done.usable_drafts([token_id(tokenizer, "yes")]) == 0
     assert not done.is_finished
+
+
+def test_a_process_that_exits_at_once_waits_for_the_grammar_tokenizer(tmp_path):
+    """An offline run can end while llguidance's tokenizer still builds on its thread. The
+    interpreter must wait for it: a daemon thread ended inside llguidance's Rust frames at
+    exit crashed the process (SIGSEGV) about one time in ten."""
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = [f" {a}{b}{c}" for a in syllables for b in syllables for c in syllables]
+    tokenizer = byte_level_tokenizer(words[:60_000])  # a real model's size: a slow build
+    tokenizer_file = tmp_path / "tokenizer.json"
+    tokenizer_file.write_text(tokenizer.to_str())
+    vocab_size = tokenizer.get_vocab_size()
+    script = f"""
+import logging, sys
+from pagedserve.scheduler.structured_output import GrammarVocabulary, StructuredOutput
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+text = open({str(tokenizer_file)!r}).read()
+StructuredOutput(GrammarVocabulary(text, {vocab_size}, [2]))
+"""  # and exit at once, the build under way
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"grammar tokenizer built ({vocab_size} tokens)" in result.stderr
