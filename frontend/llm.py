@@ -591,7 +591,9 @@ class LLM:
         """Embed every prompt (text or token ids) as one continuously batched run, as
         vLLM's embed task does: each request computes its prompt only (chunked, with
         cached prefixes, beside generation requests) and returns the final-norm hidden
-        state of its last token, L2-normalized unless ``PoolingParams(normalize=False)``
+        state of its last token (or the mean over its tokens, or its first, as the model's
+        pooler config says: ``pooler_config.py``), L2-normalized unless
+        ``PoolingParams(normalize=False)``
         (``dimensions``: the first that many values, then normalized). One
         ``EmbeddingRequestOutput`` per prompt, in order: ``.outputs.embedding``."""
         prompt_list = _as_prompt_list(prompts)

@@ -123,7 +123,8 @@ class ModelInputs:
     sample_seeds: list[int | None]
     # (entry, first row of its tokens in the batch) for entries scoring prompt positions
     prompt_logprob_entries: list[tuple[_ScheduledEntry, int]]
-    # (pooling entry, the row of its last prompt token) for those that end in this step
+    # (pooling entry, its rows in this step, its last prompt token's last) for those that
+    # end in this step
     pooling_entries: list[tuple[_ScheduledEntry, slice]]
 
 
