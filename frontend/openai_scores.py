@@ -63,11 +63,12 @@ class ScoreApiRequest:
     prompt_names: list[str]  # each prompt's field, as errors name it ("text_2[3]")
     pairs: list[tuple[int, int]]
     client_request_id: str
+    # The embeddings' (the model's pooling, normalized), or a cross-encoder's classify.
+    params: PoolingParams
     documents: list[str] = field(default_factory=list)  # rerank: answered with each result
     top_n: int = 0  # rerank: how many results (0: all)
     lora_id: int = 0
     priority: int = 0
-    params: PoolingParams = CROSS_ENCODER_POOLING_PARAMS
     created_s: int = field(default_factory=lambda: int(time.time()))
 
     @property
