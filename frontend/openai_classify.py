@@ -57,6 +57,8 @@ def parse_classify_request(
     client_request_id: str | None,
     max_prompts: int = 1024,
 ) -> ClassifyApiRequest:
+    """The body of ``/classify``, checked and tokenized; a model that does not classify is
+    refused first, naming ``model`` (``OpenAiCalls`` checks every pooling call again)."""
     checked_body(body, _CLASSIFY_FIELDS, "classify")
     model, lora_id = served_model(body, llm, served_model_name)
     try:
