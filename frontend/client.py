@@ -123,8 +123,30 @@ def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) 
     return output
 
 
+def conversation(
+    messages: Sequence[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+) -> pb.Chat:
+    """A conversation to embed or classify (``Client.embed(conversation(...))``,
+    ``Client.classify(conversation(...))``; vLLM's chat form of those calls): the server
+    renders it with the chat template, ending with its last message unless
+    ``add_generation_prompt``."""
+    chat = chat_to_proto(
+        messages,
+        continue_final_message=continue_final_message,
+        chat_template_kwargs=chat_template_kwargs,
+        chat_template=chat_template,
+    )
+    chat.add_generation_prompt = add_generation_prompt  # unset would mean false here
+    return chat
+
+
 def build_embed_request(
-    prompt: PromptType,
+    prompt: PromptType | pb.Chat,
     dimensions: int | None,
     normalize: bool | None,
     request_id: str,
@@ -142,7 +164,9 @@ def build_embed_request(
         request.normalize = normalize
     if dimensions is not None:
         request.dimensions = dimensions
-    if isinstance(prompt, str):
+    if isinstance(prompt, pb.Chat):
+        request.chat.CopyFrom(prompt)
+    elif isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)
@@ -170,7 +194,7 @@ def build_score_request(
 
 
 def build_classify_request(
-    texts: str | Sequence[str],
+    texts: str | Sequence[str] | pb.Chat,
     truncate_prompt_tokens: int | None,
     use_activation: bool | None,
     request_id: str,
@@ -178,11 +202,12 @@ def build_classify_request(
     priority: int,
 ) -> pb.ClassifyRequest:
     request = pb.ClassifyRequest(
-        request_id=request_id,
-        input=[texts] if isinstance(texts, str) else list(texts),
-        lora_adapter=lora_adapter,
-        priority=priority,
+        request_id=request_id, lora_adapter=lora_adapter, priority=priority
     )
+    if isinstance(texts, pb.Chat):
+        request.chat.CopyFrom(texts)
+    else:
+        request.input.extend([texts] if isinstance(texts, str) else texts)
     if truncate_prompt_tokens is not None:
         request.truncate_prompt_tokens = truncate_prompt_tokens
     if use_activation is not None:
@@ -194,7 +219,8 @@ def classification_outputs(
     request: pb.ClassifyRequest, response: pb.ClassifyResponse
 ) -> list[ClassificationRequestOutput]:
     """A ``Classify`` response as the offline ``LLM.classify`` returns it (the prompts'
-    token ids are not sent back: empty)."""
+    token ids are not sent back: empty; a conversation's prompt text is the server's)."""
+    texts = [None] if request.HasField("chat") else list(request.input)
     return [
         ClassificationRequestOutput(
             request_id=response.request_id,
@@ -203,17 +229,20 @@ def classification_outputs(
             outputs=ClassificationOutput(list(item.probs)),
             label=item.label,
         )
-        for text, item in zip(request.input, response.classifications, strict=True)
+        for text, item in zip(texts, response.classifications, strict=True)
     ]
 
 
-def embedding_output(prompt: PromptType, response: pb.EmbedResponse) -> EmbeddingRequestOutput:
+def embedding_output(
+    prompt: PromptType | pb.Chat, response: pb.EmbedResponse
+) -> EmbeddingRequestOutput:
     """An ``Embed`` response as the offline ``LLM.embed`` returns it (the prompt's token
     ids are known only for a prompt given as ids)."""
+    given_ids = not isinstance(prompt, (str, pb.Chat))
     return EmbeddingRequestOutput(
         request_id=response.request_id,
         prompt=prompt if isinstance(prompt, str) else None,
-        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+        prompt_token_ids=list(prompt) if given_ids else [],
         outputs=EmbeddingOutput(list(response.embedding)),
         finished=True,
         finish_reason="stop",
@@ -376,7 +405,7 @@ class Client:
 
     def embed(
         self,
-        prompt: PromptType,
+        prompt: PromptType | pb.Chat,
         *,
         dimensions: int | None = None,
         normalize: bool | None = None,
@@ -386,7 +415,8 @@ class Client:
         priority: int = 0,
         timeout_s: float | None = None,
     ) -> EmbeddingRequestOutput:
-        """The prompt's embedding (the ``Embed`` RPC): ``outputs.embedding``."""
+        """The prompt's embedding (the ``Embed`` RPC): ``outputs.embedding``; a
+        ``conversation(messages)`` is rendered with the server's chat template."""
         request = build_embed_request(
             prompt, dimensions, normalize, request_id, cache_namespace, lora_adapter, priority
         )
@@ -414,7 +444,7 @@ class Client:
 
     def classify(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str] | pb.Chat,
         *,
         truncate_prompt_tokens: int | None = None,
         use_activation: bool | None = None,
@@ -424,7 +454,8 @@ class Client:
         timeout_s: float | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Each text's classification (the ``Classify`` RPC, as ``LLM.classify``):
-        ``.outputs.probs`` over the model's labels and the most probable ``.label``."""
+        ``.outputs.probs`` over the model's labels and the most probable ``.label``; a
+        ``conversation(messages)`` is classified as one prompt."""
         request = build_classify_request(
             texts, truncate_prompt_tokens, use_activation, request_id, lora_adapter, priority
         )
@@ -567,7 +598,7 @@ class AsyncClient:
 
     async def embed(
         self,
-        prompt: PromptType,
+        prompt: PromptType | pb.Chat,
         *,
         dimensions: int | None = None,
         normalize: bool | None = None,
@@ -602,7 +633,7 @@ class AsyncClient:
 
     async def classify(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str] | pb.Chat,
         *,
         truncate_prompt_tokens: int | None = None,
         use_activation: bool | None = None,

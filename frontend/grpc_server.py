@@ -195,6 +195,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if request.HasField("use_activation"):
                 body["use_activation"] = request.use_activation
             self._pooling_options(request, body)
+            if request.HasField("chat"):
+                body["input"] = self._classify_chat_ids(request)
             answer = await self._calls.classification(body, request.request_id or None)
             return pb.ClassifyResponse(
                 request_id=request.request_id,
@@ -204,6 +206,31 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 ],
                 usage=pb.Usage(prompt_tokens=answer["usage"]["prompt_tokens"]),
             )
+
+    def _classify_chat_ids(self, request: pb.ClassifyRequest) -> list[int]:
+        """A Classify request's conversation as the token ids the HTTP route classifies;
+        ``CallError`` naming ``chat`` for its errors (its length among them, unless
+        ``truncate_prompt_tokens`` cuts it)."""
+        if request.input:
+            raise CallError(
+                "INVALID_ARGUMENT",
+                "chat and input are both set: give the texts as input, or one conversation as chat",
+                "chat",
+            )
+        llm = self._server.check_admission()
+        try:
+            _, token_ids = self._pooling_chat(llm, request.chat)
+        except (ValueError, TypeError) as error:
+            raise CallError("INVALID_ARGUMENT", str(error), "chat") from None
+        max_model_len = llm.scheduler_config.max_model_len
+        if not request.HasField("truncate_prompt_tokens") and len(token_ids) > max_model_len:
+            raise CallError(
+                "INVALID_ARGUMENT",
+                f"chat: {len(token_ids)} prompt tokens exceed the model's context window of "
+                f"{max_model_len} tokens (truncate_prompt_tokens can cut them)",
+                "chat",
+            )
+        return token_ids
 
     def _pooling_options(
         self, request: pb.ScoreRequest | pb.ClassifyRequest, body: dict[str, Any]
@@ -373,6 +400,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return request.text, llm.encode_prompt(request.text, "text"), None
         if kind == "token_ids":
             return None, llm.encode_prompt(list(request.token_ids.ids), "token_ids.ids"), None
+        if kind == "chat" and isinstance(request, pb.EmbedRequest):
+            return (*self._pooling_chat(llm, request.chat), None)
         if kind == "chat":
             conversation, tools = chat_from_proto(request.chat)
             config = self._server.config
@@ -381,16 +410,36 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
             text, token_ids = self._render_chat(llm, request.chat, conversation, tools)
             return text, token_ids, reading
-        choices = (
-            "text, token_ids" if isinstance(request, pb.EmbedRequest) else "text, token_ids, chat"
-        )
-        raise ValueError(f"prompt: set one of {choices}")
+        raise ValueError("prompt: set one of text, token_ids, chat")
+
+    def _pooling_chat(self, llm: LLM, chat: pb.Chat) -> tuple[str, list[int]]:
+        """A conversation to embed or classify (vLLM's chat form of a pooling request):
+        rendered ending with its last message unless ``add_generation_prompt``; what only
+        a generation or a RAG template reads is refused by name."""
+        for name in ("tool_choice", "parallel_tool_calls", "include_reasoning"):
+            if chat.HasField(name):
+                raise ValueError(f"chat.{name}: a conversation to embed or classify has no answer")
+        for name in ("tools", "documents"):
+            if getattr(chat, name):
+                raise ValueError(
+                    f"chat.{name}: a conversation to embed or classify takes messages and the "
+                    "template's settings only"
+                )
+        conversation, _ = chat_from_proto(chat)
+        return self._render_chat(llm, chat, conversation, None, opens_turn_default=False)
 
     def _render_chat(
-        self, llm: LLM, chat: pb.Chat, conversation: list[dict], tools: list[Tool] | None
+        self,
+        llm: LLM,
+        chat: pb.Chat,
+        conversation: list[dict],
+        tools: list[Tool] | None,
+        opens_turn_default: bool = True,
     ) -> tuple[str, list[int]]:
         definitions = None if tools is None else [tool.definition for tool in tools]
-        opens_turn = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        opens_turn = opens_turn_default
+        if chat.HasField("add_generation_prompt"):
+            opens_turn = chat.add_generation_prompt
         template_kwargs = None
         if chat.chat_template_kwargs:
             try:

@@ -127,13 +127,17 @@ class OpenAiCalls:
 
     async def embedding(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/v1/embeddings`` body answered (OpenAI's response body)."""
-        api_request = self._parse_pooling(protocol.parse_embedding_request, body, client_request_id)
+        api_request = self._parse_pooling(
+            protocol.parse_embedding_request, body, client_request_id, **self._chat_options()
+        )
         outputs = await self._pooled(api_request)
         return protocol.embedding_response(api_request, outputs)
 
     async def classification(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/classify`` body answered (vLLM's response body)."""
-        api_request = self._parse_pooling(classify.parse_classify_request, body, client_request_id)
+        api_request = self._parse_pooling(
+            classify.parse_classify_request, body, client_request_id, **self._chat_options()
+        )
         outputs = await self._pooled(api_request)
         return classify.classify_response(api_request, outputs)
 
@@ -148,8 +152,9 @@ class OpenAiCalls:
             return scores.score_response(api_request, outputs)
         return scores.rerank_response(api_request, outputs)
 
-    def _parse_pooling(self, parse, body: Any, client_request_id: str | None):
-        """A pooling request's body checked by ``parse`` (once the server admits calls)."""
+    def _parse_pooling(self, parse, body: Any, client_request_id: str | None, **options):
+        """A pooling request's body checked by ``parse`` (once the server admits calls);
+        ``options``: ``parse``'s own keywords."""
         server = self._server
         return parse(
             body,
@@ -157,7 +162,12 @@ class OpenAiCalls:
             server.served_model_names(),
             client_request_id,
             server.config.max_concurrent_requests,
+            **options,
         )
+
+    def _chat_options(self) -> dict[str, Any]:
+        """How a pooling request's ``messages`` may be rendered (the server's trust)."""
+        return {"trust_request_chat_template": self._server.config.trust_request_chat_template}
 
     async def _pooled(self, api_request) -> list[EmbeddingRequestOutput]:
         """The embedding of each of a checked pooling request's prompts, in order."""

@@ -1,7 +1,9 @@
 """vLLM's ``/classify`` (``/v1/classify``) on a sequence classification model, JSON <->
 the engine's: ``input`` (a string, token ids, or a batch of either) classified one
 prompt-only request per input; each answer holds the probabilities over the model's
-labels (its ``id2label`` order), the most probable label and the class count.
+labels (its ``id2label`` order), the most probable label and the class count. Instead of
+``input``, ``messages`` (vLLM's chat form) classifies one conversation rendered with the
+chat template, as ``/v1/embeddings`` takes one.
 
 ``use_activation`` (vLLM's; ``activation`` its older name): false answers with the raw
 logits instead of the softmax (the sigmoid for a one-label model). ``truncate_prompt_tokens``
@@ -16,11 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.openai_protocol import (
+    POOLING_CHAT_FIELDS,
     PoolingApiRequest,
     checked_body,
     checked_priority,
     invalid_field,
-    pooling_prompts,
+    pooling_input_prompts,
     served_model,
     typed_field,
 )
@@ -56,16 +59,21 @@ def parse_classify_request(
     served_model_name: str | tuple[str, ...],
     client_request_id: str | None,
     max_prompts: int = 1024,
+    trust_request_chat_template: bool = False,
 ) -> ClassifyApiRequest:
-    """The body of ``/classify``, checked and tokenized; a model that does not classify is
-    refused first, naming ``model`` (``OpenAiCalls`` checks every pooling call again)."""
-    checked_body(body, _CLASSIFY_FIELDS, "classify")
+    """The body of ``/classify``, checked and tokenized: ``input``, or (vLLM's chat form)
+    ``messages``, one conversation rendered with the chat template; a model that does not
+    classify is refused first, naming ``model`` (``OpenAiCalls`` checks every pooling call
+    again)."""
+    checked_body(body, _CLASSIFY_FIELDS | POOLING_CHAT_FIELDS, "classify")
     model, lora_id = served_model(body, llm, served_model_name)
     try:
         llm.check_task(PoolingParams(task="classify"))
     except ValueError as error:
         raise invalid_field(str(error), "model") from None
-    prompts = pooling_prompts(body, llm, max_prompts, "input")
+    prompts, from_messages = pooling_input_prompts(
+        body, llm, max_prompts, trust_request_chat_template
+    )
     use_activation = typed_field(body, "use_activation", (bool,), "a boolean")
     activation = typed_field(body, "activation", (bool,), "a boolean")
     if use_activation is not None and activation is not None and use_activation != activation:
@@ -85,6 +93,7 @@ def parse_classify_request(
         ),
         lora_id=lora_id,
         priority=checked_priority(body, llm),
+        from_messages=from_messages,
     )
 
 

@@ -736,10 +736,16 @@ def _completion_prompts(
     return prompts
 
 
-def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False) -> Prompt:
+def chat_prompt(
+    body: dict,
+    llm: LLM,
+    trust_request_chat_template: bool = False,
+    opens_turn_default: bool = True,
+) -> Prompt:
     """The prompt of a chat request: its messages (and tools, when it gives them) through
     the model's chat template (or the request's own, when the server trusts its clients
-    with one)."""
+    with one). ``opens_turn_default``: ``add_generation_prompt`` when the body leaves it
+    unset (a pooling request's conversation ends with its last message, as vLLM's)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid_field(
@@ -769,7 +775,9 @@ def chat_prompt(body: dict, llm: LLM, trust_request_chat_template: bool = False)
         except ToolCallError as error:
             raise invalid_field(str(error), error.field) from None
     # vLLM's: a new assistant turn (the default), or the last message left open to go on.
-    opens_turn = typed_field(body, "add_generation_prompt", (bool,), "a boolean", True)
+    opens_turn = typed_field(
+        body, "add_generation_prompt", (bool,), "a boolean", opens_turn_default
+    )
     continues = typed_field(body, "continue_final_message", (bool,), "a boolean", False)
     # vLLM's: more variables for the template (a Qwen3-style {"enable_thinking": false}),
     # a RAG template's documents, and a template of the request's own (a server that
@@ -1248,10 +1256,11 @@ class PoolingApiRequest:
     lora_id: int = 0
     priority: int = 0
     created_s: int = field(default_factory=lambda: int(time.time()))
+    from_messages: bool = False  # the one prompt is a conversation (vLLM's chat form)
 
     @property
     def prompt_names(self) -> list[str]:
-        return input_names(len(self.prompts))
+        return ["messages"] if self.from_messages else input_names(len(self.prompts))
 
 
 @dataclass(kw_only=True)
@@ -1267,14 +1276,20 @@ def parse_embedding_request(
     served_model_name: str | tuple[str, ...],
     client_request_id: str | None,
     max_prompts: int = 1024,
+    trust_request_chat_template: bool = False,
 ) -> EmbeddingApiRequest:
     """The body of ``/v1/embeddings``, checked and tokenized: ``input`` as a string, token
-    ids, or a batch of either; ``dimensions`` in [1, the model's hidden size];
+    ids, or a batch of either, or (vLLM's chat form) ``messages``, one conversation
+    rendered with the chat template (``pooling_input_prompts``; a request's own
+    ``chat_template`` when ``trust_request_chat_template``); ``dimensions`` in [1, the
+    model's hidden size];
     ``truncate_prompt_tokens`` keeps a prompt's last k tokens (-1: the context window), as
     vLLM does; a prompt longer than the context window is refused."""
-    checked_body(body, _EMBEDDING_FIELDS, "embeddings")
+    checked_body(body, _EMBEDDING_FIELDS | POOLING_CHAT_FIELDS, "embeddings")
     model, lora_id = served_model(body, llm, served_model_name)
-    prompts = pooling_prompts(body, llm, max_prompts, "input")
+    prompts, from_messages = pooling_input_prompts(
+        body, llm, max_prompts, trust_request_chat_template
+    )
     encoding_format = typed_field(body, "encoding_format", (str,), "a string", "float")
     if encoding_format not in EMBEDDING_ENCODING_FORMATS:
         raise invalid_field(
@@ -1294,12 +1309,59 @@ def parse_embedding_request(
         ),
         lora_id=lora_id,
         priority=priority,
+        from_messages=from_messages,
     )
 
 
 def input_names(count: int) -> list[str]:
     """Each of a pooling request's ``input`` prompts' field, as errors name it."""
     return ["input"] if count == 1 else [f"input[{i}]" for i in range(count)]
+
+
+# vLLM's chat form of a pooling request (its EmbeddingChatRequest, ClassificationChatRequest):
+# ``messages`` instead of ``input``, rendered by the chat template.
+POOLING_CHAT_FIELDS = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+    }
+)
+
+
+def pooling_input_prompts(
+    body: dict, llm: LLM, max_prompts: int, trust_request_chat_template: bool
+) -> tuple[list[Prompt], bool]:
+    """The prompts of an embeddings or classify body, and whether they came from a
+    conversation: ``input`` (``pooling_prompts``) or, as vLLM's chat form, ``messages``
+    through the chat template, one prompt ending with the last message (no assistant turn
+    unless ``add_generation_prompt``), cut as ``truncate_prompt_tokens`` says."""
+    if body.get("messages") is None:
+        for name in sorted(POOLING_CHAT_FIELDS - {"messages"}):
+            if body.get(name) is not None:
+                raise invalid_field(f"{name} is a chat setting: it needs messages", name)
+        if body.get("input") is None:
+            raise invalid_field(
+                "input is required (a string, a list of strings, or token ids), or messages "
+                "for a conversation rendered with the chat template",
+                "input",
+            )
+        return pooling_prompts(body, llm, max_prompts, "input"), False
+    if body.get("input") is not None:
+        raise invalid_field(
+            "messages and input are both set: give the prompts as input, or one "
+            "conversation as messages",
+            "messages",
+        )
+    chat_body = {name: body[name] for name in POOLING_CHAT_FIELDS if name in body}
+    prompt = chat_prompt(chat_body, llm, trust_request_chat_template, opens_turn_default=False)
+    truncate = truncate_prompt_tokens(body, llm)
+    if truncate is not None and len(prompt.token_ids) > truncate:
+        prompt = Prompt(None, prompt.token_ids[-truncate:])
+    check_prompt_length(prompt, llm, "messages")
+    return [prompt], True
 
 
 def pooling_prompts(body: dict, llm: LLM, max_prompts: int, field: str) -> list[Prompt]:

@@ -109,6 +109,7 @@ CALLS = [
     ),
     ("sampled", "/v1/completions", {"prompt": "abc", "max_tokens": 5, "seed": 7, "n": 2}),
     ("embeddings", "/v1/embeddings", {"input": ["hello", "world"]}),
+    ("chat-embedding", "/v1/embeddings", {"messages": [{"role": "user", "content": "hi"}]}),
     (
         "response",
         "/v1/responses",
@@ -146,8 +147,8 @@ def test_each_line_is_answered_as_the_http_api_answers_its_body(server, server_m
     assert records[0]["response"]["body"]["id"] == "chatcmpl-chat"
     assert "(client id 'completions')" in result.stderr
     assert records[-1]["response"]["body"]["error"]["param"] == "max_tokens"
-    assert "batch done: 8 lines" in result.stderr
-    assert "7 answered 200, 1 answered 400" in result.stderr
+    assert "batch done: 9 lines" in result.stderr
+    assert "8 answered 200, 1 answered 400" in result.stderr
     assert "all 256 blocks free, block accounting consistent" in result.stderr, result.stderr
 
 

@@ -1,6 +1,7 @@
 """Sequence classification models over the real server: vLLM's ``/classify`` (and
 ``/invocations``, the gRPC ``Classify`` RPC, run-batch lines) answers as the offline
-``LLM.classify``; a cross-encoder's ``/score`` and ``/rerank`` answer as ``LLM.score``;
+``LLM.classify``, a conversation (``messages``) as the chat template renders it; a
+cross-encoder's ``/score`` and ``/rerank`` answer as ``LLM.score``;
 a classification model refuses generation and embeddings, and a causal LM refuses
 classification, each with a 400 naming ``model``."""
 
@@ -13,11 +14,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess, serving
+from conftest import CHAT_TEMPLATE, SERVED_MODEL_NAME, ServerProcess, serving
 from test_http_api import post
 
 from pagedserve.frontend import LLM, PoolingParams
-from pagedserve.frontend.client import Client
+from pagedserve.frontend.chat_template import ChatTemplateOptions
+from pagedserve.frontend.client import Client, conversation
 from pagedserve.v1 import generation_pb2 as pb
 from tests.engine.test_classification import LABELS, make_cross_encoder, make_text_classifier
 
@@ -28,7 +30,12 @@ DOCUMENTS = ["blocks of keys and values", "a recipe for bread", "paged attention
 
 @pytest.fixture(scope="module")
 def classifier_dir(tmp_path_factory):
-    return make_text_classifier(tmp_path_factory.mktemp("text_classifier"))
+    path = make_text_classifier(tmp_path_factory.mktemp("text_classifier"))
+    config_path = path / "tokenizer_config.json"  # a chat template, for messages
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +104,24 @@ def test_classify_takes_ids_raw_logits_and_invocations(server, offline):
     )
 
 
+def test_classify_takes_a_conversation_as_messages(server, offline):
+    """vLLM's chat form: one conversation rendered with the chat template (ending with its
+    last message unless add_generation_prompt), classified as its token ids are."""
+    conversation = [{"role": "user", "content": TEXTS[0]}]
+    for fields in ({}, {"add_generation_prompt": True, "use_activation": False}):
+        options = ChatTemplateOptions(add_generation_prompt=bool(fields))
+        text = offline.render_chat(conversation, options=options)
+        token_ids = offline.tokenizer.encode(text, add_special_tokens=False)
+        params = PoolingParams(task="classify", use_activation=not fields)
+        want = offline.classify([token_ids], params, use_tqdm=False)[0]
+        status, answer = post(server, "/v1/classify", {"messages": conversation, **fields})
+        assert status == 200, answer
+        (item,) = answer["data"]
+        assert item["probs"] == pytest.approx(want.outputs.probs, abs=1e-5)
+        assert item["label"] == want.label
+        assert answer["usage"]["prompt_tokens"] == len(token_ids)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param", "message"),
     [
@@ -111,6 +136,13 @@ def test_classify_takes_ids_raw_logits_and_invocations(server, offline):
         ("/v1/classify", {"input": "a", "priority": 2}, "priority", "priority"),
         ("/v1/classify", {"input": [600]}, "input", "600"),
         ("/v1/classify", ["a"], "", "the request body must be a JSON object, got list"),
+        ("/v1/classify", {"input": "a", "messages": [{"role": "user", "content": "b"}]},
+         "messages", "messages and input are both set"),
+        ("/v1/classify", {"input": "a", "continue_final_message": True},
+         "continue_final_message", "a chat setting: it needs messages"),
+        ("/v1/classify", {"messages": [{"role": "user", "content": "b"}],
+                          "add_generation_prompt": True, "continue_final_message": True},
+         "continue_final_message", "cannot both be true"),
         # A classifier serves nothing else, and scores only with one label.
         ("/v1/completions", {"prompt": "a", "max_tokens": 2}, "model",
          "LlamaForSequenceClassification: this model is a sequence classification model"),
@@ -148,7 +180,27 @@ def test_grpc_classify_answers_as_the_http_route(server, offline):
     response = server.stub.Classify(pb.ClassifyRequest(request_id="r", input=TEXTS), timeout=30)
     assert response.request_id == "r"
     assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
+    # A conversation, as /v1/classify's messages.
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    text = offline.render_chat(messages, options=ChatTemplateOptions(add_generation_prompt=False))
+    token_ids = offline.tokenizer.encode(text, add_special_tokens=False)
+    want = offline.classify([token_ids], use_tqdm=False)[0]
+    with Client(f"127.0.0.1:{server.port}") as client:
+        (output,) = client.classify(conversation(messages))
+        assert output.outputs.probs == pytest.approx(want.outputs.probs, abs=1e-5)
+        assert output.label == want.label and output.prompt is None
+        (cut,) = client.classify(conversation(messages), truncate_prompt_tokens=4)
+        (tail,) = offline.classify([token_ids[-4:]], use_tqdm=False)
+        assert cut.outputs.probs == pytest.approx(tail.outputs.probs, abs=1e-5)
+    chat = conversation(messages)
+    long_chat = conversation([{"role": "user", "content": "x " * 600}])
     for request, code, message in [
+        (pb.ClassifyRequest(input=["a"], chat=chat), grpc.StatusCode.INVALID_ARGUMENT,
+         "chat and input are both set"),
+        (pb.ClassifyRequest(chat=long_chat), grpc.StatusCode.INVALID_ARGUMENT,
+         "prompt tokens exceed the model's context window of 512"),
+        (pb.ClassifyRequest(chat=pb.Chat(messages=[pb.ChatMessage(content="a")])),
+         grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[0].role is empty"),
         (pb.ClassifyRequest(), grpc.StatusCode.INVALID_ARGUMENT, "input"),
         (pb.ClassifyRequest(input=["a"], truncate_prompt_tokens=0),
          grpc.StatusCode.INVALID_ARGUMENT, "truncate_prompt_tokens must be -1 or in [1, "),

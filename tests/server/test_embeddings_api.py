@@ -1,5 +1,6 @@
 """``POST /v1/embeddings`` over the real server: OpenAI's client and raw bodies get the
-offline ``LLM.embed`` vectors, as floats and as base64; batches keep their order; bad
+offline ``LLM.embed`` vectors, as floats and as base64; batches keep their order; a
+conversation (``messages``) is embedded as the chat template renders it; bad
 fields are a 400 naming the field; calls count in /metrics. gRPC's ``Embed`` gives the same
 vectors. (``--api-key`` on this route:
 test_http_api.py's API key test.)"""
@@ -21,7 +22,8 @@ from conftest import SERVED_MODEL_NAME, ServerProcess, serving
 from test_http_api import get
 
 from pagedserve.frontend import LLM, PoolingParams
-from pagedserve.frontend.client import Client
+from pagedserve.frontend.chat_template import ChatTemplateOptions
+from pagedserve.frontend.client import Client, conversation
 from pagedserve.v1 import generation_pb2 as pb
 
 TEXTS = ["The capital of France is", "a", "PagedAttention " * 20]
@@ -104,6 +106,48 @@ def test_raw_bodies_token_ids_base64_and_vllm_fields(server, offline):
     assert answer["usage"]["prompt_tokens"] == 3
 
 
+CONVERSATION = [
+    {"role": "system", "content": "Embed the user's question."},
+    {"role": "user", "content": "Where is the Eiffel tower?"},
+]
+
+
+def test_messages_are_embedded_as_the_chat_template_renders_them(server, offline):
+    """vLLM's chat form: one conversation through the chat template, ending with its last
+    message unless add_generation_prompt asks for the assistant's turn."""
+    for opens_turn in (False, True):
+        options = ChatTemplateOptions(add_generation_prompt=opens_turn)
+        text = offline.render_chat(CONVERSATION, options=options)
+        token_ids = offline.tokenizer.encode(text, add_special_tokens=False)
+        want = offline.embed([token_ids])[0].outputs.embedding
+        body = {"messages": CONVERSATION}
+        if opens_turn:
+            body["add_generation_prompt"] = True
+        status, answer = post(server, body)
+        assert status == 200, answer
+        assert [item["index"] for item in answer["data"]] == [0]
+        assert close(answer["data"][0]["embedding"], want)
+        assert answer["usage"]["prompt_tokens"] == len(token_ids)
+    assert text.endswith("<|im_start|>assistant\n")  # the last one opened the turn
+    # The template's variables, and truncate_prompt_tokens cuts the rendered prompt.
+    status, answer = post(
+        server,
+        {
+            "messages": CONVERSATION,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "add_generation_prompt": True,
+            "truncate_prompt_tokens": 5,
+            "dimensions": 8,
+        },
+    )
+    options = ChatTemplateOptions(chat_template_kwargs={"enable_thinking": False})
+    text = offline.render_chat(CONVERSATION, options=options)
+    tail = offline.tokenizer.encode(text, add_special_tokens=False)[-5:]
+    want = offline.embed([tail], PoolingParams(dimensions=8))[0].outputs.embedding
+    assert status == 200 and close(answer["data"][0]["embedding"], want), answer
+    assert answer["usage"]["prompt_tokens"] == 5
+
+
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
@@ -121,6 +165,30 @@ def test_raw_bodies_token_ids_base64_and_vllm_fields(server, offline):
         ({"input": "a", "dimensions": 129}, "dimensions", r"in \[1, 128\], got 129"),
         ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", r"-1 or in \[1"),
         ({"input": "a", "normalize": "yes"}, "normalize", "normalize must be a boolean"),
+        # The chat form.
+        ({"input": "a", "messages": CONVERSATION}, "messages", "messages and input are both"),
+        ({"messages": []}, "messages", "messages must be a non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "one of"),
+        (
+            {"input": "a", "add_generation_prompt": True},
+            "add_generation_prompt",
+            "add_generation_prompt is a chat setting: it needs messages",
+        ),
+        (
+            {"messages": CONVERSATION, "chat_template": "{{ messages }}"},
+            "chat_template",
+            "does not render a request's own template",
+        ),
+        (
+            {"messages": CONVERSATION, "chat_template_kwargs": {"messages": 1}},
+            "chat_template_kwargs",
+            "set by the rendering itself",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x " * 600}]},
+            "messages",
+            "prompt tokens exceed the model's context window of 512",
+        ),
     ],
 )
 def test_bad_fields_are_refused_by_name(server, body, param, message):
@@ -157,13 +225,37 @@ def test_grpc_embed_equals_the_offline_vectors(server, offline):
             assert got.request_id == "e-1"
             assert close(got.outputs.embedding, want.outputs.embedding)
         raw = offline.embed(TEXTS[2], PoolingParams(normalize=False, dimensions=8))[0]
+        client.embed(TEXTS[2], timeout_s=60)
         got = client.embed(TEXTS[2], dimensions=8, normalize=False, timeout_s=60)
         assert close(got.outputs.embedding, raw.outputs.embedding)
         assert got.num_cached_tokens > 0  # the same text was embedded just before
         response = client.stub.Embed(pb.EmbedRequest(token_ids=pb.TokenIds(ids=TOKEN_IDS[0])))
         assert response.usage.prompt_tokens == len(TOKEN_IDS[0])
+        # A conversation, as /v1/embeddings' messages.
+        for opens_turn in (False, True):
+            options = ChatTemplateOptions(add_generation_prompt=opens_turn)
+            text = offline.render_chat(CONVERSATION, options=options)
+            token_ids = offline.tokenizer.encode(text, add_special_tokens=False)
+            want = offline.embed([token_ids])[0].outputs.embedding
+            chat = conversation(CONVERSATION, add_generation_prompt=opens_turn)
+            got = client.embed(chat, timeout_s=60)
+            assert close(got.outputs.embedding, want) and got.prompt is None
+        chat = conversation(CONVERSATION)
         for request, message in [
-            (pb.EmbedRequest(), "prompt: set one of text, token_ids"),
+            (pb.EmbedRequest(), "prompt: set one of text, token_ids, chat"),
+            (pb.EmbedRequest(chat=pb.Chat()), "chat.messages is empty"),
+            (
+                pb.EmbedRequest(chat=pb.Chat(messages=chat.messages, tools=[pb.Tool(name="f")])),
+                "chat.tools: a conversation to embed or classify takes messages",
+            ),
+            (
+                pb.EmbedRequest(chat=pb.Chat(messages=chat.messages, include_reasoning=False)),
+                "chat.include_reasoning: a conversation to embed or classify has no answer",
+            ),
+            (
+                pb.EmbedRequest(chat=pb.Chat(messages=chat.messages, chat_template="{{ 1 }}")),
+                "chat.chat_template: this server does not render",
+            ),
             (pb.EmbedRequest(text="x", dimensions=100000), "dimensions=100000 exceeds"),
             (pb.EmbedRequest(text="x", dimensions=0), "dimensions must be an integer >= 1"),
             (pb.EmbedRequest(token_ids=pb.TokenIds(ids=[5] * 5000)), "max_model_len"),
