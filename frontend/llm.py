@@ -26,7 +26,11 @@ from pagedserve.frontend.outputs import (
     RequestOutput,
     most_probable_label,
 )
-from pagedserve.frontend.pooler_config import PoolerConfig, read_pooler_config
+from pagedserve.frontend.pooler_config import (
+    PoolerConfig,
+    read_pooler_config,
+    read_sentence_transformer_config,
+)
 from pagedserve.frontend.progress import ProgressBar
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
@@ -374,10 +378,18 @@ class LLM:
                 self.pooler_config.source,
             )
             enable_chunked_prefill = enable_prefix_caching = False
+        # A sentence-transformers model's own window and casing (vLLM reads them too).
+        self.sentence_config = read_sentence_transformer_config(resolved.path)
         model_limit = model_config.max_position_embeddings
+        limit_source = ""
+        sentence_limit = self.sentence_config.max_seq_length
+        if sentence_limit is not None and sentence_limit < model_limit:
+            model_limit = sentence_limit
+            limit_source = f" (max_seq_length in {self.sentence_config.source})"
         if max_model_len is not None and max_model_len > model_limit:
             raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's context window {model_limit}"
+                f"max_model_len={max_model_len} exceeds the model's context window "
+                f"{model_limit}{limit_source}"
             )
         max_model_len = max_model_len or model_limit
         scheduler_config = SchedulerConfig(
@@ -1189,6 +1201,8 @@ class LLM:
         """``tokenizer`` (None for a model without one), and from it ``grammar_vocabulary``:
         what structured output matches grammars over (None: no tokenizer, no grammars)."""
         self.tokenizer = Tokenizer(path, chat_template) if Tokenizer.exists_in(path) else None
+        if self.tokenizer is not None:
+            self.tokenizer.lower_case = self.sentence_config.do_lower_case
         think_token_ids = (None, None)
         if reasoning_parser is not None:
             think_token_ids = thinking_token_ids(reasoning_parser, self.tokenizer)

@@ -14,6 +14,10 @@ token's state, sentence-transformers' ``mean_tokens``) and ``CLS`` (the first to
 mode or module this engine cannot reproduce (max or weighted-mean pooling, an instruction
 excluded from the pool, a Dense projection after it) is refused when the model loads,
 naming the file and the field, rather than answered with another vector.
+
+Its ``sentence_bert_config.json`` says two more things vLLM honours: ``max_seq_length`` (the
+context window; a longer ``max_model_len`` is refused) and ``do_lower_case`` (texts are
+lowercased before they are tokenized).
 """
 
 from __future__ import annotations
@@ -105,6 +109,46 @@ def read_pooler_config(model_dir: Path, override: dict[str, Any] | None = None) 
         )
     normalize = _ST + "Normalize" in types
     return PoolerConfig(chosen[0], normalize, str(pooling_file))
+
+
+@dataclass(frozen=True)
+class SentenceTransformerConfig:
+    """A sentence-transformers model's ``sentence_bert_config.json`` (or a sibling
+    ``sentence_*_config.json``), as vLLM reads it: ``max_seq_length`` caps the context
+    window (the longest input the model was trained to embed), ``do_lower_case`` lowercases
+    every text before it is tokenized. ``source``: the file."""
+
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    source: str = ""
+
+
+def read_sentence_transformer_config(model_dir: Path) -> SentenceTransformerConfig:
+    """The model's sentence-transformers tokenizer settings (none when it has no such file);
+    ``ValueError`` naming the file and the field for a value that is not one."""
+    files = sorted(model_dir.glob("sentence_*_config.json"))
+    preferred = model_dir / "sentence_bert_config.json"
+    path = preferred if preferred.is_file() else (files[0] if files else None)
+    if path is None:
+        return SentenceTransformerConfig()
+    fields = _json(path)
+    if not isinstance(fields, dict):
+        raise ValueError(f"model: {path} must be a JSON object")
+    max_seq_length = fields.get("max_seq_length")
+    if max_seq_length is not None and (
+        isinstance(max_seq_length, bool)
+        or not isinstance(max_seq_length, int)
+        or max_seq_length < 1
+    ):
+        raise ValueError(
+            f"model: {path}: max_seq_length must be a positive integer, got {max_seq_length!r}"
+        )
+    do_lower_case = fields.get("do_lower_case", False)
+    if not isinstance(do_lower_case, bool):
+        raise ValueError(
+            f"model: {path}: do_lower_case must be true or false, got {do_lower_case!r}"
+        )
+    return SentenceTransformerConfig(max_seq_length, do_lower_case, str(path))
 
 
 def _from_override(override: Any) -> PoolerConfig:

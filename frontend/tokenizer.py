@@ -25,6 +25,9 @@ class Tokenizer:
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
         self._chat_template = chat_template
+        #: Lowercase every text before encoding it (a sentence-transformers model's
+        #: ``do_lower_case``: its model saw only lowercased text).
+        self.lower_case = False
         self.vocab_size = len(self._tokenizer)
         # The Rust tokenizer, when there is one: decoding through it directly skips
         # transformers' per-call overhead (about 3x), paid once per generated token.
@@ -54,12 +57,16 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.lower_case:
+            text = text.lower()
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_pair(self, text: str, text_pair: str, max_length: int | None = None) -> list[int]:
         """The two texts as one input, joined as the tokenizer joins a pair (its special
         tokens around and between them): a cross-encoder's input. ``max_length``: cut to
         that many tokens, from the longer text first (HF's ``longest_first``)."""
+        if self.lower_case:
+            text, text_pair = text.lower(), text_pair.lower()
         return list(
             self._tokenizer(
                 text,

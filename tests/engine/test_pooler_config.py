@@ -1,7 +1,8 @@
 """An embedding model pools as its sentence-transformers files say (vLLM reads them too):
 mean or first-token pooling equal sentence-transformers' own arithmetic over HF's hidden
 states (float32), with or without its Normalize module; ``pooler_config`` replaces the
-files; what the engine cannot reproduce is refused at load, naming the file and field."""
+files; what the engine cannot reproduce is refused at load, naming the file and field;
+``sentence_bert_config.json`` caps the context window and lowercases texts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ import torch
 import transformers
 
 from pagedserve.frontend import LLM, PoolingParams
-from pagedserve.frontend.pooler_config import PoolerConfig, read_pooler_config
+from pagedserve.frontend.pooler_config import (
+    PoolerConfig,
+    read_pooler_config,
+    read_sentence_transformer_config,
+)
 from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS
 
 ST = "sentence_transformers.models."
@@ -169,3 +174,51 @@ def test_what_the_engine_cannot_reproduce_is_refused_at_load(
 def test_pooler_config_is_checked_by_name(tiny_model_dirs, override, error, message):
     with pytest.raises(error, match=message):
         read_pooler_config(tiny_model_dirs["qwen3"], override)
+
+
+def test_sentence_bert_config_caps_the_window_and_lowercases(tmp_path, byte_level_llama_dir):
+    """vLLM reads a sentence-transformers model's sentence_bert_config.json: max_seq_length
+    is the context window (a longer max_model_len refused, naming the file), do_lower_case
+    lowercases every text before it is tokenized."""
+    model_dir = sentence_transformer(tmp_path, byte_level_llama_dir, "lasttoken", True)
+    config_file = model_dir / "sentence_bert_config.json"
+    config_file.write_text(json.dumps({"max_seq_length": 64, "do_lower_case": True}))
+    llm = LLM(model_dir, block_size=16, num_blocks=64)
+    assert llm.scheduler_config.max_model_len == 64
+    (upper,) = llm.embed("Paged ATTENTION")
+    (lower,) = llm.embed("paged attention")
+    assert upper.prompt_token_ids == lower.prompt_token_ids
+    assert upper.outputs.embedding == lower.outputs.embedding
+    assert llm.tokenizer.encode_pair("A", "B") == llm.tokenizer.encode_pair("a", "b")
+    with pytest.raises(ValueError, match="65 tokens"):
+        llm.embed([[5] * 65])
+    assert len(llm.embed([[5] * 64])[0].outputs.embedding) == 128
+    message = (
+        r"max_model_len=128 exceeds the model's context window 64 \(max_seq_length in "
+        r".*sentence_bert_config.json\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        LLM(model_dir, num_blocks=64, max_model_len=128)
+    # Without the file: the model's own window and its casing.
+    config_file.unlink()
+    plain = LLM(model_dir, block_size=16, num_blocks=64)
+    assert plain.scheduler_config.max_model_len == 512
+    assert plain.embed("Paged ATTENTION")[0].prompt_token_ids != lower.prompt_token_ids
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_seq_length": 0}, "max_seq_length must be a positive integer, got 0"),
+        ({"max_seq_length": "64"}, "max_seq_length must be a positive integer, got '64'"),
+        ({"do_lower_case": 1}, "do_lower_case must be true or false, got 1"),
+    ],
+)
+def test_sentence_bert_config_is_checked_by_field(tmp_path, tiny_model_dirs, fields, message):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dirs["qwen3"], model_dir)
+    (model_dir / "sentence_bert_config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=message):
+        read_sentence_transformer_config(model_dir)
+    with pytest.raises(ValueError, match="sentence_bert_config.json"):
+        LLM(model_dir, num_blocks=16)
