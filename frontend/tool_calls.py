@@ -41,6 +41,7 @@ TOOL_CALL_PARSERS = (
     "qwen3_coder",
     "deepseek_v3",
     "deepseek_v31",
+    "granite",
 )
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
@@ -311,6 +312,8 @@ class ToolCalling:
             return _Qwen3CoderReader({tool.name: tool.parameters for tool in self.tools})
         if tool_call_parser in ("deepseek_v3", "deepseek_v31"):
             return _DeepSeekReader(v31=tool_call_parser == "deepseek_v31")
+        if tool_call_parser == "granite":
+            return _GraniteReader()
         raise ValueError(
             f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
             f"got {tool_call_parser!r}"
@@ -577,6 +580,51 @@ class _Llama3JsonReader(_OutputReader):
 
     def _looks_like_calls(self, stripped: str) -> bool:
         return stripped.startswith("{") or stripped.startswith(self.PYTHON_TAG)
+
+
+class _GraniteReader(_OutputReader):
+    """IBM Granite 3.x's calls: an output that is (after whitespace, and Granite 3.0's
+    ``<|tool_call|>`` token or 3.1's ``<tool_call>`` text) a JSON array of ``{"name",
+    "arguments"}`` objects and nothing more. Read when the output is complete (the same text
+    could still turn out not to be calls); anything else is content."""
+
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+    markers = MARKERS
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        stripped = text.lstrip()
+        if not final:
+            undecided = not stripped or any(m.startswith(stripped) for m in self.MARKERS)
+            if undecided or self._body(stripped) is not None:
+                return ParsedOutput("")
+            return ParsedOutput(text)
+        body = self._body(stripped)
+        if body is None:
+            return ParsedOutput(text)
+        try:
+            items, position = _JSON.raw_decode(body)
+        except ValueError:
+            return ParsedOutput(text)
+        if body[position:].strip() or not isinstance(items, list) or not items:
+            return ParsedOutput(text)
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return ParsedOutput(text)
+            arguments = item.get("arguments", {})
+            if not isinstance(arguments, (dict, str)):
+                return ParsedOutput(text)
+            calls.append(ParsedCall(item["name"], _arguments_text(arguments)))
+        return ParsedOutput("", calls)
+
+    def _body(self, stripped: str) -> str | None:
+        """The JSON after the marker, when the output reads as calls so far; else None."""
+        for marker in self.MARKERS:
+            if stripped.startswith(marker):
+                stripped = stripped[len(marker) :].lstrip()
+                # The array may not have begun yet.
+                return stripped if not stripped or stripped.startswith("[") else None
+        return stripped if stripped.startswith("[") else None
 
 
 class _PythonicReader(_OutputReader):

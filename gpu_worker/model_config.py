@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "GraniteForCausalLM": "llama",
     # Mixture-of-experts members of the family: its attention, a sparse MLP (layers/moe.py).
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
@@ -39,7 +40,7 @@ SUPPORTED_ARCHITECTURES = {
 CLASSIFIER_ARCHITECTURES = {
     name.replace("ForCausalLM", "ForSequenceClassification"): name
     for name in SUPPORTED_ARCHITECTURES
-    if name != "Gemma3ForCausalLM"
+    if name not in ("Gemma3ForCausalLM", "GraniteForCausalLM")  # HF has no Granite classifier
 } | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
 # The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding
@@ -76,6 +77,13 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         hidden_activation="gelu_pytorch_tanh",
         query_pre_attn_scalar=256,
         sliding_window=4096,
+    ),
+    # GraniteConfig's: its attention scale defaults to 1.0, not 1/sqrt(head size).
+    "GraniteForCausalLM": dict(
+        embedding_multiplier=1.0,
+        logits_scaling=1.0,
+        residual_multiplier=1.0,
+        attention_multiplier=1.0,
     ),
 }
 

@@ -1,7 +1,11 @@
 """The Llama family: Llama, Mistral, Qwen2 and Qwen3 (GQA, RoPE, RMSNorm, gated SiLU MLP;
 Qwen3 adds an RMSNorm over each query and key head before RoPE), and their
 mixture-of-experts members Mixtral, Qwen2-MoE and Qwen3-MoE, whose layers swap the MLP for
-a sparse one (layers/moe.py)."""
+a sparse one (layers/moe.py). IBM's Granite is Llama with four scalars (µP's): the
+embeddings times ``embedding_multiplier``, attention scores scaled by
+``attention_multiplier`` instead of 1/sqrt(head size), each sublayer's output times
+``residual_multiplier`` before it joins the residual, and the logits divided by
+``logits_scaling``."""
 
 from __future__ import annotations
 
@@ -24,6 +28,15 @@ from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 # Architectures that RMS-normalise each query and key head (``self_attn.q_norm`` /
 # ``k_norm``, one weight of head_size shared by all heads) between projection and RoPE.
 _PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+
+
+_GRANITE = "GraniteForCausalLM"
+
+
+def _granite_scalar(config: ModelConfig, name: str) -> float | None:
+    """One of Granite's scalars (the config class's default when the file leaves it out:
+    ``model_config._CONFIG_DEFAULTS``); None on the other architectures."""
+    return float(config.hf_config[name]) if config.architecture == _GRANITE else None
 
 
 def _qkv_bias(config: ModelConfig) -> bool:
@@ -76,11 +89,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
         self.head_size = config.head_size
         self.rotary = rotary
+        scale = _granite_scalar(config, "attention_multiplier")
         self.attention = PagedAttention(
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
             config.head_size,
-            config.head_size**-0.5,
+            config.head_size**-0.5 if scale is None else scale,
             sliding_window,
         )
         self.key_cache: torch.Tensor | None = None
@@ -135,6 +149,7 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = _mlp(config, dtype, parallel, layer_index)
+        self.residual_multiplier = _granite_scalar(config, "residual_multiplier")
 
     def forward(
         self,
@@ -152,8 +167,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, metadata)
+        if self.residual_multiplier is not None:
+            hidden = hidden * self.residual_multiplier
         self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.residual_multiplier is not None:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaForCausalLM(CausalLM):
@@ -174,6 +194,8 @@ class LlamaForCausalLM(CausalLM):
             for layer_index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1e-6), dtype)
+        self.embedding_multiplier = _granite_scalar(config, "embedding_multiplier")
+        self.logits_scaling = _granite_scalar(config, "logits_scaling")
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         # An untied LM head is a vocabulary table of its own, split the same way.
         self.lm_head = (
@@ -186,6 +208,8 @@ class LlamaForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            hidden = hidden * self.embedding_multiplier
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, metadata)
@@ -197,7 +221,10 @@ class LlamaForCausalLM(CausalLM):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.logits_table.logits(hidden_states)
+        logits = self.logits_table.logits(hidden_states)
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_fused_checkpoint(self, weights, rename=_mixtral_names)

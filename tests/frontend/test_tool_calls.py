@@ -333,6 +333,38 @@ def test_deepseek_reads_v3_and_v31_calls():
     assert v31.parse(DEEPSEEK_V3_TEXTS[1], True) == ParsedOutput(DEEPSEEK_V3_TEXTS[1])
 
 
+GRANITE_TEXTS = [
+    '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_time", "arguments": {}}]',
+    ' <tool_call> [{"name": "get_time", "arguments": {}}]\n',  # Granite 3.1's marker text
+    '[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "F"}}]',
+    "The weather is fine.",
+    '<|tool_call|>[{"name": "get_time"}] and then some text',  # more than calls: content
+    "[1, 2, 3]",  # a list, not calls
+    '<|tool_call|>{"name": "get_time", "arguments": {}}',  # not an array
+    "<|tool_call|>",
+]
+
+
+def test_granite_reads_a_json_array_of_calls():
+    granite = calling("auto", "granite")
+    assert granite.parse(GRANITE_TEXTS[0], True) == ParsedOutput(
+        "",
+        [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("get_time", "{}")],
+    )
+    assert granite.parse(GRANITE_TEXTS[1], True).calls == [ParsedCall("get_time", "{}")]
+    assert granite.parse(GRANITE_TEXTS[2], True).calls == [
+        ParsedCall("get_weather", '{"city": "Oslo", "unit": "F"}')
+    ]
+    for text in GRANITE_TEXTS[3:]:
+        assert granite.parse(text, True) == ParsedOutput(text)
+    # Streaming: text goes at once; what may still be calls waits for the end.
+    assert granite.parse("The", False) == ParsedOutput("The")
+    assert granite.parse("<|tool", False) == ParsedOutput("")
+    assert granite.parse("<tool_call> [", False) == ParsedOutput("")
+    assert granite.parse("<tool_call> The", False) == ParsedOutput("<tool_call> The")
+
+
 CASES = (
     [("auto", "hermes", text) for text in HERMES_TEXTS]
     + [("auto", "llama3_json", text) for text in LLAMA_TEXTS]
@@ -341,6 +373,7 @@ CASES = (
     + [("auto", "qwen3_coder", text) for text in QWEN3_CODER_TEXTS]
     + [("auto", "deepseek_v3", text) for text in DEEPSEEK_V3_TEXTS]
     + [("auto", "deepseek_v31", text) for text in DEEPSEEK_V31_TEXTS]
+    + [("auto", "granite", text) for text in GRANITE_TEXTS]
     + [("required", None, text) for text in REQUIRED_TEXTS]
     + [({"type": "function", "function": {"name": "get_weather"}}, None, '{"city": "Oslo"}')]
     + [("none", None, HERMES_TEXTS[2])]

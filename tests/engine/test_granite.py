@@ -1,0 +1,148 @@
+"""IBM's Granite (``GraniteForCausalLM``): Llama with µP's four scalars. Greedy tokens
+identical to HF transformers (float32) across block sizes, chunked prefill, prefix caching
+and two tensor-parallel ranks; the logprobs carry ``logits_scaling``; a config that leaves
+the scalars out takes GraniteConfig's defaults (an attention scale of 1.0, not
+1/sqrt(head size)), as HF does; and each scalar changes HF's own tokens here, so the parity
+checks can tell an engine that ignores one from one that applies it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from engine.test_parity import NEW_TOKENS, hf_greedy
+from tiny_models import random_hf_model
+
+from pagedserve.frontend import LLM, SamplingParams
+
+PROMPT_LENGTHS = [1, 17, 40, 100, 150]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+# As Granite 3.x configures them (tied embeddings, GQA), with scalars that each move these
+# random weights' greedy tokens (Granite 3's own, embedding x12 and residual x0.22, drown a
+# tiny random model's layers in its tied embedding: it repeats its input) and an attention
+# scale of 0.05, not head_dim's 1/8.
+SCALARS = dict(
+    embedding_multiplier=1.5,
+    residual_multiplier=0.7,
+    attention_multiplier=0.05,
+    logits_scaling=4.0,
+)
+GRANITE = dict(
+    architectures=["GraniteForCausalLM"],
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    **SCALARS,
+)
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def rewritten(model_dir: Path, path: Path, **changes) -> Path:
+    """A copy of ``model_dir`` whose config.json has ``changes`` (None: the field removed)."""
+    shutil.copytree(model_dir, path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    for name, value in changes.items():
+        if value is None:
+            config.pop(name, None)
+        else:
+            config[name] = value
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return random_hf_model(GRANITE, tmp_path_factory.mktemp("granite"))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_dir) -> list[list[int]]:
+    return hf_greedy(model_dir, prompts())
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_granite_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert llm.model_config.architecture == "GraniteForCausalLM"
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_and_prefix_caching_match_hf(model_dir, hf_reference):
+    llm = LLM(
+        model_dir,
+        block_size=16,
+        num_blocks=256,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=True,
+    )
+    first = llm.generate(prompts(), GREEDY)
+    second = llm.generate(prompts(), GREEDY)
+    assert [o.num_cached_tokens for o in second] == [0, 16, 32, 96, 144]
+    assert token_ids(first) == token_ids(second) == hf_reference
+
+
+def test_two_tensor_parallel_ranks_match_hf(model_dir, hf_reference):
+    llm = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+    finally:
+        llm.shutdown()
+
+
+def test_logprobs_carry_the_logits_scaling(model_dir):
+    prompt = prompts()[2]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    completion = LLM(model_dir, num_blocks=64).generate([prompt], params)[0].outputs[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion.token_ids])).logits[0]
+    rows = slice(len(prompt) - 1, len(prompt) - 1 + len(completion.token_ids))
+    scaled = torch.log_softmax(logits[rows], dim=-1)
+    unscaled = torch.log_softmax(logits[rows] * SCALARS["logits_scaling"], dim=-1)
+    assert (scaled - unscaled).abs().max() > 0.1  # the check below tells them apart
+    for entry, row in zip(completion.logprobs, scaled):
+        top = row.topk(5)
+        assert set(entry) >= set(top.indices.tolist())
+        for token, value in zip(top.indices.tolist(), top.values.tolist()):
+            assert entry[token] == pytest.approx(value, abs=1e-4)
+
+
+def test_a_config_without_the_scalars_takes_graniteconfig_s_defaults(model_dir, tmp_path):
+    bare = rewritten(model_dir, tmp_path / "bare", **dict.fromkeys(SCALARS))
+    llm = LLM(bare, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy(bare, prompts())
+
+
+@pytest.mark.parametrize("name", list(SCALARS))
+def test_each_scalar_changes_hf_s_tokens(model_dir, hf_reference, tmp_path, name):
+    # Without it (its default of 1.0) HF's own tokens differ: the parity tests above fail
+    # on an engine that leaves it out.
+    plain = rewritten(model_dir, tmp_path / name, **{name: 1.0})
+    if name == "logits_scaling":
+        # Dividing every logit by one number keeps greedy's argmax: the logprobs test
+        # above is the check for it.
+        assert hf_greedy(plain, prompts()) == hf_reference
+    else:
+        assert hf_greedy(plain, prompts()) != hf_reference
