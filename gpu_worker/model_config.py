@@ -10,6 +10,7 @@ from typing import Any
 
 from pagedserve.gpu_worker.layers.rope_config import (
     GEMMA3_LAYER_TYPES,
+    SUPPORTED_ROPE_TYPES,
     layer_type_rope_parameters,
     rope_context_window,
     rope_parameters,
@@ -22,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "GraniteForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
     # Mixture-of-experts members of the family: its attention, a sparse MLP (layers/moe.py).
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
@@ -78,6 +80,7 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         query_pre_attn_scalar=256,
         sliding_window=4096,
     ),
+    "Phi3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=4096),
     # GraniteConfig's: its attention scale defaults to 1.0, not 1/sqrt(head size).
     "GraniteForCausalLM": dict(
         embedding_multiplier=1.0,
@@ -225,6 +228,20 @@ def _labels(hf_config: dict[str, Any]) -> tuple[str, ...]:
 
 def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> None:
     """Refuse config values the HF model honours but this engine's ops cannot."""
+    if architecture != "Gemma3ForCausalLM":  # Gemma 3's RoPE is per layer type
+        parameters = rope_parameters(hf_config)
+        if parameters["rope_type"] not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"model: rope_type {parameters['rope_type']!r} is not supported yet "
+                f"(Phi-3's longrope: Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini); supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        partial = parameters.get("partial_rotary_factor", hf_config.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(
+                f"model: partial_rotary_factor={partial!r} is not supported yet (RoPE over "
+                "only part of each head); supported: 1.0"
+            )
     if architecture not in ("GemmaForCausalLM", *_GEMMA2_LIKE):
         return
     if hf_config.get("use_bidirectional_attention"):
@@ -263,8 +280,8 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
     """Each layer's sliding window in tokens (0: full attention), as HF transformers 5.x
     builds the model:
 
-    - Mistral and Mixtral: ``sliding_window`` (when set) on every layer; their configs
-      ignore ``layer_types`` and ``use_sliding_window``.
+    - Mistral, Mixtral and Phi-3: ``sliding_window`` (when set) on every layer; their
+      configs ignore ``layer_types`` and ``use_sliding_window``.
     - Qwen2 / Qwen3 / Qwen2-MoE: ``sliding_window`` counts only with ``use_sliding_window``
       (default false); then the layers whose ``layer_types`` entry is ``"sliding_attention"``
       use it, and without ``layer_types`` the layers from ``max_window_layers`` (default 28)
@@ -278,7 +295,7 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
     window = hf_config.get("sliding_window") or 0
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise ValueError(f"model: sliding_window must be a non-negative integer, got {window!r}")
-    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return (window,) * num_layers
     if architecture in _GEMMA2_LIKE:
         layer_types = gemma_layer_types(architecture, hf_config)

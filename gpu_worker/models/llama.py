@@ -5,7 +5,9 @@ a sparse one (layers/moe.py). IBM's Granite is Llama with four scalars (µP's): 
 embeddings times ``embedding_multiplier``, attention scores scaled by
 ``attention_multiplier`` instead of 1/sqrt(head size), each sublayer's output times
 ``residual_multiplier`` before it joins the residual, and the logits divided by
-``logits_scaling``."""
+``logits_scaling``. Microsoft's Phi-3 (and Phi-4) is Llama whose checkpoint stores q/k/v as
+one ``qkv_proj`` and gate/up as one ``gate_up_proj``, split here on loading so each
+tensor-parallel rank takes its heads and rows as from separate tensors."""
 
 from __future__ import annotations
 
@@ -227,7 +229,33 @@ class LlamaForCausalLM(CausalLM):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.config.architecture == "Phi3ForCausalLM":
+            weights = _split_phi3(self.config, weights)
         load_fused_checkpoint(self, weights, rename=_mixtral_names)
+
+
+def _split_phi3(
+    config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Phi-3's fused checkpoint tensors as Llama's separate ones: ``qkv_proj`` rows
+    [q | k | v] and ``gate_up_proj`` rows [gate | up] (HF's ``chunk(2)``: gate first)."""
+    q_rows = config.num_heads * config.head_size
+    kv_rows = config.num_kv_heads * config.head_size
+    for name, tensor in weights:
+        parent, _, attribute = name.rpartition(".")
+        if parent.endswith(".qkv_proj"):
+            stem = parent.removesuffix("qkv_proj")
+            query, key, value = tensor.split([q_rows, kv_rows, kv_rows], dim=0)
+            yield f"{stem}q_proj.{attribute}", query
+            yield f"{stem}k_proj.{attribute}", key
+            yield f"{stem}v_proj.{attribute}", value
+        elif parent.endswith(".gate_up_proj"):
+            stem = parent.removesuffix("gate_up_proj")
+            gate, up = tensor.chunk(2, dim=0)
+            yield f"{stem}gate_proj.{attribute}", gate
+            yield f"{stem}up_proj.{attribute}", up
+        else:
+            yield name, tensor
 
 
 # Mixtral's sparse block and its experts' gate, down and up projections, by their own names.
