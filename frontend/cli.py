@@ -253,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         "blocks), llama3_json (Llama 3.1+ JSON calls), pythonic (Llama 3.2 / 4: a Python "
         "list of calls), mistral ([TOOL_CALLS]: Mistral, Mixtral, Devstral), qwen3_coder "
         "(Qwen3-Coder's XML calls), deepseek_v3 (DeepSeek V3, R1 and its Qwen / Llama "
-        "distills), deepseek_v31 (DeepSeek V3.1) or granite (IBM Granite 3.x: a JSON array "
-        "after <|tool_call|>)",
+        "distills), deepseek_v31 (DeepSeek V3.1), granite (IBM Granite 3.x: a JSON array "
+        "after <|tool_call|>) or phi4_mini_json (Phi-4-mini: functools[...])",
     )
     api.add_argument(
         "--generation-config",

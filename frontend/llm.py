@@ -381,7 +381,10 @@ class LLM:
         # A sentence-transformers model's own window and casing (vLLM reads them too).
         self.sentence_config = read_sentence_transformer_config(resolved.path)
         model_limit = model_config.max_position_embeddings
-        limit_source = ""
+        reason = model_config.context_window_reason
+        limit_source = f" ({reason})" if reason else ""
+        if reason:
+            logger.info("context window %d tokens: %s", model_limit, reason)
         sentence_limit = self.sentence_config.max_seq_length
         if sentence_limit is not None and sentence_limit < model_limit:
             model_limit = sentence_limit

@@ -42,6 +42,7 @@ TOOL_CALL_PARSERS = (
     "deepseek_v3",
     "deepseek_v31",
     "granite",
+    "phi4_mini_json",
 )
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
@@ -314,6 +315,8 @@ class ToolCalling:
             return _DeepSeekReader(v31=tool_call_parser == "deepseek_v31")
         if tool_call_parser == "granite":
             return _GraniteReader()
+        if tool_call_parser == "phi4_mini_json":
+            return _Phi4MiniReader()
         raise ValueError(
             f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
             f"got {tool_call_parser!r}"
@@ -582,14 +585,18 @@ class _Llama3JsonReader(_OutputReader):
         return stripped.startswith("{") or stripped.startswith(self.PYTHON_TAG)
 
 
-class _GraniteReader(_OutputReader):
-    """IBM Granite 3.x's calls: an output that is (after whitespace, and Granite 3.0's
-    ``<|tool_call|>`` token or 3.1's ``<tool_call>`` text) a JSON array of ``{"name",
-    "arguments"}`` objects and nothing more. Read when the output is complete (the same text
-    could still turn out not to be calls); anything else is content."""
+class _JsonArrayReader(_OutputReader):
+    """An output that is (after whitespace, and one of ``MARKERS``) a JSON array of
+    ``{"name", "arguments"}`` objects and nothing more: IBM Granite 3.x's calls (after
+    3.0's ``<|tool_call|>`` token or 3.1's ``<tool_call>`` text, or none), Phi-4-mini's
+    (``functools[...]``). Read when the output is complete (the same text could still turn
+    out not to be calls); anything else is content."""
 
-    MARKERS = ("<|tool_call|>", "<tool_call>")
-    markers = MARKERS
+    MARKERS: tuple[str, ...] = ()
+    MARKER_REQUIRED = False
+
+    def __init__(self) -> None:
+        self.markers = self.MARKERS
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         stripped = text.lstrip()
@@ -611,7 +618,7 @@ class _GraniteReader(_OutputReader):
         for item in items:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return ParsedOutput(text)
-            arguments = item.get("arguments", {})
+            arguments = item.get("arguments", item.get("parameters", {}))
             if not isinstance(arguments, (dict, str)):
                 return ParsedOutput(text)
             calls.append(ParsedCall(item["name"], _arguments_text(arguments)))
@@ -624,7 +631,18 @@ class _GraniteReader(_OutputReader):
                 stripped = stripped[len(marker) :].lstrip()
                 # The array may not have begun yet.
                 return stripped if not stripped or stripped.startswith("[") else None
+        if self.MARKER_REQUIRED:
+            return None
         return stripped if stripped.startswith("[") else None
+
+
+class _GraniteReader(_JsonArrayReader):
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+
+
+class _Phi4MiniReader(_JsonArrayReader):
+    MARKERS = ("functools",)
+    MARKER_REQUIRED = True
 
 
 class _PythonicReader(_OutputReader):

@@ -10,6 +10,7 @@ from typing import Any
 
 from pagedserve.gpu_worker.layers.rope_config import (
     GEMMA3_LAYER_TYPES,
+    LONGROPE_WINDOW_REASON,
     SUPPORTED_ROPE_TYPES,
     layer_type_rope_parameters,
     rope_context_window,
@@ -147,6 +148,17 @@ class ModelConfig:
         return "classify" if self.labels else "generate"
 
     @property
+    def context_window_reason(self) -> str:
+        """Why ``max_position_embeddings`` is below the config's own (a LongRoPE model's
+        window stops at its original context); "" when it is not."""
+        configured = self.hf_config.get("max_position_embeddings", 2048)
+        if self.architecture == "Gemma3ForCausalLM" or self.max_position_embeddings >= configured:
+            return ""
+        if rope_parameters(self.hf_config)["rope_type"] == "longrope":
+            return LONGROPE_WINDOW_REASON
+        return ""
+
+    @property
     def has_experts(self) -> bool:
         return any(spec is not None for spec in self.layer_experts)
 
@@ -232,15 +244,15 @@ def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> Non
         parameters = rope_parameters(hf_config)
         if parameters["rope_type"] not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
-                f"model: rope_type {parameters['rope_type']!r} is not supported yet "
-                f"(Phi-3's longrope: Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini); supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"model: rope_type {parameters['rope_type']!r} is not supported yet; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
-        partial = parameters.get("partial_rotary_factor", hf_config.get("partial_rotary_factor"))
-        if partial not in (None, 1, 1.0):
+        partial = parameters.get("partial_rotary_factor")
+        if partial not in (None, 1, 1.0) and architecture != "Phi3ForCausalLM":
+            # Of the models here only Phi-3 rotates part of each head in HF.
             raise ValueError(
-                f"model: partial_rotary_factor={partial!r} is not supported yet (RoPE over "
-                "only part of each head); supported: 1.0"
+                f"model: partial_rotary_factor={partial!r} is not supported for "
+                f"{architecture} (RoPE over part of each head: Phi3ForCausalLM); supported: 1.0"
             )
     if architecture not in ("GemmaForCausalLM", *_GEMMA2_LIKE):
         return
@@ -271,8 +283,9 @@ def _max_positions(architecture: str, hf_config: dict[str, Any]) -> int:
         if architecture == "Gemma3ForCausalLM"
         else rope_parameters(hf_config)
     )
-    # YaRN extends the context past the configured positions (the original times the factor).
-    # A sliding window does not bound it: the attention ops honour each layer's window.
+    # YaRN extends the context past the configured positions (the original times the factor);
+    # LongRoPE's stops at the original context for now (LONGROPE_WINDOW_REASON). A sliding
+    # window does not bound it: the attention ops honour each layer's window.
     return rope_context_window(parameters, max_positions)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -19,7 +19,9 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     parameters = {**scaling, **parameters}
     parameters.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     parameters["rope_type"] = parameters.get("rope_type") or parameters.get("type") or "default"
-    if parameters["rope_type"] in ("llama3", "yarn"):
+    if hf_config.get("partial_rotary_factor") is not None:  # the nested value wins, as in HF
+        parameters.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
+    if parameters["rope_type"] in ("llama3", "yarn", "longrope"):
         # The pretraining context: a top-level value wins (Phi-3 keeps it there), then the
         # scaling's own, then the model's.
         original = hf_config.get("original_max_position_embeddings")
@@ -41,15 +43,52 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
         factor = parameters["factor"]
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
             raise ValueError(f"rope factor must be a number >= 1 for YaRN, got {factor!r}")
+    if parameters["rope_type"] == "longrope":
+        _check_longrope(parameters, hf_config)
     return parameters
+
+
+def _check_longrope(parameters: dict[str, Any], hf_config: dict[str, Any]) -> None:
+    """Phi-3's LongRoPE settings, completed as transformers completes them: ``factor``
+    (unset: the extended over the original context) sets the attention factor."""
+    original = parameters["original_max_position_embeddings"]
+    if isinstance(original, bool) or not isinstance(original, int) or original < 2:
+        raise ValueError(
+            f"rope original_max_position_embeddings must be an integer >= 2 for longrope, "
+            f"got {original!r}"
+        )
+    if parameters.get("factor") is None:
+        parameters["factor"] = hf_config.get("max_position_embeddings", original) / original
+    for name in ("short_factor", "long_factor"):
+        factors = parameters.get(name)
+        if not isinstance(factors, list) or not all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors
+        ):
+            raise ValueError(
+                f"rope {name} must be a list of positive numbers for longrope, got {factors!r:.100}"
+            )
 
 
 def rope_context_window(parameters: dict[str, Any], max_position_embeddings: int) -> int:
     """The positions the model is meant to take: YaRN's extended context (the original times
-    the factor, as vLLM derives it), else ``max_position_embeddings``."""
+    the factor, as vLLM derives it), LongRoPE's original context (its short factors: see
+    ``LONGROPE_WINDOW_REASON``), else ``max_position_embeddings``."""
     if parameters["rope_type"] == "yarn":
         return int(parameters["original_max_position_embeddings"] * parameters["factor"])
+    if parameters["rope_type"] == "longrope":
+        return min(max_position_embeddings, parameters["original_max_position_embeddings"])
     return max_position_embeddings
+
+
+# Why a LongRoPE model's window stops at its original context. HF rotates every position of
+# a forward pass with the long factors once the pass reaches past the original context, and
+# keeps the keys it cached before with the short ones: which rotation a token's key has then
+# depends on the length of the pass that computed it, which paged blocks shared by prefix
+# caching, chunked prefill and recompute after preemption cannot keep apart yet.
+LONGROPE_WINDOW_REASON = (
+    "longrope: positions past original_max_position_embeddings (its long factors) are not "
+    "supported yet"
+)
 
 
 # Gemma 3's two kinds of layers and the RoPE base each uses when a config does not say

@@ -33,6 +33,16 @@ def inverse_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Ten
         return _llama3_frequencies(inv_freq, parameters)
     if rope_type == "yarn":
         return _yarn_frequencies(head_size, parameters)
+    if rope_type == "longrope":
+        # The short factors: positions stay within the original context (rope_config's
+        # LONGROPE_WINDOW_REASON). HF's order: the base's powers times the factors, inverted.
+        short_factor = torch.tensor(parameters["short_factor"], dtype=torch.float32)
+        if short_factor.numel() != head_size // 2:
+            raise ValueError(
+                f"rope short_factor has {short_factor.numel()} values; the rotated head size "
+                f"{head_size} needs {head_size // 2}"
+            )
+        return 1.0 / (short_factor * base**exponents)
     raise NotImplementedError(
         f"rope_type {rope_type!r} is not supported yet; "
         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -90,12 +100,18 @@ def _yarn_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Tenso
 
 
 def attention_factor(parameters: dict[str, Any]) -> float:
-    """What cos and sin are scaled by (YaRN's attention temperature; 1 for the others)."""
-    if parameters["rope_type"] != "yarn":
+    """What cos and sin are scaled by (YaRN's attention temperature, LongRoPE's scale; 1
+    for the others)."""
+    if parameters["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if parameters.get("attention_factor") is not None:
         return parameters["attention_factor"]
     factor = parameters["factor"]
+    if parameters["rope_type"] == "longrope":
+        if factor <= 1.0:
+            return 1.0
+        original = parameters["original_max_position_embeddings"]
+        return math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(scale: float, weight: float = 1) -> float:
         return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
@@ -117,10 +133,18 @@ class RotaryEmbedding:
 
     def __init__(self, head_size: int, max_positions: int, parameters: dict[str, Any]) -> None:
         self.head_size = head_size
+        # Phi-3's partial_rotary_factor: only each head's first rotary_dim values rotate.
+        self.rotary_dim = int(head_size * parameters.get("partial_rotary_factor", 1.0))
+        if self.rotary_dim % 2 or not 2 <= self.rotary_dim <= head_size:
+            raise ValueError(
+                f"partial_rotary_factor={parameters.get('partial_rotary_factor')!r} rotates "
+                f"{self.rotary_dim} of {head_size} values per head; it must be an even "
+                "number in [2, head size]"
+            )
         positions = torch.arange(max_positions, dtype=torch.float32)
-        inv_freq = inverse_frequencies(head_size, parameters).to(positions.device)
+        inv_freq = inverse_frequencies(self.rotary_dim, parameters).to(positions.device)
         freqs = positions[:, None] * inv_freq[None, :]
-        # [max_positions, head_size // 2] each; float32 times the factor, as HF scales them.
+        # [max_positions, rotary_dim // 2] each; float32 times the factor, as HF scales them.
         scale = attention_factor(parameters)
         self.cos = (freqs.cos() * scale).contiguous()
         self.sin = (freqs.sin() * scale).contiguous()
@@ -128,4 +152,24 @@ class RotaryEmbedding:
     def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """``query`` [num_tokens, num_heads * head_size], ``key`` [num_tokens,
         num_kv_heads * head_size], both views into the qkv output: rotated in place."""
-        ops.rotary_embedding(positions, query, key, self.cos, self.sin)
+        if self.rotary_dim == self.head_size:
+            ops.rotary_embedding(positions, query, key, self.cos, self.sin)
+            return
+        cos = self.cos[positions]
+        sin = self.sin[positions]
+        for rows in (query, key):
+            _rotate_partially(rows.view(rows.shape[0], -1, self.head_size), cos, sin)
+
+
+def _rotate_partially(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: RoPE over each head's first ``2 * cos.shape[1]`` values, the rest passed
+    through, in HF's arithmetic (Phi-3's ``apply_rotary_pos_emb``: cos and sin cast to the
+    activations' dtype, ``x * cos + rotate_half(x) * sin``). ``heads`` [tokens, heads,
+    head_size]; ``cos``, ``sin`` float32 [tokens, rotary_dim // 2]."""
+    rotary_dim = 2 * cos.shape[1]
+    cos = torch.cat((cos, cos), dim=-1).to(heads.dtype)[:, None, :]
+    sin = torch.cat((sin, sin), dim=-1).to(heads.dtype)[:, None, :]
+    rotated = heads[..., :rotary_dim]
+    half = rotary_dim // 2
+    rotate_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+    heads[..., :rotary_dim] = (rotated * cos) + (rotate_half * sin)

@@ -2,8 +2,9 @@
 ``gate_up_proj`` checkpoint tensors and a sliding window on every layer when the config
 sets one. Greedy tokens identical to HF transformers (float32) across block sizes, with a
 window the longer prompts pass, chunked prefill with prefix hits, and two tensor-parallel
-ranks (each takes its heads and rows out of the fused tensors); what the ops cannot run
-yet (Phi-3's longrope scaling, RoPE over part of each head) is refused by name at load.
+ranks (each takes its heads and rows out of the fused tensors); Phi-4-mini's shape of RoPE
+(LongRoPE's short factors, three quarters of each head rotated) within its original
+context, past which a window is refused naming why.
 """
 
 from __future__ import annotations
@@ -113,33 +114,114 @@ def test_two_tensor_parallel_ranks_match_hf(model_dir, hf_reference):
         llm.shutdown()
 
 
-# As transformers 5 saves Phi-3-mini-128k's (Phi-3.5-mini's, Phi-4-mini's) RoPE.
-LONGROPE = {
-    "rope_type": "longrope",
-    "rope_theta": 10000.0,
-    "short_factor": [1.0] * 32,
-    "long_factor": [2.0] * 32,
-}
+# Phi-4-mini's shape of RoPE, written as its config writes it (transformers 4's style: a
+# top-level partial_rotary_factor and original context, rope_scaling): three quarters of
+# each 64-value head rotate (24 frequency pairs), LongRoPE's short factors (varied, as the
+# real ones are) within the original 256 positions of a 1024-position model (an attention
+# factor of sqrt(1 + ln 4 / ln 256)); the long factors are Phi's past the original context.
+rng = random.Random(3)
+LONGROPE_PHI4_MINI = dict(
+    PHI3,
+    sliding_window=None,
+    max_position_embeddings=1024,
+    original_max_position_embeddings=256,
+    partial_rotary_factor=0.75,
+    rope_scaling={
+        "type": "longrope",
+        "short_factor": [round(1.0 + rng.random(), 3) for _ in range(24)],
+        "long_factor": [round(4.0 + 8 * rng.random(), 3) for _ in range(24)],
+    },
+    tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="module")
+def longrope_dir(tmp_path_factory) -> Path:
+    saved = random_hf_model(LONGROPE_PHI4_MINI, tmp_path_factory.mktemp("phi4_mini_saved"))
+    # transformers 5 saved rope_parameters: back to the config as the Hub's is written.
+    return rewritten(
+        saved,
+        tmp_path_factory.mktemp("phi4_mini") / "model",
+        rope_parameters=None,
+        rope_theta=10000.0,
+        rope_scaling=LONGROPE_PHI4_MINI["rope_scaling"],
+    )
+
+
+def test_longrope_and_partial_rotary_match_hf(longrope_dir):
+    """Within the original context HF rotates with the short factors, three quarters of each
+    head, cos and sin scaled by the attention factor: so does the engine (chunked prefill
+    and prefix hits too); its window is the original context."""
+    expected = hf_greedy(longrope_dir, prompts())
+    llm = LLM(longrope_dir, block_size=16, num_blocks=256)
+    assert llm.scheduler_config.max_model_len == 256
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+    chunked = LLM(
+        longrope_dir,
+        block_size=16,
+        num_blocks=256,
+        max_num_batched_tokens=24,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+    )
+    chunked.generate(prompts(), GREEDY)
+    assert token_ids(chunked.generate(prompts(), GREEDY)) == expected
+
+
+def test_the_short_factors_and_the_partial_rotation_change_hf_s_tokens(longrope_dir, tmp_path):
+    # The parity test above fails on an engine that leaves either out.
+    expected = hf_greedy(longrope_dir, prompts())
+    plain_factors = rewritten(
+        longrope_dir,
+        tmp_path / "plain_factors",
+        rope_scaling={**LONGROPE_PHI4_MINI["rope_scaling"], "short_factor": [1.0] * 24},
+    )
+    assert hf_greedy(plain_factors, prompts()) != expected
+    whole_heads = rewritten(
+        longrope_dir,
+        tmp_path / "whole_heads",
+        partial_rotary_factor=1.0,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": LONGROPE_PHI4_MINI["rope_scaling"]["short_factor"] + [1.0] * 8,
+            "long_factor": LONGROPE_PHI4_MINI["rope_scaling"]["long_factor"] + [1.0] * 8,
+        },
+    )
+    assert hf_greedy(whole_heads, prompts()) != expected
+
+
+def test_longrope_past_the_original_context_is_refused_naming_why(longrope_dir):
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len=512 exceeds the model's context "
+        r"window 256 \(longrope: positions past original_max_position_embeddings",
+    ):
+        LLM(longrope_dir, num_blocks=64, max_model_len=512)
 
 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        (dict(rope_parameters=LONGROPE), "rope_type 'longrope' is not supported yet"),
         (
-            dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.75}),
-            "partial_rotary_factor=0.75 is not supported yet",
+            dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 24}),
+            "rope long_factor must be a list of positive numbers",
         ),
-        # As Phi-4-mini's config (transformers 4's style) says it.
         (
-            dict(partial_rotary_factor=0.75, rope_parameters=None),
-            "partial_rotary_factor=0.75 is not supported yet",
+            dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                               "long_factor": [1.0] * 8}),
+            "rope short_factor has 8 values; the rotated head size 48 needs 24",
         ),
+        (dict(rope_scaling={"type": "dynamic", "factor": 2.0}),
+         "rope_type 'dynamic' is not supported yet"),
     ],
-)
-def test_what_the_ops_cannot_run_is_refused_by_name(model_dir, tmp_path, changes, message):
-    changed = rewritten(model_dir, tmp_path / "changed", **changes)
-    with pytest.raises(ValueError, match=message):
-        ModelConfig.from_dir(changed)
+)  # fmt: skip
+def test_bad_rope_settings_are_refused_by_name(longrope_dir, tmp_path, changes, message):
+    changed = rewritten(longrope_dir, tmp_path / "changed", **changes)
     with pytest.raises(ValueError, match=message):
         LLM(changed, num_blocks=16)
+
+
+def test_partial_rotary_is_refused_where_hf_has_none(tiny_model_dirs, tmp_path):
+    llama = rewritten(tiny_model_dirs["llama"], tmp_path / "llama", partial_rotary_factor=0.5)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported for"):
+        ModelConfig.from_dir(llama)

@@ -365,6 +365,28 @@ def test_granite_reads_a_json_array_of_calls():
     assert granite.parse("<tool_call> The", False) == ParsedOutput("<tool_call> The")
 
 
+PHI4_MINI_TEXTS = [
+    'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_time", "parameters": {}}]',
+    "The weather is fine.",
+    '[{"name": "get_time", "arguments": {}}]',  # no functools: content
+    "functools is a Python module.",
+    'functools[{"name": "get_time", "arguments": {}}',  # cut short
+]
+
+
+def test_phi4_mini_reads_functools_arrays():
+    phi = calling("auto", "phi4_mini_json")
+    assert phi.parse(PHI4_MINI_TEXTS[0], True) == ParsedOutput(
+        "",
+        [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("get_time", "{}")],
+    )
+    for text in PHI4_MINI_TEXTS[1:]:
+        assert phi.parse(text, True) == ParsedOutput(text)
+    assert phi.parse("func", False) == ParsedOutput("")  # undecided
+    assert phi.parse("functools is", False) == ParsedOutput("functools is")
+
+
 CASES = (
     [("auto", "hermes", text) for text in HERMES_TEXTS]
     + [("auto", "llama3_json", text) for text in LLAMA_TEXTS]
@@ -374,6 +396,7 @@ CASES = (
     + [("auto", "deepseek_v3", text) for text in DEEPSEEK_V3_TEXTS]
     + [("auto", "deepseek_v31", text) for text in DEEPSEEK_V31_TEXTS]
     + [("auto", "granite", text) for text in GRANITE_TEXTS]
+    + [("auto", "phi4_mini_json", text) for text in PHI4_MINI_TEXTS]
     + [("required", None, text) for text in REQUIRED_TEXTS]
     + [({"type": "function", "function": {"name": "get_weather"}}, None, '{"city": "Oslo"}')]
     + [("none", None, HERMES_TEXTS[2])]

@@ -8,8 +8,11 @@ import pytest
 import torch
 import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
 
 from pagedserve.gpu_worker.layers.rotary import (
+    RotaryEmbedding,
     attention_factor,
     inverse_frequencies,
     rope_context_window,
@@ -119,8 +122,63 @@ def test_legacy_rope_scaling_keys_are_read():
 
 
 def test_unsupported_rope_type_names_the_supported_ones():
-    with pytest.raises(NotImplementedError, match="'longrope' is not supported yet.*yarn"):
-        inverse_frequencies(HEAD_SIZE, rope_parameters(_hf_config({"rope_type": "longrope"})))
+    with pytest.raises(NotImplementedError, match="'dynamic' is not supported yet.*longrope"):
+        inverse_frequencies(HEAD_SIZE, rope_parameters(_hf_config({"rope_type": "dynamic"})))
+
+
+@pytest.mark.parametrize(
+    ("partial", "fields"),
+    [
+        (1.0, {}),  # Phi-3.5-mini: whole heads, the factor from the two contexts
+        (0.75, {"attention_factor": 1.1}),  # Phi-4-mini's partial rotation; a set factor
+        (0.5, {"factor": 2.0}),
+    ],
+)
+def test_longrope_short_factors_and_scale_equal_transformers(partial, fields):
+    """Phi-3's LongRoPE within its original context, as HF's Phi3RotaryEmbedding builds it
+    (the short factors; the long ones only past the original context, which the engine's
+    window does not reach)."""
+    rotary_dim = int(HEAD_SIZE * partial)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + i / rotary_dim for i in range(rotary_dim // 2)],
+        "long_factor": [4.0 + i for i in range(rotary_dim // 2)],
+        "partial_rotary_factor": partial,
+        **fields,
+    }
+    hf_config = {**_hf_config(rope), "original_max_position_embeddings": 128}
+    hf_rotary = Phi3RotaryEmbedding(transformers.Phi3Config(**hf_config))
+    parameters = rope_parameters(hf_config)
+    assert parameters["original_max_position_embeddings"] == 128
+    assert rope_context_window(parameters, MAX_POSITIONS) == 128
+    assert torch.equal(inverse_frequencies(rotary_dim, parameters), hf_rotary.inv_freq)
+    assert attention_factor(parameters) == hf_rotary.attention_scaling
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotation_has_hf_s_bits(dtype):
+    """RotaryEmbedding over three quarters of each head equals HF's Phi-3 rotation (cos and
+    sin cast to the activations' dtype), the rest of each head untouched."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    hf_config = _hf_config(rope)
+    rotary = RotaryEmbedding(HEAD_SIZE, MAX_POSITIONS, rope_parameters(hf_config))
+    hf_rotary = Phi3RotaryEmbedding(transformers.Phi3Config(**hf_config))
+    torch.manual_seed(0)
+    num_tokens, num_heads, num_kv_heads = 7, 4, 2
+    positions = torch.tensor([0, 1, 2, 50, 51, 300, 511])
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * HEAD_SIZE).to(dtype)
+    query, key, _ = qkv.split(
+        [num_heads * HEAD_SIZE, num_kv_heads * HEAD_SIZE, num_kv_heads * HEAD_SIZE], dim=-1
+    )
+    hf_query = query.reshape(1, num_tokens, num_heads, HEAD_SIZE).transpose(1, 2)
+    hf_key = key.reshape(1, num_tokens, num_kv_heads, HEAD_SIZE).transpose(1, 2)
+    cos, sin = hf_rotary(hf_query, positions[None, :])
+    want_query, want_key = phi3_apply_rotary_pos_emb(hf_query, hf_key, cos, sin)
+    rotary(positions, query, key)
+    got_query = query.reshape(1, num_tokens, num_heads, HEAD_SIZE).transpose(1, 2)
+    got_key = key.reshape(1, num_tokens, num_kv_heads, HEAD_SIZE).transpose(1, 2)
+    assert torch.equal(got_query, want_query) and torch.equal(got_key, want_key)
 
 
 @pytest.mark.parametrize(
