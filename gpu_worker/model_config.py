@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "llama",
     "GraniteForCausalLM": "llama",
     "Phi3ForCausalLM": "llama",
+    "SmolLM3ForCausalLM": "llama",
     # Mixture-of-experts members of the family: its attention, a sparse MLP (layers/moe.py).
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
@@ -82,6 +83,9 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         sliding_window=4096,
     ),
     "Phi3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "SmolLM3ForCausalLM": dict(
+        tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=2_000_000.0
+    ),
     # GraniteConfig's: its attention scale defaults to 1.0, not 1/sqrt(head size).
     "GraniteForCausalLM": dict(
         embedding_multiplier=1.0,
@@ -239,7 +243,9 @@ def _labels(hf_config: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> None:
-    """Refuse config values the HF model honours but this engine's ops cannot."""
+    """Refuse config values the HF model honours but this engine's ops cannot (and check
+    SmolLM3's RoPE layers here, before any weight loads)."""
+    rope_layers(architecture, hf_config)
     if architecture != "Gemma3ForCausalLM":  # Gemma 3's RoPE is per layer type
         parameters = rope_parameters(hf_config)
         if parameters["rope_type"] not in SUPPORTED_ROPE_TYPES:
@@ -302,6 +308,8 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
     - Qwen3-MoE: with ``use_sliding_window``, every layer.
     - Gemma 2 and Gemma 3: ``sliding_window`` on the layers ``gemma_layer_types`` marks
       ``"sliding_attention"``.
+    - SmolLM3: with ``use_sliding_window``, the layers ``layer_types`` marks
+      ``"sliding_attention"``; without ``layer_types``, its layers without RoPE.
     - Llama, OPT and Gemma have no sliding window.
     """
     num_layers = hf_config["num_hidden_layers"]
@@ -318,6 +326,15 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
                 f"model: {_GEMMA_NAMES[architecture]}'s sliding_attention layers need a "
                 f"sliding_window of at least 1 token, got {hf_config.get('sliding_window')!r}"
             )
+        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    if architecture == "SmolLM3ForCausalLM":
+        if not hf_config.get("use_sliding_window", False):
+            return (0,) * num_layers
+        layer_types = hf_config.get("layer_types") or [
+            "sliding_attention" if window and not rotates else "full_attention"
+            for rotates in rope_layers(architecture, hf_config)
+        ]
+        _check_layer_count(layer_types, num_layers)
         return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     if architecture not in (
         "Qwen2ForCausalLM",
@@ -340,6 +357,33 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         layer_types = ["sliding_attention" if sliding else "full_attention" for sliding in windowed]
     _check_layer_count(layer_types, num_layers)
     return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+
+
+def rope_layers(architecture: str, hf_config: dict[str, Any]) -> tuple[bool, ...]:
+    """Whether each layer rotates its queries and keys: SmolLM3's ``no_rope_layers`` (1:
+    RoPE, 0: none; without it every ``no_rope_layer_interval``-th layer, default 4, has
+    none, as SmolLM3Config derives it); every layer elsewhere."""
+    num_layers = hf_config["num_hidden_layers"]
+    if architecture != "SmolLM3ForCausalLM":
+        return (True,) * num_layers
+    flags = hf_config.get("no_rope_layers")
+    if flags is None:
+        interval = hf_config.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"model: no_rope_layer_interval must be an integer >= 1, got {interval!r}"
+            )
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if (
+        not isinstance(flags, list)
+        or len(flags) != num_layers
+        or any(f not in (0, 1) for f in flags)
+    ):
+        raise ValueError(
+            f"model: no_rope_layers must hold one 0 or 1 per layer ({num_layers}), "
+            f"got {flags!r:.200}"
+        )
+    return tuple(bool(flag) for flag in flags)
 
 
 def gemma_layer_types(architecture: str, hf_config: dict[str, Any]) -> list[str]:

@@ -7,7 +7,8 @@ embeddings times ``embedding_multiplier``, attention scores scaled by
 ``residual_multiplier`` before it joins the residual, and the logits divided by
 ``logits_scaling``. Microsoft's Phi-3 (and Phi-4) is Llama whose checkpoint stores q/k/v as
 one ``qkv_proj`` and gate/up as one ``gate_up_proj``, split here on loading so each
-tensor-parallel rank takes its heads and rows as from separate tensors."""
+tensor-parallel rank takes its heads and rows as from separate tensors. Hugging Face's
+SmolLM3 is Llama whose every fourth layer (``no_rope_layers``) attends without RoPE."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
-from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 from pagedserve.gpu_worker.models.base import CausalLM, load_fused_checkpoint
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
@@ -58,11 +59,13 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         dtype: torch.dtype,
         parallel: TensorParallel,
         sliding_window: int = 0,
     ) -> None:
+        """``rotary``: None for a layer without position embeddings (SmolLM3's NoPE
+        layers)."""
         super().__init__()
         hf = config.hf_config
         qkv_bias = _qkv_bias(config)
@@ -110,7 +113,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query = norm_each_head(self.q_norm, query, self.head_size)
             key = norm_each_head(self.k_norm, key, self.head_size)
-        self.rotary(positions, query, key)
+        if self.rotary is not None:
+            self.rotary(positions, query, key)
         output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
         return self.o_proj(output)
 
@@ -146,8 +150,13 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = config.hf_config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        rotates = rope_layers(config.architecture, config.hf_config)[layer_index]
         self.self_attn = LlamaAttention(
-            config, rotary, dtype, parallel, config.layer_sliding_windows[layer_index]
+            config,
+            rotary if rotates else None,
+            dtype,
+            parallel,
+            config.layer_sliding_windows[layer_index],
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = _mlp(config, dtype, parallel, layer_index)

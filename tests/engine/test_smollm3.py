@@ -1,0 +1,142 @@
+"""Hugging Face's SmolLM3 (``SmolLM3ForCausalLM``): Llama whose every fourth layer attends
+without RoPE (``no_rope_layers``). Greedy tokens identical to HF transformers (float32)
+across block sizes, chunked prefill with prefix hits and two tensor-parallel ranks; with
+``use_sliding_window`` its RoPE-less layers slide, as SmolLM3Config derives them; the NoPE
+layers and the window are each shown to change HF's own tokens, so the parity checks can
+fail; a bad ``no_rope_layers`` is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from engine.test_parity import NEW_TOKENS, hf_greedy
+from tiny_models import random_hf_model
+
+from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
+
+PROMPT_LENGTHS = [1, 17, 40, 100, 150]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+# Four layers: the fourth without RoPE (SmolLM3Config's default interval); GQA; tied.
+SMOLLM3 = dict(
+    architectures=["SmolLM3ForCausalLM"],
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def rewritten(model_dir: Path, path: Path, **changes) -> Path:
+    """A copy of ``model_dir`` whose config.json has ``changes`` (None: the field removed)."""
+    shutil.copytree(model_dir, path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    for name, value in changes.items():
+        if value is None:
+            config.pop(name, None)
+        else:
+            config[name] = value
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return random_hf_model(SMOLLM3, tmp_path_factory.mktemp("smollm3"))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_dir) -> list[list[int]]:
+    return hf_greedy(model_dir, prompts())
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_smollm3_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert rope_layers("SmolLM3ForCausalLM", llm.model_config.hf_config) == (
+        True,
+        True,
+        True,
+        False,
+    )
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    llm = LLM(
+        model_dir,
+        block_size=16,
+        num_blocks=256,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=True,
+    )
+    llm.generate(prompts(), GREEDY)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+    parallel = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(parallel.generate(prompts(), GREEDY)) == hf_reference
+    finally:
+        parallel.shutdown()
+
+
+def test_the_nope_layer_changes_hf_s_tokens(model_dir, hf_reference, tmp_path):
+    every_layer = rewritten(model_dir, tmp_path / "rope_everywhere", no_rope_layers=[1] * 4)
+    assert hf_greedy(every_layer, prompts()) != hf_reference
+
+
+def test_the_nope_layers_slide_with_use_sliding_window(model_dir, hf_reference, tmp_path):
+    # As SmolLM3Config derives layer_types without them: the RoPE-less layers slide.
+    windowed = rewritten(
+        model_dir,
+        tmp_path / "windowed",
+        use_sliding_window=True,
+        sliding_window=16,
+        layer_types=None,
+        no_rope_layers=[1, 0, 1, 0],
+    )
+    assert ModelConfig.from_dir(windowed).layer_sliding_windows == (0, 16, 0, 16)
+    expected = hf_greedy(windowed, prompts())
+    unwindowed = rewritten(windowed, tmp_path / "unwindowed", use_sliding_window=False)
+    assert hf_greedy(unwindowed, prompts()) != expected
+    llm = LLM(windowed, block_size=8, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(no_rope_layers=[1, 1, 0]), r"no_rope_layers must hold one 0 or 1 per layer \(4\)"),
+        (dict(no_rope_layers=[1, 2, 1, 0]), "no_rope_layers must hold one 0 or 1 per layer"),
+        (
+            dict(no_rope_layers=None, no_rope_layer_interval=0),
+            "no_rope_layer_interval must be an integer >= 1, got 0",
+        ),
+    ],
+)
+def test_bad_no_rope_layers_are_refused_by_name(model_dir, tmp_path, changes, message):
+    changed = rewritten(model_dir, tmp_path / "changed", **changes)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dir(changed)
