@@ -110,6 +110,19 @@ _FAMILIES = {
     ),
     "gemma2": _gemma_family("Gemma2ForCausalLM", "gemma2"),
     "gemma3": _gemma_family("Gemma3ForCausalLM", "gemma3_text"),
+    # Phi-3 / Phi-4: HF's fused qkv_proj and gate_up_proj kept fused (attn_qkv, ffn_up), its
+    # halves-rotating RoPE (no permutation); LongRoPE's factors as tensors.
+    "phi3": _Family(
+        "Phi3ForCausalLM",
+        "phi3",
+        permuted_qk=False,
+        bias_field=None,
+        layer_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
+    ),
+    # Granite: llama.cpp's Llama (Q/K interleaved) with µP's four scalars as metadata.
+    "granite": _Family(
+        "GraniteForCausalLM", "granite", permuted_qk=True, bias_field="attention_bias"
+    ),
 }
 # llama.cpp converts Mixtral as "llama" with experts: HF's Mixtral names, w1 / w3 / w2.
 _MIXTRAL = _Family(
@@ -150,6 +163,11 @@ _LAYER_TENSOR_NAMES = {
 }
 # Llama 3's per-frequency RoPE divisors, which llama.cpp stores as a tensor.
 _ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# Phi-3's LongRoPE factors (llama.cpp's rope_factors_long / _short), also no weights.
+_ROPE_FACTOR_TENSORS = {
+    "rope_factors_long.weight": "long_factor",
+    "rope_factors_short.weight": "short_factor",
+}
 _GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -224,7 +242,12 @@ def _convert_into(gguf_path: Path, out_dir: Path, report: _Reporter) -> None:
     rope_freqs = next(
         (tensor.data for tensor in reader.tensors if tensor.name == _ROPE_FREQS_TENSOR), None
     )
-    config = _hf_config(fields, _tensor_shapes(reader), rope_freqs)
+    rope_factors = {
+        _ROPE_FACTOR_TENSORS[tensor.name]: [float(value) for value in tensor.data]
+        for tensor in reader.tensors
+        if tensor.name in _ROPE_FACTOR_TENSORS
+    }
+    config = _hf_config(fields, _tensor_shapes(reader), rope_freqs, rope_factors)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(config, fields))
     _write_weights(_dequantized_tensors(reader, config, report), out_dir, report)
@@ -248,9 +271,11 @@ def _hf_config(
     fields: dict[str, Any],
     tensor_shapes: dict[str, tuple[int, ...]],
     rope_freqs: np.ndarray | None = None,
+    rope_factors: dict[str, list[float]] | None = None,
 ) -> dict[str, Any]:
     """config.json from the GGUF's metadata, and from its tensors where llama.cpp keeps a
-    setting only in their presence or shape (biases, a tied LM head, experts)."""
+    setting only in their presence or shape (biases, a tied LM head, experts) or values
+    (Llama 3's RoPE divisors, Phi-3's LongRoPE factors)."""
     architecture = fields.get("general.architecture")
     if architecture not in _FAMILIES:
         raise ValueError(
@@ -270,10 +295,10 @@ def _hf_config(
     num_heads = int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden_size // num_heads))
     rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and architecture != "phi3":
         raise ValueError(
             f"GGUF rope.dimension_count={rope_dim} differs from head_dim={head_dim}; partial "
-            f"rotary embeddings are not supported for {architecture}"
+            f"rotary embeddings are supported for phi3 only, not {architecture}"
         )
     # The embedding's rows: llama.cpp drops Gemma 3's rows past the tokenizer's vocabulary.
     vocab_size = tensor_shapes["token_embd.weight"][0]
@@ -304,6 +329,10 @@ def _hf_config(
         config.update(_experts_config(family, key, tensor_shapes, num_layers))
     if family.gemma:
         config.update(_gemma_config(architecture, key, config))
+    if architecture == "phi3":
+        config.update(_phi3_config(key, rope_dim, head_dim))
+    if architecture == "granite":
+        config.update(_granite_config(key, head_dim))
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
@@ -319,6 +348,8 @@ def _hf_config(
     )
     if rope_freqs is not None:
         rope_scaling = _llama3_rope_scaling(rope_freqs, rope_theta, head_dim)
+    elif rope_factors:
+        rope_scaling = _longrope_scaling(architecture, rope_factors)
     else:
         rope_scaling = _rope_scaling(key)
     if rope_scaling is not None:
@@ -384,6 +415,51 @@ def _gemma_config(
         "sliding_window": int(sliding_window),
         "layer_types": layer_types,
         **soft_caps,
+    }
+
+
+def _phi3_config(key: Callable[..., Any], rope_dim: int, head_dim: int) -> dict[str, Any]:
+    """What llama.cpp's Phi-3 converter writes besides Llama's keys: the pretraining context
+    (LongRoPE's original), the rotated share of each head, and the sliding window (0 for
+    Phi-4, which has none)."""
+    config: dict[str, Any] = {
+        "original_max_position_embeddings": int(
+            key("rope.scaling.original_context_length", key("context_length"))
+        ),
+        "sliding_window": int(key("attention.sliding_window", 0)) or None,
+    }
+    if rope_dim != head_dim:
+        config["partial_rotary_factor"] = rope_dim / head_dim
+    return config
+
+
+def _granite_config(key: Callable[..., Any], head_dim: int) -> dict[str, Any]:
+    """Granite's four scalars, which llama.cpp names *_scale and writes only when set; an
+    attention scale it lacks means 1/sqrt(head size) to llama.cpp (HF's default is 1.0)."""
+    attention_scale = key("attention.scale")
+    return {
+        "attention_multiplier": (
+            _float32_value(attention_scale) if attention_scale else head_dim**-0.5
+        ),
+        "embedding_multiplier": _float32_value(key("embedding_scale") or 1.0),
+        "residual_multiplier": _float32_value(key("residual_scale") or 1.0),
+        "logits_scaling": _float32_value(key("logit_scale") or 1.0),
+        "mlp_bias": False,
+    }
+
+
+def _longrope_scaling(architecture: str, factors: dict[str, list[float]]) -> dict[str, Any]:
+    """Phi-3's LongRoPE from llama.cpp's factor tensors (both or neither); the attention
+    factor is left for the reader to derive from the two contexts, as HF does."""
+    if architecture != "phi3" or set(factors) != {"long_factor", "short_factor"}:
+        raise ValueError(
+            f"GGUF rope factor tensors ({', '.join(sorted(factors))}) are supported for phi3 "
+            f"with both rope_factors_long and rope_factors_short, not {architecture}"
+        )
+    return {
+        "rope_type": "longrope",
+        "long_factor": [_float32_value(value) for value in factors["long_factor"]],
+        "short_factor": [_float32_value(value) for value in factors["short_factor"]],
     }
 
 
@@ -566,8 +642,9 @@ def _dequantized_tensors(
     num_tensors = len(reader.tensors)
     report_every = max(1, num_tensors // 10)
     for index, tensor in enumerate(reader.tensors, start=1):
-        # rope_freqs is no weight: it became the config's rope_scaling (_llama3_rope_scaling).
-        if tensor.name != _ROPE_FREQS_TENSOR:
+        # rope_freqs and the rope factors are no weights: they became the config's
+        # rope_scaling (_llama3_rope_scaling, _longrope_scaling).
+        if tensor.name != _ROPE_FREQS_TENSOR and tensor.name not in _ROPE_FACTOR_TENSORS:
             yield from _hf_tensors(tensor, family, config)
         if index % report_every == 0 or index == num_tensors:
             report("dequantizing", index, num_tensors)
@@ -657,9 +734,18 @@ def _write_tokenizer(
     gguf_path: Path, out_dir: Path, fields: dict[str, Any], context_length: int
 ) -> None:
     # Imported here: transformers is slow to import and only this stage needs it.
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if fields.get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    else:
+        # transformers reads no model config from such a file (Granite's), which
+        # AutoTokenizer wants for the tokenizer's class: the vocabulary alone makes the
+        # generic fast tokenizer, built from the same GGUF keys.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name
+        )
     chat_template = fields.get("tokenizer.chat_template")
     if chat_template is not None and not tokenizer.chat_template:
         # Without it apply_chat_template fails after the directory is reloaded.

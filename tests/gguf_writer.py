@@ -27,6 +27,8 @@ GGUF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "GraniteForCausalLM": "granite",
 }
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CHAT_TEMPLATE = (
@@ -63,6 +65,10 @@ def write_gguf(
     if rope.get("rope_type") == "llama3":
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, head_dim))
+    if architecture == "phi3":
+        _write_phi3_hparams(writer, config)
+    if architecture == "granite":
+        _write_granite_hparams(writer, config)
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
@@ -78,7 +84,7 @@ def write_gguf(
         gguf_name = name_map.get_name(module)
         if gguf_name is None:
             raise ValueError(f"llama.cpp has no {architecture} tensor for {name!r}")
-        if architecture == "llama" and module.endswith(("q_proj", "k_proj")):
+        if architecture in ("llama", "granite") and module.endswith(("q_proj", "k_proj")):
             heads = config["num_attention_heads"]
             if module.endswith("k_proj"):
                 heads = config.get("num_key_value_heads", heads)
@@ -142,7 +148,11 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    if config.get("head_dim") is not None:
+    # llama.cpp's Granite and Phi-3 converters write no head size (hidden / heads).
+    if config.get("head_dim") is not None and config["architectures"][0] not in (
+        "GraniteForCausalLM",
+        "Phi3ForCausalLM",
+    ):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     # transformers 5 saves Qwen3-MoE's expert count as num_local_experts.
@@ -156,6 +166,42 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
         if config.get("norm_topk_prob") is not None:
             writer.add_expert_weights_norm(config["norm_topk_prob"])
+
+
+def _write_phi3_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """What llama.cpp's Phi3MiniModel adds: the rotated dimensions, the pretraining context,
+    the sliding window (0: none), and for LongRoPE its factors as tensors and the attention
+    factor it derives."""
+    rope = config["rope_parameters"]
+    original = rope.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings", config["max_position_embeddings"]
+    )
+    rotated = rope.get("partial_rotary_factor", 1.0)
+    writer.add_rope_dimension_count(
+        int(rotated * config["hidden_size"]) // config["num_attention_heads"]
+    )
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("long_factor"):
+        scale = config["max_position_embeddings"] / original
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(attn_factor)
+        long_factor = np.array(rope["long_factor"], dtype=np.float32)
+        short_factor = np.array(rope["short_factor"], dtype=np.float32)
+        writer.add_tensor("rope_factors_long.weight", long_factor)
+        writer.add_tensor("rope_factors_short.weight", short_factor)
+
+
+def _write_granite_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """llama.cpp's GraniteModel: the four scalars renamed *_scale, each written when set."""
+    if config.get("attention_multiplier"):
+        writer.add_attention_scale(config["attention_multiplier"])
+    if config.get("embedding_multiplier"):
+        writer.add_embedding_scale(config["embedding_multiplier"])
+    if config.get("residual_multiplier"):
+        writer.add_residual_scale(config["residual_multiplier"])
+    if config.get("logits_scaling"):
+        writer.add_logit_scale(config["logits_scaling"])
 
 
 def _write_gemma_hparams(writer: gguf.GGUFWriter, architecture: str, config: dict) -> None:

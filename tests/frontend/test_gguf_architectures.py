@@ -1,5 +1,6 @@
 """GGUF files of every architecture the converter reads (llama and its Mixtral, qwen2,
-qwen3, qwen2moe, qwen3moe; gemma2 and gemma3 below), written from tiny HF models the way
+qwen3, qwen2moe, qwen3moe, phi3 (Phi-3 and Phi-4-mini's LongRoPE), granite; gemma2 and
+gemma3 below), written from tiny HF models the way
 llama.cpp writes them (tests/gguf_writer.py): the engine on the converted model gives HF
 transformers' greedy tokens on the original (float32 weights survive exactly), a Q8_0 file
 converts to its dequantized weights, the config carries what llama.cpp keeps only in tensors
@@ -79,6 +80,41 @@ FAMILIES = {
         num_experts=6,
         num_experts_per_tok=2,
         tie_word_embeddings=False,
+        **_COMMON,
+    ),
+    # Phi-3: fused qkv_proj and gate_up_proj (llama.cpp's attn_qkv, ffn_up), a 32-token
+    # window the longer prompts pass.
+    "phi3": dict(
+        architectures=["Phi3ForCausalLM"],
+        tie_word_embeddings=False,
+        sliding_window=32,
+        original_max_position_embeddings=512,
+        pad_token_id=None,  # Phi3Config's default (32000) is past this vocabulary
+        **_COMMON,
+    ),
+    # Phi-4-mini's shape: three quarters of each head rotated, LongRoPE (llama.cpp's
+    # rope_factors_long / _short tensors) within a 256-token original context, tied.
+    "phi4_mini": dict(
+        architectures=["Phi3ForCausalLM"],
+        tie_word_embeddings=True,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=256,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + i / 32 for i in range(24)],
+            "long_factor": [4.0 + i for i in range(24)],
+        },
+        pad_token_id=None,
+        **{**_COMMON, "max_position_embeddings": 1024},
+    ),
+    # Granite: Q/K interleaved as llama's; its scalars as llama.cpp's *_scale keys.
+    "granite": dict(
+        architectures=["GraniteForCausalLM"],
+        tie_word_embeddings=True,
+        embedding_multiplier=1.5,
+        residual_multiplier=0.7,
+        attention_multiplier=0.05,
+        logits_scaling=4.0,
         **_COMMON,
     ),
     # 8 experts of 96, top 3, renormalised; per-head q/k norms.
@@ -245,6 +281,16 @@ def test_tokenizer_and_chat_template_come_through(converted):
     assert tokenizer.decode(tokenizer.encode(text)) == text
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_tokenizer_transformers_has_no_gguf_config_for_converts_alike(converted):
+    # transformers reads no config from a granite GGUF: its vocabulary alone makes the
+    # tokenizer, which tokenizes as the llama file's (the same vocabulary) does.
+    text = "Hello world, the cat sat."
+    granite, llama = Tokenizer(converted["granite"]), Tokenizer(converted["llama"])
+    assert granite.encode(text) == llama.encode(text)
+    assert granite.decode(granite.encode(text)) == text
+    assert granite.hf_tokenizer.eos_token == llama.hf_tokenizer.eos_token
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
