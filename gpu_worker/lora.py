@@ -37,12 +37,22 @@ TARGET_MODULES = {
     "gate_proj": ("mlp.gate_up_proj", 0),
     "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", None),
+    # Phi-3's own fused projections: an adapter's B spans the whole fused output, whose
+    # rows [q | k | v] and [gate | up] the fused layers keep in the same order.
+    "qkv_proj": ("self_attn.qkv_proj", None),
+    "gate_up_proj": ("mlp.gate_up_proj", None),
 }
+# The projections each architecture's HF model has, which PEFT can target.
+_FUSED_TARGETS = frozenset({"qkv_proj", "gate_up_proj"})
+_FUSED_CHECKPOINT_ARCHITECTURES = frozenset({"Phi3ForCausalLM"})
 LORA_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "GraniteForCausalLM",
+    "Phi3ForCausalLM",
+    "SmolLM3ForCausalLM",
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
@@ -52,7 +62,7 @@ LORA_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _WEIGHTS_FILE = "adapter_model.safetensors"
 _CONFIG_FILE = "adapter_config.json"
 
@@ -137,13 +147,19 @@ def check_adapter_weights(name: str, path: str | Path, config: ModelConfig) -> N
         "gate_proj": (intermediate, hidden),
         "up_proj": (intermediate, hidden),
         "down_proj": (hidden, intermediate),
+        "qkv_proj": (heads + 2 * kv_heads, hidden),
+        "gate_up_proj": (2 * intermediate, hidden),
     }
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for tensor_name, entry in header.items():
         if tensor_name == "__metadata__":
             continue
         layer, projection, which = _checked_weight_name(
-            name, tensor_name, config.num_layers, _sparse_layers(config.layer_experts)
+            name,
+            tensor_name,
+            config.num_layers,
+            _sparse_layers(config.layer_experts),
+            config.architecture,
         )
         pairs.setdefault((layer, projection), {})[which] = list(entry.get("shape", []))
     for (layer, projection), pair in sorted(pairs.items()):
@@ -172,11 +188,16 @@ def _safetensors_header(name: str, weights_file: Path) -> dict:
 
 
 def _checked_weight_name(
-    name: str, tensor_name: str, num_layers: int, sparse_layers: frozenset[int] = frozenset()
+    name: str,
+    tensor_name: str,
+    num_layers: int,
+    sparse_layers: frozenset[int] = frozenset(),
+    architecture: str = "LlamaForCausalLM",
 ) -> tuple[int, str, str]:
     """(layer, projection, "lora_A" | "lora_B") of an adapter tensor, or ``ValueError``.
     ``sparse_layers``: the layers whose MLP is a mixture of experts, which no adapter
-    reaches."""
+    reaches; ``architecture``: whose projections (fused ones for Phi-3, separate ones for
+    the others) the adapter may target."""
     parsed = _weight_name(tensor_name)
     if parsed is None:
         raise ValueError(
@@ -193,6 +214,17 @@ def _checked_weight_name(
         raise ValueError(
             f"lora_modules[{name!r}]: tensor {tensor_name!r} names layer {layer}; "
             f"the model has {num_layers}"
+        )
+    fused = architecture in _FUSED_CHECKPOINT_ARCHITECTURES
+    if (projection in _FUSED_TARGETS) != fused and projection not in ("o_proj", "down_proj"):
+        has = [
+            target
+            for target in TARGET_MODULES
+            if target in ("o_proj", "down_proj") or (target in _FUSED_TARGETS) == fused
+        ]
+        raise ValueError(
+            f"lora_modules[{name!r}]: tensor {tensor_name!r} targets {projection!r}, which "
+            f"{architecture} does not have; its projections: {', '.join(has)}"
         )
     # The projection must sit where the layer keeps it (self_attn.q_proj, mlp.gate_proj), not
     # in an expert (mlp.experts.3.gate_proj) or a shared expert (mlp.shared_expert.up_proj).
@@ -301,7 +333,11 @@ def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str,
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in load_file(str(weights_file)).items():
         layer, projection, which = _checked_weight_name(
-            name, tensor_name, len(layers), _sparse_layers(model.config.layer_experts)
+            name,
+            tensor_name,
+            len(layers),
+            _sparse_layers(model.config.layer_experts),
+            model.config.architecture,
         )
         pairs.setdefault((layer, projection), {})[which] = tensor
     products: list[tuple[nn.Module, _Product]] = []

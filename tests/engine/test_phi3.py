@@ -225,3 +225,40 @@ def test_partial_rotary_is_refused_where_hf_has_none(tiny_model_dirs, tmp_path):
     llama = rewritten(tiny_model_dirs["llama"], tmp_path / "llama", partial_rotary_factor=0.5)
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported for"):
         ModelConfig.from_dir(llama)
+
+
+def test_lora_on_phi3_s_fused_projections_matches_hf_peft(model_dir, tmp_path):
+    """PEFT targets Phi-3's own fused qkv_proj and gate_up_proj: each adapter's B spans the
+    fused output; tokens equal HF + peft and differ from the base model's."""
+    from engine.test_lora import hf_greedy as peft_greedy
+    from engine.test_lora import make_lora_adapter
+
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    adapter = make_lora_adapter(
+        model_dir, tmp_path / "phi3_lora", seed=4, target_modules=targets, r=8, lora_alpha=16
+    )
+    short_prompts = prompts()[:4]
+    llm = LLM(model_dir, num_blocks=256, lora_modules={"fused": str(adapter)})
+    expected = peft_greedy(model_dir, adapter, short_prompts)
+    outputs = llm.generate(
+        short_prompts,
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+        lora_request="fused",
+    )
+    assert token_ids(outputs) == expected
+    assert expected != peft_greedy(model_dir, None, short_prompts)
+
+
+def test_lora_targets_phi3_does_not_have_are_refused(model_dir, tiny_model_dirs, tmp_path):
+    from engine.test_lora import make_lora_adapter
+
+    llama_adapter = make_lora_adapter(
+        tiny_model_dirs["llama"],
+        tmp_path / "llama_lora",
+        seed=1,
+        target_modules=["q_proj"],
+        r=4,
+        lora_alpha=8,
+    )
+    with pytest.raises(ValueError, match="targets 'q_proj', which Phi3ForCausalLM does not have"):
+        LLM(model_dir, num_blocks=64, lora_modules={"llama": str(llama_adapter)})

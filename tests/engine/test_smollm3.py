@@ -140,3 +140,18 @@ def test_bad_no_rope_layers_are_refused_by_name(model_dir, tmp_path, changes, me
     changed = rewritten(model_dir, tmp_path / "changed", **changes)
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dir(changed)
+
+
+def test_lora_matches_hf_peft(model_dir, tmp_path):
+    from engine.test_lora import ALL_MODULES, make_lora_adapter
+    from engine.test_lora import hf_greedy as peft_greedy
+
+    adapter = make_lora_adapter(
+        model_dir, tmp_path / "lora", seed=5, target_modules=ALL_MODULES, r=8, lora_alpha=16
+    )
+    short_prompts = prompts()[:4]
+    llm = LLM(model_dir, num_blocks=256, lora_modules={"all": str(adapter)})
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = peft_greedy(model_dir, adapter, short_prompts)
+    assert token_ids(llm.generate(short_prompts, params, lora_request="all")) == expected
+    assert expected != peft_greedy(model_dir, None, short_prompts)
