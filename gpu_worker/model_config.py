@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
     "OPTForCausalLM": "opt",
+    "Olmo2ForCausalLM": "olmo2",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
@@ -83,6 +84,7 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         sliding_window=4096,
     ),
     "Phi3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048),
     "SmolLM3ForCausalLM": dict(
         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=2_000_000.0
     ),

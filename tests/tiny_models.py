@@ -33,6 +33,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "GraniteForCausalLM": transformers.GraniteConfig,
         "Phi3ForCausalLM": transformers.Phi3Config,
         "SmolLM3ForCausalLM": transformers.SmolLM3Config,
+        "Olmo2ForCausalLM": transformers.Olmo2Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.layers.packed_weights import PackableLinear
+
+if TYPE_CHECKING:
+    from pagedserve.gpu_worker.parallel import TensorParallel
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -80,6 +85,57 @@ class GemmaRMSNorm(RMSNorm):
             return
         residual.add_(x)
         x.copy_(self(residual))
+
+
+class ScaledInFloat32RMSNorm(RMSNorm):
+    """An RMSNorm whose HF model scales the float32 normalised value by the weight before
+    rounding to the activation dtype once (OLMo 2's ``(w * x.float()).to(dtype)``; Llama's
+    rounds first, then scales). On float32 activations the two agree and the fused kernel
+    runs; on others HF's expression does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        floats = x.float()
+        normed = floats * torch.rsqrt(floats.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over a whole projection's output, all heads at once (OLMo 2's q_norm and
+    k_norm), of which this rank holds ``rows``: the sum of squares is summed over the ranks
+    (divided by ``replicas`` when each row is held by that many ranks: KV heads shared by
+    several ranks), the weight is this rank's slice of the checkpoint's. HF's arithmetic:
+    normalised in float32, scaled in float32, rounded once."""
+
+    def __init__(
+        self,
+        full_size: int,
+        rows: range,
+        eps: float,
+        dtype: torch.dtype,
+        parallel: TensorParallel,
+        replicas: int = 1,
+    ) -> None:
+        super().__init__()
+        self.full_size, self.rows, self.eps = full_size, rows, eps
+        self.parallel, self.replicas = parallel, replicas
+        self.weight = empty_parameter(len(rows), dtype=dtype)
+
+    def shard_of(
+        self, attribute: str, tensor: torch.Tensor, part: int | None
+    ) -> tuple[int, torch.Tensor]:
+        return 0, tensor[self.rows.start : self.rows.stop]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        floats = x.float()
+        if self.parallel.size == 1:
+            variance = floats.pow(2).mean(-1, keepdim=True)  # HF's own reduction
+        else:
+            squares = self.parallel.all_reduce(floats.pow(2).sum(-1, keepdim=True))
+            variance = squares / (self.replicas * self.full_size)
+        normed = floats * torch.rsqrt(variance + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
 
 
 def norm_each_head(norm: RMSNorm, rows: torch.Tensor, head_size: int) -> torch.Tensor:

@@ -33,4 +33,8 @@ def _build_decoder(config: ModelConfig, dtype: torch.dtype, parallel: TensorPara
         from pagedserve.gpu_worker.models.gemma import GemmaForCausalLM
 
         return GemmaForCausalLM(config, dtype, parallel)
+    if config.family == "olmo2":
+        from pagedserve.gpu_worker.models.olmo2 import Olmo2ForCausalLM
+
+        return Olmo2ForCausalLM(config, dtype, parallel)
     raise ValueError(f"model family {config.family!r} has no implementation")

@@ -19,6 +19,7 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.pooling_params import check_task
 from tests.conftest import TINY_CONFIGS
 from tests.engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
+from tests.engine.test_olmo2 import OLMO2
 from tests.engine.test_phi3 import PHI3
 from tests.tiny_models import random_hf_model
 from tests.tiny_tokenizers import (
@@ -38,6 +39,7 @@ FAMILIES = {
     "gemma2": GEMMA_CONFIGS["gemma2"],
     # No pad token: HF's generic classifier would pool before a prompt's last 0 otherwise.
     "phi3": {**PHI3, "pad_token_id": None},
+    "olmo2": {**OLMO2, "pad_token_id": None},
 }
 
 
