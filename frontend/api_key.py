@@ -1,7 +1,7 @@
 """``pagedserve serve --api-key``: a shared secret that generation calls must present, as
 ``Authorization: Bearer <key>`` (an HTTP header, or gRPC metadata ``authorization``).
 
-Health checks, metrics and version stay open (load balancers and scrapers hold no key),
+Health checks, metrics, version and load stay open (load balancers and scrapers hold no key),
 as in vLLM's server. The key is compared in constant time; TLS (``--tls-*``) keeps it
 secret on the wire.
 """

@@ -187,6 +187,11 @@ class AsyncEngine:
         """Tell the engine to drop adapter ``lora_id`` once its requests have ended."""
         self._call(lambda engine: engine.unload_lora(lora_id))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay with their requests, unfindable);
+        later requests compute their prompts again."""
+        self._call(lambda engine: engine.reset_prefix_cache())
+
     def abort(self, request_id: str) -> None:
         """End a request that is still open (a cancelled call); its blocks are freed."""
         if self._streams.pop(request_id, None) is not None:

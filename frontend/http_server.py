@@ -121,7 +121,7 @@ def _internal_error(error: Exception) -> CallError:
 
 
 # Open without the API key: probes, scrapers and version checks hold none.
-_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})
 
 
 def _api_key_check(api_key: str):
@@ -176,6 +176,10 @@ class HttpApi:
         app.router.add_post("/invocations", self._invocations)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
+        # vLLM's: the requests in flight (a load balancer's signal), and a reset of the prefix
+        # cache (benchmarks measure cold prompts with it).
+        app.router.add_get("/load", self._load)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         if server.config.allow_runtime_lora_updating:
             app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
@@ -568,6 +572,17 @@ class HttpApi:
         response = web.Response(body=text)
         response.headers["Content-Type"] = content_type
         return response
+
+    async def _load(self, request: web.Request) -> web.Response:
+        """vLLM's ``{"server_load": N}``: the engine requests in flight."""
+        return web.json_response({"server_load": self._server.engine.num_open_requests})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /reset_prefix_cache``: cached prefixes are forgotten (the requests
+        in flight keep their blocks); 200 with an empty body."""
+        self._server.ready_llm()
+        self._server.engine.reset_prefix_cache()
+        return web.Response()
 
     async def _version(self, request: web.Request) -> web.Response:
         from importlib.metadata import version

@@ -645,6 +645,27 @@ def test_models_tokenize_detokenize_health_and_version(server, offline):
     assert status == 200 and json.loads(body)["version"]
 
 
+def test_load_and_reset_prefix_cache(server):
+    """vLLM's GET /load (the requests in flight) and POST /reset_prefix_cache: the same
+    prompt hits the cache again only until the reset."""
+    status, body = get(server, "/load")
+    assert status == 200 and json.loads(body) == {"server_load": 0}
+    prompt = list(range(5, 5 + 64))  # four full blocks of 16
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+
+    def cached_tokens() -> int:
+        status, answer = post(server, "/v1/completions", body)
+        assert status == 200, answer
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached_tokens()
+    assert cached_tokens() > 0
+    status, answer = post(server, "/reset_prefix_cache", b"")
+    assert status == 200 and answer is None
+    assert cached_tokens() == 0
+    assert cached_tokens() > 0
+
+
 def test_sagemaker_routes_ping_and_invocations(server, offline):
     """vLLM's /ping (a probe) and /invocations (the body's shape picks the API)."""
     assert get(server, "/ping")[0] == 200
@@ -888,6 +909,8 @@ def test_an_api_key_guards_generation_in_both_apis(start_server):
         assert response.status == 200
     assert get(server, "/health")[0] == 200  # probes and scrapers hold no key
     assert get(server, "/metrics")[0] == 200
+    assert get(server, "/load")[0] == 200
+    assert post(server, "/reset_prefix_cache", b"")[0] == 401  # an operator's action
     with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key=key, max_retries=0) as client:
         assert client.models.list().data[0].id
     # gRPC: the same key as metadata; health stays open.
