@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
+    "GraniteMoeForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
     "GemmaForCausalLM": "gemma",
@@ -45,7 +46,8 @@ SUPPORTED_ARCHITECTURES = {
 CLASSIFIER_ARCHITECTURES = {
     name.replace("ForCausalLM", "ForSequenceClassification"): name
     for name in SUPPORTED_ARCHITECTURES
-    if name not in ("Gemma3ForCausalLM", "GraniteForCausalLM")  # HF has no Granite classifier
+    # HF has no Granite classifier.
+    if name not in ("Gemma3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM")
 } | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
 # The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding
@@ -56,6 +58,12 @@ _GEMMA_NAMES = {"Gemma2ForCausalLM": "Gemma 2", "Gemma3ForCausalLM": "Gemma 3"}
 # The HF config class's defaults for fields a config.json may leave out, where they differ
 # from what the engine would otherwise assume (Hub Gemma configs have no
 # tie_word_embeddings, and Gemma 7B's head_dim is not hidden_size / num_attention_heads).
+_GRANITE_SCALARS = dict(
+    embedding_multiplier=1.0,
+    logits_scaling=1.0,
+    residual_multiplier=1.0,
+    attention_multiplier=1.0,
+)
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "GemmaForCausalLM": dict(
         head_dim=256,
@@ -89,12 +97,8 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=2_000_000.0
     ),
     # GraniteConfig's: its attention scale defaults to 1.0, not 1/sqrt(head size).
-    "GraniteForCausalLM": dict(
-        embedding_multiplier=1.0,
-        logits_scaling=1.0,
-        residual_multiplier=1.0,
-        attention_multiplier=1.0,
-    ),
+    "GraniteForCausalLM": _GRANITE_SCALARS,
+    "GraniteMoeForCausalLM": _GRANITE_SCALARS,
 }
 
 
@@ -116,6 +120,9 @@ class ExpertsSpec:
     weights_in_float32: bool
     # Qwen2-MoE's shared expert, added to every token behind a sigmoid gate; 0: none.
     shared_intermediate_size: int = 0
+    # Granite MoE weighs the top k by the softmax of their logits alone (the same numbers
+    # as the others' renormalised top-k probabilities, not the same float32 bits).
+    softmax_over_top_k: bool = False
 
 
 @dataclass(frozen=True)
@@ -431,6 +438,9 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
 
     - Mixtral: every layer; ``num_local_experts`` experts of ``intermediate_size``, top
       ``num_experts_per_tok`` (default 2), renormalised.
+    - Granite MoE: every layer; ``num_local_experts`` (default 8) experts of
+      ``intermediate_size``, top ``num_experts_per_tok`` (default 2), weighted by the softmax
+      of the top-k logits.
     - Qwen2-MoE / Qwen3-MoE: ``num_experts`` experts of ``moe_intermediate_size``, top
       ``num_experts_per_tok``, renormalised with ``norm_topk_prob``; sparse at the layers
       not in ``mlp_only_layers`` whose number + 1 is a multiple of ``decoder_sparse_step``,
@@ -448,6 +458,19 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
             intermediate_field="intermediate_size",
             renormalize=True,
             weights_in_float32=True,
+        )
+        return (spec,) * num_layers
+    if architecture == "GraniteMoeForCausalLM":
+        num_experts, num_experts_field = _num_experts(hf_config, 8)
+        spec = _checked_experts(
+            hf_config,
+            num_experts=num_experts,
+            num_experts_field=num_experts_field,
+            top_k=hf_config.get("num_experts_per_tok", 2),
+            intermediate_field="intermediate_size",
+            renormalize=False,
+            weights_in_float32=False,
+            softmax_over_top_k=True,
         )
         return (spec,) * num_layers
     if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
@@ -495,6 +518,7 @@ def _checked_experts(
     renormalize: bool,
     weights_in_float32: bool,
     shared_intermediate_size: Any = 0,
+    softmax_over_top_k: bool = False,
 ) -> ExpertsSpec:
     intermediate_size = hf_config.get(intermediate_field)
     for name, value, low in (
@@ -517,6 +541,7 @@ def _checked_experts(
         renormalize=renormalize,
         weights_in_float32=weights_in_float32,
         shared_intermediate_size=shared_intermediate_size,
+        softmax_over_top_k=softmax_over_top_k,
     )
 
 

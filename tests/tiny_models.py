@@ -31,6 +31,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Gemma2ForCausalLM": transformers.Gemma2Config,
         "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
         "GraniteForCausalLM": transformers.GraniteConfig,
+        "GraniteMoeForCausalLM": transformers.GraniteMoeConfig,
         "Phi3ForCausalLM": transformers.Phi3Config,
         "SmolLM3ForCausalLM": transformers.SmolLM3Config,
         "Olmo2ForCausalLM": transformers.Olmo2Config,

@@ -1,5 +1,5 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's
-top-k experts, and each expert, a gated MLP, runs on the tokens routed to it.
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE): a router picks
+each token's top-k experts, and each expert, a gated MLP, runs on the tokens routed to it.
 
 Dispatch: the (token, expert) pairs are sorted by expert and their rows gathered once, so
 each expert runs one GEMM over a slice of them; the weighted outputs go back to token
@@ -60,6 +60,9 @@ class SparseMoE(nn.Module):
         """[num_tokens, hidden] -> (each token's top-k experts int64 [num_tokens, top_k],
         their weights [num_tokens, top_k]: float32 or the model's dtype, per ``spec``)."""
         logits = self.gate(hidden)
+        if self.spec.softmax_over_top_k:  # Granite MoE: the top k logits' own softmax
+            top_logits, experts = torch.topk(logits.float(), self.spec.top_k, dim=-1)
+            return experts, torch.softmax(top_logits, dim=-1).to(hidden.dtype)
         probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probabilities, self.spec.top_k, dim=-1)
         if self.spec.renormalize:

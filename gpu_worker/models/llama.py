@@ -5,7 +5,8 @@ a sparse one (layers/moe.py). IBM's Granite is Llama with four scalars (µP's): 
 embeddings times ``embedding_multiplier``, attention scores scaled by
 ``attention_multiplier`` instead of 1/sqrt(head size), each sublayer's output times
 ``residual_multiplier`` before it joins the residual, and the logits divided by
-``logits_scaling``. Microsoft's Phi-3 (and Phi-4) is Llama whose checkpoint stores q/k/v as
+``logits_scaling``; Granite MoE adds experts (stacked tensors, split per expert on
+loading). Microsoft's Phi-3 (and Phi-4) is Llama whose checkpoint stores q/k/v as
 one ``qkv_proj`` and gate/up as one ``gate_up_proj``, split here on loading so each
 tensor-parallel rank takes its heads and rows as from separate tensors. Hugging Face's
 SmolLM3 is Llama whose every fourth layer (``no_rope_layers``) attends without RoPE."""
@@ -33,13 +34,13 @@ from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 _PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 
 
-_GRANITE = "GraniteForCausalLM"
+_GRANITE = frozenset({"GraniteForCausalLM", "GraniteMoeForCausalLM"})
 
 
 def _granite_scalar(config: ModelConfig, name: str) -> float | None:
     """One of Granite's scalars (the config class's default when the file leaves it out:
     ``model_config._CONFIG_DEFAULTS``); None on the other architectures."""
-    return float(config.hf_config[name]) if config.architecture == _GRANITE else None
+    return float(config.hf_config[name]) if config.architecture in _GRANITE else None
 
 
 def _qkv_bias(config: ModelConfig) -> bool:
@@ -240,7 +241,50 @@ class LlamaForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.config.architecture == "Phi3ForCausalLM":
             weights = _split_phi3(self.config, weights)
+        if self.config.architecture == "GraniteMoeForCausalLM":
+            weights = _split_granite_experts(weights)
         load_fused_checkpoint(self, weights, rename=_mixtral_names)
+
+
+# Granite MoE's stacked tensors (the checkpoint's names, and transformers 5's) -> per expert.
+_GRANITE_MOE_TENSORS = {
+    "block_sparse_moe.input_linear.weight": "gate_up",
+    "block_sparse_moe.experts.gate_up_proj": "gate_up",
+    "block_sparse_moe.output_linear.weight": "down",
+    "block_sparse_moe.experts.down_proj": "down",
+    "block_sparse_moe.router.layer.weight": "router",
+    "block_sparse_moe.router.weight": "router",
+}
+
+
+def _split_granite_experts(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Granite MoE's experts as Mixtral-style per-expert projections: the stacked
+    [experts, 2 * intermediate, hidden] input tensor split into each expert's gate (its first
+    half of rows, HF's ``chunk(2)``) and up, the [experts, hidden, intermediate] output
+    tensor into each down projection; the router is the MoE's gate."""
+    for name, tensor in weights:
+        prefix, kind = next(
+            (
+                (name.removesuffix(suffix), kind)
+                for suffix, kind in _GRANITE_MOE_TENSORS.items()
+                if name.endswith(suffix)
+            ),
+            (name, None),
+        )
+        if kind == "router":
+            yield f"{prefix}mlp.gate.weight", tensor
+        elif kind == "gate_up":
+            for expert, stacked in enumerate(tensor):
+                gate, up = stacked.chunk(2, dim=0)
+                yield f"{prefix}mlp.experts.{expert}.gate_proj.weight", gate
+                yield f"{prefix}mlp.experts.{expert}.up_proj.weight", up
+        elif kind == "down":
+            for expert, down in enumerate(tensor):
+                yield f"{prefix}mlp.experts.{expert}.down_proj.weight", down
+        else:
+            yield name, tensor
 
 
 def _split_phi3(

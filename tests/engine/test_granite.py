@@ -161,3 +161,67 @@ def test_lora_matches_hf_peft(model_dir, tmp_path):
     expected = peft_greedy(model_dir, adapter, short_prompts)
     assert token_ids(llm.generate(short_prompts, params, lora_request="all")) == expected
     assert expected != peft_greedy(model_dir, None, short_prompts)
+
+
+# Granite MoE (granite-3.x-*-a*m): Granite's scalars and 4 experts of 192, top 2, weighted
+# by the softmax of the top two logits.
+GRANITE_MOE = dict(
+    GRANITE,
+    architectures=["GraniteMoeForCausalLM"],
+    intermediate_size=192,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+# The stacked expert tensors as the Hub's checkpoints name them <-> transformers 5's names.
+_MOE_NAMES = {
+    "block_sparse_moe.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
+    "block_sparse_moe.experts.down_proj": "block_sparse_moe.output_linear.weight",
+    "block_sparse_moe.router.weight": "block_sparse_moe.router.layer.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    return random_hf_model(GRANITE_MOE, tmp_path_factory.mktemp("granite_moe"))
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_dir) -> list[list[int]]:
+    return hf_greedy(moe_dir, prompts())
+
+
+def test_granite_moe_matches_hf(moe_dir, moe_reference):
+    llm = LLM(moe_dir, block_size=16, num_blocks=256)
+    assert llm.model_config.layer_experts[0].softmax_over_top_k
+    assert token_ids(llm.generate(prompts(), GREEDY)) == moe_reference
+    chunked = LLM(moe_dir, block_size=16, num_blocks=256, max_num_batched_tokens=24)
+    assert token_ids(chunked.generate(prompts(), GREEDY)) == moe_reference
+
+
+def test_granite_moe_on_two_ranks_matches_hf(moe_dir, moe_reference):
+    llm = LLM(moe_dir, num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(llm.generate(prompts(), GREEDY)) == moe_reference
+    finally:
+        llm.shutdown()
+
+
+def test_granite_moe_reads_either_checkpoint_naming(moe_dir, moe_reference, tmp_path):
+    """The Hub's checkpoints (input_linear, output_linear, router.layer) and what
+    transformers 5 saves load alike."""
+    from safetensors.torch import load_file, save_file
+
+    renamed_dir = tmp_path / "renamed"
+    shutil.copytree(moe_dir, renamed_dir)
+    weights = load_file(moe_dir / "model.safetensors")
+    renamed = {}
+    for name, tensor in weights.items():
+        for ours, theirs in list(_MOE_NAMES.items()) + [(b, a) for a, b in _MOE_NAMES.items()]:
+            if name.endswith(ours):
+                name = name.removesuffix(ours) + theirs
+                break
+        renamed[name] = tensor
+    assert set(renamed) != set(weights)
+    save_file(renamed, renamed_dir / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(renamed_dir, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == moe_reference
