@@ -123,6 +123,21 @@ _FAMILIES = {
     "granite": _Family(
         "GraniteForCausalLM", "granite", permuted_qk=True, bias_field="attention_bias"
     ),
+    # SmolLM3: llama.cpp's Llama; its RoPE-less layers are llama.cpp's fixed every fourth.
+    "smollm3": _Family(
+        "SmolLM3ForCausalLM", "smollm3", permuted_qk=True, bias_field="attention_bias"
+    ),
+    # OLMo 2: no norm before a sublayer, one after each; q/k norms over all heads.
+    "olmo2": _Family(
+        "Olmo2ForCausalLM",
+        "olmo2",
+        permuted_qk=False,
+        bias_field="attention_bias",
+        layer_names=(
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+        ),
+    ),
 }
 # llama.cpp converts Mixtral as "llama" with experts: HF's Mixtral names, w1 / w3 / w2.
 _MIXTRAL = _Family(
@@ -333,6 +348,14 @@ def _hf_config(
         config.update(_phi3_config(key, rope_dim, head_dim))
     if architecture == "granite":
         config.update(_granite_config(key, head_dim))
+    if architecture == "smollm3":
+        # llama.cpp fixes SmolLM3's step of RoPE-less layers (n_no_rope_layer_step) at 4.
+        config.update(no_rope_layer_interval=4, use_sliding_window=False)
+    if architecture == "olmo2" and key("attention.sliding_window") is not None:
+        raise ValueError(
+            "GGUF olmo2 file with a sliding window (OLMo 3, which llama.cpp writes as olmo2) "
+            "is not supported; OLMo 2 files have none"
+        )
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.

@@ -29,6 +29,8 @@ GGUF_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
+    "Olmo2ForCausalLM": "olmo2",
 }
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CHAT_TEMPLATE = (
@@ -84,7 +86,9 @@ def write_gguf(
         gguf_name = name_map.get_name(module)
         if gguf_name is None:
             raise ValueError(f"llama.cpp has no {architecture} tensor for {name!r}")
-        if architecture in ("llama", "granite") and module.endswith(("q_proj", "k_proj")):
+        if architecture in ("llama", "granite", "smollm3") and module.endswith(
+            ("q_proj", "k_proj")
+        ):
             heads = config["num_attention_heads"]
             if module.endswith("k_proj"):
                 heads = config.get("num_key_value_heads", heads)

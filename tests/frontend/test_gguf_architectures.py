@@ -1,6 +1,6 @@
 """GGUF files of every architecture the converter reads (llama and its Mixtral, qwen2,
-qwen3, qwen2moe, qwen3moe, phi3 (Phi-3 and Phi-4-mini's LongRoPE), granite; gemma2 and
-gemma3 below), written from tiny HF models the way
+qwen3, qwen2moe, qwen3moe, phi3 (Phi-3 and Phi-4-mini's LongRoPE), granite, smollm3,
+olmo2; gemma2 and gemma3 below), written from tiny HF models the way
 llama.cpp writes them (tests/gguf_writer.py): the engine on the converted model gives HF
 transformers' greedy tokens on the original (float32 weights survive exactly), a Q8_0 file
 converts to its dequantized weights, the config carries what llama.cpp keeps only in tensors
@@ -115,6 +115,20 @@ FAMILIES = {
         residual_multiplier=0.7,
         attention_multiplier=0.05,
         logits_scaling=4.0,
+        **_COMMON,
+    ),
+    # SmolLM3: llama.cpp's Llama whose every fourth layer has no RoPE.
+    "smollm3": dict(
+        architectures=["SmolLM3ForCausalLM"],
+        tie_word_embeddings=True,
+        pad_token_id=None,
+        **{**_COMMON, "num_hidden_layers": 4},
+    ),
+    # OLMo 2: post-sublayer norms and q/k norms over all heads.
+    "olmo2": dict(
+        architectures=["Olmo2ForCausalLM"],
+        tie_word_embeddings=False,
+        pad_token_id=None,
         **_COMMON,
     ),
     # 8 experts of 96, top 3, renormalised; per-head q/k norms.

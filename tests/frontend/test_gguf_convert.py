@@ -183,7 +183,9 @@ def test_file_named_gguf_without_gguf_header_is_rejected(tmp_path):
 def test_unsupported_architecture_is_named(tmp_path):
     gguf_path = _write_tiny_gguf(tmp_path / "tiny-phi.gguf", architecture="phi2")
     cache_dir = tmp_path / "cache"
-    supported = "llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, granite"
+    supported = (
+        "llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, granite, smollm3, olmo2"
+    )
     with pytest.raises(ValueError, match=f"'phi2'.*supported architectures: {supported}"):
         resolve_model(gguf_path, cache_dir=str(cache_dir))
     assert list(cache_dir.iterdir()) == []
