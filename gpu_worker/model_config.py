@@ -13,6 +13,7 @@ from pagedserve.gpu_worker.layers.rope_config import (
     LONGROPE_WINDOW_REASON,
     SUPPORTED_ROPE_TYPES,
     layer_type_rope_parameters,
+    olmo3_layer_rope_parameters,
     rope_context_window,
     rope_parameters,
 )
@@ -33,6 +34,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo2",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
@@ -53,6 +55,8 @@ CLASSIFIER_ARCHITECTURES = {
 # The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding
 # layers, soft-capping fields).
 _GEMMA2_LIKE = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# RoPE settings per layer type (sliding / full attention), not one for the model.
+_PER_LAYER_TYPE_ROPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
 _GEMMA_NAMES = {"Gemma2ForCausalLM": "Gemma 2", "Gemma3ForCausalLM": "Gemma 3"}
 
 # The HF config class's defaults for fields a config.json may leave out, where they differ
@@ -93,6 +97,7 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "Phi3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=4096),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048),
+    "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096),
     "SmolLM3ForCausalLM": dict(
         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=2_000_000.0
     ),
@@ -165,7 +170,7 @@ class ModelConfig:
         """Why ``max_position_embeddings`` is below the config's own (a LongRoPE model's
         window stops at its original context); "" when it is not."""
         configured = self.hf_config.get("max_position_embeddings", 2048)
-        if self.architecture == "Gemma3ForCausalLM" or self.max_position_embeddings >= configured:
+        if self.architecture in _PER_LAYER_TYPE_ROPE or self.max_position_embeddings >= configured:
             return ""
         if rope_parameters(self.hf_config)["rope_type"] == "longrope":
             return LONGROPE_WINDOW_REASON
@@ -255,7 +260,7 @@ def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> Non
     """Refuse config values the HF model honours but this engine's ops cannot (and check
     SmolLM3's RoPE layers here, before any weight loads)."""
     rope_layers(architecture, hf_config)
-    if architecture != "Gemma3ForCausalLM":  # Gemma 3's RoPE is per layer type
+    if architecture not in _PER_LAYER_TYPE_ROPE:
         parameters = rope_parameters(hf_config)
         if parameters["rope_type"] not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -293,11 +298,12 @@ def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> Non
 def _max_positions(architecture: str, hf_config: dict[str, Any]) -> int:
     max_positions = hf_config.get("max_position_embeddings", 2048)
     # Gemma 3's global layers carry its RoPE scaling; its sliding layers never scale.
-    parameters = (
-        layer_type_rope_parameters(hf_config, "full_attention")
-        if architecture == "Gemma3ForCausalLM"
-        else rope_parameters(hf_config)
-    )
+    if architecture == "Gemma3ForCausalLM":
+        parameters = layer_type_rope_parameters(hf_config, "full_attention")
+    elif architecture == "Olmo3ForCausalLM":
+        parameters = olmo3_layer_rope_parameters(hf_config, "full_attention")
+    else:
+        parameters = rope_parameters(hf_config)
     # YaRN extends the context past the configured positions (the original times the factor);
     # LongRoPE's stops at the original context for now (LONGROPE_WINDOW_REASON). A sliding
     # window does not bound it: the attention ops honour each layer's window.
@@ -317,6 +323,8 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
     - Qwen3-MoE: with ``use_sliding_window``, every layer.
     - Gemma 2 and Gemma 3: ``sliding_window`` on the layers ``gemma_layer_types`` marks
       ``"sliding_attention"``.
+    - OLMo 3: ``sliding_window`` (default 4096) on the layers ``olmo3_layer_types`` marks
+      ``"sliding_attention"``.
     - SmolLM3: with ``use_sliding_window``, the layers ``layer_types`` marks
       ``"sliding_attention"``; without ``layer_types``, its layers without RoPE.
     - Llama, OPT and Gemma have no sliding window.
@@ -335,6 +343,9 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
                 f"model: {_GEMMA_NAMES[architecture]}'s sliding_attention layers need a "
                 f"sliding_window of at least 1 token, got {hf_config.get('sliding_window')!r}"
             )
+        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    if architecture == "Olmo3ForCausalLM":
+        layer_types = olmo3_layer_types(hf_config)
         return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     if architecture == "SmolLM3ForCausalLM":
         if not hf_config.get("use_sliding_window", False):
@@ -366,6 +377,23 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         layer_types = ["sliding_attention" if sliding else "full_attention" for sliding in windowed]
     _check_layer_count(layer_types, num_layers)
     return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+
+
+def olmo3_layer_types(hf_config: dict[str, Any]) -> list[str]:
+    """Each OLMo 3 layer's kind: ``layer_types``, else as Olmo3Config derives them (every
+    fourth layer full attention, the others sliding)."""
+    num_layers = hf_config["num_hidden_layers"]
+    layer_types = hf_config.get("layer_types") or [
+        "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(num_layers)
+    ]
+    _check_layer_count(layer_types, num_layers)
+    unknown = sorted(set(layer_types) - set(GEMMA3_LAYER_TYPES))
+    if unknown:
+        raise ValueError(
+            f"model: layer_types holds {', '.join(map(repr, unknown))}, which OLMo 3 does not "
+            f"have; supported: {', '.join(GEMMA3_LAYER_TYPES)}"
+        )
+    return list(layer_types)
 
 
 def rope_layers(architecture: str, hf_config: dict[str, Any]) -> tuple[bool, ...]:

@@ -35,6 +35,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Phi3ForCausalLM": transformers.Phi3Config,
         "SmolLM3ForCausalLM": transformers.SmolLM3Config,
         "Olmo2ForCausalLM": transformers.Olmo2Config,
+        "Olmo3ForCausalLM": transformers.Olmo3Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

@@ -125,3 +125,33 @@ def layer_type_rope_parameters(hf_config: dict[str, Any], layer_type: str) -> di
             "max_position_embeddings": hf_config.get("max_position_embeddings"),
         }
     )
+
+
+# OLMo 3's RoPE base when its config gives none (Olmo3Config.default_theta).
+_OLMO3_DEFAULT_THETA = 500_000.0
+
+
+def olmo3_layer_rope_parameters(hf_config: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """OLMo 3's RoPE settings for the layers of ``layer_type``, completed as Olmo3Config
+    completes them: transformers 5's ``rope_parameters`` keyed by layer type, or
+    transformers 4's top-level ``rope_scaling`` and ``rope_theta``, which reach the full
+    attention layers only (the config takes ``rope_theta`` once, for them; the sliding
+    layers keep the default base)."""
+    if layer_type not in GEMMA3_LAYER_TYPES:
+        raise ValueError(
+            f"model: layer type {layer_type!r} is not supported; "
+            f"supported: {', '.join(GEMMA3_LAYER_TYPES)}"
+        )
+    by_layer_type = hf_config.get("rope_parameters") or {}
+    parameters = dict(by_layer_type.get(layer_type) or {"rope_type": "default"})
+    if layer_type == "full_attention":
+        parameters.update(hf_config.get("rope_scaling") or {})
+        parameters.setdefault("rope_theta", hf_config.get("rope_theta", _OLMO3_DEFAULT_THETA))
+    else:
+        parameters.setdefault("rope_theta", _OLMO3_DEFAULT_THETA)
+    return rope_parameters(
+        {
+            "rope_parameters": parameters,
+            "max_position_embeddings": hf_config.get("max_position_embeddings"),
+        }
+    )

@@ -2,7 +2,8 @@
 moved after them (each sublayer's output is normalised, then added to the residual: no norm
 before a sublayer) and an RMSNorm over the whole query and key projections (all heads at
 once, before RoPE), which tensor-parallel ranks compute from a sum of squares over the
-ranks (``ShardedRMSNorm``)."""
+ranks (``ShardedRMSNorm``). OLMo 3 (``Olmo3ForCausalLM``) is OLMo 2 with three sliding-window
+layers to each full one, each kind with its own RoPE settings (YaRN on the full ones)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAtten
 from pagedserve.gpu_worker.layers.basic import ScaledInFloat32RMSNorm, ShardedRMSNorm
 from pagedserve.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
+from pagedserve.gpu_worker.layers.rope_config import olmo3_layer_rope_parameters
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
-from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.model_config import ModelConfig, olmo3_layer_types
 from pagedserve.gpu_worker.models.base import CausalLM, load_fused_checkpoint
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
@@ -29,6 +31,7 @@ class Olmo2Attention(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         parallel: TensorParallel,
+        sliding_window: int = 0,
     ) -> None:
         super().__init__()
         hf = config.hf_config
@@ -57,7 +60,11 @@ class Olmo2Attention(nn.Module):
         )
         self.rotary = rotary
         self.attention = PagedAttention(
-            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_size, head_size**-0.5
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            head_size,
+            head_size**-0.5,
+            sliding_window,
         )
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
@@ -80,11 +87,14 @@ class Olmo2DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         parallel: TensorParallel,
+        layer_index: int,
     ) -> None:
         super().__init__()
         hf = config.hf_config
         eps = hf.get("rms_norm_eps", 1e-5)
-        self.self_attn = Olmo2Attention(config, rotary, dtype, parallel)
+        self.self_attn = Olmo2Attention(
+            config, rotary, dtype, parallel, config.layer_sliding_windows[layer_index]
+        )
         self.post_attention_layernorm = ScaledInFloat32RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = GatedMLP(
             config.hidden_size,
@@ -111,14 +121,12 @@ class Olmo2ForCausalLM(CausalLM):
         super().__init__()
         hf = config.hf_config
         self.config = config
-        rotary = RotaryEmbedding(
-            config.head_size, config.max_position_embeddings, rope_parameters(hf)
-        )
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, dtype, parallel
         )
         self.layers = nn.ModuleList(
-            Olmo2DecoderLayer(config, rotary, dtype, parallel) for _ in range(config.num_layers)
+            Olmo2DecoderLayer(config, rotary, dtype, parallel, index)
+            for index, rotary in enumerate(_layer_rotaries(config))
         )
         self.norm = ScaledInFloat32RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1e-5), dtype)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
@@ -145,3 +153,19 @@ class Olmo2ForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_fused_checkpoint(self, weights)
+
+
+def _layer_rotaries(config: ModelConfig) -> list[RotaryEmbedding]:
+    """Each layer's RoPE: one for OLMo 2; one per layer kind for OLMo 3, shared by the
+    layers of that kind."""
+    hf = config.hf_config
+    positions = config.max_position_embeddings
+    if config.architecture != "Olmo3ForCausalLM":
+        rotary = RotaryEmbedding(config.head_size, positions, rope_parameters(hf))
+        return [rotary] * config.num_layers
+    layer_types = olmo3_layer_types(hf)
+    by_kind = {
+        kind: RotaryEmbedding(config.head_size, positions, olmo3_layer_rope_parameters(hf, kind))
+        for kind in sorted(set(layer_types))
+    }
+    return [by_kind[kind] for kind in layer_types]

@@ -19,8 +19,9 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.pooling_params import check_task
 from tests.conftest import TINY_CONFIGS
 from tests.engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
-from tests.engine.test_olmo2 import OLMO2
+from tests.engine.test_olmo2 import OLMO2, OLMO3
 from tests.engine.test_phi3 import PHI3
+from tests.engine.test_smollm3 import SMOLLM3
 from tests.tiny_models import random_hf_model
 from tests.tiny_tokenizers import (
     BYTE_LEVEL_SPECIALS,
@@ -40,6 +41,8 @@ FAMILIES = {
     # No pad token: HF's generic classifier would pool before a prompt's last 0 otherwise.
     "phi3": {**PHI3, "pad_token_id": None},
     "olmo2": {**OLMO2, "pad_token_id": None},
+    "olmo3": {**OLMO3, "pad_token_id": None},
+    "smollm3": {**SMOLLM3, "pad_token_id": None},
 }
 
 
