@@ -153,6 +153,7 @@ _MIXTRAL = _Family(
 )
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 _FAMILIES_BY_HF = {family.hf_architecture: family for family in (*_FAMILIES.values(), _MIXTRAL)}
+_FAMILIES_BY_HF["Olmo3ForCausalLM"] = _FAMILIES["olmo2"]  # llama.cpp writes OLMo 3 as olmo2
 
 # GGUF per-layer tensor name (after "blk.N.", before ".weight" / ".bias") -> HF name (after
 # "model.layers.N.", likewise).
@@ -352,10 +353,8 @@ def _hf_config(
         # llama.cpp fixes SmolLM3's step of RoPE-less layers (n_no_rope_layer_step) at 4.
         config.update(no_rope_layer_interval=4, use_sliding_window=False)
     if architecture == "olmo2" and key("attention.sliding_window") is not None:
-        raise ValueError(
-            "GGUF olmo2 file with a sliding window (OLMo 3, which llama.cpp writes as olmo2) "
-            "is not supported; OLMo 2 files have none"
-        )
+        # OLMo 3, which llama.cpp writes as olmo2 with its window and which layers slide.
+        config.update(_olmo3_config(key, num_layers))
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
@@ -369,6 +368,17 @@ def _hf_config(
             "dtype": "float32",
         }
     )
+    if config["architectures"] == ["Olmo3ForCausalLM"]:
+        # The full layers' scaling, as the Hub's OLMo 3 configs write it (top-level
+        # rope_scaling and rope_theta; Olmo3Config gives the sliding layers plain RoPE).
+        rope_scaling = _rope_scaling(key)
+        if rope_scaling is not None:
+            # llama.cpp's OLMo 3 converter writes the config's YaRN attention factor.
+            attention_factor = key("rope.scaling.attn_factor")
+            if attention_factor is not None:
+                rope_scaling["attention_factor"] = _float32_value(attention_factor)
+            config["rope_scaling"] = rope_scaling
+        return config
     if rope_freqs is not None:
         rope_scaling = _llama3_rope_scaling(rope_freqs, rope_theta, head_dim)
     elif rope_factors:
@@ -454,6 +464,25 @@ def _phi3_config(key: Callable[..., Any], rope_dim: int, head_dim: int) -> dict[
     if rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     return config
+
+
+def _olmo3_config(key: Callable[..., Any], num_layers: int) -> dict[str, Any]:
+    """An olmo2 file with a sliding window is OLMo 3: its window and the layers that slide
+    (llama.cpp's sliding_window_pattern, one flag per layer)."""
+    pattern = key("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != num_layers:
+        raise ValueError(
+            f"GGUF olmo2 file with a sliding window needs attention.sliding_window_pattern, "
+            f"one flag per layer ({num_layers}), got {pattern!r:.100}"
+        )
+    return {
+        "architectures": ["Olmo3ForCausalLM"],
+        "model_type": "olmo3",
+        "sliding_window": int(key("attention.sliding_window")),
+        "layer_types": [
+            "sliding_attention" if sliding else "full_attention" for sliding in pattern
+        ],
+    }
 
 
 def _granite_config(key: Callable[..., Any], head_dim: int) -> dict[str, Any]:

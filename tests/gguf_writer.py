@@ -31,6 +31,7 @@ GGUF_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo2",  # llama.cpp's OLMo 3: olmo2 with a sliding window
 }
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CHAT_TEMPLATE = (
@@ -71,6 +72,8 @@ def write_gguf(
         _write_phi3_hparams(writer, config)
     if architecture == "granite":
         _write_granite_hparams(writer, config)
+    if config["architectures"][0] == "Olmo3ForCausalLM":
+        _write_olmo3_hparams(writer, config)
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
@@ -194,6 +197,20 @@ def _write_phi3_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
         short_factor = np.array(rope["short_factor"], dtype=np.float32)
         writer.add_tensor("rope_factors_long.weight", long_factor)
         writer.add_tensor("rope_factors_short.weight", short_factor)
+
+
+def _write_olmo3_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """llama.cpp's Olmo2Model on OLMo 3: the window, which layers slide, and the full
+    layers' YaRN (its base as the RoPE base)."""
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+    full = config["rope_parameters"]["full_attention"]
+    writer.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_rope_scaling_attn_factors(full["attention_factor"])
+        writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
 
 
 def _write_granite_hparams(writer: gguf.GGUFWriter, config: dict) -> None:

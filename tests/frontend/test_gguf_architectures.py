@@ -1,6 +1,6 @@
 """GGUF files of every architecture the converter reads (llama and its Mixtral, qwen2,
 qwen3, qwen2moe, qwen3moe, phi3 (Phi-3 and Phi-4-mini's LongRoPE), granite, smollm3,
-olmo2; gemma2 and gemma3 below), written from tiny HF models the way
+olmo2 and OLMo 3's windowed olmo2; gemma2 and gemma3 below), written from tiny HF models the way
 llama.cpp writes them (tests/gguf_writer.py): the engine on the converted model gives HF
 transformers' greedy tokens on the original (float32 weights survive exactly), a Q8_0 file
 converts to its dequantized weights, the config carries what llama.cpp keeps only in tensors
@@ -130,6 +130,22 @@ FAMILIES = {
         tie_word_embeddings=False,
         pad_token_id=None,
         **_COMMON,
+    ),
+    # OLMo 3, which llama.cpp writes as olmo2 with its window: three sliding layers and a
+    # full one with YaRN (its attention factor written too).
+    "olmo3": dict(
+        architectures=["Olmo3ForCausalLM"],
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        sliding_window=16,
+        rope_theta=500_000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "attention_factor": 1.25,
+        },
+        **{**_COMMON, "num_hidden_layers": 4},
     ),
     # 8 experts of 96, top 3, renormalised; per-head q/k norms.
     "qwen3_moe": dict(
