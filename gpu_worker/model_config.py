@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES = {
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
+    "Starcoder2ForCausalLM": "starcoder2",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
@@ -98,6 +99,9 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "Phi3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=4096),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096),
+    "Starcoder2ForCausalLM": dict(
+        max_position_embeddings=4096, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True
+    ),
     "SmolLM3ForCausalLM": dict(
         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=2_000_000.0
     ),
@@ -314,8 +318,8 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
     """Each layer's sliding window in tokens (0: full attention), as HF transformers 5.x
     builds the model:
 
-    - Mistral, Mixtral and Phi-3: ``sliding_window`` (when set) on every layer; their
-      configs ignore ``layer_types`` and ``use_sliding_window``.
+    - Mistral, Mixtral, Phi-3 and StarCoder2: ``sliding_window`` (when set) on every layer;
+      their configs ignore ``layer_types`` and ``use_sliding_window``.
     - Qwen2 / Qwen3 / Qwen2-MoE: ``sliding_window`` counts only with ``use_sliding_window``
       (default false); then the layers whose ``layer_types`` entry is ``"sliding_attention"``
       use it, and without ``layer_types`` the layers from ``max_window_layers`` (default 28)
@@ -333,7 +337,12 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
     window = hf_config.get("sliding_window") or 0
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise ValueError(f"model: sliding_window must be a non-negative integer, got {window!r}")
-    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+    if architecture in (
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Phi3ForCausalLM",
+        "Starcoder2ForCausalLM",
+    ):
         return (window,) * num_layers
     if architecture in _GEMMA2_LIKE:
         layer_types = gemma_layer_types(architecture, hf_config)

@@ -36,6 +36,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "SmolLM3ForCausalLM": transformers.SmolLM3Config,
         "Olmo2ForCausalLM": transformers.Olmo2Config,
         "Olmo3ForCausalLM": transformers.Olmo3Config,
+        "Starcoder2ForCausalLM": transformers.Starcoder2Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

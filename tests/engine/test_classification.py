@@ -22,6 +22,7 @@ from tests.engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
 from tests.engine.test_olmo2 import OLMO2, OLMO3
 from tests.engine.test_phi3 import PHI3
 from tests.engine.test_smollm3 import SMOLLM3
+from tests.engine.test_starcoder2 import STARCODER2
 from tests.tiny_models import random_hf_model
 from tests.tiny_tokenizers import (
     BYTE_LEVEL_SPECIALS,
@@ -43,6 +44,7 @@ FAMILIES = {
     "olmo2": {**OLMO2, "pad_token_id": None},
     "olmo3": {**OLMO3, "pad_token_id": None},
     "smollm3": {**SMOLLM3, "pad_token_id": None},
+    "starcoder2": STARCODER2,
 }
 
 

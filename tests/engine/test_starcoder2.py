@@ -1,0 +1,94 @@
+"""BigCode's StarCoder2 (``Starcoder2ForCausalLM``): LayerNorm with biases, a GELU MLP,
+biases on every projection, a sliding window on every layer, a tied LM head. Greedy tokens
+identical to HF transformers (float32) across block sizes with a window the longer prompts
+pass (shown to change HF's tokens), chunked prefill with prefix hits, and two
+tensor-parallel ranks; bfloat16's first tokens agree with HF's bfloat16.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from engine.test_parity import NEW_TOKENS, check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_models import random_hf_model
+
+from pagedserve.frontend import LLM, SamplingParams
+
+PROMPT_LENGTHS = [1, 17, 40, 100, 150]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+STARCODER2 = dict(
+    architectures=["Starcoder2ForCausalLM"],
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rope_theta=100_000.0,
+    sliding_window=32,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return random_hf_model(STARCODER2, tmp_path_factory.mktemp("starcoder2"))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_dir) -> list[list[int]]:
+    return hf_greedy(model_dir, prompts())
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_starcoder2_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert llm.model_config.layer_sliding_windows == (32, 32)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    llm = LLM(
+        model_dir,
+        block_size=16,
+        num_blocks=256,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=True,
+    )
+    llm.generate(prompts(), GREEDY)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+    parallel = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(parallel.generate(prompts(), GREEDY)) == hf_reference
+    finally:
+        parallel.shutdown()
+
+
+def test_the_window_changes_hf_s_tokens(model_dir, hf_reference, tmp_path):
+    unwindowed = tmp_path / "unwindowed"
+    shutil.copytree(model_dir, unwindowed)
+    config_file = unwindowed / "config.json"
+    config = json.loads(config_file.read_text())
+    config["sliding_window"] = None
+    config_file.write_text(json.dumps(config))
+    assert hf_greedy(unwindowed, prompts()) != hf_reference
+
+
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
+    check_bfloat16_first_tokens_agree_with_hf(model_dir)
