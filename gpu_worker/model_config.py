@@ -36,6 +36,8 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
     "Starcoder2ForCausalLM": "starcoder2",
+    "CohereForCausalLM": "cohere",
+    "Cohere2ForCausalLM": "cohere",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
@@ -46,11 +48,21 @@ SUPPORTED_ARCHITECTURES = {
 # label) in place of the LM head; read as the causal architecture beside them, with labels.
 # (Gemma 3's text-only classifier is Gemma3TextForSequenceClassification:
 # Gemma3ForSequenceClassification is the multimodal model's.)
+# Causal architectures whose HF classifier is not ``<name>ForSequenceClassification``
+# (Gemma 3's, below) or that HF gives none (Granite, Cohere).
+_NO_CLASSIFIER_OF_THE_NAME = frozenset(
+    {
+        "Gemma3ForCausalLM",
+        "GraniteForCausalLM",
+        "GraniteMoeForCausalLM",
+        "CohereForCausalLM",
+        "Cohere2ForCausalLM",
+    }
+)
 CLASSIFIER_ARCHITECTURES = {
     name.replace("ForCausalLM", "ForSequenceClassification"): name
     for name in SUPPORTED_ARCHITECTURES
-    # HF has no Granite classifier.
-    if name not in ("Gemma3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM")
+    if name not in _NO_CLASSIFIER_OF_THE_NAME
 } | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
 # The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding
@@ -99,6 +111,18 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "Phi3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=4096),
     "Olmo2ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048, sliding_window=4096),
+    "CohereForCausalLM": dict(
+        rope_theta=500_000.0,
+        logit_scale=0.0625,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
+    "Cohere2ForCausalLM": dict(
+        logit_scale=0.0625,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        sliding_window=4096,
+    ),
     "Starcoder2ForCausalLM": dict(
         max_position_embeddings=4096, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True
     ),
@@ -329,6 +353,8 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
       ``"sliding_attention"``.
     - OLMo 3: ``sliding_window`` (default 4096) on the layers ``olmo3_layer_types`` marks
       ``"sliding_attention"``.
+    - Cohere2: ``sliding_window`` (default 4096) on the layers ``layer_types`` marks
+      ``"sliding_attention"``, without it all but every ``sliding_window_pattern``-th (4).
     - SmolLM3: with ``use_sliding_window``, the layers ``layer_types`` marks
       ``"sliding_attention"``; without ``layer_types``, its layers without RoPE.
     - Llama, OPT and Gemma have no sliding window.
@@ -355,6 +381,14 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     if architecture == "Olmo3ForCausalLM":
         layer_types = olmo3_layer_types(hf_config)
+        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    if architecture == "Cohere2ForCausalLM":
+        pattern = hf_config.get("sliding_window_pattern", 4)
+        layer_types = hf_config.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+        _check_layer_count(layer_types, num_layers)
         return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     if architecture == "SmolLM3ForCausalLM":
         if not hf_config.get("use_sliding_window", False):

@@ -37,6 +37,8 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Olmo2ForCausalLM": transformers.Olmo2Config,
         "Olmo3ForCausalLM": transformers.Olmo3Config,
         "Starcoder2ForCausalLM": transformers.Starcoder2Config,
+        "CohereForCausalLM": transformers.CohereConfig,
+        "Cohere2ForCausalLM": transformers.Cohere2Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

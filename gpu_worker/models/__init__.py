@@ -33,6 +33,10 @@ def _build_decoder(config: ModelConfig, dtype: torch.dtype, parallel: TensorPara
         from pagedserve.gpu_worker.models.gemma import GemmaForCausalLM
 
         return GemmaForCausalLM(config, dtype, parallel)
+    if config.family == "cohere":
+        from pagedserve.gpu_worker.models.cohere import CohereForCausalLM
+
+        return CohereForCausalLM(config, dtype, parallel)
     if config.family == "starcoder2":
         from pagedserve.gpu_worker.models.starcoder2 import Starcoder2ForCausalLM
 

@@ -1,0 +1,120 @@
+"""Cohere's Command R / Aya (``CohereForCausalLM``), Command R+'s per-head query and key
+norms, and Command R7B / Command A (``Cohere2ForCausalLM``): a mean-centred LayerNorm,
+attention and MLP side by side on it, RoPE on interleaved pairs (run as halves on rows the
+loader reorders), logits times ``logit_scale``; Cohere2's sliding layers rotate and its full
+layers have no position embedding. Greedy tokens identical to HF transformers (float32)
+across block sizes, chunked prefill with prefix hits and two tensor-parallel ranks; the
+logprobs carry the logit scale; bfloat16's first tokens agree with HF's bfloat16.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from engine.test_parity import NEW_TOKENS, check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_models import random_hf_model
+
+from pagedserve.frontend import LLM, SamplingParams
+
+PROMPT_LENGTHS = [1, 17, 40, 100, 150]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+_COMMON = dict(
+    hidden_size=256,
+    intermediate_size=384,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    logit_scale=0.5,
+)
+CONFIGS = {
+    "cohere": dict(architectures=["CohereForCausalLM"], num_hidden_layers=2, **_COMMON),
+    # Command R+: a LayerNorm over each query and key head, weights of its own per head.
+    "cohere_qk_norm": dict(
+        architectures=["CohereForCausalLM"], num_hidden_layers=2, use_qk_norm=True, **_COMMON
+    ),
+    # Command R7B: three sliding layers (16 tokens, RoPE) to one full layer (no RoPE).
+    "cohere2": dict(
+        architectures=["Cohere2ForCausalLM"],
+        num_hidden_layers=4,
+        sliding_window=16,
+        rope_theta=50_000.0,
+        **_COMMON,
+    ),
+}
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cohere")
+    return {name: random_hf_model(config, root / name) for name, config in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_references(model_dirs) -> dict[str, list[list[int]]]:
+    return {name: hf_greedy(path, prompts()) for name, path in model_dirs.items()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_cohere_models_match_hf(model_dirs, hf_references, name, block_size):
+    llm = LLM(model_dirs[name], block_size=block_size, num_blocks=256)
+    if name == "cohere2":
+        assert llm.model_config.layer_sliding_windows == (16, 16, 16, 0)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
+
+
+@pytest.mark.parametrize("name", ["cohere_qk_norm", "cohere2"])
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dirs, hf_references, name):
+    llm = LLM(
+        model_dirs[name],
+        block_size=16,
+        num_blocks=256,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=True,
+    )
+    llm.generate(prompts(), GREEDY)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
+    parallel = LLM(model_dirs[name], num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(parallel.generate(prompts(), GREEDY)) == hf_references[name]
+    finally:
+        parallel.shutdown()
+
+
+def test_logprobs_carry_the_logit_scale(model_dirs):
+    model_dir = model_dirs["cohere"]
+    prompt = prompts()[2]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    completion = LLM(model_dir, num_blocks=64).generate([prompt], params)[0].outputs[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion.token_ids])).logits[0]
+    rows = slice(len(prompt) - 1, len(prompt) - 1 + len(completion.token_ids))
+    scaled = torch.log_softmax(logits[rows], dim=-1)
+    assert (scaled - torch.log_softmax(logits[rows] / 0.5, dim=-1)).abs().max() > 0.1
+    for entry, row in zip(completion.logprobs, scaled):
+        top = row.topk(5)
+        for token, value in zip(top.indices.tolist(), top.values.tolist()):
+            assert entry[token] == pytest.approx(value, abs=1e-4)
+
+
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dirs):
+    check_bfloat16_first_tokens_agree_with_hf(model_dirs["cohere"])
