@@ -14,6 +14,7 @@ from pagedserve.gpu_worker.layers.linear import ShardedWeights
 from pagedserve.gpu_worker.layers.packed_weights import pack_linear_weights
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.parallel import TensorParallel
 
 
 class CausalLM(nn.Module, abc.ABC):
@@ -78,6 +79,55 @@ class CausalLM(nn.Module, abc.ABC):
         """Point each layer's attention at its key/value views of ``kv_cache``."""
         for index, layer in enumerate(self.layers):
             layer.self_attn.key_cache, layer.self_attn.value_cache = layer_caches(kv_cache, index)
+
+
+class StackedDecoderLM(CausalLM):
+    """The shape OLMo 2, StarCoder2 and Cohere share: the token embedding, ``self.layers``
+    each mapping (positions, hidden, metadata) to hidden, a final ``self.norm``, and an LM
+    head tied to the embedding or a table of its own (``tie_word_embeddings``, default
+    ``tie_default``), split over the ranks alike. A family sets ``layers`` and ``norm``
+    after this ``__init__``."""
+
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        parallel: TensorParallel,
+        tie_default: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype, parallel
+        )
+        tied = bool(config.hf_config.get("tie_word_embeddings", tie_default))
+        self.tie_word_embeddings = tied
+        self.lm_head = (
+            None
+            if tied
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, parallel)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, metadata)
+        return self.norm(hidden)
+
+    @property
+    def logits_table(self) -> VocabParallelEmbedding:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_table.logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_fused_checkpoint(self, weights)
 
 
 class WeightLoader:

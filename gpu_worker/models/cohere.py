@@ -18,14 +18,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import empty_parameter
-from pagedserve.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
-from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
+from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig
-from pagedserve.gpu_worker.models.base import CausalLM, load_fused_checkpoint
+from pagedserve.gpu_worker.models.base import StackedDecoderLM, load_fused_checkpoint
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 
@@ -68,7 +67,9 @@ class HeadLayerNorm(nn.Module):
         return _cohere_layer_norm(heads, self.weight, self.eps).view(rows.shape[0], -1)
 
 
-class CohereAttention(nn.Module):
+class CohereAttention(SelfAttention):
+    """With Command R+'s per-head query and key LayerNorms when the config asks."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -79,51 +80,29 @@ class CohereAttention(nn.Module):
     ) -> None:
         """``rotary``: None for a layer without position embeddings (Cohere2's full
         attention layers)."""
-        super().__init__()
         hf = config.hf_config
-        bias = bool(hf.get("attention_bias"))
-        head_size = config.head_size
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            head_size,
-            config.num_heads,
-            config.num_kv_heads,
-            bias,
+        super().__init__(
+            config,
+            rotary,
             dtype,
             parallel,
-        )
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(
-            config.num_heads * head_size, config.hidden_size, bias, dtype, parallel
+            bias=bool(hf.get("attention_bias")),
+            sliding_window=sliding_window,
         )
         self.q_norm = self.k_norm = None
         if hf.get("use_qk_norm"):
             eps = hf.get("layer_norm_eps", 1e-5)
+            head_size = config.head_size
             self.q_norm = HeadLayerNorm(parallel.shard(config.num_heads), head_size, eps, dtype)
             kv_heads = parallel.kv_heads(config.num_kv_heads)
             self.k_norm = HeadLayerNorm(kv_heads, head_size, eps, dtype)
-        self.rotary = rotary
-        self.attention = PagedAttention(
-            self.qkv_proj.num_heads,
-            self.qkv_proj.num_kv_heads,
-            head_size,
-            head_size**-0.5,
-            sliding_window,
-        )
-        self.key_cache: torch.Tensor | None = None
-        self.value_cache: torch.Tensor | None = None
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        if self.rotary is not None:
-            self.rotary(positions, query, key)
-        output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
-        return self.o_proj(output)
+    def normalize_qk(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is None or self.k_norm is None:
+            return query, key
+        return self.q_norm(query), self.k_norm(key)
 
 
 class CohereDecoderLayer(nn.Module):
@@ -163,18 +142,14 @@ class CohereDecoderLayer(nn.Module):
         return hidden + attended + self.mlp(normed)
 
 
-class CohereForCausalLM(CausalLM):
+class CohereForCausalLM(StackedDecoderLM):
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel = SINGLE
     ) -> None:
-        super().__init__()
+        super().__init__(config, dtype, parallel, tie_default=True)
         hf = config.hf_config
-        self.config = config
         rotary = RotaryEmbedding(
             config.head_size, config.max_position_embeddings, rope_parameters(hf)
-        )
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, dtype, parallel
         )
         self.layers = nn.ModuleList(
             CohereDecoderLayer(config, rotary, dtype, parallel, index)
@@ -182,24 +157,6 @@ class CohereForCausalLM(CausalLM):
         )
         self.norm = CohereLayerNorm(config.hidden_size, hf.get("layer_norm_eps", 1e-5), dtype)
         self.logit_scale = float(hf.get("logit_scale") or 1.0)
-        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", True))
-        self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, parallel)
-        )
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
-        return self.norm(hidden)
-
-    @property
-    def logits_table(self) -> VocabParallelEmbedding:
-        return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_table.logits(hidden_states) * self.logit_scale

@@ -18,12 +18,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import RMSNorm, norm_each_head
-from pagedserve.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 from pagedserve.gpu_worker.models.base import CausalLM, load_fused_checkpoint
@@ -54,8 +54,9 @@ def _qkv_bias(config: ModelConfig) -> bool:
     return bool(hf.get("attention_bias"))
 
 
-class LlamaAttention(nn.Module):
-    """Over this rank's query and KV heads (all of them without tensor parallelism)."""
+class LlamaAttention(SelfAttention):
+    """Over this rank's query and KV heads (all of them without tensor parallelism); Qwen3's
+    per-head query and key norms, Granite's attention scale."""
 
     def __init__(
         self,
@@ -67,57 +68,32 @@ class LlamaAttention(nn.Module):
     ) -> None:
         """``rotary``: None for a layer without position embeddings (SmolLM3's NoPE
         layers)."""
-        super().__init__()
         hf = config.hf_config
-        qkv_bias = _qkv_bias(config)
-        # One GEMM for q, k and v: rows [q | k | v], filled from the three checkpoint tensors.
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            config.head_size,
-            config.num_heads,
-            config.num_kv_heads,
-            qkv_bias,
+        super().__init__(
+            config,
+            rotary,
             dtype,
             parallel,
-        )
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(
-            config.num_heads * config.head_size,
-            config.hidden_size,
-            bool(hf.get("attention_bias")),
-            dtype,
-            parallel,
+            bias=_qkv_bias(config),
+            output_bias=bool(hf.get("attention_bias")),
+            sliding_window=sliding_window,
+            scale=_granite_scalar(config, "attention_multiplier"),
         )
         # Each rank holds whole heads, so the per-head norm weights are replicated, not split.
         per_head_norm = config.architecture in _PER_HEAD_QK_NORM
         eps = hf.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
         self.k_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
-        self.head_size = config.head_size
-        self.rotary = rotary
-        scale = _granite_scalar(config, "attention_multiplier")
-        self.attention = PagedAttention(
-            self.qkv_proj.num_heads,
-            self.qkv_proj.num_kv_heads,
-            config.head_size,
-            config.head_size**-0.5 if scale is None else scale,
-            sliding_window,
-        )
-        self.key_cache: torch.Tensor | None = None
-        self.value_cache: torch.Tensor | None = None
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            query = norm_each_head(self.q_norm, query, self.head_size)
-            key = norm_each_head(self.k_norm, key, self.head_size)
-        if self.rotary is not None:
-            self.rotary(positions, query, key)
-        output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
-        return self.o_proj(output)
+    def normalize_qk(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is None or self.k_norm is None:
+            return query, key
+        return (
+            norm_each_head(self.q_norm, query, self.head_size),
+            norm_each_head(self.k_norm, key, self.head_size),
+        )
 
 
 def _mlp(

@@ -1,0 +1,82 @@
+"""The self-attention block most decoders share: one fused q | k | v projection over this
+rank's heads, an optional query / key normalisation (a family's own), RoPE where the layer
+has it, paged attention with the layer's window, the output projection (row parallel: one
+sum over the ranks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding
+from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.parallel import TensorParallel
+
+
+class SelfAttention(nn.Module):
+    """``bias``: on q, k and v (``output_bias`` on the output projection, default the
+    same); ``rotary`` None: a layer without position embeddings; ``scale``: the attention
+    scores' factor (default 1/sqrt(head size)). A family with query / key norms overrides
+    ``normalize_qk``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding | None,
+        dtype: torch.dtype,
+        parallel: TensorParallel,
+        *,
+        bias: bool,
+        output_bias: bool | None = None,
+        sliding_window: int = 0,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        head_size = config.head_size
+        self.head_size = head_size
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_size,
+            config.num_heads,
+            config.num_kv_heads,
+            bias,
+            dtype,
+            parallel,
+        )
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.num_heads * head_size,
+            config.hidden_size,
+            bias if output_bias is None else output_bias,
+            dtype,
+            parallel,
+        )
+        self.rotary = rotary
+        self.attention = PagedAttention(
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            head_size,
+            head_size**-0.5 if scale is None else scale,
+            sliding_window,
+        )
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+
+    def normalize_qk(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's query / key norms before RoPE; none by default."""
+        return query, key
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query, key = self.normalize_qk(query, key)
+        if self.rotary is not None:
+            self.rotary(positions, query, key)
+        output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
+        return self.o_proj(output)
