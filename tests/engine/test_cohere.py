@@ -9,19 +9,17 @@ logprobs carry the logit scale; bfloat16's first tokens agree with HF's bfloat16
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from engine.test_parity import NEW_TOKENS, check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_family import GREEDY, check_chunked_prefix_hits_and_two_ranks, prompts, token_ids
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 
-PROMPT_LENGTHS = [1, 17, 40, 100, 150]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 _COMMON = dict(
     hidden_size=256,
     intermediate_size=384,
@@ -51,15 +49,6 @@ CONFIGS = {
 }
 
 
-def prompts(seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cohere")
@@ -82,21 +71,7 @@ def test_cohere_models_match_hf(model_dirs, hf_references, name, block_size):
 
 @pytest.mark.parametrize("name", ["cohere_qk_norm", "cohere2"])
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dirs, hf_references, name):
-    llm = LLM(
-        model_dirs[name],
-        block_size=16,
-        num_blocks=256,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=24,
-        enable_prefix_caching=True,
-    )
-    llm.generate(prompts(), GREEDY)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
-    parallel = LLM(model_dirs[name], num_blocks=256, tensor_parallel_size=2)
-    try:
-        assert token_ids(parallel.generate(prompts(), GREEDY)) == hf_references[name]
-    finally:
-        parallel.shutdown()
+    check_chunked_prefix_hits_and_two_ranks(model_dirs[name], hf_references[name])
 
 
 def test_logprobs_carry_the_logit_scale(model_dirs):

@@ -8,21 +8,25 @@ checks can tell an engine that ignores one from one that applies it.
 
 from __future__ import annotations
 
-import json
-import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from engine.test_parity import NEW_TOKENS, hf_greedy
+from engine.test_parity import hf_greedy
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    prompts,
+    rewritten,
+    token_ids,
+)
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 
-PROMPT_LENGTHS = [1, 17, 40, 100, 150]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # As Granite 3.x configures them (tied embeddings, GQA), with scalars that each move these
 # random weights' greedy tokens (Granite 3's own, embedding x12 and residual x0.22, drown a
 # tiny random model's layers in its tied embedding: it repeats its input) and an attention
@@ -35,40 +39,11 @@ SCALARS = dict(
 )
 GRANITE = dict(
     architectures=["GraniteForCausalLM"],
-    hidden_size=256,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
+    **TINY_SHAPE,
     rope_theta=10000.0,
     tie_word_embeddings=True,
     **SCALARS,
 )
-
-
-def prompts(seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def rewritten(model_dir: Path, path: Path, **changes) -> Path:
-    """A copy of ``model_dir`` whose config.json has ``changes`` (None: the field removed)."""
-    shutil.copytree(model_dir, path)
-    config_file = path / "config.json"
-    config = json.loads(config_file.read_text())
-    for name, value in changes.items():
-        if value is None:
-            config.pop(name, None)
-        else:
-            config[name] = value
-    config_file.write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -88,27 +63,8 @@ def test_granite_matches_hf(model_dir, hf_reference, block_size):
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
 
 
-def test_chunked_prefill_and_prefix_caching_match_hf(model_dir, hf_reference):
-    llm = LLM(
-        model_dir,
-        block_size=16,
-        num_blocks=256,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=24,
-        enable_prefix_caching=True,
-    )
-    first = llm.generate(prompts(), GREEDY)
-    second = llm.generate(prompts(), GREEDY)
-    assert [o.num_cached_tokens for o in second] == [0, 16, 32, 96, 144]
-    assert token_ids(first) == token_ids(second) == hf_reference
-
-
-def test_two_tensor_parallel_ranks_match_hf(model_dir, hf_reference):
-    llm = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
-    try:
-        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
-    finally:
-        llm.shutdown()
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
 
 
 def test_logprobs_carry_the_logits_scaling(model_dir):

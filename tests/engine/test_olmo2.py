@@ -9,41 +9,29 @@ kind with its RoPE (YaRN on the full ones), as HF reads the Hub's configs.
 
 from __future__ import annotations
 
-import json
-import random
-import shutil
 from pathlib import Path
 
 import pytest
-from engine.test_parity import NEW_TOKENS, check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    prompts,
+    rewritten,
+    token_ids,
+)
 from tiny_models import random_hf_model
 
-from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend import LLM
 
-PROMPT_LENGTHS = [1, 17, 40, 100, 150]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 OLMO2 = dict(
     architectures=["Olmo2ForCausalLM"],
-    hidden_size=256,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
+    **TINY_SHAPE,
     rope_theta=10000.0,
     pad_token_id=1,
     eos_token_id=2,
 )
-
-
-def prompts(seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -67,24 +55,15 @@ def test_olmo2_matches_hf(model_dirs, hf_references, block_size):
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["gqa"]
 
 
-def test_chunked_prefill_and_prefix_caching_match_hf(model_dirs, hf_references):
-    llm = LLM(
-        model_dirs["gqa"],
-        block_size=16,
-        num_blocks=256,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=24,
-        enable_prefix_caching=True,
-    )
-    llm.generate(prompts(), GREEDY)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["gqa"]
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dirs, hf_references):
+    check_chunked_prefix_hits_and_two_ranks(model_dirs["gqa"], hf_references["gqa"])
 
 
-@pytest.mark.parametrize("name", ["gqa", "one_kv_head"])
-def test_two_tensor_parallel_ranks_match_hf(model_dirs, hf_references, name):
-    llm = LLM(model_dirs[name], num_blocks=256, tensor_parallel_size=2)
+def test_one_kv_head_on_two_ranks_matches_hf(model_dirs, hf_references):
+    # Both ranks hold the one KV head: its norm's sum of squares counts it once.
+    llm = LLM(model_dirs["one_kv_head"], num_blocks=256, tensor_parallel_size=2)
     try:
-        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
+        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["one_kv_head"]
     finally:
         llm.shutdown()
 
@@ -117,35 +96,24 @@ OLMO3_ROPE = dict(
 @pytest.fixture(scope="module")
 def olmo3_dir(tmp_path_factory) -> Path:
     saved = random_hf_model(OLMO3, tmp_path_factory.mktemp("olmo3_saved"))
+    # As the Hub's configs write it: rope_theta and rope_scaling at the top.
     path = tmp_path_factory.mktemp("olmo3") / "model"
-    shutil.copytree(saved, path)
-    config_file = path / "config.json"
-    config = json.loads(config_file.read_text())
-    config.pop("rope_parameters", None)
-    config.update(OLMO3_ROPE)
-    config_file.write_text(json.dumps(config))
-    return path
+    return rewritten(saved, path, rope_parameters=None, **OLMO3_ROPE)
 
 
-def test_olmo3_matches_hf(olmo3_dir):
+@pytest.fixture(scope="module")
+def olmo3_reference(olmo3_dir) -> list[list[int]]:
+    return hf_greedy(olmo3_dir, prompts())
+
+
+def test_olmo3_matches_hf(olmo3_dir, olmo3_reference):
     """The sliding layers' window and plain RoPE, the full layer's YaRN (its attention
     factor too): greedy tokens as HF's, chunked with prefix hits too, and on two ranks."""
-    expected = hf_greedy(olmo3_dir, prompts())
     llm = LLM(olmo3_dir, block_size=8, num_blocks=256)
     assert llm.model_config.layer_sliding_windows == (16, 16, 16, 0)
     assert llm.model_config.max_position_embeddings == 512  # YaRN's 128 x 4
-    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
-    chunked = LLM(
-        olmo3_dir, block_size=16, num_blocks=256, max_num_batched_tokens=24,
-        enable_chunked_prefill=True, enable_prefix_caching=True,
-    )  # fmt: skip
-    chunked.generate(prompts(), GREEDY)
-    assert token_ids(chunked.generate(prompts(), GREEDY)) == expected
-    parallel = LLM(olmo3_dir, num_blocks=256, tensor_parallel_size=2)
-    try:
-        assert token_ids(parallel.generate(prompts(), GREEDY)) == expected
-    finally:
-        parallel.shutdown()
+    assert token_ids(llm.generate(prompts(), GREEDY)) == olmo3_reference
+    check_chunked_prefix_hits_and_two_ranks(olmo3_dir, olmo3_reference)
 
 
 @pytest.mark.parametrize(
@@ -155,16 +123,9 @@ def test_olmo3_matches_hf(olmo3_dir):
         {"rope_scaling": None},  # no YaRN on the full layer
     ],
 )
-def test_the_window_and_the_full_layers_rope_change_hf_s_tokens(olmo3_dir, tmp_path, change):
+def test_the_window_and_the_full_layers_rope_change_hf_s_tokens(
+    olmo3_dir, olmo3_reference, tmp_path, change
+):
     # The parity test above fails on an engine that leaves either out.
-    changed = tmp_path / "changed"
-    shutil.copytree(olmo3_dir, changed)
-    config_file = changed / "config.json"
-    config = json.loads(config_file.read_text())
-    for name, value in change.items():
-        if value is None:
-            config.pop(name)
-        else:
-            config[name] = value
-    config_file.write_text(json.dumps(config))
-    assert hf_greedy(changed, prompts()) != hf_greedy(olmo3_dir, prompts())
+    changed = rewritten(olmo3_dir, tmp_path / "changed", **change)
+    assert hf_greedy(changed, prompts()) != olmo3_reference

@@ -9,31 +9,29 @@ context, past which a window is refused naming why.
 
 from __future__ import annotations
 
-import json
 import random
-import shutil
 from pathlib import Path
 
 import pytest
-from engine.test_parity import NEW_TOKENS, hf_greedy
+from engine.test_parity import hf_greedy
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    prompts,
+    rewritten,
+    token_ids,
+)
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig
 
-PROMPT_LENGTHS = [1, 17, 40, 100, 150]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # GQA (Phi-3-medium's and Phi-4's), an untied LM head, and a 32-token window (Phi-3-mini-4k's
 # is 2047) that the longer prompts run past.
 PHI3 = dict(
     architectures=["Phi3ForCausalLM"],
-    hidden_size=256,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
+    **TINY_SHAPE,
     original_max_position_embeddings=512,
     rope_theta=10000.0,
     sliding_window=32,
@@ -41,29 +39,6 @@ PHI3 = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-
-
-def prompts(seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def rewritten(model_dir: Path, path: Path, **changes) -> Path:
-    """A copy of ``model_dir`` whose config.json has ``changes`` (None: the field removed)."""
-    shutil.copytree(model_dir, path)
-    config_file = path / "config.json"
-    config = json.loads(config_file.read_text())
-    for name, value in changes.items():
-        if value is None:
-            config.pop(name, None)
-        else:
-            config[name] = value
-    config_file.write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -92,33 +67,10 @@ def test_the_window_changes_hf_s_tokens(model_dir, hf_reference, tmp_path):
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy(unwindowed, prompts())
 
 
-def test_chunked_prefill_and_prefix_caching_match_hf(model_dir, hf_reference):
-    llm = LLM(
-        model_dir,
-        block_size=16,
-        num_blocks=256,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=24,
-        enable_prefix_caching=True,
-    )
-    first = llm.generate(prompts(), GREEDY)
-    second = llm.generate(prompts(), GREEDY)
-    assert token_ids(first) == token_ids(second) == hf_reference
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
 
 
-def test_two_tensor_parallel_ranks_match_hf(model_dir, hf_reference):
-    llm = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
-    try:
-        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
-    finally:
-        llm.shutdown()
-
-
-# Phi-4-mini's shape of RoPE, written as its config writes it (transformers 4's style: a
-# top-level partial_rotary_factor and original context, rope_scaling): three quarters of
-# each 64-value head rotate (24 frequency pairs), LongRoPE's short factors (varied, as the
-# real ones are) within the original 256 positions of a 1024-position model (an attention
-# factor of sqrt(1 + ln 4 / ln 256)); the long factors are Phi's past the original context.
 rng = random.Random(3)
 LONGROPE_PHI4_MINI = dict(
     PHI3,

@@ -8,20 +8,22 @@ fail; a bad ``no_rope_layers`` is refused by name.
 
 from __future__ import annotations
 
-import json
-import random
-import shutil
 from pathlib import Path
 
 import pytest
-from engine.test_parity import NEW_TOKENS, hf_greedy
+from engine.test_parity import hf_greedy
+from tiny_family import (
+    GREEDY,
+    check_chunked_prefix_hits_and_two_ranks,
+    prompts,
+    rewritten,
+    token_ids,
+)
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 
-PROMPT_LENGTHS = [1, 17, 40, 100, 150]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # Four layers: the fourth without RoPE (SmolLM3Config's default interval); GQA; tied.
 SMOLLM3 = dict(
     architectures=["SmolLM3ForCausalLM"],
@@ -37,29 +39,6 @@ SMOLLM3 = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-
-
-def prompts(seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def rewritten(model_dir: Path, path: Path, **changes) -> Path:
-    """A copy of ``model_dir`` whose config.json has ``changes`` (None: the field removed)."""
-    shutil.copytree(model_dir, path)
-    config_file = path / "config.json"
-    config = json.loads(config_file.read_text())
-    for name, value in changes.items():
-        if value is None:
-            config.pop(name, None)
-        else:
-            config[name] = value
-    config_file.write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -85,21 +64,7 @@ def test_smollm3_matches_hf(model_dir, hf_reference, block_size):
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
-    llm = LLM(
-        model_dir,
-        block_size=16,
-        num_blocks=256,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=24,
-        enable_prefix_caching=True,
-    )
-    llm.generate(prompts(), GREEDY)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
-    parallel = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
-    try:
-        assert token_ids(parallel.generate(prompts(), GREEDY)) == hf_reference
-    finally:
-        parallel.shutdown()
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
 
 
 def test_the_nope_layer_changes_hf_s_tokens(model_dir, hf_reference, tmp_path):

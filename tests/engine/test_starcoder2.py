@@ -7,19 +7,21 @@ tensor-parallel ranks; bfloat16's first tokens agree with HF's bfloat16.
 
 from __future__ import annotations
 
-import json
-import random
-import shutil
 from pathlib import Path
 
 import pytest
-from engine.test_parity import NEW_TOKENS, check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_family import (
+    GREEDY,
+    check_chunked_prefix_hits_and_two_ranks,
+    prompts,
+    rewritten,
+    token_ids,
+)
 from tiny_models import random_hf_model
 
-from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend import LLM
 
-PROMPT_LENGTHS = [1, 17, 40, 100, 150]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 STARCODER2 = dict(
     architectures=["Starcoder2ForCausalLM"],
     hidden_size=256,
@@ -34,15 +36,6 @@ STARCODER2 = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-
-
-def prompts(seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -63,30 +56,11 @@ def test_starcoder2_matches_hf(model_dir, hf_reference, block_size):
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
-    llm = LLM(
-        model_dir,
-        block_size=16,
-        num_blocks=256,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=24,
-        enable_prefix_caching=True,
-    )
-    llm.generate(prompts(), GREEDY)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
-    parallel = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
-    try:
-        assert token_ids(parallel.generate(prompts(), GREEDY)) == hf_reference
-    finally:
-        parallel.shutdown()
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
 
 
 def test_the_window_changes_hf_s_tokens(model_dir, hf_reference, tmp_path):
-    unwindowed = tmp_path / "unwindowed"
-    shutil.copytree(model_dir, unwindowed)
-    config_file = unwindowed / "config.json"
-    config = json.loads(config_file.read_text())
-    config["sliding_window"] = None
-    config_file.write_text(json.dumps(config))
+    unwindowed = rewritten(model_dir, tmp_path / "unwindowed", sliding_window=None)
     assert hf_greedy(unwindowed, prompts()) != hf_reference
 
 

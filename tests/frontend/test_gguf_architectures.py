@@ -21,11 +21,12 @@ from gguf_writer import byte_level_vocab, write_gguf
 from safetensors.numpy import load_file
 from tiny_models import random_hf_model
 
-from pagedserve.frontend import LLM, gguf_convert
+from pagedserve.frontend import LLM, SamplingParams, gguf_convert
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.tokenizer import Tokenizer
 
 VOCAB_SIZE = 512
+PARITY_TOKENS = 16
 _COMMON = dict(
     hidden_size=256,
     intermediate_size=256,
@@ -188,12 +189,22 @@ def test_float32_gguf_converts_to_the_original_weights(hf_dirs, converted, famil
         np.testing.assert_array_equal(ours[name], weight, err_msg=name)
 
 
+def converted_tokens_and_hf_s(converted_dir, hf_dir, seed: int):
+    """The engine's greedy tokens on the converted model and HF's on ``hf_dir``: four
+    prompts (5, 17, 64 and 150 tokens: past a block, a window of 16 or 32, a chunk) and 16
+    new tokens each. The weights' exact equality is checked above; this checks the config
+    the converter wrote (RoPE, windows, norms, scales), which 16 tokens show."""
+    prompts = random_prompts(seed, VOCAB_SIZE)[1::2]
+    params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = LLM(converted_dir, num_blocks=256)
+    tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+    return tokens, hf_greedy(hf_dir, prompts, max_new_tokens=PARITY_TOKENS)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_on_the_converted_gguf_matches_hf_on_the_original(hf_dirs, converted, family):
-    prompts = random_prompts(3, VOCAB_SIZE)
-    llm = LLM(converted[family], num_blocks=256)
-    tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY)]
-    assert tokens == hf_greedy(hf_dirs[family], prompts)
+    tokens, expected = converted_tokens_and_hf_s(converted[family], hf_dirs[family], 3)
+    assert tokens == expected
 
 
 def test_a_large_model_converts_into_shards(hf_dirs, tmp_path, monkeypatch):
@@ -421,10 +432,8 @@ def test_gemma_gguf_converts_to_the_original_model(gemma_dirs, family):
 @pytest.mark.parametrize("family", list(GEMMA_FAMILIES))
 def test_engine_on_a_converted_gemma_gguf_matches_hf(gemma_dirs, family):
     _, converted = gemma_dirs[family]
-    prompts = random_prompts(7, VOCAB_SIZE)
-    llm = LLM(converted, num_blocks=256)
-    tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY)]
-    assert tokens == hf_greedy(converted, prompts)
+    tokens, expected = converted_tokens_and_hf_s(converted, converted, 7)
+    assert tokens == expected
 
 
 def test_gemma_config_and_tokenizer_come_through(gemma_dirs):

@@ -1,0 +1,74 @@
+"""What the tests of one model family share (tests/engine/test_<family>.py): the prompts
+(one token, part of a block, past a small window, past a 24-token chunking budget, several
+blocks), greedy sampling of ``NEW_TOKENS``, a config rewritten in a copy of the model, and
+the engine checked against HF's greedy tokens with chunked prefill and prefix hits, and on
+two tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+from engine.test_parity import NEW_TOKENS
+
+from pagedserve.frontend import LLM, SamplingParams
+
+PROMPT_LENGTHS = [1, 17, 40, 100, 150]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+# A tiny decoder's shape: GQA (4 query heads of 64, 2 KV heads), a 512-token vocabulary.
+TINY_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+)
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def rewritten(model_dir: Path, path: Path, **changes) -> Path:
+    """A copy of ``model_dir`` whose config.json has ``changes`` (None: the field removed)."""
+    shutil.copytree(model_dir, path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    for name, value in changes.items():
+        if value is None:
+            config.pop(name, None)
+        else:
+            config[name] = value
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+def check_chunked_prefix_hits_and_two_ranks(model_dir: Path, expected: list[list[int]]) -> None:
+    """HF's greedy tokens (``expected``) from 24-token chunks whose second pass hits the
+    prefix cache, and from two tensor-parallel ranks."""
+    llm = LLM(
+        model_dir,
+        block_size=16,
+        num_blocks=256,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=True,
+    )
+    first = llm.generate(prompts(), GREEDY)
+    second = llm.generate(prompts(), GREEDY)
+    assert [o.num_cached_tokens for o in second] == [0, 16, 32, 96, 144]
+    assert token_ids(first) == token_ids(second) == expected
+    parallel = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(parallel.generate(prompts(), GREEDY)) == expected
+    finally:
+        parallel.shutdown()
