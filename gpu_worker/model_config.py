@@ -47,9 +47,8 @@ SUPPORTED_ARCHITECTURES = {
 # and a ``score`` head (a bias-free linear map of the final hidden state to one logit per
 # label) in place of the LM head; read as the causal architecture beside them, with labels.
 # (Gemma 3's text-only classifier is Gemma3TextForSequenceClassification:
-# Gemma3ForSequenceClassification is the multimodal model's.)
-# Causal architectures whose HF classifier is not ``<name>ForSequenceClassification``
-# (Gemma 3's, below) or that HF gives none (Granite, Cohere).
+# Gemma3ForSequenceClassification is the multimodal model's; HF has no Granite or Cohere
+# classifier.)
 _NO_CLASSIFIER_OF_THE_NAME = frozenset(
     {
         "Gemma3ForCausalLM",
@@ -72,15 +71,16 @@ _GEMMA2_LIKE = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _PER_LAYER_TYPE_ROPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
 _GEMMA_NAMES = {"Gemma2ForCausalLM": "Gemma 2", "Gemma3ForCausalLM": "Gemma 3"}
 
-# The HF config class's defaults for fields a config.json may leave out, where they differ
-# from what the engine would otherwise assume (Hub Gemma configs have no
-# tie_word_embeddings, and Gemma 7B's head_dim is not hidden_size / num_attention_heads).
+# GraniteConfig's: its attention scale defaults to 1.0, not 1/sqrt(head size).
 _GRANITE_SCALARS = dict(
     embedding_multiplier=1.0,
     logits_scaling=1.0,
     residual_multiplier=1.0,
     attention_multiplier=1.0,
 )
+# The HF config class's defaults for fields a config.json may leave out, where they differ
+# from what the engine would otherwise assume (Hub Gemma configs have no
+# tie_word_embeddings, and Gemma 7B's head_dim is not hidden_size / num_attention_heads).
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "GemmaForCausalLM": dict(
         head_dim=256,
@@ -129,7 +129,6 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "SmolLM3ForCausalLM": dict(
         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=2_000_000.0
     ),
-    # GraniteConfig's: its attention scale defaults to 1.0, not 1/sqrt(head size).
     "GraniteForCausalLM": _GRANITE_SCALARS,
     "GraniteMoeForCausalLM": _GRANITE_SCALARS,
 }
