@@ -37,6 +37,7 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo3ForCausalLM": "olmo2",
     "Starcoder2ForCausalLM": "starcoder2",
     "CohereForCausalLM": "cohere",
+    "Glm4ForCausalLM": "glm4",
     "Cohere2ForCausalLM": "cohere",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
@@ -67,6 +68,8 @@ CLASSIFIER_ARCHITECTURES = {
 # The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding
 # layers, soft-capping fields).
 _GEMMA2_LIKE = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# The architectures whose HF model rotates only part of each head (partial_rotary_factor).
+_PARTIAL_ROTARY = ("Phi3ForCausalLM", "Glm4ForCausalLM")
 # RoPE settings per layer type (sliding / full attention), not one for the model.
 _PER_LAYER_TYPE_ROPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
 _GEMMA_NAMES = {"Gemma2ForCausalLM": "Gemma 2", "Gemma3ForCausalLM": "Gemma 3"}
@@ -122,6 +125,14 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
         max_position_embeddings=8192,
         sliding_window=4096,
+    ),
+    # Glm4Config gives a config without the field partial_rotary_factor 0.5.
+    "Glm4ForCausalLM": dict(
+        partial_rotary_factor=0.5,
+        rms_norm_eps=1.5625e-07,
+        attention_bias=True,
+        head_dim=128,
+        max_position_embeddings=131072,
     ),
     "Starcoder2ForCausalLM": dict(
         max_position_embeddings=4096, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True
@@ -295,11 +306,11 @@ def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> Non
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         partial = parameters.get("partial_rotary_factor")
-        if partial not in (None, 1, 1.0) and architecture != "Phi3ForCausalLM":
-            # Of the models here only Phi-3 rotates part of each head in HF.
+        if partial not in (None, 1, 1.0) and architecture not in _PARTIAL_ROTARY:
             raise ValueError(
                 f"model: partial_rotary_factor={partial!r} is not supported for "
-                f"{architecture} (RoPE over part of each head: Phi3ForCausalLM); supported: 1.0"
+                f"{architecture} (RoPE over part of each head: {', '.join(_PARTIAL_ROTARY)}); "
+                "supported: 1.0"
             )
     if architecture not in ("GemmaForCausalLM", *_GEMMA2_LIKE):
         return

@@ -38,6 +38,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Olmo3ForCausalLM": transformers.Olmo3Config,
         "Starcoder2ForCausalLM": transformers.Starcoder2Config,
         "CohereForCausalLM": transformers.CohereConfig,
+        "Glm4ForCausalLM": transformers.Glm4Config,
         "Cohere2ForCausalLM": transformers.Cohere2Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)

@@ -173,3 +173,20 @@ def _rotate_partially(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     half = rotary_dim // 2
     rotate_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
     heads[..., :rotary_dim] = (rotated * cos) + (rotate_half * sin)
+
+
+def pairs_to_halves(
+    tensor: torch.Tensor, head_size: int, rotary_dim: int, per_head_last: bool = False
+) -> torch.Tensor:
+    """A query or key projection's rows (weight or bias, ``[heads * head_size, ...]``; with
+    ``per_head_last``, per-head norm weights ``[..., head_size]``) reordered, in each head's
+    first ``rotary_dim`` dimensions, from RoPE on interleaved pairs (2i, 2i + 1: Cohere's,
+    GLM's) to RoPE on halves (i, i + rotary_dim / 2: the ops'). The same rotation of the
+    same values; queries and keys reordered alike keep their dot products, so the attention
+    is unchanged."""
+    order = list(range(0, rotary_dim, 2)) + list(range(1, rotary_dim, 2))
+    index = torch.tensor(order + list(range(rotary_dim, head_size)))
+    if per_head_last:
+        return tensor.index_select(-1, index)
+    by_head = tensor.reshape(-1, head_size, *tensor.shape[1:])
+    return by_head.index_select(1, index).reshape(tensor.shape)

@@ -33,6 +33,10 @@ def _build_decoder(config: ModelConfig, dtype: torch.dtype, parallel: TensorPara
         from pagedserve.gpu_worker.models.gemma import GemmaForCausalLM
 
         return GemmaForCausalLM(config, dtype, parallel)
+    if config.family == "glm4":
+        from pagedserve.gpu_worker.models.glm4 import Glm4ForCausalLM
+
+        return Glm4ForCausalLM(config, dtype, parallel)
     if config.family == "cohere":
         from pagedserve.gpu_worker.models.cohere import CohereForCausalLM
 

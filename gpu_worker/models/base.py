@@ -212,3 +212,28 @@ def load_fused_checkpoint(
         else:
             loader.load(name, tensor)
     loader.check_complete()
+
+
+def split_fused_projections(
+    config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's fused tensors (Phi-3's ``qkv_proj`` rows [q | k | v], Phi-3's and
+    GLM-4's ``gate_up_proj`` rows [gate | up], HF's ``chunk(2)``: gate first) as separate
+    ones, which ``load_fused_checkpoint`` gives each tensor-parallel rank its share of."""
+    q_rows = config.num_heads * config.head_size
+    kv_rows = config.num_kv_heads * config.head_size
+    for name, tensor in weights:
+        parent, _, attribute = name.rpartition(".")
+        if parent.endswith(".qkv_proj"):
+            stem = parent.removesuffix("qkv_proj")
+            query, key, value = tensor.split([q_rows, kv_rows, kv_rows], dim=0)
+            yield f"{stem}q_proj.{attribute}", query
+            yield f"{stem}k_proj.{attribute}", key
+            yield f"{stem}v_proj.{attribute}", value
+        elif parent.endswith(".gate_up_proj"):
+            stem = parent.removesuffix("gate_up_proj")
+            gate, up = tensor.chunk(2, dim=0)
+            yield f"{stem}gate_proj.{attribute}", gate
+            yield f"{stem}up_proj.{attribute}", up
+        else:
+            yield name, tensor

@@ -21,7 +21,11 @@ from torch import nn
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import empty_parameter
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
-from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.gpu_worker.layers.rotary import (
+    RotaryEmbedding,
+    pairs_to_halves,
+    rope_parameters,
+)
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import StackedDecoderLM, load_fused_checkpoint
@@ -162,20 +166,14 @@ class CohereForCausalLM(StackedDecoderLM):
         return self.logits_table.logits(hidden_states) * self.logit_scale
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        config = self.config
-        heads = {"q": config.num_heads, "k": config.num_kv_heads}
+        head_size = self.config.head_size
 
         def halves_from_pairs(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            """Each head's query / key rows (or norm weights) reordered from interleaved
-            pairs to halves: dims (0, 2, 4, ..., 1, 3, 5, ...)."""
             module = name.rpartition(".")[0].rpartition(".")[2]
-            if module in ("q_proj", "k_proj") and name.endswith((".weight", ".bias")):
-                num_heads = heads[module[0]]
-                by_head = tensor.reshape(num_heads, config.head_size // 2, 2, -1)
-                return by_head.transpose(1, 2).reshape(tensor.shape)
+            if module in ("q_proj", "k_proj"):
+                return pairs_to_halves(tensor, head_size, head_size)
             if module in ("q_norm", "k_norm"):
-                pairs = tensor.reshape(*tensor.shape[:-1], config.head_size // 2, 2)
-                return pairs.transpose(-1, -2).reshape(tensor.shape)
+                return pairs_to_halves(tensor, head_size, head_size, per_head_last=True)
             return tensor
 
         load_fused_checkpoint(self, weights, convert=halves_from_pairs)

@@ -26,7 +26,11 @@ from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
-from pagedserve.gpu_worker.models.base import CausalLM, load_fused_checkpoint
+from pagedserve.gpu_worker.models.base import (
+    CausalLM,
+    load_fused_checkpoint,
+    split_fused_projections,
+)
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 # Architectures that RMS-normalise each query and key head (``self_attn.q_norm`` /
@@ -216,7 +220,7 @@ class LlamaForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.config.architecture == "Phi3ForCausalLM":
-            weights = _split_phi3(self.config, weights)
+            weights = split_fused_projections(self.config, weights)
         if self.config.architecture == "GraniteMoeForCausalLM":
             weights = _split_granite_experts(weights)
         load_fused_checkpoint(self, weights, rename=_mixtral_names)
@@ -259,30 +263,6 @@ def _split_granite_experts(
         elif kind == "down":
             for expert, down in enumerate(tensor):
                 yield f"{prefix}mlp.experts.{expert}.down_proj.weight", down
-        else:
-            yield name, tensor
-
-
-def _split_phi3(
-    config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
-) -> Iterable[tuple[str, torch.Tensor]]:
-    """Phi-3's fused checkpoint tensors as Llama's separate ones: ``qkv_proj`` rows
-    [q | k | v] and ``gate_up_proj`` rows [gate | up] (HF's ``chunk(2)``: gate first)."""
-    q_rows = config.num_heads * config.head_size
-    kv_rows = config.num_kv_heads * config.head_size
-    for name, tensor in weights:
-        parent, _, attribute = name.rpartition(".")
-        if parent.endswith(".qkv_proj"):
-            stem = parent.removesuffix("qkv_proj")
-            query, key, value = tensor.split([q_rows, kv_rows, kv_rows], dim=0)
-            yield f"{stem}q_proj.{attribute}", query
-            yield f"{stem}k_proj.{attribute}", key
-            yield f"{stem}v_proj.{attribute}", value
-        elif parent.endswith(".gate_up_proj"):
-            stem = parent.removesuffix("gate_up_proj")
-            gate, up = tensor.chunk(2, dim=0)
-            yield f"{stem}gate_proj.{attribute}", gate
-            yield f"{stem}up_proj.{attribute}", up
         else:
             yield name, tensor
 

@@ -1,0 +1,67 @@
+"""Zhipu's GLM-4 (``Glm4ForCausalLM``): q/k/v biases, interleaved RoPE over half of each
+head (run as the ops' partial rotate-half on reordered query and key rows), four norms a
+layer, a fused gate/up MLP. Greedy tokens identical to HF transformers (float32) across
+block sizes, chunked prefill with prefix hits and two tensor-parallel ranks, also for a
+config that leaves the rotated share to Glm4Config's default (0.5); bfloat16's first tokens
+agree with HF's bfloat16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    prompts,
+    rewritten,
+    token_ids,
+)
+from tiny_models import random_hf_model
+
+from pagedserve.frontend import LLM
+
+GLM4 = dict(
+    architectures=["Glm4ForCausalLM"],
+    **TINY_SHAPE,
+    head_dim=64,
+    rope_theta=10000.0,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return random_hf_model(GLM4, tmp_path_factory.mktemp("glm4"))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_dir) -> list[list[int]]:
+    return hf_greedy(model_dir, prompts())
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_glm4_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert llm.worker.runner.model.rotary.rotary_dim == 32  # half of each 64-value head
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
+
+
+def test_a_config_without_the_rotated_share_takes_glm4config_s_default(model_dir, tmp_path):
+    # As GLM-4's Hub configs are written (transformers 4): rope_theta at the top, no
+    # partial_rotary_factor anywhere; Glm4Config rotates half of each head.
+    bare = rewritten(model_dir, tmp_path / "bare", rope_parameters=None, partial_rotary_factor=None)
+    llm = LLM(bare, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy(bare, prompts())
+
+
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
+    check_bfloat16_first_tokens_agree_with_hf(model_dir)
