@@ -9,14 +9,14 @@ and what stays unsupported (bidirectional attention, bad caps) refused by name.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from engine.test_parity import NEW_TOKENS, check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_family import GREEDY, prompts, token_ids
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
@@ -24,9 +24,6 @@ from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 from pagedserve.gpu_worker.layers.rope_config import layer_type_rope_parameters
 from pagedserve.gpu_worker.model_config import ModelConfig, check_tensor_parallel_size
-
-PROMPT_LENGTHS = [1, 17, 40, 100, 150]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 TINY_CONFIGS = {
     # Tied LM head and no sliding window; attention_bias adds q/k/v and o_proj biases.
@@ -86,15 +83,6 @@ TINY_CONFIGS = {
         final_logit_softcapping=30.0,
     ),
 }
-
-
-def prompts(seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def _rewrite_config(model_dir: Path, **changes) -> None:
