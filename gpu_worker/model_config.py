@@ -529,29 +529,18 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
       ``shared_expert_intermediate_size``.
     """
     num_layers = hf_config["num_hidden_layers"]
-    if architecture == "MixtralForCausalLM":
+    if architecture in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
         num_experts, num_experts_field = _num_experts(hf_config, 8)
+        mixtral = architecture == "MixtralForCausalLM"
         spec = _checked_experts(
             hf_config,
             num_experts=num_experts,
             num_experts_field=num_experts_field,
             top_k=hf_config.get("num_experts_per_tok", 2),
             intermediate_field="intermediate_size",
-            renormalize=True,
-            weights_in_float32=True,
-        )
-        return (spec,) * num_layers
-    if architecture == "GraniteMoeForCausalLM":
-        num_experts, num_experts_field = _num_experts(hf_config, 8)
-        spec = _checked_experts(
-            hf_config,
-            num_experts=num_experts,
-            num_experts_field=num_experts_field,
-            top_k=hf_config.get("num_experts_per_tok", 2),
-            intermediate_field="intermediate_size",
-            renormalize=False,
-            weights_in_float32=False,
-            softmax_over_top_k=True,
+            renormalize=mixtral,
+            weights_in_float32=mixtral,
+            softmax_over_top_k=not mixtral,
         )
         return (spec,) * num_layers
     if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):

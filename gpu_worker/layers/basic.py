@@ -51,7 +51,29 @@ class RMSNorm(nn.Module):
         ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class GemmaRMSNorm(RMSNorm):
+class ScaledInFloat32RMSNorm(RMSNorm):
+    """An RMSNorm whose HF model scales the float32 normalised value by the weight before
+    rounding to the activation dtype once (OLMo 2's ``(w * x.float()).to(dtype)``, Gemma's
+    by ``1 + w``; Llama's rounds first, then scales). On float32 activations the two agree
+    and the fused kernel runs; on others HF's expression does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        # NOTE: four passes over the rows, not one; only off float32.
+        floats = x.float()
+        normed = floats * torch.rsqrt(floats.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        if x.dtype == torch.float32:
+            super().add_and_norm(x, residual)
+            return
+        residual.add_(x)
+        x.copy_(self(residual))
+
+
+class GemmaRMSNorm(ScaledInFloat32RMSNorm):
     """Gemma's RMSNorm, which scales by ``1 + w`` (checkpoints store the offset ``w``), in
     HF's arithmetic: normalise in float32, multiply by ``1.0 + w.float()`` in float32, round
     to the activation dtype once.
@@ -70,35 +92,6 @@ class GemmaRMSNorm(RMSNorm):
         """The checkpoint's ``w`` -> ``1 + w`` as HF computes it on a model of ``dtype``
         (whose parameter holds ``w`` rounded to that dtype)."""
         return 1.0 + offset.to(dtype).float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return super().forward(x)
-        # NOTE: four passes over the rows, not one; only off float32.
-        floats = x.float()
-        normed = floats * torch.rsqrt(floats.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight).to(x.dtype)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> None:
-        if x.dtype == torch.float32:
-            super().add_and_norm(x, residual)
-            return
-        residual.add_(x)
-        x.copy_(self(residual))
-
-
-class ScaledInFloat32RMSNorm(RMSNorm):
-    """An RMSNorm whose HF model scales the float32 normalised value by the weight before
-    rounding to the activation dtype once (OLMo 2's ``(w * x.float()).to(dtype)``; Llama's
-    rounds first, then scales). On float32 activations the two agree and the fused kernel
-    runs; on others HF's expression does."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return super().forward(x)
-        floats = x.float()
-        normed = floats * torch.rsqrt(floats.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed).to(x.dtype)
 
 
 class ShardedRMSNorm(nn.Module):

@@ -82,11 +82,12 @@ class CausalLM(nn.Module, abc.ABC):
 
 
 class StackedDecoderLM(CausalLM):
-    """The shape OLMo 2, StarCoder2 and Cohere share: the token embedding, ``self.layers``
-    each mapping (positions, hidden, metadata) to hidden, a final ``self.norm``, and an LM
-    head tied to the embedding or a table of its own (``tie_word_embeddings``, default
-    ``tie_default``), split over the ranks alike. A family sets ``layers`` and ``norm``
-    after this ``__init__``."""
+    """The shape the Llama family, OLMo 2, StarCoder2, Cohere and GLM-4 share: the token
+    embedding, ``self.layers`` each mapping (positions, hidden, metadata) to hidden, a final
+    ``self.norm``, and an LM head tied to the embedding or a table of its own
+    (``tie_word_embeddings``, default ``tie_default``), split over the ranks alike. A family
+    sets ``layers`` and ``norm`` after this ``__init__`` (Llama overrides ``forward``: its
+    layers pass the residual on too)."""
 
     layers: nn.ModuleList
     norm: nn.Module

@@ -24,10 +24,9 @@ from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
-from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 from pagedserve.gpu_worker.models.base import (
-    CausalLM,
+    StackedDecoderLM,
     load_fused_checkpoint,
     split_fused_projections,
 )
@@ -168,18 +167,14 @@ class LlamaDecoderLayer(nn.Module):
         return hidden, residual
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(StackedDecoderLM):
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, parallel: TensorParallel = SINGLE
     ) -> None:
-        super().__init__()
+        super().__init__(config, dtype, parallel)
         hf = config.hf_config
-        self.config = config
         rotary = RotaryEmbedding(
             config.head_size, config.max_position_embeddings, rope_parameters(hf)
-        )
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, dtype, parallel
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary, dtype, parallel, layer_index)
@@ -188,17 +183,11 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1e-6), dtype)
         self.embedding_multiplier = _granite_scalar(config, "embedding_multiplier")
         self.logits_scaling = _granite_scalar(config, "logits_scaling")
-        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        # An untied LM head is a vocabulary table of its own, split the same way.
-        self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, parallel)
-        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        """Each layer passes on its output and the running residual (fused adds)."""
         hidden = self.embed_tokens(input_ids)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
@@ -207,10 +196,6 @@ class LlamaForCausalLM(CausalLM):
             hidden, residual = layer(positions, hidden, residual, metadata)
         self.norm.add_and_norm(hidden, residual)
         return hidden
-
-    @property
-    def logits_table(self) -> VocabParallelEmbedding:
-        return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.logits_table.logits(hidden_states)
