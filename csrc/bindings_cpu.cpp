@@ -64,7 +64,7 @@ PYBIND11_MODULE(_C_cpu, m) {
       "paged_attention_decode",
       [](uintptr_t out, int64_t out_token_stride, uintptr_t query, int64_t query_token_stride,
          int64_t num_heads, float scale, int64_t sliding_window, float logits_soft_cap,
-         uintptr_t key_cache, uintptr_t value_cache, int64_t key_block_stride,
+         uintptr_t sinks, uintptr_t key_cache, uintptr_t value_cache, int64_t key_block_stride,
          int64_t value_block_stride, int64_t num_blocks, int64_t num_kv_heads, int64_t block_size,
          int64_t head_size, int dtype, int cache_dtype, uintptr_t block_tables,
          int64_t block_table_stride, int64_t max_blocks_per_seq, uintptr_t seq_lens,
@@ -72,7 +72,7 @@ PYBIND11_MODULE(_C_cpu, m) {
         py::gil_scoped_release release;
         pagedserve::cpu::paged_attention_decode(
             ptr<void>(out), out_token_stride, ptr<const void>(query), query_token_stride, num_heads,
-            scale, sliding_window, logits_soft_cap,
+            scale, sliding_window, logits_soft_cap, ptr<const float>(sinks),
             make_cache(key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
                        num_kv_heads, block_size, head_size, dtype, cache_dtype),
             BlockTables{ptr<const int32_t>(block_tables), block_table_stride, max_blocks_per_seq,
@@ -81,7 +81,7 @@ PYBIND11_MODULE(_C_cpu, m) {
       },
       py::arg("out"), py::arg("out_token_stride"), py::arg("query"), py::arg("query_token_stride"),
       py::arg("num_heads"), py::arg("scale"), py::arg("sliding_window"), py::arg("logits_soft_cap"),
-      py::arg("key_cache"), py::arg("value_cache"), py::arg("key_block_stride"),
+      py::arg("sinks"), py::arg("key_cache"), py::arg("value_cache"), py::arg("key_block_stride"),
       py::arg("value_block_stride"), py::arg("num_blocks"), py::arg("num_kv_heads"),
       py::arg("block_size"), py::arg("head_size"), py::arg("dtype"), py::arg("cache_dtype"),
       py::arg("block_tables"), py::arg("block_table_stride"), py::arg("max_blocks_per_seq"),
@@ -91,16 +91,16 @@ PYBIND11_MODULE(_C_cpu, m) {
       "paged_prefill_attention",
       [](uintptr_t out, int64_t out_token_stride, uintptr_t query, int64_t query_token_stride,
          int64_t num_tokens, int64_t num_heads, uintptr_t query_start_loc, float scale,
-         int64_t sliding_window, float logits_soft_cap, uintptr_t key_cache, uintptr_t value_cache,
-         int64_t key_block_stride, int64_t value_block_stride, int64_t num_blocks,
-         int64_t num_kv_heads, int64_t block_size, int64_t head_size, int dtype, int cache_dtype,
-         uintptr_t block_tables, int64_t block_table_stride, int64_t max_blocks_per_seq,
-         uintptr_t seq_lens, int64_t num_seqs) {
+         int64_t sliding_window, float logits_soft_cap, uintptr_t sinks, uintptr_t key_cache,
+         uintptr_t value_cache, int64_t key_block_stride, int64_t value_block_stride,
+         int64_t num_blocks, int64_t num_kv_heads, int64_t block_size, int64_t head_size, int dtype,
+         int cache_dtype, uintptr_t block_tables, int64_t block_table_stride,
+         int64_t max_blocks_per_seq, uintptr_t seq_lens, int64_t num_seqs) {
         py::gil_scoped_release release;
         pagedserve::cpu::paged_prefill_attention(
             ptr<void>(out), out_token_stride, ptr<const void>(query), query_token_stride,
             num_tokens, num_heads, ptr<const int32_t>(query_start_loc), scale, sliding_window,
-            logits_soft_cap,
+            logits_soft_cap, ptr<const float>(sinks),
             make_cache(key_cache, value_cache, key_block_stride, value_block_stride, num_blocks,
                        num_kv_heads, block_size, head_size, dtype, cache_dtype),
             BlockTables{ptr<const int32_t>(block_tables), block_table_stride, max_blocks_per_seq,
@@ -108,7 +108,7 @@ PYBIND11_MODULE(_C_cpu, m) {
       },
       py::arg("out"), py::arg("out_token_stride"), py::arg("query"), py::arg("query_token_stride"),
       py::arg("num_tokens"), py::arg("num_heads"), py::arg("query_start_loc"), py::arg("scale"),
-      py::arg("sliding_window"), py::arg("logits_soft_cap"), py::arg("key_cache"),
+      py::arg("sliding_window"), py::arg("logits_soft_cap"), py::arg("sinks"), py::arg("key_cache"),
       py::arg("value_cache"), py::arg("key_block_stride"), py::arg("value_block_stride"),
       py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("block_size"), py::arg("head_size"),
       py::arg("dtype"), py::arg("cache_dtype"), py::arg("block_tables"),

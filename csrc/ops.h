@@ -64,6 +64,17 @@
 // and the softmax, as HF transformers' Gemma 2 eager attention computes it (attn_weights / c,
 // tanh, * c, then the mask). The cap bounds every logit to [-c, c]; masked positions stay
 // masked. A negative, infinite or NaN cap is refused.
+//
+// Attention sinks (gpt-oss): every attention op takes sinks, null (off) or float32 [num_heads],
+// one learned logit per query head that joins each softmax as one more key whose value is zero
+// (HF transformers' GptOss eager attention: the logits concatenated with the head's sink,
+// softmax, the sink's column dropped). A sink takes probability mass without adding to the
+// output, so a row's weights sum to below one:
+//
+//   out[h] = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m)),
+//   m = max(max_j s_j, sinks[h])
+//
+// A sequence with seq_len 0 still gets zeros.
 #pragma once
 
 #include <cstdint>
@@ -128,6 +139,7 @@ void paged_attention_decode(void* out,  // [num_seqs, num_heads, head_size]
                             int64_t query_token_stride, int64_t num_heads, float scale,
                             int64_t sliding_window,  // tokens; 0: full attention
                             float logits_soft_cap,   // c * tanh(logit / c); 0: off
+                            const float* sinks,      // [num_heads] or null: no sinks
                             const PagedKVCache& cache, const BlockTables& tables,
                             int64_t partition_size);
 
@@ -147,6 +159,7 @@ void paged_prefill_attention(void* out,  // [num_tokens, num_heads, head_size]
                              float scale,
                              int64_t sliding_window,  // tokens; 0: full attention
                              float logits_soft_cap,   // c * tanh(logit / c); 0: off
+                             const float* sinks,      // [num_heads] or null: no sinks
                              const PagedKVCache& cache, const BlockTables& tables);
 
 // Copy-on-write: copies whole blocks (all layers, K and V) inside one pool.
@@ -309,6 +322,7 @@ void paged_attention_decode(void* out,  // [num_seqs, num_heads, head_size]
                             int64_t query_token_stride, int64_t num_heads, float scale,
                             int64_t sliding_window,  // tokens; 0: full attention
                             float logits_soft_cap,   // c * tanh(logit / c); 0: off
+                            const float* sinks,      // device [num_heads] or null: no sinks
                             const PagedKVCache& cache, const BlockTables& tables,
                             int64_t partition_size, float* workspace, int64_t workspace_floats,
                             const Stream& stream);
@@ -323,6 +337,7 @@ void paged_prefill_attention(void* out,  // [num_tokens, num_heads, head_size]
                              int64_t max_query_len, float scale,
                              int64_t sliding_window,  // tokens; 0: full attention
                              float logits_soft_cap,   // c * tanh(logit / c); 0: off
+                             const float* sinks,      // device [num_heads] or null: no sinks
                              const PagedKVCache& cache, const BlockTables& tables,
                              const Stream& stream);
 

@@ -73,6 +73,7 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int,
     logits_soft_cap: float,
+    sinks: int,
     partition_size: int,
     cache_args: tuple,
     num_kv_heads: int,
@@ -80,7 +81,8 @@ def paged_attention_decode(
     block_size: int,
 ) -> None:
     """``partition_size`` as in ops.py (-1 chooses), ``sliding_window`` in tokens (0: full),
-    ``logits_soft_cap`` (0.0: off);
+    ``logits_soft_cap`` (0.0: off), ``sinks`` the device address of the float32 sink logits
+    (0: none);
     split-K gets a workspace from torch's caching allocator, freed in stream order once the
     kernels have run."""
     module = kernels()
@@ -112,6 +114,7 @@ def paged_attention_decode(
         scale,
         sliding_window,
         logits_soft_cap,
+        sinks,
         *cache_args,
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -135,6 +138,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int,
     logits_soft_cap: float,
+    sinks: int,
     max_query_len: int,
     cache_args: tuple,
 ) -> None:
@@ -150,6 +154,7 @@ def paged_prefill_attention(
         scale,
         sliding_window,
         logits_soft_cap,
+        sinks,
         *cache_args,
         block_tables.data_ptr(),
         block_tables.stride(0),

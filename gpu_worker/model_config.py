@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ SUPPORTED_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # Sequence classification models (HF's ``*ForSequenceClassification``): the family's decoder
@@ -142,6 +144,33 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "GraniteForCausalLM": _GRANITE_SCALARS,
     "GraniteMoeForCausalLM": _GRANITE_SCALARS,
+    # GptOssConfig's (gpt-oss-20b's shapes), YaRN included when neither RoPE field is given.
+    "GptOssForCausalLM": dict(
+        num_hidden_layers=36,
+        num_local_experts=128,
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        head_dim=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        num_experts_per_tok=4,
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+        attention_bias=True,
+        rope_theta=150000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    ),
 }
 
 
@@ -166,6 +195,13 @@ class ExpertsSpec:
     # Granite MoE weighs the top k by the softmax of their logits alone (the same numbers
     # as the others' renormalised top-k probabilities, not the same float32 bits).
     softmax_over_top_k: bool = False
+    # gpt-oss: a router with a bias, experts with biases, and its clamped SwiGLU
+    # ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = ``min(gate, limit)``
+    # (None: the plain gated MLP of ``hidden_act``).
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -365,6 +401,8 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
       ``"sliding_attention"``.
     - Cohere2: ``sliding_window`` (default 4096) on the layers ``layer_types`` marks
       ``"sliding_attention"``, without it all but every ``sliding_window_pattern``-th (4).
+    - gpt-oss: ``sliding_window`` (default 128) on the layers ``layer_types`` marks
+      ``"sliding_attention"``, without it the even-numbered ones.
     - SmolLM3: with ``use_sliding_window``, the layers ``layer_types`` marks
       ``"sliding_attention"``; without ``layer_types``, its layers without RoPE.
     - Llama, OPT and Gemma have no sliding window.
@@ -397,6 +435,12 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         layer_types = hf_config.get("layer_types") or [
             "sliding_attention" if (i + 1) % pattern else "full_attention"
             for i in range(num_layers)
+        ]
+        _check_layer_count(layer_types, num_layers)
+        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    if architecture == "GptOssForCausalLM":
+        layer_types = hf_config.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
         ]
         _check_layer_count(layer_types, num_layers)
         return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
@@ -519,6 +563,9 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
 
     - Mixtral: every layer; ``num_local_experts`` experts of ``intermediate_size``, top
       ``num_experts_per_tok`` (default 2), renormalised.
+    - gpt-oss: every layer; ``num_local_experts`` (default 128) experts of
+      ``intermediate_size``, top ``num_experts_per_tok`` (default 4) weighted by the softmax
+      of their logits; a router bias, expert biases and the clamped SwiGLU.
     - Granite MoE: every layer; ``num_local_experts`` (default 8) experts of
       ``intermediate_size``, top ``num_experts_per_tok`` (default 2), weighted by the softmax
       of the top-k logits.
@@ -529,6 +576,35 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
       ``shared_expert_intermediate_size``.
     """
     num_layers = hf_config["num_hidden_layers"]
+    if architecture == "GptOssForCausalLM":
+        num_experts, num_experts_field = _num_experts(hf_config, 128)
+        spec = _checked_experts(
+            hf_config,
+            num_experts=num_experts,
+            num_experts_field=num_experts_field,
+            top_k=hf_config.get("num_experts_per_tok", 4),
+            intermediate_field="intermediate_size",
+            renormalize=False,
+            weights_in_float32=False,
+            softmax_over_top_k=True,
+        )
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = hf_config[name]
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(f"model: {name} must be a positive finite number, got {value!r}")
+        spec = dataclasses.replace(
+            spec,
+            router_bias=True,
+            expert_bias=True,
+            swiglu_alpha=float(hf_config["swiglu_alpha"]),
+            swiglu_limit=float(hf_config["swiglu_limit"]),
+        )
+        return (spec,) * num_layers
     if architecture in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
         num_experts, num_experts_field = _num_experts(hf_config, 8)
         mixtral = architecture == "MixtralForCausalLM"

@@ -139,6 +139,7 @@ def paged_attention_decode(
     partition_size: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its paged context.
 
@@ -167,6 +168,9 @@ def paged_attention_decode(
         logits_soft_cap: ``None`` or ``0``: off; ``c > 0``: each logit ``s = scale * q . k``
             becomes ``c * tanh(s / c)`` before the softmax (Gemma 2's
             ``attn_logit_softcapping``).
+        sinks: ``None``, or float32 ``[num_heads]`` on the query's device: one logit per
+            query head that joins its softmax as a key whose value is zero (gpt-oss's
+            attention sinks; csrc/ops.h).
 
     Returns:
         ``out``.
@@ -176,6 +180,7 @@ def paged_attention_decode(
     num_seqs = query.shape[0]
     window = _check_sliding_window(sliding_window)
     cap = _check_logits_soft_cap(logits_soft_cap)
+    sinks_ptr = _check_sinks(sinks, num_heads)
     _check_block_tables(block_tables, num_seqs)
     _check_index_vector("seq_lens", seq_lens, torch.int32, num_seqs, "num_seqs")
     out = _check_or_allocate_out(out, query)
@@ -194,7 +199,11 @@ def paged_attention_decode(
             )
         partition = partition_size
     cache.check_same_device(
-        ("query", query), ("block_tables", block_tables), ("seq_lens", seq_lens), ("out", out)
+        ("query", query),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("out", out),
+        *(() if sinks is None else (("sinks", sinks),)),
     )
     if num_seqs == 0:
         return out
@@ -207,6 +216,7 @@ def paged_attention_decode(
             scale,
             window,
             cap,
+            sinks_ptr,
             partition,
             cache.args,
             cache.num_kv_heads,
@@ -223,6 +233,7 @@ def paged_attention_decode(
         scale,
         window,
         cap,
+        sinks_ptr,
         *cache.cpu_args(query.dtype),
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -246,6 +257,7 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over their sequences' paged caches.
 
@@ -276,6 +288,8 @@ def paged_prefill_attention(
             positions up to each query's own (HF transformers' sliding window).
         logits_soft_cap: ``None`` or ``0``: off; ``c > 0``: logits ``s`` become
             ``c * tanh(s / c)`` before the mask and the softmax (Gemma 2).
+        sinks: ``None``, or float32 ``[num_heads]``: each query head's sink logit (as
+            :func:`paged_attention_decode`).
 
     Returns:
         ``out``.
@@ -285,6 +299,7 @@ def paged_prefill_attention(
     num_seqs = _check_block_tables(block_tables, None)
     window = _check_sliding_window(sliding_window)
     cap = _check_logits_soft_cap(logits_soft_cap)
+    sinks_ptr = _check_sinks(sinks, num_heads)
     _check_index_vector(
         "query_start_loc", query_start_loc, torch.int32, num_seqs + 1, "num_seqs + 1"
     )
@@ -298,6 +313,7 @@ def paged_prefill_attention(
         ("query_start_loc", query_start_loc),
         ("seq_lens", seq_lens),
         ("out", out),
+        *(() if sinks is None else (("sinks", sinks),)),
     )
     if num_seqs == 0:
         if query.shape[0] != 0:
@@ -313,6 +329,7 @@ def paged_prefill_attention(
             scale,
             window,
             cap,
+            sinks_ptr,
             max_query_len,
             cache.args,
         )
@@ -328,6 +345,7 @@ def paged_prefill_attention(
         scale,
         window,
         cap,
+        sinks_ptr,
         *cache.cpu_args(query.dtype),
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -744,6 +762,24 @@ def _check_logits_soft_cap(logits_soft_cap: float | None) -> float:
             f"got {logits_soft_cap}"
         )
     return float(logits_soft_cap)
+
+
+def _check_sinks(sinks: torch.Tensor | None, num_heads: int) -> int:
+    """The address of ``sinks`` (float32 ``[num_heads]``, contiguous), 0 for none. Their
+    values are not read here (that would synchronize a GPU); the CPU op refuses a non-finite
+    one, and a model checks its own when it loads them."""
+    if sinks is None:
+        return 0
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a tensor, got {type(sinks).__name__}")
+    if sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,):
+        raise ValueError(
+            f"sinks must be float32 [num_heads = {num_heads}], got {sinks.dtype} "
+            f"{list(sinks.shape)}"
+        )
+    if not sinks.is_contiguous():
+        raise ValueError("sinks must be contiguous")
+    return sinks.data_ptr()
 
 
 def _check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

@@ -40,6 +40,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "CohereForCausalLM": transformers.CohereConfig,
         "Glm4ForCausalLM": transformers.Glm4Config,
         "Cohere2ForCausalLM": transformers.Cohere2Config,
+        "GptOssForCausalLM": transformers.GptOssConfig,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]
@@ -51,6 +52,8 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
                 parameter.uniform_(0.8, 1.2)
             elif name.endswith("bias"):
                 parameter.normal_(0.0, 0.02)
+            elif name.endswith("sinks"):  # gpt-oss: sinks large enough to move the tokens
+                parameter.normal_(0.0, 1.0)
             else:
                 parameter.normal_(0.0, 0.08)
     model.save_pretrained(path)

@@ -434,9 +434,12 @@ struct Decode {
     }
   }
 
-  // out[r] = acc[r] / row_sum[r] for the num_q rows.
-  static void store_normalized(const DecodeScratch& ws, int num_q, T* out) {
-    for (int r = 0; r < num_q; ++r) store_row(ws.acc + r * D, 1.0f / ws.row_sum[r], out + r * D);
+  // out[r] = acc[r] / row_sum[r] for the num_q rows (query head r), with head r's sink in the
+  // softmax when there are sinks.
+  static void store_normalized(const DecodeScratch& ws, int num_q, const float* sinks, T* out) {
+    for (int r = 0; r < num_q; ++r) {
+      store_row(ws.acc + r * D, output_factor(ws.row_max[r], ws.row_sum[r], sinks, r), out + r * D);
+    }
   }
 
   // Attention of all query heads of one sequence's last token over its window (the whole
@@ -453,7 +456,7 @@ struct Decode {
     load_scaled_rows(query_row, num_heads, p.scale, ws.q);
     attend_range(ws, num_kv_heads, num_heads / num_kv_heads, kv_rows<C, D>(p, seq, 0),
                  window_begin(p, seq_len - 1), seq_len, p.logits_soft_cap);
-    store_normalized(ws, num_heads, out_row);
+    store_normalized(ws, num_heads, p.sinks, out_row);
   }
 
   static int64_t scratch_floats(const AttentionProblem& p, int64_t max_positions) {
@@ -544,7 +547,9 @@ struct Decode {
             const float m = part_max[first_row + q * num_heads];
             global_max = m > global_max ? m : global_max;
           }
-          float total = 0.0f;
+          // A sink joins the softmax as one more partition: max sink, exp-sum 1, output 0.
+          if (p.sinks != nullptr && p.sinks[head] > global_max) global_max = p.sinks[head];
+          float total = p.sinks == nullptr ? 0.0f : std::exp(p.sinks[head] - global_max);
           for (int i = 0; i < D; i += kWidth) VecF::zero().store(ws.acc + i);
           for (int64_t q = 0; q < parts; ++q) {
             const int64_t row = first_row + q * num_heads;
@@ -759,9 +764,15 @@ struct Prefill {
       for (int d0 = 0; d0 < D; d0 += kDims) pv_step<kRowVecs, kDims>(s, v, num_keys, alpha, oT, d0);
     }
 
-    // out rows = O^T / l, transposed back kWidth x kWidth at a time.
+    // l becomes each row's output factor (1 / l without sinks); padding lanes get 0.
+    for (int r = 0; r < kRows; ++r) {
+      l[r] = r < rows ? output_factor(m[r], l[r], p.sinks,
+                                      item.kv_head * group + (item.row_begin + r) % group)
+                      : 0.0f;
+    }
+    // out rows = O^T * factor, transposed back kWidth x kWidth at a time.
     for (int r0 = 0; r0 < rows; r0 += kWidth) {
-      const VecF inv = VecF::broadcast(1.0f) / VecF::load(l + r0);
+      const VecF inv = VecF::load(l + r0);
       for (int d0 = 0; d0 < D; d0 += kWidth) {
         VecF v[kWidth];
         for (int i = 0; i < kWidth; ++i) v[i] = VecF::load(oT + (d0 + i) * kRows + r0) * inv;

@@ -3,6 +3,7 @@
 // pagedserve::cpu::{generic, avx2, avx512}.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "ops.h"
@@ -19,6 +20,7 @@ struct AttentionProblem {
   float scale;
   int64_t sliding_window;  // tokens; 0: full attention (see ops.h)
   float logits_soft_cap;   // logits become cap * tanh(logit / cap); 0: off (see ops.h)
+  const float* sinks;      // [num_heads] sink logits (see ops.h); null: none
   PagedKVCache cache;
   BlockTables tables;
   // The most cache positions one query token attends to: max over tables.seq_lens of
@@ -31,6 +33,17 @@ struct AttentionProblem {
 inline int64_t window_begin(const AttentionProblem& p, int64_t position) {
   if (p.sliding_window <= 0 || position < p.sliding_window) return 0;
   return position - p.sliding_window + 1;
+}
+
+// The factor that turns a row's unnormalized output into its attention output: the row's running
+// max m, its exp-sum l relative to m, and head's sink logit joining the softmax (ops.h). The
+// output accumulator is relative to m too; when the sink is the larger the factor rescales it.
+inline float output_factor(float m, float l, const float* sinks, int64_t head) {
+  if (sinks == nullptr) return 1.0f / l;
+  const float sink = sinks[head];
+  if (sink <= m) return 1.0f / (l + std::exp(sink - m));
+  const float rescale = std::exp(m - sink);
+  return rescale / (l * rescale + 1.0f);
 }
 
 // Prefill work item: query rows [row_begin, row_end) of one (sequence, kv head), where the

@@ -189,6 +189,16 @@ void check_logits_soft_cap(float logits_soft_cap) {
   }
 }
 
+void check_sinks(const float* sinks, int64_t num_heads) {
+  if (sinks == nullptr) return;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    if (!std::isfinite(sinks[h])) {
+      throw std::invalid_argument("sinks[" + std::to_string(h) + "] = " + std::to_string(sinks[h]) +
+                                  " must be finite");
+    }
+  }
+}
+
 // Positions one query token of a sequence with seq_len cached tokens attends to, at most.
 int64_t attended_len(int64_t seq_len, int64_t sliding_window) {
   return sliding_window > 0 ? std::min(seq_len, sliding_window) : seq_len;
@@ -219,13 +229,14 @@ int64_t choose_partition_size(const AttentionProblem& p) {
 
 void paged_attention_decode(void* out, int64_t out_token_stride, const void* query,
                             int64_t query_token_stride, int64_t num_heads, float scale,
-                            int64_t sliding_window, float logits_soft_cap,
+                            int64_t sliding_window, float logits_soft_cap, const float* sinks,
                             const PagedKVCache& cache, const BlockTables& tables,
                             int64_t partition_size) {
   check_cache(cache);
   check_heads(num_heads, cache);
   check_sliding_window(sliding_window);
   check_logits_soft_cap(logits_soft_cap);
+  check_sinks(sinks, num_heads);
   if (partition_size > 0 && partition_size % cache.block_size != 0) {
     throw std::invalid_argument("partition_size " + std::to_string(partition_size) +
                                 " must be a multiple of block_size " +
@@ -239,6 +250,7 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
                      scale,
                      sliding_window,
                      logits_soft_cap,
+                     sinks,
                      cache,
                      tables,
                      0,
@@ -260,12 +272,13 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
 void paged_prefill_attention(void* out, int64_t out_token_stride, const void* query,
                              int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
                              const int32_t* query_start_loc, float scale, int64_t sliding_window,
-                             float logits_soft_cap, const PagedKVCache& cache,
+                             float logits_soft_cap, const float* sinks, const PagedKVCache& cache,
                              const BlockTables& tables) {
   check_cache(cache);
   check_heads(num_heads, cache);
   check_sliding_window(sliding_window);
   check_logits_soft_cap(logits_soft_cap);
+  check_sinks(sinks, num_heads);
   AttentionProblem p{out,
                      out_token_stride,
                      query,
@@ -274,6 +287,7 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
                      scale,
                      sliding_window,
                      logits_soft_cap,
+                     sinks,
                      cache,
                      tables,
                      0,

@@ -23,6 +23,10 @@
 // Soft-capping (logits_soft_cap c > 0): each base-2 logit x becomes c2 * tanh(x / c2), c2 = c *
 // log2(e), which is c * tanh(s / c) of the natural logit s = x / log2(e), before the mask.
 //
+// Sinks (gpt-oss): a single pass folds the head's sink into its normalization; with split-K
+// the partitions are stored without it and the reduction adds it as one more partition (max the
+// sink, exp-sum 1, output 0).
+//
 // Sliding window: a sequence attends to its positions [window_start, seq_len), window_start =
 // max(0, seq_len - sliding_window). Partitions count from window_start, so the grid holds
 // ceil(min(context, window) / partition_size) of them and none is launched for positions
@@ -87,6 +91,7 @@ struct DecodeArgs {
   int block_size_log2;
   float scale_log2;     // softmax scale * log2(e)
   float soft_cap_log2;  // logits_soft_cap * log2(e), the cap of base-2 logits; 0: off
+  const float* sinks;   // device [num_heads], natural-log sink logits; null: none
   const int32_t* block_tables;
   int64_t block_table_stride;
   const int32_t* seq_lens;
@@ -300,12 +305,15 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
       sum += warp_sum[w][g] * weight;
       out += warp_out[w][g][d] * weight;
     }
-    const float result = sum > 0.0f ? out / sum : 0.0f;  // seq_len 0: zeros
     const int head = first_head + g;
     if (args.partition_size == 0) {
+      const bool has_sink = args.sinks != nullptr;
+      const float factor =
+          output_factor_log2(max_all, sum, has_sink, has_sink ? args.sinks[head] * kLog2e : 0.0f);
       T* out_row = static_cast<T*>(args.out) + seq * args.out_token_stride;
-      out_row[head * kHeadSize + d] = from_float<T>(result);
+      out_row[head * kHeadSize + d] = from_float<T>(out * factor);  // seq_len 0: zeros
     } else {
+      const float result = sum > 0.0f ? out / sum : 0.0f;
       const int64_t slot =
           (static_cast<int64_t>(seq) * args.num_heads + head) * args.max_partitions + partition;
       args.partial_out[slot * kHeadSize + d] = result;
@@ -350,12 +358,16 @@ __global__ void __launch_bounds__(kReduceThreads)
   for (int p = threadIdx.x; p < num_partitions; p += blockDim.x) {
     local_max = fmaxf(local_max, args.partial_max[first + p]);
   }
-  const float max_all = block_reduce(local_max, true, scratch);
+  const bool has_sink = args.sinks != nullptr && num_partitions > 0;
+  const float sink_log2 = has_sink ? args.sinks[head] * kLog2e : 0.0f;
+  float max_all = block_reduce(local_max, true, scratch);
+  if (has_sink) max_all = fmaxf(max_all, sink_log2);
   float local_sum = 0.0f;
   for (int p = threadIdx.x; p < num_partitions; p += blockDim.x) {
     local_sum += args.partial_sum[first + p] * exp2f(args.partial_max[first + p] - max_all);
   }
-  const float sum = block_reduce(local_sum, false, scratch);
+  float sum = block_reduce(local_sum, false, scratch);
+  if (has_sink) sum += exp2f(sink_log2 - max_all);  // the sink's partition: exp-sum 1, output 0
   const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;  // seq_len 0: zeros
   T* out_row = static_cast<T*>(args.out) + seq * args.out_token_stride + head * head_size;
   for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
@@ -428,7 +440,7 @@ DecodePlan plan_paged_attention_decode(int64_t num_seqs, int64_t num_heads, int6
 
 void paged_attention_decode(void* out, int64_t out_token_stride, const void* query,
                             int64_t query_token_stride, int64_t num_heads, float scale,
-                            int64_t sliding_window, float logits_soft_cap,
+                            int64_t sliding_window, float logits_soft_cap, const float* sinks,
                             const PagedKVCache& cache, const BlockTables& tables,
                             int64_t partition_size, float* workspace, int64_t workspace_floats,
                             const Stream& stream) {
@@ -485,6 +497,7 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
   args.block_size_log2 = log2_exact(cache.block_size);
   args.scale_log2 = scale * kLog2e;
   args.soft_cap_log2 = logits_soft_cap * kLog2e;
+  args.sinks = sinks;
   args.block_tables = tables.block_tables;
   args.block_table_stride = tables.row_stride;
   args.seq_lens = tables.seq_lens;

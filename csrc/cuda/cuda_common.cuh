@@ -72,6 +72,19 @@ __device__ inline float soft_cap_log2(float logit_log2, float cap_log2) {
   return cap_log2 > 0.0f ? cap_log2 * tanhf(logit_log2 / cap_log2) : logit_log2;
 }
 
+// The factor that turns a row's unnormalized output into its attention output, from its running
+// max m and exp-sum l (base 2, l relative to m) and, with sinks, the head's sink logit sink_log2
+// (base 2) joining the softmax as a key whose value is zero (ops.h). The output accumulator is
+// relative to m too; when the sink is the larger the factor rescales it. A row that saw no key
+// (l == 0: seq_len 0) gets 0, sink or not.
+__device__ inline float output_factor_log2(float m, float l, bool has_sink, float sink_log2) {
+  if (!(l > 0.0f)) return 0.0f;
+  if (!has_sink) return 1.0f / l;
+  if (sink_log2 <= m) return 1.0f / (l + exp2f(sink_log2 - m));
+  const float rescale = exp2f(m - sink_log2);
+  return rescale / (l * rescale + 1.0f);
+}
+
 inline int64_t element_bytes(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:

@@ -12,7 +12,7 @@
 //     before its window (position - W < key);
 //     online softmax (m, l per row)
 //     O = O * alpha + P V
-//   out = O / l
+//   out = O / l, or with sinks O times output_factor_log2 (the head's sink joins l)
 //
 // Threads: four per row (a quad of adjacent lanes); each computes the logits of every fourth
 // key of the tile and owns every fourth output dimension of its row. Rows of shared memory are
@@ -44,6 +44,7 @@ struct PrefillArgs {
   int block_size_log2;
   float scale_log2;
   float soft_cap_log2;  // logits_soft_cap * log2(e); 0: off (see cuda_common.cuh)
+  const float* sinks;   // device [num_heads], natural-log sink logits; null: none
   const int32_t* block_tables;
   int64_t block_table_stride;
   const int32_t* seq_lens;
@@ -202,9 +203,11 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(const PrefillA
   }
 
   if (!row_active) return;
-  const float inverse = l > 0.0f ? 1.0f / l : 0.0f;
   const int token = query_start + row / args.group_size;
   const int head = kv_head * args.group_size + row % args.group_size;
+  const bool has_sink = args.sinks != nullptr;
+  const float inverse =
+      output_factor_log2(m, l, has_sink, has_sink ? args.sinks[head] * kLog2e : 0.0f);
   T* out = static_cast<T*>(args.out) + token * args.out_token_stride + head * kHeadSize;
 #pragma unroll
   for (int j = 0; j < kDimsPerThread; ++j) {
@@ -231,7 +234,7 @@ void launch_prefill(const PrefillArgs& args, dim3 grid, cudaStream_t stream) {
 void paged_prefill_attention(void* out, int64_t out_token_stride, const void* query,
                              int64_t query_token_stride, int64_t num_tokens, int64_t num_heads,
                              const int32_t* query_start_loc, int64_t max_query_len, float scale,
-                             int64_t sliding_window, float logits_soft_cap,
+                             int64_t sliding_window, float logits_soft_cap, const float* sinks,
                              const PagedKVCache& cache, const BlockTables& tables,
                              const Stream& stream) {
   check_block_size(cache.block_size);
@@ -268,6 +271,7 @@ void paged_prefill_attention(void* out, int64_t out_token_stride, const void* qu
   args.block_size_log2 = log2_exact(cache.block_size);
   args.scale_log2 = scale * kLog2e;
   args.soft_cap_log2 = logits_soft_cap * kLog2e;
+  args.sinks = sinks;
   args.block_tables = tables.block_tables;
   args.block_table_stride = tables.row_stride;
   args.seq_lens = tables.seq_lens;

@@ -40,7 +40,9 @@ class PagedAttention:
     """Writes the step's K/V into their slots, then attends over each request's blocks
     (all of them, or with ``sliding_window`` > 0 the last ``sliding_window`` positions up to
     each token's own, as HF's sliding-window layers), with each logit ``s`` soft-capped to
-    ``c * tanh(s / c)`` when ``logits_soft_cap`` ``c`` > 0 (Gemma 2)."""
+    ``c * tanh(s / c)`` when ``logits_soft_cap`` ``c`` > 0 (Gemma 2), and each query head's
+    sink logit joining its softmax when ``sinks`` (float32 [num_heads], this rank's heads)
+    is set (gpt-oss; the model sets it to its parameter, which loading fills in place)."""
 
     def __init__(
         self,
@@ -57,6 +59,7 @@ class PagedAttention:
         self.scale = scale
         self.sliding_window = sliding_window  # tokens; 0: full attention
         self.logits_soft_cap = logits_soft_cap  # 0.0: off
+        self.sinks: torch.Tensor | None = None
 
     def __call__(
         self,
@@ -88,6 +91,7 @@ class PagedAttention:
                 out=output[:num_decode],
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
+                sinks=self.sinks,
             )
         if num_decode < num_tokens and metadata.prefill_plan is not None:
             gathered_prefill_attention(
@@ -99,6 +103,7 @@ class PagedAttention:
                 out=output[num_decode:],
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
+                sinks=self.sinks,
             )
         elif num_decode < num_tokens:
             ops.paged_prefill_attention(
@@ -113,5 +118,6 @@ class PagedAttention:
                 max_query_len=metadata.prefill_max_query_len,
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
+                sinks=self.sinks,
             )
         return output.view(num_tokens, self.num_heads * self.head_size)

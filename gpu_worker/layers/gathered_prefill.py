@@ -143,12 +143,14 @@ def gathered_prefill_attention(
     out: torch.Tensor,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the prefill tokens ``query`` [T, num_heads, head_size] over their
     sequences' cached K/V (``[num_blocks, num_kv_heads, block_size, head_size]``, this step's
     already written), into ``out`` [T, num_heads, head_size]. With ``sliding_window`` > 0
     each token attends only to the last ``sliding_window`` positions up to its own; with
-    ``logits_soft_cap`` ``c`` > 0 each logit ``s`` becomes ``c * tanh(s / c)`` first."""
+    ``logits_soft_cap`` ``c`` > 0 each logit ``s`` becomes ``c * tanh(s / c)`` first; with
+    ``sinks`` (float32 [num_heads]) each head's sink logit joins its softmax (csrc/ops.h)."""
     num_kv_heads, head_size = key_cache.shape[1], key_cache.shape[3]
     num_heads = query.shape[1]
     num_seqs, max_query = plan.query_rows.shape
@@ -172,8 +174,8 @@ def gathered_prefill_attention(
     query_rows, keys, values = padded_query.transpose(1, 2), gather(key_cache), gather(value_cache)
     mask = plan.window_mask(sliding_window)
     # attended: [S, num_heads, Q, head_size]
-    if logits_soft_cap > 0:
-        attended = _soft_capped_attention(query_rows, keys, values, mask, scale, logits_soft_cap)
+    if logits_soft_cap > 0 or sinks is not None:
+        attended = _eager_attention(query_rows, keys, values, mask, scale, logits_soft_cap, sinks)
     else:
         attended = F.scaled_dot_product_attention(
             query_rows, keys, values, attn_mask=mask, scale=scale
@@ -183,23 +185,31 @@ def gathered_prefill_attention(
     return out
 
 
-def _soft_capped_attention(
+def _eager_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
     cap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention with soft-capped logits, which torch's SDPA lacks. In float32 this is HF's
-    Gemma 2 eager arithmetic (``q k^T * scale``, ``/ cap``, tanh, ``* cap``, the mask, softmax,
-    ``@ v``); 16-bit inputs are computed in float32 too, as the paged kernels (and SDPA's
-    fused kernels) do, and rounded once at the end. Shapes as SDPA's.
+    """Attention with soft-capped logits (``cap`` > 0) or sinks, which torch's SDPA lacks.
+    In float32 this is HF's eager arithmetic: Gemma 2's (``q k^T * scale``, ``/ cap``, tanh,
+    ``* cap``, the mask, softmax, ``@ v``) and gpt-oss's (each head's sink logit a last column
+    of the scores, the softmax, the column dropped); 16-bit inputs are computed in float32
+    too, as the paged kernels (and SDPA's fused kernels) do, and rounded once at the end.
+    Shapes as SDPA's.
 
     NOTE: materializes the float32 [S, num_heads, Q, K] scores, as SDPA's unfused math path
     does; the paged prefill kernel (``PAGEDSERVE_PREFILL_ATTENTION=kernel``) reads the cache
     in place."""
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap > 0:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), value.float()).to(query.dtype)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), value.float()).to(query.dtype)
+    sink_column = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probabilities = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probabilities, value.float()).to(query.dtype)

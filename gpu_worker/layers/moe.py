@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE): a router picks
-each token's top-k experts, and each expert, a gated MLP, runs on the tokens routed to it.
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, gpt-oss): a router
+picks each token's top-k experts, and each expert, a gated MLP (gpt-oss's: a clamped SwiGLU
+with biases), runs on the tokens routed to it.
 
 Dispatch: the (token, expert) pairs are sorted by expert and their rows gathered once, so
 each expert runs one GEMM over a slice of them; the weighted outputs go back to token
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from pagedserve.gpu_worker.layers.basic import Linear
-from pagedserve.gpu_worker.layers.mlp import GatedMLP
+from pagedserve.gpu_worker.layers.mlp import ClampedSwiGLUMLP, GatedMLP
 from pagedserve.gpu_worker.model_config import ExpertsSpec
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
@@ -41,10 +42,19 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.spec = spec
         self.parallel = parallel
-        self.gate = Linear(hidden_size, spec.num_experts, False, dtype)
+        self.gate = Linear(hidden_size, spec.num_experts, spec.router_bias, dtype)
         self.gate.quantizable = False  # routing is sensitive, and the router is small
         self.experts = nn.ModuleList(
             GatedMLP(hidden_size, spec.intermediate_size, False, act_name, dtype, parallel, False)
+            if spec.swiglu_limit is None or spec.swiglu_alpha is None
+            else ClampedSwiGLUMLP(
+                hidden_size,
+                spec.intermediate_size,
+                spec.swiglu_alpha,
+                spec.swiglu_limit,
+                dtype,
+                parallel,
+            )
             for _ in range(spec.num_experts)
         )
         self.shared_expert: GatedMLP | None = None
@@ -60,7 +70,7 @@ class SparseMoE(nn.Module):
         """[num_tokens, hidden] -> (each token's top-k experts int64 [num_tokens, top_k],
         their weights [num_tokens, top_k]: float32 or the model's dtype, per ``spec``)."""
         logits = self.gate(hidden)
-        if self.spec.softmax_over_top_k:  # Granite MoE: the top k logits' own softmax
+        if self.spec.softmax_over_top_k:  # Granite MoE, gpt-oss: the top k logits' softmax
             top_logits, experts = torch.topk(logits.float(), self.spec.top_k, dim=-1)
             return experts, torch.softmax(top_logits, dim=-1).to(hidden.dtype)
         probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)

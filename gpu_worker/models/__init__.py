@@ -49,4 +49,8 @@ def _build_decoder(config: ModelConfig, dtype: torch.dtype, parallel: TensorPara
         from pagedserve.gpu_worker.models.olmo2 import Olmo2ForCausalLM
 
         return Olmo2ForCausalLM(config, dtype, parallel)
+    if config.family == "gpt_oss":
+        from pagedserve.gpu_worker.models.gpt_oss import GptOssForCausalLM
+
+        return GptOssForCausalLM(config, dtype, parallel)
     raise ValueError(f"model family {config.family!r} has no implementation")

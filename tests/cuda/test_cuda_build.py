@@ -86,7 +86,7 @@ def test_unsupported_geometry_is_rejected_before_any_launch():
         num_blocks=8, num_kv_heads=2, block_size=12, head_size=64, dtype=0, block_tables=0,
         block_table_stride=4, max_blocks_per_seq=4, seq_lens=0, num_seqs=1, partition_size=0,
         workspace=0, workspace_floats=0, device=0, stream=0, sliding_window=0,
-        logits_soft_cap=0.0,
+        logits_soft_cap=0.0, sinks=0,
     )  # fmt: skip
     with pytest.raises(ValueError, match="block_size 12 is not supported"):
         module.paged_attention_decode(**args)

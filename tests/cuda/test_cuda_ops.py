@@ -325,6 +325,32 @@ def test_prefill_long_prompt_with_window_and_gqa_of_eight():
     _assert_close(_prefill(case, query, loc, 0.088, sliding_window=256), expected, torch.bfloat16)
 
 
+# --- attention sinks (gpt-oss) -----------------------------------------------------------------
+# Sinks of std 3 over logits of std 1 lie both below and above a row's max (tests/ops).
+
+
+@pytest.mark.parametrize("window", [0, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_and_prefill_with_sinks_match_reference(dtype, window):
+    sinks = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 3.0
+    case, query = _decode_inputs([0, 1, 100, 700, 3000], 64, 8, 16, 64, dtype)
+    tensors = _cpu(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    expected = reference.decode_attention(*tensors, 0.125, window, sinks=sinks)
+    for partition_size in (0, 256, None):
+        out = ops.paged_attention_decode(
+            *_decode_args(case, query, 0.125),
+            partition_size=partition_size,
+            sliding_window=window,
+            sinks=sinks.to(CUDA),
+        )
+        _assert_close(out, expected, dtype)
+    case, query, loc = _prefill_inputs([0, 40, 300], [200, 1, 77], 64, 8, 16, 64, dtype)
+    tensors = _cpu(query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens)
+    expected = reference.attention(*tensors, 0.125, window, sinks=sinks)
+    out = _prefill(case, query, loc, 0.125, sliding_window=window, sinks=sinks.to(CUDA))
+    _assert_close(out, expected, dtype)
+
+
 # --- cache ops ---------------------------------------------------------------------------------
 
 

@@ -65,7 +65,16 @@ def _decode_inputs(seq_lens, num_heads, num_kv_heads, block_size, head_size, dty
     return case, query
 
 
-def _decode(case, query, scale, partition_size=-1, out=None, sliding_window=0, logits_soft_cap=0.0):
+def _decode(
+    case,
+    query,
+    scale,
+    partition_size=-1,
+    out=None,
+    sliding_window=0,
+    logits_soft_cap=0.0,
+    sinks=None,
+):
     out = torch.empty_like(query) if out is None else out
     _, num_kv_heads, block_size, head_size = case.key_cache.shape
     cuda_ops.paged_attention_decode(
@@ -76,6 +85,7 @@ def _decode(case, query, scale, partition_size=-1, out=None, sliding_window=0, l
         scale,
         sliding_window,
         logits_soft_cap,
+        0 if sinks is None else sinks.data_ptr(),
         partition_size,
         _cache_args(case.key_cache, case.value_cache),
         num_kv_heads,
@@ -217,7 +227,9 @@ def _prefill_inputs(prior, q_lens, num_heads, num_kv_heads, block_size, head_siz
     return case, query, query_start_loc(q_lens), max(q_lens)
 
 
-def _prefill(case, query, loc, scale, max_query_len, sliding_window=0, logits_soft_cap=0.0):
+def _prefill(
+    case, query, loc, scale, max_query_len, sliding_window=0, logits_soft_cap=0.0, sinks=None
+):
     out = torch.empty_like(query)
     cuda_ops.paged_prefill_attention(
         out,
@@ -228,6 +240,7 @@ def _prefill(case, query, loc, scale, max_query_len, sliding_window=0, logits_so
         scale,
         sliding_window,
         logits_soft_cap,
+        0 if sinks is None else sinks.data_ptr(),
         max_query_len,
         _cache_args(case.key_cache, case.value_cache),
     )
@@ -510,6 +523,54 @@ def test_bad_soft_cap_is_refused_before_any_launch(kernels):
             _decode(case, query, 0.1, 0, None, 0, cap)
         with pytest.raises(ValueError, match="logits_soft_cap .* must be finite and >= 0"):
             _prefill(case, query, loc, 0.1, 1, 0, cap)
+
+
+# Attention sinks (gpt-oss): each head's sink logit joins its softmax as a key whose value is
+# zero; a single pass folds it into the normalization, split-K's reduction adds it as one more
+# partition. Sinks of std 3 over logits of std 1 lie both below and above a row's max.
+
+
+def _sinks(num_heads: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(100 + seed)) * 3.0
+
+
+def _sink_reference(reference_fn, args, sinks, **options):
+    """The reference with the sinks, checked to differ from the one without far beyond the
+    float32 tolerance: a kernel that ignores the sinks fails."""
+    expected = reference_fn(*args, sinks=sinks, **options)
+    without = reference_fn(*args, **options)
+    assert (expected - without).abs().max() > 100 * TOLERANCES[torch.float32]["atol"]
+    return expected
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_sinks_matches_reference(dtype, block_size):
+    num_heads, num_kv_heads = HEAD_LAYOUTS[(DTYPES.index(dtype) + block_size // 8) % 4]
+    seq_lens = [0, 1, block_size + 1, 3 * block_size - 1, 100]
+    case, query = _decode_inputs(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    sinks = _sinks(num_heads)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125)
+    for window in (0, 5):
+        expected = _sink_reference(reference.decode_attention, args, sinks, sliding_window=window)
+        for partition_size in (0, block_size, 2 * block_size):
+            out = _decode(case, query, 0.125, partition_size, None, window, 0.0, sinks)
+            assert torch.equal(out[0], torch.zeros_like(out[0]))  # seq_len 0: zeros still
+            _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_with_sinks_matches_reference(dtype):
+    prior, q_lens = [0, 13, 16, 50, 0], [37, 1, 17, 30, 1]
+    case, query, loc, max_len = _prefill_inputs(prior, q_lens, 8, 2, 16, 64, dtype)
+    sinks = _sinks(8, seed=1)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, 0.125)
+    for window, cap in ((0, 0.0), (7, 0.0), (0, 2.0)):
+        expected = _sink_reference(
+            reference.attention, args, sinks, sliding_window=window, logits_soft_cap=cap
+        )
+        out = _prefill(case, query, loc, 0.125, max_len, window, cap, sinks)
+        _assert_close(out, expected, dtype)
 
 
 # --- cache ops ---------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from pagedserve.scheduler.pooling_params import check_task
 from tests.conftest import TINY_CONFIGS
 from tests.engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
 from tests.engine.test_glm4 import GLM4
+from tests.engine.test_gpt_oss import GPT_OSS
 from tests.engine.test_olmo2 import OLMO2, OLMO3
 from tests.engine.test_phi3 import PHI3
 from tests.engine.test_smollm3 import SMOLLM3
@@ -47,6 +48,7 @@ FAMILIES = {
     "smollm3": {**SMOLLM3, "pad_token_id": None},
     "starcoder2": STARCODER2,
     "glm4": {**GLM4, "pad_token_id": None},
+    "gpt_oss": {**GPT_OSS, "pad_token_id": None},
 }
 
 

@@ -32,6 +32,7 @@ def attention(
     scale: float,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention (float64) with the semantics of paged_prefill_attention.
 
@@ -39,7 +40,8 @@ def attention(
     transformers' ``sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``) and
     ``causal_mask_function`` (``kv_idx <= q_idx``) of masking_utils. With ``logits_soft_cap``
     c > 0, each logit s becomes c * tanh(s / c) before the mask (HF's Gemma 2 eager
-    attention)."""
+    attention). With ``sinks`` [num_heads], each head's sink joins the softmax as a last
+    column, dropped after it (HF's gpt-oss eager attention)."""
     num_tokens, num_heads, head_size = query.shape
     group = num_heads // key_cache.shape[1]
     out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float64)
@@ -62,7 +64,12 @@ def attention(
         if sliding_window > 0:
             hidden |= key_pos <= query_pos - sliding_window
         scores = scores.masked_fill(hidden, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+        if sinks is None:
+            weights = scores.softmax(dim=-1)
+        else:
+            column = sinks.double().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            weights = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+        out[start:end] = torch.einsum("hqk,khd->qhd", weights, v)
     return out
 
 
@@ -75,6 +82,7 @@ def decode_attention(
     scale: float,
     sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention_decode: one query token per sequence (zeros where seq_len is 0)."""
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
@@ -88,6 +96,7 @@ def decode_attention(
         scale,
         sliding_window,
         logits_soft_cap,
+        sinks,
     )
 
 

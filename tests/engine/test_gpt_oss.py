@@ -1,0 +1,155 @@
+"""OpenAI's gpt-oss (``GptOssForCausalLM``): attention with biases and a sink logit per head,
+a window on every other layer, YaRN RoPE, experts under a biased router, each a clamped
+SwiGLU with biases. Greedy tokens identical to HF transformers (float32) across block sizes,
+chunked prefill with prefix hits, two tensor-parallel ranks and the gathered (SDPA-shaped)
+prefill; a checkpoint whose experts are MXFP4 (as OpenAI publishes them) runs as HF runs its
+dequantized weights, and the dequantization equals transformers' own. The sinks, the clamp and
+the window each change HF's own tokens here, so the parity checks can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from safetensors.torch import load_file, save_file
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    prompts,
+    rewritten,
+    token_ids,
+)
+from tiny_models import random_hf_model
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from pagedserve.frontend import LLM
+from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
+from pagedserve.gpu_worker.models.gpt_oss import dequantize_mxfp4
+
+# gpt-oss's shape in small: 4 experts (top 2), a 32-token window on layer 0 (the prompts run
+# past it), YaRN over a 128-token original context, and a clamp of 1.0 that the gate and up
+# projections of these random weights cross (gpt-oss's own 7.0 they never reach).
+GPT_OSS = dict(
+    architectures=["GptOssForCausalLM"],
+    **TINY_SHAPE,
+    head_dim=64,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=32,
+    swiglu_limit=1.0,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 128,
+    },
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return random_hf_model(GPT_OSS, tmp_path_factory.mktemp("gpt_oss"))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_dir) -> list[list[int]]:
+    return hf_greedy(model_dir, prompts())
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_gpt_oss_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    windows = [layer.self_attn.attention.sliding_window for layer in llm.worker.runner.model.layers]
+    assert windows == [32, 0]
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
+
+
+def test_gathered_prefill_with_sinks_matches_hf(model_dir, hf_reference, monkeypatch):
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")
+    llm = LLM(model_dir, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_sinks_clamp_and_window_each_change_hf_s_tokens(model_dir, hf_reference, tmp_path):
+    # Sinks of -1e4 weigh nothing: HF's attention without sinks.
+    no_sinks = Path(shutil.copytree(model_dir, tmp_path / "no_sinks"))
+    tensors = load_file(no_sinks / "model.safetensors")
+    for name in tensors:
+        if name.endswith("self_attn.sinks"):
+            tensors[name] = torch.full_like(tensors[name], -1e4)
+    save_file(tensors, no_sinks / "model.safetensors", metadata={"format": "pt"})
+    unclamped = rewritten(model_dir, tmp_path / "unclamped", swiglu_limit=7.0)
+    unwindowed = rewritten(model_dir, tmp_path / "unwindowed", sliding_window=4096)
+    for variant in (no_sinks, unclamped, unwindowed):
+        assert hf_greedy(variant, prompts()) != hf_reference, variant.name
+
+
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
+    check_bfloat16_first_tokens_agree_with_hf(model_dir)
+
+
+# --- MXFP4 experts ---------------------------------------------------------------------------
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, columns] -> MXFP4 (blocks [..., rows, columns / 32, 16], scales): each group
+    of 32 scaled by the power of two that brings its largest magnitude to at most 6, each value
+    rounded to the nearest e2m1 magnitude with its sign (code 8 + i for -E2M1[i])."""
+    groups = weight.float().unflatten(-1, (-1, 32))
+    largest = groups.abs().amax(-1).clamp_min(2.0**-100)
+    exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponents)[..., None]
+    nearest = (scaled.abs()[..., None] - _E2M1).abs().argmin(-1)
+    codes = (nearest + 8 * (scaled < 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponents + 127).to(torch.uint8)
+
+
+def test_dequantize_mxfp4_equals_transformers():
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(100, 150, (3, 10, 4), dtype=torch.uint8, generator=generator)
+    scales[0, 0, 0], scales[0, 0, 1] = 0, 254  # the exponents' extremes, 2^-127 and 2^127
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    assert torch.equal(dequantize_mxfp4(blocks, scales), expected.transpose(1, 2))
+
+
+def test_an_mxfp4_checkpoint_runs_as_hf_runs_its_dequantized_weights(model_dir, tmp_path):
+    quantized = Path(shutil.copytree(model_dir, tmp_path / "mxfp4"))
+    dequantized = Path(shutil.copytree(model_dir, tmp_path / "dequantized"))
+    tensors = load_file(model_dir / "model.safetensors")
+    packed, plain = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # HF's [experts, in, out]; MXFP4 groups each output row's inputs.
+            blocks, scales = _quantize_mxfp4(tensor.transpose(1, 2))
+            packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+            plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            packed[name] = plain[name] = tensor
+    save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
+    save_file(plain, dequantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (quantized / "config.json").write_text(json.dumps(config))
+    expected = hf_greedy(dequantized, prompts())
+    assert expected != hf_greedy(model_dir, prompts())  # the rounding shows in the tokens
+    llm = LLM(quantized, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
