@@ -334,6 +334,7 @@ def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> Non
     """Refuse config values the HF model honours but this engine's ops cannot (and check
     SmolLM3's RoPE layers here, before any weight loads)."""
     rope_layers(architecture, hf_config)
+    _check_checkpoint_quantization(architecture, hf_config)
     if architecture not in _PER_LAYER_TYPE_ROPE:
         parameters = rope_parameters(hf_config)
         if parameters["rope_type"] not in SUPPORTED_ROPE_TYPES:
@@ -367,6 +368,23 @@ def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> Non
             or cap <= 0
         ):
             raise ValueError(f"model: {name} must be a positive finite number or null, got {cap!r}")
+
+
+def _check_checkpoint_quantization(architecture: str, hf_config: dict[str, Any]) -> None:
+    """A checkpoint quantized ahead of time (``quantization_config``) loads only in the form
+    the engine widens on loading: gpt-oss's MXFP4 experts. Others (AWQ, GPTQ, FP8, ...) are
+    refused here, naming the method, rather than failing on their packed tensors' names."""
+    quantization = hf_config.get("quantization_config")
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if architecture == "GptOssForCausalLM" and method == "mxfp4":
+        return
+    raise ValueError(
+        f"model: quantization_config quant_method {method!r} is not supported for "
+        f"{architecture}; supported: mxfp4 (gpt-oss's experts, widened on loading). An "
+        "unquantized checkpoint can be quantized as it loads (quantization='int8', CPU)"
+    )
 
 
 def _max_positions(architecture: str, hf_config: dict[str, Any]) -> int:

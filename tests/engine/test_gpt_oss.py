@@ -30,6 +30,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
+from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.gpt_oss import dequantize_mxfp4
 
 # gpt-oss's shape in small: 4 experts (top 2), a 32-token window on layer 0 (the prompts run
@@ -153,3 +154,12 @@ def test_an_mxfp4_checkpoint_runs_as_hf_runs_its_dequantized_weights(model_dir, 
     assert expected != hf_greedy(model_dir, prompts())  # the rounding shows in the tokens
     llm = LLM(quantized, num_blocks=256)
     assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "fp8"])
+def test_a_checkpoint_quantized_otherwise_is_refused_naming_its_method(model_dir, tmp_path, method):
+    quantized = rewritten(
+        model_dir, tmp_path / method, quantization_config={"quant_method": method}
+    )
+    with pytest.raises(ValueError, match=f"quant_method '{method}' is not supported .* mxfp4"):
+        ModelConfig.from_dir(quantized)
