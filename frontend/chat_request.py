@@ -10,6 +10,9 @@ to the whole.
                   |-- reasoning.py ---------|-- tool_calls.py reads the answer --|
     read as       reasoning "Paris is big."  content "On it."  calls [get_weather]
 
+Harmony's tool-call reader (gpt-oss, ``--tool-call-parser openai``) reads the whole output
+instead: its calls are messages among the thinking ones (``harmony.py``).
+
 Errors name fields as OpenAI's API does (``tool_choice``, ``tools[0].function.parameters``);
 the gRPC API renames them to its own (``grpc_convert.py``).
 """
@@ -136,15 +139,17 @@ class ChatReading:
         """A finished output's ``text`` read, and its ``finish_reason`` as the answer
         reports it."""
         reasoning = ""
+        answer = text
         if self.reasoning is not None:
             split = self.reasoning.parse(text, final=True)
-            text, reasoning = split.content, split.reasoning
+            answer, reasoning = split.content, split.reasoning
         calls: list[ToolCall] = []
         if self.tool_calling is not None:
-            parsed = self.tool_calling.parse(text, final=True)
-            text, calls = parsed.content, with_ids(parsed.calls)
+            read = text if self.tool_calling.reads_whole_output else answer
+            parsed = self.tool_calling.parse(read, final=True)
+            answer, calls = parsed.content, with_ids(parsed.calls)
             finish_reason = self.tool_calling.finish_reason(finish_reason, parsed)
-        return ChatAnswer(text, reasoning if self.include_reasoning else "", calls, finish_reason)
+        return ChatAnswer(answer, reasoning if self.include_reasoning else "", calls, finish_reason)
 
     def stream(self) -> ChatAnswerStream:
         """A reader for one streamed output."""
@@ -162,6 +167,9 @@ class ChatAnswerStream:
         self._tool_calls = (
             None if reading.tool_calling is None else ToolCallStream(reading.tool_calling)
         )
+        self._reads_whole_output = (
+            reading.tool_calling is not None and reading.tool_calling.reads_whole_output
+        )
         self._text_chars = 0
 
     def feed(self, text: str, final: bool) -> ChatDelta:
@@ -177,7 +185,8 @@ class ChatAnswerStream:
         calls: list[ToolCallDelta] = []
         if self._tool_calls is not None:
             # The content is what the tool-call reader settled, not the raw answer.
-            content, calls = self._tool_calls.feed(answer, final)
+            read = text if self._reads_whole_output else answer
+            content, calls = self._tool_calls.feed(read, final)
         return ChatDelta(content, reasoning if self._include_reasoning else "", calls)
 
     def finish_reason(self, reason: str | None) -> str | None:

@@ -242,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=REASONING_PARSERS,
         help="split a reasoning model's thinking (<think>...</think>) from its chat answers into "
-        "reasoning_content: qwen3 (Qwen3, QwQ), deepseek_r1 (DeepSeek-R1 and distills) or "
-        "mistral (Magistral: [THINK] ... [/THINK])",
+        "reasoning_content: qwen3 (Qwen3, QwQ), deepseek_r1 (DeepSeek-R1 and distills), "
+        "mistral (Magistral: [THINK] ... [/THINK]) or openai_gptoss (gpt-oss: harmony's "
+        "analysis channel)",
     )
     api.add_argument(
         "--tool-call-parser",
@@ -254,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
         "list of calls), mistral ([TOOL_CALLS]: Mistral, Mixtral, Devstral), qwen3_coder "
         "(Qwen3-Coder's XML calls), deepseek_v3 (DeepSeek V3, R1 and its Qwen / Llama "
         "distills), deepseek_v31 (DeepSeek V3.1), granite (IBM Granite 3.x: a JSON array "
-        "after <|tool_call|>) or phi4_mini_json (Phi-4-mini: functools[...])",
+        "after <|tool_call|>), phi4_mini_json (Phi-4-mini: functools[...]) or openai "
+        "(gpt-oss: harmony messages to=functions.NAME)",
     )
     api.add_argument(
         "--generation-config",

@@ -10,10 +10,17 @@ serves it: a chat answer's ``message.reasoning_content`` holds what the model wr
   itself): the output thinks from its start (a ``<think>`` there is skipped) until
   ``</think>``; one that never closes it is all thinking.
 - ``mistral`` (Magistral): as ``qwen3``, between ``[THINK]`` and ``[/THINK]``.
+- ``openai_gptoss`` (gpt-oss, whose output is messages in OpenAI's harmony format,
+  ``harmony.py``): the analysis channel's messages are the thinking, the final channel's
+  and the preambles (commentary addressed to nobody) the answer, one message a line, as
+  vLLM joins them; the markers and channel names are in neither. A message that calls a
+  function is in neither (``--tool-call-parser openai`` reads it, from the whole output).
+  An output cut off while it thinks is all thinking.
 
 Like tool calls (``tool_calls.py``), one reading serves whole answers and streams:
 ``parse(text, final)`` reports only what more text cannot change, so a stream's deltas add
-up to the whole answer. The tool-call reader then reads the answer part only.
+up to the whole answer. The tool-call reader then reads the answer part only (harmony's,
+``--tool-call-parser openai``, the whole output: its calls sit among the thinking messages).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedserve.frontend import harmony
 from pagedserve.frontend.tool_calls import partial_marker_chars
 
 if TYPE_CHECKING:
@@ -46,7 +54,9 @@ _FORMATS = {
     "deepseek_r1": _Format(THINK_START, THINK_END, opened_by_template=True),
     "mistral": _Format("[THINK]", "[/THINK]"),
 }
-REASONING_PARSERS = tuple(_FORMATS)
+# gpt-oss: channels of OpenAI's harmony format, not a pair of markers (harmony.py).
+HARMONY = "openai_gptoss"
+REASONING_PARSERS = (*_FORMATS, HARMONY)
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,15 @@ def thinking_token_ids(name: str, tokenizer: Tokenizer | None) -> tuple[int | No
             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}"
         )
     if tokenizer is None:
+        return None, None
+    if name == HARMONY:
+        logger.warning(
+            "reasoning_parser %s: harmony's thinking ends at a header of several tokens "
+            "(<|channel|>final<|message|>), which a grammar cannot wait for; structured "
+            "output will constrain the whole output (a constrained answer is then bare, "
+            "without harmony's headers)",
+            name,
+        )
         return None, None
     markers = _FORMATS[name]
     start = tokenizer.single_token_id(markers.start)
@@ -91,13 +110,19 @@ class ReasoningParser:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}"
             )
         self.name = name
-        self._format = _FORMATS[name]
-        self.markers = (self._format.start, self._format.end)
+        # None: harmony's channels (gpt-oss), read by harmony.py.
+        self._format = _FORMATS.get(name)
+        self.markers: tuple[str, ...] = (
+            harmony.MARKERS if self._format is None else (self._format.start, self._format.end)
+        )
 
     def parse(self, text: str, final: bool) -> SplitOutput:
         """The thinking and the answer in ``text``; with ``final=False`` only what more
         text cannot change (a possible marker start is held back)."""
-        start, end_marker = self.markers
+        if self._format is None:
+            messages = harmony.read_messages(text, final)
+            return SplitOutput(harmony.reasoning_text(messages), harmony.content_text(messages))
+        start, end_marker = self._format.start, self._format.end
         if not self._format.opened_by_template:
             if not text.startswith(start):
                 if not final and start.startswith(text):
@@ -124,7 +149,10 @@ class ReasoningParser:
         the markers included: the Responses API's ``reasoning_tokens``. Counted on the ids
         when the closing marker is one token of the vocabulary (Qwen3, DeepSeek-R1,
         Magistral); else the thinking's text is tokenized again, which can differ from the
-        ids the model chose by a token or two."""
+        ids the model chose by a token or two. Harmony's thinking (gpt-oss) runs from the
+        output's start to the end of its last analysis message, and is tokenized again."""
+        if self._format is None:
+            return self._harmony_reasoning_tokens(token_ids, text, tokenizer)
         split = self.parse(text, final=True)
         if not split.reasoning and split.content == text:
             return 0  # no thinking (qwen3 and mistral: the output did not open it)
@@ -138,6 +166,22 @@ class ReasoningParser:
             return 0
         thinking = text[: end + len(self._format.end)]
         return min(len(token_ids), len(tokenizer.encode(thinking, add_special_tokens=False)))
+
+    @staticmethod
+    def _harmony_reasoning_tokens(
+        token_ids: list[int], text: str, tokenizer: Tokenizer | None
+    ) -> int:
+        thinking = [m for m in harmony.read_messages(text, final=True) if m.is_reasoning]
+        if not thinking:
+            return 0
+        end_chars = thinking[-1].end_chars
+        if end_chars == len(text):
+            return len(token_ids)  # it thought to the end
+        if tokenizer is None:
+            return 0
+        # The markers are special tokens: they tokenize again as the ids they were.
+        thinking_text = text[:end_chars]
+        return min(len(token_ids), len(tokenizer.encode(thinking_text, add_special_tokens=False)))
 
 
 class ReasoningStream:

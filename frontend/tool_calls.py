@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.frontend import harmony
 from pagedserve.frontend.outputs import ToolCall
 
 # --tool-call-parser: the model families whose output format the server can read.
@@ -43,6 +44,7 @@ TOOL_CALL_PARSERS = (
     "deepseek_v31",
     "granite",
     "phi4_mini_json",
+    "openai",
 )
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
@@ -317,6 +319,8 @@ class ToolCalling:
             return _GraniteReader()
         if tool_call_parser == "phi4_mini_json":
             return _Phi4MiniReader()
+        if tool_call_parser == "openai":
+            return _HarmonyReader()
         raise ValueError(
             f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
             f"got {tool_call_parser!r}"
@@ -351,6 +355,13 @@ class ToolCalling:
     def markers(self) -> tuple[str, ...]:
         """The texts the reader finds calls by (the output text must keep them)."""
         return self._reader.markers
+
+    @property
+    def reads_whole_output(self) -> bool:
+        """Whether ``parse`` takes the whole output, thinking included, rather than the
+        answer the reasoning parser leaves: harmony's calls (gpt-oss) sit among its
+        thinking messages, and its reader leaves the thinking out itself."""
+        return self._reader.reads_whole_output
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         """The content and calls in a choice's output ``text``; ``final``: the output is
@@ -411,6 +422,8 @@ class ToolCallStream:
 class _OutputReader:
     # Texts the model writes around calls (which must survive detokenization).
     markers: tuple[str, ...] = ()
+    # Reads the whole output, thinking included (``ToolCalling.reads_whole_output``).
+    reads_whole_output = False
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         raise NotImplementedError
@@ -867,6 +880,32 @@ class _DeepSeekReader(_OutputReader):
         if not isinstance(value, dict):
             return None
         return ParsedCall(name, _arguments_text(value))
+
+
+class _HarmonyReader(_OutputReader):
+    """gpt-oss's calls, messages of OpenAI's harmony format (``harmony.py``) addressed
+    ``to=functions.NAME``, the recipient before ``<|channel|>`` or after it::
+
+        <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}
+
+    Each is a call of NAME whose arguments are its body as written (JSON; the open one's
+    grows while it streams). The final channel's messages and the preambles (commentary
+    addressed to nobody) are content, one a line; the thinking (the analysis channel) is
+    neither, as in vLLM's ``openai`` parser: ``--reasoning-parser openai_gptoss`` reports
+    it. The reader takes the whole output (``reads_whole_output``), so it reads the same
+    with and without that reasoning parser."""
+
+    markers = harmony.MARKERS
+    reads_whole_output = True
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        messages = harmony.read_messages(text, final)
+        calls = [
+            ParsedCall(message.function_name, message.text)
+            for message in messages
+            if message.function_name is not None
+        ]
+        return ParsedOutput(harmony.content_text(messages), calls)
 
 
 def _typed_value(text: str, schema: Any) -> Any:

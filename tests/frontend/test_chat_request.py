@@ -30,6 +30,16 @@ WEATHER = {
 }
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
 THINKING = "<think>Ask the tool.</think>"
+# gpt-oss's harmony format: thinking, a preamble for the user, a call (its <|call|>, an
+# end-of-sequence token, not in the text).
+HARMONY = (
+    "<|channel|>analysis<|message|>Ask the tool.<|end|><|start|>assistant"
+    "<|channel|>commentary<|message|>On it.<|end|><|start|>assistant to=functions.get_weather"
+    '<|channel|>commentary json<|message|>{"city": "Oslo"}'
+)
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|channel|>final<|message|>Oslo."
+)
 
 
 def reading(parser: str | None, reasoning: str | None, include_reasoning: bool = True):
@@ -51,6 +61,12 @@ CASES = [
     (reading(None, "deepseek_r1"), "Hmm.</think>Oslo.", "Oslo.", "Hmm.", 0, "stop"),
     (reading(None, None), "<think>a</think>b" + CALL, "<think>a</think>b" + CALL, "", 0,
      "stop"),
+    # Harmony's reader reads the whole output: the same calls with or without the
+    # reasoning parser, and never the thinking as content.
+    (reading("openai", "openai_gptoss"), HARMONY, "On it.", "Ask the tool.", 1, "tool_calls"),
+    (reading("openai", None), HARMONY, "On it.", "", 1, "tool_calls"),
+    (reading(None, "openai_gptoss"), HARMONY_ANSWER, "Oslo.", "Hmm.", 0, "stop"),
+    (reading(None, "openai_gptoss"), HARMONY, "On it.", "Ask the tool.", 0, "stop"),
 ]  # fmt: skip
 
 
@@ -80,6 +96,22 @@ def test_a_stream_adds_up_to_the_whole_answer(chat, text, content, reasoning, nu
     assert calls == [[call.name, call.arguments] for call in answer.tool_calls]
     assert stream.finish_reason("stop") == finish
     assert stream.finish_reason("length") == "length"
+
+
+class _Tokenizer:
+    special_token_texts = frozenset({"<|start|>", "<|channel|>", "<|message|>", "<|end|>"})
+
+
+class _Model:
+    tokenizer = _Tokenizer()
+
+
+def test_harmonys_readers_ask_for_its_special_tokens():
+    """o200k_harmony's markers are special tokens: either gpt-oss parser keeps them in
+    the text."""
+    assert reading("openai", None).keeps_special_tokens(_Model())
+    assert reading(None, "openai_gptoss").keeps_special_tokens(_Model())
+    assert not reading("hermes", "qwen3").keeps_special_tokens(_Model())
 
 
 CONVERSATION = [

@@ -3,6 +3,8 @@ and DeepSeek-R1's formats, and a stream that adds up to the whole answer."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pagedserve.frontend.reasoning import ReasoningParser, ReasoningStream, SplitOutput
@@ -107,3 +109,96 @@ class _OneTokenMarkers:
 )
 def test_reasoning_tokens_count_the_thinking_and_its_markers(parser, text, token_ids, expected):
     assert parser.num_reasoning_tokens(token_ids, text, _OneTokenMarkers()) == expected
+
+
+# ---------------------------------------------------------------- gpt-oss (harmony)
+
+GPTOSS = ReasoningParser("openai_gptoss")
+ANALYSIS = "<|channel|>analysis<|message|>"
+NEXT = "<|end|><|start|>assistant"  # one message ends, the next opens
+FINAL = "<|channel|>final<|message|>"
+WEATHER_CALL = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+
+HARMONY_CASES = [
+    # (text, the split)
+    (ANALYSIS + "Simple question." + NEXT + FINAL + "The capital is Paris.<|return|>",
+     SplitOutput("Simple question.", "The capital is Paris.")),
+    # <|return|> is an end-of-sequence token: usually not in the text.
+    (ANALYSIS + "Simple." + NEXT + FINAL + "Paris.", SplitOutput("Simple.", "Paris.")),
+    # Several analysis messages: one a line, as vLLM joins them.
+    (ANALYSIS + "First, a < b." + NEXT + ANALYSIS + "Then c." + NEXT + FINAL + "Done.",
+     SplitOutput("First, a < b.\nThen c.", "Done.")),
+    # A preamble (commentary to nobody) is for the user; a call is in neither part.
+    (ANALYSIS + "Need a tool." + NEXT + "<|channel|>commentary<|message|>Checking." + NEXT
+     + WEATHER_CALL + '{"city":"Paris"}<|call|>', SplitOutput("Need a tool.", "Checking.")),
+    (ANALYSIS + "Need a tool." + NEXT
+     + ' to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Rome"}',
+     SplitOutput("Need a tool.", "")),
+    # A call from the analysis channel is no thinking either.
+    ("<|channel|>analysis to=functions.get_time<|message|>{}" + NEXT + FINAL + "Noon.",
+     SplitOutput("", "Noon.")),
+    # Cut off while thinking: all thinking; cut off in the next header: no answer yet.
+    (ANALYSIS + "Let me thi", SplitOutput("Let me thi", "")),
+    (ANALYSIS + "Hmm." + NEXT + "<|channel|>fin", SplitOutput("Hmm.", "")),
+    # An empty message is a line of its own; one cut off empty is none.
+    (ANALYSIS + NEXT + ANALYSIS + "b" + NEXT + FINAL, SplitOutput("\nb", "")),
+    # Not harmony (a constrained output, bare JSON): all answer.
+    ('{"city": "Paris"}', SplitOutput("", '{"city": "Paris"}')),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "split"), HARMONY_CASES)
+def test_gptoss_thinks_on_the_analysis_channel_and_answers_on_the_final_one(text, split):
+    assert GPTOSS.parse(text, final=True) == split
+    assert not any("<|" in part or "analysis" in part for part in (split.reasoning, split.content))
+
+
+@pytest.mark.parametrize("text", [case[0] for case in HARMONY_CASES])
+def test_a_gptoss_stream_adds_up_to_the_whole_answer_however_it_is_cut(text):
+    """A character at a time (every marker arrives in pieces), and in two pieces split at
+    every point: the deltas add up to the whole, and no marker leaks into a delta."""
+    whole = GPTOSS.parse(text, final=True)
+    stream = ReasoningStream(GPTOSS)
+    reasoning = content = ""
+    for end in range(1, len(text) + 1):
+        new_reasoning, new_content = stream.feed(text[:end], final=end == len(text))
+        assert "<|" not in new_reasoning + new_content
+        reasoning += new_reasoning
+        content += new_content
+    assert SplitOutput(reasoning, content) == whole
+    for cut in range(len(text)):
+        stream = ReasoningStream(GPTOSS)
+        first = stream.feed(text[:cut], final=False)
+        last = stream.feed(text, final=True)
+        assert SplitOutput(first[0] + last[0], first[1] + last[1]) == whole
+
+
+def test_gptoss_holds_back_what_may_be_a_marker():
+    assert GPTOSS.parse("<|chan", final=False) == SplitOutput("", "")
+    assert GPTOSS.parse(ANALYSIS + "abc<|en", final=False) == SplitOutput("abc", "")
+    assert GPTOSS.parse(ANALYSIS + "a <b", final=False) == SplitOutput("a <b", "")
+    assert GPTOSS.parse(ANALYSIS + "abc" + NEXT + "<|channel|>final<|mess", final=False) == (
+        SplitOutput("abc", "")
+    )
+    # Plain text is settled as it comes.
+    assert GPTOSS.parse("{", final=False) == SplitOutput("", "{")
+
+
+class _HarmonyMarkers:
+    """A tokenizer that holds harmony's markers as single tokens (as o200k_harmony does);
+    other text takes a token per character."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        token_ids: list[int] = []
+        for piece in re.split(r"(<\|[a-z]+\|>)", text):
+            token_ids.extend([0] if piece.startswith("<|") else map(ord, piece))
+        return token_ids
+
+
+def test_gptoss_reasoning_tokens_run_to_the_end_of_the_last_analysis_message():
+    text = ANALYSIS + "ab" + NEXT + FINAL + "cd"
+    token_ids = _HarmonyMarkers().encode(text)
+    # <|channel|> a n a l y s i s <|message|> a b <|end|>
+    assert GPTOSS.num_reasoning_tokens(token_ids, text, _HarmonyMarkers()) == 13
+    assert GPTOSS.num_reasoning_tokens([1, 2, 3], ANALYSIS + "cut", _HarmonyMarkers()) == 3
+    assert GPTOSS.num_reasoning_tokens([1, 2], FINAL + "hi", _HarmonyMarkers()) == 0

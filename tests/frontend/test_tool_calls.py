@@ -430,6 +430,87 @@ def test_a_stream_adds_up_to_the_whole_answer(tool_choice, parser, text):
         assert content == text
 
 
+# gpt-oss (harmony): the generation prompt ends "<|start|>assistant", the output opens with
+# a header; <|call|> and <|return|> end the generation, so they are seldom in the text.
+THINK = "<|channel|>analysis<|message|>Need the tool.<|end|><|start|>assistant"
+OPENAI_TEXTS = [
+    # The recipient after the channel ...
+    THINK + "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city":"Paris"}<|call|>',
+    # ... or before it, in the role's part of the header.
+    THINK + ' to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Rome"}',
+    # A preamble for the user, then two calls.
+    THINK + "<|channel|>commentary<|message|>Checking both.<|end|><|start|>assistant"
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}'
+    "<|end|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}",
+    THINK + "<|channel|>final<|message|>It is sunny.<|return|>",
+    # Cut off while thinking; and inside a call's arguments (the call as written).
+    "<|channel|>analysis<|message|>Maybe <|start|> is",
+    THINK + '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Os',
+    # A built-in tool's call (not a function) is neither content nor a call.
+    THINK + "<|channel|>analysis to=browser.search code<|message|>{}<|end|><|start|>assistant"
+    "<|channel|>final<|message|>Found.",
+    # Not harmony (bare text): content.
+    "Plain text.",
+]
+
+
+def test_openai_reads_harmony_calls_and_leaves_the_thinking_out():
+    """vLLM's ``openai`` parser: calls are messages to=functions.NAME in either place of the
+    header, content the final channel and preambles; the analysis channel is not content
+    even without a reasoning parser."""
+    openai = calling("auto", "openai")
+    expected = [
+        ParsedOutput("", [ParsedCall("get_weather", '{"city":"Paris"}')]),
+        ParsedOutput("", [ParsedCall("get_weather", '{"city":"Rome"}')]),
+        ParsedOutput(
+            "Checking both.",
+            [ParsedCall("get_weather", '{"city":"Oslo"}'), ParsedCall("get_time", "{}")],
+        ),
+        ParsedOutput("It is sunny."),
+        ParsedOutput(""),
+        ParsedOutput("", [ParsedCall("get_weather", '{"city": "Os')]),
+        ParsedOutput("Found."),
+        ParsedOutput("Plain text."),
+    ]
+    assert [openai.parse(text, True) for text in OPENAI_TEXTS] == expected
+    assert openai.reads_whole_output and not calling("auto", "hermes").reads_whole_output
+    assert "<|channel|>" in openai.markers and "<|constrain|>" in openai.markers
+    single = calling("auto", "openai", parallel=False)
+    assert [call.name for call in single.parse(OPENAI_TEXTS[2], True).calls] == ["get_weather"]
+    # While streaming: a call counts once its header is written, its arguments grow, and
+    # what may begin a marker is held back.
+    assert openai.parse(THINK + " to=functions.get_wea", False) == ParsedOutput("")
+    open_call = THINK + " to=functions.get_weather<|channel|>commentary json<|message|>"
+    assert openai.parse(open_call + '{"city":<|ca', False) == ParsedOutput(
+        "", [ParsedCall("get_weather", '{"city":')]
+    )
+
+
+@pytest.mark.parametrize("text", OPENAI_TEXTS)
+def test_an_openai_stream_adds_up_to_the_whole_answer_however_it_is_cut(text):
+    """Fed a character at a time (every marker in pieces), and in two pieces split at
+    every point: the content and the calls' deltas add up to the whole answer."""
+    reader = calling("auto", "openai")
+    parsed = reader.parse(text, final=True)
+    want = (parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.calls])
+    cuts = [list(range(1, len(text) + 1))] + [[cut, len(text)] for cut in range(len(text))]
+    for ends in cuts:
+        stream = ToolCallStream(reader)
+        content, calls = "", []
+        for end in ends:
+            new_content, deltas = stream.feed(text[:end], final=end == len(text))
+            assert "<|" not in new_content
+            content += new_content
+            for delta in deltas:
+                if delta.index == len(calls):
+                    calls.append({"name": delta.name, "arguments": ""})
+                assert "<|" not in delta.arguments
+                calls[delta.index]["arguments"] += delta.arguments
+        assert (content, calls) == want
+        assert stream.finish_reason("stop") == reader.finish_reason("stop", parsed)
+
+
 def test_finish_reason_says_tool_calls_when_the_model_chose_to_call():
     call = ParsedOutput("", [ParsedCall("get_time", "{}")])
     assert calling("auto", "hermes").finish_reason("stop", call) == "tool_calls"

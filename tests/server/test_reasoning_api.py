@@ -1,7 +1,10 @@
 """A reasoning model's thinking apart from its answer (``--reasoning-parser``) over the
 real server: the whole answer's ``reasoning_content`` and ``content``, a stream's deltas
-adding up to them, ``include_reasoning: false``, and completions left raw. The tiny random
-model writes garbage when free, so a regex (structured output) makes it write the format."""
+adding up to them, ``include_reasoning: false``, and completions left raw; gpt-oss's
+harmony format (``--reasoning-parser openai_gptoss --tool-call-parser openai``), its
+thinking, answer and calls apart. The tiny random model writes garbage when free, so a
+regex (structured output) makes it write the format (harmony's markers byte by byte: this
+tokenizer does not hold them, so the text keeps them as o200k_harmony's would)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import pytest
 from conftest import SERVED_MODEL_NAME
 from test_http_api import post, sse_events
 from test_responses_api import typed_events
+from test_tool_calling_api import ONE_TOOL, streamed_calls, whole_calls, without_ids
 
 from pagedserve.frontend.tokenizer import Tokenizer
 
@@ -112,3 +116,57 @@ def test_responses_put_the_thinking_in_a_reasoning_item(thinking_server, server_
     assert usage["output_tokens_details"]["reasoning_tokens"] == thinking_tokens
     assert 0 < thinking_tokens < usage["output_tokens"]
     assert final["usage"]["output_tokens_details"] == usage["output_tokens_details"]
+
+
+# gpt-oss's outputs after the prompt's "<|start|>assistant": thinking, then the answer or a
+# call (the recipient before <|channel|>); <|return|> and <|call|> would end them.
+HARMONY_ANSWER = (
+    r"<\|channel\|>analysis<\|message\|>Paris is big\.<\|end\|><\|start\|>assistant"
+    r"<\|channel\|>final<\|message\|>It is Paris\."
+)
+HARMONY_CALL = (
+    r"<\|channel\|>analysis<\|message\|>Ask\.<\|end\|><\|start\|>assistant to=functions\."
+    r'get_weather<\|channel\|>commentary json<\|message\|>\{"city":"Paris"\}'
+)
+HARMONY_MAX_TOKENS = 160  # a byte-level vocabulary: about a token per character
+
+
+def test_gptoss_harmony_reads_apart_whole_and_streamed(start_server):
+    server = start_server(
+        "--http-port", "0", "--served-model-name", SERVED_MODEL_NAME,
+        "--reasoning-parser", "openai_gptoss", "--enable-auto-tool-choice",
+        "--tool-call-parser", "openai", "--kv-cache-bytes", str(4 << 20),
+    )  # fmt: skip
+    body = {
+        **BODY,
+        "max_tokens": HARMONY_MAX_TOKENS,
+        "structured_outputs": {"regex": HARMONY_ANSWER},
+    }
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    message = answer["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Paris is big.", "It is Paris.")
+    events = sse_events(server, "/v1/chat/completions", {**body, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Paris is big."
+    assert "".join(d.get("content") or "" for d in deltas) == "It is Paris."
+    assert not any("<|" in (d.get("content") or "") + (d.get("reasoning_content") or "")
+                   for d in deltas)  # fmt: skip
+
+    # With tools, the call's message is the call; the thinking stays apart.
+    body = {**body, "tools": ONE_TOOL, "structured_outputs": {"regex": HARMONY_CALL}}
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"] == "Ask."
+    want = [{"type": "function", "name": "get_weather", "arguments": '{"city":"Paris"}'}]
+    assert without_ids(whole_calls(choice["message"])) == want
+    events = sse_events(server, "/v1/chat/completions", {**body, "stream": True})
+    content, calls, _deltas, finishes = streamed_calls(events)
+    assert content == "" and finishes[-1] == "tool_calls"
+    assert [(call["name"], call["arguments"]) for call in calls] == [
+        ("get_weather", '{"city":"Paris"}')
+    ]
+    server.assert_blocks_all_free()
