@@ -134,7 +134,11 @@ _CHAT_FIELDS = {
     "chat_template",
     "documents",
     "echo",
+    "reasoning_effort",
 }
+# OpenAI's reasoning_effort, handed to the chat template as its variable of the name (gpt-oss's
+# template writes it into the system message; others ignore it), as vLLM takes it.
+REASONING_EFFORTS = ("low", "medium", "high")
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # vLLM's older structured-output fields -> StructuredOutputsParams' field.
 _GUIDED_FIELDS = {
@@ -783,12 +787,24 @@ def chat_prompt(
     # a RAG template's documents, and a template of the request's own (a server that
     # trusts its clients with one: a template is code the server runs).
     template = body.get("chat_template")
+    template_kwargs = body.get("chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise invalid_field(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; "
+                f"got {effort!r:.100}",
+                "reasoning_effort",
+            )
+        if isinstance(template_kwargs, dict) or template_kwargs is None:
+            # The request's own template variables win where both give one.
+            template_kwargs = {"reasoning_effort": effort, **(template_kwargs or {})}
     try:
         check_template_allowed(template, trust_request_chat_template)
         options = ChatTemplateOptions(
             add_generation_prompt=opens_turn,
             continue_final_message=continues,
-            chat_template_kwargs=body.get("chat_template_kwargs"),
+            chat_template_kwargs=template_kwargs,
             documents=body.get("documents"),
             chat_template=template,
         )

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.openai_protocol import (
+    REASONING_EFFORTS,
     TokenTexts,
     chat_logprobs,
     checked_body,
@@ -69,8 +70,9 @@ _PASSED_FIELDS = (
     "chat_template_kwargs",
     "structured_outputs",
 )
-# Read here, or accepted without effect (``reasoning``: the model thinks as its template
-# says; ``include``: logprobs come with top_logprobs; ``service_tier``, ``prompt_cache_key``,
+# Read here, or accepted without effect (``reasoning``: its ``effort`` goes to the chat
+# template as chat completions' ``reasoning_effort`` does, the rest is OpenAI's own;
+# ``include``: logprobs come with top_logprobs; ``service_tier``, ``prompt_cache_key``,
 # ``safety_identifier``: OpenAI's own).
 _OWN_FIELDS = {
     "input",
@@ -220,6 +222,15 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
         response_format = _response_format(text["format"])
         if response_format is not None:
             chat_body["response_format"] = response_format
+    reasoning = typed_field(body, "reasoning", (dict,), "an object", {})
+    if reasoning.get("effort") is not None:
+        if reasoning["effort"] not in REASONING_EFFORTS:
+            raise invalid_field(
+                f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}; "
+                f"got {reasoning['effort']!r:.100}",
+                "reasoning.effort",
+            )
+        chat_body["reasoning_effort"] = reasoning["effort"]
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None:
         chat_body["logprobs"] = True

@@ -450,6 +450,22 @@ def test_a_trusting_server_renders_a_request_template(start_server, offline):
     chat.messages.add(role="user", content="hi")
     tokens = server.stub.Tokenize(pb.TokenizeRequest(chat=chat))
     assert list(tokens.token_ids) == want.prompt_token_ids
+    # OpenAI's reasoning_effort reaches the template as its variable (gpt-oss's reads it);
+    # the request's own chat_template_kwargs win; a value not OpenAI's is refused by name.
+    effort = "Reasoning: {{ reasoning_effort | default('unset') }}>"
+    overridden = {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "medium"}}
+    for extra, shown in [({"reasoning_effort": "high"}, "high"), (overridden, "medium")]:
+        kwargs = {"reasoning_effort": shown}
+        want = offline.chat(
+            messages, greedy_params(8), chat_template=effort, chat_template_kwargs=kwargs
+        )[0]
+        assert want.prompt == f"Reasoning: {shown}>"
+        assert_chat_answer_is(server, {**body, "chat_template": effort, **extra}, want)
+    status, answer = post(
+        server, "/v1/chat/completions", {**body, "chat_template": effort, "reasoning_effort": "max"}
+    )
+    assert (status, answer["error"]["param"]) == (400, "reasoning_effort"), answer
+    assert "must be one of low, medium, high; got 'max'" in answer["error"]["message"]
     # Text that is not a template is refused by name, the server serving on.
     status, answer = post(server, "/v1/chat/completions", {**body, "chat_template": "{% for %}"})
     assert (status, answer["error"]["param"]) == (400, "chat_template"), answer
