@@ -197,9 +197,9 @@ class LLM:
     ``reasoning_parser="qwen3" | "deepseek_r1"`` (a reasoning model, whose output thinks
     between ``<think>`` and ``</think>`` before it answers): a request's structured output
     then constrains the answer only, from the token after ``</think>`` on, as vLLM does
-    (the markers must be single tokens of the vocabulary; under ``"openai_gptoss"``, whose
-    thinking ends at a header of several tokens, it constrains the whole output). The
-    output stays one text; the HTTP server's ``--reasoning-parser`` splits it.
+    (the markers must be single tokens of the vocabulary; under ``"openai_gptoss"`` the
+    thinking ends once the output has written the header ``<|channel|>final<|message|>``).
+    The output stays one text; the HTTP server's ``--reasoning-parser`` splits it.
 
     ``lora_modules={"name": "/path/to/adapter"}`` serves PEFT LoRA adapters beside the base
     model (Llama family, one rank, no CUDA graphs), loaded at start-up; a request picks one

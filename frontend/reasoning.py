@@ -65,11 +65,14 @@ class SplitOutput:
     content: str
 
 
-def thinking_token_ids(name: str, tokenizer: Tokenizer | None) -> tuple[int | None, int | None]:
-    """(think_start_token_id, think_end_token_id) for ``GrammarVocabulary``: the tokens a
+def thinking_token_ids(
+    name: str, tokenizer: Tokenizer | None
+) -> tuple[int | None, list[int] | None]:
+    """(think_start_token_id, think_end_token_ids) for ``GrammarVocabulary``: the tokens a
     grammar waits behind under parser ``name`` (``scheduler/structured_output.py``'s
-    ``ThinkingGate``). (None, None) when the vocabulary does not hold the markers as
-    single tokens: grammars then constrain the thinking too."""
+    ``ThinkingGate``): ``</think>``'s one token, or harmony's final header,
+    ``<|channel|>final<|message|>`` as the model writes it. (None, None) when the vocabulary
+    does not hold the markers as single tokens: grammars then constrain the thinking too."""
     if name not in REASONING_PARSERS:
         raise ValueError(
             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}"
@@ -77,14 +80,19 @@ def thinking_token_ids(name: str, tokenizer: Tokenizer | None) -> tuple[int | No
     if tokenizer is None:
         return None, None
     if name == HARMONY:
-        logger.warning(
-            "reasoning_parser %s: harmony's thinking ends at a header of several tokens "
-            "(<|channel|>final<|message|>), which a grammar cannot wait for; structured "
-            "output will constrain the whole output (a constrained answer is then bare, "
-            "without harmony's headers)",
-            name,
-        )
-        return None, None
+        # The output thinks from its start (the template's prompt ends "<|start|>assistant").
+        channel = tokenizer.single_token_id(harmony.CHANNEL)
+        message = tokenizer.single_token_id(harmony.MESSAGE)
+        if channel is None or message is None:
+            logger.warning(
+                "reasoning_parser %s: the tokenizer does not hold %s and %s as single tokens; "
+                "structured output will constrain the thinking too",
+                name,
+                harmony.CHANNEL,
+                harmony.MESSAGE,
+            )
+            return None, None
+        return None, [channel, *tokenizer.encode("final", add_special_tokens=False), message]
     markers = _FORMATS[name]
     start = tokenizer.single_token_id(markers.start)
     end = tokenizer.single_token_id(markers.end)
@@ -98,7 +106,7 @@ def thinking_token_ids(name: str, tokenizer: Tokenizer | None) -> tuple[int | No
         )
         return None, None
     # DeepSeek-R1's template opens the thinking in the prompt: it thinks from the start.
-    return (None if markers.opened_by_template else start), end
+    return (None if markers.opened_by_template else start), [end]
 
 
 class ReasoningParser:

@@ -171,7 +171,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "vocab_size",
         "eos_token_ids",
         "think_start_token_id",
-        "think_end_token_id",
+        "think_end_token_ids",
     ),
     NewRequestData: (
         "request_id",
@@ -927,7 +927,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         bool,
         bool,
     ),
-    GrammarVocabulary: (str, int, list, _OPTIONAL_INT, _OPTIONAL_INT),
+    GrammarVocabulary: (str, int, list, _OPTIONAL_INT, (list, type(None))),
     PoolingParams: (bool, _OPTIONAL_INT, str, bool, str),
 }
 

@@ -15,8 +15,9 @@ tokenizer at start-up (``StructuredOutput``).
 
 A reasoning model thinks before it answers (``<think> ... </think>``); with the engine's
 ``reasoning_parser`` a grammar constrains only the answer, as vLLM's does: no mask while the
-output thinks, the grammar from the token after the end-of-thinking token on
-(``ThinkingGate``).
+output thinks, the grammar from the token after the end of the thinking on
+(``ThinkingGate``): one token (``</think>``), or a run of them (gpt-oss's harmony header
+``<|channel|>final<|message|>``).
 """
 
 from __future__ import annotations
@@ -53,25 +54,35 @@ class GrammarVocabulary:
     eos_token_ids: list[int]
     # A reasoning model's markers (``ThinkingGate``); None: grammars constrain everything.
     think_start_token_id: int | None = None
-    think_end_token_id: int | None = None
+    think_end_token_ids: list[int] | None = None
 
     @property
     def thinking_gate(self) -> ThinkingGate | None:
-        if self.think_end_token_id is None:
+        if not self.think_end_token_ids:
             return None
-        return ThinkingGate(self.think_end_token_id, self.think_start_token_id)
+        return ThinkingGate(tuple(self.think_end_token_ids), self.think_start_token_id)
 
 
 @dataclass(frozen=True)
 class ThinkingGate:
     """Where a reasoning model's thinking ends, so that its grammar constrains the answer
-    only: ``end_token_id`` closes the thinking; with ``start_token_id`` (Qwen3) the output
-    thinks only if its first token is that one (otherwise, thinking switched off, the
-    grammar holds from the first token, which may also be ``start_token_id``); without it
-    (DeepSeek-R1, whose chat template opens the thinking) the output thinks from its start."""
+    only: the thinking closes once its last tokens are ``end_token_ids`` (``</think>``'s one
+    token; gpt-oss's ``<|channel|>final<|message|>``, three); with ``start_token_id`` (Qwen3)
+    the output thinks only if its first token is that one (otherwise, thinking switched off,
+    the grammar holds from the first token, which may also be ``start_token_id``); without
+    it (DeepSeek-R1, whose chat template opens the thinking; gpt-oss) the output thinks from
+    its start."""
 
-    end_token_id: int
+    end_token_ids: tuple[int, ...]
     start_token_id: int | None = None
+
+    def after(self, recent: tuple[int, ...], token_id: int) -> tuple[bool, tuple[int, ...]]:
+        """A thinking output's next token: (whether it closes the thinking, the tokens to
+        remember: the ones that may begin ``end_token_ids``)."""
+        tail = (*recent, token_id)[-len(self.end_token_ids) :]
+        if tail == self.end_token_ids:
+            return True, ()
+        return False, tail[1:] if len(tail) == len(self.end_token_ids) else tail
 
 
 # Where a gated output stands: before its first token (Qwen3: it may open a thinking),
@@ -124,6 +135,11 @@ def _unchecked_grammar_text(params: StructuredOutputsParams, disable_any_whitesp
         raise ValueError(f"structured_outputs.{kind}: {error}") from None
 
 
+# A gated output's state: where it stands, and while it thinks the last tokens it wrote that
+# may begin the end of the thinking (``ThinkingGate.after``).
+_State = tuple[str, tuple[int, ...]]
+
+
 class GrammarMatcher:
     """One sequence's position in its grammar, behind its ``ThinkingGate`` if any."""
 
@@ -132,16 +148,16 @@ class GrammarMatcher:
         matcher: Any,
         vocab_size: int,
         gate: ThinkingGate | None = None,
-        state: str | None = None,
+        state: _State | None = None,
     ) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._num_words = (vocab_size + 31) // 32
         self._gate = gate
         if state is None:
-            state = _GRAMMAR
+            state = (_GRAMMAR, ())
             if gate is not None:
-                state = _THINKING if gate.start_token_id is None else _UNDECIDED
+                state = (_THINKING if gate.start_token_id is None else _UNDECIDED, ())
         self._state = state
 
     def allowed_token_bitmask(self) -> bytes:
@@ -149,26 +165,27 @@ class GrammarMatcher:
         come next; exactly the model's vocabulary wide."""
         return self._bitmask(self._state)
 
-    def _bitmask(self, state: str) -> bytes:
-        if state == _THINKING:
+    def _bitmask(self, state: _State) -> bytes:
+        if state[0] == _THINKING:
             return _all_tokens_bitmask(self._vocab_size)
         mask = self._matcher.compute_bitmask()[: 4 * self._num_words]
-        if state == _UNDECIDED:  # the grammar's tokens, or the one that opens a thinking
+        if state[0] == _UNDECIDED:  # the grammar's tokens, or the one that opens a thinking
             word, bit = divmod(self._gate.start_token_id, 32)
             mask = bytearray(mask)
             mask[4 * word + bit // 8] |= 1 << (bit % 8)
             mask = bytes(mask)
         return mask
 
-    def _next_state(self, state: str, token_id: int) -> tuple[str, bool]:
+    def _next_state(self, state: _State, token_id: int) -> tuple[_State, bool]:
         """The state after ``token_id``, and whether the grammar must consume it."""
-        if state == _UNDECIDED:
+        if state[0] == _UNDECIDED:
             if token_id == self._gate.start_token_id:
-                return _THINKING, False
-            return _GRAMMAR, True
-        if state == _THINKING:
-            return (_GRAMMAR if token_id == self._gate.end_token_id else _THINKING), False
-        return _GRAMMAR, True
+                return (_THINKING, ()), False
+            return (_GRAMMAR, ()), True
+        if state[0] == _THINKING:
+            closes, recent = self._gate.after(state[1], token_id)
+            return ((_GRAMMAR, ()) if closes else (_THINKING, recent)), False
+        return state, True
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False when the grammar does not allow it (the matcher
@@ -182,18 +199,23 @@ class GrammarMatcher:
     @property
     def is_thinking(self) -> bool:
         """The output thinks: its grammar waits for the end of the thinking."""
-        return self._state == _THINKING
+        return self._state[0] == _THINKING
 
     def constrains(self, drafts: list[int]) -> bool:
         """Whether a step that samples after 0, 1, ... of ``drafts`` needs masks: not while
         the output thinks throughout."""
-        return not self.is_thinking or self._gate.end_token_id in drafts
+        state = self._state
+        for token_id in drafts:
+            if state[0] != _THINKING:
+                break
+            state, _ = self._next_state(state, token_id)
+        return state[0] != _THINKING
 
     @property
     def is_finished(self) -> bool:
         """The output is complete and nothing may follow (EOS, if any, was consumed, or the
         language has no longer strings)."""
-        return self._state == _GRAMMAR and self._matcher.is_stopped()
+        return self._state[0] == _GRAMMAR and self._matcher.is_stopped()
 
     @property
     def error(self) -> str:
@@ -207,7 +229,7 @@ class GrammarMatcher:
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (a JSON key, punctuation): speculation's best
         drafts, since sampling under the mask can hardly disagree. None while thinking."""
-        if self._state != _GRAMMAR:
+        if self._state[0] != _GRAMMAR:
             return []
         return self._matcher.compute_ff_tokens()
 

@@ -84,10 +84,18 @@ def thinking_model(tiny_model_dirs, tmp_path_factory) -> tuple[Path, list[int], 
     return directory, prompt, start, end
 
 
-def hf_reference(model_dir: Path, prompt, constraint: str, start: int | None, end: int | None):
-    """HF greedy where the grammar's mask applies once the thinking has ended: the output
-    thinks from its start (start None) or, with start, only if its first token is start
-    (the first token's mask then also allows it); end None: no thinking at all."""
+def hf_reference(
+    model_dir: Path,
+    prompt,
+    constraint: str,
+    start: int | None,
+    end: int | tuple[int, ...] | None,
+):
+    """HF greedy where the grammar's mask applies once the thinking has ended (at the token
+    ``end``, or once the output's last tokens are the run ``end``): the output thinks from its
+    start (start None) or, with start, only if its first token is start (the first token's
+    mask then also allows it); end None: no thinking at all."""
+    end_run = (end,) if isinstance(end, int) else end
     import llguidance
     import llguidance.hf
     from llguidance import LLMatcher
@@ -120,7 +128,7 @@ def hf_reference(model_dir: Path, prompt, constraint: str, start: int | None, en
             if state == "first" and token == start:
                 state = "thinking"
             elif state == "thinking":
-                if token == end:
+                if tuple(output[-len(end_run) :]) == end_run:
                     state = "grammar"
             else:
                 state = "grammar"
@@ -150,6 +158,66 @@ def test_the_grammar_starts_after_the_thinking(thinking_model, parser, constrain
     assert plain == hf_reference(model_dir, prompt, constraint, None, None) != want
 
 
+@pytest.fixture(scope="module")
+def harmony_model(tiny_model_dirs, tmp_path_factory) -> tuple[Path, list[int], tuple[int, ...]]:
+    """(model dir, prompt, the run of ids named <|channel|> final <|message|>): a prompt whose
+    free greedy output writes three new tokens in a row 3+ tokens in, named as gpt-oss's
+    header of its answer (the two markers special tokens, ``final`` a word)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dirs["llama"], dtype=torch.float32
+    ).eval()
+    rng = random.Random(12)
+    for _ in range(200):
+        prompt = [rng.randrange(FIRST_PIECE_ID, VOCAB_SIZE) for _ in range(6)]
+        path = free_greedy(model, prompt, 14)
+        runs = [
+            tuple(path[k : k + 3])
+            for k in range(3, len(path) - 2)
+            if len(set(path[k : k + 3])) == 3
+            and all(t >= FIRST_PIECE_ID and t not in path[:k] for t in path[k : k + 3])
+        ]
+        if runs:
+            break
+    else:
+        pytest.fail("no prompt of the tiny model writes a usable run of three tokens")
+    run = runs[0]
+    names = dict(zip(run, ("<|channel|>", "final", "<|message|>")))
+    pieces = [names.get(i, f"w{i}") for i in range(FIRST_PIECE_ID, max(names) + 1)]
+    tokenizer = byte_level_tokenizer(pieces, vocab_size=VOCAB_SIZE)
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True) for t in ("<|channel|>", "<|message|>")]
+    )
+    tokenizer.add_tokens([AddedToken("final", special=False)])
+    assert tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False).ids == list(
+        run
+    )
+    directory = tmp_path_factory.mktemp("tiny_harmony_llama")
+    shutil.copytree(tiny_model_dirs["llama"], directory, dirs_exist_ok=True)
+    save_for_transformers(tokenizer, directory, BYTE_LEVEL_SPECIALS)
+    return directory, prompt, run
+
+
+@pytest.mark.parametrize("constraint", ["regex", "json"])
+def test_gpt_oss_s_grammar_starts_after_its_final_header(harmony_model, constraint):
+    """openai_gptoss: the output thinks from its start until it has written the run
+    <|channel|>final<|message|>, then its grammar holds (also with drafts across the run)."""
+    model_dir, prompt, run = harmony_model
+    want = hf_reference(model_dir, prompt, constraint, None, run)
+    first = next(k for k in range(len(want)) if tuple(want[k : k + 3]) == run)
+    assert first >= 3 and len(want) > first + 3  # it thought, wrote the header, answered
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=CONSTRAINTS[constraint]
+    )
+    for extra in ({}, {"speculative_config": SPECULATIVE}):
+        llm = LLM(model_dir, num_blocks=64, reasoning_parser="openai_gptoss", **extra)
+        assert llm.grammar_vocabulary.think_end_token_ids == list(run)
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert got == want, (constraint, extra)
+    # Without the parser the grammar holds from the first token: another output.
+    plain = LLM(model_dir, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
+    assert plain != want
+
+
 def test_markers_the_vocabulary_splits_leave_the_grammar_on_everything(tiny_model_dirs, caplog):
     """The byte-level vocabulary spells <think> in 7 tokens: no gate, and a warning says so."""
     directory = tiny_model_dirs["llama"].parent / "tiny_llama_no_markers"
@@ -161,6 +229,6 @@ def test_markers_the_vocabulary_splits_leave_the_grammar_on_everything(tiny_mode
     with caplog.at_level("WARNING"):
         llm = LLM(directory, num_blocks=32, reasoning_parser="qwen3")
     assert "does not hold <think> and </think> as single tokens" in caplog.text
-    assert llm.grammar_vocabulary.think_end_token_id is None
+    assert llm.grammar_vocabulary.think_end_token_ids is None
     with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
         LLM(directory, num_blocks=32, reasoning_parser="o1")

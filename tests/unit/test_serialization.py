@@ -249,7 +249,7 @@ ROUND_TRIP_CASES = {
         worker=WORKER_SPEC,
     ),
     "start-structured-output": StartStructuredOutput(
-        GrammarVocabulary('{"model": {"vocab": {"é": 0}}}', 49152, [0, 2], 7, 8), True
+        GrammarVocabulary('{"model": {"vocab": {"é": 0}}}', 49152, [0, 2], 7, [8, 9]), True
     ),
     "start-structured-output-none": StartStructuredOutput(None, False),
     "start-worker": StartWorker(

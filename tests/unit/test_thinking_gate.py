@@ -38,7 +38,7 @@ def tid(tokenizer, text: str) -> int:
 def structured_output(tokenizer, qwen3: bool) -> StructuredOutput:
     start = tid(tokenizer, "<think>") if qwen3 else None
     vocabulary = GrammarVocabulary(
-        tokenizer.to_str(), VOCAB_SIZE, [EOS], start, tid(tokenizer, "</think>")
+        tokenizer.to_str(), VOCAB_SIZE, [EOS], start, [tid(tokenizer, "</think>")]
     )
     return StructuredOutput(vocabulary)
 
@@ -164,3 +164,27 @@ def test_drafts_across_the_end_of_the_thinking(tokenizer):
     assert matcher.is_thinking
     assert matcher.accept(end) and matcher.accept(a) and not matcher.is_thinking
     assert allowed(matcher.allowed_token_bitmask()) == {b}
+
+
+def test_an_end_of_several_tokens_closes_the_thinking_only_when_whole(tokenizer):
+    # gpt-oss's thinking ends at the header <|channel|>final<|message|>: three tokens, here
+    # </think>, y and <think> standing in for them. Partial and broken runs keep it thinking;
+    # a run that restarts inside a broken one (end end y start) still closes it.
+    start, end, a, b, x, y = (
+        tid(tokenizer, t) for t in ("<think>", "</think>", "a", "b", "x", "y")
+    )
+    vocabulary = GrammarVocabulary(tokenizer.to_str(), VOCAB_SIZE, [EOS], None, [end, y, start])
+    matcher = StructuredOutput(vocabulary).new_matcher(REGEX)
+    for token in (end, x, y, start, end, y, x, end, end, y):
+        assert matcher.accept(token) and matcher.is_thinking
+    assert not matcher.constrains([x]) and matcher.constrains([start])
+    assert matcher.usable_drafts([start, a, b]) == 3 and matcher.usable_drafts([start, b]) == 1
+    masks = matcher.draft_bitmasks([start, a])
+    width = 4 * ((VOCAB_SIZE + 31) // 32)
+    parts = [allowed(masks[i : i + width]) for i in range(0, len(masks), width)]
+    assert parts == [set(range(VOCAB_SIZE)), {a}, {b}]
+    fork = matcher.fork()
+    assert matcher.accept(start) and not matcher.is_thinking  # the third token of the run
+    assert allowed(matcher.allowed_token_bitmask()) == {a}
+    assert fork.is_thinking and fork.accept(x) and fork.is_thinking  # its own state
+    assert not fork.constrains([start])  # x broke the run: start alone does not close it
