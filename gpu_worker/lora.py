@@ -41,10 +41,18 @@ TARGET_MODULES = {
     # rows [q | k | v] and [gate | up] the fused layers keep in the same order.
     "qkv_proj": ("self_attn.qkv_proj", None),
     "gate_up_proj": ("mlp.gate_up_proj", None),
+    # StarCoder2's two-layer MLP.
+    "c_fc": ("mlp.c_fc", None),
+    "c_proj": ("mlp.c_proj", None),
 }
-# The projections each architecture's HF model has, which PEFT can target.
-_FUSED_TARGETS = frozenset({"qkv_proj", "gate_up_proj"})
-_FUSED_CHECKPOINT_ARCHITECTURES = frozenset({"Phi3ForCausalLM"})
+# The projections each architecture's HF model has, which PEFT can target (Llama's unless
+# named here): Phi-3 fuses q/k/v and gate/up, GLM-4 gate/up only.
+_LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ARCHITECTURE_PROJECTIONS = {
+    "Phi3ForCausalLM": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "Glm4ForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "Starcoder2ForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"),
+}
 LORA_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -56,13 +64,23 @@ LORA_ARCHITECTURES = (
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
+    "Starcoder2ForCausalLM",
+    # Cohere's and GLM-4's query and key rows are reordered on loading
+    # (``CausalLM.checkpoint_rows``); an adapter's B matrices on them are reordered alike.
+    "CohereForCausalLM",
+    "Cohere2ForCausalLM",
+    "Glm4ForCausalLM",
     # Mixture-of-experts: attention, and the MLP of layers without experts; an expert's or a
     # shared expert's projection is refused by name.
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GraniteMoeForCausalLM",
+    "GptOssForCausalLM",
 )
-_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "c_proj")
 _WEIGHTS_FILE = "adapter_model.safetensors"
 _CONFIG_FILE = "adapter_config.json"
 
@@ -149,6 +167,8 @@ def check_adapter_weights(name: str, path: str | Path, config: ModelConfig) -> N
         "down_proj": (hidden, intermediate),
         "qkv_proj": (heads + 2 * kv_heads, hidden),
         "gate_up_proj": (2 * intermediate, hidden),
+        "c_fc": (intermediate, hidden),
+        "c_proj": (hidden, intermediate),
     }
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for tensor_name, entry in header.items():
@@ -196,8 +216,8 @@ def _checked_weight_name(
 ) -> tuple[int, str, str]:
     """(layer, projection, "lora_A" | "lora_B") of an adapter tensor, or ``ValueError``.
     ``sparse_layers``: the layers whose MLP is a mixture of experts, which no adapter
-    reaches; ``architecture``: whose projections (fused ones for Phi-3, separate ones for
-    the others) the adapter may target."""
+    reaches; ``architecture``: whose projections (``_ARCHITECTURE_PROJECTIONS``) the
+    adapter may target."""
     parsed = _weight_name(tensor_name)
     if parsed is None:
         raise ValueError(
@@ -215,13 +235,8 @@ def _checked_weight_name(
             f"lora_modules[{name!r}]: tensor {tensor_name!r} names layer {layer}; "
             f"the model has {num_layers}"
         )
-    fused = architecture in _FUSED_CHECKPOINT_ARCHITECTURES
-    if (projection in _FUSED_TARGETS) != fused and projection not in ("o_proj", "down_proj"):
-        has = [
-            target
-            for target in TARGET_MODULES
-            if target in ("o_proj", "down_proj") or (target in _FUSED_TARGETS) == fused
-        ]
+    has = _ARCHITECTURE_PROJECTIONS.get(architecture, _LLAMA_PROJECTIONS)
+    if projection not in has:
         raise ValueError(
             f"lora_modules[{name!r}]: tensor {tensor_name!r} targets {projection!r}, which "
             f"{architecture} does not have; its projections: {', '.join(has)}"
@@ -345,7 +360,8 @@ def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str,
         _check_pair(name, layer, projection, pair)
         module_path, part = TARGET_MODULES[projection]
         module = layers[layer].get_submodule(module_path)
-        a, b = pair["lora_A"], pair["lora_B"]
+        # B's rows are the projection's output rows, which the model may keep reordered.
+        a, b = pair["lora_A"], model.checkpoint_rows(projection, pair["lora_B"])
         if part is None:
             out_offset, out_size = 0, module.weight.shape[0]
         else:

@@ -75,6 +75,12 @@ class CausalLM(nn.Module, abc.ABC):
             raise ValueError("this model has no classifier head (it is a causal LM)")
         return self.classifier(hidden_states).float()
 
+    def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor whose rows are ``projection``'s outputs (its weight, bias, or a
+        LoRA adapter's B), in the order this model keeps them: as stored, unless a family
+        reorders them on loading (Cohere's and GLM-4's query and key rows)."""
+        return tensor
+
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Point each layer's attention at its key/value views of ``kv_cache``."""
         for index, layer in enumerate(self.layers):

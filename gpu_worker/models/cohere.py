@@ -165,15 +165,19 @@ class CohereForCausalLM(StackedDecoderLM):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_table.logits(hidden_states) * self.logit_scale
 
+    def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Query and key rows from interleaved pairs to halves (``rotary.pairs_to_halves``)."""
+        if projection in ("q_proj", "k_proj"):
+            return pairs_to_halves(tensor, self.config.head_size, self.config.head_size)
+        return tensor
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         head_size = self.config.head_size
 
         def halves_from_pairs(name: str, tensor: torch.Tensor) -> torch.Tensor:
             module = name.rpartition(".")[0].rpartition(".")[2]
-            if module in ("q_proj", "k_proj"):
-                return pairs_to_halves(tensor, head_size, head_size)
             if module in ("q_norm", "k_norm"):
                 return pairs_to_halves(tensor, head_size, head_size, per_head_last=True)
-            return tensor
+            return self.checkpoint_rows(module, tensor)
 
         load_fused_checkpoint(self, weights, convert=halves_from_pairs)

@@ -77,14 +77,16 @@ class Glm4ForCausalLM(StackedDecoderLM):
         )
         self.norm = RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1.5625e-07), dtype)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        head_size, rotary_dim = self.config.head_size, self.rotary.rotary_dim
+    def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Query and key rows from interleaved pairs to halves over the rotated share of
+        each head (``rotary.pairs_to_halves``)."""
+        if projection in ("q_proj", "k_proj"):
+            return pairs_to_halves(tensor, self.config.head_size, self.rotary.rotary_dim)
+        return tensor
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def halves_from_pairs(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            module = name.rpartition(".")[0].rpartition(".")[2]
-            if module in ("q_proj", "k_proj"):
-                return pairs_to_halves(tensor, head_size, rotary_dim)
-            return tensor
+            return self.checkpoint_rows(name.rpartition(".")[0].rpartition(".")[2], tensor)
 
         load_fused_checkpoint(
             self, split_fused_projections(self.config, weights), convert=halves_from_pairs

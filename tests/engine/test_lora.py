@@ -725,3 +725,55 @@ def test_a_moe_adapter_reaches_the_dense_layers_mlp_but_never_an_expert(more_mod
     refusal = r"lora_modules\['experts'\].*mlp\.(experts\.\d+|shared_expert)\.gate_proj of mix"
     with pytest.raises(ValueError, match=refusal):
         LLM(model_dir, num_blocks=128, lora_modules={"experts": str(experts)})
+
+
+# ---------------------------------------------------------------- the other families
+
+_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# (config, the projections its HF model has). Cohere's and GLM-4's query and key rows are
+# reordered on loading: so are the adapters' B rows on them. GLM-4 fuses gate/up as PEFT
+# sees it; StarCoder2's MLP is c_fc / c_proj; gpt-oss's experts are out of reach (every
+# layer's MLP is a mixture of experts).
+_MORE_FAMILIES = {
+    "olmo2": ("engine.test_olmo2", "OLMO2", ALL_MODULES),
+    "cohere2": ("engine.test_cohere", "CONFIGS", ALL_MODULES),
+    "glm4": ("engine.test_glm4", "GLM4", [*_ATTENTION, "gate_up_proj", "down_proj"]),
+    "starcoder2": ("engine.test_starcoder2", "STARCODER2", [*_ATTENTION, "c_fc", "c_proj"]),
+    "gpt_oss": ("engine.test_gpt_oss", "GPT_OSS", _ATTENTION),
+}
+
+
+@pytest.mark.parametrize("family", list(_MORE_FAMILIES))
+def test_adapters_on_more_families_match_hf_peft(family, tmp_path):
+    import importlib
+
+    from tiny_models import random_hf_model
+
+    module_name, config_name, targets = _MORE_FAMILIES[family]
+    config = getattr(importlib.import_module(module_name), config_name)
+    config = config["cohere2"] if family == "cohere2" else config
+    model_dir = random_hf_model(config, tmp_path / family)
+    prompts = random_prompts(8, [1, 17, 40])
+    adapter = make_lora_adapter(
+        model_dir, tmp_path / "adapter", seed=9, target_modules=targets, r=8, lora_alpha=16
+    )
+    llm = LLM(model_dir, num_blocks=128, lora_modules={"a": str(adapter)})
+    expected = hf_greedy(model_dir, adapter, prompts)
+    both = llm.generate(prompts * 2, GREEDY, lora_request=["a"] * 3 + [None] * 3)
+    assert token_ids(both[:3]) == expected
+    assert token_ids(both[3:]) == hf_greedy(model_dir, None, prompts)
+    assert_adapter_changes_every_prompt(expected, token_ids(both[3:]))
+    if family == "glm4":  # Llama's separate gate/up: not GLM-4's projections, refused so
+        separate = make_lora_adapter(
+            model_dir, tmp_path / "separate", seed=9, target_modules=["o_proj"], r=4
+        )
+        weights = separate / "adapter_model.safetensors"
+        from safetensors.torch import load_file, save_file
+
+        tensors = {
+            name.replace("self_attn.o_proj", "mlp.gate_proj"): tensor
+            for name, tensor in load_file(weights).items()
+        }
+        save_file(tensors, weights)
+        with pytest.raises(ValueError, match="targets 'gate_proj', which Glm4ForCausalLM"):
+            LLM(model_dir, num_blocks=128, lora_modules={"s": str(separate)})
