@@ -740,6 +740,7 @@ _MORE_FAMILIES = {
     "glm4": ("engine.test_glm4", "GLM4", [*_ATTENTION, "gate_up_proj", "down_proj"]),
     "starcoder2": ("engine.test_starcoder2", "STARCODER2", [*_ATTENTION, "c_fc", "c_proj"]),
     "gpt_oss": ("engine.test_gpt_oss", "GPT_OSS", _ATTENTION),
+    "granite_moe": ("engine.test_granite", "GRANITE_MOE", _ATTENTION),
 }
 
 
