@@ -1,5 +1,6 @@
 """Convert a GGUF file (llama.cpp's architectures llama (and Mixtral, llama with experts),
-qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3) into a local Hugging Face model directory.
+qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, granite, smollm3, olmo2 and gpt-oss)
+into a local Hugging Face model directory.
 
 The engine loads plain float32 HF directories, so a GGUF file is converted once:
 
@@ -139,6 +140,26 @@ _FAMILIES = {
         ),
     ),
 }
+# gpt-oss: biases and a sink per head on the attention, a router with a bias; the experts'
+# stacked gate, up (or fused gate_up) and down tensors, MXFP4 in OpenAI's files, are
+# restacked as HF keeps them (_gpt_oss_experts).
+_GPT_OSS = _Family(
+    "GptOssForCausalLM",
+    "gpt_oss",
+    permuted_qk=False,
+    bias_field="attention_bias",
+    layer_names=(
+        ("post_attention_norm", "post_attention_layernorm"),
+        ("attn_sinks", "self_attn.sinks"),
+        ("ffn_gate_inp", "mlp.router"),
+        ("ffn_gate_exps", "mlp.experts.gate"),
+        ("ffn_up_exps", "mlp.experts.up"),
+        ("ffn_gate_up_exps", "mlp.experts.gate_up"),
+        ("ffn_down_exps", "mlp.experts.down"),
+    ),
+    expert_projections=(),
+)
+_FAMILIES["gpt-oss"] = _GPT_OSS
 # llama.cpp converts Mixtral as "llama" with experts: HF's Mixtral names, w1 / w3 / w2.
 _MIXTRAL = _Family(
     "MixtralForCausalLM",
@@ -355,6 +376,8 @@ def _hf_config(
     if architecture == "olmo2" and key("attention.sliding_window") is not None:
         # OLMo 3, which llama.cpp writes as olmo2 with its window and which layers slide.
         config.update(_olmo3_config(key, num_layers))
+    if architecture == "gpt-oss":
+        config.update(_gpt_oss_config(key, tensor_shapes))
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
@@ -379,7 +402,16 @@ def _hf_config(
                 rope_scaling["attention_factor"] = _float32_value(attention_factor)
             config["rope_scaling"] = rope_scaling
         return config
-    if rope_freqs is not None:
+    if architecture == "gpt-oss":
+        # llama.cpp writes YaRN's factor and original context, and fixes the rest to
+        # gpt-oss's (its config's beta_fast 32, beta_slow 1, no truncation).
+        rope_scaling = {
+            **(_rope_scaling(key) or {}),
+            "beta_fast": _float32_value(key("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": _float32_value(key("rope.scaling.yarn_beta_slow", 1.0)),
+            "truncate": False,
+        }
+    elif rope_freqs is not None:
         rope_scaling = _llama3_rope_scaling(rope_freqs, rope_theta, head_dim)
     elif rope_factors:
         rope_scaling = _longrope_scaling(architecture, rope_factors)
@@ -547,6 +579,26 @@ def _experts_config(
     return config
 
 
+def _gpt_oss_config(
+    key: Callable[..., Any], tensor_shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Any]:
+    """gpt-oss: every layer sparse (the router's rows are the experts), the experts' size,
+    top-k, the window on the even layers (llama.cpp's fixed pattern, HF's default)."""
+    top_k = key("expert_used_count")
+    if top_k is None:
+        raise ValueError("GGUF has experts but no expert_used_count (the experts per token)")
+    window = key("attention.sliding_window")
+    if window is None:
+        raise ValueError("GGUF gpt-oss has no attention.sliding_window")
+    intermediate = key("expert_feed_forward_length", key("feed_forward_length"))
+    return {
+        "num_local_experts": tensor_shapes["blk.0.ffn_gate_inp.weight"][0],
+        "num_experts_per_tok": int(top_k),
+        "intermediate_size": int(intermediate),
+        "sliding_window": int(window),
+    }
+
+
 def _mixtral_config(
     key: Callable[..., Any], tensor_shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, Any]:
@@ -693,13 +745,69 @@ def _dequantized_tensors(
     family = _FAMILIES_BY_HF[config["architectures"][0]]
     num_tensors = len(reader.tensors)
     report_every = max(1, num_tensors // 10)
-    for index, tensor in enumerate(reader.tensors, start=1):
-        # rope_freqs and the rope factors are no weights: they became the config's
-        # rope_scaling (_llama3_rope_scaling, _longrope_scaling).
-        if tensor.name != _ROPE_FREQS_TENSOR and tensor.name not in _ROPE_FACTOR_TENSORS:
-            yield from _hf_tensors(tensor, family, config)
-        if index % report_every == 0 or index == num_tensors:
-            report("dequantizing", index, num_tensors)
+
+    def each_tensor() -> Iterator[tuple[str, np.ndarray]]:
+        for index, tensor in enumerate(reader.tensors, start=1):
+            # rope_freqs and the rope factors are no weights: they became the config's
+            # rope_scaling (_llama3_rope_scaling, _longrope_scaling).
+            if tensor.name != _ROPE_FREQS_TENSOR and tensor.name not in _ROPE_FACTOR_TENSORS:
+                yield from _hf_tensors(tensor, family, config)
+            if index % report_every == 0 or index == num_tensors:
+                report("dequantizing", index, num_tensors)
+
+    if family is _GPT_OSS:
+        yield from _gpt_oss_experts(each_tensor())
+    else:
+        yield from each_tensor()
+
+
+def _gpt_oss_experts(
+    tensors: Iterator[tuple[str, np.ndarray]],
+) -> Iterator[tuple[str, np.ndarray]]:
+    """gpt-oss's experts as HF stacks them: llama.cpp's gate and up ([experts, intermediate,
+    hidden] each, or one gate_up of gate rows then up rows) interleaved column by column into
+    ``gate_up_proj`` [experts, hidden, 2 x intermediate] (biases likewise), its down
+    [experts, hidden, intermediate] transposed into ``down_proj``; the sinks unsuffixed."""
+    halves: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+    for name, tensor in tensors:
+        if name.endswith(".self_attn.sinks.weight"):
+            yield name.removesuffix(".weight"), tensor
+            continue
+        stem, _, rest = name.partition(".mlp.experts.")
+        if not rest:
+            yield name, tensor
+            continue
+        projection, kind = rest.split(".")
+        prefix = f"{stem}.mlp.experts."
+        bias = "_bias" if kind == "bias" else ""
+        if projection == "down":
+            yield (
+                prefix + "down_proj" + bias,
+                np.ascontiguousarray(tensor.swapaxes(-1, -2) if not bias else tensor),
+            )
+            continue
+        if projection == "gate_up":
+            gate, up = np.split(tensor, 2, axis=1 if not bias else -1)
+            pair = {"gate": gate, "up": up}
+        else:
+            pair = halves.setdefault((prefix, kind), {})
+            pair[projection] = tensor
+            if len(pair) < 2:
+                continue
+            del halves[(prefix, kind)]
+        gate, up = pair["gate"], pair["up"]
+        if not bias:  # [experts, rows, hidden] -> HF's [experts, hidden, rows]
+            gate, up = gate.swapaxes(-1, -2), up.swapaxes(-1, -2)
+        interleaved = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), dtype=gate.dtype)
+        interleaved[..., 0::2], interleaved[..., 1::2] = gate, up
+        yield prefix + "gate_up_proj" + bias, interleaved
+    if halves:
+        missing = ", ".join(
+            f"{prefix}{kind}: {sorted(pair)}" for (prefix, kind), pair in halves.items()
+        )
+        raise ValueError(
+            f"GGUF gpt-oss has an expert gate or up tensor without the other: {missing}"
+        )
 
 
 def _hf_tensors(

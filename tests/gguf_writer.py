@@ -32,6 +32,7 @@ GGUF_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",  # llama.cpp's OLMo 3: olmo2 with a sliding window
+    "GptOssForCausalLM": "gpt-oss",
 }
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CHAT_TEMPLATE = (
@@ -74,6 +75,8 @@ def write_gguf(
         _write_granite_hparams(writer, config)
     if config["architectures"][0] == "Olmo3ForCausalLM":
         _write_olmo3_hparams(writer, config)
+    if architecture == "gpt-oss":
+        _write_gpt_oss_hparams(writer, config)
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
@@ -82,6 +85,10 @@ def write_gguf(
     for name, weight in weights.items():
         module, _, kind = name.rpartition(".")
         parts = module.split(".")
+        if architecture == "gpt-oss" and (kind == "sinks" or parts[-1] == "experts"):
+            for gguf_name, tensor in _gpt_oss_tensors(name, weight):
+                _add(writer, gguf_name, tensor, quantization if tensor.ndim == 3 else F32)
+            continue
         if "experts" in parts:  # model.layers.L.<mlp | block_sparse_moe>.experts.E.<projection>
             prefix, expert, projection = ".".join(parts[:5]), int(parts[5]), parts[6]
             experts.setdefault((prefix, projection), {})[expert] = weight
@@ -111,6 +118,33 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+F32 = gguf.GGMLQuantizationType.F32
+
+
+def _gpt_oss_tensors(name: str, weight: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """As llama.cpp's GptOssModel writes gpt-oss's own tensors: each head's sink; the stacked
+    gate_up ([experts, hidden, 2 x intermediate], gate and up interleaved) split into gate and
+    up ([experts, intermediate, hidden] each, biases likewise), the down transposed to
+    [experts, hidden, intermediate]."""
+    layer = name.split(".")[2]
+    if name.endswith("self_attn.sinks"):
+        return [(f"blk.{layer}.attn_sinks.weight", weight)]
+    projection = name.rpartition(".")[2]
+    if projection == "gate_up_proj":
+        return [
+            (f"blk.{layer}.ffn_gate_exps.weight", weight[..., 0::2].swapaxes(1, 2)),
+            (f"blk.{layer}.ffn_up_exps.weight", weight[..., 1::2].swapaxes(1, 2)),
+        ]
+    if projection == "gate_up_proj_bias":
+        return [
+            (f"blk.{layer}.ffn_gate_exps.bias", weight[..., 0::2]),
+            (f"blk.{layer}.ffn_up_exps.bias", weight[..., 1::2]),
+        ]
+    if projection == "down_proj":
+        return [(f"blk.{layer}.ffn_down_exps.weight", weight.swapaxes(1, 2))]
+    return [(f"blk.{layer}.ffn_down_exps.bias", weight)]
 
 
 def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
@@ -211,6 +245,17 @@ def _write_olmo3_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
         writer.add_rope_scaling_factor(full["factor"])
         writer.add_rope_scaling_attn_factors(full["attention_factor"])
         writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+
+
+def _write_gpt_oss_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """llama.cpp's GptOssModel: the window, the experts' size, YaRN's factor and original
+    context (the rest of gpt-oss's YaRN and its SwiGLU's constants llama.cpp fixes)."""
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    rope = config["rope_parameters"]
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _write_granite_hparams(writer: gguf.GGUFWriter, config: dict) -> None:

@@ -1,10 +1,11 @@
 """GGUF files of every architecture the converter reads (llama and its Mixtral, qwen2,
 qwen3, qwen2moe, qwen3moe, phi3 (Phi-3 and Phi-4-mini's LongRoPE), granite, smollm3,
-olmo2 and OLMo 3's windowed olmo2; gemma2 and gemma3 below), written from tiny HF models the way
-llama.cpp writes them (tests/gguf_writer.py): the engine on the converted model gives HF
-transformers' greedy tokens on the original (float32 weights survive exactly), a Q8_0 file
-converts to its dequantized weights, the config carries what llama.cpp keeps only in tensors
-(biases, a tied head, expert sizes), and the tokenizer and chat template come through."""
+olmo2 and OLMo 3's windowed olmo2, gpt-oss (also with MXFP4 experts); gemma2 and gemma3
+below), written from tiny HF models the way llama.cpp writes them (tests/gguf_writer.py):
+the engine on the converted model gives HF transformers' greedy tokens on the original
+(float32 weights survive exactly), a Q8_0 file converts to its dequantized weights, the
+config carries what llama.cpp keeps only in tensors (biases, a tied head, expert sizes), and
+the tokenizer and chat template come through."""
 
 from __future__ import annotations
 
@@ -148,6 +149,27 @@ FAMILIES = {
         },
         **{**_COMMON, "num_hidden_layers": 4},
     ),
+    # gpt-oss: sinks, a 16-token window on layer 0, YaRN, 4 experts (top 2) under a biased
+    # router, with biases (its SwiGLU's constants are gpt-oss's own, which llama.cpp fixes).
+    "gpt_oss": dict(
+        architectures=["GptOssForCausalLM"],
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        **_COMMON,
+    ),
     # 8 experts of 96, top 3, renormalised; per-head q/k norms.
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"],
@@ -257,6 +279,39 @@ def test_config_carries_what_llama_cpp_keeps_in_tensors(converted):
         True,
     )
     assert "shared_expert_intermediate_size" not in moe3
+    gpt_oss = configs["gpt_oss"]
+    assert (gpt_oss["num_local_experts"], gpt_oss["num_experts_per_tok"]) == (4, 2)
+    assert (gpt_oss["sliding_window"], gpt_oss["attention_bias"]) == (16, True)
+    assert gpt_oss["rope_parameters"] == FAMILIES["gpt_oss"]["rope_parameters"]
+
+
+def test_an_mxfp4_gpt_oss_gguf_converts_to_its_dequantized_experts(hf_dirs, tmp_path):
+    # As OpenAI's gpt-oss GGUFs keep them: the experts in MXFP4 (32 e2m1 values, one power of
+    # two), restacked and interleaved as HF keeps them, within MXFP4's steps of the original;
+    # the engine runs the dequantized model as HF does.
+    gguf_path = write_gguf(
+        hf_dirs["gpt_oss"],
+        tmp_path / "mxfp4.gguf",
+        byte_level_vocab(VOCAB_SIZE),
+        gguf.GGMLQuantizationType.MXFP4,
+    )
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(gguf_path).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+    converted = resolve_model(gguf_path, cache_dir=str(tmp_path / "cache")).path
+    original = load_file(hf_dirs["gpt_oss"] / "model.safetensors")
+    ours = load_file(converted / "model.safetensors")
+    assert sorted(ours) == sorted(original)
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
+        # Each value within a step of its group's largest (e2m1's widest step is a third of
+        # it); the gate_up columns interleaved back (a swapped gate and up would be far off).
+        groups = original[name].swapaxes(1, 2).reshape(-1, 32)
+        error = np.abs(ours[name].swapaxes(1, 2).reshape(-1, 32) - groups)
+        assert (error <= np.abs(groups).max(axis=1, keepdims=True) / 3 + 1e-6).all(), name
+        assert not np.array_equal(ours[name], original[name]), name
+    prompts = random_prompts(4, VOCAB_SIZE)[:3]
+    llm = LLM(converted, num_blocks=256)
+    tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY)]
+    assert tokens == hf_greedy(converted, prompts)
 
 
 def test_quantized_gguf_converts_to_its_dequantized_weights(hf_dirs, tmp_path):
