@@ -48,9 +48,12 @@ def write_gguf(
     tokens: tuple[list[str], list[str]],
     quantization: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     end_of_turn_id: int | None = None,
+    fuse_gate_up: bool = False,
 ) -> Path:
     """``tokens``: a byte-level BPE vocabulary by id and its merges (``byte_level_vocab``);
-    ``quantization`` applies to the matrices; ``end_of_turn_id`` is written as the EOT token."""
+    ``quantization`` applies to the matrices; ``end_of_turn_id`` is written as the EOT token;
+    ``fuse_gate_up``: gpt-oss's experts as llama.cpp's --fuse-gate-up-exps writes them (one
+    ffn_gate_up_exps, gate rows then up rows)."""
     config = json.loads((hf_dir / "config.json").read_text())
     architecture = GGUF_ARCHITECTURES[config["architectures"][0]]
     arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
@@ -86,7 +89,7 @@ def write_gguf(
         module, _, kind = name.rpartition(".")
         parts = module.split(".")
         if architecture == "gpt-oss" and (kind == "sinks" or parts[-1] == "experts"):
-            for gguf_name, tensor in _gpt_oss_tensors(name, weight):
+            for gguf_name, tensor in _gpt_oss_tensors(name, weight, fuse_gate_up):
                 _add(writer, gguf_name, tensor, quantization if tensor.ndim == 3 else F32)
             continue
         if "experts" in parts:  # model.layers.L.<mlp | block_sparse_moe>.experts.E.<projection>
@@ -123,7 +126,9 @@ def write_gguf(
 F32 = gguf.GGMLQuantizationType.F32
 
 
-def _gpt_oss_tensors(name: str, weight: np.ndarray) -> list[tuple[str, np.ndarray]]:
+def _gpt_oss_tensors(
+    name: str, weight: np.ndarray, fuse_gate_up: bool
+) -> list[tuple[str, np.ndarray]]:
     """As llama.cpp's GptOssModel writes gpt-oss's own tensors: each head's sink; the stacked
     gate_up ([experts, hidden, 2 x intermediate], gate and up interleaved) split into gate and
     up ([experts, intermediate, hidden] each, biases likewise), the down transposed to
@@ -132,6 +137,12 @@ def _gpt_oss_tensors(name: str, weight: np.ndarray) -> list[tuple[str, np.ndarra
     if name.endswith("self_attn.sinks"):
         return [(f"blk.{layer}.attn_sinks.weight", weight)]
     projection = name.rpartition(".")[2]
+    if fuse_gate_up and projection.startswith("gate_up_proj"):
+        gate, up = weight[..., 0::2], weight[..., 1::2]
+        if projection == "gate_up_proj":
+            fused = np.concatenate([gate.swapaxes(1, 2), up.swapaxes(1, 2)], axis=1)
+            return [(f"blk.{layer}.ffn_gate_up_exps.weight", fused)]
+        return [(f"blk.{layer}.ffn_gate_up_exps.bias", np.concatenate([gate, up], axis=-1))]
     if projection == "gate_up_proj":
         return [
             (f"blk.{layer}.ffn_gate_exps.weight", weight[..., 0::2].swapaxes(1, 2)),

@@ -285,6 +285,22 @@ def test_config_carries_what_llama_cpp_keeps_in_tensors(converted):
     assert gpt_oss["rope_parameters"] == FAMILIES["gpt_oss"]["rope_parameters"]
 
 
+def test_gpt_oss_s_fused_gate_up_experts_convert_alike(hf_dirs, tmp_path):
+    # llama.cpp's --fuse-gate-up-exps: one tensor of gate rows then up rows, and its bias.
+    gguf_path = write_gguf(
+        hf_dirs["gpt_oss"], tmp_path / "fused.gguf", byte_level_vocab(VOCAB_SIZE), fuse_gate_up=True
+    )
+    names = {t.name for t in gguf.GGUFReader(gguf_path).tensors}
+    assert {"blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_gate_up_exps.bias"} <= names
+    assert "blk.0.ffn_gate_exps.weight" not in names
+    converted = resolve_model(gguf_path, cache_dir=str(tmp_path / "cache")).path
+    original = load_file(hf_dirs["gpt_oss"] / "model.safetensors")
+    ours = load_file(converted / "model.safetensors")
+    assert sorted(ours) == sorted(original)
+    for name, weight in original.items():
+        np.testing.assert_array_equal(ours[name], weight, err_msg=name)
+
+
 def test_an_mxfp4_gpt_oss_gguf_converts_to_its_dequantized_experts(hf_dirs, tmp_path):
     # As OpenAI's gpt-oss GGUFs keep them: the experts in MXFP4 (32 e2m1 values, one power of
     # two), restacked and interleaved as HF keeps them, within MXFP4's steps of the original;
