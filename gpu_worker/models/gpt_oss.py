@@ -161,9 +161,9 @@ def _per_expert_tensors(
         matrix = attribute.removeprefix("experts.")
         if matrix in _EXPERT_MATRICES:
             # HF's layout [experts, in, out]; a projection's weight is [out, in].
-            yield from _expert_weights(prefix, matrix, tensor.transpose(1, 2))
+            yield from _per_expert(prefix, matrix, "weight", tensor.transpose(1, 2))
         elif matrix.removesuffix("_bias") in _EXPERT_MATRICES:
-            yield from _expert_biases(prefix, matrix.removesuffix("_bias"), tensor)
+            yield from _per_expert(prefix, matrix.removesuffix("_bias"), "bias", tensor)
         elif matrix.endswith(("_blocks", "_scales")):
             base, _, kind = matrix.rpartition("_")
             other = f"{prefix}{base}_{'scales' if kind == 'blocks' else 'blocks'}"
@@ -176,9 +176,10 @@ def _per_expert_tensors(
             if base not in _EXPERT_MATRICES:
                 raise ValueError(f"checkpoint tensor {name!r} is not an expert matrix")
             # Dequantized one expert at a time: a float32 copy of all of them is gigabytes.
-            yield from _expert_weights(
+            yield from _per_expert(
                 prefix,
                 base,
+                "weight",
                 (dequantize_mxfp4(b, s) for b, s in zip(blocks, scales, strict=True)),
             )
         else:
@@ -189,26 +190,16 @@ def _per_expert_tensors(
         )
 
 
-def _expert_weights(
-    prefix: str, matrix: str, per_expert: Iterable[torch.Tensor]
+def _per_expert(
+    prefix: str, matrix: str, kind: str, per_expert: Iterable[torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each expert's [out, in] matrix: gate_up's interleaved rows split into gate and up."""
-    for expert, weight in enumerate(per_expert):
+    """Each expert's ``kind`` ("weight": its [out, in] matrix, or "bias") of ``matrix``:
+    gate_up's interleaved rows split into gate and up; the down bias, which the expert adds
+    once over the ranks, as ``down_bias``."""
+    for expert, tensor in enumerate(per_expert):
         name = f"{prefix}experts.{expert}"
         if matrix == "down_proj":
-            yield f"{name}.down_proj.weight", weight
+            yield (f"{name}.down_bias" if kind == "bias" else f"{name}.down_proj.weight"), tensor
         else:
-            yield f"{name}.gate_proj.weight", weight[0::2]
-            yield f"{name}.up_proj.weight", weight[1::2]
-
-
-def _expert_biases(
-    prefix: str, matrix: str, biases: torch.Tensor
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for expert, bias in enumerate(biases):
-        name = f"{prefix}experts.{expert}"
-        if matrix == "down_proj":
-            yield f"{name}.down_bias", bias
-        else:
-            yield f"{name}.gate_proj.bias", bias[0::2]
-            yield f"{name}.up_proj.bias", bias[1::2]
+            yield f"{name}.gate_proj.{kind}", tensor[0::2]
+            yield f"{name}.up_proj.{kind}", tensor[1::2]

@@ -687,10 +687,17 @@ def more_model_dirs(tmp_path_factory) -> dict[str, Path]:
     ],
 )
 def test_gemma_and_moe_adapters_match_hf_peft(more_model_dirs, tmp_path, family, targets):
-    prompts = random_prompts(3, [1, 17, 40])
-    model_dir = more_model_dirs[family]
+    check_adapter_matches_hf_peft(more_model_dirs[family], tmp_path, targets, seed=5, prompt_seed=3)
+
+
+def check_adapter_matches_hf_peft(
+    model_dir: Path, tmp_path: Path, targets: list[str], seed: int, prompt_seed: int
+) -> Path:
+    """An adapter on ``targets`` (r 8) gives HF peft's tokens on three prompts (1, 17 and 40
+    tokens) batched with the base model's, and changes each; returns the adapter."""
+    prompts = random_prompts(prompt_seed, [1, 17, 40])
     adapter = make_lora_adapter(
-        model_dir, tmp_path / "adapter", seed=5, target_modules=targets, r=8, lora_alpha=16
+        model_dir, tmp_path / "adapter", seed=seed, target_modules=targets, r=8, lora_alpha=16
     )
     llm = LLM(model_dir, num_blocks=128, lora_modules={"a": str(adapter)})
     expected = hf_greedy(model_dir, adapter, prompts)
@@ -698,6 +705,7 @@ def test_gemma_and_moe_adapters_match_hf_peft(more_model_dirs, tmp_path, family,
     assert token_ids(both[:3]) == expected
     assert token_ids(both[3:]) == hf_greedy(model_dir, None, prompts)
     assert_adapter_changes_every_prompt(expected, token_ids(both[3:]))
+    return adapter
 
 
 def test_a_moe_adapter_reaches_the_dense_layers_mlp_but_never_an_expert(more_model_dirs, tmp_path):
@@ -754,16 +762,7 @@ def test_adapters_on_more_families_match_hf_peft(family, tmp_path):
     config = getattr(importlib.import_module(module_name), config_name)
     config = config["cohere2"] if family == "cohere2" else config
     model_dir = random_hf_model(config, tmp_path / family)
-    prompts = random_prompts(8, [1, 17, 40])
-    adapter = make_lora_adapter(
-        model_dir, tmp_path / "adapter", seed=9, target_modules=targets, r=8, lora_alpha=16
-    )
-    llm = LLM(model_dir, num_blocks=128, lora_modules={"a": str(adapter)})
-    expected = hf_greedy(model_dir, adapter, prompts)
-    both = llm.generate(prompts * 2, GREEDY, lora_request=["a"] * 3 + [None] * 3)
-    assert token_ids(both[:3]) == expected
-    assert token_ids(both[3:]) == hf_greedy(model_dir, None, prompts)
-    assert_adapter_changes_every_prompt(expected, token_ids(both[3:]))
+    check_adapter_matches_hf_peft(model_dir, tmp_path, targets, seed=9, prompt_seed=8)
     if family == "glm4":  # Llama's separate gate/up: not GLM-4's projections, refused so
         separate = make_lora_adapter(
             model_dir, tmp_path / "separate", seed=9, target_modules=["o_proj"], r=4

@@ -101,3 +101,21 @@ def query_start_loc(q_lens: list[int], device: str = "cpu") -> torch.Tensor:
     loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     loc[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int64), 0).to(torch.int32)
     return loc.to(device)
+
+
+def decode_case(seq_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
+    """(a ``paged_case`` of ``seq_lens``, one query token per sequence), seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
+    query, _, _ = fused_qkv(len(seq_lens), num_heads, num_kv_heads, head_size, dtype, generator)
+    return case, query
+
+
+def prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
+    """(a ``paged_case`` of ``prior + q_lens`` tokens per sequence, the ``q_lens`` query
+    tokens, their ``query_start_loc``), seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [p + q for p, q in zip(prior, q_lens)]
+    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
+    query, _, _ = fused_qkv(sum(q_lens), num_heads, num_kv_heads, head_size, dtype, generator)
+    return case, query, query_start_loc(q_lens)

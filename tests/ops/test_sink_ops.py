@@ -18,7 +18,7 @@ from pagedserve.gpu_worker.layers.gathered_prefill import (
 )
 
 from . import reference
-from .cases import TOLERANCES, fused_qkv, paged_case, query_start_loc
+from .cases import TOLERANCES, decode_case, prefill_case, query_start_loc
 
 # Head layouts (num_heads, num_kv_heads): plain multi-head and a GQA group of 3.
 HEAD_LAYOUTS = [(4, 4), (6, 2)]
@@ -38,21 +38,6 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
     torch.testing.assert_close(actual.double(), expected, **TOLERANCES[dtype])
 
 
-def _decode_case(seq_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
-    query, _, _ = fused_qkv(len(seq_lens), num_heads, num_kv_heads, head_size, dtype, generator)
-    return case, query
-
-
-def _prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    seq_lens = [p + q for p, q in zip(prior, q_lens)]
-    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
-    query, _, _ = fused_qkv(sum(q_lens), num_heads, num_kv_heads, head_size, dtype, generator)
-    return case, query, query_start_loc(q_lens)
-
-
 def _assert_sinks_matter(reference_fn, args, sinks, **options) -> torch.Tensor:
     """The reference with the sinks, after checking it differs from the one without by far more
     than the float32 tolerance (a kernel ignoring the sinks must fail)."""
@@ -69,7 +54,7 @@ def _assert_sinks_matter(reference_fn, args, sinks, **options) -> torch.Tensor:
 def test_decode_with_sinks_matches_reference(dtype, block_size, layout, window):
     num_heads, num_kv_heads = layout
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 100]
-    case, query = _decode_case(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    case, query = decode_case(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, SCALE)
     sinks = _sinks(num_heads)
     expected = _assert_sinks_matter(reference.decode_attention, args, sinks, sliding_window=window)
@@ -90,7 +75,7 @@ def test_prefill_with_sinks_matches_reference(dtype, block_size, layout, window)
     # prompt, and a chunk starting deep in the context.
     prior = [0, 13, block_size, 0, 70]
     q_lens = [37, 1, block_size + 1, 1, 30]
-    case, query, loc = _prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    case, query, loc = prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, SCALE)
     sinks = _sinks(num_heads, seed=1)
     expected = _assert_sinks_matter(reference.attention, args, sinks, sliding_window=window)
@@ -101,7 +86,7 @@ def test_prefill_with_sinks_matches_reference(dtype, block_size, layout, window)
 def test_sinks_with_a_soft_cap_and_a_sequence_of_length_zero():
     # Both per-logit options at once; a seq_len of 0 still gives zeros (the sink alone has no
     # value to weigh).
-    case, query = _decode_case([0, 9, 40, 130], 8, 2, 16, 128, torch.float32, seed=2)
+    case, query = decode_case([0, 9, 40, 130], 8, 2, 16, 128, torch.float32, seed=2)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.5)
     sinks = _sinks(8, seed=2)
     options = {"sliding_window": 17, "logits_soft_cap": 4.0}
@@ -118,7 +103,7 @@ def test_sinks_with_a_soft_cap_and_a_sequence_of_length_zero():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_sinks_on_every_isa_variant(isa, dtype, head_size):
     scale = 1.0 / math.sqrt(head_size)
-    case, query = _decode_case([1, 8, 9, 23, 100], 9, 3, 8, head_size, dtype, seed=6)
+    case, query = decode_case([1, 8, 9, 23, 100], 9, 3, 8, head_size, dtype, seed=6)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, scale)
     sinks = _sinks(9, seed=3)
     expected = _assert_sinks_matter(reference.decode_attention, args, sinks)
@@ -127,7 +112,7 @@ def test_sinks_on_every_isa_variant(isa, dtype, head_size):
         _assert_close(out, expected, dtype)
     # 16 query heads per kv head: the prefill tiles hold rows of several query positions.
     prior, q_lens = [0, 9, 3], [70, 1, 20]
-    case, query, loc = _prefill_case(prior, q_lens, 16, 1, 8, head_size, dtype, seed=7)
+    case, query, loc = prefill_case(prior, q_lens, 16, 1, 8, head_size, dtype, seed=7)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, scale)
     sinks = _sinks(16, seed=4)
     expected = _assert_sinks_matter(reference.attention, args, sinks, sliding_window=3)
@@ -138,7 +123,7 @@ def test_sinks_on_every_isa_variant(isa, dtype, head_size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gathered_prefill_with_sinks_matches_reference(dtype):
     prior, q_lens = [0, 50, 16, 70], [37, 30, 17, 1]
-    case, query, loc = _prefill_case(prior, q_lens, 6, 2, 16, 64, dtype)
+    case, query, loc = prefill_case(prior, q_lens, 6, 2, 16, 64, dtype)
     plan = plan_gathered_prefill(
         case.block_tables.numpy(),
         np.array(q_lens, dtype=np.int32),
@@ -180,7 +165,7 @@ def test_gathered_prefill_with_sinks_matches_reference(dtype):
     ],
 )
 def test_bad_sinks_are_refused_naming_them(sinks, error, message):
-    case, query = _decode_case([5], 4, 2, 8, 64, torch.float32)
+    case, query = decode_case([5], 4, 2, 8, 64, torch.float32)
     cache = (case.key_cache, case.value_cache, case.block_tables)
     with pytest.raises(error, match=message):
         ops.paged_attention_decode(query, *cache, case.seq_lens, 0.1, sinks=sinks)

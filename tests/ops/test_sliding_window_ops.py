@@ -18,7 +18,7 @@ from pagedserve.gpu_worker.layers.gathered_prefill import (
 from pagedserve.scheduler.messages import NULL_BLOCK
 
 from . import reference
-from .cases import PADDING_BLOCK, TOLERANCES, fused_qkv, paged_case, query_start_loc
+from .cases import PADDING_BLOCK, TOLERANCES, decode_case, prefill_case, query_start_loc
 
 BLOCK_SIZES = [8, 16, 32]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -51,13 +51,6 @@ def _poison_before(case, seq: int, first_position: int, whole_blocks: bool) -> N
 # --- decode ------------------------------------------------------------------------------------
 
 
-def _decode_case(seq_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
-    query, _, _ = fused_qkv(len(seq_lens), num_heads, num_kv_heads, head_size, dtype, generator)
-    return case, query
-
-
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -66,7 +59,7 @@ def test_decode_with_window_matches_reference(dtype, block_size, layout, window)
     window = _window(window, block_size)
     num_heads, num_kv_heads = layout
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 100]
-    case, query = _decode_case(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    case, query = decode_case(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125)
     expected = reference.decode_attention(*args, sliding_window=window)
     if window < 100:  # the window changes the longest sequence's result
@@ -86,7 +79,7 @@ def test_decode_with_window_matches_reference(dtype, block_size, layout, window)
 def test_partitioned_decode_with_window_equals_single_pass(window, partition_size):
     # Windows shorter than, equal to and longer than a partition, and longer than the contexts.
     seq_lens = [1, 31, 33, 64, 65, 200, 333, 1000]
-    case, query = _decode_case(seq_lens, 8, 2, 16, 128, torch.float32, seed=1)
+    case, query = decode_case(seq_lens, 8, 2, 16, 128, torch.float32, seed=1)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
     single = ops.paged_attention_decode(*args, partition_size=0, sliding_window=window)
     split = ops.paged_attention_decode(*args, partition_size=partition_size, sliding_window=window)
@@ -95,7 +88,7 @@ def test_partitioned_decode_with_window_equals_single_pass(window, partition_siz
 
 
 def test_window_of_zero_or_none_is_full_attention():
-    case, query = _decode_case([5, 40, 77], 6, 2, 16, 80, torch.float32, seed=2)
+    case, query = decode_case([5, 40, 77], 6, 2, 16, 80, torch.float32, seed=2)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
     full = ops.paged_attention_decode(*args)
     assert torch.equal(ops.paged_attention_decode(*args, sliding_window=0), full)
@@ -111,7 +104,7 @@ def test_window_of_zero_or_none_is_full_attention():
 def test_automatic_split_k_counts_only_the_window(restore_threads):
     # One long sequence and few work items: without a window the automatic choice splits; the
     # 300-token window leaves only one partition's worth (it must not read the 2700 before it).
-    case, query = _decode_case([3000], 4, 1, 16, 64, torch.float32, seed=3)
+    case, query = decode_case([3000], 4, 1, 16, 64, torch.float32, seed=3)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125)
     expected = reference.decode_attention(*args, sliding_window=300)
     _poison_before(case, 0, 3000 - 300, whole_blocks=False)
@@ -127,7 +120,7 @@ def test_table_entries_before_the_window_are_neither_read_nor_checked():
     # block manager may free them): the ops run without them, and still refuse a bad entry
     # inside the window.
     block_size, window = 8, 20
-    case, query = _decode_case([100, 37, 5], 4, 2, block_size, 64, torch.float32, seed=10)
+    case, query = decode_case([100, 37, 5], 4, 2, block_size, 64, torch.float32, seed=10)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125)
     expected = reference.decode_attention(*args, sliding_window=window)
     for seq, seq_len in enumerate([100, 37, 5]):
@@ -144,7 +137,7 @@ def test_table_entries_before_the_window_are_neither_read_nor_checked():
         ops.paged_attention_decode(*args, sliding_window=window)
 
     prior, q_lens = [60, 0], [10, 40]
-    case, query, loc = _prefill_case(prior, q_lens, 4, 2, block_size, 64, torch.float32, seed=11)
+    case, query, loc = prefill_case(prior, q_lens, 4, 2, block_size, 64, torch.float32, seed=11)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, 0.125)
     expected = reference.attention(*args, sliding_window=12)
     case.block_tables[0, : (60 - 12 + 1) // block_size] = PADDING_BLOCK  # positions 0..47
@@ -159,7 +152,7 @@ def test_gathered_prefill_skips_entries_freed_behind_the_window():
     # pool's last block, here poisoned as a reused or uninitialised one may be).
     block_size, window = 8, 12
     prior, q_lens = [60, 0, 33], [10, 40, 1]
-    case, query, loc = _prefill_case(prior, q_lens, 4, 2, block_size, 64, torch.float32, seed=12)
+    case, query, loc = prefill_case(prior, q_lens, 4, 2, block_size, 64, torch.float32, seed=12)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, 0.125)
     expected = reference.attention(*args, sliding_window=window)
     tables = case.block_tables.numpy().copy()
@@ -188,14 +181,6 @@ def test_gathered_prefill_skips_entries_freed_behind_the_window():
 # --- prefill -----------------------------------------------------------------------------------
 
 
-def _prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    seq_lens = [p + q for p, q in zip(prior, q_lens)]
-    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
-    query, _, _ = fused_qkv(sum(q_lens), num_heads, num_kv_heads, head_size, dtype, generator)
-    return case, query, query_start_loc(q_lens)
-
-
 def _poison_before_windows(case, prior, window: int) -> None:
     """Whole blocks before each sequence's first query token's window: never read."""
     for seq, context in enumerate(prior):
@@ -213,7 +198,7 @@ def test_prefill_with_window_matches_reference(dtype, block_size, layout, window
     # one block plus one token, a one-token prompt, and a chunk starting deep in the context.
     prior = [0, 13, block_size, 50, 0, 70]
     q_lens = [37, 1, block_size + 1, 30, 1, 30]
-    case, query, loc = _prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    case, query, loc = prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, 0.125)
     expected = reference.attention(*args, sliding_window=window)
     _poison_before_windows(case, prior, window)
@@ -222,7 +207,7 @@ def test_prefill_with_window_matches_reference(dtype, block_size, layout, window
 
 @pytest.mark.parametrize("window", [1, 7, 33, 200])
 def test_prefill_with_window_over_a_few_hundred_tokens(window):
-    case, query, loc = _prefill_case([0, 120], [300, 200], 9, 3, 16, 64, torch.float32, seed=4)
+    case, query, loc = prefill_case([0, 120], [300, 200], 9, 3, 16, 64, torch.float32, seed=4)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, 0.1)
     expected = reference.attention(*args, sliding_window=window)
     _poison_before_windows(case, [0, 120], window)
@@ -233,7 +218,7 @@ def test_prefill_with_window_over_a_few_hundred_tokens(window):
 
 def test_prefill_of_single_tokens_with_window_equals_decode():
     prior = [0, 7, 31, 100]
-    case, query, loc = _prefill_case(prior, [1] * 4, 8, 2, 16, 96, torch.float32, seed=5)
+    case, query, loc = prefill_case(prior, [1] * 4, 8, 2, 16, 96, torch.float32, seed=5)
     cache = (case.key_cache, case.value_cache, case.block_tables)
     prefill = ops.paged_prefill_attention(query, *cache, loc, case.seq_lens, 0.1, sliding_window=9)
     decode = ops.paged_attention_decode(query, *cache, case.seq_lens, 0.1, sliding_window=9)
@@ -244,7 +229,7 @@ def test_prefill_of_single_tokens_with_window_equals_decode():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_window_on_every_isa_variant(isa, dtype, head_size):
     seq_lens = [1, 8, 9, 23, 100]
-    case, query = _decode_case(seq_lens, 9, 3, 8, head_size, dtype, seed=6)
+    case, query = decode_case(seq_lens, 9, 3, 8, head_size, dtype, seed=6)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
     expected = reference.decode_attention(*args, sliding_window=11)
     for partition_size in (0, 16):
@@ -253,25 +238,25 @@ def test_window_on_every_isa_variant(isa, dtype, head_size):
     # 16 query heads per kv head: the tiles hold rows of two or more query positions, whose
     # windows start at different keys.
     prior, q_lens = [0, 9, 3], [70, 1, 20]
-    case, query, loc = _prefill_case(prior, q_lens, 16, 1, 8, head_size, dtype, seed=7)
+    case, query, loc = prefill_case(prior, q_lens, 16, 1, 8, head_size, dtype, seed=7)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, 0.1)
     expected = reference.attention(*args, sliding_window=3)
     _assert_close(ops.paged_prefill_attention(*args, sliding_window=3), expected, dtype)
 
 
 def test_window_results_do_not_depend_on_thread_count(restore_threads):
-    case, query = _decode_case([3000, 5, 770, 1280], 8, 4, 16, 64, torch.float32, seed=8)
+    case, query = decode_case([3000, 5, 770, 1280], 8, 4, 16, 64, torch.float32, seed=8)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125)
-    prefill_case, prefill_query, loc = _prefill_case(
+    prefilling, prefill_query, loc = prefill_case(
         [0, 30], [150, 40], 8, 2, 16, 64, torch.float32, seed=9
     )
     prefill_args = (
         prefill_query,
-        prefill_case.key_cache,
-        prefill_case.value_cache,
-        prefill_case.block_tables,
+        prefilling.key_cache,
+        prefilling.value_cache,
+        prefilling.block_tables,
         loc,
-        prefill_case.seq_lens,
+        prefilling.seq_lens,
         0.125,
     )
     results = []
@@ -299,7 +284,7 @@ def test_window_results_do_not_depend_on_thread_count(restore_threads):
     ],
 )
 def test_bad_window_is_refused_naming_it(window, error, message):
-    case, query = _decode_case([5], 4, 2, 8, 64, torch.float32)
+    case, query = decode_case([5], 4, 2, 8, 64, torch.float32)
     cache = (case.key_cache, case.value_cache, case.block_tables)
     with pytest.raises(error, match=message):
         ops.paged_attention_decode(query, *cache, case.seq_lens, 0.1, sliding_window=window)
@@ -320,7 +305,7 @@ def test_gathered_prefill_with_window_matches_reference(dtype, block_size, layou
     num_heads, num_kv_heads = layout
     prior = [0, 50, block_size, 70, 0]
     q_lens = [37, 30, block_size + 1, 1, 1]
-    case, query, loc = _prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    case, query, loc = prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype)
     seq_lens = case.seq_lens.numpy()
     plan = plan_gathered_prefill(
         case.block_tables.numpy(),

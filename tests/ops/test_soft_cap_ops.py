@@ -17,7 +17,7 @@ from pagedserve.gpu_worker.layers.gathered_prefill import (
 )
 
 from . import reference
-from .cases import TOLERANCES, fused_qkv, paged_case, query_start_loc
+from .cases import TOLERANCES, decode_case, prefill_case, query_start_loc
 
 BLOCK_SIZES = [8, 16, 32]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -32,21 +32,6 @@ CAPS = [(1.0, 0.125, 0), (5.0, 0.125, 24), (50.0, 1.0, 0), (50.0, 1.0, 5)]
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(actual.double(), expected, **TOLERANCES[dtype])
-
-
-def _decode_case(seq_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
-    query, _, _ = fused_qkv(len(seq_lens), num_heads, num_kv_heads, head_size, dtype, generator)
-    return case, query
-
-
-def _prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, head_size, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    seq_lens = [p + q for p, q in zip(prior, q_lens)]
-    case = paged_case(seq_lens, num_kv_heads, block_size, head_size, dtype, generator)
-    query, _, _ = fused_qkv(sum(q_lens), num_heads, num_kv_heads, head_size, dtype, generator)
-    return case, query, query_start_loc(q_lens)
 
 
 def _assert_cap_matters(reference_fn, args, cap: float, window: int) -> torch.Tensor:
@@ -68,7 +53,7 @@ def _assert_cap_matters(reference_fn, args, cap: float, window: int) -> torch.Te
 def test_decode_with_soft_cap_matches_reference(dtype, block_size, layout, cap, scale, window):
     num_heads, num_kv_heads = layout
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 100]
-    case, query = _decode_case(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    case, query = decode_case(seq_lens, num_heads, num_kv_heads, block_size, 64, dtype)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, scale)
     expected = _assert_cap_matters(reference.decode_attention, args, cap, window)
     for partition_size in (None, 0, block_size, 2 * block_size):
@@ -82,7 +67,7 @@ def test_decode_with_soft_cap_matches_reference(dtype, block_size, layout, cap, 
 @pytest.mark.parametrize("window", [0, 17, 200])
 def test_partitioned_decode_with_soft_cap_equals_single_pass(window, partition_size):
     seq_lens = [1, 31, 33, 64, 65, 200, 333, 1000]
-    case, query = _decode_case(seq_lens, 8, 2, 16, 128, torch.float32, seed=1)
+    case, query = decode_case(seq_lens, 8, 2, 16, 128, torch.float32, seed=1)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.5)
     capped = {"sliding_window": window, "logits_soft_cap": 50.0}
     single = ops.paged_attention_decode(*args, partition_size=0, **capped)
@@ -92,7 +77,7 @@ def test_partitioned_decode_with_soft_cap_equals_single_pass(window, partition_s
 
 
 def test_soft_cap_of_zero_or_none_is_off():
-    case, query = _decode_case([5, 40, 77], 6, 2, 16, 80, torch.float32, seed=2)
+    case, query = decode_case([5, 40, 77], 6, 2, 16, 80, torch.float32, seed=2)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
     plain = ops.paged_attention_decode(*args)
     assert torch.equal(ops.paged_attention_decode(*args, logits_soft_cap=0.0), plain)
@@ -110,7 +95,7 @@ def test_saturated_logits_keep_the_mask():
     # where a future key capped after the mask would show up as -2 (a finite weight) instead of
     # -inf. tanh's argument also leaves the range where it is computed (|x| > 8).
     prior, q_lens = [0, 20], [40, 9]
-    case, query, loc = _prefill_case(prior, q_lens, 4, 2, 8, 64, torch.float32, seed=3)
+    case, query, loc = prefill_case(prior, q_lens, 4, 2, 8, 64, torch.float32, seed=3)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, 30.0)
     for window in (0, 6):
         expected = _assert_cap_matters(reference.attention, args, 2.0, window)
@@ -131,7 +116,7 @@ def test_prefill_with_soft_cap_matches_reference(dtype, block_size, layout, cap,
     # one token, a one-token prompt, and a chunk starting deep in the context.
     prior = [0, 13, block_size, 50, 0, 70]
     q_lens = [37, 1, block_size + 1, 30, 1, 30]
-    case, query, loc = _prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype)
+    case, query, loc = prefill_case(prior, q_lens, num_heads, num_kv_heads, block_size, 64, dtype)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, scale)
     expected = _assert_cap_matters(reference.attention, args, cap, window)
     out = ops.paged_prefill_attention(*args, sliding_window=window, logits_soft_cap=cap)
@@ -140,7 +125,7 @@ def test_prefill_with_soft_cap_matches_reference(dtype, block_size, layout, cap,
 
 def test_prefill_of_single_tokens_with_soft_cap_equals_decode():
     prior = [0, 7, 31, 100]
-    case, query, loc = _prefill_case(prior, [1] * 4, 8, 2, 16, 96, torch.float32, seed=5)
+    case, query, loc = prefill_case(prior, [1] * 4, 8, 2, 16, 96, torch.float32, seed=5)
     cache = (case.key_cache, case.value_cache, case.block_tables)
     capped = {"sliding_window": 9, "logits_soft_cap": 3.0}
     prefill = ops.paged_prefill_attention(query, *cache, loc, case.seq_lens, 0.3, **capped)
@@ -153,7 +138,7 @@ def test_prefill_of_single_tokens_with_soft_cap_equals_decode():
 def test_soft_cap_on_every_isa_variant(isa, dtype, head_size):
     scale = 4.0 / math.sqrt(head_size)  # logits of std 4: the cap of 5 bends them
     seq_lens = [1, 8, 9, 23, 100]
-    case, query = _decode_case(seq_lens, 9, 3, 8, head_size, dtype, seed=6)
+    case, query = decode_case(seq_lens, 9, 3, 8, head_size, dtype, seed=6)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, scale)
     for window in (0, 11):
         expected = _assert_cap_matters(reference.decode_attention, args, 5.0, window)
@@ -164,7 +149,7 @@ def test_soft_cap_on_every_isa_variant(isa, dtype, head_size):
             _assert_close(out, expected, dtype)
     # 16 query heads per kv head: the tiles hold rows of two or more query positions.
     prior, q_lens = [0, 9, 3], [70, 1, 20]
-    case, query, loc = _prefill_case(prior, q_lens, 16, 1, 8, head_size, dtype, seed=7)
+    case, query, loc = prefill_case(prior, q_lens, 16, 1, 8, head_size, dtype, seed=7)
     args = (query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens, scale)
     for window in (0, 3):
         expected = _assert_cap_matters(reference.attention, args, 5.0, window)
@@ -183,7 +168,7 @@ def test_soft_cap_on_every_isa_variant(isa, dtype, head_size):
     ],
 )
 def test_bad_soft_cap_is_refused_naming_it(cap, error, message):
-    case, query = _decode_case([5], 4, 2, 8, 64, torch.float32)
+    case, query = decode_case([5], 4, 2, 8, 64, torch.float32)
     cache = (case.key_cache, case.value_cache, case.block_tables)
     with pytest.raises(error, match=message):
         ops.paged_attention_decode(query, *cache, case.seq_lens, 0.1, logits_soft_cap=cap)
@@ -202,7 +187,7 @@ def test_bad_soft_cap_is_refused_naming_it(cap, error, message):
 def test_gathered_prefill_with_soft_cap_matches_reference(dtype, block_size, cap, scale, window):
     prior = [0, 50, block_size, 70, 0]
     q_lens = [37, 30, block_size + 1, 1, 1]
-    case, query, loc = _prefill_case(prior, q_lens, 6, 2, block_size, 64, dtype)
+    case, query, loc = prefill_case(prior, q_lens, 6, 2, block_size, 64, dtype)
     plan = plan_gathered_prefill(
         case.block_tables.numpy(),
         np.array(q_lens, dtype=np.int32),
