@@ -243,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=REASONING_PARSERS,
         help="split a reasoning model's thinking (<think>...</think>) from its chat answers into "
         "reasoning_content: qwen3 (Qwen3, QwQ), deepseek_r1 (DeepSeek-R1 and distills), "
-        "mistral (Magistral: [THINK] ... [/THINK]) or openai_gptoss (gpt-oss: harmony's "
-        "analysis channel)",
+        "mistral (Magistral: [THINK] ... [/THINK]), seed_oss (Seed-OSS: <seed:think> ... "
+        "</seed:think>) or openai_gptoss (gpt-oss: harmony's analysis channel)",
     )
     api.add_argument(
         "--tool-call-parser",
@@ -253,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's tool-call format: hermes (Hermes, Qwen2.5, Qwen3: <tool_call> "
         "blocks), llama3_json (Llama 3.1+ JSON calls), pythonic (Llama 3.2 / 4: a Python "
         "list of calls), mistral ([TOOL_CALLS]: Mistral, Mixtral, Devstral), qwen3_coder "
-        "(Qwen3-Coder's XML calls), deepseek_v3 (DeepSeek V3, R1 and its Qwen / Llama "
+        "(Qwen3-Coder's XML calls), seed_oss (Seed-OSS: that XML in <seed:tool_call> blocks), "
+        "deepseek_v3 (DeepSeek V3, R1 and its Qwen / Llama "
         "distills), deepseek_v31 (DeepSeek V3.1), granite (IBM Granite 3.x: a JSON array "
         "after <|tool_call|>), phi4_mini_json (Phi-4-mini: functools[...]) or openai "
         "(gpt-oss: harmony messages to=functions.NAME)",

@@ -10,6 +10,8 @@ serves it: a chat answer's ``message.reasoning_content`` holds what the model wr
   itself): the output thinks from its start (a ``<think>`` there is skipped) until
   ``</think>``; one that never closes it is all thinking.
 - ``mistral`` (Magistral): as ``qwen3``, between ``[THINK]`` and ``[/THINK]``.
+- ``seed_oss`` (ByteDance's Seed-OSS): as ``deepseek_r1``, between ``<seed:think>`` and
+  ``</seed:think>`` (its thinking budget's reflections stay in the thinking).
 - ``openai_gptoss`` (gpt-oss, whose output is messages in OpenAI's harmony format,
   ``harmony.py``): the analysis channel's messages are the thinking, the final channel's
   and the preambles (commentary addressed to nobody) the answer, one message a line, as
@@ -53,6 +55,7 @@ _FORMATS = {
     "qwen3": _Format(THINK_START, THINK_END),
     "deepseek_r1": _Format(THINK_START, THINK_END, opened_by_template=True),
     "mistral": _Format("[THINK]", "[/THINK]"),
+    "seed_oss": _Format("<seed:think>", "</seed:think>", opened_by_template=True),
 }
 # gpt-oss: channels of OpenAI's harmony format, not a pair of markers (harmony.py).
 HARMONY = "openai_gptoss"

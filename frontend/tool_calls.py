@@ -40,6 +40,7 @@ TOOL_CALL_PARSERS = (
     "pythonic",
     "mistral",
     "qwen3_coder",
+    "seed_oss",
     "deepseek_v3",
     "deepseek_v31",
     "granite",
@@ -313,6 +314,8 @@ class ToolCalling:
             return _MistralReader()
         if tool_call_parser == "qwen3_coder":
             return _Qwen3CoderReader({tool.name: tool.parameters for tool in self.tools})
+        if tool_call_parser == "seed_oss":
+            return _SeedOssReader({tool.name: tool.parameters for tool in self.tools})
         if tool_call_parser in ("deepseek_v3", "deepseek_v31"):
             return _DeepSeekReader(v31=tool_call_parser == "deepseek_v31")
         if tool_call_parser == "granite":
@@ -809,6 +812,14 @@ class _Qwen3CoderReader(_HermesReader):
             value = value.removeprefix("\n").removesuffix("\n")
             arguments[key] = _typed_value(value, properties.get(key))
         return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+class _SeedOssReader(_Qwen3CoderReader):
+    """Seed-OSS's calls: Qwen3-Coder's XML in ``<seed:tool_call>`` blocks."""
+
+    START = "<seed:tool_call>"
+    END = "</seed:tool_call>"
+    markers = (START, END)
 
 
 class _DeepSeekReader(_OutputReader):

@@ -61,6 +61,7 @@ LORA_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
+    "SeedOssForCausalLM",
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",

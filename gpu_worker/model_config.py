@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "llama",
     "Phi3ForCausalLM": "llama",
     "SmolLM3ForCausalLM": "llama",
+    "SeedOssForCausalLM": "llama",
     # Mixture-of-experts members of the family: its attention, a sparse MLP (layers/moe.py).
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
@@ -144,6 +145,10 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "GraniteForCausalLM": _GRANITE_SCALARS,
     "GraniteMoeForCausalLM": _GRANITE_SCALARS,
+    # SeedOssConfig's: q/k/v biases (none on the output projection), heads of 128.
+    "SeedOssForCausalLM": dict(
+        attention_bias=True, attention_out_bias=False, head_dim=128, max_position_embeddings=524288
+    ),
     # GptOssConfig's (gpt-oss-20b's shapes), YaRN included when neither RoPE field is given.
     "GptOssForCausalLM": dict(
         num_hidden_layers=36,

@@ -41,6 +41,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Glm4ForCausalLM": transformers.Glm4Config,
         "Cohere2ForCausalLM": transformers.Cohere2Config,
         "GptOssForCausalLM": transformers.GptOssConfig,
+        "SeedOssForCausalLM": transformers.SeedOssConfig,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

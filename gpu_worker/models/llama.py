@@ -9,7 +9,9 @@ embeddings times ``embedding_multiplier``, attention scores scaled by
 loading). Microsoft's Phi-3 (and Phi-4) is Llama whose checkpoint stores q/k/v as
 one ``qkv_proj`` and gate/up as one ``gate_up_proj``, split here on loading so each
 tensor-parallel rank takes its heads and rows as from separate tensors. Hugging Face's
-SmolLM3 is Llama whose every fourth layer (``no_rope_layers``) attends without RoPE."""
+SmolLM3 is Llama whose every fourth layer (``no_rope_layers``) attends without RoPE.
+ByteDance's Seed-OSS is Llama with q/k/v biases and a separate switch for the output
+projection's (``attention_out_bias``)."""
 
 from __future__ import annotations
 
@@ -78,7 +80,13 @@ class LlamaAttention(SelfAttention):
             dtype,
             parallel,
             bias=_qkv_bias(config),
-            output_bias=bool(hf.get("attention_bias")),
+            output_bias=bool(
+                hf.get(
+                    "attention_out_bias"
+                    if config.architecture == "SeedOssForCausalLM"
+                    else "attention_bias"
+                )
+            ),
             sliding_window=sliding_window,
             scale=_granite_scalar(config, "attention_multiplier"),
         )

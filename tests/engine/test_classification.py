@@ -23,6 +23,7 @@ from tests.engine.test_glm4 import GLM4
 from tests.engine.test_gpt_oss import GPT_OSS
 from tests.engine.test_olmo2 import OLMO2, OLMO3
 from tests.engine.test_phi3 import PHI3
+from tests.engine.test_seed_oss import SEED_OSS
 from tests.engine.test_smollm3 import SMOLLM3
 from tests.engine.test_starcoder2 import STARCODER2
 from tests.tiny_models import random_hf_model
@@ -49,6 +50,7 @@ FAMILIES = {
     "starcoder2": STARCODER2,
     "glm4": {**GLM4, "pad_token_id": None},
     "gpt_oss": {**GPT_OSS, "pad_token_id": None},
+    "seed_oss": {**SEED_OSS, "pad_token_id": None},
 }
 
 

@@ -61,9 +61,27 @@ def test_markers_are_held_back_while_they_may_be_arriving():
     assert DEEPSEEK.parse("<th", final=False) == SplitOutput("", "")
     assert DEEPSEEK.parse("plan </thi", final=False) == SplitOutput("plan ", "")
     with pytest.raises(
-        ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1, mistral"
+        ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1, mistral, seed_oss"
     ):
         ReasoningParser("o1")
+
+
+def test_seed_oss_thinks_between_its_own_markers_as_deepseek_r1_does():
+    """Seed-OSS's format: DeepSeek-R1's rule with <seed:think> and </seed:think>."""
+    seed = ReasoningParser("seed_oss")
+    for text, _qwen3, deepseek in CASES:
+        seed_text = text.replace("</think>", "</seed:think>").replace("<think>", "<seed:think>")
+        split = seed.parse(seed_text, final=True)
+        assert split == SplitOutput(
+            deepseek.reasoning.replace("<think>", "<seed:think>"),
+            deepseek.content.replace("</think>", "</seed:think>"),
+        )
+    # The thinking budget's reflections are part of the thinking.
+    budget = "a <seed:cot_budget_reflect>used 3</seed:cot_budget_reflect> b</seed:think>Done."
+    assert seed.parse(budget, final=True) == SplitOutput(
+        budget.partition("</seed:think>")[0], "Done."
+    )
+    assert seed.parse("plan </seed:thi", final=False) == SplitOutput("plan ", "")
 
 
 def test_mistral_thinks_between_its_own_markers_as_qwen3_does():

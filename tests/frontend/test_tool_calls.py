@@ -289,6 +289,21 @@ def test_qwen3_coder_reads_xml_calls_typed_by_their_schema():
     assert coder.parse(QWEN3_CODER_TEXTS[3], True) == ParsedOutput(QWEN3_CODER_TEXTS[3])
 
 
+SEED_OSS_TEXTS = [
+    text.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
+    for text in QWEN3_CODER_TEXTS
+]
+
+
+def test_seed_oss_reads_qwen3_coder_s_xml_in_its_own_blocks():
+    seed, coder = calling("auto", "seed_oss"), calling("auto", "qwen3_coder")
+    for seed_text, coder_text in zip(SEED_OSS_TEXTS[:3], QWEN3_CODER_TEXTS, strict=False):
+        assert seed.parse(seed_text, True) == coder.parse(coder_text, True)
+    assert seed.parse(SEED_OSS_TEXTS[3], True) == ParsedOutput(SEED_OSS_TEXTS[3])
+    # Qwen3-Coder's own blocks are not Seed-OSS's: content.
+    assert seed.parse(QWEN3_CODER_TEXTS[0], True) == ParsedOutput(QWEN3_CODER_TEXTS[0])
+
+
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 DEEPSEEK_V3_TEXTS = [
@@ -393,6 +408,7 @@ CASES = (
     + [("auto", "pythonic", text) for text in PYTHONIC_TEXTS]
     + [("auto", "mistral", text) for text in MISTRAL_TEXTS]
     + [("auto", "qwen3_coder", text) for text in QWEN3_CODER_TEXTS]
+    + [("auto", "seed_oss", text) for text in SEED_OSS_TEXTS]
     + [("auto", "deepseek_v3", text) for text in DEEPSEEK_V3_TEXTS]
     + [("auto", "deepseek_v31", text) for text in DEEPSEEK_V31_TEXTS]
     + [("auto", "granite", text) for text in GRANITE_TEXTS]

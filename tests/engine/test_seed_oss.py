@@ -1,0 +1,80 @@
+"""ByteDance's Seed-OSS (``SeedOssForCausalLM``): Llama with q/k/v biases and its own switch
+for the output projection's (``attention_out_bias``), heads of 128 by default. Greedy tokens
+identical to HF transformers (float32) across block sizes, chunked prefill with prefix hits
+and two tensor-parallel ranks, with and without the output bias (each shown to change HF's
+own tokens, so the checks can fail); a config that leaves the head size out takes
+SeedOssConfig's 128, not hidden / heads; adapters give peft's tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine.test_parity import hf_greedy
+from safetensors.torch import load_file, save_file
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    prompts,
+    rewritten,
+    token_ids,
+)
+from tiny_models import random_hf_model
+
+from pagedserve.frontend import LLM
+
+# Heads of 128 (SeedOssConfig's), not hidden / heads (64); biases on q/k/v and on o.
+SEED_OSS = dict(
+    architectures=["SeedOssForCausalLM"],
+    **TINY_SHAPE,
+    head_dim=128,
+    attention_out_bias=True,
+    rope_theta=10000.0,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return random_hf_model(SEED_OSS, tmp_path_factory.mktemp("seed_oss"))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_dir) -> list[list[int]]:
+    return hf_greedy(model_dir, prompts())
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_seed_oss_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert llm.model_config.head_size == 128
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
+
+
+def test_without_the_output_bias_and_head_size_as_seed_oss_config_says(
+    model_dir, hf_reference, tmp_path
+):
+    # The same weights less the output projection's bias, and a config without head_dim:
+    # 128 still.
+    plain = rewritten(model_dir, tmp_path / "plain", attention_out_bias=False, head_dim=None)
+    tensors = load_file(plain / "model.safetensors")
+    tensors = {name: t for name, t in tensors.items() if not name.endswith("o_proj.bias")}
+    save_file(tensors, plain / "model.safetensors", metadata={"format": "pt"})
+    expected = hf_greedy(plain, prompts())
+    assert expected != hf_reference
+    llm = LLM(plain, num_blocks=256)
+    assert llm.model_config.head_size == 128
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+
+
+def test_lora_matches_hf_peft(model_dir, tmp_path):
+    from engine.test_lora import ALL_MODULES, check_adapter_matches_hf_peft
+
+    check_adapter_matches_hf_peft(model_dir, tmp_path, ALL_MODULES, seed=4, prompt_seed=2)
