@@ -62,13 +62,14 @@ LORA_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
     "SeedOssForCausalLM",
+    "Ernie4_5ForCausalLM",
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "Starcoder2ForCausalLM",
-    # Cohere's and GLM-4's query and key rows are reordered on loading
+    # Cohere's, GLM-4's (and ERNIE 4.5's) query and key rows are reordered on loading
     # (``CausalLM.checkpoint_rows``); an adapter's B matrices on them are reordered alike.
     "CohereForCausalLM",
     "Cohere2ForCausalLM",

@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "llama",
     "SmolLM3ForCausalLM": "llama",
     "SeedOssForCausalLM": "llama",
+    "Ernie4_5ForCausalLM": "llama",
     # Mixture-of-experts members of the family: its attention, a sparse MLP (layers/moe.py).
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
@@ -51,8 +52,8 @@ SUPPORTED_ARCHITECTURES = {
 # and a ``score`` head (a bias-free linear map of the final hidden state to one logit per
 # label) in place of the LM head; read as the causal architecture beside them, with labels.
 # (Gemma 3's text-only classifier is Gemma3TextForSequenceClassification:
-# Gemma3ForSequenceClassification is the multimodal model's; HF has no Granite or Cohere
-# classifier.)
+# Gemma3ForSequenceClassification is the multimodal model's; HF has no Granite, Cohere or
+# ERNIE 4.5 classifier.)
 _NO_CLASSIFIER_OF_THE_NAME = frozenset(
     {
         "Gemma3ForCausalLM",
@@ -60,6 +61,7 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "GraniteMoeForCausalLM",
         "CohereForCausalLM",
         "Cohere2ForCausalLM",
+        "Ernie4_5ForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -145,6 +147,15 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "GraniteForCausalLM": _GRANITE_SCALARS,
     "GraniteMoeForCausalLM": _GRANITE_SCALARS,
+    # Ernie4_5Config's: tied embeddings, heads of 128, a RoPE base of 500000.
+    "Ernie4_5ForCausalLM": dict(
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        head_dim=128,
+        use_bias=False,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+    ),
     # SeedOssConfig's: q/k/v biases (none on the output projection), heads of 128.
     "SeedOssForCausalLM": dict(
         attention_bias=True, attention_out_bias=False, head_dim=128, max_position_embeddings=524288

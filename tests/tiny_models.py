@@ -42,6 +42,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Cohere2ForCausalLM": transformers.Cohere2Config,
         "GptOssForCausalLM": transformers.GptOssConfig,
         "SeedOssForCausalLM": transformers.SeedOssConfig,
+        "Ernie4_5ForCausalLM": transformers.Ernie4_5Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

@@ -11,7 +11,10 @@ one ``qkv_proj`` and gate/up as one ``gate_up_proj``, split here on loading so e
 tensor-parallel rank takes its heads and rows as from separate tensors. Hugging Face's
 SmolLM3 is Llama whose every fourth layer (``no_rope_layers``) attends without RoPE.
 ByteDance's Seed-OSS is Llama with q/k/v biases and a separate switch for the output
-projection's (``attention_out_bias``)."""
+projection's (``attention_out_bias``). Baidu's ERNIE 4.5 (the dense models) is Llama with
+one switch for every projection's bias (``use_bias``) and RoPE on interleaved pairs, run as
+the ops' rotate-half on query and key rows the loader reorders (``rotary.pairs_to_halves``;
+``CausalLM.checkpoint_rows``)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import RMSNorm, norm_each_head
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
-from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves, rope_parameters
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 from pagedserve.gpu_worker.models.base import (
@@ -54,9 +57,20 @@ def _qkv_bias(config: ModelConfig) -> bool:
     hf = config.hf_config
     if config.architecture == "Qwen2ForCausalLM":
         return True
+    if config.architecture == "Ernie4_5ForCausalLM":
+        return bool(hf.get("use_bias"))
     if config.architecture == "Qwen2MoeForCausalLM":
         return bool(hf.get("qkv_bias", True))
     return bool(hf.get("attention_bias"))
+
+
+# The config field that switches the attention's output-projection bias (and the MLP's, where
+# it is not ``mlp_bias``), where it is not Llama's.
+_OUTPUT_BIAS_FIELDS = {
+    "SeedOssForCausalLM": "attention_out_bias",
+    "Ernie4_5ForCausalLM": "use_bias",
+}
+_MLP_BIAS_FIELDS = {"Ernie4_5ForCausalLM": "use_bias"}
 
 
 class LlamaAttention(SelfAttention):
@@ -81,11 +95,7 @@ class LlamaAttention(SelfAttention):
             parallel,
             bias=_qkv_bias(config),
             output_bias=bool(
-                hf.get(
-                    "attention_out_bias"
-                    if config.architecture == "SeedOssForCausalLM"
-                    else "attention_bias"
-                )
+                hf.get(_OUTPUT_BIAS_FIELDS.get(config.architecture, "attention_bias"))
             ),
             sliding_window=sliding_window,
             scale=_granite_scalar(config, "attention_multiplier"),
@@ -119,7 +129,7 @@ def _mlp(
     return GatedMLP(
         config.hidden_size,
         hf["intermediate_size"],
-        bool(hf.get("mlp_bias")),
+        bool(hf.get(_MLP_BIAS_FIELDS.get(config.architecture, "mlp_bias"))),
         act_name,
         dtype,
         parallel,
@@ -211,12 +221,22 @@ class LlamaForCausalLM(StackedDecoderLM):
             logits = logits / self.logits_scaling
         return logits
 
+    def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
+        """ERNIE 4.5's query and key rows from interleaved pairs to halves."""
+        if self.config.architecture == "Ernie4_5ForCausalLM" and projection in ("q_proj", "k_proj"):
+            return pairs_to_halves(tensor, self.config.head_size, self.config.head_size)
+        return tensor
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.config.architecture == "Phi3ForCausalLM":
             weights = split_fused_projections(self.config, weights)
         if self.config.architecture == "GraniteMoeForCausalLM":
             weights = _split_granite_experts(weights)
-        load_fused_checkpoint(self, weights, rename=_mixtral_names)
+
+        def rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return self.checkpoint_rows(name.rpartition(".")[0].rpartition(".")[2], tensor)
+
+        load_fused_checkpoint(self, weights, rename=_mixtral_names, convert=rows)
 
 
 # Granite MoE's stacked tensors (the checkpoint's names, and transformers 5's) -> per expert.
