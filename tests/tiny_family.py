@@ -11,7 +11,9 @@ import random
 import shutil
 from pathlib import Path
 
-from engine.test_parity import NEW_TOKENS
+import pytest
+from engine.test_parity import NEW_TOKENS, hf_greedy
+from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 
@@ -27,6 +29,22 @@ TINY_SHAPE = dict(
     vocab_size=512,
     max_position_embeddings=512,
 )
+
+
+def family_fixtures(config: dict):
+    """A family test module's ``model_dir`` (a random HF model of ``config``) and
+    ``hf_reference`` (HF's greedy tokens for ``prompts()`` on it) fixtures, module-scoped:
+    ``model_dir, hf_reference = family_fixtures(CONFIG)``."""
+
+    @pytest.fixture(scope="module", name="model_dir")
+    def model_dir_fixture(tmp_path_factory) -> Path:
+        return random_hf_model(config, tmp_path_factory.mktemp(config["architectures"][0]))
+
+    @pytest.fixture(scope="module", name="hf_reference")
+    def hf_reference_fixture(model_dir) -> list[list[int]]:
+        return hf_greedy(model_dir, prompts())
+
+    return model_dir_fixture, hf_reference_fixture
 
 
 def prompts(seed: int = 1) -> list[list[int]]:

@@ -9,14 +9,13 @@ reordered query and key rows give peft's tokens.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from engine.test_parity import hf_greedy
 from tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
     prompts,
     rewritten,
     token_ids,
@@ -37,14 +36,7 @@ ERNIE = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return random_hf_model(ERNIE, tmp_path_factory.mktemp("ernie4_5"))
-
-
-@pytest.fixture(scope="module")
-def hf_reference(model_dir) -> list[list[int]]:
-    return hf_greedy(model_dir, prompts())
+model_dir, hf_reference = family_fixtures(ERNIE)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

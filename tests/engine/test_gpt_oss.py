@@ -21,11 +21,11 @@ from tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
-from tiny_models import random_hf_model
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from pagedserve.frontend import LLM
@@ -58,14 +58,7 @@ GPT_OSS = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return random_hf_model(GPT_OSS, tmp_path_factory.mktemp("gpt_oss"))
-
-
-@pytest.fixture(scope="module")
-def hf_reference(model_dir) -> list[list[int]]:
-    return hf_greedy(model_dir, prompts())
+model_dir, hf_reference = family_fixtures(GPT_OSS)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

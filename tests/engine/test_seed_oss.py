@@ -8,8 +8,6 @@ SeedOssConfig's 128, not hidden / heads; adapters give peft's tokens.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from engine.test_parity import hf_greedy
 from safetensors.torch import load_file, save_file
@@ -17,11 +15,11 @@ from tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
-from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
 
@@ -37,14 +35,7 @@ SEED_OSS = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return random_hf_model(SEED_OSS, tmp_path_factory.mktemp("seed_oss"))
-
-
-@pytest.fixture(scope="module")
-def hf_reference(model_dir) -> list[list[int]]:
-    return hf_greedy(model_dir, prompts())
+model_dir, hf_reference = family_fixtures(SEED_OSS)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

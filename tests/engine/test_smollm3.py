@@ -8,18 +8,16 @@ fail; a bad ``no_rope_layers`` is refused by name.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from engine.test_parity import hf_greedy
 from tiny_family import (
     GREEDY,
     check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
-from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
@@ -41,14 +39,7 @@ SMOLLM3 = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return random_hf_model(SMOLLM3, tmp_path_factory.mktemp("smollm3"))
-
-
-@pytest.fixture(scope="module")
-def hf_reference(model_dir) -> list[list[int]]:
-    return hf_greedy(model_dir, prompts())
+model_dir, hf_reference = family_fixtures(SMOLLM3)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

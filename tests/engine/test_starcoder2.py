@@ -7,18 +7,16 @@ tensor-parallel ranks; bfloat16's first tokens agree with HF's bfloat16.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from tiny_family import (
     GREEDY,
     check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
-from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
 
@@ -38,14 +36,7 @@ STARCODER2 = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return random_hf_model(STARCODER2, tmp_path_factory.mktemp("starcoder2"))
-
-
-@pytest.fixture(scope="module")
-def hf_reference(model_dir) -> list[list[int]]:
-    return hf_greedy(model_dir, prompts())
+model_dir, hf_reference = family_fixtures(STARCODER2)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
