@@ -771,6 +771,7 @@ def chat_prompt(
             entry.update(tool_calls.chat_message_tool_fields(message, name))
         except ToolCallError as error:
             raise invalid_field(str(error), error.field) from None
+        entry.update(_message_reasoning(message, name))
         conversation.append(entry)
     tools = None
     if body.get("tools") is not None:
@@ -814,6 +815,23 @@ def chat_prompt(
         name = next((name for name in SETTING_NAMES if message.startswith(name)), "messages")
         raise invalid_field(message, name) from None
     return Prompt(text, token_ids)
+
+
+def _message_reasoning(message: dict, name: str) -> dict[str, str]:
+    """An assistant message's thinking as an earlier answer reported it (``reasoning_content``,
+    or ``reasoning``), for the template: under ``reasoning_content`` (Qwen3's and DeepSeek's
+    templates read it back in a tool-calling turn) and ``thinking`` (gpt-oss's)."""
+    for field_name in ("reasoning_content", "reasoning"):
+        reasoning = message.get(field_name)
+        if reasoning is None:
+            continue
+        field = f"{name}.{field_name}"
+        if message.get("role") != "assistant":
+            raise invalid_field(f"{field}: only an assistant's message has thinking", field)
+        if not isinstance(reasoning, str):
+            raise invalid_field(f"{field} must be a string, got {reasoning!r:.100}", field)
+        return {"reasoning_content": reasoning, "thinking": reasoning}
+    return {}
 
 
 def _chat_echo(body: dict) -> str:

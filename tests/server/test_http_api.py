@@ -461,6 +461,29 @@ def test_a_trusting_server_renders_a_request_template(start_server, offline):
         )[0]
         assert want.prompt == f"Reasoning: {shown}>"
         assert_chat_answer_is(server, {**body, "chat_template": effort, **extra}, want)
+    # An assistant message's reported thinking goes back to the template as reasoning_content
+    # (Qwen3's, DeepSeek's templates) and thinking (gpt-oss's); elsewhere it is refused.
+    shows = (
+        "{% for m in messages %}[{{ m.reasoning_content | default('-') }}/"
+        "{{ m.thinking | default('-') }}]{% endfor %}>"
+    )
+    history = [*messages, {"role": "assistant", "content": "4", "reasoning_content": "2+2"}]
+    rendered = [*messages, {**history[-1], "thinking": "2+2"}, *messages]
+    want = offline.chat(rendered, greedy_params(8), chat_template=shows)[0]
+    assert want.prompt == "[-/-][2+2/2+2][-/-]>"
+    request = {**body, "messages": [*history, *messages], "chat_template": shows}
+    assert_chat_answer_is(server, request, want)
+    reasoning = {**history[-1], "reasoning": "2+2"}
+    del reasoning["reasoning_content"]
+    assert_chat_answer_is(server, {**request, "messages": [*messages, reasoning, *messages]}, want)
+    bad_messages = [
+        ({"role": "user", "content": "x", "reasoning_content": "y"}, "only an assistant's"),
+        ({"role": "assistant", "content": "x", "reasoning_content": 3}, "must be a string"),
+    ]
+    for bad, words in bad_messages:
+        status, answer = post(server, "/v1/chat/completions", {**request, "messages": [bad]})
+        assert (status, answer["error"]["param"]) == (400, "messages[0].reasoning_content"), answer
+        assert words in answer["error"]["message"]
     status, answer = post(
         server, "/v1/chat/completions", {**body, "chat_template": effort, "reasoning_effort": "max"}
     )
