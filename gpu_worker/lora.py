@@ -63,6 +63,7 @@ LORA_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM",
+    "InternLM3ForCausalLM",
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",

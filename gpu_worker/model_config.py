@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.gpu_worker.layers.rope_config import (
+    DYNAMIC_WINDOW_REASON,
     GEMMA3_LAYER_TYPES,
     LONGROPE_WINDOW_REASON,
     SUPPORTED_ROPE_TYPES,
@@ -30,6 +31,8 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "llama",
     "SeedOssForCausalLM": "llama",
     "Ernie4_5ForCausalLM": "llama",
+    # InternLM3: Llama's implementation (HF's too), its own names for the bias switches.
+    "InternLM3ForCausalLM": "llama",
     # Mixture-of-experts members of the family: its attention, a sparse MLP (layers/moe.py).
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
@@ -52,8 +55,8 @@ SUPPORTED_ARCHITECTURES = {
 # and a ``score`` head (a bias-free linear map of the final hidden state to one logit per
 # label) in place of the LM head; read as the causal architecture beside them, with labels.
 # (Gemma 3's text-only classifier is Gemma3TextForSequenceClassification:
-# Gemma3ForSequenceClassification is the multimodal model's; HF has no Granite, Cohere or
-# ERNIE 4.5 classifier.)
+# Gemma3ForSequenceClassification is the multimodal model's; HF has no Granite, Cohere,
+# ERNIE 4.5 or InternLM3 classifier.)
 _NO_CLASSIFIER_OF_THE_NAME = frozenset(
     {
         "Gemma3ForCausalLM",
@@ -62,6 +65,7 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "CohereForCausalLM",
         "Cohere2ForCausalLM",
         "Ernie4_5ForCausalLM",
+        "InternLM3ForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -156,6 +160,10 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5,
         max_position_embeddings=131072,
     ),
+    # InternLM3Config's: heads of 128, no biases.
+    "InternLM3ForCausalLM": dict(
+        head_dim=128, attention_bias=False, mlp_bias=False, rms_norm_eps=1e-5
+    ),
     # SeedOssConfig's: q/k/v biases (none on the output projection), heads of 128.
     "SeedOssForCausalLM": dict(
         attention_bias=True, attention_out_bias=False, head_dim=128, max_position_embeddings=524288
@@ -187,6 +195,13 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 4096,
         },
     ),
+}
+
+
+# Fields a family's configs name their own way (the HF config class's attribute_map): the
+# config's name -> the one the engine reads.
+_FIELD_ALIASES: dict[str, dict[str, str]] = {
+    "InternLM3ForCausalLM": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
 }
 
 
@@ -257,12 +272,16 @@ class ModelConfig:
 
     @property
     def context_window_reason(self) -> str:
-        """Why ``max_position_embeddings`` is below the config's own (a LongRoPE model's
-        window stops at its original context); "" when it is not."""
-        configured = self.hf_config.get("max_position_embeddings", 2048)
-        if self.architecture in _PER_LAYER_TYPE_ROPE or self.max_position_embeddings >= configured:
+        """Why ``max_position_embeddings`` is where the window stops though the RoPE scaling
+        reaches further (a LongRoPE model's original context, a dynamic-NTK model's
+        configured one); "" when it is not."""
+        if self.architecture in _PER_LAYER_TYPE_ROPE:
             return ""
-        if rope_parameters(self.hf_config)["rope_type"] == "longrope":
+        rope_type = rope_parameters(self.hf_config)["rope_type"]
+        if rope_type == "dynamic":
+            return DYNAMIC_WINDOW_REASON
+        configured = self.hf_config.get("max_position_embeddings", 2048)
+        if rope_type == "longrope" and self.max_position_embeddings < configured:
             return LONGROPE_WINDOW_REASON
         return ""
 
@@ -303,6 +322,9 @@ class ModelConfig:
         architecture = known[declared]
         labels = _labels(hf_config) if declared in CLASSIFIER_ARCHITECTURES else ()
         family = SUPPORTED_ARCHITECTURES[architecture]
+        for alias, field_name in _FIELD_ALIASES.get(architecture, {}).items():
+            if alias in hf_config:  # as the HF config class's attribute_map reads it
+                hf_config.setdefault(field_name, hf_config[alias])
         hf_config = {**_CONFIG_DEFAULTS.get(architecture, {}), **hf_config}
         _check_supported_fields(architecture, hf_config)
         num_heads = hf_config["num_attention_heads"]

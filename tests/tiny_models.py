@@ -43,11 +43,18 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "GptOssForCausalLM": transformers.GptOssConfig,
         "SeedOssForCausalLM": transformers.SeedOssConfig,
         "Ernie4_5ForCausalLM": transformers.Ernie4_5Config,
+        "InternLM3ForCausalLM": transformers.InternLM3Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config)
+    # InternLM3's checkpoints name a class transformers implements as Llama's.
+    model_class = getattr(transformers, architecture, None)
+    model = (
+        model_class(config)
+        if model_class is not None
+        else transformers.AutoModelForCausalLM.from_config(config)
+    )
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +88,15 @@ def rope_context_window(parameters: dict[str, Any], max_position_embeddings: int
 LONGROPE_WINDOW_REASON = (
     "longrope: positions past original_max_position_embeddings (its long factors) are not "
     "supported yet"
+)
+
+
+# Why a dynamic-NTK model's window stops at max_position_embeddings. Within it HF rotates with
+# the plain frequencies; a forward pass that reaches past it re-bases every position of the
+# pass for that pass's length, which keys cached at other lengths (prefix caching, chunked
+# prefill, recompute) do not share.
+DYNAMIC_WINDOW_REASON = (
+    "dynamic: positions past max_position_embeddings (RoPE re-based per pass) are not supported yet"
 )
 
 

@@ -25,7 +25,9 @@ def inverse_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Ten
     )
     inv_freq = 1.0 / (base**exponents)
     rope_type = parameters["rope_type"]
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):
+        # Dynamic NTK rotates as the default within max_position_embeddings (rope_config's
+        # DYNAMIC_WINDOW_REASON): HF re-bases only for a pass longer than that.
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(parameters["factor"])

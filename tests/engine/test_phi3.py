@@ -157,8 +157,8 @@ def test_longrope_past_the_original_context_is_refused_naming_why(longrope_dir):
                                "long_factor": [1.0] * 8}),
             "rope short_factor has 8 values; the rotated head size 48 needs 24",
         ),
-        (dict(rope_scaling={"type": "dynamic", "factor": 2.0}),
-         "rope_type 'dynamic' is not supported yet"),
+        (dict(rope_scaling={"type": "ntk_by_parts", "factor": 2.0}),
+         "rope_type 'ntk_by_parts' is not supported yet"),
     ],
 )  # fmt: skip
 def test_bad_rope_settings_are_refused_by_name(longrope_dir, tmp_path, changes, message):

@@ -25,6 +25,8 @@ MAX_POSITIONS = 512
 CASES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.5},
+    # Dynamic NTK within max_position_embeddings: the plain frequencies, as HF starts with.
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 6.0},
     "llama3": {
         "rope_type": "llama3",
         "rope_theta": 500000.0,
@@ -122,8 +124,8 @@ def test_legacy_rope_scaling_keys_are_read():
 
 
 def test_unsupported_rope_type_names_the_supported_ones():
-    with pytest.raises(NotImplementedError, match="'dynamic' is not supported yet.*longrope"):
-        inverse_frequencies(HEAD_SIZE, rope_parameters(_hf_config({"rope_type": "dynamic"})))
+    with pytest.raises(NotImplementedError, match="'ntk_by_parts' is not supported yet.*longrope"):
+        inverse_frequencies(HEAD_SIZE, rope_parameters(_hf_config({"rope_type": "ntk_by_parts"})))
 
 
 @pytest.mark.parametrize(
