@@ -45,6 +45,9 @@ TARGET_MODULES = {
     "c_fc": ("mlp.c_fc", None),
     "c_proj": ("mlp.c_proj", None),
 }
+# Where an architecture keeps a projection otherwise (Arcee's up_proj is a layer of its own,
+# its MLP ungated).
+_ARCHITECTURE_TARGET_MODULES = {"ArceeForCausalLM": {"up_proj": ("mlp.up_proj", None)}}
 # The projections each architecture's HF model has, which PEFT can target (Llama's unless
 # named here): Phi-3 fuses q/k/v and gate/up, GLM-4 gate/up only.
 _LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -52,6 +55,7 @@ _ARCHITECTURE_PROJECTIONS = {
     "Phi3ForCausalLM": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "Glm4ForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
     "Starcoder2ForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"),
+    "ArceeForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
 }
 LORA_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -64,6 +68,7 @@ LORA_ARCHITECTURES = (
     "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM",
     "InternLM3ForCausalLM",
+    "ArceeForCausalLM",
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
@@ -361,7 +366,9 @@ def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str,
     products: list[tuple[nn.Module, _Product]] = []
     for (layer, projection), pair in sorted(pairs.items()):
         _check_pair(name, layer, projection, pair)
-        module_path, part = TARGET_MODULES[projection]
+        module_path, part = _ARCHITECTURE_TARGET_MODULES.get(model.config.architecture, {}).get(
+            projection, TARGET_MODULES[projection]
+        )
         module = layers[layer].get_submodule(module_path)
         # B's rows are the projection's output rows, which the model may keep reordered.
         a, b = pair["lora_A"], model.checkpoint_rows(projection, pair["lora_B"])

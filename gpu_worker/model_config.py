@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES = {
     "Ernie4_5ForCausalLM": "llama",
     # InternLM3: Llama's implementation (HF's too), its own names for the bias switches.
     "InternLM3ForCausalLM": "llama",
+    "ArceeForCausalLM": "llama",
     # Mixture-of-experts members of the family: its attention, a sparse MLP (layers/moe.py).
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
@@ -160,6 +161,8 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5,
         max_position_embeddings=131072,
     ),
+    # ArceeConfig's: the squared ReLU.
+    "ArceeForCausalLM": dict(hidden_act="relu2", rms_norm_eps=1e-5, max_position_embeddings=4096),
     # InternLM3Config's: heads of 128, no biases.
     "InternLM3ForCausalLM": dict(
         head_dim=128, attention_bias=False, mlp_bias=False, rms_norm_eps=1e-5

@@ -44,6 +44,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "SeedOssForCausalLM": transformers.SeedOssConfig,
         "Ernie4_5ForCausalLM": transformers.Ernie4_5Config,
         "InternLM3ForCausalLM": transformers.InternLM3Config,
+        "ArceeForCausalLM": transformers.ArceeConfig,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

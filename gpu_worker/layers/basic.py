@@ -163,6 +163,8 @@ def activation(name: str):
         "gelu": F.gelu,
         "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        # HF's ReLUSquaredActivation (Arcee, Nemotron): relu, then squared.
+        "relu2": lambda x: torch.square(F.relu(x)),
     }
     if name not in functions:
         raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(functions)}")

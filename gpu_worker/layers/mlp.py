@@ -1,6 +1,6 @@
 """The gated MLP of Llama-style models, ``down(act(gate(x)) * up(x))``: the dense layer's
-feed-forward block, and each expert of a mixture-of-experts layer; gpt-oss's experts, whose
-gate is a clamped SwiGLU."""
+feed-forward block, and each expert of a mixture-of-experts layer; Arcee's ungated
+``down(act(up(x)))``; gpt-oss's experts, whose gate is a clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -47,6 +47,28 @@ class GatedMLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             product = self.act(gate) * up
         return self.down_proj(product)
+
+
+class UngatedMLP(nn.Module):
+    """``down(act(up(x)))`` (HF's NemotronMLP, Arcee's): this rank's ``1/N`` of the
+    intermediate features, one sum over the ranks after ``down``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        act_name: str,
+        dtype: torch.dtype,
+        parallel: TensorParallel = SINGLE,
+    ) -> None:
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(hidden_size, [intermediate_size], bias, dtype, parallel)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, parallel)
+        self.act = activation(act_name)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(hidden)))
 
 
 class ClampedSwiGLUMLP(nn.Module):

@@ -213,7 +213,8 @@ def load_fused_checkpoint(
             tensor = convert(name, tensor)
         module, _, attribute = name.rpartition(".")
         parent, _, projection = module.rpartition(".")
-        if projection in FUSED_PROJECTIONS:
+        # Fused where the model fuses it (an ungated MLP keeps its up_proj as it is).
+        if projection in FUSED_PROJECTIONS and name not in loader.parameters:
             target, part = FUSED_PROJECTIONS[projection]
             loader.load(f"{parent}.{target}.{attribute}", tensor, part)
         else:

@@ -14,7 +14,8 @@ ByteDance's Seed-OSS is Llama with q/k/v biases and a separate switch for the ou
 projection's (``attention_out_bias``). Baidu's ERNIE 4.5 (the dense models) is Llama with
 one switch for every projection's bias (``use_bias``) and RoPE on interleaved pairs, run as
 the ops' rotate-half on query and key rows the loader reorders (``rotary.pairs_to_halves``;
-``CausalLM.checkpoint_rows``)."""
+``CausalLM.checkpoint_rows``). Arcee's AFM is Llama with an ungated MLP,
+``down(relu(up(x))^2)``."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import RMSNorm, norm_each_head
-from pagedserve.gpu_worker.layers.mlp import GatedMLP
+from pagedserve.gpu_worker.layers.mlp import GatedMLP, UngatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves, rope_parameters
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
@@ -126,6 +127,15 @@ def _mlp(
     experts = config.layer_experts[layer_index]
     if experts is not None:
         return SparseMoE(config.hidden_size, experts, act_name, dtype, parallel)
+    if config.architecture == "ArceeForCausalLM":
+        return UngatedMLP(
+            config.hidden_size,
+            hf["intermediate_size"],
+            bool(hf.get("mlp_bias")),
+            act_name,
+            dtype,
+            parallel,
+        )
     return GatedMLP(
         config.hidden_size,
         hf["intermediate_size"],

@@ -1,0 +1,55 @@
+"""Arcee's AFM (``ArceeForCausalLM``): Llama with an ungated MLP, ``down(relu(up(x))^2)``.
+Greedy tokens identical to HF transformers (float32) across block sizes, chunked prefill with
+prefix hits and two tensor-parallel ranks; a config without ``hidden_act`` takes ArceeConfig's
+squared ReLU; adapters on its own up / down projections give peft's tokens; its classifier
+matches HF's (tests/engine/test_classification.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine.test_parity import hf_greedy
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
+    prompts,
+    rewritten,
+    token_ids,
+)
+
+from pagedserve.frontend import LLM
+
+ARCEE = dict(
+    architectures=["ArceeForCausalLM"],
+    **TINY_SHAPE,
+    rope_theta=10000.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+model_dir, hf_reference = family_fixtures(ARCEE)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_arcee_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference, tmp_path):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
+    # The squared ReLU is ArceeConfig's default; a plain ReLU moves HF's own tokens.
+    bare = rewritten(model_dir, tmp_path / "bare", hidden_act=None)
+    assert token_ids(LLM(bare, num_blocks=256).generate(prompts(), GREEDY)) == hf_reference
+    relu = rewritten(model_dir, tmp_path / "relu", hidden_act="relu")
+    assert hf_greedy(relu, prompts()) != hf_reference
+
+
+def test_lora_on_its_up_and_down_projections_matches_hf_peft(model_dir, tmp_path):
+    from engine.test_lora import check_adapter_matches_hf_peft
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    check_adapter_matches_hf_peft(model_dir, tmp_path, targets, seed=7, prompt_seed=5)
