@@ -47,6 +47,42 @@ class ChatTemplateOptions:
             )
 
 
+# OpenAI's reasoning_effort values.
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def with_reasoning_effort(
+    template_kwargs: Any, effort: Any, field: str = "reasoning_effort"
+) -> Any:
+    """``template_kwargs`` with OpenAI's ``reasoning_effort`` added as the template variable of
+    the name (gpt-oss's template writes it into its system message), the request's own
+    variables winning; ``ValueError`` starting with ``field`` for a value not OpenAI's. Kwargs
+    that are not an object are returned as they are, for ``ChatTemplateOptions`` to refuse."""
+    if effort is None:
+        return template_kwargs
+    if effort not in REASONING_EFFORTS:
+        raise ValueError(
+            f"{field} must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r:.100}"
+        )
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        return template_kwargs
+    return {"reasoning_effort": effort, **(template_kwargs or {})}
+
+
+def message_reasoning(role: Any, reasoning: Any, field: str) -> dict[str, str]:
+    """An assistant message's thinking as an earlier answer reported it, for the template:
+    under ``reasoning_content`` (Qwen3's and DeepSeek's templates read it back in a
+    tool-calling turn) and ``thinking`` (gpt-oss's); ``ValueError`` starting with ``field``
+    on another role or a value not a string."""
+    if reasoning is None:
+        return {}
+    if role != "assistant":
+        raise ValueError(f"{field}: only an assistant's message has thinking")
+    if not isinstance(reasoning, str):
+        raise ValueError(f"{field} must be a string, got {reasoning!r:.100}")
+    return {"reasoning_content": reasoning, "thinking": reasoning}
+
+
 def _check_documents(value: object, field: str) -> None:
     if not isinstance(value, list):
         raise ValueError(f"{field} must be a list of objects of strings, got {value!r:.100}")

@@ -18,6 +18,7 @@ from pagedserve.frontend.chat_request import (
     ChatReading,
     tool_constraint,
 )
+from pagedserve.frontend.chat_template import message_reasoning
 from pagedserve.frontend.generation_config import DEFAULT_FIELDS, limit_max_tokens
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.reasoning import ReasoningParser
@@ -286,6 +287,11 @@ def chat_from_proto(
             entry.update(chat_message_tool_fields(_message_as_openai(message), name))
         except ToolCallError as error:
             raise _renamed(error, field) from None
+        entry.update(
+            message_reasoning(
+                message.role, message.reasoning_content or None, f"{name}.reasoning_content"
+            )
+        )
         conversation.append(entry)
     return conversation, _tools_from_proto(chat.tools, field)
 
@@ -391,14 +397,18 @@ def chat_to_proto(
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_template: str | None = None,
     documents: Sequence[dict[str, str]] | None = None,
+    reasoning_effort: str | None = None,
 ) -> pb.Chat:
     """A ``Chat`` from OpenAI's shapes (the client's side of ``chat_from_proto``):
     messages as dicts (``tool_calls`` with arguments as JSON text or an object,
     ``tool_call_id``), tools as ``{"type": "function", "function": {"name",
     "description", "parameters"}}`` (the offline ``LLM.chat``'s), ``tool_choice`` a mode
     or ``{"type": "function", "function": {"name": ...}}``, ``chat_template_kwargs``
-    sent as JSON text. The server checks the rest."""
-    chat = pb.Chat(continue_final_message=continue_final_message)
+    sent as JSON text; an assistant message's ``reasoning_content`` (or ``reasoning``) sent
+    back. The server checks the rest."""
+    chat = pb.Chat(
+        continue_final_message=continue_final_message, reasoning_effort=reasoning_effort or ""
+    )
     if not add_generation_prompt:
         chat.add_generation_prompt = False
     if chat_template_kwargs is not None:
@@ -413,6 +423,7 @@ def chat_to_proto(
             content=message.get("content") or "",
             tool_call_id=message.get("tool_call_id") or "",
             name=message.get("name") or "",
+            reasoning_content=message.get("reasoning_content") or message.get("reasoning") or "",
         )
         for call in message.get("tool_calls") or []:
             function = call["function"]

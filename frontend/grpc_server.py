@@ -39,6 +39,7 @@ from pagedserve.frontend.chat_template import (
     SETTING_NAMES,
     ChatTemplateOptions,
     check_template_allowed,
+    with_reasoning_effort,
 )
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.grpc_convert import (
@@ -449,6 +450,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         template = chat.chat_template or None
         documents = [dict(document.fields) for document in chat.documents] or None
         try:
+            template_kwargs = with_reasoning_effort(
+                template_kwargs, chat.reasoning_effort or None, "chat.reasoning_effort"
+            )
             check_template_allowed(template, self._server.config.trust_request_chat_template)
             options = ChatTemplateOptions(
                 add_generation_prompt=opens_turn,

@@ -41,6 +41,8 @@ from pagedserve.frontend.chat_template import (
     SETTING_NAMES,
     ChatTemplateOptions,
     check_template_allowed,
+    message_reasoning,
+    with_reasoning_effort,
 )
 from pagedserve.frontend.generation_config import DEFAULT_FIELDS, limit_max_tokens
 from pagedserve.frontend.reasoning import ReasoningParser
@@ -136,9 +138,6 @@ _CHAT_FIELDS = {
     "echo",
     "reasoning_effort",
 }
-# OpenAI's reasoning_effort, handed to the chat template as its variable of the name (gpt-oss's
-# template writes it into the system message; others ignore it), as vLLM takes it.
-REASONING_EFFORTS = ("low", "medium", "high")
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # vLLM's older structured-output fields -> StructuredOutputsParams' field.
 _GUIDED_FIELDS = {
@@ -788,18 +787,12 @@ def chat_prompt(
     # a RAG template's documents, and a template of the request's own (a server that
     # trusts its clients with one: a template is code the server runs).
     template = body.get("chat_template")
-    template_kwargs = body.get("chat_template_kwargs")
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise invalid_field(
-                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; "
-                f"got {effort!r:.100}",
-                "reasoning_effort",
-            )
-        if isinstance(template_kwargs, dict) or template_kwargs is None:
-            # The request's own template variables win where both give one.
-            template_kwargs = {"reasoning_effort": effort, **(template_kwargs or {})}
+    try:
+        template_kwargs = with_reasoning_effort(
+            body.get("chat_template_kwargs"), body.get("reasoning_effort")
+        )
+    except ValueError as error:
+        raise invalid_field(str(error), "reasoning_effort") from None
     try:
         check_template_allowed(template, trust_request_chat_template)
         options = ChatTemplateOptions(
@@ -818,19 +811,15 @@ def chat_prompt(
 
 
 def _message_reasoning(message: dict, name: str) -> dict[str, str]:
-    """An assistant message's thinking as an earlier answer reported it (``reasoning_content``,
-    or ``reasoning``), for the template: under ``reasoning_content`` (Qwen3's and DeepSeek's
-    templates read it back in a tool-calling turn) and ``thinking`` (gpt-oss's)."""
+    """An assistant message's reported thinking (``reasoning_content``, or ``reasoning``) for
+    the template (``chat_template.message_reasoning``)."""
     for field_name in ("reasoning_content", "reasoning"):
-        reasoning = message.get(field_name)
-        if reasoning is None:
-            continue
-        field = f"{name}.{field_name}"
-        if message.get("role") != "assistant":
-            raise invalid_field(f"{field}: only an assistant's message has thinking", field)
-        if not isinstance(reasoning, str):
-            raise invalid_field(f"{field} must be a string, got {reasoning!r:.100}", field)
-        return {"reasoning_content": reasoning, "thinking": reasoning}
+        if message.get(field_name) is not None:
+            field = f"{name}.{field_name}"
+            try:
+                return message_reasoning(message.get("role"), message[field_name], field)
+            except ValueError as error:
+                raise invalid_field(str(error), field) from None
     return {}
 
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.call_errors import CallError
+from pagedserve.frontend.chat_template import with_reasoning_effort
 from pagedserve.frontend.openai_protocol import (
-    REASONING_EFFORTS,
     TokenTexts,
     chat_logprobs,
     checked_body,
@@ -224,12 +224,10 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
             chat_body["response_format"] = response_format
     reasoning = typed_field(body, "reasoning", (dict,), "an object", {})
     if reasoning.get("effort") is not None:
-        if reasoning["effort"] not in REASONING_EFFORTS:
-            raise invalid_field(
-                f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}; "
-                f"got {reasoning['effort']!r:.100}",
-                "reasoning.effort",
-            )
+        try:
+            with_reasoning_effort(None, reasoning["effort"], "reasoning.effort")
+        except ValueError as error:
+            raise invalid_field(str(error), "reasoning.effort") from None
         chat_body["reasoning_effort"] = reasoning["effort"]
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None:

@@ -25,6 +25,7 @@ from process_helpers import wait_until
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.client import Client
+from pagedserve.frontend.grpc_convert import chat_to_proto
 from pagedserve.v1 import generation_pb2 as pb
 
 PROMPT_IDS = [5, 300, 301, 302]
@@ -489,6 +490,26 @@ def test_a_trusting_server_renders_a_request_template(start_server, offline):
     )
     assert (status, answer["error"]["param"]) == (400, "reasoning_effort"), answer
     assert "must be one of low, medium, high; got 'max'" in answer["error"]["message"]
+    # gRPC: Chat.reasoning_effort and ChatMessage.reasoning_content, alike.
+    grpc_chat = chat_to_proto([*history, *messages], chat_template=shows, reasoning_effort="low")
+    tokens = server.stub.Tokenize(pb.TokenizeRequest(chat=grpc_chat))
+    assert list(tokens.token_ids) == want.prompt_token_ids
+    low = offline.chat(messages, greedy_params(8), chat_template=effort,
+                       chat_template_kwargs={"reasoning_effort": "low"})[0]  # fmt: skip
+    grpc_chat = chat_to_proto(messages, chat_template=effort, reasoning_effort="low")
+    assert list(server.stub.Tokenize(pb.TokenizeRequest(chat=grpc_chat)).token_ids) == (
+        low.prompt_token_ids
+    )
+    for bad_chat, words in [
+        (chat_to_proto(messages, chat_template=effort, reasoning_effort="max"),
+         "chat.reasoning_effort must be one of low, medium, high; got 'max'"),
+        (chat_to_proto([{"role": "user", "content": "x", "reasoning_content": "y"}]),
+         "chat.messages[0].reasoning_content: only an assistant's message has thinking"),
+    ]:  # fmt: skip
+        with pytest.raises(grpc.RpcError) as caught:
+            server.stub.Generate(pb.GenerateRequest(chat=bad_chat))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in caught.value.details()
     # Text that is not a template is refused by name, the server serving on.
     status, answer = post(server, "/v1/chat/completions", {**body, "chat_template": "{% for %}"})
     assert (status, answer["error"]["param"]) == (400, "chat_template"), answer
