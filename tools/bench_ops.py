@@ -39,6 +39,10 @@ POOL_BYTES = 1 << 30  # >> last-level cache, so every call reads K/V from memory
 RESULTS: list[dict[str, Any]] = []
 
 
+# gpt-oss's attention sinks for the attention ops (--sinks), one logit per query head.
+SINKS: torch.Tensor | None = None
+
+
 def record(kind: str, **fields: Any) -> None:
     RESULTS.append({"kind": kind, "isa": _C_cpu.isa(), **fields})
 
@@ -98,10 +102,12 @@ def bench_decode(
     out = torch.empty_like(query)
     scale = HEAD_SIZE**-0.5
     layer_caches = [(pool[:, layer, 0], pool[:, layer, 1]) for layer in range(num_layers)]
-    for partition_size in (None, 0, 128):
+    # With --sinks, the automatic partitioning once more with gpt-oss's attention sinks.
+    runs = [(None, None), (0, None), (128, None)] + [(None, SINKS)] * (SINKS is not None)
+    for partition_size, sinks in runs:
         layers = itertools.cycle(layer_caches)
 
-        def call(partition_size: int | None = partition_size, layers=layers) -> None:
+        def call(partition_size: int | None = partition_size, layers=layers, sinks=sinks) -> None:
             key_cache, value_cache = next(layers)
             ops.paged_attention_decode(
                 query,
@@ -112,6 +118,7 @@ def bench_decode(
                 scale,
                 out=out,
                 partition_size=partition_size,
+                sinks=sinks,
             )
 
         seconds = timed(call, iters)
@@ -122,12 +129,13 @@ def bench_decode(
             dtype=str(dtype),
             hugepages=hugepages,
             partition_size=partition_size,
+            sinks=sinks is not None,
             us_per_call=seconds * 1e6,
             kv_read_gbps=layer_bytes / seconds / 1e9,
         )
         print(
             f"decode  batch {num_seqs:4d} ctx {context} {str(dtype):15s} "
-            f"{'huge pages ' if hugepages else ''}"
+            f"{'huge pages ' if hugepages else ''}{'sinks ' if sinks is not None else ''}"
             f"partition {str(partition_size):4s}: {seconds * 1e6:8.1f} us/call  "
             f"{layer_bytes / seconds / 1e9:6.1f} GB/s KV read"
         )
@@ -147,12 +155,21 @@ def bench_prefill(q_lens: list[int], dtype: torch.dtype, iters: int) -> None:
     out = torch.empty_like(query)
     scale = HEAD_SIZE**-0.5
 
-    def call() -> None:
+    def call(sinks: torch.Tensor | None = None) -> None:
         ops.paged_prefill_attention(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            out=out,
+            sinks=sinks,
         )
 
     seconds = timed(call, iters)
+    sinks_seconds = None if SINKS is None else timed(lambda: call(SINKS), iters)
     # QK^T and PV over the causal half, 2 flops per multiply-add.
     flops = sum(4 * NUM_HEADS * HEAD_SIZE * n * (n + 1) / 2 for n in q_lens)
 
@@ -180,11 +197,13 @@ def bench_prefill(q_lens: list[int], dtype: torch.dtype, iters: int) -> None:
         us_per_call=seconds * 1e6,
         gflops=flops / seconds / 1e9,
         torch_sdpa_contiguous_us=sdpa_seconds * 1e6,
+        us_per_call_with_sinks=None if sinks_seconds is None else sinks_seconds * 1e6,
     )
     print(
         f"prefill q_lens {q_lens} {str(dtype):15s}: {seconds * 1e6:8.1f} us/call  "
         f"{flops / seconds / 1e9:6.1f} GFLOP/s  (torch SDPA on contiguous K/V: "
         f"{sdpa_seconds * 1e6:.1f} us)"
+        + ("" if sinks_seconds is None else f"; with sinks {sinks_seconds * 1e6:.1f} us")
     )
 
 
@@ -299,7 +318,12 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=("attention", "elementwise"), default=None)
     parser.add_argument("--json", default=None, help="write every figure here")
+    parser.add_argument(
+        "--sinks", action="store_true", help="also time the attention ops with attention sinks"
+    )
     args = parser.parse_args()
+    global SINKS
+    SINKS = torch.randn(NUM_HEADS) * 3.0 if args.sinks else None
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
     isas = args.isa.split(",") if args.isa else [_C_cpu.isa()]
