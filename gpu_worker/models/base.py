@@ -12,6 +12,7 @@ from pagedserve.gpu_worker.kv_cache import layer_caches
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.linear import ShardedWeights
 from pagedserve.gpu_worker.layers.packed_weights import pack_linear_weights
+from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.parallel import TensorParallel
@@ -117,6 +118,18 @@ class StackedDecoderLM(CausalLM):
             if tied
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, parallel)
         )
+
+    def model_rotary(self) -> RotaryEmbedding:
+        """The RoPE of a family with one for every layer: the config's scaling, over the
+        model's context."""
+        config = self.config
+        return RotaryEmbedding(
+            config.head_size, config.max_position_embeddings, rope_parameters(config.hf_config)
+        )
+
+    def stack_layers(self, make_layer: Callable[[int], nn.Module]) -> None:
+        """``self.layers``: ``make_layer(index)`` for each of the config's layers."""
+        self.layers = nn.ModuleList(make_layer(index) for index in range(self.config.num_layers))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

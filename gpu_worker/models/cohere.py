@@ -24,7 +24,6 @@ from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rotary import (
     RotaryEmbedding,
     pairs_to_halves,
-    rope_parameters,
 )
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig
@@ -152,13 +151,8 @@ class CohereForCausalLM(StackedDecoderLM):
     ) -> None:
         super().__init__(config, dtype, parallel, tie_default=True)
         hf = config.hf_config
-        rotary = RotaryEmbedding(
-            config.head_size, config.max_position_embeddings, rope_parameters(hf)
-        )
-        self.layers = nn.ModuleList(
-            CohereDecoderLayer(config, rotary, dtype, parallel, index)
-            for index in range(config.num_layers)
-        )
+        rotary = self.model_rotary()
+        self.stack_layers(lambda index: CohereDecoderLayer(config, rotary, dtype, parallel, index))
         self.norm = CohereLayerNorm(config.hidden_size, hf.get("layer_norm_eps", 1e-5), dtype)
         self.logit_scale = float(hf.get("logit_scale") or 1.0)
 

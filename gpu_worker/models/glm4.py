@@ -15,7 +15,7 @@ from torch import nn
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import RMSNorm
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
-from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves, rope_parameters
+from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import (
@@ -69,12 +69,8 @@ class Glm4ForCausalLM(StackedDecoderLM):
     ) -> None:
         super().__init__(config, dtype, parallel)
         hf = config.hf_config
-        self.rotary = RotaryEmbedding(
-            config.head_size, config.max_position_embeddings, rope_parameters(hf)
-        )
-        self.layers = nn.ModuleList(
-            Glm4DecoderLayer(config, self.rotary, dtype, parallel) for _ in range(config.num_layers)
-        )
+        self.rotary = self.model_rotary()
+        self.stack_layers(lambda _: Glm4DecoderLayer(config, self.rotary, dtype, parallel))
         self.norm = RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1.5625e-07), dtype)
 
     def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:

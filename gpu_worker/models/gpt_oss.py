@@ -22,7 +22,7 @@ from torch import nn
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import ScaledInFloat32RMSNorm, empty_parameter
 from pagedserve.gpu_worker.layers.moe import SparseMoE
-from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import StackedDecoderLM, load_fused_checkpoint
@@ -122,13 +122,8 @@ class GptOssForCausalLM(StackedDecoderLM):
     ) -> None:
         super().__init__(config, dtype, parallel)
         hf = config.hf_config
-        rotary = RotaryEmbedding(
-            config.head_size, config.max_position_embeddings, rope_parameters(hf)
-        )
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, rotary, dtype, parallel, layer_index)
-            for layer_index in range(config.num_layers)
-        )
+        rotary = self.model_rotary()
+        self.stack_layers(lambda index: GptOssDecoderLayer(config, rotary, dtype, parallel, index))
         self.norm = ScaledInFloat32RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1e-5), dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

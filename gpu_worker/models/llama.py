@@ -28,7 +28,7 @@ from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import RMSNorm, norm_each_head
 from pagedserve.gpu_worker.layers.mlp import GatedMLP, UngatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
-from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves, rope_parameters
+from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 from pagedserve.gpu_worker.models.base import (
@@ -201,13 +201,8 @@ class LlamaForCausalLM(StackedDecoderLM):
     ) -> None:
         super().__init__(config, dtype, parallel)
         hf = config.hf_config
-        rotary = RotaryEmbedding(
-            config.head_size, config.max_position_embeddings, rope_parameters(hf)
-        )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, dtype, parallel, layer_index)
-            for layer_index in range(config.num_layers)
-        )
+        rotary = self.model_rotary()
+        self.stack_layers(lambda index: LlamaDecoderLayer(config, rotary, dtype, parallel, index))
         self.norm = RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1e-6), dtype)
         self.embedding_multiplier = _granite_scalar(config, "embedding_multiplier")
         self.logits_scaling = _granite_scalar(config, "logits_scaling")

@@ -10,7 +10,7 @@ from torch import nn
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import LayerNorm, activation
 from pagedserve.gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import StackedDecoderLM
@@ -70,11 +70,8 @@ class Starcoder2ForCausalLM(StackedDecoderLM):
     ) -> None:
         super().__init__(config, dtype, parallel, tie_default=True)
         hf = config.hf_config
-        rotary = RotaryEmbedding(
-            config.head_size, config.max_position_embeddings, rope_parameters(hf)
-        )
-        self.layers = nn.ModuleList(
-            Starcoder2DecoderLayer(config, rotary, dtype, parallel, index)
-            for index in range(config.num_layers)
+        rotary = self.model_rotary()
+        self.stack_layers(
+            lambda index: Starcoder2DecoderLayer(config, rotary, dtype, parallel, index)
         )
         self.norm = LayerNorm(config.hidden_size, hf.get("norm_epsilon", 1e-5), True, dtype)
