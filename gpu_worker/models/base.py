@@ -88,6 +88,23 @@ class CausalLM(nn.Module, abc.ABC):
             layer.self_attn.key_cache, layer.self_attn.value_cache = layer_caches(kv_cache, index)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """A decoder layer that norms each sublayer's input and adds its output to the residual:
+    ``h += self_attn(input_layernorm(h))``, then ``h += mlp(post_attention_layernorm(h))``
+    (StarCoder2's, gpt-oss's). A family sets the four modules."""
+
+    input_layernorm: nn.Module
+    self_attn: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 class StackedDecoderLM(CausalLM):
     """The shape the Llama family, OLMo 2, StarCoder2, Cohere and GLM-4 share: the token
     embedding, ``self.layers`` each mapping (positions, hidden, metadata) to hidden, a final

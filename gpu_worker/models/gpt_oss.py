@@ -17,15 +17,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
-from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import ScaledInFloat32RMSNorm, empty_parameter
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig
-from pagedserve.gpu_worker.models.base import StackedDecoderLM, load_fused_checkpoint
+from pagedserve.gpu_worker.models.base import (
+    PreNormDecoderLayer,
+    StackedDecoderLM,
+    load_fused_checkpoint,
+)
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 # The 16 values of a 4-bit e2m1 code (sign, 2 exponent bits, 1 mantissa bit), OCP MX's table.
@@ -87,7 +89,7 @@ class GptOssAttention(SelfAttention):
         return 0, tensor[self.heads.start : self.heads.stop]
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         config: ModelConfig,
@@ -108,12 +110,6 @@ class GptOssDecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = ScaledInFloat32RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = SparseMoE(config.hidden_size, experts, "silu", dtype, parallel)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class GptOssForCausalLM(StackedDecoderLM):

@@ -7,13 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import LayerNorm, activation
 from pagedserve.gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import ModelConfig
-from pagedserve.gpu_worker.models.base import StackedDecoderLM
+from pagedserve.gpu_worker.models.base import PreNormDecoderLayer, StackedDecoderLM
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 
@@ -33,7 +32,7 @@ class Starcoder2MLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(hidden)))
 
 
-class Starcoder2DecoderLayer(nn.Module):
+class Starcoder2DecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         config: ModelConfig,
@@ -56,12 +55,6 @@ class Starcoder2DecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = LayerNorm(hidden, eps, True, dtype)
         self.mlp = Starcoder2MLP(config, dtype, parallel)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Starcoder2ForCausalLM(StackedDecoderLM):
