@@ -87,6 +87,7 @@ LORA_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "GraniteMoeForCausalLM",
     "GptOssForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "c_proj")
 _WEIGHTS_FILE = "adapter_model.safetensors"

@@ -39,6 +39,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
     "GraniteMoeForCausalLM": "llama",
+    "Glm4MoeForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
@@ -79,7 +80,7 @@ CLASSIFIER_ARCHITECTURES = {
 # layers, soft-capping fields).
 _GEMMA2_LIKE = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The architectures whose HF model rotates only part of each head (partial_rotary_factor).
-_PARTIAL_ROTARY = ("Phi3ForCausalLM", "Glm4ForCausalLM")
+_PARTIAL_ROTARY = ("Phi3ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 # RoPE settings per layer type (sliding / full attention), not one for the model.
 _PER_LAYER_TYPE_ROPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
 _GEMMA_NAMES = {"Gemma2ForCausalLM": "Gemma 2", "Gemma3ForCausalLM": "Gemma 3"}
@@ -143,6 +144,21 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         attention_bias=True,
         head_dim=128,
         max_position_embeddings=131072,
+    ),
+    # Glm4MoeConfig's (GLM-4.5's shapes): half of each head rotates, one shared expert.
+    "Glm4MoeForCausalLM": dict(
+        partial_rotary_factor=0.5,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1408,
+        n_shared_experts=1,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
     ),
     "Starcoder2ForCausalLM": dict(
         max_position_embeddings=4096, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True
@@ -209,6 +225,25 @@ _FIELD_ALIASES: dict[str, dict[str, str]] = {
 
 
 @dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's routers and GLM-4.5's: the experts fall in ``num_groups`` equal groups; each
+    token keeps its ``top_k_groups`` best groups and picks its top-k experts among them; their
+    weights are scaled by ``routed_scaling_factor``. All in float32, over a router weight kept
+    in float32 (HF's ``_keep_in_fp32_modules_strict``).
+
+    ``sigmoid`` (DeepSeek-V3's "noaux_tc", GLM-4.5): an expert's score is the sigmoid of its
+    logit; a learned bias per expert (``gate.e_score_correction_bias``) joins the scores that
+    choose, not the weights; a group ranks by the sum of its two best. Otherwise (DeepSeek-V2's
+    "greedy", one group, and "group_limited_greedy") the scores are the logits' softmax and a
+    group ranks by its best."""
+
+    sigmoid: bool
+    num_groups: int
+    top_k_groups: int
+    routed_scaling_factor: float
+
+
+@dataclass(frozen=True)
 class ExpertsSpec:
     """A mixture-of-experts layer: a router scores ``num_experts`` gated MLPs for each
     token and sums the ``top_k`` best, weighted by their softmax probabilities."""
@@ -236,6 +271,11 @@ class ExpertsSpec:
     expert_bias: bool = False
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    # DeepSeek's and GLM-4.5's router (None: the ones above).
+    grouped: GroupedRouting | None = None
+    # Qwen2-MoE gates its shared expert by a sigmoid; DeepSeek's and GLM-4.5's shared experts
+    # (``mlp.shared_experts``, ``n_shared_experts`` experts' rows as one MLP) are added as is.
+    shared_expert_gated: bool = True
 
 
 @dataclass(frozen=True)
@@ -678,6 +718,8 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
             softmax_over_top_k=not mixtral,
         )
         return (spec,) * num_layers
+    if architecture in _GROUPED_ROUTER_MOE:
+        return _grouped_router_experts(architecture, hf_config)
     if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return (None,) * num_layers
     qwen2 = architecture == "Qwen2MoeForCausalLM"
@@ -703,6 +745,93 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
     return tuple(
         spec if i not in dense and (i + 1) % step == 0 else None for i in range(num_layers)
     )
+
+
+# DeepSeek's mixtures of experts and GLM-4.5's (``GroupedRouting``).
+_GROUPED_ROUTER_MOE = ("Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def _grouped_router_experts(
+    architecture: str, hf_config: dict[str, Any]
+) -> tuple[ExpertsSpec | None, ...]:
+    """DeepSeek-V2 / V3 and GLM-4.5: ``n_routed_experts`` experts of ``moe_intermediate_size``
+    at each layer from ``first_k_dense_replace`` on (a dense MLP of ``intermediate_size``
+    before it), the top ``num_experts_per_tok`` of the groups router (``GroupedRouting``:
+    V2's ``topk_method``, V3's and GLM-4.5's sigmoid scores), plus ``n_shared_experts``
+    experts' rows as one shared MLP; V3's and GLM-4.5's weights renormalised when
+    ``norm_topk_prob`` says, V2's never (its router ignores the field)."""
+    num_layers = hf_config["num_hidden_layers"]
+    v2 = architecture == "DeepseekV2ForCausalLM"
+    method = hf_config.get("topk_method", "greedy") if v2 else "noaux_tc"
+    if v2 and method not in _DEEPSEEK_V2_TOPK_METHODS:
+        raise ValueError(
+            f"model: topk_method={method!r} is not a DeepSeek-V2 router; "
+            f"supported: {', '.join(_DEEPSEEK_V2_TOPK_METHODS)}"
+        )
+    num_experts = hf_config.get("n_routed_experts")
+    shared = hf_config.get("n_shared_experts")
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ValueError(f"model: n_shared_experts must be an integer >= 0, got {shared!r}")
+    spec = _checked_experts(
+        hf_config,
+        num_experts=num_experts,
+        num_experts_field="n_routed_experts",
+        top_k=hf_config.get("num_experts_per_tok"),
+        intermediate_field="moe_intermediate_size",
+        renormalize=not v2 and bool(hf_config.get("norm_topk_prob")),
+        weights_in_float32=True,
+    )
+    if method == "greedy":
+        num_groups = top_k_groups = 1
+    else:
+        num_groups, top_k_groups = hf_config.get("n_group"), hf_config.get("topk_group")
+        for name, value in (("n_group", num_groups), ("topk_group", top_k_groups)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model: {name} must be an integer >= 1, got {value!r}")
+        if num_experts % num_groups:
+            raise ValueError(
+                f"model: n_routed_experts={num_experts} must divide into n_group={num_groups} "
+                "equal groups"
+            )
+        if top_k_groups > num_groups:
+            raise ValueError(f"model: topk_group={top_k_groups} exceeds n_group={num_groups}")
+        per_group = num_experts // num_groups
+        if method == "noaux_tc" and per_group < 2:
+            raise ValueError(
+                f"model: n_routed_experts / n_group = {per_group}: each group needs at least "
+                "2 experts (a group ranks by the sum of its two best)"
+            )
+        if spec.top_k > top_k_groups * per_group:
+            raise ValueError(
+                f"model: num_experts_per_tok={spec.top_k} exceeds the {top_k_groups * per_group} "
+                f"experts of topk_group={top_k_groups} groups of {per_group}"
+            )
+    scale = hf_config.get("routed_scaling_factor")
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        raise ValueError(f"model: routed_scaling_factor must be a positive number, got {scale!r}")
+    spec = dataclasses.replace(
+        spec,
+        shared_intermediate_size=spec.intermediate_size * shared,
+        shared_expert_gated=False,
+        grouped=GroupedRouting(
+            sigmoid=not v2,
+            num_groups=num_groups,
+            top_k_groups=top_k_groups,
+            routed_scaling_factor=float(scale),
+        ),
+    )
+    first_dense = hf_config.get("first_k_dense_replace")
+    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
+        raise ValueError(
+            f"model: first_k_dense_replace must be an integer >= 0, got {first_dense!r}"
+        )
+    return tuple(spec if i >= first_dense else None for i in range(num_layers))
 
 
 def _num_experts(hf_config: dict[str, Any], default: int) -> tuple[Any, str]:

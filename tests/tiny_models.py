@@ -45,6 +45,9 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Ernie4_5ForCausalLM": transformers.Ernie4_5Config,
         "InternLM3ForCausalLM": transformers.InternLM3Config,
         "ArceeForCausalLM": transformers.ArceeConfig,
+        "Glm4MoeForCausalLM": transformers.Glm4MoeConfig,
+        "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
+        "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]
@@ -66,6 +69,10 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
                 parameter.normal_(0.0, 1.0)
             else:
                 parameter.normal_(0.0, 0.08)
+        for name, buffer in model.named_buffers():
+            # DeepSeek-V3's / GLM-4.5's router bias (a buffer): enough to change the choice.
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path
 

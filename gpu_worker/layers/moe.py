@@ -1,6 +1,7 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, gpt-oss): a router
-picks each token's top-k experts, and each expert, a gated MLP (gpt-oss's: a clamped SwiGLU
-with biases), runs on the tokens routed to it.
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, gpt-oss, DeepSeek-V2
+/ V3, GLM-4.5): a router picks each token's top-k experts (DeepSeek's and GLM-4.5's within its
+best groups of experts), and each expert, a gated MLP (gpt-oss's: a clamped SwiGLU with
+biases), runs on the tokens routed to it.
 
 Dispatch: the (token, expert) pairs are sorted by expert and their rows gathered once, so
 each expert runs one GEMM over a slice of them; the weighted outputs go back to token
@@ -28,8 +29,9 @@ from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 
 class SparseMoE(nn.Module):
-    """Parameters under HF's names: ``gate`` (the router, [num_experts, hidden]),
-    ``experts.{e}`` (gated MLPs), Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``."""
+    """Parameters under HF's names: ``gate`` (the router, [num_experts, hidden]; DeepSeek-V3's
+    and GLM-4.5's with ``gate.e_score_correction_bias``), ``experts.{e}`` (gated MLPs), Qwen2-MoE's
+    ``shared_expert`` and ``shared_expert_gate``, DeepSeek's and GLM-4.5's ``shared_experts``."""
 
     def __init__(
         self,
@@ -57,18 +59,33 @@ class SparseMoE(nn.Module):
             )
             for _ in range(spec.num_experts)
         )
+        if spec.grouped is not None:
+            # DeepSeek's and GLM-4.5's routers score in float32 over a float32 weight.
+            self.gate = Linear(hidden_size, spec.num_experts, False, torch.float32)
+            self.gate.quantizable = False
+            if spec.grouped.sigmoid:
+                self.gate.e_score_correction_bias = nn.Parameter(
+                    torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False
+                )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
+        self.shared_experts: GatedMLP | None = None
         if spec.shared_intermediate_size:
-            self.shared_expert = GatedMLP(
+            shared = GatedMLP(
                 hidden_size, spec.shared_intermediate_size, False, act_name, dtype, parallel, False
             )
-            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
-            self.shared_expert_gate.quantizable = False
+            if spec.shared_expert_gated:
+                self.shared_expert = shared
+                self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
+                self.shared_expert_gate.quantizable = False
+            else:
+                self.shared_experts = shared
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, hidden] -> (each token's top-k experts int64 [num_tokens, top_k],
         their weights [num_tokens, top_k]: float32 or the model's dtype, per ``spec``)."""
+        if self.spec.grouped is not None:
+            return self._route_in_groups(hidden)
         logits = self.gate(hidden)
         if self.spec.softmax_over_top_k:  # Granite MoE, gpt-oss: the top k logits' softmax
             top_logits, experts = torch.topk(logits.float(), self.spec.top_k, dim=-1)
@@ -80,6 +97,38 @@ class SparseMoE(nn.Module):
         if not self.spec.weights_in_float32:
             weights = weights.to(hidden.dtype)
         return experts, weights
+
+    def _route_in_groups(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``GroupedRouting``, HF's arithmetic: float32 weights, each token's experts chosen
+        within its best groups."""
+        grouped = self.spec.grouped
+        assert grouped is not None
+        logits = self.gate(hidden.float())
+        num_groups = grouped.num_groups
+        if grouped.sigmoid:
+            scores = logits.sigmoid()
+            choice = scores + self.gate.e_score_correction_bias
+            grouped_choice = choice.view(-1, num_groups, self.spec.num_experts // num_groups)
+            group_scores = grouped_choice.topk(2, dim=-1)[0].sum(dim=-1)
+            masked = float("-inf")
+        else:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            choice = scores
+            grouped_choice = choice.view(-1, num_groups, self.spec.num_experts // num_groups)
+            group_scores = grouped_choice.max(dim=-1).values
+            masked = 0.0
+        if grouped.top_k_groups < num_groups:
+            best_groups = torch.topk(group_scores, k=grouped.top_k_groups, dim=-1)[1]
+            kept = torch.zeros_like(group_scores, dtype=torch.bool)
+            kept.scatter_(1, best_groups, True)
+            choice = choice.masked_fill(
+                ~kept.repeat_interleave(grouped_choice.shape[-1], 1), masked
+            )
+        experts = torch.topk(choice, k=self.spec.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if self.spec.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return experts, weights * grouped.routed_scaling_factor
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(hidden)
@@ -114,4 +163,6 @@ class SparseMoE(nn.Module):
             # sigmoid(g) scales each rank's partial sum alike, so one sum over ranks holds.
             gate = torch.sigmoid(self.shared_expert_gate(hidden))
             output += gate * self.shared_expert(hidden)
+        if self.shared_experts is not None:
+            output += self.shared_experts(hidden)
         return self.parallel.all_reduce(output)

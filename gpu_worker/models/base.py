@@ -252,6 +252,27 @@ def load_fused_checkpoint(
     loader.check_complete()
 
 
+def without_next_token_layers(
+    config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint without its multi-token-prediction layers (DeepSeek-V3's and GLM-4.5's
+    ``model.layers.{N}``, the ``num_nextn_predict_layers`` (default 1) after the
+    ``num_hidden_layers``), which HF does not load either (``_keys_to_ignore_on_load_unexpected``):
+    they only draft tokens, which this engine's speculative decoding does not take from them."""
+    extra = config.hf_config.get("num_nextn_predict_layers", 1)
+    next_token_layers = range(config.num_layers, config.num_layers + extra)
+    for name, tensor in weights:
+        parts = name.split(".", 3)
+        if (
+            parts[:2] == ["model", "layers"]
+            and len(parts) > 2
+            and parts[2].isdigit()
+            and int(parts[2]) in next_token_layers
+        ):
+            continue
+        yield name, tensor
+
+
 def split_fused_projections(
     config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterable[tuple[str, torch.Tensor]]:

@@ -15,7 +15,10 @@ projection's (``attention_out_bias``). Baidu's ERNIE 4.5 (the dense models) is L
 one switch for every projection's bias (``use_bias``) and RoPE on interleaved pairs, run as
 the ops' rotate-half on query and key rows the loader reorders (``rotary.pairs_to_halves``;
 ``CausalLM.checkpoint_rows``). Arcee's AFM is Llama with an ungated MLP,
-``down(relu(up(x))^2)``."""
+``down(relu(up(x))^2)``. Zhipu's GLM-4.5 (``Glm4MoeForCausalLM``) is Llama with q/k/v biases,
+RoPE over half of each head, optional per-head q/k norms (``use_qk_norm``), and, from layer
+``first_k_dense_replace`` on, experts under DeepSeek-V3's grouped sigmoid router plus a shared
+expert (layers/moe.py); its checkpoints' multi-token-prediction layer is not loaded."""
 
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from pagedserve.gpu_worker.models.base import (
     StackedDecoderLM,
     load_fused_checkpoint,
     split_fused_projections,
+    without_next_token_layers,
 )
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
@@ -74,6 +78,14 @@ _OUTPUT_BIAS_FIELDS = {
 _MLP_BIAS_FIELDS = {"Ernie4_5ForCausalLM": "use_bias"}
 
 
+def _output_bias(config: ModelConfig) -> bool:
+    """GLM-4.5's ``attention_bias`` gives q/k/v biases only; elsewhere its field says."""
+    if config.architecture == "Glm4MoeForCausalLM":
+        return False
+    field = _OUTPUT_BIAS_FIELDS.get(config.architecture, "attention_bias")
+    return bool(config.hf_config.get(field))
+
+
 class LlamaAttention(SelfAttention):
     """Over this rank's query and KV heads (all of them without tensor parallelism); Qwen3's
     per-head query and key norms, Granite's attention scale."""
@@ -95,14 +107,14 @@ class LlamaAttention(SelfAttention):
             dtype,
             parallel,
             bias=_qkv_bias(config),
-            output_bias=bool(
-                hf.get(_OUTPUT_BIAS_FIELDS.get(config.architecture, "attention_bias"))
-            ),
+            output_bias=_output_bias(config),
             sliding_window=sliding_window,
             scale=_granite_scalar(config, "attention_multiplier"),
         )
         # Each rank holds whole heads, so the per-head norm weights are replicated, not split.
-        per_head_norm = config.architecture in _PER_HEAD_QK_NORM
+        per_head_norm = config.architecture in _PER_HEAD_QK_NORM or (
+            config.architecture == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm"))
+        )
         eps = hf.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
         self.k_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
@@ -237,6 +249,8 @@ class LlamaForCausalLM(StackedDecoderLM):
             weights = split_fused_projections(self.config, weights)
         if self.config.architecture == "GraniteMoeForCausalLM":
             weights = _split_granite_experts(weights)
+        if self.config.architecture == "Glm4MoeForCausalLM":
+            weights = without_next_token_layers(self.config, weights)
 
         def rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
             return self.checkpoint_rows(name.rpartition(".")[0].rpartition(".")[2], tensor)

@@ -1,0 +1,144 @@
+"""Zhipu's GLM-4.5 (``Glm4MoeForCausalLM``): Llama attention with q/k/v biases, RoPE over half
+of each head and per-head q/k norms; a dense first layer, then experts under DeepSeek-V3's
+router (sigmoid scores, a learned bias that only steers the choice, experts in groups of which
+each token keeps the best, renormalised and scaled weights) beside an ungated shared expert.
+Greedy tokens identical to HF transformers (float32) across block sizes, chunked prefill with
+prefix hits, two tensor-parallel ranks, and preemption by swap; the checkpoint's
+multi-token-prediction layer is skipped as HF skips it; the router's bias, its groups and its
+scale each change HF's own tokens, so the parity checks can fail; bfloat16's first tokens agree
+with HF's bfloat16 (the router kept in float32 as HF keeps it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine.test_lora import check_adapter_matches_hf_peft
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from safetensors.torch import load_file, save_file
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
+    prompts,
+    rewritten,
+    token_ids,
+)
+
+from pagedserve.frontend import LLM
+from pagedserve.gpu_worker.model_config import ExpertsSpec, GroupedRouting, ModelConfig
+
+# GLM-4.5's shape in small: 3 layers (layer 0 dense), 8 experts of 64 in 4 groups, each token
+# keeping 2 groups and 3 experts; one shared expert; q/k norms; scaled weights.
+GLM4_MOE = dict(
+    architectures=["Glm4MoeForCausalLM"],
+    **{**TINY_SHAPE, "num_hidden_layers": 3},
+    head_dim=64,
+    moe_intermediate_size=64,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    attention_bias=True,
+    use_qk_norm=True,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+
+model_dir, hf_reference = family_fixtures(GLM4_MOE)
+
+
+def test_layers_get_the_grouped_router_and_a_shared_expert(model_dir):
+    config = ModelConfig.from_dir(model_dir)
+    sparse = ExpertsSpec(
+        8,
+        3,
+        64,
+        "moe_intermediate_size",
+        True,
+        True,
+        shared_intermediate_size=64,
+        grouped=GroupedRouting(True, 4, 2, 2.5),
+        shared_expert_gated=False,
+    )
+    assert config.layer_experts == (None, sparse, sparse)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_glm4_moe_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
+
+
+def test_preemption_by_swap_keeps_the_tokens(model_dir, hf_reference):
+    llm = LLM(
+        model_dir,
+        num_blocks=20,
+        max_num_batched_tokens=160,
+        preemption_mode="swap",
+        swap_space_bytes=64 << 20,
+    )
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+    assert llm.stats()["num_swap_preemptions"] > 0
+
+
+def test_the_next_token_prediction_layer_is_skipped_as_hf_skips_it(model_dir, tmp_path):
+    # A copy whose checkpoint carries layer 3 (the MTP layer after the 3 decoder layers).
+    with_mtp = rewritten(model_dir, tmp_path / "with_mtp", num_nextn_predict_layers=1)
+    tensors = load_file(with_mtp / "model.safetensors")
+    for name in [n for n in tensors if n.startswith("model.layers.2.")]:
+        tensors[name.replace("model.layers.2.", "model.layers.3.")] = tensors[name].clone()
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(256, 512)
+    save_file(tensors, with_mtp / "model.safetensors", metadata={"format": "pt"})
+    expected = hf_greedy(with_mtp, prompts())
+    llm = LLM(with_mtp, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+
+
+def test_router_bias_groups_and_scale_each_change_hf_s_tokens(model_dir, hf_reference, tmp_path):
+    unbiased = rewritten(model_dir, tmp_path / "unbiased")
+    tensors = load_file(unbiased / "model.safetensors")
+    for name in tensors:
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, unbiased / "model.safetensors", metadata={"format": "pt"})
+    ungrouped = rewritten(model_dir, tmp_path / "ungrouped", topk_group=4)
+    unscaled = rewritten(model_dir, tmp_path / "unscaled", routed_scaling_factor=1.0)
+    for variant in (unbiased, ungrouped, unscaled):
+        assert hf_greedy(variant, prompts()) != hf_reference, variant.name
+        llm = LLM(variant, num_blocks=256)
+        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy(variant, prompts())
+
+
+def test_an_attention_adapter_matches_hf_peft(model_dir, tmp_path):
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    check_adapter_matches_hf_peft(model_dir, tmp_path, targets, seed=3, prompt_seed=6)
+
+
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
+    check_bfloat16_first_tokens_agree_with_hf(model_dir)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(n_group=3), "n_routed_experts=8 must divide into n_group=3"),
+        (dict(topk_group=5), "topk_group=5 exceeds n_group=4"),
+        (dict(n_group=8, topk_group=2), "each group needs at least 2 experts"),
+        (dict(num_experts_per_tok=5), "num_experts_per_tok=5 exceeds the 4 experts"),
+        (dict(routed_scaling_factor=0), "routed_scaling_factor must be a positive number"),
+        (dict(first_k_dense_replace=-1), "first_k_dense_replace must be an integer >= 0"),
+        (dict(n_shared_experts="1"), "n_shared_experts must be an integer >= 0"),
+    ],
+)
+def test_bad_router_fields_are_refused_by_name(model_dir, tmp_path, changes, message):
+    bad = rewritten(model_dir, tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dir(bad)
