@@ -244,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="split a reasoning model's thinking (<think>...</think>) from its chat answers into "
         "reasoning_content: qwen3 (Qwen3, QwQ), deepseek_r1 (DeepSeek-R1 and distills), "
         "mistral (Magistral: [THINK] ... [/THINK]), seed_oss (Seed-OSS: <seed:think> ... "
-        "</seed:think>) or openai_gptoss (gpt-oss: harmony's analysis channel)",
+        "</seed:think>), glm45 (GLM-4.5 / 4.6: <think> ... </think> after leading whitespace), "
+        "granite (IBM Granite 3.2+: 'Here is my thought process:' ... 'Here is my response:') "
+        "or openai_gptoss (gpt-oss: harmony's analysis channel)",
     )
     api.add_argument(
         "--tool-call-parser",
@@ -255,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
         "list of calls), mistral ([TOOL_CALLS]: Mistral, Mixtral, Devstral), qwen3_coder "
         "(Qwen3-Coder's XML calls), seed_oss (Seed-OSS: that XML in <seed:tool_call> blocks), "
         "deepseek_v3 (DeepSeek V3, R1 and its Qwen / Llama "
-        "distills), deepseek_v31 (DeepSeek V3.1), granite (IBM Granite 3.x: a JSON array "
+        "distills), deepseek_v31 (DeepSeek V3.1), glm45 (GLM-4.5 / 4.6: <tool_call> blocks of "
+        "<arg_key> / <arg_value> pairs), granite (IBM Granite 3.x: a JSON array "
         "after <|tool_call|>), phi4_mini_json (Phi-4-mini: functools[...]) or openai "
         "(gpt-oss: harmony messages to=functions.NAME)",
     )

@@ -272,6 +272,7 @@ def _chat_request(
     tool_choice: ToolChoice | None,
     parallel_tool_calls: bool | None,
     include_reasoning: bool | None,
+    reasoning_effort: str | None,
     add_generation_prompt: bool,
     continue_final_message: bool,
     chat_template_kwargs: dict[str, Any] | None,
@@ -285,7 +286,7 @@ def _chat_request(
     chat = chat_to_proto(
         messages, tools, tool_choice, parallel_tool_calls, include_reasoning,
         add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template,
-        documents,
+        documents, reasoning_effort,
     )  # fmt: skip
     return build_request(chat, params, request_id, cache_namespace, lora_adapter, priority)
 
@@ -331,6 +332,7 @@ class Client:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         include_reasoning: bool | None = None,
+        reasoning_effort: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -346,15 +348,18 @@ class Client:
         message dicts, an assistant's ``tool_calls`` and a tool's ``tool_call_id``
         included). ``tools`` (OpenAI's function tools) go to the template, and
         ``tool_choice`` (unset: "auto" with tools) says how calls come out: each output's
-        ``tool_calls``, its ``text`` the content around them. ``continue_final_message``
+        ``tool_calls``, its ``text`` the content around them. ``reasoning_effort``
+        (OpenAI's "low", "medium" or "high") goes to the template as its variable of the
+        name (gpt-oss's reads it; ``chat_template_kwargs`` win). ``continue_final_message``
         (with ``add_generation_prompt=False``) has the model go on with the last message,
         ``chat_template_kwargs`` are more template variables, ``documents`` a RAG
         template's sources, and ``chat_template`` a template of the call's own (a server
         started with ``--trust-request-chat-template``), as ``LLM.chat``."""
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
-            add_generation_prompt, continue_final_message, chat_template_kwargs,
-            chat_template, documents, request_id, cache_namespace, lora_adapter, priority,
+            reasoning_effort, add_generation_prompt, continue_final_message,
+            chat_template_kwargs, chat_template, documents, request_id, cache_namespace,
+            lora_adapter, priority,
         )  # fmt: skip
         return self._whole(request, timeout_s)
 
@@ -383,6 +388,7 @@ class Client:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         include_reasoning: bool | None = None,
+        reasoning_effort: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -398,8 +404,9 @@ class Client:
         (a call's arguments grow until the output ends)."""
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
-            add_generation_prompt, continue_final_message, chat_template_kwargs,
-            chat_template, documents, request_id, cache_namespace, lora_adapter, priority,
+            reasoning_effort, add_generation_prompt, continue_final_message,
+            chat_template_kwargs, chat_template, documents, request_id, cache_namespace,
+            lora_adapter, priority,
         )  # fmt: skip
         return self._stream(request, timeout_s)
 
@@ -537,6 +544,7 @@ class AsyncClient:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         include_reasoning: bool | None = None,
+        reasoning_effort: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -550,8 +558,9 @@ class AsyncClient:
     ) -> RequestOutput:
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
-            add_generation_prompt, continue_final_message, chat_template_kwargs,
-            chat_template, documents, request_id, cache_namespace, lora_adapter, priority,
+            reasoning_effort, add_generation_prompt, continue_final_message,
+            chat_template_kwargs, chat_template, documents, request_id, cache_namespace,
+            lora_adapter, priority,
         )  # fmt: skip
         return await self._whole(request, timeout_s)
 
@@ -578,6 +587,7 @@ class AsyncClient:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         include_reasoning: bool | None = None,
+        reasoning_effort: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -591,8 +601,9 @@ class AsyncClient:
     ) -> AsyncIterator[RequestOutput]:
         request = _chat_request(
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
-            add_generation_prompt, continue_final_message, chat_template_kwargs,
-            chat_template, documents, request_id, cache_namespace, lora_adapter, priority,
+            reasoning_effort, add_generation_prompt, continue_final_message,
+            chat_template_kwargs, chat_template, documents, request_id, cache_namespace,
+            lora_adapter, priority,
         )  # fmt: skip
         return self._stream(request, timeout_s)
 

@@ -194,10 +194,10 @@ class LLM:
     a request that does not fit preempts running ones of a strictly lower priority
     (``scheduler/scheduler.py``). Under ``"fcfs"`` a priority other than 0 is refused.
 
-    ``reasoning_parser="qwen3" | "deepseek_r1"`` (a reasoning model, whose output thinks
-    between ``<think>`` and ``</think>`` before it answers): a request's structured output
-    then constrains the answer only, from the token after ``</think>`` on, as vLLM does
-    (the markers must be single tokens of the vocabulary; under ``"openai_gptoss"`` the
+    ``reasoning_parser="qwen3" | "deepseek_r1" | "glm45" | ...`` (a reasoning model, whose
+    output thinks between ``<think>`` and ``</think>`` before it answers): a request's
+    structured output then constrains the answer only, from the token after ``</think>`` on,
+    as vLLM does (the markers must be single tokens of the vocabulary; under ``"openai_gptoss"`` the
     thinking ends once the output has written the header ``<|channel|>final<|message|>``).
     The output stays one text; the HTTP server's ``--reasoning-parser`` splits it.
 

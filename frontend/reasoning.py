@@ -12,6 +12,13 @@ serves it: a chat answer's ``message.reasoning_content`` holds what the model wr
 - ``mistral`` (Magistral): as ``qwen3``, between ``[THINK]`` and ``[/THINK]``.
 - ``seed_oss`` (ByteDance's Seed-OSS): as ``deepseek_r1``, between ``<seed:think>`` and
   ``</seed:think>`` (its thinking budget's reflections stay in the thinking).
+- ``glm45`` (GLM-4.5, GLM-4.6): as ``qwen3``, with whitespace before the ``<think>`` in
+  neither part: the model writes ``\n<think>`` (its template puts the newline after the
+  assistant's header), and ``<think></think>`` in the prompt when thinking is off.
+- ``granite`` (IBM Granite 3.2 and later, asked to think): as ``qwen3``, with phrases for
+  markers: the thinking follows "Here is my thought process:" and the answer "Here is my
+  response:" (either written "Here's" too); an output that does not start with the first
+  is all answer.
 - ``openai_gptoss`` (gpt-oss, whose output is messages in OpenAI's harmony format,
   ``harmony.py``): the analysis channel's messages are the thinking, the final channel's
   and the preambles (commentary addressed to nobody) the answer, one message a line, as
@@ -43,19 +50,32 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
+# Granite's markers are phrases, and quantized Granites write "Here's" for "Here is".
+GRANITE_THINKING = ("Here is my thought process:", "Here's my thought process:")
+GRANITE_ANSWER = ("Here is my response:", "Here's my response:")
+
+
 @dataclass(frozen=True)
 class _Format:
-    start: str  # the marker that opens the thinking
-    end: str  # the marker that closes it
+    starts: tuple[str, ...]  # the markers that open the thinking (any one)
+    ends: tuple[str, ...]  # the markers that close it (the first one written)
     # The chat template opens the thinking in the prompt: the output thinks from its start.
     opened_by_template: bool = False
+    # Whitespace before the opening marker is layout, in neither part (GLM-4.5's "\n<think>").
+    skips_leading_whitespace: bool = False
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (*self.starts, *self.ends)
 
 
 _FORMATS = {
-    "qwen3": _Format(THINK_START, THINK_END),
-    "deepseek_r1": _Format(THINK_START, THINK_END, opened_by_template=True),
-    "mistral": _Format("[THINK]", "[/THINK]"),
-    "seed_oss": _Format("<seed:think>", "</seed:think>", opened_by_template=True),
+    "qwen3": _Format((THINK_START,), (THINK_END,)),
+    "deepseek_r1": _Format((THINK_START,), (THINK_END,), opened_by_template=True),
+    "mistral": _Format(("[THINK]",), ("[/THINK]",)),
+    "seed_oss": _Format(("<seed:think>",), ("</seed:think>",), opened_by_template=True),
+    "glm45": _Format((THINK_START,), (THINK_END,), skips_leading_whitespace=True),
+    "granite": _Format(GRANITE_THINKING, GRANITE_ANSWER, skips_leading_whitespace=True),
 }
 # gpt-oss: channels of OpenAI's harmony format, not a pair of markers (harmony.py).
 HARMONY = "openai_gptoss"
@@ -75,7 +95,8 @@ def thinking_token_ids(
     grammar waits behind under parser ``name`` (``scheduler/structured_output.py``'s
     ``ThinkingGate``): ``</think>``'s one token, or harmony's final header,
     ``<|channel|>final<|message|>`` as the model writes it. (None, None) when the vocabulary
-    does not hold the markers as single tokens: grammars then constrain the thinking too."""
+    does not hold the markers as single tokens (Granite's are phrases): grammars then
+    constrain the thinking too."""
     if name not in REASONING_PARSERS:
         raise ValueError(
             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}"
@@ -97,17 +118,27 @@ def thinking_token_ids(
             return None, None
         return None, [channel, *tokenizer.encode("final", add_special_tokens=False), message]
     markers = _FORMATS[name]
-    start = tokenizer.single_token_id(markers.start)
-    end = tokenizer.single_token_id(markers.end)
+    if len(markers.starts) > 1 or len(markers.ends) > 1:
+        # The gate waits for one token; Granite's phrases, two spellings each, are none.
+        logger.warning(
+            "reasoning_parser %s: its markers are phrases, not single tokens; structured "
+            "output will constrain the thinking too",
+            name,
+        )
+        return None, None
+    start = tokenizer.single_token_id(markers.starts[0])
+    end = tokenizer.single_token_id(markers.ends[0])
     if end is None or (not markers.opened_by_template and start is None):
         logger.warning(
             "reasoning_parser %s: the tokenizer does not hold %s and %s as single tokens; "
             "structured output will constrain the thinking too",
             name,
-            markers.start,
-            markers.end,
+            markers.starts[0],
+            markers.ends[0],
         )
         return None, None
+    # NOTE: the gate has an output think only when its first token opens the thinking;
+    # GLM-4.5 writes a newline first, so its grammar holds from the start (no thinking).
     # DeepSeek-R1's template opens the thinking in the prompt: it thinks from the start.
     return (None if markers.opened_by_template else start), [end]
 
@@ -124,7 +155,7 @@ class ReasoningParser:
         # None: harmony's channels (gpt-oss), read by harmony.py.
         self._format = _FORMATS.get(name)
         self.markers: tuple[str, ...] = (
-            harmony.MARKERS if self._format is None else (self._format.start, self._format.end)
+            harmony.MARKERS if self._format is None else self._format.markers
         )
 
     def parse(self, text: str, final: bool) -> SplitOutput:
@@ -133,22 +164,22 @@ class ReasoningParser:
         if self._format is None:
             messages = harmony.read_messages(text, final)
             return SplitOutput(harmony.reasoning_text(messages), harmony.content_text(messages))
-        start, end_marker = self._format.start, self._format.end
-        if not self._format.opened_by_template:
-            if not text.startswith(start):
-                if not final and start.startswith(text):
-                    return SplitOutput("", "")  # it may still open
-                return SplitOutput("", text)
-            body_start = len(start)
-        else:
-            if not final and text and start.startswith(text):
-                return SplitOutput("", "")  # a leading <think> may be arriving
-            body_start = len(start) if text.startswith(start) else 0
-        end = text.find(end_marker, body_start)
+        markers = self._format
+        lead_chars = len(text) - len(text.lstrip()) if markers.skips_leading_whitespace else 0
+        rest = text[lead_chars:]
+        start = next((marker for marker in markers.starts if rest.startswith(marker)), None)
+        if start is None:
+            if not final and any(marker.startswith(rest) for marker in markers.starts):
+                return SplitOutput("", "")  # an opening marker may be arriving
+            if not markers.opened_by_template:
+                return SplitOutput("", text)  # it does not think
+        body_start = 0 if start is None else lead_chars + len(start)
+        ends = [(text.find(marker, body_start), marker) for marker in markers.ends]
+        end, end_marker = min(((at, marker) for at, marker in ends if at >= 0), default=(-1, ""))
         if end < 0:
             reasoning = text[body_start:]
             if not final:
-                held = partial_marker_chars(reasoning, end_marker)
+                held = max(partial_marker_chars(reasoning, marker) for marker in markers.ends)
                 reasoning = reasoning[: len(reasoning) - held]
             return SplitOutput(reasoning, "")
         return SplitOutput(text[body_start:end], text[end + len(end_marker) :])
@@ -159,23 +190,27 @@ class ReasoningParser:
         """How many of an output's tokens (``token_ids``, read as ``text``) are its thinking,
         the markers included: the Responses API's ``reasoning_tokens``. Counted on the ids
         when the closing marker is one token of the vocabulary (Qwen3, DeepSeek-R1,
-        Magistral); else the thinking's text is tokenized again, which can differ from the
-        ids the model chose by a token or two. Harmony's thinking (gpt-oss) runs from the
-        output's start to the end of its last analysis message, and is tokenized again."""
+        Magistral, GLM-4.5); else (Granite's phrases) the thinking's text is tokenized
+        again, which can differ from the ids the model chose by a token or two. Harmony's
+        thinking (gpt-oss) runs from the output's start to the end of its last analysis
+        message, and is tokenized again."""
         if self._format is None:
             return self._harmony_reasoning_tokens(token_ids, text, tokenizer)
         split = self.parse(text, final=True)
         if not split.reasoning and split.content == text:
             return 0  # no thinking (qwen3 and mistral: the output did not open it)
-        end = text.find(self._format.end)
-        if end < 0:
+        # The answer follows the closing marker: what comes before it is the thinking.
+        thinking = text[: len(text) - len(split.content)]
+        end_marker = next(
+            (marker for marker in self._format.ends if thinking.endswith(marker)), None
+        )
+        if end_marker is None:
             return len(token_ids)  # it thought to the end
-        end_id = None if tokenizer is None else tokenizer.single_token_id(self._format.end)
+        end_id = None if tokenizer is None else tokenizer.single_token_id(end_marker)
         if end_id is not None and end_id in token_ids:
             return token_ids.index(end_id) + 1
         if tokenizer is None:
             return 0
-        thinking = text[: end + len(self._format.end)]
         return min(len(token_ids), len(tokenizer.encode(thinking, add_special_tokens=False)))
 
     @staticmethod

@@ -43,6 +43,7 @@ TOOL_CALL_PARSERS = (
     "seed_oss",
     "deepseek_v3",
     "deepseek_v31",
+    "glm45",
     "granite",
     "phi4_mini_json",
     "openai",
@@ -318,6 +319,8 @@ class ToolCalling:
             return _SeedOssReader({tool.name: tool.parameters for tool in self.tools})
         if tool_call_parser in ("deepseek_v3", "deepseek_v31"):
             return _DeepSeekReader(v31=tool_call_parser == "deepseek_v31")
+        if tool_call_parser == "glm45":
+            return _Glm45Reader({tool.name: tool.parameters for tool in self.tools})
         if tool_call_parser == "granite":
             return _GraniteReader()
         if tool_call_parser == "phi4_mini_json":
@@ -893,6 +896,50 @@ class _DeepSeekReader(_OutputReader):
         return ParsedCall(name, _arguments_text(value))
 
 
+class _Glm45Reader(_HermesReader):
+    """GLM-4.5's and GLM-4.6's calls, in ``<tool_call>`` blocks as Hermes' (content around
+    them read the same way): the function's name, then each argument as a key and a value::
+
+        <tool_call>get_weather
+        <arg_key>city</arg_key>
+        <arg_value>Beijing</arg_value>
+        </tool_call>
+
+    A value's text takes the type its tool's schema gives it, as Qwen3-Coder's do
+    (``_typed_value``); a string is kept as written, since the model writes it inline with
+    no layout around it. A block that holds anything but a name and whole key/value pairs
+    (one cut off by the output's end, say) is not a call and stays content."""
+
+    KEY_START = "<arg_key>"
+    KEY_END = "</arg_key>"
+    VALUE_START = "<arg_value>"
+    VALUE_END = "</arg_value>"
+    markers = (_HermesReader.START, _HermesReader.END, KEY_START, KEY_END, VALUE_START, VALUE_END)
+    ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
+
+    def __init__(self, schemas: dict[str, dict[str, Any]]) -> None:
+        self._schemas = schemas
+
+    def _call(self, body: str) -> ParsedCall | None:
+        arguments_start = body.find(self.KEY_START)
+        if arguments_start < 0:
+            arguments_start = len(body)  # a call without arguments
+        name = body[:arguments_start].strip()
+        if not _FUNCTION_NAME.fullmatch(name):
+            return None
+        properties = self._schemas.get(name, {}).get("properties", {})
+        arguments = {}
+        position = arguments_start
+        while position < len(body):
+            argument = self.ARGUMENT.match(body, position)
+            if argument is None or not argument.group(1).strip():
+                return None
+            key = argument.group(1).strip()
+            arguments[key] = _typed_value(argument.group(2), properties.get(key))
+            position = argument.end()
+        return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
 class _HarmonyReader(_OutputReader):
     """gpt-oss's calls, messages of OpenAI's harmony format (``harmony.py``) addressed
     ``to=functions.NAME``, the recipient before ``<|channel|>`` or after it::
@@ -920,7 +967,8 @@ class _HarmonyReader(_OutputReader):
 
 
 def _typed_value(text: str, schema: Any) -> Any:
-    """A parameter's text as its JSON schema types it (``_Qwen3CoderReader``)."""
+    """A parameter's text as its JSON schema types it (``_Qwen3CoderReader``,
+    ``_Glm45Reader``)."""
     kinds = schema.get("type") if isinstance(schema, dict) else None
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     if kinds == ["string"] or (isinstance(schema, dict) and "enum" in schema and not kinds):

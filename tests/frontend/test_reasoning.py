@@ -7,11 +7,18 @@ import re
 
 import pytest
 
-from pagedserve.frontend.reasoning import ReasoningParser, ReasoningStream, SplitOutput
+from pagedserve.frontend.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    SplitOutput,
+    thinking_token_ids,
+)
 
 QWEN3 = ReasoningParser("qwen3")
 DEEPSEEK = ReasoningParser("deepseek_r1")
 MISTRAL = ReasoningParser("mistral")
+GLM45 = ReasoningParser("glm45")
+GRANITE = ReasoningParser("granite")
 
 CASES = [
     # (text, qwen3's split, deepseek_r1's split)
@@ -40,8 +47,87 @@ def test_whole_outputs_split_as_each_format_says(text, qwen3, deepseek):
     assert DEEPSEEK.parse(text, final=True) == deepseek
 
 
+GLM45_CASES = [
+    # (text, the split): GLM-4.5 writes a newline before its <think>, which is layout.
+    ("\n<think>Count the rs.</think>\nThree.", SplitOutput("Count the rs.", "\nThree.")),
+    (" \n<think>\nHmm, let me", SplitOutput("\nHmm, let me", "")),
+    ("<think></think>Fast.", SplitOutput("", "Fast.")),
+    # Thinking off (the template wrote <think></think>): all answer, whitespace included.
+    ("\nThree.", SplitOutput("", "\nThree.")),
+    ("Three. <think>late</think>", SplitOutput("", "Three. <think>late</think>")),
+    ("\n<thinking> aloud", SplitOutput("", "\n<thinking> aloud")),
+    ("\n\n", SplitOutput("", "\n\n")),
+]
+GRANITE_CASES = [
+    (
+        "Here is my thought process:\nThe user greets me.\n\nHere is my response:\nHello!",
+        SplitOutput("\nThe user greets me.\n\n", "\nHello!"),
+    ),
+    # "Here's" for "Here is", in either marker.
+    ("Here's my thought process: a. Here is my response: b.", SplitOutput(" a. ", " b.")),
+    ("Here is my thought process: a. Here's my response: b.", SplitOutput(" a. ", " b.")),
+    ("\nHere's my thought process:x Here's my response:", SplitOutput("x ", "")),
+    # Cut short while thinking: all thinking; a phrase that is not the marker stays in it.
+    ("Here is my thought process: Here is my resp", SplitOutput(" Here is my resp", "")),
+    ("Here is my thought process: Here is my reply: hi", SplitOutput(" Here is my reply: hi", "")),
+    # Neither marker, or the answer's marker alone, or the first one not at the start.
+    ("Hello! How can I help?", SplitOutput("", "Hello! How can I help?")),
+    ("Here is the answer: 4.", SplitOutput("", "Here is the answer: 4.")),
+    ("Here is my response: 4.", SplitOutput("", "Here is my response: 4.")),
+    ("Sure. Here is my thought process: x", SplitOutput("", "Sure. Here is my thought process: x")),
+    ("Here", SplitOutput("", "Here")),
+]
+
+
+@pytest.mark.parametrize(("text", "split"), GLM45_CASES)
+def test_glm45_thinks_between_think_markers_after_its_newline(text, split):
+    assert GLM45.parse(text, final=True) == split
+
+
+@pytest.mark.parametrize(("text", "split"), GRANITE_CASES)
+def test_granite_thinks_after_its_thought_phrase_until_its_response_phrase(text, split):
+    assert GRANITE.parse(text, final=True) == split
+
+
 @pytest.mark.parametrize(
-    "parser", [QWEN3, DEEPSEEK, MISTRAL], ids=["qwen3", "deepseek_r1", "mistral"]
+    ("parser", "text"),
+    [(GLM45, case[0]) for case in GLM45_CASES] + [(GRANITE, case[0]) for case in GRANITE_CASES],
+)
+def test_a_stream_adds_up_however_it_is_cut(parser, text):
+    """In two pieces split at every point (a marker in two chunks, or whole in one)."""
+    whole = parser.parse(text, final=True)
+    for cut in range(len(text)):
+        stream = ReasoningStream(parser)
+        first = stream.feed(text[:cut], final=False)
+        last = stream.feed(text, final=True)
+        assert SplitOutput(first[0] + last[0], first[1] + last[1]) == whole
+
+
+def test_glm45_and_granite_hold_back_what_may_be_a_marker():
+    assert GLM45.parse("\n", final=False) == SplitOutput("", "")
+    assert GLM45.parse("\n<thi", final=False) == SplitOutput("", "")
+    assert GLM45.parse("\n<think>abc</thi", final=False) == SplitOutput("abc", "")
+    assert GLM45.parse("\nAn", final=False) == SplitOutput("", "\nAn")
+    assert GRANITE.parse("Here's my", final=False) == SplitOutput("", "")
+    assert GRANITE.parse("Here we go", final=False) == SplitOutput("", "Here we go")
+    thinking = "Here is my thought process: plan. "
+    assert GRANITE.parse(thinking + "Here", final=False) == SplitOutput(" plan. ", "")
+    assert GRANITE.parse(thinking + "Here's my respo", final=False) == SplitOutput(" plan. ", "")
+    assert GRANITE.parse(thinking + "Here is why", final=False) == SplitOutput(
+        " plan. Here is why", ""
+    )
+    assert set(GRANITE.markers) == {
+        "Here is my thought process:",
+        "Here's my thought process:",
+        "Here is my response:",
+        "Here's my response:",
+    }
+
+
+@pytest.mark.parametrize(
+    "parser",
+    [QWEN3, DEEPSEEK, MISTRAL, GLM45, GRANITE],
+    ids=["qwen3", "deepseek_r1", "mistral", "glm45", "granite"],
 )
 @pytest.mark.parametrize("text", [case[0] for case in CASES])
 def test_a_stream_adds_up_to_the_whole_answer(parser, text):
@@ -99,8 +185,8 @@ def test_mistral_thinks_between_its_own_markers_as_qwen3_does():
 
 
 class _OneTokenMarkers:
-    """A tokenizer whose markers are single tokens (ids 1 and 2), as Qwen3's and
-    DeepSeek-R1's are; other text takes a token per character."""
+    """A tokenizer whose markers are single tokens (ids 1 and 2), as Qwen3's,
+    DeepSeek-R1's and GLM-4.5's are; other text takes a token per character."""
 
     IDS = {"<think>": 1, "</think>": 2, "[THINK]": 1, "[/THINK]": 2}
 
@@ -123,10 +209,41 @@ class _OneTokenMarkers:
         (QWEN3, "<think>cut", [1, 99, 117], 3),
         # The marker written in pieces: the thinking tokenized again.
         (DEEPSEEK, "ab</think>cd", [ord(c) for c in "ab</think>cd"], 10),
+        # GLM-4.5's newline before <think> is part of the thinking's tokens.
+        (GLM45, "\n<think>ab</think>cd", [10, 1, 97, 98, 2, 99, 100], 5),
+        (GLM45, "\nab", [10, 97, 98], 0),
+        # Granite's markers are phrases: the thinking, both phrases included, tokenized again.
+        (GRANITE, "Here's my thought process: a Here's my response: b", list(range(50)), 48),
+        (GRANITE, "Here's my thought process: a", list(range(28)), 28),
+        (GRANITE, "Hi", [72, 105], 0),
     ],
 )
 def test_reasoning_tokens_count_the_thinking_and_its_markers(parser, text, token_ids, expected):
     assert parser.num_reasoning_tokens(token_ids, text, _OneTokenMarkers()) == expected
+
+
+class _EveryTextOneToken(_OneTokenMarkers):
+    """A tokenizer that would take any marker for one token: only the format can say that
+    a gate on one token does not fit."""
+
+    def single_token_id(self, text: str) -> int | None:
+        return 7
+
+
+def test_grammars_wait_for_single_marker_tokens_and_not_for_granite_s_phrases(caplog):
+    assert thinking_token_ids("qwen3", _OneTokenMarkers()) == (1, [2])
+    assert thinking_token_ids("deepseek_r1", _OneTokenMarkers()) == (None, [2])
+    assert thinking_token_ids("glm45", _OneTokenMarkers()) == (1, [2])
+    # Two spellings of each phrase: no one token ends Granite's thinking, and the log says
+    # that grammars hold throughout.
+    with caplog.at_level("WARNING"):
+        assert thinking_token_ids("granite", _EveryTextOneToken()) == (None, None)
+    assert "reasoning_parser granite: its markers are phrases" in caplog.text
+    assert thinking_token_ids("granite", _OneTokenMarkers()) == (None, None)
+    for name in ("glm45", "granite"):
+        assert thinking_token_ids(name, None) == (None, None)
+    with pytest.raises(ValueError, match="glm45, granite, openai_gptoss"):
+        thinking_token_ids("granite4", None)
 
 
 # ---------------------------------------------------------------- gpt-oss (harmony)

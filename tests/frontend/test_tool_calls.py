@@ -402,6 +402,114 @@ def test_phi4_mini_reads_functools_arrays():
     assert phi.parse("functools is", False) == ParsedOutput("functools is")
 
 
+GLM45_TEXTS = [
+    "Let me look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+    # No arguments (with and without a newline), and pairs with no layout between tags.
+    "<tool_call>get_time</tool_call>\n<tool_call>get_time\n</tool_call>\n<tool_call>get_weather"
+    "<arg_key>city</arg_key><arg_value>Rome</arg_value><arg_key>unit</arg_key>  \n "
+    "<arg_value>C</arg_value></tool_call>",
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Os",  # cut short: content
+    "<tool_call>get weather\n</tool_call>",  # not a function name
+    "<tool_call>get_weather\nstray text<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
+    "</tool_call>",  # more than the name before the arguments
+    "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Oslo</arg_value> and more"
+    "</tool_call>",  # more than pairs after them
+    "<tool_call>get_time\n<arg_key> </arg_key><arg_value>x</arg_value></tool_call>",  # no key
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',  # Hermes' JSON: not GLM's
+    "Done: <tool_call>get_time</tool_call> then text <tool_",
+]
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "days": {"type": "integer"},
+                "hourly": {"type": "boolean"},
+                "where": {"type": "object"},
+                "hours": {"type": "array"},
+                "note": {"type": "string"},
+                "scale": {"type": ["number", "null"]},
+            },
+        },
+    },
+}
+
+
+def test_glm45_reads_key_value_calls_typed_by_their_schema():
+    glm = calling("auto", "glm45")
+    # city is a string in the schema, whatever it looks like; days is untyped: JSON.
+    assert glm.parse(GLM45_TEXTS[0], True) == ParsedOutput(
+        "Let me look.\n", [ParsedCall("get_weather", '{"city": "42", "days": 3}')]
+    )
+    assert glm.parse(GLM45_TEXTS[1], True) == ParsedOutput(
+        "",
+        [
+            ParsedCall("get_time", "{}"),
+            ParsedCall("get_time", "{}"),
+            ParsedCall("get_weather", '{"city": "Rome", "unit": "C"}'),
+        ],
+    )
+    for text in GLM45_TEXTS[2:8]:
+        assert glm.parse(text, True) == ParsedOutput(text)
+    assert glm.parse(GLM45_TEXTS[8], True) == ParsedOutput(
+        "Done:  then text <tool_", [ParsedCall("get_time", "{}")]
+    )
+    single = calling("auto", "glm45", parallel=False)
+    assert [call.name for call in single.parse(GLM45_TEXTS[1], True).calls] == ["get_time"]
+    forecast = ToolCalling(parse_tools([FORECAST]), "auto", True, "glm45")
+    values = {
+        "days": "7",
+        "hourly": "True",
+        "where": '{"lat": 39.9, "lon": 116.4}',
+        "hours": "[6, 12]",
+        "note": " null \n",  # a string as written, spaces and all
+        "scale": "null",
+    }
+    pairs = "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in values.items()
+    )
+    call = forecast.parse(f"<tool_call>forecast\n{pairs}</tool_call>", True).calls[0]
+    assert json.loads(call.arguments) == {
+        "days": 7,
+        "hourly": True,
+        "where": {"lat": 39.9, "lon": 116.4},
+        "hours": [6, 12],
+        "note": " null \n",
+        "scale": None,
+    }
+    # While streaming, a possible <tool_call> is held back, and a call waits for its end tag.
+    assert glm.parse("Sure <tool_ca", False) == ParsedOutput("Sure ")
+    assert glm.parse("Sure <tool_call>get_weather\n<arg_key>ci", False) == ParsedOutput("Sure ")
+    closed = "<tool_call>get_time</tool_call>"
+    assert glm.parse(closed + "\n<tool_call>get_w", False) == ParsedOutput(
+        "", [ParsedCall("get_time", "{}")]
+    )
+    assert {"<tool_call>", "<arg_key>", "</arg_value>"} <= set(glm.markers)
+
+
+@pytest.mark.parametrize("text", GLM45_TEXTS)
+def test_a_glm45_stream_adds_up_however_it_is_cut(text):
+    """In two pieces split at every point (a marker in two chunks, or a whole block in one):
+    the content and calls add up to the whole answer."""
+    reader = calling("auto", "glm45")
+    parsed = reader.parse(text, final=True)
+    want = (parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.calls])
+    for cut in range(len(text)):
+        stream = ToolCallStream(reader)
+        content, calls = "", []
+        for end in (cut, len(text)):
+            new_content, deltas = stream.feed(text[:end], final=end == len(text))
+            content += new_content
+            for delta in deltas:
+                if delta.index == len(calls):
+                    calls.append({"name": delta.name, "arguments": ""})
+                calls[delta.index]["arguments"] += delta.arguments
+        assert (content, calls) == want
+
+
 CASES = (
     [("auto", "hermes", text) for text in HERMES_TEXTS]
     + [("auto", "llama3_json", text) for text in LLAMA_TEXTS]
@@ -411,6 +519,7 @@ CASES = (
     + [("auto", "seed_oss", text) for text in SEED_OSS_TEXTS]
     + [("auto", "deepseek_v3", text) for text in DEEPSEEK_V3_TEXTS]
     + [("auto", "deepseek_v31", text) for text in DEEPSEEK_V31_TEXTS]
+    + [("auto", "glm45", text) for text in GLM45_TEXTS]
     + [("auto", "granite", text) for text in GRANITE_TEXTS]
     + [("auto", "phi4_mini_json", text) for text in PHI4_MINI_TEXTS]
     + [("required", None, text) for text in REQUIRED_TEXTS]

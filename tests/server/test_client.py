@@ -128,3 +128,59 @@ def test_async_client_streams_concurrently(server, offline):
     for got_stream, got_whole, want in zip(streamed, whole, wants):
         same_output(got_stream, want)
         same_output(got_whole, want)
+
+
+def test_chat_calls_send_reasoning_effort_to_the_template(start_server, offline):
+    """Each chat call of both clients hands ``reasoning_effort`` to the chat template as its
+    variable (as the offline engine's ``chat_template_kwargs`` would); a value that is not
+    OpenAI's is refused naming the field."""
+    server = start_server("--kv-cache-bytes", str(4 << 20), "--trust-request-chat-template")
+    messages = [{"role": "user", "content": "hi"}]
+    template = "Reasoning: {{ reasoning_effort | default('unset') }}>"
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = {
+        effort: offline.chat(
+            messages, params, chat_template=template,
+            chat_template_kwargs=None if effort is None else {"reasoning_effort": effort},
+        )[0].prompt_token_ids
+        for effort in (None, "low", "high")
+    }  # fmt: skip
+    assert len({tuple(prompt) for prompt in prompts.values()}) == 3
+    target = f"127.0.0.1:{server.port}"
+    with Client(target) as client:
+        for effort, prompt in prompts.items():
+            got = client.chat(messages, params, chat_template=template, reasoning_effort=effort)
+            assert got.prompt_token_ids == prompt
+            streamed = list(
+                client.chat_stream(
+                    messages, params, chat_template=template, reasoning_effort=effort
+                )
+            )
+            assert streamed[-1].prompt_token_ids == prompt
+        for call in (
+            client.chat,
+            lambda *args, **kwargs: list(client.chat_stream(*args, **kwargs)),
+        ):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(messages, params, chat_template=template, reasoning_effort="max")
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "chat.reasoning_effort must be one of low, medium, high; got 'max'" in (
+                caught.value.details()
+            )
+
+    async def run():
+        async with AsyncClient(target) as client:
+            whole = await client.chat(
+                messages, params, chat_template=template, reasoning_effort="low"
+            )
+            streamed = [
+                output
+                async for output in client.chat_stream(
+                    messages, params, chat_template=template, reasoning_effort="high"
+                )
+            ]
+            return whole, streamed[-1]
+
+    whole, streamed = asyncio.run(run())
+    assert whole.prompt_token_ids == prompts["low"]
+    assert streamed.prompt_token_ids == prompts["high"]
