@@ -30,7 +30,7 @@
 // Entries past ceil(seq_len / block_size) are padding and never read.
 //
 // dtypes: float32, bfloat16, float16 (activations and cache share one dtype); accumulation is
-// always float32. head_size in {64, 80, 96, 128, 256}, block_size in {8, 16, 32}.
+// always float32. head_size in {64, 80, 96, 128, 192, 256}, block_size in {8, 16, 32}.
 // GQA: num_heads % num_kv_heads == 0 and query head h reads kv head h / (num_heads /
 // num_kv_heads), so the query heads of one kv head are adjacent.
 //

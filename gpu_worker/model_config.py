@@ -51,6 +51,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
 }
 
 # Sequence classification models (HF's ``*ForSequenceClassification``): the family's decoder
@@ -159,6 +161,42 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         topk_group=1,
         first_k_dense_replace=1,
         norm_topk_prob=True,
+    ),
+    # DeepseekV2Config's (DeepSeek-V2's shapes, less its experts per token, which every
+    # checkpoint gives) and DeepseekV3Config's.
+    "DeepseekV2ForCausalLM": dict(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        moe_intermediate_size=1407,
+        routed_scaling_factor=1.0,
+        topk_method="greedy",
+        first_k_dense_replace=0,
+    ),
+    "DeepseekV3ForCausalLM": dict(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=3,
+        norm_topk_prob=True,
+        rope_interleave=True,
     ),
     "Starcoder2ForCausalLM": dict(
         max_position_embeddings=4096, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True
@@ -373,6 +411,9 @@ class ModelConfig:
         num_heads = hf_config["num_attention_heads"]
         hidden_size = hf_config["hidden_size"]
         head_size = hf_config.get("head_dim") or hidden_size // num_heads
+        num_kv_heads = hf_config.get("num_key_value_heads") or num_heads
+        if family == "deepseek":
+            head_size, num_kv_heads = latent_attention_heads(hf_config), num_heads
         return cls(
             path=path,
             architecture=architecture,
@@ -381,7 +422,7 @@ class ModelConfig:
             hidden_size=hidden_size,
             num_layers=hf_config["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_size=head_size,
             max_position_embeddings=_max_positions(architecture, hf_config),
             eos_token_ids=_eos_token_ids(path, hf_config),
@@ -391,6 +432,32 @@ class ModelConfig:
             labels=labels,
             declared_architecture=declared,
         )
+
+
+def latent_attention_heads(hf_config: dict[str, Any]) -> int:
+    """The head size the KV cache and the attention ops take for DeepSeek's multi-head latent
+    attention: each head's query and key values (``qk_nope_head_dim + qk_rope_head_dim``) or
+    its value's (``v_head_dim``), whichever is larger, the other padded with zeros. The cache
+    holds every head's keys and values as expanded from the latent (HF caches the latent
+    itself: the same attention, more memory here); the ops need a head size they support."""
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"):
+        value = hf_config.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model: {name} must be a positive integer, got {value!r}")
+    if hf_config["qk_rope_head_dim"] % 2:
+        raise ValueError(
+            f"model: qk_rope_head_dim={hf_config['qk_rope_head_dim']} must be even (RoPE "
+            "rotates pairs)"
+        )
+    q_lora_rank = hf_config.get("q_lora_rank")
+    if q_lora_rank is not None and (
+        isinstance(q_lora_rank, bool) or not isinstance(q_lora_rank, int) or q_lora_rank < 1
+    ):
+        raise ValueError(
+            f"model: q_lora_rank must be a positive integer or null, got {q_lora_rank!r}"
+        )
+    query_key = hf_config["qk_nope_head_dim"] + hf_config["qk_rope_head_dim"]
+    return max(query_key, hf_config["v_head_dim"])
 
 
 def _labels(hf_config: dict[str, Any]) -> tuple[str, ...]:

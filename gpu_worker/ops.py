@@ -37,7 +37,7 @@ import torch
 from pagedserve import _C_cpu
 from pagedserve.gpu_worker import cuda_ops
 
-SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 192, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A cache may also hold float8 (e5m2, or e4m3 "fn") under activations of any supported dtype

@@ -836,6 +836,8 @@ auto dispatch(const PagedKVCache& cache, Fn&& fn) {
         return fn(tag, cache_tag, std::integral_constant<int, 96>{});
       case 128:
         return fn(tag, cache_tag, std::integral_constant<int, 128>{});
+      case 192:
+        return fn(tag, cache_tag, std::integral_constant<int, 192>{});
       default:
         return fn(tag, cache_tag, std::integral_constant<int, 256>{});
     }

@@ -115,9 +115,9 @@ std::string index_name(const char* name, int64_t i) {
 
 void check_cache(const PagedKVCache& c) {
   const int64_t h = c.head_size;
-  if (h != 64 && h != 80 && h != 96 && h != 128 && h != 256) {
+  if (h != 64 && h != 80 && h != 96 && h != 128 && h != 192 && h != 256) {
     throw std::invalid_argument("head_size " + std::to_string(h) +
-                                " is not supported (64, 80, 96, 128, 256)");
+                                " is not supported (64, 80, 96, 128, 192, 256)");
   }
   if (c.block_size != 8 && c.block_size != 16 && c.block_size != 32) {
     throw std::invalid_argument("block_size " + std::to_string(c.block_size) +

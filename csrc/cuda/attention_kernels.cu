@@ -12,6 +12,10 @@
 //   lanes:  [ 0 .. kRowLanes-1 ][ kRowLanes .. 2 kRowLanes-1 ] ...
 //   rows:   [ token t          ][ token t + 1                ] ...   (lanes past a row idle)
 //
+// A row of more than 32 vectors takes ceil(vectors / 32) per lane, lane i vectors i, i + 32, ...
+// (a head of 192 float32 values, 48 vectors: lanes 0-15 two, lanes 16-31 one, their second
+// idle).
+//
 // Each lane holds the query's matching elements, so a row's logit is a sum over its kRowLanes
 // lanes (xor shuffles). Per warp and query head an online softmax keeps the running max m, the
 // sum l and the unnormalized output, lane-distributed like the rows. Logits are kept in base 2:
@@ -63,15 +67,19 @@ struct RowLayout {
   static constexpr int kVec = kVecElems<T>;          // elements per 16-byte load
   static constexpr int kNumVecs = kHeadSize / kVec;  // 16-byte loads per row
   static constexpr int kRowLanes = kNumVecs >= kWarpSize ? kWarpSize : next_pow2(kNumVecs);
-  static constexpr int kVecsPerLane = kNumVecs >= kWarpSize ? kNumVecs / kWarpSize : 1;
+  static constexpr int kVecsPerLane =
+      kNumVecs >= kWarpSize ? (kNumVecs + kWarpSize - 1) / kWarpSize : 1;
   static constexpr int kRowsPerStep = kWarpSize / kRowLanes;
   static constexpr int kLaneElems = kVecsPerLane * kVec;
   static_assert(kHeadSize % kVec == 0, "a row is whole 16-byte vectors");
-  static_assert(kNumVecs < kWarpSize || kNumVecs % kWarpSize == 0, "rows split evenly");
 
   // The head dimension of a lane's element e.
   __device__ static int dim(int lane_in_row, int e) {
     return (lane_in_row + (e / kVec) * kWarpSize) * kVec + e % kVec;
+  }
+  // Whether a lane's vector v lies in the row (not past its end).
+  __device__ static bool has_vec(int lane_in_row, int v) {
+    return lane_in_row + v * kWarpSize < kNumVecs;
   }
 };
 
@@ -149,7 +157,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   for (int g = 0; g < kGroupTile; ++g) {
 #pragma unroll
     for (int e = 0; e < kLaneElems; ++e) {
-      q[g][e] = (g < num_chunk_heads && lane_active)
+      q[g][e] = (g < num_chunk_heads && Layout::has_vec(lane_in_row, e / kVec))
                     ? to_float(query[(first_head + g) * kHeadSize + Layout::dim(lane_in_row, e)]) *
                           args.scale_log2
                     : 0.0f;
@@ -187,8 +195,11 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
 #pragma unroll
         for (int v = 0; v < kVecsPerLane; ++v) {
           const int offset = (lane_in_row + v * kWarpSize) * kVec;
-          k_raw[i][v] = __ldg(reinterpret_cast<const uint4*>(k_row + offset));
-          v_raw[i][v] = __ldg(reinterpret_cast<const uint4*>(v_row + offset));
+          const bool in_row = Layout::has_vec(lane_in_row, v);
+          k_raw[i][v] = in_row ? __ldg(reinterpret_cast<const uint4*>(k_row + offset))
+                               : make_uint4(0, 0, 0, 0);
+          v_raw[i][v] = in_row ? __ldg(reinterpret_cast<const uint4*>(v_row + offset))
+                               : make_uint4(0, 0, 0, 0);
         }
       } else {
 #pragma unroll
@@ -285,7 +296,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
     for (int g = 0; g < kGroupTile; ++g) {
 #pragma unroll
       for (int e = 0; e < kLaneElems; ++e) {
-        warp_out[warp][g][Layout::dim(lane_in_row, e)] = acc[g][e];
+        if (Layout::has_vec(lane_in_row, e / kVec)) {
+          warp_out[warp][g][Layout::dim(lane_in_row, e)] = acc[g][e];
+        }
       }
     }
   }

@@ -148,12 +148,15 @@ void dispatch_head_size(int64_t head_size, Body&& body) {
     case 128:
       body(IntConstant<128>{});
       return;
+    case 192:  // DeepSeek's MLA heads: 128 + 64 query / key values
+      body(IntConstant<192>{});
+      return;
     case 256:
       body(IntConstant<256>{});
       return;
   }
   throw std::invalid_argument("head_size " + std::to_string(head_size) +
-                              " is not supported; supported: 64, 80, 96, 128, 256");
+                              " is not supported; supported: 64, 80, 96, 128, 192, 256");
 }
 
 inline void check_block_size(int64_t block_size) {

@@ -178,16 +178,21 @@ def _rotate_partially(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 
 def pairs_to_halves(
-    tensor: torch.Tensor, head_size: int, rotary_dim: int, per_head_last: bool = False
+    tensor: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    per_head_last: bool = False,
+    start: int = 0,
 ) -> torch.Tensor:
     """A query or key projection's rows (weight or bias, ``[heads * head_size, ...]``; with
     ``per_head_last``, per-head norm weights ``[..., head_size]``) reordered, in each head's
-    first ``rotary_dim`` dimensions, from RoPE on interleaved pairs (2i, 2i + 1: Cohere's,
-    GLM's) to RoPE on halves (i, i + rotary_dim / 2: the ops'). The same rotation of the
-    same values; queries and keys reordered alike keep their dot products, so the attention
-    is unchanged."""
-    order = list(range(0, rotary_dim, 2)) + list(range(1, rotary_dim, 2))
-    index = torch.tensor(order + list(range(rotary_dim, head_size)))
+    ``rotary_dim`` dimensions from ``start`` (DeepSeek rotates each head's last ones), from
+    RoPE on interleaved pairs (2i, 2i + 1: Cohere's, GLM's, DeepSeek's) to RoPE on halves (i,
+    i + rotary_dim / 2: the ops'). The same rotation of the same values; queries and keys
+    reordered alike keep their dot products, so the attention is unchanged."""
+    rotary = range(start, start + rotary_dim)
+    order = list(rotary[0::2]) + list(rotary[1::2])
+    index = torch.tensor(list(range(start)) + order + list(range(rotary.stop, head_size)))
     if per_head_last:
         return tensor.index_select(-1, index)
     by_head = tensor.reshape(-1, head_size, *tensor.shape[1:])

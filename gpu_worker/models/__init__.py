@@ -53,4 +53,8 @@ def _build_decoder(config: ModelConfig, dtype: torch.dtype, parallel: TensorPara
         from pagedserve.gpu_worker.models.gpt_oss import GptOssForCausalLM
 
         return GptOssForCausalLM(config, dtype, parallel)
+    if config.family == "deepseek":
+        from pagedserve.gpu_worker.models.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM(config, dtype, parallel)
     raise ValueError(f"model family {config.family!r} has no implementation")

@@ -166,18 +166,23 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         parallel: TensorParallel,
         layer_index: int,
+        self_attn: nn.Module | None = None,
     ) -> None:
+        """``self_attn``: a family's own attention over (positions, hidden, metadata)
+        (DeepSeek's latent attention); None: Llama's."""
         super().__init__()
         eps = config.hf_config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        rotates = rope_layers(config.architecture, config.hf_config)[layer_index]
-        self.self_attn = LlamaAttention(
-            config,
-            rotary if rotates else None,
-            dtype,
-            parallel,
-            config.layer_sliding_windows[layer_index],
-        )
+        if self_attn is None:
+            rotates = rope_layers(config.architecture, config.hf_config)[layer_index]
+            self_attn = LlamaAttention(
+                config,
+                rotary if rotates else None,
+                dtype,
+                parallel,
+                config.layer_sliding_windows[layer_index],
+            )
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = _mlp(config, dtype, parallel, layer_index)
         self.residual_multiplier = _granite_scalar(config, "residual_multiplier")

@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 CUDA = "cuda"
-HEAD_SIZES = [64, 80, 96, 128, 256]
+HEAD_SIZES = [64, 80, 96, 128, 192, 256]
 BLOCK_SIZES = [8, 16, 32]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (num_heads, num_kv_heads): plain multi-head, GQA groups of 3 and 4, and a group of 16 (two

@@ -10,7 +10,7 @@ from pagedserve.gpu_worker import ops
 from . import reference
 from .cases import TOLERANCES, fused_qkv, paged_case, query_start_loc
 
-HEAD_SIZES = [64, 80, 96, 128, 256]
+HEAD_SIZES = [64, 80, 96, 128, 192, 256]
 BLOCK_SIZES = [8, 16, 32]
 DTYPES = [torch.float32, torch.bfloat16]
 # (num_heads, num_kv_heads): plain multi-head and GQA groups of 3 and 4.

@@ -20,7 +20,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reshape_and_cache_writes_slots(dtype, head_size, block_size):
     generator = torch.Generator().manual_seed(0)

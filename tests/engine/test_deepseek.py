@@ -1,0 +1,204 @@
+"""DeepSeek-V2 and DeepSeek-V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``): multi-head
+latent attention (keys and values expanded per head from a normed latent, one rotated key part
+shared by all heads, RoPE on interleaved pairs or halves, a query straight or through a low-rank
+projection, YaRN's softmax scale) over Llama's residual stream; dense first layers, then
+experts beside shared experts under V2's softmax router (greedy, or limited to groups) or V3's
+grouped sigmoid router. Greedy tokens identical to HF transformers (float32) across block
+sizes, chunked prefill with prefix hits, two tensor-parallel ranks and preemption by swap;
+the checkpoint's next-token-prediction layer is skipped as HF skips it; the rotary layout,
+YaRN's scale and the router's groups each change HF's own tokens, so the checks can fail;
+bfloat16's first tokens agree with HF's bfloat16."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from safetensors.torch import load_file, save_file
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    prompts,
+    rewritten,
+    token_ids,
+)
+from tiny_models import random_hf_model
+
+from pagedserve.frontend import LLM
+from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig
+
+_SHAPE = {k: v for k, v in TINY_SHAPE.items() if k != "num_key_value_heads"}
+
+CONFIGS = {
+    # DeepSeek-V2-Lite's shape in small: no low-rank query, heads of 64 + 32 (values 64),
+    # layer 0 dense, then 8 experts (top 3 by softmax, unnormalised, scaled) and 2 shared.
+    "v2": dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        **_SHAPE,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=64,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        topk_method="greedy",
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
+    # DeepSeek-V3's shape in small: a low-rank query, heads of 128 + 64 (values 128: the cache
+    # head is 192), YaRN with mscale_all_dim, 8 experts in 4 groups (2 kept), sigmoid scores.
+    "v3": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        **_SHAPE,
+        num_key_value_heads=4,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 128,
+        },
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
+}
+CONFIGS["v2"]["num_hidden_layers"] = CONFIGS["v3"]["num_hidden_layers"] = 3
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek")
+    return {name: random_hf_model(config, root / name) for name, config in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_references(model_dirs):
+    return {name: hf_greedy(path, prompts()) for name, path in model_dirs.items()}
+
+
+def test_the_cache_holds_each_head_expanded_and_the_router_is_deepseek_s(model_dirs):
+    v2, v3 = (ModelConfig.from_dir(model_dirs[name]) for name in ("v2", "v3"))
+    assert (v2.head_size, v2.num_kv_heads, v3.head_size, v3.num_kv_heads) == (96, 4, 192, 4)
+    assert v2.layer_experts[0] is None and v2.layer_experts[1].grouped == GroupedRouting(
+        False, 1, 1, 1.5
+    )
+    assert not v2.layer_experts[1].renormalize
+    assert v2.layer_experts[1].shared_intermediate_size == 128
+    assert v3.layer_experts[2].grouped == GroupedRouting(True, 4, 2, 2.5)
+    assert v3.layer_experts[2].renormalize
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_deepseek_matches_hf(model_dirs, hf_references, name, block_size):
+    llm = LLM(model_dirs[name], block_size=block_size, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dirs, hf_references, name):
+    check_chunked_prefix_hits_and_two_ranks(model_dirs[name], hf_references[name])
+
+
+def test_preemption_by_swap_keeps_the_tokens(model_dirs, hf_references):
+    llm = LLM(
+        model_dirs["v3"],
+        num_blocks=20,
+        max_num_batched_tokens=160,
+        preemption_mode="swap",
+        swap_space_bytes=64 << 20,
+    )
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["v3"]
+    assert llm.stats()["num_swap_preemptions"] > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "changes"),
+    [
+        ("v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+        ("v3", dict(rope_interleave=False)),
+        ("v3", dict(q_lora_rank=None)),
+    ],
+)
+def test_other_router_rope_and_query_layouts_match_hf(model_dirs, tmp_path, name, changes):
+    variant = rewritten(model_dirs[name], tmp_path / "variant", **changes)
+    if "q_lora_rank" in changes:  # a straight query projection in place of the low-rank one
+        config = json.loads((variant / "config.json").read_text())
+        (variant / "config.json").write_text(json.dumps({**config, "q_lora_rank": None}))
+        tensors = load_file(variant / "model.safetensors")
+        for layer in range(3):
+            prefix = f"model.layers.{layer}.self_attn."
+            a = tensors.pop(prefix + "q_a_proj.weight")
+            tensors.pop(prefix + "q_a_layernorm.weight")
+            tensors[prefix + "q_proj.weight"] = tensors.pop(prefix + "q_b_proj.weight") @ a
+        save_file(tensors, variant / "model.safetensors", metadata={"format": "pt"})
+    expected = hf_greedy(variant, prompts())
+    llm = LLM(variant, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+
+
+def test_rope_layout_yarn_scale_and_groups_each_change_hf_s_tokens(
+    model_dirs, hf_references, tmp_path
+):
+    halves = rewritten(model_dirs["v3"], tmp_path / "halves", rope_interleave=False)
+    parameters = dict(CONFIGS["v3"]["rope_parameters"], mscale_all_dim=0.0)
+    unscaled = rewritten(model_dirs["v3"], tmp_path / "unscaled", rope_parameters=parameters)
+    ungrouped = rewritten(model_dirs["v3"], tmp_path / "ungrouped", topk_group=4)
+    for variant in (halves, unscaled, ungrouped):
+        assert hf_greedy(variant, prompts()) != hf_references["v3"], variant.name
+
+
+def test_the_next_token_prediction_layer_is_skipped(model_dirs, hf_references, tmp_path):
+    with_mtp = rewritten(model_dirs["v3"], tmp_path / "with_mtp", num_nextn_predict_layers=1)
+    tensors = load_file(with_mtp / "model.safetensors")
+    for name in [n for n in tensors if n.startswith("model.layers.2.")]:
+        tensors[name.replace("model.layers.2.", "model.layers.3.")] = tensors[name].clone()
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(256, 512)
+    save_file(tensors, with_mtp / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(with_mtp, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["v3"]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dirs, name):
+    check_bfloat16_first_tokens_agree_with_hf(model_dirs[name])
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(kv_lora_rank=0), "kv_lora_rank must be a positive integer"),
+        (dict(qk_rope_head_dim=33), "qk_rope_head_dim=33 must be even"),
+        (dict(q_lora_rank="96"), "q_lora_rank must be a positive integer or null"),
+        (dict(topk_method="noaux_tc"), "topk_method='noaux_tc' is not a DeepSeek-V2 router"),
+    ],
+)
+def test_bad_latent_fields_are_refused_by_name(model_dirs, tmp_path, changes, message):
+    bad = rewritten(model_dirs["v2"], tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dir(bad)
