@@ -1207,7 +1207,7 @@ class LLM:
         self.tokenizer = Tokenizer(path, chat_template) if Tokenizer.exists_in(path) else None
         if self.tokenizer is not None:
             self.tokenizer.lower_case = self.sentence_config.do_lower_case
-        think_token_ids = (None, None)
+        think_token_ids: tuple[int | None, list[int] | None, list[int] | None] = (None, None, None)
         if reasoning_parser is not None:
             think_token_ids = thinking_token_ids(reasoning_parser, self.tokenizer)
         tokenizer_json = self.tokenizer.backend_json() if self.tokenizer is not None else None

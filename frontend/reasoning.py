@@ -88,21 +88,26 @@ class SplitOutput:
     content: str
 
 
+# The whitespace a model may write before opening its thinking, as single tokens.
+_LEAD_WHITESPACE = ("\n", "\n\n", " ")
+
+
 def thinking_token_ids(
     name: str, tokenizer: Tokenizer | None
-) -> tuple[int | None, list[int] | None]:
-    """(think_start_token_id, think_end_token_ids) for ``GrammarVocabulary``: the tokens a
-    grammar waits behind under parser ``name`` (``scheduler/structured_output.py``'s
-    ``ThinkingGate``): ``</think>``'s one token, or harmony's final header,
-    ``<|channel|>final<|message|>`` as the model writes it. (None, None) when the vocabulary
-    does not hold the markers as single tokens (Granite's are phrases): grammars then
-    constrain the thinking too."""
+) -> tuple[int | None, list[int] | None, list[int] | None]:
+    """(think_start_token_id, think_end_token_ids, think_lead_token_ids) for
+    ``GrammarVocabulary``: the tokens a grammar waits behind under parser ``name``
+    (``scheduler/structured_output.py``'s ``ThinkingGate``): ``</think>``'s one token, or
+    harmony's final header, ``<|channel|>final<|message|>`` as the model writes it; the
+    whitespace tokens that may come before ``<think>`` where the parser skips them (GLM-4.5
+    writes a newline first). (None, None, None) when the vocabulary does not hold the markers
+    as single tokens (Granite's are phrases): grammars then constrain the thinking too."""
     if name not in REASONING_PARSERS:
         raise ValueError(
             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}"
         )
     if tokenizer is None:
-        return None, None
+        return None, None, None
     if name == HARMONY:
         # The output thinks from its start (the template's prompt ends "<|start|>assistant").
         channel = tokenizer.single_token_id(harmony.CHANNEL)
@@ -115,8 +120,9 @@ def thinking_token_ids(
                 harmony.CHANNEL,
                 harmony.MESSAGE,
             )
-            return None, None
-        return None, [channel, *tokenizer.encode("final", add_special_tokens=False), message]
+            return None, None, None
+        final = tokenizer.encode("final", add_special_tokens=False)
+        return None, [channel, *final, message], None
     markers = _FORMATS[name]
     if len(markers.starts) > 1 or len(markers.ends) > 1:
         # The gate waits for one token; Granite's phrases, two spellings each, are none.
@@ -125,7 +131,7 @@ def thinking_token_ids(
             "output will constrain the thinking too",
             name,
         )
-        return None, None
+        return None, None, None
     start = tokenizer.single_token_id(markers.starts[0])
     end = tokenizer.single_token_id(markers.ends[0])
     if end is None or (not markers.opened_by_template and start is None):
@@ -136,11 +142,15 @@ def thinking_token_ids(
             markers.starts[0],
             markers.ends[0],
         )
-        return None, None
-    # NOTE: the gate has an output think only when its first token opens the thinking;
-    # GLM-4.5 writes a newline first, so its grammar holds from the start (no thinking).
+        return None, None, None
     # DeepSeek-R1's template opens the thinking in the prompt: it thinks from the start.
-    return (None if markers.opened_by_template else start), [end]
+    if markers.opened_by_template:
+        return None, [end], None
+    lead = None
+    if markers.skips_leading_whitespace:
+        found = {tokenizer.single_token_id(text) for text in _LEAD_WHITESPACE} - {None}
+        lead = sorted(found) or None
+    return start, [end], lead
 
 
 class ReasoningParser:

@@ -172,6 +172,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "eos_token_ids",
         "think_start_token_id",
         "think_end_token_ids",
+        "think_lead_token_ids",
     ),
     NewRequestData: (
         "request_id",

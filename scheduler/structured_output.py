@@ -55,12 +55,17 @@ class GrammarVocabulary:
     # A reasoning model's markers (``ThinkingGate``); None: grammars constrain everything.
     think_start_token_id: int | None = None
     think_end_token_ids: list[int] | None = None
+    think_lead_token_ids: list[int] | None = None
 
     @property
     def thinking_gate(self) -> ThinkingGate | None:
         if not self.think_end_token_ids:
             return None
-        return ThinkingGate(tuple(self.think_end_token_ids), self.think_start_token_id)
+        return ThinkingGate(
+            tuple(self.think_end_token_ids),
+            self.think_start_token_id,
+            tuple(self.think_lead_token_ids or ()),
+        )
 
 
 @dataclass(frozen=True)
@@ -71,10 +76,13 @@ class ThinkingGate:
     the output thinks only if its first token is that one (otherwise, thinking switched off,
     the grammar holds from the first token, which may also be ``start_token_id``); without
     it (DeepSeek-R1, whose chat template opens the thinking; gpt-oss) the output thinks from
-    its start."""
+    its start. ``lead_token_ids`` (GLM-4.5's newline, which it writes before ``<think>``)
+    may come before ``start_token_id``, any number of them, without deciding: they pass
+    unmasked and unseen by the grammar (the reasoning parser drops them from both parts)."""
 
     end_token_ids: tuple[int, ...]
     start_token_id: int | None = None
+    lead_token_ids: tuple[int, ...] = ()
 
     def after(self, recent: tuple[int, ...], token_id: int) -> tuple[bool, tuple[int, ...]]:
         """A thinking output's next token: (whether it closes the thinking, the tokens to
@@ -169,10 +177,11 @@ class GrammarMatcher:
         if state[0] == _THINKING:
             return _all_tokens_bitmask(self._vocab_size)
         mask = self._matcher.compute_bitmask()[: 4 * self._num_words]
-        if state[0] == _UNDECIDED:  # the grammar's tokens, or the one that opens a thinking
-            word, bit = divmod(self._gate.start_token_id, 32)
+        if state[0] == _UNDECIDED:  # the grammar's tokens, or those that may open a thinking
             mask = bytearray(mask)
-            mask[4 * word + bit // 8] |= 1 << (bit % 8)
+            for token_id in (self._gate.start_token_id, *self._gate.lead_token_ids):
+                word, bit = divmod(token_id, 32)
+                mask[4 * word + bit // 8] |= 1 << (bit % 8)
             mask = bytes(mask)
         return mask
 
@@ -181,6 +190,8 @@ class GrammarMatcher:
         if state[0] == _UNDECIDED:
             if token_id == self._gate.start_token_id:
                 return (_THINKING, ()), False
+            if token_id in self._gate.lead_token_ids:
+                return state, False
             return (_GRAMMAR, ()), True
         if state[0] == _THINKING:
             closes, recent = self._gate.after(state[1], token_id)

@@ -188,7 +188,7 @@ class _OneTokenMarkers:
     """A tokenizer whose markers are single tokens (ids 1 and 2), as Qwen3's,
     DeepSeek-R1's and GLM-4.5's are; other text takes a token per character."""
 
-    IDS = {"<think>": 1, "</think>": 2, "[THINK]": 1, "[/THINK]": 2}
+    IDS = {"<think>": 1, "</think>": 2, "[THINK]": 1, "[/THINK]": 2, "\n": 10}
 
     def single_token_id(self, text: str) -> int | None:
         return self.IDS.get(text)
@@ -231,17 +231,18 @@ class _EveryTextOneToken(_OneTokenMarkers):
 
 
 def test_grammars_wait_for_single_marker_tokens_and_not_for_granite_s_phrases(caplog):
-    assert thinking_token_ids("qwen3", _OneTokenMarkers()) == (1, [2])
-    assert thinking_token_ids("deepseek_r1", _OneTokenMarkers()) == (None, [2])
-    assert thinking_token_ids("glm45", _OneTokenMarkers()) == (1, [2])
+    assert thinking_token_ids("qwen3", _OneTokenMarkers()) == (1, [2], None)
+    assert thinking_token_ids("deepseek_r1", _OneTokenMarkers()) == (None, [2], None)
+    # GLM-4.5 writes a newline before <think>: the gate lets it pass undecided.
+    assert thinking_token_ids("glm45", _OneTokenMarkers()) == (1, [2], [10])
     # Two spellings of each phrase: no one token ends Granite's thinking, and the log says
     # that grammars hold throughout.
     with caplog.at_level("WARNING"):
-        assert thinking_token_ids("granite", _EveryTextOneToken()) == (None, None)
+        assert thinking_token_ids("granite", _EveryTextOneToken()) == (None, None, None)
     assert "reasoning_parser granite: its markers are phrases" in caplog.text
-    assert thinking_token_ids("granite", _OneTokenMarkers()) == (None, None)
+    assert thinking_token_ids("granite", _OneTokenMarkers()) == (None, None, None)
     for name in ("glm45", "granite"):
-        assert thinking_token_ids(name, None) == (None, None)
+        assert thinking_token_ids(name, None) == (None, None, None)
     with pytest.raises(ValueError, match="glm45, granite, openai_gptoss"):
         thinking_token_ids("granite4", None)
 

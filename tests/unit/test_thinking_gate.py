@@ -188,3 +188,30 @@ def test_an_end_of_several_tokens_closes_the_thinking_only_when_whole(tokenizer)
     assert allowed(matcher.allowed_token_bitmask()) == {a}
     assert fork.is_thinking and fork.accept(x) and fork.is_thinking  # its own state
     assert not fork.constrains([start])  # x broke the run: start alone does not close it
+
+
+def test_glm45_s_newlines_before_think_pass_undecided(tokenizer):
+    # GLM-4.5 writes "\n<think>": newlines before the opening marker pass unmasked and unseen
+    # by the grammar, and what follows them decides: a thinking, or the grammar's answer.
+    start, end, a, b, newline = (tid(tokenizer, t) for t in ("<think>", "</think>", "a", "b", "\n"))
+    vocabulary = GrammarVocabulary(tokenizer.to_str(), VOCAB_SIZE, [EOS], start, [end], [newline])
+    structured = StructuredOutput(vocabulary)
+    thinking = structured.new_matcher(REGEX)
+    assert allowed(thinking.allowed_token_bitmask()) == {a, start, newline}
+    for token in (newline, newline):
+        assert thinking.accept(token) and not thinking.is_thinking
+        assert allowed(thinking.allowed_token_bitmask()) == {a, start, newline}
+    assert thinking.constrains([newline, start])  # undecided: the first sample is masked
+    assert thinking.usable_drafts([newline, start, b, end, a, b]) == 6
+    assert thinking.accept(start) and thinking.is_thinking
+    assert thinking.accept(end) and allowed(thinking.allowed_token_bitmask()) == {a}
+
+    answering = structured.new_matcher(REGEX)
+    assert answering.usable_drafts([newline, b]) == 1  # b cannot open the answer
+    masks = answering.draft_bitmasks([newline, a])
+    width = 4 * ((VOCAB_SIZE + 31) // 32)
+    parts = [allowed(masks[i : i + width]) for i in range(0, len(masks), width)]
+    assert parts == [{a, start, newline}] * 2 + [{b}]
+    assert answering.accept(newline) and answering.accept(a)
+    assert allowed(answering.allowed_token_bitmask()) == {b}  # the grammar took a, not "\n"
+    assert not answering.accept(newline)  # no newline once the answer has begun
