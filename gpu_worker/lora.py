@@ -88,6 +88,7 @@ LORA_ARCHITECTURES = (
     "GraniteMoeForCausalLM",
     "GptOssForCausalLM",
     "Glm4MoeForCausalLM",
+    "Dots1ForCausalLM",
 )
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "c_proj")
 _WEIGHTS_FILE = "adapter_model.safetensors"

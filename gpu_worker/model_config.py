@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "llama",
     "GraniteMoeForCausalLM": "llama",
     "Glm4MoeForCausalLM": "llama",
+    "Dots1ForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
@@ -197,6 +198,18 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         first_k_dense_replace=3,
         norm_topk_prob=True,
         rope_interleave=True,
+    ),
+    # Dots1Config's: its windowed layers, from max_window_layers on, are none at 62 layers.
+    "Dots1ForCausalLM": dict(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        sliding_window=4096,
+        max_window_layers=62,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
     ),
     "Starcoder2ForCausalLM": dict(
         max_position_embeddings=4096, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True
@@ -604,6 +617,14 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         ]
         _check_layer_count(layer_types, num_layers)
         return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    if architecture == "Dots1ForCausalLM":
+        first_windowed = hf_config["max_window_layers"]
+        layer_types = hf_config.get("layer_types") or [
+            "sliding_attention" if window and i >= first_windowed else "full_attention"
+            for i in range(num_layers)
+        ]
+        _check_layer_count(layer_types, num_layers)
+        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     if architecture == "GptOssForCausalLM":
         layer_types = hf_config.get("layer_types") or [
             "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
@@ -815,18 +836,24 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
 
 
 # DeepSeek's mixtures of experts and GLM-4.5's (``GroupedRouting``).
-_GROUPED_ROUTER_MOE = ("Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_GROUPED_ROUTER_MOE = (
+    "Glm4MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Dots1ForCausalLM",
+)
 _DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
 def _grouped_router_experts(
     architecture: str, hf_config: dict[str, Any]
 ) -> tuple[ExpertsSpec | None, ...]:
-    """DeepSeek-V2 / V3 and GLM-4.5: ``n_routed_experts`` experts of ``moe_intermediate_size``
-    at each layer from ``first_k_dense_replace`` on (a dense MLP of ``intermediate_size``
-    before it), the top ``num_experts_per_tok`` of the groups router (``GroupedRouting``:
-    V2's ``topk_method``, V3's and GLM-4.5's sigmoid scores), plus ``n_shared_experts``
-    experts' rows as one shared MLP; V3's and GLM-4.5's weights renormalised when
+    """DeepSeek-V2 / V3, GLM-4.5 and dots.llm1: ``n_routed_experts`` experts of
+    ``moe_intermediate_size`` at each layer from ``first_k_dense_replace`` on (a dense MLP of
+    ``intermediate_size`` before it), the top ``num_experts_per_tok`` of the grouped router
+    (``GroupedRouting``:
+    V2's ``topk_method``, the others' sigmoid scores), plus ``n_shared_experts``
+    experts' rows as one shared MLP; all but V2's weights renormalised when
     ``norm_topk_prob`` says, V2's never (its router ignores the field)."""
     num_layers = hf_config["num_hidden_layers"]
     v2 = architecture == "DeepseekV2ForCausalLM"

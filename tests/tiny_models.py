@@ -48,6 +48,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Glm4MoeForCausalLM": transformers.Glm4MoeConfig,
         "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
         "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
+        "Dots1ForCausalLM": transformers.Dots1Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

@@ -18,7 +18,9 @@ the ops' rotate-half on query and key rows the loader reorders (``rotary.pairs_t
 ``down(relu(up(x))^2)``. Zhipu's GLM-4.5 (``Glm4MoeForCausalLM``) is Llama with q/k/v biases,
 RoPE over half of each head, optional per-head q/k norms (``use_qk_norm``), and, from layer
 ``first_k_dense_replace`` on, experts under DeepSeek-V3's grouped sigmoid router plus a shared
-expert (layers/moe.py); its checkpoints' multi-token-prediction layer is not loaded."""
+expert (layers/moe.py); its checkpoints' multi-token-prediction layer is not loaded.
+rednote's dots.llm1 (``Dots1ForCausalLM``) is Qwen3 (per-head q/k norms) with DeepSeek-V3's
+experts, its ``attention_bias`` on all four projections."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 # Architectures that RMS-normalise each query and key head (``self_attn.q_norm`` /
 # ``k_norm``, one weight of head_size shared by all heads) between projection and RoPE.
-_PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+_PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Dots1ForCausalLM"})
 
 
 _GRANITE = frozenset({"GraniteForCausalLM", "GraniteMoeForCausalLM"})

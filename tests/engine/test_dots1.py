@@ -1,0 +1,79 @@
+"""rednote's dots.llm1 (``Dots1ForCausalLM``): Qwen3's attention (per-head q/k norms before
+RoPE) with biases on all four projections, windowed layers from ``max_window_layers`` on, a
+dense first layer, then DeepSeek-V3's experts (grouped sigmoid router, a shared expert).
+Greedy tokens identical to HF transformers (float32) across block sizes, chunked prefill with
+prefix hits and two tensor-parallel ranks; the window changes HF's own tokens, so the check
+can fail; bfloat16's first tokens agree with HF's bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
+    prompts,
+    rewritten,
+    token_ids,
+)
+
+from pagedserve.frontend import LLM
+from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig
+
+# dots.llm1's shape in small: 3 layers, the last windowed (32 tokens: the prompts run past
+# it), layer 0 dense, 8 experts in 2 groups (1 kept), top 2, renormalised, one shared.
+DOTS1 = dict(
+    architectures=["Dots1ForCausalLM"],
+    **{**TINY_SHAPE, "num_hidden_layers": 3},
+    head_dim=64,
+    moe_intermediate_size=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    sliding_window=32,
+    max_window_layers=2,
+    attention_bias=True,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+
+model_dir, hf_reference = family_fixtures(DOTS1)
+
+
+def test_layers_get_their_windows_and_experts(model_dir, tmp_path):
+    config = ModelConfig.from_dir(model_dir)
+    assert config.layer_sliding_windows == (0, 0, 32)
+    # Without layer_types, from max_window_layers on (as Dots1Config fills them in).
+    untyped = rewritten(model_dir, tmp_path / "untyped", layer_types=None)
+    assert ModelConfig.from_dir(untyped).layer_sliding_windows == (0, 0, 32)
+    assert config.layer_experts[0] is None
+    assert config.layer_experts[1].grouped == GroupedRouting(True, 2, 1, 1.0)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_dots1_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
+
+
+def test_the_window_changes_hf_s_tokens(model_dir, hf_reference, tmp_path):
+    unwindowed = rewritten(
+        model_dir, tmp_path / "unwindowed", layer_types=None, max_window_layers=3
+    )
+    assert ModelConfig.from_dir(unwindowed).layer_sliding_windows == (0, 0, 0)
+    assert hf_greedy(unwindowed, prompts()) != hf_reference
+
+
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
+    check_bfloat16_first_tokens_agree_with_hf(model_dir)
