@@ -89,6 +89,7 @@ LORA_ARCHITECTURES = (
     "GptOssForCausalLM",
     "Glm4MoeForCausalLM",
     "Dots1ForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
 )
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "c_proj")
 _WEIGHTS_FILE = "adapter_model.safetensors"

@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "llama",
     "SeedOssForCausalLM": "llama",
     "Ernie4_5ForCausalLM": "llama",
+    "Ernie4_5_MoeForCausalLM": "llama",
     # InternLM3: Llama's implementation (HF's too), its own names for the bias switches.
     "InternLM3ForCausalLM": "llama",
     "ArceeForCausalLM": "llama",
@@ -71,6 +72,9 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "Cohere2ForCausalLM",
         "Ernie4_5ForCausalLM",
         "InternLM3ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "Dots1ForCausalLM",
+        "Ernie4_5_MoeForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -228,6 +232,22 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5,
         max_position_embeddings=131072,
     ),
+    # Ernie4_5_MoeConfig's (ERNIE-4.5-21B-A3B's experts), the dense model's otherwise.
+    "Ernie4_5_MoeForCausalLM": dict(
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        use_bias=False,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        moe_num_experts=64,
+        moe_k=6,
+        moe_intermediate_size=1536,
+        moe_num_shared_experts=2,
+        moe_layer_start_index=1,
+        moe_layer_end_index=-1,
+        moe_layer_interval=1,
+        moe_norm_min=1e-12,
+    ),
     # ArceeConfig's: the squared ReLU.
     "ArceeForCausalLM": dict(hidden_act="relu2", rms_norm_eps=1e-5, max_position_embeddings=4096),
     # InternLM3Config's: heads of 128, no biases.
@@ -283,15 +303,16 @@ class GroupedRouting:
     in float32 (HF's ``_keep_in_fp32_modules_strict``).
 
     ``sigmoid`` (DeepSeek-V3's "noaux_tc", GLM-4.5): an expert's score is the sigmoid of its
-    logit; a learned bias per expert (``gate.e_score_correction_bias``) joins the scores that
-    choose, not the weights; a group ranks by the sum of its two best. Otherwise (DeepSeek-V2's
-    "greedy", one group, and "group_limited_greedy") the scores are the logits' softmax and a
-    group ranks by its best."""
+    logit; a group ranks by the sum of its two best. Otherwise (DeepSeek-V2's "greedy", one
+    group, and "group_limited_greedy"; ERNIE 4.5) the scores are the logits' softmax and a group
+    ranks by its best. ``correction_bias`` (V3, GLM-4.5, ERNIE 4.5): a learned bias per expert
+    (``gate.e_score_correction_bias``) joins the scores that choose, not the weights."""
 
     sigmoid: bool
     num_groups: int
     top_k_groups: int
     routed_scaling_factor: float
+    correction_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -327,6 +348,8 @@ class ExpertsSpec:
     # Qwen2-MoE gates its shared expert by a sigmoid; DeepSeek's and GLM-4.5's shared experts
     # (``mlp.shared_experts``, ``n_shared_experts`` experts' rows as one MLP) are added as is.
     shared_expert_gated: bool = True
+    # ERNIE 4.5's shared experts have biases when ``use_bias`` says (its experts never do).
+    shared_expert_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -808,6 +831,8 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
         return (spec,) * num_layers
     if architecture in _GROUPED_ROUTER_MOE:
         return _grouped_router_experts(architecture, hf_config)
+    if architecture == "Ernie4_5_MoeForCausalLM":
+        return _ernie_experts(hf_config)
     if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return (None,) * num_layers
     qwen2 = architecture == "Qwen2MoeForCausalLM"
@@ -918,6 +943,7 @@ def _grouped_router_experts(
             num_groups=num_groups,
             top_k_groups=top_k_groups,
             routed_scaling_factor=float(scale),
+            correction_bias=not v2,
         ),
     )
     first_dense = hf_config.get("first_k_dense_replace")
@@ -926,6 +952,54 @@ def _grouped_router_experts(
             f"model: first_k_dense_replace must be an integer >= 0, got {first_dense!r}"
         )
     return tuple(spec if i >= first_dense else None for i in range(num_layers))
+
+
+def _ernie_experts(hf_config: dict[str, Any]) -> tuple[ExpertsSpec | None, ...]:
+    """ERNIE 4.5's MoE models: ``moe_num_experts`` experts of ``moe_intermediate_size``, top
+    ``moe_k`` by their softmax probabilities plus a learned bias per expert (which only
+    chooses), renormalised and rounded to the model's dtype, beside ``moe_num_shared_experts``
+    experts' rows as one shared MLP; sparse at layers ``moe_layer_start_index`` to
+    ``moe_layer_end_index`` (-1: the last) whose number + 1 is a multiple of
+    ``moe_layer_interval``, dense (``intermediate_size``) elsewhere."""
+    num_layers = hf_config["num_hidden_layers"]
+    num_experts_field = "num_experts" if "num_experts" in hf_config else "moe_num_experts"
+    spec = _checked_experts(
+        hf_config,
+        num_experts=hf_config[num_experts_field],
+        num_experts_field=num_experts_field,
+        top_k=hf_config.get("num_experts_per_tok", hf_config["moe_k"]),
+        intermediate_field="moe_intermediate_size",
+        renormalize=True,
+        weights_in_float32=False,
+    )
+    fields = {}
+    for name in ("moe_num_shared_experts", "moe_layer_start_index", "moe_layer_interval"):
+        value = hf_config[name]
+        low = 1 if name == "moe_layer_interval" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"model: {name} must be an integer >= {low}, got {value!r}")
+        fields[name] = value
+    end = hf_config["moe_layer_end_index"]
+    if isinstance(end, bool) or not isinstance(end, int) or end < -1:
+        raise ValueError(f"model: moe_layer_end_index must be an integer >= -1, got {end!r}")
+    end = num_layers - 1 if end == -1 else end
+    spec = dataclasses.replace(
+        spec,
+        shared_intermediate_size=spec.intermediate_size * fields["moe_num_shared_experts"],
+        shared_expert_gated=False,
+        shared_expert_bias=bool(hf_config.get("use_bias")),
+        grouped=GroupedRouting(
+            sigmoid=False,
+            num_groups=1,
+            top_k_groups=1,
+            routed_scaling_factor=1.0,
+            correction_bias=True,
+        ),
+    )
+    start, interval = fields["moe_layer_start_index"], fields["moe_layer_interval"]
+    return tuple(
+        spec if start <= i <= end and (i + 1) % interval == 0 else None for i in range(num_layers)
+    )
 
 
 def _num_experts(hf_config: dict[str, Any], default: int) -> tuple[Any, str]:

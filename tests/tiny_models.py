@@ -49,6 +49,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
         "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
         "Dots1ForCausalLM": transformers.Dots1Config,
+        "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]
@@ -62,7 +63,9 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
     )
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "norm" in name:
+            if name.endswith("e_score_correction_bias"):  # ERNIE 4.5's: a parameter
+                parameter.normal_(0.0, 0.1)
+            elif "norm" in name:
                 parameter.uniform_(0.8, 1.2)
             elif name.endswith("bias"):
                 parameter.normal_(0.0, 0.02)

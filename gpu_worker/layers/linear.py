@@ -131,9 +131,9 @@ class RowParallelLinear(PackableLinear):
     weight and takes the matching split input (the output of a column-parallel layer);
     the partial products are summed over the ranks, then the bias is added once.
 
-    ``reduce_results=False`` returns this rank's partial product unsummed (no bias allowed):
-    for a caller that adds several such products and sums them over the ranks once, as a
-    mixture-of-experts layer does over its experts."""
+    ``reduce_results=False`` returns this rank's partial product unsummed, the bias in rank
+    0's only (so the sum holds it once): for a caller that adds several such products and sums
+    them over the ranks once, as a mixture-of-experts layer does over its experts."""
 
     def __init__(
         self,
@@ -145,8 +145,6 @@ class RowParallelLinear(PackableLinear):
         reduce_results: bool = True,
     ) -> None:
         super().__init__()
-        if bias and not reduce_results:
-            raise ValueError("a row-parallel layer that leaves its sum to the caller has no bias")
         self.parallel = parallel
         self.reduce_results = reduce_results
         self.columns = parallel.shard(in_features)
@@ -160,8 +158,10 @@ class RowParallelLinear(PackableLinear):
         return self.parallel.all_reduce_max(super().row_largest())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel.size == 1 or not self.reduce_results:
+        if self.parallel.size == 1:
             return self.linear(x, self.bias)
+        if not self.reduce_results:
+            return self.linear(x, self.bias if self.parallel.rank == 0 else None)
         # NOTE: one all_reduce per call, a synchronisation of every rank.
         output = self.parallel.all_reduce(self.linear(x, None))
         if self.bias is not None:

@@ -63,7 +63,7 @@ class SparseMoE(nn.Module):
             # DeepSeek's and GLM-4.5's routers score in float32 over a float32 weight.
             self.gate = Linear(hidden_size, spec.num_experts, False, torch.float32)
             self.gate.quantizable = False
-            if spec.grouped.sigmoid:
+            if spec.grouped.correction_bias:
                 self.gate.e_score_correction_bias = nn.Parameter(
                     torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False
                 )
@@ -72,7 +72,13 @@ class SparseMoE(nn.Module):
         self.shared_experts: GatedMLP | None = None
         if spec.shared_intermediate_size:
             shared = GatedMLP(
-                hidden_size, spec.shared_intermediate_size, False, act_name, dtype, parallel, False
+                hidden_size,
+                spec.shared_intermediate_size,
+                spec.shared_expert_bias,
+                act_name,
+                dtype,
+                parallel,
+                False,
             )
             if spec.shared_expert_gated:
                 self.shared_expert = shared
@@ -107,14 +113,16 @@ class SparseMoE(nn.Module):
         num_groups = grouped.num_groups
         if grouped.sigmoid:
             scores = logits.sigmoid()
+        else:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        choice = scores
+        if grouped.correction_bias:
             choice = scores + self.gate.e_score_correction_bias
-            grouped_choice = choice.view(-1, num_groups, self.spec.num_experts // num_groups)
+        grouped_choice = choice.view(-1, num_groups, self.spec.num_experts // num_groups)
+        if grouped.sigmoid:
             group_scores = grouped_choice.topk(2, dim=-1)[0].sum(dim=-1)
             masked = float("-inf")
         else:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            choice = scores
-            grouped_choice = choice.view(-1, num_groups, self.spec.num_experts // num_groups)
             group_scores = grouped_choice.max(dim=-1).values
             masked = 0.0
         if grouped.top_k_groups < num_groups:
@@ -127,8 +135,13 @@ class SparseMoE(nn.Module):
         experts = torch.topk(choice, k=self.spec.top_k, dim=-1)[1]
         weights = scores.gather(1, experts)
         if self.spec.renormalize:
+            # DeepSeek adds 1e-20 to the sum, ERNIE clamps it at 1e-12: top-k probabilities
+            # sum to far more, so both divide by the sum itself.
             weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
-        return experts, weights * grouped.routed_scaling_factor
+        weights = weights * grouped.routed_scaling_factor
+        if not self.spec.weights_in_float32:  # ERNIE rounds them to the model's dtype
+            weights = weights.to(hidden.dtype)
+        return experts, weights
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(hidden)

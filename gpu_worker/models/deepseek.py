@@ -188,6 +188,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         self.norm = RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1e-6), dtype)
         self.embedding_multiplier = None
         self.logits_scaling = None
+        self.lm_head_bias = None
 
     def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
         """The rotated query and key rows from interleaved pairs to halves (V2; V3 with

@@ -14,7 +14,8 @@ ByteDance's Seed-OSS is Llama with q/k/v biases and a separate switch for the ou
 projection's (``attention_out_bias``). Baidu's ERNIE 4.5 (the dense models) is Llama with
 one switch for every projection's bias (``use_bias``) and RoPE on interleaved pairs, run as
 the ops' rotate-half on query and key rows the loader reorders (``rotary.pairs_to_halves``;
-``CausalLM.checkpoint_rows``). Arcee's AFM is Llama with an ungated MLP,
+``CausalLM.checkpoint_rows``); its MoE models add experts under a softmax router whose learned
+bias per expert only chooses, and shared experts. Arcee's AFM is Llama with an ungated MLP,
 ``down(relu(up(x))^2)``. Zhipu's GLM-4.5 (``Glm4MoeForCausalLM``) is Llama with q/k/v biases,
 RoPE over half of each head, optional per-head q/k norms (``use_qk_norm``), and, from layer
 ``first_k_dense_replace`` on, experts under DeepSeek-V3's grouped sigmoid router plus a shared
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
-from pagedserve.gpu_worker.layers.basic import RMSNorm, norm_each_head
+from pagedserve.gpu_worker.layers.basic import RMSNorm, empty_parameter, norm_each_head
 from pagedserve.gpu_worker.layers.mlp import GatedMLP, UngatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves
@@ -50,6 +51,7 @@ _PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Dots1
 
 
 _GRANITE = frozenset({"GraniteForCausalLM", "GraniteMoeForCausalLM"})
+_ERNIE = frozenset({"Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM"})
 
 
 def _granite_scalar(config: ModelConfig, name: str) -> float | None:
@@ -64,7 +66,7 @@ def _qkv_bias(config: ModelConfig) -> bool:
     hf = config.hf_config
     if config.architecture == "Qwen2ForCausalLM":
         return True
-    if config.architecture == "Ernie4_5ForCausalLM":
+    if config.architecture in _ERNIE:
         return bool(hf.get("use_bias"))
     if config.architecture == "Qwen2MoeForCausalLM":
         return bool(hf.get("qkv_bias", True))
@@ -76,8 +78,9 @@ def _qkv_bias(config: ModelConfig) -> bool:
 _OUTPUT_BIAS_FIELDS = {
     "SeedOssForCausalLM": "attention_out_bias",
     "Ernie4_5ForCausalLM": "use_bias",
+    "Ernie4_5_MoeForCausalLM": "use_bias",
 }
-_MLP_BIAS_FIELDS = {"Ernie4_5ForCausalLM": "use_bias"}
+_MLP_BIAS_FIELDS = {"Ernie4_5ForCausalLM": "use_bias", "Ernie4_5_MoeForCausalLM": "use_bias"}
 
 
 def _output_bias(config: ModelConfig) -> bool:
@@ -225,6 +228,12 @@ class LlamaForCausalLM(StackedDecoderLM):
         self.norm = RMSNorm(config.hidden_size, hf.get("rms_norm_eps", 1e-6), dtype)
         self.embedding_multiplier = _granite_scalar(config, "embedding_multiplier")
         self.logits_scaling = _granite_scalar(config, "logits_scaling")
+        # ERNIE 4.5 MoE's LM head has a bias when ``use_bias`` says (the dense model's never).
+        self.lm_head_bias = (
+            empty_parameter(config.vocab_size, dtype=dtype)
+            if config.architecture == "Ernie4_5_MoeForCausalLM" and hf.get("use_bias")
+            else None
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -241,13 +250,15 @@ class LlamaForCausalLM(StackedDecoderLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.logits_table.logits(hidden_states)
+        if self.lm_head_bias is not None:
+            logits += self.lm_head_bias.float()
         if self.logits_scaling is not None:
             logits = logits / self.logits_scaling
         return logits
 
     def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
         """ERNIE 4.5's query and key rows from interleaved pairs to halves."""
-        if self.config.architecture == "Ernie4_5ForCausalLM" and projection in ("q_proj", "k_proj"):
+        if self.config.architecture in _ERNIE and projection in ("q_proj", "k_proj"):
             return pairs_to_halves(tensor, self.config.head_size, self.config.head_size)
         return tensor
 
@@ -258,6 +269,8 @@ class LlamaForCausalLM(StackedDecoderLM):
             weights = _split_granite_experts(weights)
         if self.config.architecture == "Glm4MoeForCausalLM":
             weights = without_next_token_layers(self.config, weights)
+        if self.config.architecture == "Ernie4_5_MoeForCausalLM":
+            weights = _ernie_moe_tensors(weights)
 
         def rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
             return self.checkpoint_rows(name.rpartition(".")[0].rpartition(".")[2], tensor)
@@ -304,6 +317,25 @@ def _split_granite_experts(
                 yield f"{prefix}mlp.experts.{expert}.down_proj.weight", down
         else:
             yield name, tensor
+
+
+def _ernie_moe_tensors(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """ERNIE 4.5 MoE's checkpoint as the router holds it: the bias [1, experts] of
+    ``mlp.moe_statics`` (Baidu's name; transformers' ``mlp.gate.moe_statics``) as
+    ``mlp.gate.e_score_correction_bias`` [experts], the LM head's bias as ``lm_head_bias``;
+    without the multi-token-prediction tensors (``mtp_*``), which HF does not load either."""
+    for name, tensor in weights:
+        if any(part.startswith("mtp") for part in name.split(".")):
+            continue
+        if name == "lm_head.bias":
+            name = "lm_head_bias"
+        for stem in (".mlp.gate.moe_statics.", ".mlp.moe_statics."):
+            if stem in name:
+                name = name.replace(stem, ".mlp.gate.")
+                tensor = tensor.reshape(-1)
+        yield name, tensor
 
 
 # Mixtral's sparse block and its experts' gate, down and up projections, by their own names.

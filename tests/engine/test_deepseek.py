@@ -109,7 +109,7 @@ def test_the_cache_holds_each_head_expanded_and_the_router_is_deepseek_s(model_d
     )
     assert not v2.layer_experts[1].renormalize
     assert v2.layer_experts[1].shared_intermediate_size == 128
-    assert v3.layer_experts[2].grouped == GroupedRouting(True, 4, 2, 2.5)
+    assert v3.layer_experts[2].grouped == GroupedRouting(True, 4, 2, 2.5, correction_bias=True)
     assert v3.layer_experts[2].renormalize
 
 

@@ -54,7 +54,7 @@ def test_layers_get_their_windows_and_experts(model_dir, tmp_path):
     untyped = rewritten(model_dir, tmp_path / "untyped", layer_types=None)
     assert ModelConfig.from_dir(untyped).layer_sliding_windows == (0, 0, 32)
     assert config.layer_experts[0] is None
-    assert config.layer_experts[1].grouped == GroupedRouting(True, 2, 1, 1.0)
+    assert config.layer_experts[1].grouped == GroupedRouting(True, 2, 1, 1.0, correction_bias=True)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

@@ -61,7 +61,7 @@ def test_layers_get_the_grouped_router_and_a_shared_expert(model_dir):
         True,
         True,
         shared_intermediate_size=64,
-        grouped=GroupedRouting(True, 4, 2, 2.5),
+        grouped=GroupedRouting(True, 4, 2, 2.5, correction_bias=True),
         shared_expert_gated=False,
     )
     assert config.layer_experts == (None, sparse, sparse)
