@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(Qwen3-Coder's XML calls), seed_oss (Seed-OSS: that XML in <seed:tool_call> blocks), "
         "deepseek_v3 (DeepSeek V3, R1 and its Qwen / Llama "
         "distills), deepseek_v31 (DeepSeek V3.1), glm45 (GLM-4.5 / 4.6: <tool_call> blocks of "
-        "<arg_key> / <arg_value> pairs), granite (IBM Granite 3.x: a JSON array "
+        "<arg_key> / <arg_value> pairs), kimi_k2 (Kimi K2: a <|tool_calls_section_begin|> "
+        "section of functions.NAME:INDEX calls), granite (IBM Granite 3.x: a JSON array "
         "after <|tool_call|>), phi4_mini_json (Phi-4-mini: functools[...]) or openai "
         "(gpt-oss: harmony messages to=functions.NAME)",
     )

@@ -44,6 +44,7 @@ TOOL_CALL_PARSERS = (
     "deepseek_v3",
     "deepseek_v31",
     "glm45",
+    "kimi_k2",
     "granite",
     "phi4_mini_json",
     "openai",
@@ -81,6 +82,7 @@ class Tool:
 class ParsedCall:
     name: str
     arguments: str  # JSON text, as OpenAI reports it
+    id: str | None = None  # the model's own id for the call, where its format writes one
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,8 @@ def call_id() -> str:
 
 
 def with_ids(calls: list[ParsedCall]) -> list[ToolCall]:
-    """A whole answer's calls, each with a new id."""
-    return [ToolCall(call_id(), call.name, call.arguments) for call in calls]
+    """A whole answer's calls, each with the model's id or a new one."""
+    return [ToolCall(call.id or call_id(), call.name, call.arguments) for call in calls]
 
 
 def chat_message_tool_fields(message: dict, name: str) -> dict[str, Any]:
@@ -321,6 +323,8 @@ class ToolCalling:
             return _DeepSeekReader(v31=tool_call_parser == "deepseek_v31")
         if tool_call_parser == "glm45":
             return _Glm45Reader({tool.name: tool.parameters for tool in self.tools})
+        if tool_call_parser == "kimi_k2":
+            return _KimiK2Reader()
         if tool_call_parser == "granite":
             return _GraniteReader()
         if tool_call_parser == "phi4_mini_json":
@@ -397,7 +401,8 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         """What is new in the choice's output ``text`` (all of it so far): content, and
-        the calls' deltas (a call's first names it and carries a new id)."""
+        the calls' deltas (a call's first names it and carries its id: the model's, or a
+        new one)."""
         parsed = self._calling.parse(text, final)
         self.last = parsed
         content = parsed.content[self._content_chars :]
@@ -405,7 +410,7 @@ class ToolCallStream:
         deltas: list[ToolCallDelta] = []
         for index, call in enumerate(parsed.calls):
             if index == len(self._call_ids):
-                self._call_ids.append(call_id())
+                self._call_ids.append(call.id or call_id())
                 self._argument_chars.append(len(call.arguments))
                 deltas.append(
                     ToolCallDelta(index, call.arguments, self._call_ids[index], call.name)
@@ -825,7 +830,63 @@ class _SeedOssReader(_Qwen3CoderReader):
     markers = (START, END)
 
 
-class _DeepSeekReader(_OutputReader):
+class _SectionReader(_OutputReader):
+    """Calls in one section between marker tokens, each call between markers of its own
+    (DeepSeek's, Kimi K2's). Text before the section is content; so is text after it,
+    once the section holds calls, unless it is only whitespace. A call counts once its
+    end marker is written (or the output ended inside it and it reads whole); the first
+    block that is not a call ends the calls; an output whose calls do not read stays
+    content, markers and all."""
+
+    SECTION_BEGINS: tuple[str, ...] = ()
+    SECTION_ENDS: tuple[str, ...] = ()
+    CALL_BEGIN = ""
+    CALL_END = ""
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        start, begin = _first_marker(text, self.SECTION_BEGINS)
+        if start < 0:
+            if final:
+                return ParsedOutput(text)
+            held = max(partial_marker_chars(text, marker) for marker in self.SECTION_BEGINS)
+            return ParsedOutput(text[: len(text) - held])
+        body = text[start + len(begin) :]
+        end, section_end = _first_marker(body, self.SECTION_ENDS)
+        ended = end >= 0
+        region = body[:end] if ended else body
+        calls = self._calls(region, output_ended_inside=final and not ended)
+        if final and not calls:
+            return ParsedOutput(text)
+        content = text[:start]
+        # Without calls the whole output is content: text after the section waits for them.
+        tail = body[end + len(section_end) :] if ended else ""
+        if calls and tail.strip():
+            content += tail
+        return ParsedOutput(content, calls)
+
+    def _calls(self, region: str, output_ended_inside: bool) -> list[ParsedCall]:
+        calls = []
+        for block in region.split(self.CALL_BEGIN)[1:]:
+            inner, closed, _rest = block.partition(self.CALL_END)
+            if not closed and not output_ended_inside:
+                break  # still being written
+            call = self._call(inner)
+            if call is None:
+                break
+            calls.append(call)
+        return calls
+
+    def _call(self, inner: str) -> ParsedCall | None:
+        raise NotImplementedError
+
+
+def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
+    """Where the first of ``markers`` in ``text`` is, and which; (-1, "") when none is."""
+    found = [(text.find(marker), marker) for marker in markers if marker in text]
+    return min(found) if found else (-1, "")
+
+
+class _DeepSeekReader(_SectionReader):
     """DeepSeek's calls (V3, R1 and the R1 distills of Qwen and Llama: ``deepseek_v3``;
     V3.1: ``deepseek_v31``), between its marker tokens::
 
@@ -835,13 +896,13 @@ class _DeepSeekReader(_OutputReader):
         ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
     V3.1 writes ``<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
-    <｜tool▁call▁end｜>`` (the name first, the arguments bare). Text before the calls is
-    content, as is text after them unless it is only whitespace; a call counts once its
-    end marker is written (or the output ended inside it and it reads whole); an output
-    whose calls do not read stays content."""
+    <｜tool▁call▁end｜>`` (the name first, the arguments bare). Content and calls read
+    as ``_SectionReader`` says."""
 
     CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
     CALLS_END = "<｜tool▁calls▁end｜>"
+    SECTION_BEGINS = (CALLS_BEGIN,)
+    SECTION_ENDS = (CALLS_END,)
     CALL_BEGIN = "<｜tool▁call▁begin｜>"
     CALL_END = "<｜tool▁call▁end｜>"
     SEPARATOR = "<｜tool▁sep｜>"
@@ -849,30 +910,6 @@ class _DeepSeekReader(_OutputReader):
 
     def __init__(self, v31: bool) -> None:
         self._v31 = v31
-
-    def parse(self, text: str, final: bool) -> ParsedOutput:
-        start = text.find(self.CALLS_BEGIN)
-        if start < 0:
-            if final:
-                return ParsedOutput(text)
-            return ParsedOutput(text[: len(text) - partial_marker_chars(text, self.CALLS_BEGIN)])
-        body = text[start + len(self.CALLS_BEGIN) :]
-        region, ended, tail = body.partition(self.CALLS_END)
-        calls = []
-        for block in region.split(self.CALL_BEGIN)[1:]:
-            inner, closed, _rest = block.partition(self.CALL_END)
-            if not closed and not (final and not ended):
-                break  # still being written
-            call = self._call(inner)
-            if call is None:
-                break
-            calls.append(call)
-        if final and not calls:
-            return ParsedOutput(text)
-        content = text[:start]
-        if ended and tail.strip():
-            content += tail
-        return ParsedOutput(content, calls)
 
     def _call(self, inner: str) -> ParsedCall | None:
         head, separator, rest = inner.partition(self.SEPARATOR)
@@ -887,13 +924,60 @@ class _DeepSeekReader(_OutputReader):
             arguments = arguments.removesuffix("```").strip()
         if not _FUNCTION_NAME.fullmatch(name):
             return None
-        try:
-            value = json.loads(arguments)
-        except ValueError:
+        return _object_call(name, arguments)
+
+
+class _KimiK2Reader(_SectionReader):
+    """Kimi K2's calls, a section of marker tokens after any content (whitespace may stand
+    between the markers)::
+
+        <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
+        <|tool_call_argument_begin|>{"city": "Beijing"}<|tool_call_end|><|tool_calls_section_end|>
+
+    A call's id is ``functions.NAME:INDEX`` (some outputs leave out ``functions.``), its
+    arguments a JSON object; some checkpoints spell the section's markers
+    ``<|tool_call_section_begin|>`` / ``<|tool_call_section_end|>``. Content and calls read
+    as ``_SectionReader`` says. A call keeps the model's id, as vLLM's ``kimi_k2`` reports
+    it: Kimi's chat template writes the id back into the next prompt, where it tells the
+    model which function each result answers."""
+
+    SECTION_BEGINS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+    SECTION_ENDS = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+    CALL_BEGIN = "<|tool_call_begin|>"
+    CALL_END = "<|tool_call_end|>"
+    ARGUMENTS = "<|tool_call_argument_begin|>"
+    markers = (*SECTION_BEGINS, *SECTION_ENDS, CALL_BEGIN, ARGUMENTS, CALL_END)
+
+    def _calls(self, region: str, output_ended_inside: bool) -> list[ParsedCall]:
+        calls = super()._calls(region, output_ended_inside)
+        # A client answers each call by its id: an id the model repeats gets a new one.
+        ids = [call.id for call in calls]
+        return [
+            call if call.id not in ids[:position] else ParsedCall(call.name, call.arguments)
+            for position, call in enumerate(calls)
+        ]
+
+    def _call(self, inner: str) -> ParsedCall | None:
+        head, separator, arguments = inner.partition(self.ARGUMENTS)
+        model_id = head.strip()
+        name, colon, index = model_id.removeprefix("functions.").rpartition(":")
+        if not separator or not colon or not (index.isascii() and index.isdigit()):
             return None
-        if not isinstance(value, dict):
+        if not _FUNCTION_NAME.fullmatch(name):
             return None
-        return ParsedCall(name, _arguments_text(value))
+        call = _object_call(name, arguments)
+        return None if call is None else ParsedCall(call.name, call.arguments, model_id)
+
+
+def _object_call(name: str, arguments: str) -> ParsedCall | None:
+    """A call of ``name`` when ``arguments`` is a JSON object; else None (not a call)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    return ParsedCall(name, _arguments_text(value))
 
 
 class _Glm45Reader(_HermesReader):

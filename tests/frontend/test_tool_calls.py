@@ -19,6 +19,7 @@ from pagedserve.frontend.tool_calls import (
     ToolCallStream,
     chat_message_tool_fields,
     parse_tools,
+    with_ids,
 )
 
 WEATHER = {
@@ -313,6 +314,7 @@ DEEPSEEK_V3_TEXTS = [
     f'{B}{CB}function{SEP}get_weather\n```json\n{{"city": "Ro',  # cut short: content
     f"{B}{CB}function{SEP}get_time\n```json\n{{}}\n```{CE}{E} Done.",
     f"{B}{CB}function{SEP}not a name\n```json\n{{}}\n```{CE}{E}",
+    f"Hi{B}{CB}function{SEP}not a name\n```json\n{{}}\n```{CE}{E} Done.",  # all content
 ]
 DEEPSEEK_V31_TEXTS = [
     f'Sure.{B}{CB}get_weather{SEP}{{"city": "Rome", "unit": "C"}}{CE}{CB}get_time{SEP}{{}}{CE}{E}',
@@ -328,7 +330,7 @@ def test_deepseek_reads_v3_and_v31_calls():
         "Let me check.",
         [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("get_time", "{}")],
     )
-    for text in (DEEPSEEK_V3_TEXTS[2], DEEPSEEK_V3_TEXTS[4]):
+    for text in (DEEPSEEK_V3_TEXTS[2], DEEPSEEK_V3_TEXTS[4], DEEPSEEK_V3_TEXTS[5]):
         assert v3.parse(text, True) == ParsedOutput(text)
     assert v3.parse(DEEPSEEK_V3_TEXTS[3], True) == ParsedOutput(
         " Done.", [ParsedCall("get_time", "{}")]
@@ -336,6 +338,8 @@ def test_deepseek_reads_v3_and_v31_calls():
     # While streaming, a possible begin marker is held back; a call waits for its end.
     assert v3.parse("Sure <｜tool▁ca", False) == ParsedOutput("Sure ")
     assert v3.parse(DEEPSEEK_V3_TEXTS[2], False) == ParsedOutput("")
+    # Text after a section of no calls waits: the whole output may be content.
+    assert v3.parse(DEEPSEEK_V3_TEXTS[5], False) == ParsedOutput("Hi")
     v31 = calling("auto", "deepseek_v31")
     assert v31.parse(DEEPSEEK_V31_TEXTS[0], True) == ParsedOutput(
         "Sure.",
@@ -346,6 +350,82 @@ def test_deepseek_reads_v3_and_v31_calls():
     assert v31.parse(DEEPSEEK_V31_TEXTS[2], True) == ParsedOutput(DEEPSEEK_V31_TEXTS[2])
     # Each version's calls are not the other's.
     assert v31.parse(DEEPSEEK_V3_TEXTS[1], True) == ParsedOutput(DEEPSEEK_V3_TEXTS[1])
+
+
+KB, KE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KCB, KCE, KARG = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+KIMI_K2_TEXTS = [
+    "No call here.",
+    f'Some content{KB}{KCB}functions.get_weather:0{KARG}{{"city": "Beijing"}}{KCE}'
+    f"{KCB}functions.get_time:1{KARG}{{}}{KCE}{KE}",
+    # The singular section markers, whitespace between markers, no "functions." prefix.
+    f"<|tool_call_section_begin|>\n{KCB} get_time:3 \n{KARG} {{}} {KCE}\n"
+    "<|tool_call_section_end|>\n",
+    f"{KB}{KCB}functions.get_time:0{KARG}{{}}{KCE}{KE} Done.",
+    f'{KB}{KCB}functions.get_weather:0{KARG}{{"city": "Be',  # cut short: content
+    f"Sure.{KB}{KCB}functions.get_time:0{KARG}{{}}",  # ended inside a call that reads whole
+    f"{KB}{KCB}functions.get_weather:0{KARG}[1, 2]{KCE}{KE} After.",  # not an object
+    f"{KB}{KCB}functions.get_time{KARG}{{}}{KCE}{KE}",  # no index in the id
+    f"{KB}{KCB}functions.get weather:0{KARG}{{}}{KCE}{KE}",  # not a function name
+    f"{KB}{KCB}functions.get_time:0{KARG}{{}}{KCE}{KCB}functions.get_weather:1{KARG}"
+    f"not json{KCE}{KE}",  # the first block that is not a call ends the calls
+    f"{KB}{KCB}functions.get_time:0{KARG}{{}}{KCE}{KCB}functions.get_time:0{KARG}"
+    f'{{"zone": "CET"}}{KCE}{KE}',  # an id written twice
+    f"a {KCB}get_time:0{KARG}{{}}{KCE} <|tool_calls_sec",  # no section: content
+]
+
+
+def test_kimi_k2_reads_its_section_of_calls_with_the_model_s_ids():
+    kimi = calling("auto", "kimi_k2")
+    assert kimi.parse(KIMI_K2_TEXTS[0], True) == ParsedOutput("No call here.")
+    two = kimi.parse(KIMI_K2_TEXTS[1], True)
+    assert two == ParsedOutput(
+        "Some content",
+        [
+            ParsedCall("get_weather", '{"city": "Beijing"}', "functions.get_weather:0"),
+            ParsedCall("get_time", "{}", "functions.get_time:1"),
+        ],
+    )
+    # A whole answer's calls keep the model's ids (Kimi's template writes them back).
+    assert [call.id for call in with_ids(two.calls)] == [
+        "functions.get_weather:0",
+        "functions.get_time:1",
+    ]
+    assert kimi.parse(KIMI_K2_TEXTS[2], True) == ParsedOutput(
+        "", [ParsedCall("get_time", "{}", "get_time:3")]
+    )
+    assert kimi.parse(KIMI_K2_TEXTS[3], True) == ParsedOutput(
+        " Done.", [ParsedCall("get_time", "{}", "functions.get_time:0")]
+    )
+    assert kimi.parse(KIMI_K2_TEXTS[5], True) == ParsedOutput(
+        "Sure.", [ParsedCall("get_time", "{}", "functions.get_time:0")]
+    )
+    for text in (KIMI_K2_TEXTS[4], *KIMI_K2_TEXTS[6:9], KIMI_K2_TEXTS[11]):
+        assert kimi.parse(text, True) == ParsedOutput(text)
+    assert kimi.parse(KIMI_K2_TEXTS[9], True) == ParsedOutput(
+        "", [ParsedCall("get_time", "{}", "functions.get_time:0")]
+    )
+    # Two calls may not share an id: the repeat gets a new one of the server's.
+    repeated = kimi.parse(KIMI_K2_TEXTS[10], True).calls
+    assert [call.id for call in repeated] == ["functions.get_time:0", None]
+    assert with_ids(repeated)[1].id.startswith("call_")
+    single = calling("auto", "kimi_k2", parallel=False)
+    assert [call.name for call in single.parse(KIMI_K2_TEXTS[1], True).calls] == ["get_weather"]
+    # DeepSeek's markers are not Kimi's: content.
+    assert kimi.parse(DEEPSEEK_V31_TEXTS[0], True) == ParsedOutput(DEEPSEEK_V31_TEXTS[0])
+    # While streaming, a possible section start (either spelling) is held back, a call waits
+    # for its end marker, and text after a section waits for a call in it.
+    assert kimi.parse("Sure <|tool_calls_sec", False) == ParsedOutput("Sure ")
+    assert kimi.parse("Sure <|tool_call_sec", False) == ParsedOutput("Sure ")
+    first_call_end = KIMI_K2_TEXTS[1].index(KCE) + len(KCE)
+    assert kimi.parse(KIMI_K2_TEXTS[1][: first_call_end - 1], False) == ParsedOutput("Some content")
+    assert kimi.parse(KIMI_K2_TEXTS[1][:first_call_end], False) == ParsedOutput(
+        "Some content",
+        [ParsedCall("get_weather", '{"city": "Beijing"}', "functions.get_weather:0")],
+    )
+    assert kimi.parse(KIMI_K2_TEXTS[5], False) == ParsedOutput("Sure.")
+    assert kimi.parse(KIMI_K2_TEXTS[6], False) == ParsedOutput("")
+    assert {KB, "<|tool_call_section_end|>", KCB, KARG, KCE} <= set(kimi.markers)
 
 
 GRANITE_TEXTS = [
@@ -490,11 +570,14 @@ def test_glm45_reads_key_value_calls_typed_by_their_schema():
     assert {"<tool_call>", "<arg_key>", "</arg_value>"} <= set(glm.markers)
 
 
-@pytest.mark.parametrize("text", GLM45_TEXTS)
-def test_a_glm45_stream_adds_up_however_it_is_cut(text):
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [("glm45", text) for text in GLM45_TEXTS] + [("kimi_k2", text) for text in KIMI_K2_TEXTS],
+)
+def test_a_stream_adds_up_however_it_is_cut(parser, text):
     """In two pieces split at every point (a marker in two chunks, or a whole block in one):
     the content and calls add up to the whole answer."""
-    reader = calling("auto", "glm45")
+    reader = calling("auto", parser)
     parsed = reader.parse(text, final=True)
     want = (parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.calls])
     for cut in range(len(text)):
@@ -520,6 +603,7 @@ CASES = (
     + [("auto", "deepseek_v3", text) for text in DEEPSEEK_V3_TEXTS]
     + [("auto", "deepseek_v31", text) for text in DEEPSEEK_V31_TEXTS]
     + [("auto", "glm45", text) for text in GLM45_TEXTS]
+    + [("auto", "kimi_k2", text) for text in KIMI_K2_TEXTS]
     + [("auto", "granite", text) for text in GRANITE_TEXTS]
     + [("auto", "phi4_mini_json", text) for text in PHI4_MINI_TEXTS]
     + [("required", None, text) for text in REQUIRED_TEXTS]
@@ -541,7 +625,10 @@ def test_a_stream_adds_up_to_the_whole_answer(tool_choice, parser, text):
         content += new_content
         for delta in deltas:
             if delta.index == len(calls):
-                assert delta.id.startswith("call_") and delta.name is not None
+                # The model's id where its format writes one (Kimi K2's), else a new one.
+                model_id = parsed.calls[delta.index].id
+                assert delta.id == model_id if model_id else delta.id.startswith("call_")
+                assert delta.name is not None
                 calls.append({"name": delta.name, "arguments": ""})
                 ids.append(delta.id)
             else:
