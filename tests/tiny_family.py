@@ -90,3 +90,40 @@ def check_chunked_prefix_hits_and_two_ranks(model_dir: Path, expected: list[list
         assert token_ids(parallel.generate(prompts(), GREEDY)) == expected
     finally:
         parallel.shutdown()
+
+
+def check_preemption_by_swap_keeps_the_tokens(model_dir: Path, expected: list[list[int]]) -> None:
+    """HF's greedy tokens (``expected``) from a cache of 20 blocks, too few for the prompts
+    together: running requests are swapped out and back."""
+    llm = LLM(
+        model_dir,
+        num_blocks=20,
+        max_num_batched_tokens=160,
+        preemption_mode="swap",
+        swap_space_bytes=64 << 20,
+    )
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+    assert llm.stats()["num_swap_preemptions"] > 0
+
+
+def with_next_token_layer(model_dir: Path, path: Path) -> Path:
+    """A copy of ``model_dir`` whose checkpoint carries a multi-token-prediction layer after
+    its decoder layers (a copy of the last, plus an ``eh_proj``), as DeepSeek-V3's and
+    GLM-4.5's checkpoints do (``num_nextn_predict_layers`` 1)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    copy = rewritten(model_dir, path, num_nextn_predict_layers=1)
+    config = json.loads((copy / "config.json").read_text())
+    last, extra = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    tensors = load_file(copy / "model.safetensors")
+    for name in [n for n in tensors if n.startswith(f"model.layers.{last}.")]:
+        tensors[name.replace(f"model.layers.{last}.", f"model.layers.{extra}.")] = tensors[name]
+    hidden = config["hidden_size"]
+    tensors[f"model.layers.{extra}.eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
+    save_file(
+        {name: tensor.clone() for name, tensor in tensors.items()},
+        copy / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    return copy

@@ -126,7 +126,8 @@ class MultiHeadLatentAttention(nn.Module):
         if self.q_proj is not None:
             query = self.q_proj(hidden)
         else:
-            assert self.q_a_proj and self.q_a_layernorm and self.q_b_proj
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None
+            assert self.q_b_proj is not None
             query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         query = query.view(num_tokens, self.num_heads, self.query_key_size)
         latent, key_rope = self.kv_a_proj_with_mqa(hidden).split(

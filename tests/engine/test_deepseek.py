@@ -14,16 +14,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from safetensors.torch import load_file, save_file
 from tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
+    check_preemption_by_swap_keeps_the_tokens,
     prompts,
     rewritten,
     token_ids,
+    with_next_token_layer,
 )
 from tiny_models import random_hf_model
 
@@ -126,15 +127,7 @@ def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dirs, hf_refer
 
 
 def test_preemption_by_swap_keeps_the_tokens(model_dirs, hf_references):
-    llm = LLM(
-        model_dirs["v3"],
-        num_blocks=20,
-        max_num_batched_tokens=160,
-        preemption_mode="swap",
-        swap_space_bytes=64 << 20,
-    )
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["v3"]
-    assert llm.stats()["num_swap_preemptions"] > 0
+    check_preemption_by_swap_keeps_the_tokens(model_dirs["v3"], hf_references["v3"])
 
 
 @pytest.mark.parametrize(
@@ -174,12 +167,7 @@ def test_rope_layout_yarn_scale_and_groups_each_change_hf_s_tokens(
 
 
 def test_the_next_token_prediction_layer_is_skipped(model_dirs, hf_references, tmp_path):
-    with_mtp = rewritten(model_dirs["v3"], tmp_path / "with_mtp", num_nextn_predict_layers=1)
-    tensors = load_file(with_mtp / "model.safetensors")
-    for name in [n for n in tensors if n.startswith("model.layers.2.")]:
-        tensors[name.replace("model.layers.2.", "model.layers.3.")] = tensors[name].clone()
-    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(256, 512)
-    save_file(tensors, with_mtp / "model.safetensors", metadata={"format": "pt"})
+    with_mtp = with_next_token_layer(model_dirs["v3"], tmp_path / "with_mtp")
     llm = LLM(with_mtp, num_blocks=256)
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["v3"]
 

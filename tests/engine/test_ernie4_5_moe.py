@@ -18,6 +18,7 @@ from tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
+    check_preemption_by_swap_keeps_the_tokens,
     family_fixtures,
     prompts,
     rewritten,
@@ -76,15 +77,7 @@ def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_refere
 
 
 def test_preemption_by_swap_keeps_the_tokens(model_dir, hf_reference):
-    llm = LLM(
-        model_dir,
-        num_blocks=20,
-        max_num_batched_tokens=160,
-        preemption_mode="swap",
-        swap_space_bytes=64 << 20,
-    )
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
-    assert llm.stats()["num_swap_preemptions"] > 0
+    check_preemption_by_swap_keeps_the_tokens(model_dir, hf_reference)
 
 
 def _with_tensors(model_dir, path, change):

@@ -19,10 +19,12 @@ from tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
+    check_preemption_by_swap_keeps_the_tokens,
     family_fixtures,
     prompts,
     rewritten,
     token_ids,
+    with_next_token_layer,
 )
 
 from pagedserve.frontend import LLM
@@ -78,25 +80,11 @@ def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_refere
 
 
 def test_preemption_by_swap_keeps_the_tokens(model_dir, hf_reference):
-    llm = LLM(
-        model_dir,
-        num_blocks=20,
-        max_num_batched_tokens=160,
-        preemption_mode="swap",
-        swap_space_bytes=64 << 20,
-    )
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
-    assert llm.stats()["num_swap_preemptions"] > 0
+    check_preemption_by_swap_keeps_the_tokens(model_dir, hf_reference)
 
 
 def test_the_next_token_prediction_layer_is_skipped_as_hf_skips_it(model_dir, tmp_path):
-    # A copy whose checkpoint carries layer 3 (the MTP layer after the 3 decoder layers).
-    with_mtp = rewritten(model_dir, tmp_path / "with_mtp", num_nextn_predict_layers=1)
-    tensors = load_file(with_mtp / "model.safetensors")
-    for name in [n for n in tensors if n.startswith("model.layers.2.")]:
-        tensors[name.replace("model.layers.2.", "model.layers.3.")] = tensors[name].clone()
-    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(256, 512)
-    save_file(tensors, with_mtp / "model.safetensors", metadata={"format": "pt"})
+    with_mtp = with_next_token_layer(model_dir, tmp_path / "with_mtp")
     expected = hf_greedy(with_mtp, prompts())
     llm = LLM(with_mtp, num_blocks=256)
     assert token_ids(llm.generate(prompts(), GREEDY)) == expected
