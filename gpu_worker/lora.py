@@ -74,6 +74,7 @@ LORA_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
+    "Exaone4ForCausalLM",
     "Starcoder2ForCausalLM",
     # Cohere's, GLM-4's (and ERNIE 4.5's) query and key rows are reordered on loading
     # (``CausalLM.checkpoint_rows``); an adapter's B matrices on them are reordered alike.

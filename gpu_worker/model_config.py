@@ -45,6 +45,7 @@ SUPPORTED_ARCHITECTURES = {
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
+    "Exaone4ForCausalLM": "olmo2",
     "Starcoder2ForCausalLM": "starcoder2",
     "CohereForCausalLM": "cohere",
     "Glm4ForCausalLM": "glm4",
@@ -214,6 +215,13 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         first_k_dense_replace=0,
         norm_topk_prob=False,
         routed_scaling_factor=1.0,
+    ),
+    # Exaone4Config's: three sliding-window layers to each global one, which has no RoPE.
+    "Exaone4ForCausalLM": dict(
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        sliding_window=4096,
+        sliding_window_pattern=4,
     ),
     "Starcoder2ForCausalLM": dict(
         max_position_embeddings=4096, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True
@@ -640,6 +648,10 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         ]
         _check_layer_count(layer_types, num_layers)
         return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    if architecture == "Exaone4ForCausalLM":
+        return tuple(
+            window if kind == "sliding_attention" else 0 for kind in exaone4_layer_types(hf_config)
+        )
     if architecture == "Dots1ForCausalLM":
         first_windowed = hf_config["max_window_layers"]
         layer_types = hf_config.get("layer_types") or [
@@ -706,8 +718,14 @@ def olmo3_layer_types(hf_config: dict[str, Any]) -> list[str]:
 def rope_layers(architecture: str, hf_config: dict[str, Any]) -> tuple[bool, ...]:
     """Whether each layer rotates its queries and keys: SmolLM3's ``no_rope_layers`` (1:
     RoPE, 0: none; without it every ``no_rope_layer_interval``-th layer, default 4, has
-    none, as SmolLM3Config derives it); every layer elsewhere."""
+    none, as SmolLM3Config derives it); EXAONE 4's windowed layers only, when it has any
+    (``exaone4_layer_types``); every layer elsewhere."""
     num_layers = hf_config["num_hidden_layers"]
+    if architecture == "Exaone4ForCausalLM":
+        # EXAONE 4's global layers attend without RoPE when the model has windowed ones.
+        if not hf_config.get("sliding_window"):
+            return (True,) * num_layers
+        return tuple(kind == "sliding_attention" for kind in exaone4_layer_types(hf_config))
     if architecture != "SmolLM3ForCausalLM":
         return (True,) * num_layers
     flags = hf_config.get("no_rope_layers")
@@ -728,6 +746,35 @@ def rope_layers(architecture: str, hf_config: dict[str, Any]) -> tuple[bool, ...
             f"got {flags!r:.200}"
         )
     return tuple(bool(flag) for flag in flags)
+
+
+def exaone4_layer_types(hf_config: dict[str, Any]) -> list[str]:
+    """Each EXAONE 4 layer's kind: none windowed without a ``sliding_window``; else the
+    config's ``layer_types``, or every ``sliding_window_pattern``-th layer global and the
+    others windowed (Exaone4Config's derivation)."""
+    num_layers = hf_config["num_hidden_layers"]
+    if not hf_config.get("sliding_window"):
+        return ["full_attention"] * num_layers
+    layer_types = hf_config.get("layer_types")
+    if layer_types is None:
+        pattern = hf_config["sliding_window_pattern"]
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(
+                "model: EXAONE 4 without layer_types needs sliding_window_pattern, an integer "
+                f">= 1 (every pattern-th layer global), got {pattern!r}"
+            )
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    _check_layer_count(layer_types, num_layers)
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(
+            f"model: layer_types holds {', '.join(map(repr, unknown))}; supported: "
+            "sliding_attention, full_attention"
+        )
+    return list(layer_types)
 
 
 def gemma_layer_types(architecture: str, hf_config: dict[str, Any]) -> list[str]:

@@ -3,7 +3,10 @@ moved after them (each sublayer's output is normalised, then added to the residu
 before a sublayer) and an RMSNorm over the whole query and key projections (all heads at
 once, before RoPE), which tensor-parallel ranks compute from a sum of squares over the
 ranks (``ShardedRMSNorm``). OLMo 3 (``Olmo3ForCausalLM``) is OLMo 2 with three sliding-window
-layers to each full one, each kind with its own RoPE settings (YaRN on the full ones)."""
+layers to each full one, each kind with its own RoPE settings (YaRN on the full ones).
+LG AI's EXAONE 4 (``Exaone4ForCausalLM``) has OLMo 2's layer with Qwen3's per-head query and
+key norms and Llama's norm arithmetic; with a window, three windowed layers to each global one,
+and the global ones attend without RoPE."""
 
 from __future__ import annotations
 
@@ -11,12 +14,17 @@ import torch
 from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
-from pagedserve.gpu_worker.layers.basic import ScaledInFloat32RMSNorm, ShardedRMSNorm
+from pagedserve.gpu_worker.layers.basic import (
+    RMSNorm,
+    ScaledInFloat32RMSNorm,
+    ShardedRMSNorm,
+    norm_each_head,
+)
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rope_config import olmo3_layer_rope_parameters
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
-from pagedserve.gpu_worker.model_config import ModelConfig, olmo3_layer_types
+from pagedserve.gpu_worker.model_config import ModelConfig, olmo3_layer_types, rope_layers
 from pagedserve.gpu_worker.models.base import StackedDecoderLM
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
@@ -59,11 +67,37 @@ class Olmo2Attention(SelfAttention):
         return self.q_norm(query), self.k_norm(key)
 
 
+class Exaone4Attention(SelfAttention):
+    """With an RMSNorm over each query and key head (one weight of head size, replicated)
+    before RoPE, and RoPE on the layers that have it (``rotary`` None: a global layer)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding | None,
+        dtype: torch.dtype,
+        parallel: TensorParallel,
+        sliding_window: int = 0,
+    ) -> None:
+        super().__init__(config, rotary, dtype, parallel, bias=False, sliding_window=sliding_window)
+        eps = config.hf_config.get("rms_norm_eps", 1e-5)
+        self.q_norm = RMSNorm(config.head_size, eps, dtype)
+        self.k_norm = RMSNorm(config.head_size, eps, dtype)
+
+    def normalize_qk(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            norm_each_head(self.q_norm, query, self.head_size),
+            norm_each_head(self.k_norm, key, self.head_size),
+        )
+
+
 class Olmo2DecoderLayer(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         dtype: torch.dtype,
         parallel: TensorParallel,
         layer_index: int,
@@ -71,10 +105,16 @@ class Olmo2DecoderLayer(nn.Module):
         super().__init__()
         hf = config.hf_config
         eps = hf.get("rms_norm_eps", 1e-5)
-        self.self_attn = Olmo2Attention(
-            config, rotary, dtype, parallel, config.layer_sliding_windows[layer_index]
-        )
-        self.post_attention_layernorm = ScaledInFloat32RMSNorm(config.hidden_size, eps, dtype)
+        window = config.layer_sliding_windows[layer_index]
+        exaone = config.architecture == "Exaone4ForCausalLM"
+        if exaone:
+            self.self_attn = Exaone4Attention(config, rotary, dtype, parallel, window)
+        else:
+            assert rotary is not None
+            self.self_attn = Olmo2Attention(config, rotary, dtype, parallel, window)
+        # OLMo 2 scales the float32 normalised value before rounding; EXAONE 4 as Llama.
+        norm = RMSNorm if exaone else ScaledInFloat32RMSNorm
+        self.post_attention_layernorm = norm(config.hidden_size, eps, dtype)
         self.mlp = GatedMLP(
             config.hidden_size,
             hf["intermediate_size"],
@@ -83,7 +123,7 @@ class Olmo2DecoderLayer(nn.Module):
             dtype,
             parallel,
         )
-        self.post_feedforward_layernorm = ScaledInFloat32RMSNorm(config.hidden_size, eps, dtype)
+        self.post_feedforward_layernorm = norm(config.hidden_size, eps, dtype)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
@@ -103,17 +143,19 @@ class Olmo2ForCausalLM(StackedDecoderLM):
             for index, rotary in enumerate(_layer_rotaries(config))
         )
         eps = config.hf_config.get("rms_norm_eps", 1e-5)
-        self.norm = ScaledInFloat32RMSNorm(config.hidden_size, eps, dtype)
+        norm = RMSNorm if config.architecture == "Exaone4ForCausalLM" else ScaledInFloat32RMSNorm
+        self.norm = norm(config.hidden_size, eps, dtype)
 
 
-def _layer_rotaries(config: ModelConfig) -> list[RotaryEmbedding]:
-    """Each layer's RoPE: one for OLMo 2; one per layer kind for OLMo 3, shared by the
-    layers of that kind."""
+def _layer_rotaries(config: ModelConfig) -> list[RotaryEmbedding | None]:
+    """Each layer's RoPE: one for OLMo 2 (and EXAONE 4's layers that rotate, None for the
+    others); one per layer kind for OLMo 3, shared by the layers of that kind."""
     hf = config.hf_config
     positions = config.max_position_embeddings
     if config.architecture != "Olmo3ForCausalLM":
         rotary = RotaryEmbedding(config.head_size, positions, rope_parameters(hf))
-        return [rotary] * config.num_layers
+        rotates = rope_layers(config.architecture, hf)
+        return [rotary if rotated else None for rotated in rotates]
     layer_types = olmo3_layer_types(hf)
     by_kind = {
         kind: RotaryEmbedding(config.head_size, positions, olmo3_layer_rope_parameters(hf, kind))

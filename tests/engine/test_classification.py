@@ -20,6 +20,7 @@ from pagedserve.scheduler.pooling_params import check_task
 from tests.conftest import TINY_CONFIGS
 from tests.engine.test_arcee import ARCEE
 from tests.engine.test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
+from tests.engine.test_exaone4 import EXAONE4
 from tests.engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
 from tests.engine.test_glm4 import GLM4
 from tests.engine.test_gpt_oss import GPT_OSS
@@ -55,6 +56,7 @@ FAMILIES = {
     "seed_oss": {**SEED_OSS, "pad_token_id": None},
     "arcee": {**ARCEE, "pad_token_id": None},
     "deepseek_v3": {**DEEPSEEK_CONFIGS["v3"], "pad_token_id": None},
+    "exaone4": {**EXAONE4, "pad_token_id": None},
 }
 
 
