@@ -75,6 +75,7 @@ LORA_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "Exaone4ForCausalLM",
+    "HunYuanDenseV1ForCausalLM",
     "Starcoder2ForCausalLM",
     # Cohere's, GLM-4's (and ERNIE 4.5's) query and key rows are reordered on loading
     # (``CausalLM.checkpoint_rows``); an adapter's B matrices on them are reordered alike.

@@ -13,6 +13,7 @@ from pagedserve.gpu_worker.layers.rope_config import (
     DYNAMIC_WINDOW_REASON,
     GEMMA3_LAYER_TYPES,
     LONGROPE_WINDOW_REASON,
+    NTK_ALPHA,
     SUPPORTED_ROPE_TYPES,
     layer_type_rope_parameters,
     olmo3_layer_rope_parameters,
@@ -42,6 +43,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "llama",
     "Glm4MoeForCausalLM": "llama",
     "Dots1ForCausalLM": "llama",
+    "HunYuanDenseV1ForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
@@ -216,6 +218,8 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         norm_topk_prob=False,
         routed_scaling_factor=1.0,
     ),
+    # HunYuanDenseV1Config's.
+    "HunYuanDenseV1ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048),
     # Exaone4Config's: three sliding-window layers to each global one, which has no RoPE.
     "Exaone4ForCausalLM": dict(
         rms_norm_eps=1e-5,
@@ -451,6 +455,8 @@ class ModelConfig:
             if alias in hf_config:  # as the HF config class's attribute_map reads it
                 hf_config.setdefault(field_name, hf_config[alias])
         hf_config = {**_CONFIG_DEFAULTS.get(architecture, {}), **hf_config}
+        if architecture == "HunYuanDenseV1ForCausalLM":
+            hf_config = _with_ntk_alpha_rope(hf_config)
         _check_supported_fields(architecture, hf_config)
         num_heads = hf_config["num_attention_heads"]
         hidden_size = hf_config["hidden_size"]
@@ -504,6 +510,19 @@ def latent_attention_heads(hf_config: dict[str, Any]) -> int:
     return max(query_key, hf_config["v_head_dim"])
 
 
+def _with_ntk_alpha_rope(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan's RoPE: its checkpoints label it "dynamic" with an ``alpha``, which HF's
+    Hunyuan model runs as a fixed NTK stretch of the base (``ntk_alpha``: the same frequencies
+    at every length), not as dynamic NTK."""
+    parameters = rope_parameters(hf_config)
+    if parameters["rope_type"] != "dynamic" or not parameters.get("alpha"):
+        return hf_config
+    alpha = parameters["alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"model: rope alpha must be a positive number, got {alpha!r}")
+    return {**hf_config, "rope_parameters": {**parameters, "rope_type": NTK_ALPHA}}
+
+
 def _labels(hf_config: dict[str, Any]) -> tuple[str, ...]:
     """A classifier's labels as HF's ``PretrainedConfig`` reads them: ``id2label`` (keys 0 to
     n - 1), else ``num_labels`` (default 2) labels named ``LABEL_<i>``."""
@@ -529,10 +548,13 @@ def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> Non
     _check_checkpoint_quantization(architecture, hf_config)
     if architecture not in _PER_LAYER_TYPE_ROPE:
         parameters = rope_parameters(hf_config)
-        if parameters["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        supported = SUPPORTED_ROPE_TYPES
+        if architecture == "HunYuanDenseV1ForCausalLM":
+            supported = (*supported, NTK_ALPHA)
+        if parameters["rope_type"] not in supported:
             raise ValueError(
                 f"model: rope_type {parameters['rope_type']!r} is not supported yet; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"supported: {', '.join(supported)}"
             )
         partial = parameters.get("partial_rotary_factor")
         if partial not in (None, 1, 1.0) and architecture not in _PARTIAL_ROTARY:

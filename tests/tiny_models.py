@@ -51,6 +51,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Dots1ForCausalLM": transformers.Dots1Config,
         "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig,
         "Exaone4ForCausalLM": transformers.Exaone4Config,
+        "HunYuanDenseV1ForCausalLM": transformers.HunYuanDenseV1Config,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

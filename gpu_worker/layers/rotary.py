@@ -9,6 +9,7 @@ import torch
 
 from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.layers.rope_config import (  # noqa: F401 (re-exported)
+    NTK_ALPHA,
     SUPPORTED_ROPE_TYPES,
     rope_context_window,
     rope_parameters,
@@ -19,13 +20,16 @@ def inverse_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Ten
     """Per-pair rotation frequencies, float32, computed as HF computes them so positions
     rotate by bit-identical angles."""
     base = float(parameters["rope_theta"])
+    if parameters["rope_type"] == NTK_ALPHA:
+        # Hunyuan's fixed NTK: the base stretched by alpha^(d / (d - 2)), then plain RoPE.
+        base = base * float(parameters["alpha"]) ** (head_size / (head_size - 2))
     # On the CPU whatever the default device, as HF computes them at model creation.
     exponents = (
         torch.arange(0, head_size, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_size
     )
     inv_freq = 1.0 / (base**exponents)
     rope_type = parameters["rope_type"]
-    if rope_type in ("default", "dynamic"):
+    if rope_type in ("default", "dynamic", NTK_ALPHA):
         # Dynamic NTK rotates as the default within max_position_embeddings (rope_config's
         # DYNAMIC_WINDOW_REASON): HF re-bases only for a pass longer than that.
         return inv_freq

@@ -19,7 +19,7 @@ class SelfAttention(nn.Module):
     """``bias``: on q, k and v (``output_bias`` on the output projection, default the
     same); ``rotary`` None: a layer without position embeddings; ``scale``: the attention
     scores' factor (default 1/sqrt(head size)). A family with query / key norms overrides
-    ``normalize_qk``."""
+    ``normalize_qk`` (before RoPE) or ``normalize_rotated_qk`` (after it)."""
 
     def __init__(
         self,
@@ -70,6 +70,12 @@ class SelfAttention(nn.Module):
         """The family's query / key norms before RoPE; none by default."""
         return query, key
 
+    def normalize_rotated_qk(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's query / key norms after RoPE (Hunyuan's); none by default."""
+        return query, key
+
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
@@ -78,5 +84,6 @@ class SelfAttention(nn.Module):
         query, key = self.normalize_qk(query, key)
         if self.rotary is not None:
             self.rotary(positions, query, key)
+        query, key = self.normalize_rotated_qk(query, key)
         output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
         return self.o_proj(output)

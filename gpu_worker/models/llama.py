@@ -21,7 +21,9 @@ RoPE over half of each head, optional per-head q/k norms (``use_qk_norm``), and,
 ``first_k_dense_replace`` on, experts under DeepSeek-V3's grouped sigmoid router plus a shared
 expert (layers/moe.py); its checkpoints' multi-token-prediction layer is not loaded.
 rednote's dots.llm1 (``Dots1ForCausalLM``) is Qwen3 (per-head q/k norms) with DeepSeek-V3's
-experts, its ``attention_bias`` on all four projections."""
+experts, its ``attention_bias`` on all four projections. Tencent's Hunyuan dense models
+(``HunYuanDenseV1ForCausalLM``) are Llama with per-head q/k norms after RoPE and a fixed NTK
+stretch of the RoPE base (``alpha``; the ``ntk_alpha`` rope type)."""
 
 from __future__ import annotations
 
@@ -123,6 +125,10 @@ class LlamaAttention(SelfAttention):
         eps = hf.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
         self.k_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
+        # Hunyuan norms each query and key head after RoPE, not before.
+        rotated_norm = config.architecture == "HunYuanDenseV1ForCausalLM"
+        self.query_layernorm = RMSNorm(config.head_size, eps, dtype) if rotated_norm else None
+        self.key_layernorm = RMSNorm(config.head_size, eps, dtype) if rotated_norm else None
 
     def normalize_qk(
         self, query: torch.Tensor, key: torch.Tensor
@@ -132,6 +138,16 @@ class LlamaAttention(SelfAttention):
         return (
             norm_each_head(self.q_norm, query, self.head_size),
             norm_each_head(self.k_norm, key, self.head_size),
+        )
+
+    def normalize_rotated_qk(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.query_layernorm is None or self.key_layernorm is None:
+            return query, key
+        return (
+            norm_each_head(self.query_layernorm, query, self.head_size),
+            norm_each_head(self.key_layernorm, key, self.head_size),
         )
 
 

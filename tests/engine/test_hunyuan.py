@@ -1,0 +1,82 @@
+"""Tencent's Hunyuan dense models (``HunYuanDenseV1ForCausalLM``): Llama with an RMSNorm over
+each query and key head after RoPE (not before, as Qwen3's), and RoPE whose checkpoints say
+"dynamic" with an ``alpha``: a fixed NTK stretch of the base, the same frequencies at every
+length. Greedy tokens identical to HF transformers (float32) across block sizes, chunked
+prefill with prefix hits and two tensor-parallel ranks; the alpha changes HF's own tokens, so
+the checks can fail; bfloat16's first tokens agree with HF's bfloat16; adapters give peft's
+tokens."""
+
+from __future__ import annotations
+
+import pytest
+from engine.test_lora import check_adapter_matches_hf_peft
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
+    prompts,
+    rewritten,
+    token_ids,
+)
+
+from pagedserve.frontend import LLM
+from pagedserve.gpu_worker.model_config import ModelConfig
+
+# Hunyuan-7B's RoPE in small: "dynamic" with alpha 1000 (its own value).
+HUNYUAN = dict(
+    architectures=["HunYuanDenseV1ForCausalLM"],
+    **TINY_SHAPE,
+    head_dim=64,
+    rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+
+model_dir, hf_reference = family_fixtures(HUNYUAN)
+
+
+def test_alpha_makes_a_fixed_stretch_of_the_base(model_dir, tmp_path):
+    config = ModelConfig.from_dir(model_dir)
+    assert config.hf_config["rope_parameters"]["rope_type"] == "ntk_alpha"
+    assert config.context_window_reason == ""  # no dynamic re-basing to stop at
+    # Only Hunyuan's: another model naming it is refused, as HF refuses it.
+    llama = rewritten(
+        model_dir,
+        tmp_path / "llama",
+        architectures=["LlamaForCausalLM"],
+        rope_parameters={"rope_type": "ntk_alpha", "rope_theta": 1e4, "alpha": 2.0},
+    )
+    with pytest.raises(ValueError, match="rope_type 'ntk_alpha' is not supported yet"):
+        ModelConfig.from_dir(llama)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_hunyuan_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
+
+
+def test_alpha_changes_hf_s_tokens(model_dir, hf_reference, tmp_path):
+    plain = rewritten(
+        model_dir, tmp_path / "plain", rope_parameters={"rope_type": "default", "rope_theta": 1e4}
+    )
+    expected = hf_greedy(plain, prompts())
+    assert expected != hf_reference
+    llm = LLM(plain, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+
+
+def test_an_adapter_matches_hf_peft(model_dir, tmp_path):
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    check_adapter_matches_hf_peft(model_dir, tmp_path, targets, seed=10, prompt_seed=11)
+
+
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
+    check_bfloat16_first_tokens_agree_with_hf(model_dir)
