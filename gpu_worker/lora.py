@@ -47,7 +47,10 @@ TARGET_MODULES = {
 }
 # Where an architecture keeps a projection otherwise (Arcee's up_proj is a layer of its own,
 # its MLP ungated).
-_ARCHITECTURE_TARGET_MODULES = {"ArceeForCausalLM": {"up_proj": ("mlp.up_proj", None)}}
+_ARCHITECTURE_TARGET_MODULES = {
+    "ArceeForCausalLM": {"up_proj": ("mlp.up_proj", None)},
+    "ApertusForCausalLM": {"up_proj": ("mlp.up_proj", None)},
+}
 # The projections each architecture's HF model has, which PEFT can target (Llama's unless
 # named here): Phi-3 fuses q/k/v and gate/up, GLM-4 gate/up only.
 _LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -56,6 +59,7 @@ _ARCHITECTURE_PROJECTIONS = {
     "Glm4ForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
     "Starcoder2ForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"),
     "ArceeForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
+    "ApertusForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
 }
 LORA_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -76,6 +80,7 @@ LORA_ARCHITECTURES = (
     "Olmo3ForCausalLM",
     "Exaone4ForCausalLM",
     "HunYuanDenseV1ForCausalLM",
+    "ApertusForCausalLM",
     "Starcoder2ForCausalLM",
     # Cohere's, GLM-4's (and ERNIE 4.5's) query and key rows are reordered on loading
     # (``CausalLM.checkpoint_rows``); an adapter's B matrices on them are reordered alike.

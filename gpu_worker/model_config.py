@@ -44,6 +44,7 @@ SUPPORTED_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "llama",
     "Dots1ForCausalLM": "llama",
     "HunYuanDenseV1ForCausalLM": "llama",
+    "ApertusForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",
@@ -78,6 +79,7 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "Glm4MoeForCausalLM",
         "Dots1ForCausalLM",
         "Ernie4_5_MoeForCausalLM",
+        "ApertusForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -217,6 +219,20 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         first_k_dense_replace=0,
         norm_topk_prob=False,
         routed_scaling_factor=1.0,
+    ),
+    # ApertusConfig's: xIELU, Llama 3's RoPE scaling over a base of 12M.
+    "ApertusForCausalLM": dict(
+        hidden_act="xielu",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=65536,
+        rope_theta=12_000_000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
     ),
     # HunYuanDenseV1Config's.
     "HunYuanDenseV1ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048),

@@ -154,6 +154,30 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
 
+class XIELU(nn.Module):
+    """xIELU (arXiv 2411.13010; Apertus's MLP), with its learned scalars under HF's names:
+    ``x > 0``: ``a_p x^2 + beta x``; else ``(expm1(min(x, eps)) - x) a_n + beta x``, where
+    ``a_p = softplus(alpha_p)``, ``a_n = beta + softplus(alpha_n)``; HF's Python arithmetic
+    op for op, in the activations' dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.alpha_p = empty_parameter(1, dtype=dtype)
+        self.alpha_n = empty_parameter(1, dtype=dtype)
+        # Scalars (0-d), as HF keeps them.
+        self.beta = nn.Parameter(torch.empty((), dtype=dtype), requires_grad=False)
+        self.eps = nn.Parameter(torch.empty((), dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(
+            x > 0,
+            alpha_p * x * x + self.beta * x,
+            (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x,
+        )
+
+
 def activation(name: str):
     """The activation function an HF config names."""
     functions = {

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pagedserve.gpu_worker import ops
-from pagedserve.gpu_worker.layers.basic import activation, empty_parameter
+from pagedserve.gpu_worker.layers.basic import XIELU, activation, empty_parameter
 from pagedserve.gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
@@ -50,7 +50,7 @@ class GatedMLP(nn.Module):
 
 
 class UngatedMLP(nn.Module):
-    """``down(act(up(x)))`` (HF's NemotronMLP, Arcee's): this rank's ``1/N`` of the
+    """``down(act(up(x)))`` (HF's NemotronMLP, Arcee's, Apertus's): this rank's ``1/N`` of the
     intermediate features, one sum over the ranks after ``down``."""
 
     def __init__(
@@ -65,7 +65,8 @@ class UngatedMLP(nn.Module):
         super().__init__()
         self.up_proj = ColumnParallelLinear(hidden_size, [intermediate_size], bias, dtype, parallel)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, parallel)
-        self.act = activation(act_name)
+        # Apertus's xIELU has learned scalars (``act``'s parameters); the others are functions.
+        self.act = XIELU(dtype) if act_name == "xielu" else activation(act_name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(hidden)))

@@ -23,7 +23,9 @@ expert (layers/moe.py); its checkpoints' multi-token-prediction layer is not loa
 rednote's dots.llm1 (``Dots1ForCausalLM``) is Qwen3 (per-head q/k norms) with DeepSeek-V3's
 experts, its ``attention_bias`` on all four projections. Tencent's Hunyuan dense models
 (``HunYuanDenseV1ForCausalLM``) are Llama with per-head q/k norms after RoPE and a fixed NTK
-stretch of the RoPE base (``alpha``; the ``ntk_alpha`` rope type)."""
+stretch of the RoPE base (``alpha``; the ``ntk_alpha`` rope type). The Swiss AI Initiative's
+Apertus is Llama with per-head q/k norms and an ungated MLP whose xIELU activation has learned
+scalars per layer (``basic.XIELU``); its norms' names are its own."""
 
 from __future__ import annotations
 
@@ -49,7 +51,11 @@ from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
 # Architectures that RMS-normalise each query and key head (``self_attn.q_norm`` /
 # ``k_norm``, one weight of head_size shared by all heads) between projection and RoPE.
-_PER_HEAD_QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Dots1ForCausalLM"})
+_PER_HEAD_QK_NORM = frozenset(
+    {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Dots1ForCausalLM", "ApertusForCausalLM"}
+)
+# Llama's ungated-MLP members (``down(act(up(x)))``): Arcee's squared ReLU, Apertus's xIELU.
+_UNGATED_MLP = frozenset({"ArceeForCausalLM", "ApertusForCausalLM"})
 
 
 _GRANITE = frozenset({"GraniteForCausalLM", "GraniteMoeForCausalLM"})
@@ -160,7 +166,7 @@ def _mlp(
     experts = config.layer_experts[layer_index]
     if experts is not None:
         return SparseMoE(config.hidden_size, experts, act_name, dtype, parallel)
-    if config.architecture == "ArceeForCausalLM":
+    if config.architecture in _UNGATED_MLP:
         return UngatedMLP(
             config.hidden_size,
             hf["intermediate_size"],
@@ -287,6 +293,8 @@ class LlamaForCausalLM(StackedDecoderLM):
             weights = without_next_token_layers(self.config, weights)
         if self.config.architecture == "Ernie4_5_MoeForCausalLM":
             weights = _ernie_moe_tensors(weights)
+        if self.config.architecture == "ApertusForCausalLM":
+            weights = ((_apertus_name(name), tensor) for name, tensor in weights)
 
         def rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
             return self.checkpoint_rows(name.rpartition(".")[0].rpartition(".")[2], tensor)
@@ -333,6 +341,20 @@ def _split_granite_experts(
                 yield f"{prefix}mlp.experts.{expert}.down_proj.weight", down
         else:
             yield name, tensor
+
+
+# Apertus's names for Llama's layer norms and the MLP's activation.
+_APERTUS_NAMES = {
+    ".attention_layernorm.": ".input_layernorm.",
+    ".feedforward_layernorm.": ".post_attention_layernorm.",
+    ".mlp.act_fn.": ".mlp.act.",
+}
+
+
+def _apertus_name(name: str) -> str:
+    for apertus, llama in _APERTUS_NAMES.items():
+        name = name.replace(apertus, llama)
+    return name
 
 
 def _ernie_moe_tensors(
