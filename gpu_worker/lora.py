@@ -93,6 +93,7 @@ LORA_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
     "GptOssForCausalLM",
     "Glm4MoeForCausalLM",
     "Dots1ForCausalLM",

@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
     "GraniteMoeForCausalLM": "llama",
+    "GraniteMoeSharedForCausalLM": "llama",
     "Glm4MoeForCausalLM": "llama",
     "Dots1ForCausalLM": "llama",
     "HunYuanDenseV1ForCausalLM": "llama",
@@ -80,6 +81,7 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "Dots1ForCausalLM",
         "Ernie4_5_MoeForCausalLM",
         "ApertusForCausalLM",
+        "GraniteMoeSharedForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -251,6 +253,7 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "GraniteForCausalLM": _GRANITE_SCALARS,
     "GraniteMoeForCausalLM": _GRANITE_SCALARS,
+    "GraniteMoeSharedForCausalLM": _GRANITE_SCALARS,
     # Ernie4_5Config's: tied embeddings, heads of 128, a RoPE base of 500000.
     "Ernie4_5ForCausalLM": dict(
         rope_theta=500000.0,
@@ -900,7 +903,7 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
             swiglu_limit=float(hf_config["swiglu_limit"]),
         )
         return (spec,) * num_layers
-    if architecture in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
+    if architecture in ("MixtralForCausalLM", *_GRANITE_MOE):
         num_experts, num_experts_field = _num_experts(hf_config, 8)
         mixtral = architecture == "MixtralForCausalLM"
         spec = _checked_experts(
@@ -913,6 +916,16 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
             weights_in_float32=mixtral,
             softmax_over_top_k=not mixtral,
         )
+        if architecture == "GraniteMoeSharedForCausalLM":
+            # Its shared MLP (gated, ``shared_intermediate_size``; 0: none) is added as is.
+            shared = hf_config.get("shared_intermediate_size", 0)
+            if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+                raise ValueError(
+                    f"model: shared_intermediate_size must be an integer >= 0, got {shared!r}"
+                )
+            spec = dataclasses.replace(
+                spec, shared_intermediate_size=shared, shared_expert_gated=False
+            )
         return (spec,) * num_layers
     if architecture in _GROUPED_ROUTER_MOE:
         return _grouped_router_experts(architecture, hf_config)
@@ -945,6 +958,8 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
     )
 
 
+# IBM's Granite MoE, and with a shared MLP beside the experts.
+_GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 # DeepSeek's mixtures of experts and GLM-4.5's (``GroupedRouting``).
 _GROUPED_ROUTER_MOE = (
     "Glm4MoeForCausalLM",

@@ -53,6 +53,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Exaone4ForCausalLM": transformers.Exaone4Config,
         "HunYuanDenseV1ForCausalLM": transformers.HunYuanDenseV1Config,
         "ApertusForCausalLM": transformers.ApertusConfig,
+        "GraniteMoeSharedForCausalLM": transformers.GraniteMoeSharedConfig,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

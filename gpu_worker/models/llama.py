@@ -6,9 +6,10 @@ embeddings times ``embedding_multiplier``, attention scores scaled by
 ``attention_multiplier`` instead of 1/sqrt(head size), each sublayer's output times
 ``residual_multiplier`` before it joins the residual, and the logits divided by
 ``logits_scaling``; Granite MoE adds experts (stacked tensors, split per expert on
-loading). Microsoft's Phi-3 (and Phi-4) is Llama whose checkpoint stores q/k/v as
-one ``qkv_proj`` and gate/up as one ``gate_up_proj``, split here on loading so each
-tensor-parallel rank takes its heads and rows as from separate tensors. Hugging Face's
+loading), Granite MoE Shared a gated MLP beside them. Microsoft's Phi-3 (and Phi-4) is
+Llama whose checkpoint stores q/k/v as one ``qkv_proj`` and gate/up as one
+``gate_up_proj``, split here on loading so each tensor-parallel rank takes its heads and rows
+as from separate tensors. Hugging Face's
 SmolLM3 is Llama whose every fourth layer (``no_rope_layers``) attends without RoPE.
 ByteDance's Seed-OSS is Llama with q/k/v biases and a separate switch for the output
 projection's (``attention_out_bias``). Baidu's ERNIE 4.5 (the dense models) is Llama with
@@ -58,7 +59,7 @@ _PER_HEAD_QK_NORM = frozenset(
 _UNGATED_MLP = frozenset({"ArceeForCausalLM", "ApertusForCausalLM"})
 
 
-_GRANITE = frozenset({"GraniteForCausalLM", "GraniteMoeForCausalLM"})
+_GRANITE = frozenset({"GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"})
 _ERNIE = frozenset({"Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM"})
 
 
@@ -287,7 +288,7 @@ class LlamaForCausalLM(StackedDecoderLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.config.architecture == "Phi3ForCausalLM":
             weights = split_fused_projections(self.config, weights)
-        if self.config.architecture == "GraniteMoeForCausalLM":
+        if self.config.architecture in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):
             weights = _split_granite_experts(weights)
         if self.config.architecture == "Glm4MoeForCausalLM":
             weights = without_next_token_layers(self.config, weights)
@@ -310,6 +311,9 @@ _GRANITE_MOE_TENSORS = {
     "block_sparse_moe.experts.down_proj": "down",
     "block_sparse_moe.router.layer.weight": "router",
     "block_sparse_moe.router.weight": "router",
+    # Granite MoE Shared's MLP beside the experts: rows [gate | up], then down.
+    "shared_mlp.input_linear.weight": "shared_gate_up",
+    "shared_mlp.output_linear.weight": "shared_down",
 }
 
 
@@ -339,6 +343,12 @@ def _split_granite_experts(
         elif kind == "down":
             for expert, down in enumerate(tensor):
                 yield f"{prefix}mlp.experts.{expert}.down_proj.weight", down
+        elif kind == "shared_gate_up":
+            gate, up = tensor.chunk(2, dim=0)
+            yield f"{prefix}mlp.shared_experts.gate_proj.weight", gate
+            yield f"{prefix}mlp.shared_experts.up_proj.weight", up
+        elif kind == "shared_down":
+            yield f"{prefix}mlp.shared_experts.down_proj.weight", tensor
         else:
             yield name, tensor
 

@@ -175,3 +175,29 @@ def test_granite_moe_reads_either_checkpoint_naming(moe_dir, moe_reference, tmp_
     save_file(renamed, renamed_dir / "model.safetensors", metadata={"format": "pt"})
     llm = LLM(renamed_dir, num_blocks=256)
     assert token_ids(llm.generate(prompts(), GREEDY)) == moe_reference
+
+
+# Granite MoE Shared (granite-4.0-tiny-preview's MoE layer): Granite MoE with a gated MLP of
+# shared_intermediate_size beside the experts, added to their sum.
+GRANITE_MOE_SHARED = dict(
+    GRANITE_MOE, architectures=["GraniteMoeSharedForCausalLM"], shared_intermediate_size=128
+)
+
+
+def test_granite_moe_shared_matches_hf_on_one_and_two_ranks(tmp_path):
+    model_dir = random_hf_model(GRANITE_MOE_SHARED, tmp_path / "granite_moe_shared")
+    expected = hf_greedy(model_dir, prompts())
+    unshared = random_hf_model(
+        {**GRANITE_MOE_SHARED, "shared_intermediate_size": 0}, tmp_path / "unshared"
+    )
+    assert hf_greedy(unshared, prompts()) != expected  # the shared MLP shows in the tokens
+    llm = LLM(model_dir, num_blocks=256)
+    assert llm.model_config.layer_experts[0].shared_intermediate_size == 128
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+    parallel = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(parallel.generate(prompts(), GREEDY)) == expected
+    finally:
+        parallel.shutdown()
+    llm = LLM(unshared, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy(unshared, prompts())
