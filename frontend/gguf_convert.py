@@ -1,12 +1,14 @@
 """Convert a GGUF file (llama.cpp's architectures llama (and Mixtral, llama with experts),
-qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, granite, smollm3, olmo2 and gpt-oss)
-into a local Hugging Face model directory.
+qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, granite, smollm3, olmo2, gpt-oss,
+glm4moe (GLM-4.5) and deepseek2 (DeepSeek-V2 and V3)) into a local Hugging Face model
+directory.
 
 The engine loads plain float32 HF directories, so a GGUF file is converted once:
 
     model.gguf ──read──> metadata ──> config.json, generation_config.json
               └─dequantize, un-permute Llama's Q/K, split stacked experts, un-shift Gemma's
-                norms──> model.safetensors or shards of it (float32, HF names)
+                norms, rejoin DeepSeek's kv_b, drop multi-token-prediction blocks──>
+                model.safetensors or shards of it (float32, HF names)
               └─transformers' GGUF tokenizer converter──> tokenizer.json, chat_template.jinja, ...
 
 Everything is written into a temporary directory beside the target and renamed into place at
@@ -160,6 +162,57 @@ _GPT_OSS = _Family(
     expert_projections=(),
 )
 _FAMILIES["gpt-oss"] = _GPT_OSS
+# DeepSeek's and GLM-4.5's shared experts: one MLP of n_shared_experts experts' rows, ungated.
+_SHARED_EXPERTS_NAMES = (
+    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"),
+    ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
+)
+# GLM-4.5: Llama's attention with q/k/v biases and per-head q/k norms, RoPE over the first part
+# of each head on halves (llama.cpp's NEOX, as HF: no permutation); post_attention_norm is
+# HF's post_attention_layernorm (the FFN's input norm). llama.cpp appends the checkpoint's
+# multi-token-prediction layer as an extra block (nextn_predict_layers), which is dropped.
+_FAMILIES["glm4moe"] = _Family(
+    "Glm4MoeForCausalLM",
+    "glm4_moe",
+    permuted_qk=False,
+    bias_field="attention_bias",
+    layer_names=(
+        ("post_attention_norm", "post_attention_layernorm"),
+        *_SHARED_EXPERTS_NAMES,
+    ),
+)
+# DeepSeek-V2 / V3, both llama.cpp's deepseek2: multi-head latent attention, RoPE on adjacent
+# pairs in both (llama.cpp's NORM; HF's V2 and V3's rope_interleave: no permutation). Newer
+# llama.cpp splits HF's kv_b_proj into attn_k_b (per head, transposed) and attn_v_b
+# (_joined_kv_b puts them back). V3 is the file whose router scores by sigmoid.
+_DEEPSEEK_LAYER_NAMES = (
+    ("attn_q_a", "self_attn.q_a_proj"),
+    ("attn_q_a_norm", "self_attn.q_a_layernorm"),
+    ("attn_q_b", "self_attn.q_b_proj"),
+    ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
+    ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
+    ("attn_kv_b", "self_attn.kv_b_proj"),
+    # Interim names, joined into kv_b_proj by _joined_kv_b.
+    ("attn_k_b", "self_attn.k_b_proj"),
+    ("attn_v_b", "self_attn.v_b_proj"),
+    *_SHARED_EXPERTS_NAMES,
+)
+_DEEPSEEK_V2 = _Family(
+    "DeepseekV2ForCausalLM",
+    "deepseek_v2",
+    permuted_qk=False,
+    bias_field=None,
+    layer_names=_DEEPSEEK_LAYER_NAMES,
+)
+_DEEPSEEK_V3 = _Family(
+    "DeepseekV3ForCausalLM",
+    "deepseek_v3",
+    permuted_qk=False,
+    bias_field=None,
+    layer_names=_DEEPSEEK_LAYER_NAMES,
+)
+_FAMILIES["deepseek2"] = _DEEPSEEK_V2
 # llama.cpp converts Mixtral as "llama" with experts: HF's Mixtral names, w1 / w3 / w2.
 _MIXTRAL = _Family(
     "MixtralForCausalLM",
@@ -173,7 +226,15 @@ _MIXTRAL = _Family(
     expert_projections=(("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")),
 )
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
-_FAMILIES_BY_HF = {family.hf_architecture: family for family in (*_FAMILIES.values(), _MIXTRAL)}
+# The architectures whose RoPE may rotate part of each head (rope.dimension_count).
+_PARTIAL_ROTARY = ("phi3", "glm4moe")
+# llama.cpp's expert_gating_func values: DeepSeek-V2's softmax router (llama.cpp's default for
+# deepseek2), DeepSeek-V3's and GLM-4.5's sigmoid one.
+_SOFTMAX = int(gguf.ExpertGatingFuncType.SOFTMAX)
+_SIGMOID = int(gguf.ExpertGatingFuncType.SIGMOID)
+_FAMILIES_BY_HF = {
+    family.hf_architecture: family for family in (*_FAMILIES.values(), _MIXTRAL, _DEEPSEEK_V3)
+}
 _FAMILIES_BY_HF["Olmo3ForCausalLM"] = _FAMILIES["olmo2"]  # llama.cpp writes OLMo 3 as olmo2
 
 # GGUF per-layer tensor name (after "blk.N.", before ".weight" / ".bias") -> HF name (after
@@ -198,6 +259,9 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# GGUF per-layer tensors whose HF name has no .weight / .bias: DeepSeek-V3's and GLM-4.5's
+# router bias, which only steers the choice of experts (a buffer in HF).
+_UNSUFFIXED_LAYER_TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 # Llama 3's per-frequency RoPE divisors, which llama.cpp stores as a tensor.
 _ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # Phi-3's LongRoPE factors (llama.cpp's rope_factors_long / _short), also no weights.
@@ -328,19 +392,24 @@ def _hf_config(
     def key(name: str, default: Any = None) -> Any:
         return fields.get(f"{architecture}.{name}", default)
 
+    if architecture == "deepseek2" and key("expert_gating_func") == _SIGMOID:
+        family = _DEEPSEEK_V3
     hidden_size = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden_size // num_heads))
     rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim and architecture != "phi3":
+    # deepseek2's key_length is no head's size (_deepseek2_config reads its sizes).
+    if rope_dim != head_dim and architecture not in (*_PARTIAL_ROTARY, "deepseek2"):
         raise ValueError(
             f"GGUF rope.dimension_count={rope_dim} differs from head_dim={head_dim}; partial "
-            f"rotary embeddings are supported for phi3 only, not {architecture}"
+            f"rotary embeddings are supported for {' and '.join(_PARTIAL_ROTARY)} only, not "
+            f"{architecture}"
         )
     # The embedding's rows: llama.cpp drops Gemma 3's rows past the tokenizer's vocabulary.
     vocab_size = tensor_shapes["token_embd.weight"][0]
     rope_theta = _float32_value(key("rope.freq_base", 10000.0))
-    num_layers = int(key("block_count"))
+    # llama.cpp appends a checkpoint's multi-token-prediction layers as the last blocks.
+    num_layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
     config: dict[str, Any] = {
         "architectures": [family.hf_architecture],
         "model_type": family.model_type,
@@ -378,6 +447,10 @@ def _hf_config(
         config.update(_olmo3_config(key, num_layers))
     if architecture == "gpt-oss":
         config.update(_gpt_oss_config(key, tensor_shapes))
+    if architecture == "glm4moe":
+        config.update(_glm4_moe_config(key, tensor_shapes, num_layers, rope_dim, head_dim))
+    if architecture == "deepseek2":
+        config.update(_deepseek2_config(family, key, tensor_shapes, num_layers, num_heads))
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
@@ -411,6 +484,8 @@ def _hf_config(
             "beta_slow": _float32_value(key("rope.scaling.yarn_beta_slow", 1.0)),
             "truncate": False,
         }
+    elif architecture == "deepseek2":
+        rope_scaling = _deepseek2_rope_scaling(key)
     elif rope_freqs is not None:
         rope_scaling = _llama3_rope_scaling(rope_freqs, rope_theta, head_dim)
     elif rope_factors:
@@ -426,6 +501,9 @@ def _hf_config(
         **(rope_scaling or {}),
         "rope_theta": rope_theta,
     }
+    if architecture == "glm4moe":
+        # transformers 5 reads the rotated share there; older readers at the top level.
+        config["rope_parameters"]["partial_rotary_factor"] = config["partial_rotary_factor"]
     if architecture == "gemma3":
         # Gemma 3's global layers take the GGUF's RoPE base and scaling; llama.cpp gives its
         # sliding layers a base of 10000 and no scaling, as HF's Gemma 3 does by default.
@@ -579,6 +657,138 @@ def _experts_config(
     return config
 
 
+def _glm4_moe_config(
+    key: Callable[..., Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+    rope_dim: int,
+    head_dim: int,
+) -> dict[str, Any]:
+    """GLM-4.5: RoPE over rope.dimension_count of each head, q/k norms when the file has them,
+    and its sigmoid router (llama.cpp's default for glm4moe); the multi-token-prediction layer
+    is not converted."""
+    gating = key("expert_gating_func", _SIGMOID)
+    if gating != _SIGMOID:
+        raise ValueError(
+            f"GGUF glm4moe expert_gating_func={gating} is not supported; supported: "
+            f"{_SIGMOID} (sigmoid, GLM-4.5's router)"
+        )
+    return {
+        "partial_rotary_factor": rope_dim / head_dim,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensor_shapes,
+        "num_nextn_predict_layers": 0,
+        **_routed_experts_config("glm4moe", key, tensor_shapes, num_layers, sigmoid=True),
+    }
+
+
+def _deepseek2_config(
+    family: _Family,
+    key: Callable[..., Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+    num_heads: int,
+) -> dict[str, Any]:
+    """DeepSeek-V2 / V3: the latent attention's sizes and the router. Since its MLA support
+    llama.cpp writes the heads' sizes as key_length_mla / value_length_mla (key_length and
+    value_length then describe the latent it caches, and head_count_kv is 1); older files
+    give them as key_length / value_length. V3 routes by sigmoid over groups, V2 by softmax
+    (llama.cpp's default when the file does not say), over groups when it has more than one."""
+    rope_dim = int(key("rope.dimension_count"))
+    kv_lora_rank = int(key("attention.kv_lora_rank"))
+    if key("attention.key_length_mla") is not None:
+        key_dim = int(key("attention.key_length_mla"))
+        value_dim = int(key("attention.value_length_mla"))
+    else:
+        key_dim, value_dim = int(key("attention.key_length")), int(key("attention.value_length"))
+    latent_rows = tensor_shapes["blk.0.attn_kv_a_mqa.weight"][0]
+    if latent_rows != kv_lora_rank + rope_dim:
+        raise ValueError(
+            f"GGUF deepseek2 attn_kv_a_mqa has {latent_rows} rows; expected kv_lora_rank "
+            f"{kv_lora_rank} + rope.dimension_count {rope_dim}"
+        )
+    gating = key("expert_gating_func")
+    if gating not in (None, _SOFTMAX, _SIGMOID):
+        raise ValueError(
+            f"GGUF deepseek2 expert_gating_func={gating} is not supported; supported: "
+            f"{_SOFTMAX} (softmax, DeepSeek-V2) and {_SIGMOID} (sigmoid, DeepSeek-V3)"
+        )
+    low_rank_query = tensor_shapes.get("blk.0.attn_q_a.weight")
+    v3 = family is _DEEPSEEK_V3
+    config: dict[str, Any] = {
+        # HF expands a key and a value per head from the latent.
+        "num_key_value_heads": num_heads,
+        # HF's DeepSeek configs: the rotated part's size, which their RoPE reads.
+        "head_dim": rope_dim,
+        "q_lora_rank": None if low_rank_query is None else low_rank_query[0],
+        "kv_lora_rank": kv_lora_rank,
+        "qk_nope_head_dim": key_dim - rope_dim,
+        "qk_rope_head_dim": rope_dim,
+        "v_head_dim": value_dim,
+        # HF's attention_bias: biases on q_a_proj, kv_a_proj_with_mqa and o_proj (llama.cpp's
+        # converter writes none; a file that has them gets them as HF names them).
+        "attention_bias": "blk.0.attn_kv_a_mqa.bias" in tensor_shapes,
+        **_routed_experts_config("deepseek2", key, tensor_shapes, num_layers, sigmoid=v3),
+    }
+    if v3:
+        config.update(rope_interleave=True, num_nextn_predict_layers=0)
+    else:
+        config["topk_method"] = "group_limited_greedy" if config["n_group"] > 1 else "greedy"
+    return config
+
+
+def _routed_experts_config(
+    architecture: str,
+    key: Callable[..., Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+    sigmoid: bool,
+) -> dict[str, Any]:
+    """GLM-4.5's and DeepSeek's experts: dense layers up to leading_dense_block_count, then a
+    router (with a selection bias, exp_probs_b, when it scores by sigmoid) over experts whose
+    sizes the tensors give, its weights scaled by expert_weights_scale and renormalised when
+    expert_weights_norm says, in expert_group_count groups; beside them expert_shared_count
+    experts' rows as one shared MLP."""
+    first_dense = int(key("leading_dense_block_count", 0))
+    sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes]
+    if not sparse or sparse != list(range(first_dense, num_layers)):
+        raise ValueError(
+            f"GGUF {architecture} has an expert router (ffn_gate_inp) in layers {sparse}; "
+            f"expected every layer from leading_dense_block_count={first_dense} to "
+            f"{num_layers - 1}"
+        )
+    if (f"blk.{first_dense}.exp_probs_b.bias" in tensor_shapes) != sigmoid:
+        raise ValueError(
+            f"GGUF {architecture}: a router scoring by "
+            f"{'sigmoid' if sigmoid else 'softmax'} "
+            f"{'without' if sigmoid else 'with'} a selection bias (exp_probs_b) is not "
+            "supported; supported: sigmoid with the bias (DeepSeek-V3, GLM-4.5), softmax "
+            "without it (DeepSeek-V2)"
+        )
+    top_k = key("expert_used_count")
+    if top_k is None:
+        raise ValueError("GGUF has experts but no expert_used_count (the experts per token)")
+    num_experts, moe_intermediate_size, _ = tensor_shapes[f"blk.{first_dense}.ffn_gate_exps.weight"]
+    num_shared = int(key("expert_shared_count", 0))
+    shared_rows = tensor_shapes.get(f"blk.{first_dense}.ffn_gate_shexp.weight", (0,))[0]
+    if shared_rows != num_shared * moe_intermediate_size:
+        raise ValueError(
+            f"GGUF {architecture} shared experts (ffn_gate_shexp) have {shared_rows} rows; "
+            f"expected expert_shared_count={num_shared} x {moe_intermediate_size}"
+        )
+    return {
+        "n_routed_experts": num_experts,
+        "num_experts_per_tok": int(top_k),
+        "moe_intermediate_size": moe_intermediate_size,
+        "n_shared_experts": num_shared,
+        "first_k_dense_replace": first_dense,
+        # llama.cpp scales by nothing without the key (DeepSeek-V2 files may lack it).
+        "routed_scaling_factor": _float32_value(key("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(key("expert_weights_norm", False)),
+        "n_group": int(key("expert_group_count", 1)),
+        "topk_group": int(key("expert_group_used_count", 1)),
+    }
+
+
 def _gpt_oss_config(
     key: Callable[..., Any], tensor_shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, Any]:
@@ -681,6 +891,32 @@ def _rope_scaling(key: Callable[[str], Any]) -> dict[str, Any] | None:
     return scaling
 
 
+def _deepseek2_rope_scaling(key: Callable[..., Any]) -> dict[str, Any] | None:
+    """DeepSeek's YaRN as HF has it. llama.cpp's converter stores HF's mscale_all_dim as
+    yarn_log_multiplier = 0.1 x it; llama.cpp scales every query-key product by that factor
+    squared (HF's yarn_apply_mscale) and rotates without changing magnitudes: HF's attention
+    factor when mscale equals mscale_all_dim, as in every DeepSeek checkpoint (1 without
+    it). beta_fast / beta_slow are 32 / 1 where the file does not say, in both."""
+    scaling = _rope_scaling(key)
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return scaling
+    attention_factor = key("rope.scaling.yarn_attn_factor")
+    if attention_factor not in (None, 1.0):
+        raise ValueError(
+            f"GGUF deepseek2 rope.scaling.yarn_attn_factor={attention_factor} is not "
+            "supported (llama.cpp applies it to the rotation and the softmax scale alike); "
+            "supported: 1 or none"
+        )
+    scaling["beta_fast"] = _float32_value(key("rope.scaling.yarn_beta_fast", 32.0))
+    scaling["beta_slow"] = _float32_value(key("rope.scaling.yarn_beta_slow", 1.0))
+    mscale = _float32_value(float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1)
+    if mscale:
+        scaling.update(mscale=mscale, mscale_all_dim=mscale)
+    else:
+        scaling["attention_factor"] = 1.0
+    return scaling
+
+
 def _float32_value(value: float) -> float:
     # GGUF stores these as float32; the shortest float32 repr keeps 1e-5 reading as 1e-05 in
     # config.json instead of 9.999999747378752e-06 (the same float32 either way).
@@ -716,6 +952,8 @@ def _hf_tensor_names(gguf_name: str, family: _Family, num_experts: int) -> list[
     base, _, kind = suffix.rpartition(".")
     layer_names = {**_LAYER_TENSOR_NAMES, **dict(family.layer_names)}
     if prefix == "blk" and layer.isdigit() and kind in ("weight", "bias"):
+        if suffix in _UNSUFFIXED_LAYER_TENSOR_NAMES:
+            return [f"model.layers.{layer}.{_UNSUFFIXED_LAYER_TENSOR_NAMES[suffix]}"]
         if base in layer_names:
             return [f"model.layers.{layer}.{layer_names[base]}.{kind}"]
         # llama.cpp stacks a layer's experts into one [num_experts, rows, columns] tensor per
@@ -745,20 +983,83 @@ def _dequantized_tensors(
     family = _FAMILIES_BY_HF[config["architectures"][0]]
     num_tensors = len(reader.tensors)
     report_every = max(1, num_tensors // 10)
+    skipped = _tensors_without_weights(
+        [tensor.name for tensor in reader.tensors], config["num_hidden_layers"]
+    )
 
     def each_tensor() -> Iterator[tuple[str, np.ndarray]]:
         for index, tensor in enumerate(reader.tensors, start=1):
-            # rope_freqs and the rope factors are no weights: they became the config's
-            # rope_scaling (_llama3_rope_scaling, _longrope_scaling).
-            if tensor.name != _ROPE_FREQS_TENSOR and tensor.name not in _ROPE_FACTOR_TENSORS:
+            if tensor.name not in skipped:
                 yield from _hf_tensors(tensor, family, config)
             if index % report_every == 0 or index == num_tensors:
                 report("dequantizing", index, num_tensors)
 
     if family is _GPT_OSS:
         yield from _gpt_oss_experts(each_tensor())
+    elif family in (_DEEPSEEK_V2, _DEEPSEEK_V3):
+        yield from _joined_kv_b(each_tensor(), config)
     else:
         yield from each_tensor()
+
+
+def _tensors_without_weights(names: list[str], num_layers: int) -> set[str]:
+    """The GGUF tensors that become no HF weight: rope_freqs and the rope factors, which the
+    config's rope_scaling holds (_llama3_rope_scaling, _longrope_scaling); the
+    multi-token-prediction blocks llama.cpp appends past the model's layers (HF's model
+    skips them too); DeepSeek's attn_k_b / attn_v_b in a layer that keeps the attn_kv_b they
+    were split from."""
+    with_kv_b = {_layer_of(name) for name in names if name.endswith(".attn_kv_b.weight")}
+    skipped = {_ROPE_FREQS_TENSOR, *_ROPE_FACTOR_TENSORS}
+    for name in names:
+        layer = _layer_of(name)
+        if layer is None:
+            continue
+        split_kv_b = name.endswith((".attn_k_b.weight", ".attn_v_b.weight"))
+        if layer >= num_layers or (split_kv_b and layer in with_kv_b):
+            skipped.add(name)
+    return skipped
+
+
+def _layer_of(gguf_name: str) -> int | None:
+    """N for a tensor of block N ("blk.N. ..."), None for a global one."""
+    prefix, _, rest = gguf_name.partition(".")
+    layer = rest.partition(".")[0]
+    return int(layer) if prefix == "blk" and layer.isdigit() else None
+
+
+def _joined_kv_b(
+    tensors: Iterator[tuple[str, np.ndarray]], config: dict[str, Any]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """DeepSeek's ``kv_b_proj`` from llama.cpp's split of it: ``attn_k_b`` [heads,
+    kv_lora_rank, qk_nope_head_dim] (each head's key rows, transposed) and ``attn_v_b``
+    [heads, v_head_dim, kv_lora_rank]. HF's rows are, head by head, its key rows then its
+    value rows:
+
+        kv_b_proj [heads x (qk_nope_head_dim + v_head_dim), kv_lora_rank]
+          = | k_b[0]^T | v_b[0] | k_b[1]^T | v_b[1] | ...
+    """
+    heads, rank = config["num_attention_heads"], config["kv_lora_rank"]
+    nope = config["qk_nope_head_dim"]
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for name, tensor in tensors:
+        stem, _, projection = name.rpartition(".self_attn.")
+        if projection not in ("k_b_proj.weight", "v_b_proj.weight"):
+            yield name, tensor
+            continue
+        pair = halves.setdefault(stem, {})
+        pair[projection] = tensor
+        if len(pair) < 2:
+            continue
+        del halves[stem]
+        keys = pair["k_b_proj.weight"].reshape(heads, rank, nope).swapaxes(1, 2)
+        values = pair["v_b_proj.weight"].reshape(heads, -1, rank)
+        kv_b = np.concatenate([keys, values], axis=1).reshape(-1, rank)
+        yield f"{stem}.self_attn.kv_b_proj.weight", kv_b
+    if halves:
+        raise ValueError(
+            "GGUF deepseek2 has attn_k_b or attn_v_b without the other in "
+            f"{', '.join(sorted(halves))}"
+        )
 
 
 def _gpt_oss_experts(
@@ -814,7 +1115,11 @@ def _hf_tensors(
     tensor: Any, family: _Family, config: dict[str, Any]
 ) -> Iterator[tuple[str, np.ndarray]]:
     """One GGUF tensor as HF tensors: dequantized, renamed, and undone what llama.cpp did."""
-    num_experts = config.get("num_experts") or config.get("num_local_experts", 0)
+    num_experts = (
+        config.get("num_experts")
+        or config.get("num_local_experts")
+        or config.get("n_routed_experts", 0)
+    )
     names = _hf_tensor_names(tensor.name, family, num_experts)
     torch_shape = tuple(int(dim) for dim in reversed(tensor.shape))
     weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)

@@ -3,8 +3,10 @@
 HF model it came from: tensor names from gguf-py's own name map (not the converter's
 tables), Llama's Q/K rows interleaved for llama.cpp's RoPE, a layer's experts stacked into
 one tensor per projection, the shared-expert gate's leading 1 dropped, Gemma's norms
-stored as 1 + w, 1-D tensors kept in float32, and a byte-level BPE vocabulary (or for Gemma
-a SentencePiece one) in the tokenizer keys.
+stored as 1 + w, DeepSeek's kv_b_proj split per head into attn_k_b (transposed) and attn_v_b
+(or kept whole, as older llama.cpp did), GLM-4.5's multi-token-prediction layer appended as
+a block (DeepSeek's dropped), 1-D tensors kept in float32, and a byte-level BPE vocabulary
+(or for Gemma a SentencePiece one) in the tokenizer keys.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ GGUF_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo2",  # llama.cpp's OLMo 3: olmo2 with a sliding window
     "GptOssForCausalLM": "gpt-oss",
+    "Glm4MoeForCausalLM": "glm4moe",
+    "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2",
 }
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -49,18 +55,26 @@ def write_gguf(
     quantization: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     end_of_turn_id: int | None = None,
     fuse_gate_up: bool = False,
+    split_kv_b: bool = True,
 ) -> Path:
     """``tokens``: a byte-level BPE vocabulary by id and its merges (``byte_level_vocab``);
     ``quantization`` applies to the matrices; ``end_of_turn_id`` is written as the EOT token;
     ``fuse_gate_up``: gpt-oss's experts as llama.cpp's --fuse-gate-up-exps writes them (one
-    ffn_gate_up_exps, gate rows then up rows)."""
+    ffn_gate_up_exps, gate rows then up rows); ``split_kv_b``: DeepSeek's attention as
+    llama.cpp writes it since its MLA support (attn_k_b and attn_v_b, the *_mla lengths, one
+    KV head), else as before it (one attn_kv_b, the heads' own lengths)."""
     config = json.loads((hf_dir / "config.json").read_text())
     architecture = GGUF_ARCHITECTURES[config["architectures"][0]]
     arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
     num_layers = config["num_hidden_layers"]
-    name_map = gguf.get_tensor_name_map(arch, num_layers)
+    # llama.cpp keeps GLM-4.5's multi-token-prediction layers as extra blocks, and drops
+    # DeepSeek's.
+    block_count = num_layers
+    if architecture == "glm4moe":
+        block_count += config.get("num_nextn_predict_layers", 0)
+    name_map = gguf.get_tensor_name_map(arch, block_count)
     writer = gguf.GGUFWriter(path, architecture)
-    _write_hparams(writer, config)
+    _write_hparams(writer, config, block_count)
     if architecture.startswith("gemma"):
         _write_gemma_hparams(writer, architecture, config)
         _write_sentencepiece_vocab(writer, config["vocab_size"])
@@ -80,6 +94,10 @@ def write_gguf(
         _write_olmo3_hparams(writer, config)
     if architecture == "gpt-oss":
         _write_gpt_oss_hparams(writer, config)
+    if architecture == "glm4moe":
+        _write_glm4_moe_hparams(writer, config)
+    if architecture == "deepseek2":
+        _write_deepseek2_hparams(writer, config, split_kv_b)
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
@@ -88,6 +106,16 @@ def write_gguf(
     for name, weight in weights.items():
         module, _, kind = name.rpartition(".")
         parts = module.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= block_count:
+            continue  # DeepSeek's multi-token-prediction layer
+        if kind == "e_score_correction_bias":  # llama.cpp renames it e_score_correction.bias
+            gguf_name = name_map.get_name(f"{module}.e_score_correction")
+            _add(writer, f"{gguf_name}.bias", weight, F32)
+            continue
+        if module.endswith("kv_b_proj") and split_kv_b:
+            for gguf_name, tensor in _split_kv_b(name_map, module, weight, config):
+                _add(writer, gguf_name, tensor, quantization)
+            continue
         if architecture == "gpt-oss" and (kind == "sinks" or parts[-1] == "experts"):
             for gguf_name, tensor in _gpt_oss_tensors(name, weight, fuse_gate_up):
                 _add(writer, gguf_name, tensor, quantization if tensor.ndim == 3 else F32)
@@ -124,6 +152,22 @@ def write_gguf(
 
 
 F32 = gguf.GGMLQuantizationType.F32
+
+
+def _split_kv_b(
+    name_map: gguf.TensorNameMap, module: str, weight: np.ndarray, config: dict
+) -> list[tuple[str, np.ndarray]]:
+    """As llama.cpp's DeepseekV2Model splits kv_b_proj ([heads x (nope + v), kv_lora_rank],
+    each head's key rows then its value rows): attn_k_b [heads, kv_lora_rank, nope] (the key
+    rows transposed) and attn_v_b [heads, v, kv_lora_rank]."""
+    nope, heads = config["qk_nope_head_dim"], config["num_attention_heads"]
+    by_head = weight.reshape(heads, nope + config["v_head_dim"], -1)
+    keys, values = by_head[:, :nope], by_head[:, nope:]
+    prefix = module.removesuffix("kv_b_proj")
+    return [
+        (f"{name_map.get_name(prefix + 'k_b_proj')}.weight", keys.swapaxes(1, 2)),
+        (f"{name_map.get_name(prefix + 'v_b_proj')}.weight", values),
+    ]
 
 
 def _gpt_oss_tensors(
@@ -188,13 +232,15 @@ def permute_for_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return by_head.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+def _write_hparams(writer: gguf.GGUFWriter, config: dict, block_count: int) -> None:
+    deepseek = config["architectures"][0] in _DEEPSEEK
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_block_count(block_count)
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
+    if not deepseek:  # its KV heads and lengths: _write_deepseek2_hparams
+        writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
     # transformers 5 saves RoPE's base in rope_parameters.
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
@@ -204,6 +250,7 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     if config.get("head_dim") is not None and config["architectures"][0] not in (
         "GraniteForCausalLM",
         "Phi3ForCausalLM",
+        *_DEEPSEEK,
     ):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
@@ -267,6 +314,78 @@ def _write_gpt_oss_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
+def _write_glm4_moe_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """What llama.cpp's Glm4MoeModel adds: the rotated part of each head, the experts (a
+    sigmoid router, its scale, renormalisation and groups, the shared experts, the dense
+    leading layers) and the multi-token-prediction layers it appends."""
+    rope = config["rope_parameters"]
+    rotated = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.5))
+    writer.add_rope_dimension_count(int(config["head_dim"] * rotated))
+    _write_routed_experts(writer, config, gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    if config.get("num_nextn_predict_layers") is not None:
+        writer.add_nextn_predict_layers(config["num_nextn_predict_layers"])
+
+
+def _write_deepseek2_hparams(writer: gguf.GGUFWriter, config: dict, split_kv_b: bool) -> None:
+    """What llama.cpp's DeepseekV2Model writes: since its MLA support one KV head whose key is
+    the latent and the rotated part (key_length, value_length) and the heads' own lengths as
+    *_mla; the ranks; the experts (V3's sigmoid router, V2's softmax one, as the checkpoints'
+    scoring_func says, which transformers 5 no longer saves); YaRN with 0.1 x mscale_all_dim
+    as yarn_log_multiplier."""
+    rope_dim, nope = config["qk_rope_head_dim"], config["qk_nope_head_dim"]
+    kv_lora_rank = config["kv_lora_rank"]
+    if split_kv_b:
+        writer.add_head_count_kv(1)
+        writer.add_key_length(kv_lora_rank + rope_dim)
+        writer.add_value_length(kv_lora_rank)
+        writer.add_key_length_mla(nope + rope_dim)
+        writer.add_value_length_mla(config["v_head_dim"])
+    else:
+        writer.add_head_count_kv(config["num_key_value_heads"])
+        writer.add_key_length(nope + rope_dim)
+        writer.add_value_length(config["v_head_dim"])
+    if config.get("q_lora_rank") is not None:
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_kv_lora_rank(kv_lora_rank)
+    writer.add_rope_dimension_count(rope_dim)
+    v3 = config["architectures"][0] == "DeepseekV3ForCausalLM"
+    gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    _write_routed_experts(writer, config, gating)
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    rope = config["rope_parameters"]
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        # As llama.cpp's base converter, each where the config has it.
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        if rope.get("attention_factor") is not None:
+            writer.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("mscale_all_dim") is not None:
+            writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _write_routed_experts(
+    writer: gguf.GGUFWriter, config: dict, gating: gguf.ExpertGatingFuncType
+) -> None:
+    """GLM-4.5's and DeepSeek's expert keys (their groups only where the config has them)."""
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_gating_func(gating)
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("n_group") is not None:
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
 
 
 def _write_granite_hparams(writer: gguf.GGUFWriter, config: dict) -> None:

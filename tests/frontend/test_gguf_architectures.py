@@ -1,14 +1,17 @@
 """GGUF files of every architecture the converter reads (llama and its Mixtral, qwen2,
 qwen3, qwen2moe, qwen3moe, phi3 (Phi-3 and Phi-4-mini's LongRoPE), granite, smollm3,
-olmo2 and OLMo 3's windowed olmo2, gpt-oss (also with MXFP4 experts); gemma2 and gemma3
-below), written from tiny HF models the way llama.cpp writes them (tests/gguf_writer.py):
-the engine on the converted model gives HF transformers' greedy tokens on the original
-(float32 weights survive exactly), a Q8_0 file converts to its dequantized weights, the
-config carries what llama.cpp keeps only in tensors (biases, a tied head, expert sizes), and
-the tokenizer and chat template come through."""
+olmo2 and OLMo 3's windowed olmo2, gpt-oss (also with MXFP4 experts), glm4moe (GLM-4.5,
+also with its multi-token-prediction block), deepseek2 as DeepSeek-V2 and V3 (kv_b split as
+newer llama.cpp writes it, or whole as older); gemma2 and gemma3 below), written from tiny HF
+models the way llama.cpp writes them (tests/gguf_writer.py): the engine on the converted
+model gives HF transformers' greedy tokens on the original (float32 weights survive
+exactly), a Q8_0 file converts to its dequantized weights, the config carries what llama.cpp
+keeps only in tensors (biases, a tied head, expert sizes), and the tokenizer and chat
+template come through."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -20,11 +23,14 @@ import torch
 from engine.test_parity import GREEDY, hf_greedy, random_prompts
 from gguf_writer import byte_level_vocab, write_gguf
 from safetensors.numpy import load_file
+from tiny_family import rewritten, with_next_token_layer
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams, gguf_convert
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.tokenizer import Tokenizer
+from pagedserve.gpu_worker.layers.rope_config import rope_parameters
+from pagedserve.gpu_worker.model_config import ModelConfig
 
 VOCAB_SIZE = 512
 PARITY_TOKENS = 16
@@ -170,6 +176,77 @@ FAMILIES = {
         pad_token_id=None,
         **_COMMON,
     ),
+    # GLM-4.5 in small: layer 0 dense, then 8 experts of 64 in 4 groups (2 kept, top 3) under a
+    # biased sigmoid router, scaled and renormalised, beside one shared expert; q/k/v biases,
+    # q/k norms, half of each head rotated. No multi-token-prediction layer (see below).
+    "glm4_moe": dict(
+        architectures=["Glm4MoeForCausalLM"],
+        head_dim=64,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        attention_bias=True,
+        use_qk_norm=True,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+        **{**_COMMON, "num_hidden_layers": 3},
+    ),
+    # DeepSeek-V2-Lite's shape in small: a straight query, heads of 64 + 32 (values 64) from a
+    # 64-value latent; layer 0 dense, then 8 experts (top 3 by softmax, scaled) and 2 shared.
+    "deepseek_v2": dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        q_lora_rank=None,
+        kv_lora_rank=64,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        topk_method="greedy",
+        tie_word_embeddings=False,
+        **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
+    ),
+    # DeepSeek-V3's shape in small: a low-rank query, heads of 128 + 64 (values 128), YaRN with
+    # mscale_all_dim, 8 experts in 4 groups (2 kept) under a biased sigmoid router.
+    "deepseek_v3": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 128,
+        },
+        tie_word_embeddings=False,
+        **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
+    ),
     # 8 experts of 96, top 3, renormalised; per-head q/k norms.
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"],
@@ -283,6 +360,130 @@ def test_config_carries_what_llama_cpp_keeps_in_tensors(converted):
     assert (gpt_oss["num_local_experts"], gpt_oss["num_experts_per_tok"]) == (4, 2)
     assert (gpt_oss["sliding_window"], gpt_oss["attention_bias"]) == (16, True)
     assert gpt_oss["rope_parameters"] == FAMILIES["gpt_oss"]["rope_parameters"]
+
+
+_ROUTED_MOE = ["glm4_moe", "deepseek_v2", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("family", _ROUTED_MOE)
+def test_the_engine_reads_the_converted_config_as_the_original_s(hf_dirs, converted, family):
+    # Layers, heads (DeepSeek's: every head expanded from the latent, though llama.cpp's file
+    # says one KV head), each layer's experts and router, and the RoPE settings, as the
+    # engine reads them from the HF config the model came from.
+    ours, original = (ModelConfig.from_dir(path) for path in (converted[family], hf_dirs[family]))
+    assert dataclasses.replace(ours, path=original.path) == original
+    assert rope_parameters(ours.hf_config) == rope_parameters(original.hf_config)
+    fields = (
+        "moe_intermediate_size",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "attention_bias",
+        "use_qk_norm",
+        "rope_interleave",
+    )
+    for name in fields:
+        assert ours.hf_config.get(name) == original.hf_config.get(name), name
+
+
+def test_glm4_moe_s_next_token_prediction_block_is_dropped(hf_dirs, tmp_path):
+    # llama.cpp appends GLM-4.5's multi-token-prediction layer as one more block, with its
+    # own nextn.* tensors; the converted model is the checkpoint without it, as HF loads it.
+    with_mtp = with_next_token_layer(hf_dirs["glm4_moe"], tmp_path / "with_mtp")
+    gguf_path = write_gguf(with_mtp, tmp_path / "mtp.gguf", byte_level_vocab(VOCAB_SIZE))
+    reader = gguf.GGUFReader(gguf_path)
+    assert reader.fields["glm4moe.block_count"].contents() == 4
+    assert reader.fields["glm4moe.nextn_predict_layers"].contents() == 1
+    names = {tensor.name for tensor in reader.tensors}
+    assert {"blk.3.nextn.eh_proj.weight", "blk.3.ffn_gate_exps.weight"} <= names
+    converted = resolve_model(gguf_path, cache_dir=str(tmp_path / "cache")).path
+    original = load_file(hf_dirs["glm4_moe"] / "model.safetensors")
+    ours = load_file(converted / "model.safetensors")
+    assert sorted(ours) == sorted(original)
+    for name, weight in original.items():
+        np.testing.assert_array_equal(ours[name], weight, err_msg=name)
+    config = json.loads((converted / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (3, 0)
+
+
+def test_deepseek_s_whole_kv_b_as_older_llama_cpp_wrote_it_converts_alike(hf_dirs, tmp_path):
+    # Before its MLA support llama.cpp kept kv_b_proj whole (attn_kv_b), gave the heads' own
+    # key and value lengths and as many KV heads as query heads.
+    gguf_path = write_gguf(
+        hf_dirs["deepseek_v3"],
+        tmp_path / "old.gguf",
+        byte_level_vocab(VOCAB_SIZE),
+        split_kv_b=False,
+    )
+    reader = gguf.GGUFReader(gguf_path)
+    names = {tensor.name for tensor in reader.tensors}
+    assert "blk.0.attn_kv_b.weight" in names and "blk.0.attn_k_b.weight" not in names
+    assert "deepseek2.attention.key_length_mla" not in reader.fields
+    assert reader.fields["deepseek2.attention.key_length"].contents() == 192
+    converted = resolve_model(gguf_path, cache_dir=str(tmp_path / "cache")).path
+    original = load_file(hf_dirs["deepseek_v3"] / "model.safetensors")
+    ours = load_file(converted / "model.safetensors")
+    assert sorted(ours) == sorted(original)
+    for name, weight in original.items():
+        np.testing.assert_array_equal(ours[name], weight, err_msg=name)
+    expected = ModelConfig.from_dir(hf_dirs["deepseek_v3"])
+    assert dataclasses.replace(ModelConfig.from_dir(converted), path=expected.path) == expected
+
+
+def test_a_layer_s_split_kv_b_is_skipped_where_the_whole_one_is_kept_too():
+    # Some files (ik_llama.cpp's) keep attn_kv_b beside the attn_k_b / attn_v_b split from
+    # it: the whole one is converted. Blocks past the model's layers (multi-token
+    # prediction) and the RoPE tensors are no weights either.
+    names = [
+        "token_embd.weight",
+        "rope_freqs.weight",
+        "blk.0.attn_kv_b.weight",
+        "blk.0.attn_k_b.weight",
+        "blk.0.attn_v_b.weight",
+        "blk.1.attn_k_b.weight",
+        "blk.1.attn_v_b.weight",
+        "blk.2.attn_kv_b.weight",
+        "blk.2.nextn.eh_proj.weight",
+    ]
+    skipped = gguf_convert._tensors_without_weights(names, num_layers=2)
+    assert skipped & set(names) == {
+        "rope_freqs.weight",
+        "blk.0.attn_k_b.weight",
+        "blk.0.attn_v_b.weight",
+        "blk.2.attn_kv_b.weight",
+        "blk.2.nextn.eh_proj.weight",
+    }
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # HF's DeepSeek-V2 router has no selection bias: a softmax file with one is refused.
+        (
+            dict(architectures=["DeepseekV2ForCausalLM"]),
+            "a router scoring by softmax with a selection bias",
+        ),
+        # llama.cpp applies a YaRN attention factor to the rotation and the softmax scale.
+        (
+            dict(
+                rope_parameters={
+                    **FAMILIES["deepseek_v3"]["rope_parameters"],
+                    "attention_factor": 1.5,
+                }
+            ),
+            "rope.scaling.yarn_attn_factor=1.5 is not supported",
+        ),
+    ],
+)
+def test_deepseek2_files_hf_cannot_express_are_refused_by_name(hf_dirs, tmp_path, changes, message):
+    variant = rewritten(hf_dirs["deepseek_v3"], tmp_path / "variant", **changes)
+    gguf_path = write_gguf(variant, tmp_path / "variant.gguf", byte_level_vocab(VOCAB_SIZE))
+    with pytest.raises(ValueError, match=message):
+        resolve_model(gguf_path, cache_dir=str(tmp_path / "cache"))
 
 
 def test_gpt_oss_s_fused_gate_up_experts_convert_alike(hf_dirs, tmp_path):
