@@ -80,6 +80,7 @@ LORA_ARCHITECTURES = (
     "Olmo3ForCausalLM",
     "Exaone4ForCausalLM",
     "HunYuanDenseV1ForCausalLM",
+    "HunYuanMoEV1ForCausalLM",
     "ApertusForCausalLM",
     "Starcoder2ForCausalLM",
     # Cohere's, GLM-4's (and ERNIE 4.5's) query and key rows are reordered on loading

@@ -45,6 +45,7 @@ SUPPORTED_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "llama",
     "Dots1ForCausalLM": "llama",
     "HunYuanDenseV1ForCausalLM": "llama",
+    "HunYuanMoEV1ForCausalLM": "llama",
     "ApertusForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
@@ -238,6 +239,9 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     # HunYuanDenseV1Config's.
     "HunYuanDenseV1ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048),
+    "HunYuanMoEV1ForCausalLM": dict(
+        rms_norm_eps=1e-5, max_position_embeddings=2048, num_experts=1, moe_topk=1
+    ),
     # Exaone4Config's: three sliding-window layers to each global one, which has no RoPE.
     "Exaone4ForCausalLM": dict(
         rms_norm_eps=1e-5,
@@ -474,7 +478,7 @@ class ModelConfig:
             if alias in hf_config:  # as the HF config class's attribute_map reads it
                 hf_config.setdefault(field_name, hf_config[alias])
         hf_config = {**_CONFIG_DEFAULTS.get(architecture, {}), **hf_config}
-        if architecture == "HunYuanDenseV1ForCausalLM":
+        if architecture in HUNYUAN:
             hf_config = _with_ntk_alpha_rope(hf_config)
         _check_supported_fields(architecture, hf_config)
         num_heads = hf_config["num_attention_heads"]
@@ -568,7 +572,7 @@ def _check_supported_fields(architecture: str, hf_config: dict[str, Any]) -> Non
     if architecture not in _PER_LAYER_TYPE_ROPE:
         parameters = rope_parameters(hf_config)
         supported = SUPPORTED_ROPE_TYPES
-        if architecture == "HunYuanDenseV1ForCausalLM":
+        if architecture in HUNYUAN:
             supported = (*supported, NTK_ALPHA)
         if parameters["rope_type"] not in supported:
             raise ValueError(
@@ -931,6 +935,8 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
         return _grouped_router_experts(architecture, hf_config)
     if architecture == "Ernie4_5_MoeForCausalLM":
         return _ernie_experts(hf_config)
+    if architecture == "HunYuanMoEV1ForCausalLM":
+        return _hunyuan_experts(hf_config)
     if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return (None,) * num_layers
     qwen2 = architecture == "Qwen2MoeForCausalLM"
@@ -958,6 +964,8 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
     )
 
 
+# Tencent's Hunyuan: dense, and with experts beside a shared MLP.
+HUNYUAN = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 # IBM's Granite MoE, and with a shared MLP beside the experts.
 _GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 # DeepSeek's mixtures of experts and GLM-4.5's (``GroupedRouting``).
@@ -1052,6 +1060,42 @@ def _grouped_router_experts(
             f"model: first_k_dense_replace must be an integer >= 0, got {first_dense!r}"
         )
     return tuple(spec if i >= first_dense else None for i in range(num_layers))
+
+
+def _hunyuan_experts(hf_config: dict[str, Any]) -> tuple[ExpertsSpec | None, ...]:
+    """Hunyuan's MoE models: every layer ``num_experts`` experts of ``intermediate_size``, top
+    ``moe_topk`` by a float32 softmax, renormalised, beside a shared MLP of the same size.
+    Per-layer lists of the two are taken when all their entries agree."""
+    num_layers = hf_config["num_hidden_layers"]
+    fields = {}
+    for name in ("num_experts", "moe_topk"):
+        value = hf_config[name]
+        if isinstance(value, list):
+            if len(value) != num_layers or len(set(value)) != 1:
+                raise ValueError(
+                    f"model: {name} per layer must hold one value for all {num_layers} layers, "
+                    f"got {value!r:.200}"
+                )
+            value = value[0]
+        fields[name] = value
+    spec = _checked_experts(
+        hf_config,
+        num_experts=fields["num_experts"],
+        num_experts_field="num_experts",
+        top_k=fields["moe_topk"],
+        intermediate_field="intermediate_size",
+        renormalize=True,
+        weights_in_float32=True,
+    )
+    spec = dataclasses.replace(
+        spec,
+        shared_intermediate_size=spec.intermediate_size,
+        shared_expert_gated=False,
+        grouped=GroupedRouting(
+            sigmoid=False, num_groups=1, top_k_groups=1, routed_scaling_factor=1.0
+        ),
+    )
+    return (spec,) * num_layers
 
 
 def _ernie_experts(hf_config: dict[str, Any]) -> tuple[ExpertsSpec | None, ...]:

@@ -52,6 +52,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig,
         "Exaone4ForCausalLM": transformers.Exaone4Config,
         "HunYuanDenseV1ForCausalLM": transformers.HunYuanDenseV1Config,
+        "HunYuanMoEV1ForCausalLM": transformers.HunYuanMoEV1Config,
         "ApertusForCausalLM": transformers.ApertusConfig,
         "GraniteMoeSharedForCausalLM": transformers.GraniteMoeSharedConfig,
     }[_causal_architecture(architecture)]

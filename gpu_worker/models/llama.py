@@ -24,7 +24,8 @@ expert (layers/moe.py); its checkpoints' multi-token-prediction layer is not loa
 rednote's dots.llm1 (``Dots1ForCausalLM``) is Qwen3 (per-head q/k norms) with DeepSeek-V3's
 experts, its ``attention_bias`` on all four projections. Tencent's Hunyuan dense models
 (``HunYuanDenseV1ForCausalLM``) are Llama with per-head q/k norms after RoPE and a fixed NTK
-stretch of the RoPE base (``alpha``; the ``ntk_alpha`` rope type). The Swiss AI Initiative's
+stretch of the RoPE base (``alpha``; the ``ntk_alpha`` rope type); its MoE models add experts
+under a float32 softmax router beside a shared MLP. The Swiss AI Initiative's
 Apertus is Llama with per-head q/k norms and an ungated MLP whose xIELU activation has learned
 scalars per layer (``basic.XIELU``); its norms' names are its own."""
 
@@ -41,7 +42,7 @@ from pagedserve.gpu_worker.layers.mlp import GatedMLP, UngatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
-from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
+from pagedserve.gpu_worker.model_config import HUNYUAN, ModelConfig, rope_layers
 from pagedserve.gpu_worker.models.base import (
     StackedDecoderLM,
     load_fused_checkpoint,
@@ -133,7 +134,7 @@ class LlamaAttention(SelfAttention):
         self.q_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
         self.k_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
         # Hunyuan norms each query and key head after RoPE, not before.
-        rotated_norm = config.architecture == "HunYuanDenseV1ForCausalLM"
+        rotated_norm = config.architecture in HUNYUAN
         self.query_layernorm = RMSNorm(config.head_size, eps, dtype) if rotated_norm else None
         self.key_layernorm = RMSNorm(config.head_size, eps, dtype) if rotated_norm else None
 
@@ -294,6 +295,8 @@ class LlamaForCausalLM(StackedDecoderLM):
             weights = without_next_token_layers(self.config, weights)
         if self.config.architecture == "Ernie4_5_MoeForCausalLM":
             weights = _ernie_moe_tensors(weights)
+        if self.config.architecture == "HunYuanMoEV1ForCausalLM":
+            weights = ((_hunyuan_moe_name(name), tensor) for name, tensor in weights)
         if self.config.architecture == "ApertusForCausalLM":
             weights = ((_apertus_name(name), tensor) for name, tensor in weights)
 
@@ -359,6 +362,14 @@ _APERTUS_NAMES = {
     ".feedforward_layernorm.": ".post_attention_layernorm.",
     ".mlp.act_fn.": ".mlp.act.",
 }
+
+
+def _hunyuan_moe_name(name: str) -> str:
+    """Hunyuan MoE's router (``mlp.gate.wg``) and shared MLP (``mlp.shared_mlp``) as
+    ``SparseMoE`` names them."""
+    return name.replace(".mlp.gate.wg.", ".mlp.gate.").replace(
+        ".mlp.shared_mlp.", ".mlp.shared_experts."
+    )
 
 
 def _apertus_name(name: str) -> str:

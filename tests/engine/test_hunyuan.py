@@ -20,6 +20,7 @@ from tiny_family import (
     rewritten,
     token_ids,
 )
+from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig
@@ -79,4 +80,32 @@ def test_an_adapter_matches_hf_peft(model_dir, tmp_path):
 
 
 def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
+    check_bfloat16_first_tokens_agree_with_hf(model_dir)
+
+
+# Hunyuan-A13B's MoE layer in small: 4 experts of 384 (the dense MLP's size), top 2, beside a
+# shared MLP of the same size.
+HUNYUAN_MOE = dict(HUNYUAN, architectures=["HunYuanMoEV1ForCausalLM"], num_experts=4, moe_topk=2)
+
+
+def test_hunyuan_moe_matches_hf_on_one_and_two_ranks(tmp_path):
+    model_dir = random_hf_model(HUNYUAN_MOE, tmp_path / "hunyuan_moe")
+    expected = hf_greedy(model_dir, prompts())
+    llm = LLM(model_dir, num_blocks=256)
+    spec = llm.model_config.layer_experts[0]
+    assert (spec.num_experts, spec.top_k, spec.shared_intermediate_size) == (4, 2, 384)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == expected
+    chunked = LLM(model_dir, num_blocks=256, enable_chunked_prefill=True, max_num_batched_tokens=24)
+    assert token_ids(chunked.generate(prompts(), GREEDY)) == expected
+    parallel = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(parallel.generate(prompts(), GREEDY)) == expected
+    finally:
+        parallel.shutdown()
+    # Per-layer lists (as Hunyuan-A13B's config writes them) that agree read the same.
+    listed = rewritten(model_dir, tmp_path / "listed", num_experts=[4, 4], moe_topk=[2, 2])
+    assert ModelConfig.from_dir(listed).layer_experts == llm.model_config.layer_experts
+    mixed = rewritten(model_dir, tmp_path / "mixed", num_experts=[4, 2])
+    with pytest.raises(ValueError, match="num_experts per layer must hold one value"):
+        ModelConfig.from_dir(mixed)
     check_bfloat16_first_tokens_agree_with_hf(model_dir)
