@@ -140,6 +140,14 @@ def norm_each_head(norm: RMSNorm, rows: torch.Tensor, head_size: int) -> torch.T
     return norm(rows.reshape(-1, head_size)).view(rows.shape[0], -1)
 
 
+def norm_query_and_key_heads(
+    q_norm: RMSNorm, k_norm: RMSNorm, query: torch.Tensor, key: torch.Tensor, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_each_head`` on the query rows with ``q_norm`` and the key rows with ``k_norm``:
+    the per-head norms of Qwen3, Gemma 3, EXAONE 4, Hunyuan (after RoPE) and others."""
+    return norm_each_head(q_norm, query, head_size), norm_each_head(k_norm, key, head_size)
+
+
 class LayerNorm(nn.Module):
     def __init__(
         self, hidden_size: int, eps: float, elementwise_affine: bool, dtype: torch.dtype

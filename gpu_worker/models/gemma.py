@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
-from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm, norm_each_head
+from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm, norm_query_and_key_heads
 from pagedserve.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rope_config import layer_type_rope_parameters, rope_parameters
@@ -89,8 +89,9 @@ class GemmaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            query = norm_each_head(self.q_norm, query, self.head_size)
-            key = norm_each_head(self.k_norm, key, self.head_size)
+            query, key = norm_query_and_key_heads(
+                self.q_norm, self.k_norm, query, key, self.head_size
+            )
         self.rotary(positions, query, key)
         output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
         return self.o_proj(output)

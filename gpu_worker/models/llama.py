@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
-from pagedserve.gpu_worker.layers.basic import RMSNorm, empty_parameter, norm_each_head
+from pagedserve.gpu_worker.layers.basic import RMSNorm, empty_parameter, norm_query_and_key_heads
 from pagedserve.gpu_worker.layers.mlp import GatedMLP, UngatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves
@@ -143,19 +143,15 @@ class LlamaAttention(SelfAttention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_norm is None or self.k_norm is None:
             return query, key
-        return (
-            norm_each_head(self.q_norm, query, self.head_size),
-            norm_each_head(self.k_norm, key, self.head_size),
-        )
+        return norm_query_and_key_heads(self.q_norm, self.k_norm, query, key, self.head_size)
 
     def normalize_rotated_qk(
         self, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.query_layernorm is None or self.key_layernorm is None:
             return query, key
-        return (
-            norm_each_head(self.query_layernorm, query, self.head_size),
-            norm_each_head(self.key_layernorm, key, self.head_size),
+        return norm_query_and_key_heads(
+            self.query_layernorm, self.key_layernorm, query, key, self.head_size
         )
 
 

@@ -18,7 +18,7 @@ from pagedserve.gpu_worker.layers.basic import (
     RMSNorm,
     ScaledInFloat32RMSNorm,
     ShardedRMSNorm,
-    norm_each_head,
+    norm_query_and_key_heads,
 )
 from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rope_config import olmo3_layer_rope_parameters
@@ -87,10 +87,7 @@ class Exaone4Attention(SelfAttention):
     def normalize_qk(
         self, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            norm_each_head(self.q_norm, query, self.head_size),
-            norm_each_head(self.k_norm, key, self.head_size),
-        )
+        return norm_query_and_key_heads(self.q_norm, self.k_norm, query, key, self.head_size)
 
 
 class Olmo2DecoderLayer(nn.Module):
