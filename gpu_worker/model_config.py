@@ -353,7 +353,9 @@ class GroupedRouting:
 @dataclass(frozen=True)
 class ExpertsSpec:
     """A mixture-of-experts layer: a router scores ``num_experts`` gated MLPs for each
-    token and sums the ``top_k`` best, weighted by their softmax probabilities."""
+    token and sums the ``top_k`` best, weighted by their softmax probabilities (DeepSeek's,
+    GLM-4.5's, ERNIE 4.5's and Hunyuan's routers: ``grouped``), plus a shared MLP where
+    ``shared_intermediate_size`` says."""
 
     num_experts: int
     top_k: int
@@ -876,6 +878,10 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
       not in ``mlp_only_layers`` whose number + 1 is a multiple of ``decoder_sparse_step``,
       the others a dense MLP of ``intermediate_size``. Qwen2-MoE adds a shared expert of
       ``shared_expert_intermediate_size``.
+    - Granite MoE Shared: Granite MoE's, plus an ungated-add shared MLP of
+      ``shared_intermediate_size``.
+    - DeepSeek-V2 / V3, GLM-4.5, dots.llm1: ``_grouped_router_experts``; ERNIE 4.5 MoE:
+      ``_ernie_experts``; Hunyuan MoE: ``_hunyuan_experts``.
     """
     num_layers = hf_config["num_hidden_layers"]
     if architecture == "GptOssForCausalLM":
