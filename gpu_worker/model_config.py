@@ -46,6 +46,7 @@ SUPPORTED_ARCHITECTURES = {
     "Dots1ForCausalLM": "llama",
     "HunYuanDenseV1ForCausalLM": "llama",
     "HunYuanMoEV1ForCausalLM": "llama",
+    "ExaoneForCausalLM": "llama",
     "ApertusForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
@@ -83,6 +84,7 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "Ernie4_5_MoeForCausalLM",
         "ApertusForCausalLM",
         "GraniteMoeSharedForCausalLM",
+        "ExaoneForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -237,6 +239,14 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
             "high_freq_factor": 4.0,
         },
     ),
+    # ExaoneConfig's (EXAONE-3.0-7.8B's): Llama's with a RoPE base of 500000.
+    "ExaoneForCausalLM": dict(
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+    ),
     # HunYuanDenseV1Config's.
     "HunYuanDenseV1ForCausalLM": dict(rms_norm_eps=1e-5, max_position_embeddings=2048),
     "HunYuanMoEV1ForCausalLM": dict(
@@ -327,6 +337,11 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
 # config's name -> the one the engine reads.
 _FIELD_ALIASES: dict[str, dict[str, str]] = {
     "InternLM3ForCausalLM": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+    "ExaoneForCausalLM": {
+        "num_layers": "num_hidden_layers",
+        "layer_norm_epsilon": "rms_norm_eps",
+        "activation_function": "hidden_act",
+    },
 }
 
 

@@ -55,6 +55,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "HunYuanMoEV1ForCausalLM": transformers.HunYuanMoEV1Config,
         "ApertusForCausalLM": transformers.ApertusConfig,
         "GraniteMoeSharedForCausalLM": transformers.GraniteMoeSharedConfig,
+        "ExaoneForCausalLM": transformers.ExaoneConfig,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

@@ -27,10 +27,13 @@ experts, its ``attention_bias`` on all four projections. Tencent's Hunyuan dense
 stretch of the RoPE base (``alpha``; the ``ntk_alpha`` rope type); its MoE models add experts
 under a float32 softmax router beside a shared MLP. The Swiss AI Initiative's
 Apertus is Llama with per-head q/k norms and an ungated MLP whose xIELU activation has learned
-scalars per layer (``basic.XIELU``); its norms' names are its own."""
+scalars per layer (``basic.XIELU``); its norms' names are its own. LG AI's EXAONE 3.0 / 3.5
+(``ExaoneForCausalLM``) is Llama under GPT-2-style names (``transformer.h.N.attn.attention``,
+``c_fc_0`` / ``c_fc_1``), renamed on loading as transformers renames them."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -291,6 +294,8 @@ class LlamaForCausalLM(StackedDecoderLM):
             weights = without_next_token_layers(self.config, weights)
         if self.config.architecture == "Ernie4_5_MoeForCausalLM":
             weights = _ernie_moe_tensors(weights)
+        if self.config.hf_config.get("model_type") == "exaone":  # EXAONE 3.x's own names
+            weights = ((_exaone_name(name), tensor) for name, tensor in weights)
         if self.config.architecture == "HunYuanMoEV1ForCausalLM":
             weights = ((_hunyuan_moe_name(name), tensor) for name, tensor in weights)
         if self.config.architecture == "ApertusForCausalLM":
@@ -358,6 +363,27 @@ _APERTUS_NAMES = {
     ".feedforward_layernorm.": ".post_attention_layernorm.",
     ".mlp.act_fn.": ".mlp.act.",
 }
+
+
+# EXAONE 3.0 / 3.5's checkpoint names -> Llama's (transformers' own renaming, in order).
+_EXAONE_NAMES = (
+    (re.compile(r"^transformer\.wte\."), "model.embed_tokens."),
+    (re.compile(r"^transformer\.h\."), "model.layers."),
+    (re.compile(r"^transformer\.ln_f\."), "model.norm."),
+    (re.compile(r"\.attn\.attention\."), ".self_attn."),
+    (re.compile(r"\.self_attn\.out_proj\."), ".self_attn.o_proj."),
+    (re.compile(r"\.ln_1\."), ".input_layernorm."),
+    (re.compile(r"\.ln_2\."), ".post_attention_layernorm."),
+    (re.compile(r"\.mlp\.c_fc_0\."), ".mlp.gate_proj."),
+    (re.compile(r"\.mlp\.c_fc_1\."), ".mlp.up_proj."),
+    (re.compile(r"\.mlp\.c_proj\."), ".mlp.down_proj."),
+)
+
+
+def _exaone_name(name: str) -> str:
+    for pattern, llama in _EXAONE_NAMES:
+        name = pattern.sub(llama, name)
+    return name
 
 
 def _hunyuan_moe_name(name: str) -> str:
