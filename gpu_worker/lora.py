@@ -95,6 +95,7 @@ LORA_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "GraniteMoeForCausalLM",
     "GraniteMoeSharedForCausalLM",
+    "OlmoeForCausalLM",
     "GptOssForCausalLM",
     "Glm4MoeForCausalLM",
     "Dots1ForCausalLM",

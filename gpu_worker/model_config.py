@@ -47,6 +47,7 @@ SUPPORTED_ARCHITECTURES = {
     "HunYuanDenseV1ForCausalLM": "llama",
     "HunYuanMoEV1ForCausalLM": "llama",
     "ExaoneForCausalLM": "llama",
+    "OlmoeForCausalLM": "llama",
     "ApertusForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
@@ -85,6 +86,7 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "ApertusForCausalLM",
         "GraniteMoeSharedForCausalLM",
         "ExaoneForCausalLM",
+        "OlmoeForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -238,6 +240,14 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
         },
+    ),
+    # OlmoeConfig's (OLMoE-1B-7B's experts).
+    "OlmoeForCausalLM": dict(
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
     ),
     # ExaoneConfig's (EXAONE-3.0-7.8B's): Llama's with a RoPE base of 500000.
     "ExaoneForCausalLM": dict(
@@ -893,6 +903,8 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
       not in ``mlp_only_layers`` whose number + 1 is a multiple of ``decoder_sparse_step``,
       the others a dense MLP of ``intermediate_size``. Qwen2-MoE adds a shared expert of
       ``shared_expert_intermediate_size``.
+    - OLMoE: every layer; ``num_experts`` (default 64) of ``intermediate_size``, top
+      ``num_experts_per_tok`` (default 8), renormalised with ``norm_topk_prob``.
     - Granite MoE Shared: Granite MoE's, plus an ungated-add shared MLP of
       ``shared_intermediate_size``.
     - DeepSeek-V2 / V3, GLM-4.5, dots.llm1: ``_grouped_router_experts``; ERNIE 4.5 MoE:
@@ -958,6 +970,18 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
         return _ernie_experts(hf_config)
     if architecture == "HunYuanMoEV1ForCausalLM":
         return _hunyuan_experts(hf_config)
+    if architecture == "OlmoeForCausalLM":
+        num_experts, num_experts_field = _num_experts(hf_config, 64)
+        spec = _checked_experts(
+            hf_config,
+            num_experts=num_experts,
+            num_experts_field=num_experts_field,
+            top_k=hf_config["num_experts_per_tok"],
+            intermediate_field="intermediate_size",
+            renormalize=bool(hf_config["norm_topk_prob"]),
+            weights_in_float32=False,
+        )
+        return (spec,) * num_layers
     if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return (None,) * num_layers
     qwen2 = architecture == "Qwen2MoeForCausalLM"

@@ -56,6 +56,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "ApertusForCausalLM": transformers.ApertusConfig,
         "GraniteMoeSharedForCausalLM": transformers.GraniteMoeSharedConfig,
         "ExaoneForCausalLM": transformers.ExaoneConfig,
+        "OlmoeForCausalLM": transformers.OlmoeConfig,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

@@ -99,7 +99,8 @@ class ShardedRMSNorm(nn.Module):
     k_norm), of which this rank holds ``rows``: the sum of squares is summed over the ranks
     (divided by ``replicas`` when each row is held by that many ranks: KV heads shared by
     several ranks), the weight is this rank's slice of the checkpoint's. HF's arithmetic:
-    normalised in float32, scaled in float32, rounded once."""
+    normalised in float32, scaled in float32, rounded once (OLMoE's, ``scale_in_float32``
+    False: rounded, then scaled, as Llama's RMSNorm)."""
 
     def __init__(
         self,
@@ -109,10 +110,12 @@ class ShardedRMSNorm(nn.Module):
         dtype: torch.dtype,
         parallel: TensorParallel,
         replicas: int = 1,
+        scale_in_float32: bool = True,
     ) -> None:
         super().__init__()
         self.full_size, self.rows, self.eps = full_size, rows, eps
         self.parallel, self.replicas = parallel, replicas
+        self.scale_in_float32 = scale_in_float32
         self.weight = empty_parameter(len(rows), dtype=dtype)
 
     def shard_of(
@@ -128,6 +131,8 @@ class ShardedRMSNorm(nn.Module):
             squares = self.parallel.all_reduce(floats.pow(2).sum(-1, keepdim=True))
             variance = squares / (self.replicas * self.full_size)
         normed = floats * torch.rsqrt(variance + self.eps)
+        if not self.scale_in_float32:
+            return self.weight * normed.to(x.dtype)
         return (self.weight.float() * normed).to(x.dtype)
 
 

@@ -18,7 +18,8 @@ from pagedserve.gpu_worker.parallel import TensorParallel
 class SelfAttention(nn.Module):
     """``bias``: on q, k and v (``output_bias`` on the output projection, default the
     same); ``rotary`` None: a layer without position embeddings; ``scale``: the attention
-    scores' factor (default 1/sqrt(head size)). A family with query / key norms overrides
+    scores' factor (default 1/sqrt(head size)); ``clip_qkv``: q, k and v clamped to that
+    magnitude after the norms (OLMoE's). A family with query / key norms overrides
     ``normalize_qk`` (before RoPE) or ``normalize_rotated_qk`` (after it)."""
 
     def __init__(
@@ -32,6 +33,7 @@ class SelfAttention(nn.Module):
         output_bias: bool | None = None,
         sliding_window: int = 0,
         scale: float | None = None,
+        clip_qkv: float | None = None,
     ) -> None:
         super().__init__()
         head_size = config.head_size
@@ -63,6 +65,7 @@ class SelfAttention(nn.Module):
         )
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.clip_qkv = clip_qkv
 
     def normalize_qk(
         self, query: torch.Tensor, key: torch.Tensor
@@ -82,6 +85,9 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, key = self.normalize_qk(query, key)
+        if self.clip_qkv is not None:  # OLMoE's: after its norms, before RoPE
+            limit = self.clip_qkv
+            query, key, value = (rows.clamp(-limit, limit) for rows in (query, key, value))
         if self.rotary is not None:
             self.rotary(positions, query, key)
         query, key = self.normalize_rotated_qk(query, key)

@@ -29,7 +29,9 @@ under a float32 softmax router beside a shared MLP. The Swiss AI Initiative's
 Apertus is Llama with per-head q/k norms and an ungated MLP whose xIELU activation has learned
 scalars per layer (``basic.XIELU``); its norms' names are its own. LG AI's EXAONE 3.0 / 3.5
 (``ExaoneForCausalLM``) is Llama under GPT-2-style names (``transformer.h.N.attn.attention``,
-``c_fc_0`` / ``c_fc_1``), renamed on loading as transformers renames them."""
+``c_fc_0`` / ``c_fc_1``), renamed on loading as transformers renames them. AllenAI's OLMoE
+is Llama with norms over the whole query and key projections (as OLMo 2's, Llama's
+arithmetic), an optional ``clip_qkv``, and experts in every layer."""
 
 from __future__ import annotations
 
@@ -40,7 +42,12 @@ import torch
 from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
-from pagedserve.gpu_worker.layers.basic import RMSNorm, empty_parameter, norm_query_and_key_heads
+from pagedserve.gpu_worker.layers.basic import (
+    RMSNorm,
+    ShardedRMSNorm,
+    empty_parameter,
+    norm_query_and_key_heads,
+)
 from pagedserve.gpu_worker.layers.mlp import GatedMLP, UngatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves
@@ -128,7 +135,34 @@ class LlamaAttention(SelfAttention):
             output_bias=_output_bias(config),
             sliding_window=sliding_window,
             scale=_granite_scalar(config, "attention_multiplier"),
+            clip_qkv=hf.get("clip_qkv") if config.architecture == "OlmoeForCausalLM" else None,
         )
+        # OLMoE norms the whole query and key projections (all heads at once; each rank its
+        # rows, the sum of squares over the ranks), Llama's arithmetic.
+        self.whole_projection_norms = config.architecture == "OlmoeForCausalLM"
+        if self.whole_projection_norms:
+            eps = hf.get("rms_norm_eps", 1e-5)
+            query_rows, kv_rows, _ = self.qkv_proj.component_rows
+            kv_replicas = max(1, parallel.size // config.num_kv_heads)
+            self.q_norm = ShardedRMSNorm(
+                config.num_heads * config.head_size,
+                query_rows,
+                eps,
+                dtype,
+                parallel,
+                scale_in_float32=False,
+            )
+            self.k_norm = ShardedRMSNorm(
+                config.num_kv_heads * config.head_size,
+                kv_rows,
+                eps,
+                dtype,
+                parallel,
+                kv_replicas,
+                scale_in_float32=False,
+            )
+            self.query_layernorm = self.key_layernorm = None
+            return
         # Each rank holds whole heads, so the per-head norm weights are replicated, not split.
         per_head_norm = config.architecture in _PER_HEAD_QK_NORM or (
             config.architecture == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm"))
@@ -146,6 +180,8 @@ class LlamaAttention(SelfAttention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_norm is None or self.k_norm is None:
             return query, key
+        if self.whole_projection_norms:
+            return self.q_norm(query), self.k_norm(key)
         return norm_query_and_key_heads(self.q_norm, self.k_norm, query, key, self.head_size)
 
     def normalize_rotated_qk(
