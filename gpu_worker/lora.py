@@ -50,6 +50,7 @@ TARGET_MODULES = {
 _ARCHITECTURE_TARGET_MODULES = {
     "ArceeForCausalLM": {"up_proj": ("mlp.up_proj", None)},
     "ApertusForCausalLM": {"up_proj": ("mlp.up_proj", None)},
+    "NemotronForCausalLM": {"up_proj": ("mlp.up_proj", None)},
 }
 # The projections each architecture's HF model has, which PEFT can target (Llama's unless
 # named here): Phi-3 fuses q/k/v and gate/up, GLM-4 gate/up only.
@@ -60,6 +61,7 @@ _ARCHITECTURE_PROJECTIONS = {
     "Starcoder2ForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"),
     "ArceeForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
     "ApertusForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
+    "NemotronForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
 }
 LORA_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -82,6 +84,7 @@ LORA_ARCHITECTURES = (
     "HunYuanDenseV1ForCausalLM",
     "HunYuanMoEV1ForCausalLM",
     "ApertusForCausalLM",
+    "NemotronForCausalLM",
     "Starcoder2ForCausalLM",
     # Cohere's, GLM-4's (and ERNIE 4.5's) query and key rows are reordered on loading
     # (``CausalLM.checkpoint_rows``); an adapter's B matrices on them are reordered alike.

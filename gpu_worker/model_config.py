@@ -48,6 +48,7 @@ SUPPORTED_ARCHITECTURES = {
     "HunYuanMoEV1ForCausalLM": "llama",
     "ExaoneForCausalLM": "llama",
     "OlmoeForCausalLM": "llama",
+    "NemotronForCausalLM": "nemotron",
     "ApertusForCausalLM": "llama",
     "OPTForCausalLM": "opt",
     "Olmo2ForCausalLM": "olmo2",
@@ -99,7 +100,12 @@ CLASSIFIER_ARCHITECTURES = {
 # layers, soft-capping fields).
 _GEMMA2_LIKE = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The architectures whose HF model rotates only part of each head (partial_rotary_factor).
-_PARTIAL_ROTARY = ("Phi3ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
+_PARTIAL_ROTARY = (
+    "Phi3ForCausalLM",
+    "Glm4ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "NemotronForCausalLM",
+)
 # RoPE settings per layer type (sliding / full attention), not one for the model.
 _PER_LAYER_TYPE_ROPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
 _GEMMA_NAMES = {"Gemma2ForCausalLM": "Gemma 2", "Gemma3ForCausalLM": "Gemma 3"}
@@ -240,6 +246,13 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
         },
+    ),
+    # NemotronConfig's: half of each head rotates, the squared ReLU.
+    "NemotronForCausalLM": dict(
+        partial_rotary_factor=0.5,
+        norm_eps=1e-5,
+        hidden_act="relu2",
+        max_position_embeddings=4096,
     ),
     # OlmoeConfig's (OLMoE-1B-7B's experts).
     "OlmoeForCausalLM": dict(

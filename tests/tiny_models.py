@@ -57,6 +57,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "GraniteMoeSharedForCausalLM": transformers.GraniteMoeSharedConfig,
         "ExaoneForCausalLM": transformers.ExaoneConfig,
         "OlmoeForCausalLM": transformers.OlmoeConfig,
+        "NemotronForCausalLM": transformers.NemotronConfig,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

@@ -53,6 +53,10 @@ def _build_decoder(config: ModelConfig, dtype: torch.dtype, parallel: TensorPara
         from pagedserve.gpu_worker.models.gpt_oss import GptOssForCausalLM
 
         return GptOssForCausalLM(config, dtype, parallel)
+    if config.family == "nemotron":
+        from pagedserve.gpu_worker.models.nemotron import NemotronForCausalLM
+
+        return NemotronForCausalLM(config, dtype, parallel)
     if config.family == "deepseek":
         from pagedserve.gpu_worker.models.deepseek import DeepseekForCausalLM
 

@@ -1,0 +1,61 @@
+"""NVIDIA's Nemotron (``NemotronForCausalLM``: Nemotron-4, Minitron): RoPE over half of each
+head, LayerNorm1P (a biased LayerNorm scaled by ``1 + w``) and an ungated squared-ReLU MLP.
+Greedy tokens identical to HF transformers (float32) across block sizes, chunked prefill with
+prefix hits and two tensor-parallel ranks, also with biases; bfloat16's first tokens agree with
+HF's bfloat16; adapters give peft's tokens."""
+
+from __future__ import annotations
+
+import pytest
+from engine.test_lora import check_adapter_matches_hf_peft
+from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from tiny_family import (
+    GREEDY,
+    TINY_SHAPE,
+    check_chunked_prefix_hits_and_two_ranks,
+    family_fixtures,
+    prompts,
+    token_ids,
+)
+from tiny_models import random_hf_model
+
+from pagedserve.frontend import LLM
+
+NEMOTRON = dict(
+    architectures=["NemotronForCausalLM"],
+    **TINY_SHAPE,
+    head_dim=64,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+
+model_dir, hf_reference = family_fixtures(NEMOTRON)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_nemotron_matches_hf(model_dir, hf_reference, block_size):
+    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+
+
+def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
+    check_chunked_prefix_hits_and_two_ranks(model_dir, hf_reference)
+
+
+def test_with_biases_matches_hf(tmp_path):
+    biased = random_hf_model({**NEMOTRON, "attention_bias": True, "mlp_bias": True}, tmp_path)
+    llm = LLM(biased, num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy(biased, prompts())
+    finally:
+        llm.shutdown()
+
+
+def test_an_adapter_matches_hf_peft(model_dir, tmp_path):
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    check_adapter_matches_hf_peft(model_dir, tmp_path, targets, seed=14, prompt_seed=15)
+
+
+def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
+    check_bfloat16_first_tokens_agree_with_hf(model_dir)
