@@ -1,7 +1,7 @@
 """Convert a GGUF file (llama.cpp's architectures llama (and Mixtral, llama with experts),
 qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, granite, smollm3, olmo2, gpt-oss,
-glm4moe (GLM-4.5) and deepseek2 (DeepSeek-V2 and V3)) into a local Hugging Face model
-directory.
+glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2 and V3), dots1 (dots.llm1), ernie4_5-moe (ERNIE 4.5
+MoE) and exaone4 (EXAONE 4.0)) into a local Hugging Face model directory.
 
 The engine loads plain float32 HF directories, so a GGUF file is converted once:
 
@@ -73,6 +73,10 @@ class _Family:
         ("ffn_up_exps", "up_proj"),
         ("ffn_down_exps", "down_proj"),
     )
+    # The family's own names for the tensors of _UNSUFFIXED_LAYER_TENSOR_NAMES and
+    # _GLOBAL_TENSOR_NAMES (GGUF name -> HF name), which override those.
+    unsuffixed_names: tuple[tuple[str, str], ...] = ()
+    global_names: tuple[tuple[str, str], ...] = ()
 
 
 def _gemma_family(hf_architecture: str, model_type: str) -> _Family:
@@ -92,6 +96,12 @@ def _gemma_family(hf_architecture: str, model_type: str) -> _Family:
     )
 
 
+# The norms after each sublayer (OLMo 2, EXAONE 4), llama.cpp's post_attention_norm and
+# post_ffw_norm.
+_POST_NORM_NAMES = (
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+)
 _FAMILIES = {
     "llama": _Family("LlamaForCausalLM", "llama", permuted_qk=True, bias_field="attention_bias"),
     "qwen2": _Family("Qwen2ForCausalLM", "qwen2", permuted_qk=False, bias_field=None),
@@ -136,10 +146,16 @@ _FAMILIES = {
         "olmo2",
         permuted_qk=False,
         bias_field="attention_bias",
-        layer_names=(
-            ("post_attention_norm", "post_attention_layernorm"),
-            ("post_ffw_norm", "post_feedforward_layernorm"),
-        ),
+        layer_names=_POST_NORM_NAMES,
+    ),
+    # EXAONE 4: OLMo 2's post-norm layers with q/k norms per head, RoPE on halves (llama.cpp's
+    # NEOX, as HF: no permutation); its window and global layers: _exaone4_config.
+    "exaone4": _Family(
+        "Exaone4ForCausalLM",
+        "exaone4",
+        permuted_qk=False,
+        bias_field=None,
+        layer_names=_POST_NORM_NAMES,
     ),
 }
 # gpt-oss: biases and a sink per head on the attention, a router with a bias; the experts'
@@ -213,6 +229,27 @@ _DEEPSEEK_V3 = _Family(
     layer_names=_DEEPSEEK_LAYER_NAMES,
 )
 _FAMILIES["deepseek2"] = _DEEPSEEK_V2
+# dots.llm1: Qwen3's attention (q/k norms per head, RoPE on halves as HF: no permutation) with
+# DeepSeek-V3's experts (_dots1_config).
+_FAMILIES["dots1"] = _Family(
+    "Dots1ForCausalLM",
+    "dots1",
+    permuted_qk=False,
+    bias_field="attention_bias",
+    layer_names=_SHARED_EXPERTS_NAMES,
+)
+# ERNIE 4.5 MoE: RoPE on adjacent pairs in both llama.cpp (NORM) and HF, so no permutation;
+# use_bias puts biases on the attention, the dense and shared MLPs and the LM head. The
+# router's selection bias is HF's moe_statics, [1, experts] (_ernie4_5_moe_config).
+_FAMILIES["ernie4_5-moe"] = _Family(
+    "Ernie4_5_MoeForCausalLM",
+    "ernie4_5_moe",
+    permuted_qk=False,
+    bias_field="use_bias",
+    layer_names=_SHARED_EXPERTS_NAMES,
+    unsuffixed_names=(("exp_probs_b.bias", "mlp.moe_statics.e_score_correction_bias"),),
+    global_names=(("output.bias", "lm_head.bias"),),
+)
 # llama.cpp converts Mixtral as "llama" with experts: HF's Mixtral names, w1 / w3 / w2.
 _MIXTRAL = _Family(
     "MixtralForCausalLM",
@@ -259,8 +296,8 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# GGUF per-layer tensors whose HF name has no .weight / .bias: DeepSeek-V3's and GLM-4.5's
-# router bias, which only steers the choice of experts (a buffer in HF).
+# GGUF per-layer tensors whose HF name has no .weight / .bias: DeepSeek-V3's, GLM-4.5's and
+# dots.llm1's router bias, which only steers the choice of experts (a buffer in HF).
 _UNSUFFIXED_LAYER_TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 # Llama 3's per-frequency RoPE divisors, which llama.cpp stores as a tensor.
 _ROPE_FREQS_TENSOR = "rope_freqs.weight"
@@ -451,6 +488,12 @@ def _hf_config(
         config.update(_glm4_moe_config(key, tensor_shapes, num_layers, rope_dim, head_dim))
     if architecture == "deepseek2":
         config.update(_deepseek2_config(family, key, tensor_shapes, num_layers, num_heads))
+    if architecture == "dots1":
+        config.update(_dots1_config(key, tensor_shapes, num_layers))
+    if architecture == "ernie4_5-moe":
+        config.update(_ernie4_5_moe_config(key, tensor_shapes, num_layers))
+    if architecture == "exaone4":
+        config.update(_exaone4_config(key, num_layers))
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
@@ -577,22 +620,42 @@ def _phi3_config(key: Callable[..., Any], rope_dim: int, head_dim: int) -> dict[
 
 
 def _olmo3_config(key: Callable[..., Any], num_layers: int) -> dict[str, Any]:
-    """An olmo2 file with a sliding window is OLMo 3: its window and the layers that slide
-    (llama.cpp's sliding_window_pattern, one flag per layer)."""
-    pattern = key("attention.sliding_window_pattern")
-    if not isinstance(pattern, list) or len(pattern) != num_layers:
-        raise ValueError(
-            f"GGUF olmo2 file with a sliding window needs attention.sliding_window_pattern, "
-            f"one flag per layer ({num_layers}), got {pattern!r:.100}"
-        )
+    """An olmo2 file with a sliding window is OLMo 3: its window and the layers that slide."""
     return {
         "architectures": ["Olmo3ForCausalLM"],
         "model_type": "olmo3",
         "sliding_window": int(key("attention.sliding_window")),
-        "layer_types": [
-            "sliding_attention" if sliding else "full_attention" for sliding in pattern
-        ],
+        "layer_types": _sliding_layer_types("olmo2", key, num_layers),
     }
+
+
+def _exaone4_config(key: Callable[..., Any], num_layers: int) -> dict[str, Any]:
+    """EXAONE 4: with a window (EXAONE 4.0 32B), the layers that slide; the others are global
+    and rotate nothing, which HF's Exaone4 (and the engine) derive from the window being set.
+    Without one (1.2B) every layer attends in full and rotates. The window and layer kinds
+    written here are what llama.cpp's converter recorded from the HF config; llama.cpp itself
+    windows only a 64-layer model (every fourth layer global) and rotates every layer of the
+    others, whatever the file says."""
+    window = key("attention.sliding_window")
+    if window is None:
+        return {"sliding_window": None, "layer_types": ["full_attention"] * num_layers}
+    return {
+        "sliding_window": int(window),
+        "layer_types": _sliding_layer_types("exaone4", key, num_layers),
+    }
+
+
+def _sliding_layer_types(architecture: str, key: Callable[..., Any], num_layers: int) -> list[str]:
+    """HF's layer_types from llama.cpp's sliding_window_pattern: one flag per layer, true for
+    the layers that slide, as llama.cpp's converters write it from HF's layer_types."""
+    pattern = key("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != num_layers:
+        raise ValueError(
+            f"GGUF {architecture} file with a sliding window needs "
+            f"attention.sliding_window_pattern, one flag per layer ({num_layers}), "
+            f"got {pattern!r:.100}"
+        )
+    return ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
 
 
 def _granite_config(key: Callable[..., Any], head_dim: int) -> dict[str, Any]:
@@ -736,6 +799,91 @@ def _deepseek2_config(
     return config
 
 
+def _dots1_config(
+    key: Callable[..., Any], tensor_shapes: dict[str, tuple[int, ...]], num_layers: int
+) -> dict[str, Any]:
+    """dots.llm1: DeepSeek-V3's experts (_routed_experts_config) under a sigmoid router with a
+    selection bias, the only router HF's Dots1 has, so a file that does not name its gating
+    function is read as that one (llama.cpp's first dots1 converter wrote it; llama.cpp will
+    not run a dots1 file without it). No layer slides: llama.cpp's converter keeps no window
+    for dots1 and llama.cpp attends in full everywhere, so the config says so explicitly
+    (Dots1Config's defaults would window the layers from max_window_layers on)."""
+    gating = key("expert_gating_func", _SIGMOID)
+    if gating != _SIGMOID:
+        raise ValueError(
+            f"GGUF dots1 expert_gating_func={gating} is not supported; supported: {_SIGMOID} "
+            "(sigmoid, dots.llm1's router)"
+        )
+    return {
+        "sliding_window": None,
+        "max_window_layers": num_layers,
+        "layer_types": ["full_attention"] * num_layers,
+        **_routed_experts_config("dots1", key, tensor_shapes, num_layers, sigmoid=True),
+    }
+
+
+def _ernie4_5_moe_config(
+    key: Callable[..., Any], tensor_shapes: dict[str, tuple[int, ...]], num_layers: int
+) -> dict[str, Any]:
+    """ERNIE 4.5 MoE: experts at the layers from leading_dense_block_count (HF's
+    moe_layer_start_index) whose number + 1 is a multiple of interleave_moe_layer_step
+    (moe_layer_interval), up to the last layer with a router (llama.cpp keeps no
+    moe_layer_end_index; the tensors show where the experts stop); a softmax router with a
+    selection bias per expert, top-k renormalised (llama.cpp fixes that router for ERNIE);
+    beside the experts expert_shared_count experts' rows as one shared MLP. The shared size
+    llama.cpp writes (intermediate_size / KV heads) is not read: the tensors give it."""
+    start, interval = key("leading_dense_block_count"), key("interleave_moe_layer_step")
+    if start is None or interval is None or int(interval) < 1:
+        raise ValueError(
+            "GGUF ernie4_5-moe needs leading_dense_block_count and interleave_moe_layer_step "
+            f">= 1 (where the experts are), got {start!r} and {interval!r}"
+        )
+    start, interval = int(start), int(interval)
+    sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes]
+    last = sparse[-1] if sparse else -1
+    expected = [i for i in range(start, last + 1) if (i + 1) % interval == 0]
+    if not sparse or sparse != expected:
+        raise ValueError(
+            f"GGUF ernie4_5-moe has an expert router (ffn_gate_inp) in layers {sparse}; "
+            f"expected the layers from leading_dense_block_count={start} whose number + 1 is "
+            f"a multiple of interleave_moe_layer_step={interval}"
+        )
+    unbiased = [i for i in sparse if f"blk.{i}.exp_probs_b.bias" not in tensor_shapes]
+    if unbiased:
+        raise ValueError(
+            f"GGUF ernie4_5-moe has no router selection bias (exp_probs_b) in layers "
+            f"{unbiased}; every ERNIE 4.5 router has one"
+        )
+    top_k = key("expert_used_count")
+    if top_k is None:
+        raise ValueError("GGUF has experts but no expert_used_count (the experts per token)")
+    first = sparse[0]
+    num_experts, moe_intermediate_size, _ = tensor_shapes[f"blk.{first}.ffn_gate_exps.weight"]
+    num_shared = int(key("expert_shared_count", 0))
+    shared_rows = tensor_shapes.get(f"blk.{first}.ffn_gate_shexp.weight", (0,))[0]
+    if shared_rows != num_shared * moe_intermediate_size:
+        raise ValueError(
+            f"GGUF ernie4_5-moe shared experts (ffn_gate_shexp) have {shared_rows} rows; "
+            f"expected expert_shared_count={num_shared} x {moe_intermediate_size}"
+        )
+    biased = "blk.0.attn_q.bias" in tensor_shapes
+    if ("output.bias" in tensor_shapes) != biased:
+        raise ValueError(
+            f"GGUF ernie4_5-moe has {'' if biased else 'no '}attention biases but "
+            f"{'no' if biased else 'an'} LM-head bias (output.bias); HF's use_bias gives "
+            "both or neither"
+        )
+    return {
+        "moe_num_experts": num_experts,
+        "moe_k": int(top_k),
+        "moe_intermediate_size": moe_intermediate_size,
+        "moe_num_shared_experts": num_shared,
+        "moe_layer_start_index": start,
+        "moe_layer_end_index": last,
+        "moe_layer_interval": interval,
+    }
+
+
 def _routed_experts_config(
     architecture: str,
     key: Callable[..., Any],
@@ -743,11 +891,12 @@ def _routed_experts_config(
     num_layers: int,
     sigmoid: bool,
 ) -> dict[str, Any]:
-    """GLM-4.5's and DeepSeek's experts: dense layers up to leading_dense_block_count, then a
-    router (with a selection bias, exp_probs_b, when it scores by sigmoid) over experts whose
-    sizes the tensors give, its weights scaled by expert_weights_scale and renormalised when
-    expert_weights_norm says, in expert_group_count groups; beside them expert_shared_count
-    experts' rows as one shared MLP."""
+    """GLM-4.5's, DeepSeek's and dots.llm1's experts: dense layers up to
+    leading_dense_block_count, then a router (with a selection bias, exp_probs_b, when it
+    scores by sigmoid) over experts whose sizes the tensors give, its weights scaled by
+    expert_weights_scale and renormalised when expert_weights_norm says, in
+    expert_group_count groups; beside them expert_shared_count experts' rows as one shared
+    MLP."""
     first_dense = int(key("leading_dense_block_count", 0))
     sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes]
     if not sparse or sparse != list(range(first_dense, num_layers)):
@@ -761,8 +910,8 @@ def _routed_experts_config(
             f"GGUF {architecture}: a router scoring by "
             f"{'sigmoid' if sigmoid else 'softmax'} "
             f"{'without' if sigmoid else 'with'} a selection bias (exp_probs_b) is not "
-            "supported; supported: sigmoid with the bias (DeepSeek-V3, GLM-4.5), softmax "
-            "without it (DeepSeek-V2)"
+            "supported; supported: sigmoid with the bias (DeepSeek-V3, GLM-4.5, dots.llm1), "
+            "softmax without it (DeepSeek-V2)"
         )
     top_k = key("expert_used_count")
     if top_k is None:
@@ -945,15 +1094,17 @@ def _generation_config(config: dict[str, Any], fields: dict[str, Any]) -> dict[s
 
 def _hf_tensor_names(gguf_name: str, family: _Family, num_experts: int) -> list[str]:
     """The HF names of a GGUF tensor: one, or one per expert for a stacked expert tensor."""
-    if gguf_name in _GLOBAL_TENSOR_NAMES:
-        return [_GLOBAL_TENSOR_NAMES[gguf_name]]
+    global_names = {**_GLOBAL_TENSOR_NAMES, **dict(family.global_names)}
+    if gguf_name in global_names:
+        return [global_names[gguf_name]]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
     base, _, kind = suffix.rpartition(".")
     layer_names = {**_LAYER_TENSOR_NAMES, **dict(family.layer_names)}
+    unsuffixed_names = {**_UNSUFFIXED_LAYER_TENSOR_NAMES, **dict(family.unsuffixed_names)}
     if prefix == "blk" and layer.isdigit() and kind in ("weight", "bias"):
-        if suffix in _UNSUFFIXED_LAYER_TENSOR_NAMES:
-            return [f"model.layers.{layer}.{_UNSUFFIXED_LAYER_TENSOR_NAMES[suffix]}"]
+        if suffix in unsuffixed_names:
+            return [f"model.layers.{layer}.{unsuffixed_names[suffix]}"]
         if base in layer_names:
             return [f"model.layers.{layer}.{layer_names[base]}.{kind}"]
         # llama.cpp stacks a layer's experts into one [num_experts, rows, columns] tensor per
@@ -1118,7 +1269,8 @@ def _hf_tensors(
     num_experts = (
         config.get("num_experts")
         or config.get("num_local_experts")
-        or config.get("n_routed_experts", 0)
+        or config.get("n_routed_experts")
+        or config.get("moe_num_experts", 0)
     )
     names = _hf_tensor_names(tensor.name, family, num_experts)
     torch_shape = tuple(int(dim) for dim in reversed(tensor.shape))
@@ -1137,6 +1289,9 @@ def _hf_tensors(
         weight = weight - 1.0
     elif name.endswith("shared_expert_gate.weight"):
         weight = weight.reshape(1, -1)  # llama.cpp drops HF's leading 1
+    elif name.endswith("moe_statics.e_score_correction_bias"):
+        # HF's [1, experts], which llama.cpp keeps; a file with the 1 squeezed out converts alike.
+        weight = weight.reshape(1, -1)
     yield name, np.ascontiguousarray(weight)
 
 

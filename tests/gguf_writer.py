@@ -5,8 +5,9 @@ tables), Llama's Q/K rows interleaved for llama.cpp's RoPE, a layer's experts st
 one tensor per projection, the shared-expert gate's leading 1 dropped, Gemma's norms
 stored as 1 + w, DeepSeek's kv_b_proj split per head into attn_k_b (transposed) and attn_v_b
 (or kept whole, as older llama.cpp did), GLM-4.5's multi-token-prediction layer appended as
-a block (DeepSeek's dropped), 1-D tensors kept in float32, and a byte-level BPE vocabulary
-(or for Gemma a SentencePiece one) in the tokenizer keys.
+a block (DeepSeek's dropped), ERNIE 4.5's router bias kept [1, experts] as HF has it, 1-D
+tensors kept in float32, and a byte-level BPE vocabulary (or for Gemma a SentencePiece one) in
+the tokenizer keys.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ GGUF_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "glm4moe",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
+    "Dots1ForCausalLM": "dots1",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5-moe",
+    "Exaone4ForCausalLM": "exaone4",
 }
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -98,6 +102,12 @@ def write_gguf(
         _write_glm4_moe_hparams(writer, config)
     if architecture == "deepseek2":
         _write_deepseek2_hparams(writer, config, split_kv_b)
+    if architecture == "dots1":
+        _write_dots1_hparams(writer, config)
+    if architecture == "ernie4_5-moe":
+        _write_ernie4_5_moe_hparams(writer, config)
+    if architecture == "exaone4":
+        _write_exaone4_hparams(writer, config)
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
@@ -370,6 +380,40 @@ def _write_deepseek2_hparams(writer: gguf.GGUFWriter, config: dict, split_kv_b: 
             writer.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
         if rope.get("mscale_all_dim") is not None:
             writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _write_dots1_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """What llama.cpp's Dots1Model adds: DeepSeek-V3's expert keys (the groups from n_group /
+    topk_group, as its base converter writes them) and the sigmoid router its first version
+    wrote for dots.llm1's scoring_func (noaux_tc). No window: llama.cpp keeps none for dots1."""
+    _write_routed_experts(writer, config, gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+
+
+def _write_ernie4_5_moe_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """What llama.cpp's Ernie4_5MoeModel adds: the experts, where they start and their step
+    (no end: llama.cpp assumes the last layer), and the shared experts' count and size, the
+    size as llama.cpp computes it (intermediate_size / KV heads, not the shared experts' rows
+    in general: 192 here for 2 x 64)."""
+    writer.add_expert_count(config["moe_num_experts"])
+    writer.add_expert_used_count(config["moe_k"])
+    writer.add_interleave_moe_layer_step(config["moe_layer_interval"])
+    writer.add_leading_dense_block_count(config["moe_layer_start_index"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["moe_num_shared_experts"])
+    if config["moe_num_shared_experts"] > 0:
+        shared_size = config["intermediate_size"] // config["num_key_value_heads"]
+        writer.add_expert_shared_feed_forward_length(shared_size)
+
+
+def _write_exaone4_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """llama.cpp's Exaone4Model: with a window, the window and which layers slide (one flag
+    per layer, from layer_types)."""
+    if config.get("sliding_window") is not None:
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern(
+            [kind == "sliding_attention" for kind in config["layer_types"]]
+        )
 
 
 def _write_routed_experts(

@@ -2,12 +2,13 @@
 qwen3, qwen2moe, qwen3moe, phi3 (Phi-3 and Phi-4-mini's LongRoPE), granite, smollm3,
 olmo2 and OLMo 3's windowed olmo2, gpt-oss (also with MXFP4 experts), glm4moe (GLM-4.5,
 also with its multi-token-prediction block), deepseek2 as DeepSeek-V2 and V3 (kv_b split as
-newer llama.cpp writes it, or whole as older); gemma2 and gemma3 below), written from tiny HF
-models the way llama.cpp writes them (tests/gguf_writer.py): the engine on the converted
-model gives HF transformers' greedy tokens on the original (float32 weights survive
-exactly), a Q8_0 file converts to its dequantized weights, the config carries what llama.cpp
-keeps only in tensors (biases, a tied head, expert sizes), and the tokenizer and chat
-template come through."""
+newer llama.cpp writes it, or whole as older), dots1, ernie4_5-moe (also with its experts
+ending before the last layer) and exaone4 (windowed, or not); gemma2 and gemma3 below),
+written from tiny HF models the way llama.cpp writes them (tests/gguf_writer.py): the engine
+on the converted model gives HF transformers' greedy tokens on the original (float32 weights
+survive exactly), a Q8_0 file converts to its dequantized weights, the config carries what
+llama.cpp keeps only in tensors (biases, a tied head, expert sizes and layers), files HF
+cannot express are refused by name, and the tokenizer and chat template come through."""
 
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ import torch
 from engine.test_parity import GREEDY, hf_greedy, random_prompts
 from gguf_writer import byte_level_vocab, write_gguf
 from safetensors.numpy import load_file
-from tiny_family import rewritten, with_next_token_layer
+from tiny_family import TINY_SHAPE, rewritten, with_next_token_layer
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams, gguf_convert
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.layers.rope_config import rope_parameters
-from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 
 VOCAB_SIZE = 512
 PARITY_TOKENS = 16
@@ -247,6 +248,67 @@ FAMILIES = {
         tie_word_embeddings=False,
         **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
     ),
+    # tests/engine/test_dots1.py's dots.llm1: Qwen3's attention with biases, layer 0 dense,
+    # then 8 experts in 2 groups (1 kept), top 2, renormalised and scaled, under a biased
+    # sigmoid router beside one shared expert. No window: llama.cpp's dots1 keeps none.
+    "dots1": dict(
+        architectures=["Dots1ForCausalLM"],
+        **{**TINY_SHAPE, "num_hidden_layers": 3},
+        head_dim=64,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        sliding_window=None,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
+    # tests/engine/test_ernie4_5_moe.py's ERNIE 4.5 MoE: experts at layers 1 and 3 (start 1,
+    # interval 2), 8 of 64, top 3, two shared, a biased softmax router; use_bias's biases
+    # everywhere, the LM head's included.
+    "ernie4_5_moe": dict(
+        architectures=["Ernie4_5_MoeForCausalLM"],
+        **{**TINY_SHAPE, "num_hidden_layers": 4},
+        head_dim=64,
+        use_bias=True,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        moe_num_experts=8,
+        moe_k=3,
+        moe_intermediate_size=64,
+        moe_num_shared_experts=2,
+        moe_layer_start_index=1,
+        moe_layer_interval=2,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
+    # tests/engine/test_exaone4.py's EXAONE 4: every second layer global without RoPE, the
+    # others windowed to 32 tokens; EXAONE 4.0 32B's Llama 3 RoPE scaling (rope_freqs).
+    "exaone4": dict(
+        architectures=["Exaone4ForCausalLM"],
+        **{**TINY_SHAPE, "num_hidden_layers": 4, "max_position_embeddings": 16384},
+        head_dim=64,
+        sliding_window=32,
+        sliding_window_pattern=2,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 1_000_000.0,
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
     # 8 experts of 96, top 3, renormalised; per-head q/k norms.
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"],
@@ -362,17 +424,27 @@ def test_config_carries_what_llama_cpp_keeps_in_tensors(converted):
     assert gpt_oss["rope_parameters"] == FAMILIES["gpt_oss"]["rope_parameters"]
 
 
-_ROUTED_MOE = ["glm4_moe", "deepseek_v2", "deepseek_v3"]
+_ENGINE_CONFIG_CHECKED = [
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "dots1",
+    "ernie4_5_moe",
+    "exaone4",
+]
 
 
-@pytest.mark.parametrize("family", _ROUTED_MOE)
-def test_the_engine_reads_the_converted_config_as_the_original_s(hf_dirs, converted, family):
-    # Layers, heads (DeepSeek's: every head expanded from the latent, though llama.cpp's file
-    # says one KV head), each layer's experts and router, and the RoPE settings, as the
-    # engine reads them from the HF config the model came from.
-    ours, original = (ModelConfig.from_dir(path) for path in (converted[family], hf_dirs[family]))
+def check_engine_config_matches(converted_dir: Path, hf_dir: Path) -> None:
+    """Layers, heads (DeepSeek's: every head expanded from the latent, though llama.cpp's file
+    says one KV head), each layer's window and experts (where the experts are, their router),
+    which layers rotate, and the RoPE settings, as the engine reads them from the HF config
+    the model came from."""
+    ours, original = (ModelConfig.from_dir(path) for path in (converted_dir, hf_dir))
     assert dataclasses.replace(ours, path=original.path) == original
     assert rope_parameters(ours.hf_config) == rope_parameters(original.hf_config)
+    assert rope_layers(ours.architecture, ours.hf_config) == rope_layers(
+        original.architecture, original.hf_config
+    )
     fields = (
         "moe_intermediate_size",
         "routed_scaling_factor",
@@ -385,9 +457,114 @@ def test_the_engine_reads_the_converted_config_as_the_original_s(hf_dirs, conver
         "attention_bias",
         "use_qk_norm",
         "rope_interleave",
+        "use_bias",
+        "sliding_window",
+        "layer_types",
     )
     for name in fields:
         assert ours.hf_config.get(name) == original.hf_config.get(name), name
+
+
+@pytest.mark.parametrize("family", _ENGINE_CONFIG_CHECKED)
+def test_the_engine_reads_the_converted_config_as_the_original_s(hf_dirs, converted, family):
+    check_engine_config_matches(converted[family], hf_dirs[family])
+
+
+@pytest.mark.parametrize(
+    ("family", "changes"),
+    [
+        # llama.cpp keeps no moe_layer_end_index (it assumes the last layer): the tensors show
+        # that layer 3, which the interval would pick, is dense.
+        ("ernie4_5_moe", dict(moe_layer_end_index=2)),
+        # EXAONE 4.0 1.2B's kind: no window, every layer global and rotating (Exaone4Config
+        # needs the layer kinds given then).
+        ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 4)),
+    ],
+)
+def test_other_layouts_convert_to_the_original_model(family, changes, tmp_path):
+    hf_dir = random_hf_model({**FAMILIES[family], **changes}, tmp_path / "hf")
+    gguf_path = write_gguf(hf_dir, tmp_path / "variant.gguf", byte_level_vocab(VOCAB_SIZE))
+    converted = resolve_model(gguf_path, cache_dir=str(tmp_path / "cache")).path
+    original = load_file(hf_dir / "model.safetensors")
+    ours = load_file(converted / "model.safetensors")
+    assert sorted(ours) == sorted(original)
+    for name, weight in original.items():
+        np.testing.assert_array_equal(ours[name], weight, err_msg=name)
+    check_engine_config_matches(converted, hf_dir)
+
+
+def gguf_metadata(hf_dir: Path, path: Path) -> tuple[dict, dict]:
+    """The metadata fields and tensor shapes of ``hf_dir``'s GGUF, as the converter reads
+    them (to doctor what llama.cpp's converter never writes)."""
+    reader = gguf.GGUFReader(write_gguf(hf_dir, path, byte_level_vocab(VOCAB_SIZE)))
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    return fields, gguf_convert._tensor_shapes(reader)
+
+
+_SOFTMAX = int(gguf.ExpertGatingFuncType.SOFTMAX)
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "tensors_dropped", "message"),
+    [
+        # HF's dots.llm1 router scores by sigmoid only.
+        (
+            "dots1",
+            {"dots1.expert_gating_func": _SOFTMAX},
+            [],
+            "dots1 expert_gating_func=1 is not supported",
+        ),
+        # Routers at layers 1 and 3 are not every layer from 1 on.
+        (
+            "ernie4_5_moe",
+            {"ernie4_5-moe.interleave_moe_layer_step": 1},
+            [],
+            r"expert router \(ffn_gate_inp\) in layers \[1, 3\]",
+        ),
+        # Two shared experts' rows (128) are not one expert's (64).
+        (
+            "ernie4_5_moe",
+            {"ernie4_5-moe.expert_shared_count": 1},
+            [],
+            r"shared experts \(ffn_gate_shexp\) have 128 rows",
+        ),
+        # HF's use_bias puts a bias on the LM head whenever the attention has them.
+        ("ernie4_5_moe", {}, ["output.bias"], "attention biases but no LM-head bias"),
+        # Every ERNIE 4.5 router has its selection bias (HF's moe_statics).
+        ("ernie4_5_moe", {}, ["blk.3.exp_probs_b.bias"], r"no router selection bias .* \[3\]"),
+        # Which of EXAONE 4's layers slide is not llama.cpp's to guess.
+        (
+            "exaone4",
+            {"exaone4.attention.sliding_window_pattern": None},
+            [],
+            "exaone4 file with a sliding window needs attention.sliding_window_pattern",
+        ),
+    ],
+)
+def test_files_hf_cannot_express_are_refused_by_name(
+    hf_dirs, tmp_path, family, changes, tensors_dropped, message
+):
+    # ``changes``: metadata keys set, or removed where None.
+    fields, shapes = gguf_metadata(hf_dirs[family], tmp_path / "file.gguf")
+    for name, value in changes.items():
+        if value is None:
+            del fields[name]
+        else:
+            fields[name] = value
+    for name in tensors_dropped:
+        del shapes[name]
+    with pytest.raises(ValueError, match=message):
+        gguf_convert._hf_config(fields, shapes)
+
+
+def test_a_dots1_file_without_its_gating_function_is_read_as_sigmoid(hf_dirs, tmp_path):
+    # llama.cpp's current converter writes the gating function only when the HF config names
+    # a scoring_func; HF's Dots1 has no other router than the sigmoid one.
+    fields, shapes = gguf_metadata(hf_dirs["dots1"], tmp_path / "file.gguf")
+    del fields["dots1.expert_gating_func"]
+    assert gguf_convert._hf_config(fields, shapes) == gguf_convert._hf_config(
+        {**fields, "dots1.expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID)}, shapes
+    )
 
 
 def test_glm4_moe_s_next_token_prediction_block_is_dropped(hf_dirs, tmp_path):
