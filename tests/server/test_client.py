@@ -62,7 +62,9 @@ def test_generate_stream_and_chat_match_the_offline_engine(server, offline):
             seen = []
             for output in client.stream(prompt, GREEDY):
                 seen.append(len(output.outputs[0].token_ids))
-            assert seen == sorted(seen) and seen[-1] == 16 and len(seen) > 2
+            # Growing outputs; on a busy machine the server coalesces the steps a slow reader
+            # has not taken yet (seen once: [5, 16]), so two messages is all that is certain.
+            assert seen == sorted(seen) and seen[-1] == 16 and len(seen) >= 2
             same_output(output, want)
         seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=3, ignore_eos=True)
         same_output(client.generate(PROMPTS[0], seeded), offline.generate(PROMPTS[0], seeded)[0])
