@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from engine.test_dots1 import DOTS1
 from engine.test_parity import GREEDY, hf_greedy, random_prompts
 from gguf_writer import byte_level_vocab, write_gguf
 from safetensors.numpy import load_file
@@ -248,28 +249,15 @@ FAMILIES = {
         tie_word_embeddings=False,
         **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
     ),
-    # tests/engine/test_dots1.py's dots.llm1: Qwen3's attention with biases, layer 0 dense,
-    # then 8 experts in 2 groups (1 kept), top 2, renormalised and scaled, under a biased
-    # sigmoid router beside one shared expert. No window: llama.cpp's dots1 keeps none.
-    "dots1": dict(
-        architectures=["Dots1ForCausalLM"],
-        **{**TINY_SHAPE, "num_hidden_layers": 3},
-        head_dim=64,
-        moe_intermediate_size=64,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-        first_k_dense_replace=1,
-        sliding_window=None,
-        attention_bias=True,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=2,
-    ),
+    # tests/engine/test_dots1.py's dots.llm1 (Qwen3's attention with biases, layer 0 dense,
+    # then a biased sigmoid router over 8 experts in 2 groups beside one shared expert), its
+    # weights scaled. No window: llama.cpp's dots1 keeps none.
+    "dots1": {
+        **{name: value for name, value in DOTS1.items() if name != "max_window_layers"},
+        "sliding_window": None,
+        "routed_scaling_factor": 2.5,
+        "tie_word_embeddings": False,
+    },
     # tests/engine/test_ernie4_5_moe.py's ERNIE 4.5 MoE: experts at layers 1 and 3 (start 1,
     # interval 2), 8 of 64, top 3, two shared, a biased softmax router; use_bias's biases
     # everywhere, the LM head's included.
