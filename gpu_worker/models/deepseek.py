@@ -24,6 +24,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
@@ -142,16 +143,12 @@ class MultiHeadLatentAttention(nn.Module):
         key_nope, value = expanded.split([self.nope_size, self.value_size], dim=-1)
         # Each head as the cache holds it: [nope | rope | zeros], the value [value | zeros].
         shape = (num_tokens, self.num_heads, self.head_size)
-        queries = query.new_zeros(shape)
-        queries[..., : self.nope_size] = query[..., : self.nope_size]
-        queries[..., self.nope_size : self.query_key_size] = query_rope.view(
-            num_tokens, self.num_heads, self.rope_size
-        )
-        keys = query.new_zeros(shape)
-        keys[..., : self.nope_size] = key_nope
-        keys[..., self.nope_size : self.query_key_size] = key_rope[:, None, :]
-        values = query.new_zeros(shape)
-        values[..., : self.value_size] = value
+        query_rope = query_rope.view(num_tokens, self.num_heads, self.rope_size)
+        key_rope = key_rope[:, None, :].expand(-1, self.num_heads, -1)
+        key_padding = (0, self.head_size - self.query_key_size)
+        queries = F.pad(torch.cat((query[..., : self.nope_size], query_rope), -1), key_padding)
+        keys = F.pad(torch.cat((key_nope, key_rope), -1), key_padding)
+        values = F.pad(value, (0, self.head_size - self.value_size))
         output = self.attention(
             queries.view(num_tokens, -1),
             keys.view(num_tokens, -1),
