@@ -27,12 +27,12 @@ from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
 from pagedserve.gpu_worker.model_config import KV_CACHE_DTYPES, QUANTIZATION_NAMES
 from pagedserve.scheduler.logs import ENVIRONMENT_VARIABLE as LOG_FORMAT_ENVIRONMENT_VARIABLE
 from pagedserve.scheduler.logs import LOG_FORMATS, configure_logging
-from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.sampling_params import (
     DEFAULT_MAX_LOGPROBS,
     SamplingParams,
     StructuredOutputsParams,
 )
+from pagedserve.scheduler.speculative_config import SpeculativeConfig
 
 # run-batch: no limit of the server's own on requests in flight (see _run_batch).
 UNBOUNDED_REQUESTS = 1 << 40

@@ -50,6 +50,7 @@ from pagedserve.gpu_worker.lora import (
 from pagedserve.gpu_worker.model_config import (
     ModelConfig,
     check_cuda_graph_support,
+    check_draft_model,
     check_dtype_name,
     check_kv_cache_dtype,
     check_quantization_name,
@@ -58,7 +59,6 @@ from pagedserve.gpu_worker.model_config import (
 from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig, check_priority
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
-from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.pooling_params import (
     PROMPT_ONLY_SAMPLING_PARAMS,
     PoolingParams,
@@ -69,6 +69,7 @@ from pagedserve.scheduler.sampling_params import (
     SamplingParams,
     token_ids_outside_vocabulary,
 )
+from pagedserve.scheduler.speculative_config import SpeculativeConfig
 from pagedserve.scheduler.structured_output import (
     GrammarVocabulary,
     StructuredOutput,
@@ -127,15 +128,15 @@ def _checked_adapter_path(name: str, path: str | os.PathLike[str], config: Model
     return str(Path(path).resolve())
 
 
-def _speculative_fields(config: dict[str, Any] | None) -> dict[str, int]:
+def _speculative_fields(config: SpeculativeConfig | None) -> dict[str, Any]:
     """``SchedulerConfig``'s speculation fields from vLLM's ``speculative_config``."""
     if config is None:
         return {}
-    checked = SpeculativeConfig.from_dict(config)
     return {
-        "num_speculative_tokens": checked.num_speculative_tokens,
-        "prompt_lookup_max": checked.prompt_lookup_max,
-        "prompt_lookup_min": checked.prompt_lookup_min,
+        "num_speculative_tokens": config.num_speculative_tokens,
+        "prompt_lookup_max": config.prompt_lookup_max,
+        "prompt_lookup_min": config.prompt_lookup_min,
+        "speculative_method": config.method,
     }
 
 
@@ -311,6 +312,21 @@ class LLM:
         graph_max_len = max_model_len or 0
         resolved = resolve_model(model, cache_dir=cache_dir, progress=_print_progress)
         self.model_path: Path = resolved.path
+        speculative = (
+            None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
+        )
+        # Speculative decoding with a draft model: its directory (a GGUF file converted once).
+        draft_path: Path | None = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft_path = resolve_model(
+                speculative.model, cache_dir=cache_dir, progress=_print_progress
+            ).path
+            check_draft_model(
+                ModelConfig.from_dir(resolved.path),
+                ModelConfig.from_dir(draft_path),
+                tensor_parallel_size,
+            )
+        num_draft_tokens = speculative.num_speculative_tokens if draft_path is not None else 0
         self.generation_defaults = load_generation_defaults(
             self.model_path, generation_config, override_generation_config
         )
@@ -361,6 +377,8 @@ class LLM:
                 enable_lora=self.enable_lora,
                 quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype,
+                speculative_model=draft_path,
+                num_speculative_tokens=num_draft_tokens,
             )
             model_config = self.worker.model_config
         self.model_config = model_config
@@ -408,7 +426,7 @@ class LLM:
             max_loras=max_loras or 0,
             sliding_window=model_config.attention_window,
             model_task=model_config.task,
-            **_speculative_fields(speculative_config),
+            **_speculative_fields(speculative),
         )
         self.engine: EngineCore | EngineClient
         if multiprocess:
@@ -430,6 +448,8 @@ class LLM:
                     self.enable_lora,
                     quantization,
                     kv_cache_dtype,
+                    None if draft_path is None else str(draft_path),
+                    num_draft_tokens,
                 ),
                 seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
@@ -465,7 +485,7 @@ class LLM:
             )
             cache_sizes = (
                 self.worker.num_blocks,
-                self.worker.kv_cache_spec.bytes_per_block,
+                self.worker.bytes_per_block,
                 self.worker.num_host_blocks,
             )
         self.eos_token_ids = model_config.eos_token_ids

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.gpu_worker.model_config import ModelConfig
+from pagedserve.gpu_worker.parallel import TensorParallel
+
 _HUGE_PAGE_BYTES = 2 << 20
 
 
@@ -36,6 +39,23 @@ class KVCacheSpec:
     head_size: int
     block_size: int
     dtype: torch.dtype
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        parallel: TensorParallel,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> KVCacheSpec:
+        """The pool of one model's tensor-parallel rank: its layers and its KV heads."""
+        return cls(
+            num_layers=config.num_layers,
+            num_kv_heads=len(parallel.kv_heads(config.num_kv_heads)),
+            head_size=config.head_size,
+            block_size=block_size,
+            dtype=dtype,
+        )
 
     @property
     def bytes_per_block(self) -> int:

@@ -1301,6 +1301,36 @@ def check_cuda_graph_support(config: ModelConfig) -> None:
         )
 
 
+def check_draft_model(target: ModelConfig, draft: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raise ``ValueError`` naming what does not fit if ``draft`` cannot guess tokens for
+    ``target`` (speculative decoding with a draft model, ``draft_model.py``): both must be
+    causal LMs, the draft must split over the same ranks, and where the target frees
+    blocks behind its window the draft must attend no further back than that. (It must
+    also share the target's tokenizer, which only the acceptance rate shows: a guess is
+    any token id, checked by the target.)"""
+    where = f"speculative_config.model ({draft.architecture})"
+    if target.task != "generate" or draft.task != "generate":
+        model = "the draft model" if draft.task != "generate" else f"the {target.architecture}"
+        raise ValueError(
+            f"{where}: speculative decoding needs causal LMs, but {model} is a classification model"
+        )
+    try:
+        check_tensor_parallel_size(draft, tensor_parallel_size)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    window = target.attention_window
+    if window and not 0 < draft.attention_window <= window:
+        draft_reach = (
+            f"a {draft.attention_window}-token window" if draft.attention_window else "every token"
+        )
+        raise ValueError(
+            f"{where}: every layer of {target.architecture} attends {window} tokens back, so "
+            f"the engine frees the blocks behind that window, but the draft model attends to "
+            f"{draft_reach}; use a draft model whose layers all have a window of at most "
+            f"{window} tokens"
+        )
+
+
 def _check_divisible(field: str, value: int, size: int) -> None:
     if value % size:
         divisors = [d for d in range(1, value + 1) if value % d == 0]

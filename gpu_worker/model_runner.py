@@ -8,11 +8,9 @@ import numpy as np
 import torch
 
 from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
+from pagedserve.gpu_worker.draft_model import DraftModel, DraftRow
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
-from pagedserve.gpu_worker.layers.gathered_prefill import (
-    plan_gathered_prefill,
-    use_gathered_prefill,
-)
+from pagedserve.gpu_worker.layers.gathered_prefill import use_gathered_prefill
 from pagedserve.gpu_worker.lora import LoRABatch
 from pagedserve.gpu_worker.models.base import CausalLM
 from pagedserve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -145,11 +143,15 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.gathered_prefill = use_gathered_prefill(device)
         self.decode_graphs: DecodeGraphs | None = None  # set by the worker when asked
+        # Speculative decoding with a draft model: set by the worker when it has one.
+        self.draft_model: DraftModel | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         entries = self._apply_plan(plan)
         if not entries:
             return StepResult(step_id=plan.step_id)
+        # Which entries sample, before their sampled tokens join their states.
+        samples = [entry.samples for entry in entries]
         inputs = self._prepare_inputs(entries)
         if self.lora_batch is not None:
             self.lora_batch.groups = self._lora_groups(entries)
@@ -170,7 +172,10 @@ class ModelRunner:
             if not inputs.sampling_entries:
                 # Prefill chunks that sample nothing still score their prompt positions.
                 return StepResult(
-                    plan.step_id, prompt_logprobs=prompt_logprobs, embeddings=embeddings
+                    plan.step_id,
+                    prompt_logprobs=prompt_logprobs,
+                    embeddings=embeddings,
+                    draft_token_ids=self._draft(entries, samples),
                 )
             # The sampler works on the host (numpy seeds, per-request lists).
             # NOTE: on a GPU this copy waits for the forward pass: the step's one synchronization.
@@ -194,7 +199,36 @@ class ModelRunner:
             logprobs=[logprobs[row] for row in rows] if logprobs else [],
             prompt_logprobs=prompt_logprobs,
             embeddings=embeddings,
+            draft_token_ids=self._draft(entries, samples),
         )
+
+    def _draft(self, entries: list[_ScheduledEntry], samples: list[bool]) -> dict[str, list[int]]:
+        """The draft model's pass over what the target kept of this step, and its guesses
+        for the sequences that sampled and may speculate (``draft_model.py``); none
+        without a draft model. Runs after the sampled tokens joined the states."""
+        if self.draft_model is None:
+            return {}
+        rows = []
+        for entry, sampled in zip(entries, samples):
+            state = entry.state
+            if state.pooling_params is not None:
+                continue
+            params = state.sampling_params
+            rows.append(
+                DraftRow(
+                    entry.request_id,
+                    state.token_ids,
+                    state.block_ids,
+                    entry.num_computed_tokens,
+                    # A sampled token's K/V is computed by the next step (rejected drafts'
+                    # by none: the sampled token replaced the first).
+                    len(state.token_ids) - 1
+                    if sampled
+                    else entry.num_computed_tokens + entry.num_scheduled_tokens,
+                    sampled and params.num_sequences == 1 and not params.use_beam_search,
+                )
+            )
+        return self.draft_model.propose(rows)
 
     def _apply_plan(self, plan: StepPlan) -> list[_ScheduledEntry]:
         for request_id in plan.finished_request_ids:
@@ -299,30 +333,16 @@ class ModelRunner:
                         for index in range(num_samples)
                     )
 
-        prefill_query_lens = query_lens[num_decodes:]
-        prefill_start_loc = np.zeros(len(prefill_query_lens) + 1, dtype=np.int32)
-        np.cumsum(prefill_query_lens, out=prefill_start_loc[1:])
         device = self.device
-        # NOTE: on a GPU, eight small host-to-device copies per step (the GPU is idle here: the
-        # previous step ended in a synchronization); one pinned staging buffer would batch them.
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(device),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=torch.from_numpy(block_tables[:num_decodes]).to(device),
-            decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes]).to(device),
-            prefill_block_tables=torch.from_numpy(block_tables[num_decodes:]).to(device),
-            prefill_query_start_loc=torch.from_numpy(prefill_start_loc).to(device),
-            prefill_seq_lens=torch.from_numpy(seq_lens[num_decodes:]).to(device),
-            prefill_max_query_len=int(prefill_query_lens.max()) if len(prefill_query_lens) else 0,
-            prefill_plan=plan_gathered_prefill(
-                block_tables[num_decodes:],
-                prefill_query_lens,
-                seq_lens[num_decodes:],
-                block_size,
-                device,
-            )
-            if self.gathered_prefill and len(prefill_query_lens)
-            else None,
+        metadata = AttentionMetadata.for_batch(
+            np.concatenate(slot_parts),
+            block_tables,
+            seq_lens,
+            query_lens,
+            num_decodes,
+            block_size,
+            device,
+            self.gathered_prefill,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

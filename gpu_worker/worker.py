@@ -12,6 +12,7 @@ import torch
 
 from pagedserve.gpu_worker import cuda_ops, ops
 from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
+from pagedserve.gpu_worker.draft_model import DraftModel
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec, kv_cache_torch_dtype
 from pagedserve.gpu_worker.lora import (
     LoRABatch,
@@ -62,6 +63,11 @@ class Worker:
     ``cuda_graph_max_batch`` > 0 (CUDA only) captures the decode forward pass as CUDA graphs
     for batches up to that many sequences whose block tables fit ``cuda_graph_max_len``
     tokens (see cuda_graphs.py).
+
+    ``speculative_model`` (a directory): a draft model of the same vocabulary, with a pool of
+    its own of as many blocks, that guesses up to ``num_speculative_tokens`` tokens per
+    decoding sequence after each step (draft_model.py). A block then costs both models'
+    bytes (``bytes_per_block``), and copies and swaps move it in both pools.
     """
 
     def __init__(
@@ -81,6 +87,8 @@ class Worker:
         enable_lora: bool = False,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        speculative_model: Path | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         """``lora_modules``: (name, PEFT LoRA adapter directory) pairs, adapter ids 1, 2,
         ... in order; ``enable_lora``: adapters may also load at run time (the plans'
@@ -95,6 +103,10 @@ class Worker:
             raise ValueError(f"cuda_graphs need device='cuda', got device={device!r}")
         self.model_config = ModelConfig.from_dir(model_path)
         check_tensor_parallel_size(self.model_config, parallel.size)
+        self.draft_config = None
+        if speculative_model is not None:
+            self.draft_config = ModelConfig.from_dir(speculative_model)
+            check_tensor_parallel_size(self.draft_config, parallel.size)
         if cuda_graph_max_batch:
             check_cuda_graph_support(self.model_config)
         torch_dtype = parse_dtype(dtype)
@@ -118,14 +130,28 @@ class Worker:
             num_packed,
             "" if quantization is None else f", linear layers quantized to {quantization}",
         )
-
-        self.kv_cache_spec = KVCacheSpec(
-            num_layers=self.model_config.num_layers,
-            num_kv_heads=len(parallel.kv_heads(self.model_config.num_kv_heads)),
-            head_size=self.model_config.head_size,
-            block_size=block_size,
-            dtype=kv_cache_torch_dtype(kv_cache_dtype, torch_dtype),
+        cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, torch_dtype)
+        self.kv_cache_spec = KVCacheSpec.for_model(
+            self.model_config, parallel, block_size, cache_dtype
         )
+        self.draft_model = None
+        self.draft_kv_cache_spec = None
+        if self.draft_config is not None:
+            # Loaded before the pools are sized: its weights take memory too.
+            started = time.monotonic()
+            with torch.device(self.device):
+                self.draft_model = build_model(self.draft_config, torch_dtype, parallel)
+            self.draft_model.load_weights(iterate_weights(Path(speculative_model)))
+            self.draft_model.eval()
+            self.draft_model.pack_weights(None)
+            self.draft_kv_cache_spec = KVCacheSpec.for_model(
+                self.draft_config, parallel, block_size, cache_dtype
+            )
+            logger.info(
+                "loaded the draft model (%s) in %.1f s",
+                self.draft_config.architecture,
+                time.monotonic() - started,
+            )
         if num_blocks is None:
             if kv_cache_bytes is None:
                 if self.device.type == "cuda":
@@ -135,25 +161,42 @@ class Worker:
                 else:
                     # Measured only now, so the memory the weights took is already gone.
                     kv_cache_bytes = kv_cache_bytes_from_free_memory()
-            num_blocks = self.kv_cache_spec.num_blocks_for_bytes(kv_cache_bytes)
+            num_blocks = kv_cache_bytes // self.bytes_per_block
             if num_blocks < 1:
                 raise ValueError(
                     f"kv_cache_bytes={kv_cache_bytes} holds no block: one block of "
-                    f"{block_size} tokens takes {self.kv_cache_spec.bytes_per_block} bytes"
+                    f"{block_size} tokens takes {self.bytes_per_block} bytes"
                 )
         self.num_blocks = num_blocks
-        self.kv_cache = self.kv_cache_spec.allocate(num_blocks, self.device)
-        self.num_host_blocks = self.kv_cache_spec.num_blocks_for_bytes(swap_space_bytes)
+        self.num_host_blocks = swap_space_bytes // self.bytes_per_block
         on_gpu = self.device.type == "cuda"
-        # Pinned on a GPU machine: only page-locked memory copies asynchronously.
-        self.host_kv_cache = (
-            self.kv_cache_spec.allocate(self.num_host_blocks, "cpu", pin_memory=on_gpu)
-            if self.num_host_blocks
-            else None
-        )
+        # One device pool and one host pool (pinned on a GPU machine: only page-locked memory
+        # copies asynchronously) per model: the target's first, then the draft model's.
+        self.kv_caches = []
+        self.host_kv_caches = []
+        for spec in (self.kv_cache_spec, self.draft_kv_cache_spec):
+            if spec is None:
+                continue
+            self.kv_caches.append(spec.allocate(num_blocks, self.device))
+            if self.num_host_blocks:
+                self.host_kv_caches.append(
+                    spec.allocate(self.num_host_blocks, "cpu", pin_memory=on_gpu)
+                )
+        self.kv_cache = self.kv_caches[0]
         self.swap_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.model.bind_kv_cache(self.kv_cache)
         self.runner = ModelRunner(self.model, block_size, self.device, lora_batch)
+        if self.draft_model is not None:
+            self.draft_model.bind_kv_cache(self.kv_caches[1])
+            self.runner.draft_model = DraftModel(
+                self.draft_model,
+                num_speculative_tokens,
+                self.model_config.vocab_size,
+                self.draft_config.max_position_embeddings,
+                block_size,
+                self.device,
+                self.runner.gathered_prefill,
+            )
         if cuda_graph_max_batch:
             started = time.monotonic()
             self.runner.decode_graphs = DecodeGraphs(
@@ -170,6 +213,12 @@ class Worker:
                 time.monotonic() - started,
             )
 
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block takes in the device pools (the draft model's too)."""
+        draft = self.draft_kv_cache_spec
+        return self.kv_cache_spec.bytes_per_block + (draft.bytes_per_block if draft else 0)
+
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.load_loras or plan.unload_lora_ids:
             self._update_loras(plan)
@@ -178,7 +227,9 @@ class Worker:
         # Copy-on-write after the swaps (a swapped-in block may be the source of a copy),
         # on the compute stream, before the forward pass writes the copies.
         if plan.copy_blocks:
-            ops.copy_blocks(self.kv_cache, _pairs(plan.copy_blocks))
+            pairs = _pairs(plan.copy_blocks)
+            for kv_cache in self.kv_caches:
+                ops.copy_blocks(kv_cache, pairs)
         return self.runner.execute(plan)
 
     def _update_loras(self, plan: StepPlan) -> None:
@@ -212,10 +263,11 @@ class Worker:
         compute_stream.wait_stream(self.swap_stream)
 
     def _copy_swaps(self, plan: StepPlan) -> None:
-        if plan.swap_out:
-            ops.swap_blocks(self.kv_cache, self.host_kv_cache, _pairs(plan.swap_out))
-        if plan.swap_in:
-            ops.swap_blocks(self.host_kv_cache, self.kv_cache, _pairs(plan.swap_in))
+        for kv_cache, host_kv_cache in zip(self.kv_caches, self.host_kv_caches):
+            if plan.swap_out:
+                ops.swap_blocks(kv_cache, host_kv_cache, _pairs(plan.swap_out))
+            if plan.swap_in:
+                ops.swap_blocks(host_kv_cache, kv_cache, _pairs(plan.swap_in))
 
 
 def _parse_device(device: str) -> torch.device:

@@ -95,6 +95,8 @@ def build_worker(start: StartWorker) -> Worker:
         enable_lora=spec.enable_lora,
         quantization=spec.quantization,
         kv_cache_dtype=spec.kv_cache_dtype,
+        speculative_model=None if spec.speculative_model is None else Path(spec.speculative_model),
+        num_speculative_tokens=spec.num_speculative_tokens,
     )
 
 
@@ -106,7 +108,7 @@ def ready_message(worker: Worker, rank: int) -> Ready:
             "rank": rank,
             "num_blocks": worker.num_blocks,
             "num_host_blocks": worker.num_host_blocks,
-            "bytes_per_block": worker.kv_cache_spec.bytes_per_block,
+            "bytes_per_block": worker.bytes_per_block,
         },
     )
 

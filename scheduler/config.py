@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.scheduler.ngram_proposer import SpeculativeConfig
 from pagedserve.scheduler.pooling_params import MODEL_TASKS
+from pagedserve.scheduler.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig
 
 ALLOCATION_POLICIES = ("paged", "max", "pow2", "oracle")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -46,11 +46,14 @@ class SchedulerConfig:
     # admission), "pow2" (prompt + the power of two at or above max_tokens), "oracle"
     # (prompt + max_tokens: the actual output length on traces with ignore_eos).
     allocation_policy: str = "paged"
-    # Speculative decoding by prompt lookup (``ngram_proposer.py``): draft tokens per
-    # sequence per step, at most (0: off), and the suffix lengths looked up.
+    # Speculative decoding (``speculative_config.py``): draft tokens per sequence per step,
+    # at most (0: off); by prompt lookup (``ngram_proposer.py``, the suffix lengths looked
+    # up), or from the workers' draft model ("draft_model": the scheduler also reserves
+    # blocks for the draft's guesses past a sequence's scheduled tokens when they are free).
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    speculative_method: str = "ngram"
     # "fcfs": requests run in arrival order; "priority": by each request's priority
     # (lower first, then arrival), and a queued request preempts running ones of a
     # strictly lower priority when it does not fit (scheduler.py).
@@ -103,6 +106,11 @@ class SchedulerConfig:
             # Validates the three (vLLM's names, in its messages).
             SpeculativeConfig(
                 self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
+            )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                f"{self.speculative_method!r}"
             )
         if self.num_speculative_tokens and self.allocation_policy != "paged":
             raise ValueError(

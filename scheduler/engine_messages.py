@@ -164,6 +164,10 @@ class WorkerSpec:
     # What the KV cache stores: "auto" (the model's dtype), "fp8" / "fp8_e4m3" or "fp8_e5m2"
     # (CPU only).
     kv_cache_dtype: str = "auto"
+    # Speculative decoding with a draft model: its directory (None: no draft model) and the
+    # tokens it guesses per sequence per step.
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 0
 
 
 @dataclass

@@ -83,7 +83,8 @@ class StepPlan:
     one such mask per position it samples, concatenated.
 
     ``spec_token_ids`` maps each decoding sequence that speculates in this step to its
-    draft tokens (``scheduler/ngram_proposer.py``): its scheduled tokens are its last
+    draft tokens (``scheduler/ngram_proposer.py``, or the draft model's from an earlier
+    ``StepResult.draft_token_ids``): its scheduled tokens are its last
     token followed by them, and the worker samples at every one of those positions.
 
     ``window_freed_blocks`` maps a sequence whose sliding window moved past some of its
@@ -141,7 +142,11 @@ class StepResult:
     first did not (or after the last draft).
 
     ``embeddings`` holds, for each pooling request whose last prompt token was computed in
-    this step (and only those), its pooled vector as little-endian float32 bytes."""
+    this step (and only those), its pooled vector as little-endian float32 bytes.
+
+    ``draft_token_ids`` (speculative decoding with a draft model): for each sequence that
+    sampled in this step and may speculate, the draft model's guesses at its next tokens,
+    to schedule after its last token in a later step (``gpu_worker/draft_model.py``)."""
 
     step_id: int
     request_ids: list[str] = field(default_factory=list)
@@ -150,6 +155,7 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     embeddings: dict[str, bytes] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

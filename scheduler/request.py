@@ -80,6 +80,9 @@ class Request:
     # Seconds from arrival to the first admission (None until then); later admissions,
     # after a preemption, do not count.
     queue_time_s: float | None = None
+    # The workers' draft model's guesses at the tokens after ``token_ids`` (speculative
+    # decoding with a draft model; StepResult.draft_token_ids), for its next step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -343,7 +343,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # it was among the newest running requests and preempted itself
-            self._extend(plan, request, num_new)
+            self._extend(plan, request, num_new, num_left)
             budget -= num_new
             index += 1
 
@@ -395,9 +395,12 @@ class Scheduler:
             return []
         grammar = request.grammar
         # Under a grammar, the tokens it forces come first (jump-forward, checked like
-        # any draft); then prompt lookup, cut where the grammar would refuse a draft.
+        # any draft); then the draft model's guesses or prompt lookup, cut where the
+        # grammar would refuse a draft.
         drafts = grammar.forced_tokens()[:room] if grammar is not None else []
-        if not drafts:
+        if not drafts and config.speculative_method == "draft_model":
+            drafts = request.draft_token_ids[:room]
+        elif not drafts:
             drafts = ngram_proposer.propose(
                 request.token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
             )
@@ -420,6 +423,30 @@ class Scheduler:
             needed += 1
         return needed + num_left - 1 <= block_manager.num_free_blocks
 
+    def _reserve_draft_slots(self, request: Request, target: int, num_left: int) -> list[int]:
+        """Blocks for the draft model's guesses (speculative decoding with a draft model):
+        after this step the workers' draft model writes K/V for the sequence's next token
+        and its guesses past the ``target`` tokens scheduled, up to ``num_speculative_tokens``
+        positions, wherever its table has slots (``gpu_worker/draft_model.py``). Reserved
+        only from blocks that leave one for each of the ``num_left - 1`` running sequences
+        after it, as ``_drafts_fit`` does: fewer slots only mean fewer guesses, and a guess
+        never preempts. Returns the blocks added to the table."""
+        config = self.config
+        if (
+            config.speculative_method != "draft_model"
+            or not config.num_speculative_tokens
+            or request.group is not None
+            or request.pooling_params is not None
+            or target < request.num_tokens  # a prefill chunk: nothing sampled after it
+        ):
+            return []
+        block_manager = self.block_manager
+        end = min(target + config.num_speculative_tokens, request.max_total_tokens)
+        needed = block_manager.num_new_blocks(request.request_id, end)
+        if needed == 0 or needed + num_left - 1 > block_manager.num_free_blocks:
+            return []
+        return block_manager.append(request.request_id, end) or []
+
     def _add_token_bitmasks(self, plan: StepPlan) -> None:
         """The grammar's allowed tokens for each constrained sequence that samples in this
         step (one whose scheduled tokens reach its last known token), unless it thinks
@@ -440,9 +467,13 @@ class Scheduler:
             ):
                 plan.token_bitmasks[request.request_id] = request.grammar.allowed_token_bitmask()
 
-    def _extend(self, plan: StepPlan, request: Request, num_new: int) -> None:
+    def _extend(
+        self, plan: StepPlan, request: Request, num_new: int, num_left: int | None = None
+    ) -> None:
         """Give a running sequence slots for ``num_new`` more tokens and put it in the
-        plan: as a delta when the workers know it, in full otherwise."""
+        plan: as a delta when the workers know it, in full otherwise. ``num_left``: the
+        running sequences from this one on, when it is one of them (see
+        ``_reserve_draft_slots``)."""
         block_manager = self.block_manager
         computed = request.num_computed_tokens
         copy = block_manager.copy_on_write(request.request_id, computed)
@@ -453,6 +484,8 @@ class Scheduler:
             self._forget_on_workers(request.request_id)
         new_block_ids = block_manager.append(request.request_id, computed + num_new)
         assert new_block_ids is not None
+        if num_left is not None:
+            new_block_ids += self._reserve_draft_slots(request, computed + num_new, num_left)
         if request.request_id in self._known_to_workers:
             plan.cached_requests.append(
                 CachedRequestData(
@@ -560,6 +593,8 @@ class Scheduler:
         self._note_prefix_hit(head, num_cached)
         head.status = RequestStatus.RUNNING
         self._add_running(head)
+        # Slots for its first guesses too, leaving a block for every other running sequence.
+        self._reserve_draft_slots(head, head.num_computed_tokens + num_new, len(self.running))
         self._send_in_full(plan, head, num_new)
         return budget - num_new
 
@@ -888,6 +923,9 @@ class Scheduler:
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += num_accepted
             request.num_computed_tokens += num_computed
+            if rows:
+                # Guesses at what follows the tokens sampled now (none: guess nothing).
+                request.draft_token_ids = result.draft_token_ids.get(scheduled.request_id, [])
             self.block_manager.cache_full_blocks(
                 request.request_id,
                 request.token_ids,

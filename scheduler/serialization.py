@@ -214,6 +214,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "logprobs",
         "prompt_logprobs",
         "embeddings",
+        "draft_token_ids",
     ),
     RequestOutputDelta: (
         "request_id",
@@ -261,6 +262,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "num_speculative_tokens",
         "prompt_lookup_max",
         "prompt_lookup_min",
+        "speculative_method",
         "scheduling_policy",
         "max_loras",
         "sliding_window",
@@ -280,6 +282,8 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "enable_lora",
         "quantization",
         "kv_cache_dtype",
+        "speculative_model",
+        "num_speculative_tokens",
     ),
     StartEngine: (
         "frontend_pid",
@@ -633,12 +637,13 @@ def _pack_step_result(result: StepResult) -> list:
             for request_id, chunk in result.prompt_logprobs.items()
         },
         result.embeddings,
+        result.draft_token_ids,
     ]
 
 
 def _unpack_step_result(value: Any) -> StepResult:
-    step_id, request_ids, sampled_token_ids, logprobs, prompt_logprobs, embeddings = _fields(
-        value, "StepResult"
+    step_id, request_ids, sampled_token_ids, logprobs, prompt_logprobs, embeddings, drafts = (
+        _fields(value, "StepResult")
     )
     _check(step_id, int, "StepResult.step_id")
     num_requests = len(_check(request_ids, list, "StepResult.request_ids"))
@@ -648,6 +653,8 @@ def _unpack_step_result(value: Any) -> StepResult:
     _check(prompt_logprobs, dict, "StepResult.prompt_logprobs")
     _check(embeddings, dict, "StepResult.embeddings")
     _check_column(list(embeddings.values()), bytes, len(embeddings), "StepResult.embeddings")
+    _check(drafts, dict, "StepResult.draft_token_ids")
+    _check_column(list(drafts.values()), list, len(drafts), "StepResult.draft_token_ids")
     return StepResult(
         step_id=step_id,
         request_ids=request_ids,
@@ -658,6 +665,7 @@ def _unpack_step_result(value: Any) -> StepResult:
             for request_id, chunk in prompt_logprobs.items()
         },
         embeddings=embeddings,
+        draft_token_ids=drafts,
     )
 
 
@@ -901,6 +909,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         int,
         int,
         str,
+        str,
         int,
         int,
         str,
@@ -919,6 +928,8 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         bool,
         (str, type(None)),
         str,
+        (str, type(None)),
+        int,
     ),
     StructuredOutputsParams: (
         (str, type(None)),

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.layers.gathered_prefill import (
     GatheredPrefillPlan,
     gathered_prefill_attention,
+    plan_gathered_prefill,
 )
 
 
@@ -34,6 +36,48 @@ class AttentionMetadata:
     prefill_max_query_len: int | None = None  # most new tokens of one prefill (host-side)
     # Set: prefills run as one SDPA call over gathered K/V (gathered_prefill.py).
     prefill_plan: GatheredPrefillPlan | None = None
+
+    @classmethod
+    def for_batch(
+        cls,
+        slot_mapping: np.ndarray,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+        query_lens: np.ndarray,
+        num_decodes: int,
+        block_size: int,
+        device: torch.device,
+        gathered_prefill: bool,
+    ) -> AttentionMetadata:
+        """The metadata of a batch given on the host: one row per sequence of
+        ``block_tables`` (int32 [S, max_blocks]), ``seq_lens`` (int32 [S], tokens in cache
+        incl. the new) and ``query_lens`` (int32 [S], new tokens), the ``num_decodes``
+        one-token rows first; ``slot_mapping`` (int64, a slot per token in that order);
+        ``gathered_prefill``: plan the prefills' SDPA path (``use_gathered_prefill``)."""
+        prefill_query_lens = query_lens[num_decodes:]
+        prefill_start_loc = np.zeros(len(prefill_query_lens) + 1, dtype=np.int32)
+        np.cumsum(prefill_query_lens, out=prefill_start_loc[1:])
+        # NOTE: on a GPU, seven small host-to-device copies (the GPU is idle here: the previous
+        # pass ended in a synchronization); one pinned staging buffer would batch them.
+        return cls(
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=torch.from_numpy(block_tables[:num_decodes]).to(device),
+            decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes]).to(device),
+            prefill_block_tables=torch.from_numpy(block_tables[num_decodes:]).to(device),
+            prefill_query_start_loc=torch.from_numpy(prefill_start_loc).to(device),
+            prefill_seq_lens=torch.from_numpy(seq_lens[num_decodes:]).to(device),
+            prefill_max_query_len=int(prefill_query_lens.max()) if len(prefill_query_lens) else 0,
+            prefill_plan=plan_gathered_prefill(
+                block_tables[num_decodes:],
+                prefill_query_lens,
+                seq_lens[num_decodes:],
+                block_size,
+                device,
+            )
+            if gathered_prefill and len(prefill_query_lens)
+            else None,
+        )
 
 
 class PagedAttention:

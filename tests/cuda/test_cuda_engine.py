@@ -132,7 +132,7 @@ def test_preemption_on_the_gpu_keeps_tokens(tiny_model_dirs, hf_references, mode
         preemption_mode=mode,
     )
     if mode == "swap":
-        assert llm.worker.host_kv_cache.is_pinned()
+        assert all(cache.is_pinned() for cache in llm.worker.host_kv_caches)
     outputs = llm.generate(random_prompts(1), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == hf_references["llama"]
     assert llm.stats()[f"num_{mode}_preemptions"] > 0

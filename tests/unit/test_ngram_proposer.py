@@ -3,10 +3,7 @@ and vLLM's speculative_config checked with the field named."""
 
 from __future__ import annotations
 
-import pytest
-
-from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.ngram_proposer import SpeculativeConfig, propose
+from pagedserve.scheduler.ngram_proposer import propose
 
 
 def test_the_longest_suffix_picks_its_most_recent_earlier_occurrence():
@@ -39,23 +36,3 @@ def test_matches_are_whole_tokens_not_bytes():
     misaligned = [0x01000000, 0x00000000, 9, 0x00000001, 0x00000000]
     assert propose(misaligned, 2, 2, 2) == []
     assert propose([2**32 - 1, 5, 2**32 - 1, 5], 1, 1, 2) == [2**32 - 1]
-
-
-def test_speculative_config_is_checked_naming_the_field():
-    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
-    assert (config.num_speculative_tokens, config.prompt_lookup_max) == (3, 4)
-    cases = [
-        ({"num_speculative_tokens": 3, "method": "eagle"}, "speculative_config.method"),
-        ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
-        ({"num_speculative_tokens": True}, "speculative_config.num_speculative_tokens"),
-        ({"num_speculative_tokens": 3, "draft_model": "x"}, "unknown key(s) draft_model"),
-        ({"method": "ngram"}, "num_speculative_tokens is required"),
-        ({"num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min (5)"),
-    ]
-    for config, words in cases:
-        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
-            SpeculativeConfig.from_dict(config)
-    with pytest.raises(ValueError, match="allocation_policy 'paged'"):
-        SchedulerConfig(num_speculative_tokens=2, allocation_policy="max", max_model_len=64)
-    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 0"):
-        SchedulerConfig(num_speculative_tokens=-1)

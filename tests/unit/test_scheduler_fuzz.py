@@ -31,8 +31,11 @@ MAX_STEPS = 3000
 
 def fake_worker(scheduler: Scheduler, plan, rng: random.Random) -> StepResult:
     """One token per sampling sequence (a group's first sample: one per sequence); a
-    speculating one accepts a random number of its drafts, then samples one more."""
-    request_ids, tokens, embeddings = [], [], {}
+    speculating one accepts a random number of its drafts, then samples one more; under a
+    draft model, a sequence that may speculate also guesses a few tokens."""
+    request_ids, tokens, embeddings, guesses = [], [], {}, {}
+    config = scheduler.config
+    draft_model = config.num_speculative_tokens and config.speculative_method == "draft_model"
 
     def sample() -> int:
         # Mostly a few tokens: outputs repeat, so prompt lookup finds drafts.
@@ -49,6 +52,9 @@ def fake_worker(scheduler: Scheduler, plan, rng: random.Random) -> StepResult:
         if request.pooling_params is not None:  # an embedding: its vector, no token
             embeddings[item.request_id] = rng.randbytes(16)
             continue
+        if draft_model and request.group is None:
+            count = rng.randrange(config.num_speculative_tokens + 1)
+            guesses[item.request_id] = [sample() for _ in range(count)]
         if drafts:
             accepted = drafts[: rng.randrange(len(drafts) + 1)]
             emitted = [*accepted, sample()]
@@ -60,7 +66,9 @@ def fake_worker(scheduler: Scheduler, plan, rng: random.Random) -> StepResult:
         for _ in range(rows):
             request_ids.append(item.request_id)
             tokens.append(sample())
-    return StepResult(plan.step_id, request_ids, tokens, embeddings=embeddings)
+    return StepResult(
+        plan.step_id, request_ids, tokens, embeddings=embeddings, draft_token_ids=guesses
+    )
 
 
 def check_invariants(scheduler: Scheduler) -> None:
@@ -110,6 +118,7 @@ def test_random_workloads_keep_the_invariants(seed, policy, mode, window):
             preemption_mode=mode,
             scheduling_policy=policy,
             num_speculative_tokens=rng.choice([0, 0, 3]),
+            speculative_method=rng.choice(["ngram", "draft_model"]),
             max_loras=rng.choice([0, 1, 2]),
             sliding_window=window,
         ),

@@ -143,6 +143,8 @@ WORKER_SPEC = WorkerSpec(
     enable_lora=True,
     quantization="int8",
     kv_cache_dtype="fp8_e5m2",
+    speculative_model="/models/draft-é",
+    num_speculative_tokens=3,
 )
 SCHEDULER_CONFIG = SchedulerConfig(
     max_num_seqs=8,
@@ -180,6 +182,12 @@ ROUND_TRIP_CASES = {
         request_ids=["a"],
         sampled_token_ids=[5],
         embeddings={"emb-é": b"\x00\x00\x80\x3f" * 3, "emb-2": b""},
+    ),
+    "result-drafts": StepResult(
+        step_id=6,
+        request_ids=["a", "b"],
+        sampled_token_ids=[5, 6],
+        draft_token_ids={"a": [7, 8, 9], "b": []},
     ),
     "delta-full": FULL_DELTA,
     "delta-unset": RequestOutputDelta(request_id="a", new_token_ids=[], finished=False),
@@ -611,6 +619,7 @@ def _plan_fields(**overrides) -> list:
                 0,
                 4,
                 2,
+                "ngram",
                 "fcfs",
                 0,
                 0,
@@ -620,13 +629,28 @@ def _plan_fields(**overrides) -> list:
         ),
         (
             _frame(
-                WorkerSpec, "/m", "float32", 16, 1.5, None, "cpu", 0, 0, 0, [], False, None, "auto"
+                WorkerSpec,
+                "/m",
+                "float32",
+                16,
+                1.5,
+                None,
+                "cpu",
+                0,
+                0,
+                0,
+                [],
+                False,
+                None,
+                "auto",
+                None,
+                0,
             ),
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
             _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None),
-            "WorkerSpec: expected an array of 13 fields",
+            "WorkerSpec: expected an array of 15 fields",
         ),
         (
             _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),
@@ -635,12 +659,16 @@ def _plan_fields(**overrides) -> list:
         (_frame(StopSample, "r", True), "StopSample.index: expected int, got bool"),
         (_frame(EngineError, 7, "boom"), "EngineError.request_id: expected str or None, got int"),
         (
-            _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}, {}),
+            _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}, {}, {}),
             "TokenLogprobs: 2 token_ids but 1 logprobs",
         ),
         (
-            _frame(StepResult, 1, [], [], [], {}, {"e": [1.0]}),
+            _frame(StepResult, 1, [], [], [], {}, {"e": [1.0]}, {}),
             r"StepResult.embeddings: expected only bytes, found \['list'\]",
+        ),
+        (
+            _frame(StepResult, 1, [], [], [], {}, {}, {"a": 5}),
+            r"StepResult.draft_token_ids: expected only list, found \['int'\]",
         ),
         (
             _frame(

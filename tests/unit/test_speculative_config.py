@@ -1,0 +1,70 @@
+"""vLLM's ``speculative_config`` dict, checked naming the field."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.speculative_config import SpeculativeConfig
+
+
+def test_prompt_lookup_and_draft_model_configs():
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == (
+        "ngram",
+        3,
+        4,
+    )
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2}).method == "ngram"
+    # A model without a method is a draft model, as in vLLM.
+    config = SpeculativeConfig.from_dict({"model": "/m/draft", "num_speculative_tokens": 5})
+    assert (config.method, config.model, config.num_speculative_tokens) == (
+        "draft_model",
+        "/m/draft",
+        5,
+    )
+    explicit = {"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 5}
+    assert SpeculativeConfig.from_dict(explicit) == config
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"num_speculative_tokens": 3, "method": "eagle"}, "speculative_config.method"),
+        ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({"num_speculative_tokens": True}, "speculative_config.num_speculative_tokens"),
+        ({"num_speculative_tokens": 3, "draft_model": "x"}, "unknown key(s) draft_model"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min (5)"),
+        (
+            {"method": "draft_model", "num_speculative_tokens": 2},
+            "speculative_config.model (the draft model's directory or GGUF file) is required",
+        ),
+        (
+            {"method": "draft_model", "model": "", "num_speculative_tokens": 2},
+            "speculative_config.model",
+        ),
+        (
+            {"method": "ngram", "model": "/m/draft", "num_speculative_tokens": 2},
+            "speculative_config.model ('/m/draft') is for method 'draft_model'",
+        ),
+        (
+            {"model": "/m/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+            "prompt_lookup_max apply to method 'ngram'",
+        ),
+    ],
+)
+def test_a_bad_config_is_refused_naming_the_field(config, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SpeculativeConfig.from_dict(config)
+
+
+def test_the_scheduler_config_checks_its_speculation_fields():
+    with pytest.raises(ValueError, match="allocation_policy 'paged'"):
+        SchedulerConfig(num_speculative_tokens=2, allocation_policy="max", max_model_len=64)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 0"):
+        SchedulerConfig(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="speculative_method must be one of ngram, draft_model"):
+        SchedulerConfig(num_speculative_tokens=2, speculative_method="eagle")
