@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_speculative_config,
         default=None,
         metavar="JSON",
-        help='speculative decoding by prompt lookup, as vLLM takes it: \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+        help='speculative decoding, as vLLM takes it: by prompt lookup \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or with a draft model of the '
+        'same tokenizer \'{"model": "/models/draft", "num_speculative_tokens": 4}\'',
     )
     engine.add_argument(
         "--lora-modules",

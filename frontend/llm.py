@@ -185,6 +185,9 @@ class LLM:
     a token at a time gives, the same tokens for the same seed
     (``scheduler/ngram_proposer.py``); under structured output the tokens the grammar
     forces come first. Sequences of n > 1, best_of or beam search decode a token at a time.
+    ``{"model": "/path/to/draft", "num_speculative_tokens": 4}`` drafts with a small model of
+    the same tokenizer instead (``gpu_worker/draft_model.py``): the workers run it beside the
+    target, with a KV pool of its own sharing the target's block tables.
 
     ``structured_outputs_disable_any_whitespace=True`` sets
     ``StructuredOutputsParams.disable_any_whitespace`` for every request: JSON constraints

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
@@ -121,46 +120,22 @@ class DraftModel:
         guesses, in batch order."""
         # Decodes first: the attention layer runs the decode kernel on that prefix.
         batch.sort(key=lambda pass_row: len(pass_row.token_ids) != 1)
-        block_size = self.block_size
-        num_decodes = sum(1 for pass_row in batch if len(pass_row.token_ids) == 1)
-        max_blocks = max(len(pass_row.row.block_ids) for pass_row in batch)
-        block_tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
-        seq_lens = np.empty(len(batch), dtype=np.int32)
-        query_lens = np.empty(len(batch), dtype=np.int32)
         input_ids: list[int] = []
-        positions_parts = []
-        slot_parts = []
         logits_indices = []
-        for index, pass_row in enumerate(batch):
-            block_ids = np.asarray(pass_row.row.block_ids, dtype=np.int64)
-            block_tables[index, : len(block_ids)] = block_ids
-            num_tokens = len(pass_row.token_ids)
-            positions = np.arange(pass_row.start, pass_row.start + num_tokens, dtype=np.int64)
-            positions_parts.append(positions)
-            slot_parts.append(
-                block_ids[positions // block_size] * block_size + positions % block_size
-            )
-            seq_lens[index] = pass_row.start + num_tokens
-            query_lens[index] = num_tokens
+        for pass_row in batch:
             input_ids.extend(pass_row.token_ids)
             if pass_row.guesses:
                 logits_indices.append(len(input_ids) - 1)
         device = self.device
-        metadata = AttentionMetadata.for_batch(
-            np.concatenate(slot_parts),
-            block_tables,
-            seq_lens,
-            query_lens,
-            num_decodes,
-            block_size,
+        metadata, positions = AttentionMetadata.for_sequences(
+            [(r.row.block_ids, r.start, len(r.token_ids)) for r in batch],
+            self.block_size,
             device,
             self.gathered_prefill,
         )
         with torch.inference_mode():
             hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.from_numpy(np.concatenate(positions_parts)).to(device),
-                metadata,
+                torch.tensor(input_ids, dtype=torch.int64, device=device), positions, metadata
             )
             if not logits_indices:
                 return []

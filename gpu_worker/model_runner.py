@@ -274,23 +274,14 @@ class ModelRunner:
         return entries
 
     def _prepare_inputs(self, entries: list[_ScheduledEntry]) -> ModelInputs:
-        block_size = self.block_size
-        num_decodes = sum(1 for entry in entries if entry.num_scheduled_tokens == 1)
         input_ids: list[int] = []
-        positions_parts = []
-        slot_parts = []
         logits_indices = []
         sampling_entries = []
         sampling_states = []
         sample_seeds: list[int | None] = []
         prompt_logprob_entries = []
         pooling_entries = []
-        max_blocks = max(len(entry.state.block_ids) for entry in entries)
-        block_tables = np.zeros((len(entries), max_blocks), dtype=np.int32)
-        seq_lens = np.empty(len(entries), dtype=np.int32)
-        query_lens = np.empty(len(entries), dtype=np.int32)
-        # NOTE: a loop per request (not per token); numpy does the per-token work.
-        for row, entry in enumerate(entries):
+        for entry in entries:
             start = entry.num_computed_tokens
             end = start + entry.num_scheduled_tokens
             if entry.prompt_logprob_positions:
@@ -298,15 +289,6 @@ class ModelRunner:
             input_ids.extend(entry.state.token_ids[start:end])
             if entry.spec_token_ids:
                 input_ids.extend(entry.spec_token_ids)
-            block_ids = np.asarray(entry.state.block_ids, dtype=np.int64)
-            block_tables[row, : len(block_ids)] = block_ids
-            positions = np.arange(start, end, dtype=np.int64)
-            positions_parts.append(positions)
-            slot_parts.append(
-                block_ids[positions // block_size] * block_size + positions % block_size
-            )
-            seq_lens[row] = end
-            query_lens[row] = entry.num_scheduled_tokens
             if entry.spec_token_ids:
                 # A row per position: the last known token's, then each draft's.
                 num_rows = len(entry.spec_token_ids) + 1
@@ -334,19 +316,18 @@ class ModelRunner:
                     )
 
         device = self.device
-        metadata = AttentionMetadata.for_batch(
-            np.concatenate(slot_parts),
-            block_tables,
-            seq_lens,
-            query_lens,
-            num_decodes,
-            block_size,
+        metadata, positions = AttentionMetadata.for_sequences(
+            [
+                (entry.state.block_ids, entry.num_computed_tokens, entry.num_scheduled_tokens)
+                for entry in entries
+            ],
+            self.block_size,
             device,
             self.gathered_prefill,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=torch.from_numpy(np.concatenate(positions_parts)).to(device),
+            positions=positions,
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             sampling_entries=sampling_entries,

@@ -38,29 +38,40 @@ class AttentionMetadata:
     prefill_plan: GatheredPrefillPlan | None = None
 
     @classmethod
-    def for_batch(
+    def for_sequences(
         cls,
-        slot_mapping: np.ndarray,
-        block_tables: np.ndarray,
-        seq_lens: np.ndarray,
-        query_lens: np.ndarray,
-        num_decodes: int,
+        sequences: list[tuple[list[int], int, int]],
         block_size: int,
         device: torch.device,
         gathered_prefill: bool,
-    ) -> AttentionMetadata:
-        """The metadata of a batch given on the host: one row per sequence of
-        ``block_tables`` (int32 [S, max_blocks]), ``seq_lens`` (int32 [S], tokens in cache
-        incl. the new) and ``query_lens`` (int32 [S], new tokens), the ``num_decodes``
-        one-token rows first; ``slot_mapping`` (int64, a slot per token in that order);
-        ``gathered_prefill``: plan the prefills' SDPA path (``use_gathered_prefill``)."""
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The metadata of a batch of ``sequences``, each ``(block_ids, first position,
+        new tokens)``, the one-token ones first, and the new tokens' positions (int64, on
+        ``device``); ``gathered_prefill``: plan the prefills' SDPA path
+        (``use_gathered_prefill``)."""
+        num_decodes = sum(1 for _, _, num_tokens in sequences if num_tokens == 1)
+        max_blocks = max(len(block_ids) for block_ids, _, _ in sequences)
+        block_tables = np.zeros((len(sequences), max_blocks), dtype=np.int32)
+        seq_lens = np.empty(len(sequences), dtype=np.int32)
+        query_lens = np.empty(len(sequences), dtype=np.int32)
+        positions_parts = []
+        slot_parts = []
+        # NOTE: a loop per sequence (not per token); numpy does the per-token work.
+        for row, (block_ids, start, num_tokens) in enumerate(sequences):
+            table = np.asarray(block_ids, dtype=np.int64)
+            block_tables[row, : len(table)] = table
+            positions = np.arange(start, start + num_tokens, dtype=np.int64)
+            positions_parts.append(positions)
+            slot_parts.append(table[positions // block_size] * block_size + positions % block_size)
+            seq_lens[row] = start + num_tokens
+            query_lens[row] = num_tokens
         prefill_query_lens = query_lens[num_decodes:]
         prefill_start_loc = np.zeros(len(prefill_query_lens) + 1, dtype=np.int32)
         np.cumsum(prefill_query_lens, out=prefill_start_loc[1:])
-        # NOTE: on a GPU, seven small host-to-device copies (the GPU is idle here: the previous
+        # NOTE: on a GPU, eight small host-to-device copies (the GPU is idle here: the previous
         # pass ended in a synchronization); one pinned staging buffer would batch them.
-        return cls(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        metadata = cls(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(device),
             num_decode_tokens=num_decodes,
             decode_block_tables=torch.from_numpy(block_tables[:num_decodes]).to(device),
             decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes]).to(device),
@@ -78,6 +89,7 @@ class AttentionMetadata:
             if gathered_prefill and len(prefill_query_lens)
             else None,
         )
+        return metadata, torch.from_numpy(np.concatenate(positions_parts)).to(device)
 
 
 class PagedAttention:

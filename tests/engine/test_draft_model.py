@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_parity import NEW_TOKENS, hf_greedy
-from test_speculative_decoding import FEW, outputs, repetitive_prompts
+from test_speculative_decoding import (
+    FEW,
+    assert_same_tokens_and_logprobs,
+    check_stops_inside_accepted_drafts,
+    outputs,
+    repetitive_prompts,
+)
 from test_structured_output import CONSTRAINTS
 from test_structured_output import PROMPTS as STRUCTURED_PROMPTS
 
@@ -144,29 +151,14 @@ def test_seeded_samples_equal_plain_decoding(plain_llama, near_drafted_llama, pa
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(plain_llama, near_drafted_llama):
     prompts = random_prompts(4)
     params = SamplingParams(max_tokens=30, temperature=0.0, logprobs=3, ignore_eos=True)
-    for got, want in zip(
+    assert_same_tokens_and_logprobs(
         near_drafted_llama.generate(prompts, params), plain_llama.generate(prompts, params)
-    ):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        for got_entry, want_entry in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
-            assert got_entry.keys() == want_entry.keys()
-            for token_id, logprob in want_entry.items():
-                assert got_entry[token_id] == pytest.approx(logprob, abs=1e-4)
+    )
     assert_some_guesses_accepted(near_drafted_llama)
 
 
 def test_stops_and_max_tokens_inside_the_accepted_guesses(plain_llama, self_drafted_llama):
-    prompts = random_prompts(5)
-    free = outputs(plain_llama, prompts, GREEDY)
-    stops = sorted({tokens[-5] for tokens, _ in free})
-    stopped = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=stops)
-    got = outputs(self_drafted_llama, prompts, stopped)
-    assert got == outputs(plain_llama, prompts, stopped)
-    assert all(reason == "stop" and len(tokens) < NEW_TOKENS for tokens, reason in got)
-    for max_tokens in (13, 2, 1):
-        short = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        got = outputs(self_drafted_llama, prompts, short)
-        assert got == [(tokens[:max_tokens], "length") for tokens, _ in free]
+    check_stops_inside_accepted_drafts(plain_llama, self_drafted_llama, random_prompts(5))
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
@@ -346,3 +338,48 @@ def test_the_cache_holds_blocks_of_both_models(tiny_model_dirs):
     assert plain.bytes_per_block == 2 * 2 * 1 * 16 * 64 * 4
     assert drafted.bytes_per_block == plain.bytes_per_block * 3
     assert drafted.num_blocks == budget // drafted.bytes_per_block
+
+
+def test_a_draft_model_that_cannot_serve_is_refused_naming_why(tiny_model_dirs, tmp_path):
+    llama, mistral = tiny_model_dirs["llama"], tiny_model_dirs["mistral"]
+
+    def config_copy(source: Path, name: str, **fields) -> Path:
+        return rewritten_copy(
+            source, tmp_path / name, lambda tensors: None, lambda config: config.update(fields)
+        )
+
+    classifier = config_copy(
+        llama,
+        "classifier",
+        architectures=["LlamaForSequenceClassification"],
+        id2label={"0": "no", "1": "yes"},
+        label2id={"no": 0, "yes": 1},
+    )
+    windowed = config_copy(mistral, "windowed", sliding_window=16)
+    # Refused from its config, before any weight loads.
+    three_heads = config_copy(llama, "three_heads", num_attention_heads=3)
+    cases = [
+        (llama, classifier, {}, "speculative decoding needs causal LMs, but the draft model"),
+        (
+            windowed,
+            llama,
+            {},
+            "every layer of MistralForCausalLM attends 16 tokens back, so the engine frees the "
+            "blocks behind that window, but the draft model attends to every token",
+        ),
+        (
+            llama,
+            three_heads,
+            {"tensor_parallel_size": 2},
+            "speculative_config.model (LlamaForCausalLM): tensor_parallel_size=2 does not "
+            "divide the model's num_attention_heads=3",
+        ),
+    ]
+    for target, draft, options, words in cases:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            LLM(target, num_blocks=64, speculative_config=draft_config(draft), **options)
+    # A windowed draft model within the target's window serves.
+    llm = LLM(windowed, num_blocks=64, speculative_config=draft_config(windowed))
+    prompts = random_prompts(12, count=2)
+    assert outputs(llm, prompts, GREEDY) == outputs(LLM(windowed, num_blocks=64), prompts, GREEDY)
+    assert_every_guess_accepted(llm)

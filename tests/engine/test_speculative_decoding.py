@@ -41,6 +41,17 @@ def outputs(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
     ]
 
 
+def assert_same_tokens_and_logprobs(got, want) -> None:
+    """Two runs' outputs (``generate``'s lists): the same tokens, the same top logprobs."""
+    for got_output, want_output in zip(got, want, strict=True):
+        assert got_output.outputs[0].token_ids == want_output.outputs[0].token_ids
+        pairs = zip(got_output.outputs[0].logprobs, want_output.outputs[0].logprobs, strict=True)
+        for got_entry, want_entry in pairs:
+            assert got_entry.keys() == want_entry.keys()
+            for token_id, logprob in want_entry.items():
+                assert got_entry[token_id] == pytest.approx(logprob, abs=1e-4)
+
+
 def assert_speculated(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["num_draft_tokens"] > 0, stats
@@ -115,30 +126,29 @@ def test_logprobs_equal_plain_decoding(plain_llama, speculative_llama):
     params = SamplingParams(max_tokens=30, temperature=0.0, logprobs=3, ignore_eos=True)
     prompts = repetitive_prompts(3)
     before = speculative_llama.stats()["num_accepted_tokens"]
-    for got, want in zip(
+    assert_same_tokens_and_logprobs(
         speculative_llama.generate(prompts, params), plain_llama.generate(prompts, params)
-    ):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        for got_entry, want_entry in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
-            assert got_entry.keys() == want_entry.keys()
-            for token_id, logprob in want_entry.items():
-                assert got_entry[token_id] == pytest.approx(logprob, abs=1e-4)
+    )
     assert speculative_llama.stats()["num_accepted_tokens"] > before
 
 
-def test_a_stop_inside_the_accepted_drafts_ends_the_output_there(plain_llama, speculative_llama):
-    prompts = repetitive_prompts(4)
-    free = outputs(plain_llama, prompts, GREEDY)
+def check_stops_inside_accepted_drafts(plain: LLM, speculative: LLM, prompts) -> None:
+    """A stop token, or max_tokens, inside a step's accepted drafts ends the output there."""
+    free = outputs(plain, prompts, GREEDY)
     # Stop on a token each output generates late: it may arrive as an accepted draft.
     stops = sorted({tokens[-5] for tokens, _ in free})
     stopped = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=stops)
-    got = outputs(speculative_llama, prompts, stopped)
-    assert got == outputs(plain_llama, prompts, stopped)
+    got = outputs(speculative, prompts, stopped)
+    assert got == outputs(plain, prompts, stopped)
     assert all(reason == "stop" and len(tokens) < NEW_TOKENS for tokens, reason in got)
     for max_tokens in (13, 2, 1):  # drafts never run past max_tokens
         short = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        got = outputs(speculative_llama, prompts, short)
+        got = outputs(speculative, prompts, short)
         assert got == [(tokens[:max_tokens], "length") for tokens, _ in free]
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_output_there(plain_llama, speculative_llama):
+    check_stops_inside_accepted_drafts(plain_llama, speculative_llama, repetitive_prompts(4))
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
