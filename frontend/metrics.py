@@ -80,6 +80,9 @@ _VLLM_NAMES = {
     f"{PREFIX}_engine_num_waiting": "vllm:num_requests_waiting",
     f"{PREFIX}_engine_num_swapped": "vllm:num_requests_swapped",
     f"{PREFIX}_engine_num_preemptions": "vllm:num_preemptions",
+    f"{PREFIX}_engine_num_drafts": "vllm:spec_decode_num_drafts",
+    f"{PREFIX}_engine_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    f"{PREFIX}_engine_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
     f"{PREFIX}_engine_prefix_cache_queries": "vllm:prefix_cache_queries",
     f"{PREFIX}_engine_prefix_cache_hits": "vllm:prefix_cache_hits",
     # vLLM's current name, and the one its older dashboards read.

@@ -177,7 +177,9 @@ class Scheduler:
         # tokens (beams: one per beam), kept or not; the engine's decode work. With
         # speculation, the tokens emitted (drafts accepted, plus one).
         self.num_sampled_tokens = 0
-        # Speculative decoding: draft tokens scored, and those the sampling agreed with.
+        # Speculative decoding: sequence steps that checked drafts, draft tokens scored, and
+        # those the sampling agreed with (tokens per such step: 1 + accepted / drafts).
+        self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         # Blocks given back because a sliding window left them behind (a windowed model).
@@ -920,6 +922,7 @@ class Scheduler:
                 # K/V were written but count for nothing; later tokens overwrite them.
                 num_accepted = len(rows) - 1
                 num_computed -= len(drafts) - num_accepted
+                self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += num_accepted
             request.num_computed_tokens += num_computed

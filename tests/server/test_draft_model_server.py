@@ -1,0 +1,43 @@
+"""``pagedserve serve --speculative-config '{"model": ...}'``: a real server with a draft
+model answers both APIs with the target's greedy tokens, and its metrics (ours and vLLM's
+``spec_decode`` names) count the drafts it checked."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import SERVED_MODEL_NAME
+from engine.test_parity import hf_greedy
+from test_grpc_api import token_request
+from test_http_api import post
+from test_vllm_metric_names import samples
+
+from pagedserve.v1 import generation_pb2 as pb
+
+PROMPTS = [[5, 9, 31, 2, 77, 300], [40, 41, 42]]
+
+
+def test_a_server_with_a_draft_model(start_server, server_model_dir):
+    # The draft model is a copy of the target: every guess is the target's own token.
+    speculative = {"model": str(server_model_dir), "num_speculative_tokens": 3}
+    server = start_server(
+        "--http-port", "0", "--served-model-name", SERVED_MODEL_NAME, "--vllm-metric-names",
+        "--kv-cache-bytes", str(4 << 20), "--speculative-config", json.dumps(speculative),
+    )  # fmt: skip
+    want = hf_greedy(server_model_dir, PROMPTS)
+    sampling = pb.SamplingParams(max_tokens=len(want[0]), temperature=0.0, ignore_eos=True)
+    output = server.stub.Generate(token_request(PROMPTS[0], sampling)).outputs[0]
+    assert list(output.token_ids) == want[0]
+    body = {"prompt": PROMPTS[1], "max_tokens": len(want[1]), "ignore_eos": True}
+    status, answer = post(server, "/v1/completions", {**body, "temperature": 0.0})
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == len(want[1])
+    got = samples(server)
+    model = (("model_name", SERVED_MODEL_NAME),)
+    counts = {}
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        ours = got[(f"pagedserve_engine_num_{name}_total", ())]
+        assert got[(f"vllm:spec_decode_num_{name}_total", model)] == ours
+        counts[name] = ours
+    assert 0 < counts["drafts"] < counts["draft_tokens"] == counts["accepted_tokens"], counts
+    server.assert_blocks_all_free()
