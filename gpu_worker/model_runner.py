@@ -205,15 +205,15 @@ class ModelRunner:
     def _draft(self, entries: list[_ScheduledEntry], samples: list[bool]) -> dict[str, list[int]]:
         """The draft model's pass over what the target kept of this step, and its guesses
         for the sequences that sampled and may speculate (``draft_model.py``); none
-        without a draft model. Runs after the sampled tokens joined the states."""
+        without a draft model. Runs after the sampled tokens joined the states. A pooling
+        request's prompt runs through it too: its blocks may serve a later prompt's prefix."""
         if self.draft_model is None:
             return {}
         rows = []
-        for entry, sampled in zip(entries, samples):
+        for entry, samples_now in zip(entries, samples):
             state = entry.state
-            if state.pooling_params is not None:
-                continue
             params = state.sampling_params
+            sampled = samples_now and state.pooling_params is None
             rows.append(
                 DraftRow(
                     entry.request_id,

@@ -258,3 +258,28 @@ def test_gemma2_matches_hf_on_the_gpu(tmp_path, monkeypatch, prefill):
     llm = LLM(model_dir, device="cuda", block_size=16, num_blocks=256)
     outputs = llm.generate(random_prompts(1), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize(("cuda_graphs", "preemption_mode"), [(False, "swap"), (True, None)])
+def test_a_draft_model_on_the_gpu_matches_hf(
+    tiny_model_dirs, hf_references, cuda_graphs, preemption_mode
+):
+    """A copy of the target as its draft model, in a pool of its own on the GPU (swapped
+    through the pinned host pools beside the target's): HF's tokens, every guess accepted."""
+    llama = tiny_model_dirs["llama"]
+    tight = dict(num_blocks=24, max_num_batched_tokens=64) if preemption_mode else {}
+    llm = LLM(
+        llama,
+        device="cuda",
+        max_num_seqs=12,
+        cuda_graphs=cuda_graphs,
+        preemption_mode=preemption_mode,
+        speculative_config={"model": str(llama), "num_speculative_tokens": 3},
+        **({"num_blocks": 256} | tight),
+    )
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_references["llama"]
+    stats = llm.stats()
+    assert 0 < stats["num_accepted_tokens"] == stats["num_draft_tokens"], stats
+    if preemption_mode:
+        assert stats["num_swap_preemptions"] > 0, stats

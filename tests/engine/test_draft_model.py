@@ -245,6 +245,22 @@ def test_copy_on_write_copies_the_draft_cache(tiny_model_dirs, plain_llama):
     assert_every_guess_accepted(llm, before)
 
 
+def test_an_embedding_requests_blocks_carry_the_draft_cache(tiny_model_dirs, plain_llama):
+    """A pooling request's prompt runs through the draft model too: a generation request
+    whose prompt starts with it hits its blocks, and a copy of the target still guesses
+    every token after them."""
+    model = tiny_model_dirs["llama"]
+    llm = LLM(model, num_blocks=256, block_size=8, speculative_config=draft_config(model))
+    prompt = random_prompts(13, count=1)[0] + random_prompts(14, count=1)[0]
+    llm.embed([prompt])
+    before = llm.stats()
+    longer = prompt + [9, 10, 11]
+    (output,) = llm.generate([longer], GREEDY)
+    assert output.num_cached_tokens == len(prompt) // 8 * 8 > 0
+    assert list(output.outputs[0].token_ids) == outputs(plain_llama, [longer], GREEDY)[0][0]
+    assert_every_guess_accepted(llm, before)
+
+
 def test_a_draft_model_with_a_shorter_window_guesses_within_it(tiny_model_dirs, plain_llama):
     """Past the draft model's context window it neither follows nor guesses; the target
     goes on a token at a time."""

@@ -360,15 +360,25 @@ def test_chunked_prefill_keeps_each_adapters_tokens(
     assert token_ids(outputs) == expected_mixed(reference, "qwen3", prompts)
 
 
-def test_speculative_decoding_keeps_each_adapters_tokens(tiny_model_dirs, adapter_dir, reference):
-    # Verification steps run several tokens of a request at once, each through its adapter.
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_keeps_each_adapters_tokens(
+    tiny_model_dirs, adapter_dir, reference, method
+):
+    # Verification steps run several tokens of a request at once, each through its adapter;
+    # a draft model (the base model here) guesses without adapters.
     rng = random.Random(7)
     phrases = [[rng.randrange(3, 512) for _ in range(5)] for _ in MIXED_REQUESTS]
     prompts = [[rng.randrange(3, 512) for _ in range(9)] + phrase * 3 for phrase in phrases]
+    model = tiny_model_dirs["llama"]
+    speculative = (
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+        if method == "ngram"
+        else {"model": str(model), "num_speculative_tokens": 4}
+    )
     llm = LLM(
-        tiny_model_dirs["llama"],
+        model,
         num_blocks=256,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+        speculative_config=speculative,
         lora_modules=lora_modules(adapter_dir, "llama", "all_r16", "qv_rslora_r4"),
     )
     outputs = llm.generate(prompts, GREEDY, lora_request=MIXED_REQUESTS)
