@@ -356,6 +356,24 @@ def test_engine_on_the_converted_gguf_matches_hf_on_the_original(hf_dirs, conver
     assert tokens == expected
 
 
+def test_a_gguf_file_as_the_draft_model(hf_dirs, tmp_path):
+    """``speculative_config.model`` may be a GGUF file: converted once, like the target."""
+    gguf_path = write_gguf(hf_dirs["llama"], tmp_path / "draft.gguf", byte_level_vocab(VOCAB_SIZE))
+    prompts = random_prompts(4, VOCAB_SIZE)[1::2]
+    params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = LLM(
+        hf_dirs["llama"],
+        num_blocks=256,
+        cache_dir=str(tmp_path / "cache"),
+        speculative_config={"model": str(gguf_path), "num_speculative_tokens": 3},
+    )
+    tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+    assert tokens == hf_greedy(hf_dirs["llama"], prompts, max_new_tokens=PARITY_TOKENS)
+    # The converted draft is the target's own weights: every guess is accepted.
+    stats = llm.stats()
+    assert 0 < stats["num_accepted_tokens"] == stats["num_draft_tokens"], stats
+
+
 def test_a_large_model_converts_into_shards(hf_dirs, tmp_path, monkeypatch):
     # Shards of at most ~1 MB here (2 GiB by default): the converter holds one at a time.
     monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 1 << 20)
