@@ -1,8 +1,9 @@
-"""What speculative decoding by prompt lookup gives: the same requests with and without it.
+"""What speculative decoding gives: the same requests with and without it.
 
 One engine per configuration, built once and kept for the whole run: plain decoding, and
-prompt-lookup speculation (vLLM's "ngram" method) with each ``--num-speculative-tokens``
-K, otherwise the same settings. Each serves two workloads, chat prompts on the chat
+prompt-lookup speculation (vLLM's "ngram" method), or with ``--draft-model`` speculation
+with that draft model, with each ``--num-speculative-tokens`` K, otherwise the same
+settings. Each serves two workloads, chat prompts on the chat
 template, greedy, ``--max-tokens`` per request with ``ignore_eos=True`` so that every
 configuration generates the same token counts:
 
@@ -193,7 +194,9 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLM]:
     engines = {}
     for k in [None, *args.num_speculative_tokens]:
         speculative_config = None
-        if k is not None:
+        if k is not None and args.draft_model is not None:
+            speculative_config = {"model": args.draft_model, "num_speculative_tokens": k}
+        elif k is not None:
             speculative_config = {
                 "method": "ngram",
                 "num_speculative_tokens": k,
@@ -451,6 +454,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="model directory (default: embedded)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV cache")
     parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculate with this draft model (a directory or GGUF file of the model's "
+        "tokenizer) instead of by prompt lookup",
+    )
+    parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 8], help="requests per generate call"
     )
     parser.add_argument(
@@ -505,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(sys.orig_argv),
         "settings": {
             "model": args.model or "embedded",
+            "method": "ngram" if args.draft_model is None else "draft_model",
+            "draft_model": args.draft_model,
             "dtype": args.dtype,
             "batch_sizes": args.batch_sizes,
             "num_speculative_tokens": args.num_speculative_tokens,
