@@ -64,6 +64,8 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV2ForCausalLM": "deepseek",
     "DeepseekV3ForCausalLM": "deepseek",
+    # GLM-4.7-Flash: DeepSeek-V3's attention and experts under GLM's names for the layers.
+    "Glm4MoeLiteForCausalLM": "deepseek",
 }
 
 # Sequence classification models (HF's ``*ForSequenceClassification``): the family's decoder
@@ -88,6 +90,7 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "GraniteMoeSharedForCausalLM",
         "ExaoneForCausalLM",
         "OlmoeForCausalLM",
+        "Glm4MoeLiteForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -218,6 +221,27 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         n_group=8,
         topk_group=4,
         first_k_dense_replace=3,
+        norm_topk_prob=True,
+        rope_interleave=True,
+    ),
+    # Glm4MoeLiteConfig's (GLM-4.7-Flash's shapes): heads of 192 + 64, values of 256; which
+    # layers have experts is mlp_layer_types (by default all but the first).
+    "Glm4MoeLiteForCausalLM": dict(
+        rms_norm_eps=1e-5,
+        max_position_embeddings=202752,
+        intermediate_size=10240,
+        kv_lora_rank=512,
+        q_lora_rank=768,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        n_routed_experts=64,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1536,
+        routed_scaling_factor=1.8,
+        n_group=1,
+        topk_group=1,
         norm_topk_prob=True,
         rope_interleave=True,
     ),
@@ -1032,6 +1056,7 @@ _GROUPED_ROUTER_MOE = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Dots1ForCausalLM",
+    "Glm4MoeLiteForCausalLM",
 )
 _DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -1039,9 +1064,10 @@ _DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 def _grouped_router_experts(
     architecture: str, hf_config: dict[str, Any]
 ) -> tuple[ExpertsSpec | None, ...]:
-    """DeepSeek-V2 / V3, GLM-4.5 and dots.llm1: ``n_routed_experts`` experts of
+    """DeepSeek-V2 / V3, GLM-4.5, GLM-4.7-Flash and dots.llm1: ``n_routed_experts`` experts of
     ``moe_intermediate_size`` at each layer from ``first_k_dense_replace`` on (a dense MLP of
-    ``intermediate_size`` before it), the top ``num_experts_per_tok`` of the grouped router
+    ``intermediate_size`` before it; GLM-4.7-Flash: at the "sparse" layers of
+    ``mlp_layer_types``), the top ``num_experts_per_tok`` of the grouped router
     (``GroupedRouting``:
     V2's ``topk_method``, the others' sigmoid scores), plus ``n_shared_experts``
     experts' rows as one shared MLP; all but V2's weights renormalised when
@@ -1112,12 +1138,34 @@ def _grouped_router_experts(
             correction_bias=not v2,
         ),
     )
+    if architecture == "Glm4MoeLiteForCausalLM":
+        return tuple(spec if sparse else None for sparse in _mlp_layer_types(hf_config))
     first_dense = hf_config.get("first_k_dense_replace")
     if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
         raise ValueError(
             f"model: first_k_dense_replace must be an integer >= 0, got {first_dense!r}"
         )
     return tuple(spec if i >= first_dense else None for i in range(num_layers))
+
+
+def _mlp_layer_types(hf_config: dict[str, Any]) -> list[bool]:
+    """Whether each layer's MLP is a sparse one, from Glm4MoeLiteConfig's ``mlp_layer_types``
+    ("dense" / "sparse" per layer; HF's default: the first dense, the rest sparse; HF reads
+    no ``first_k_dense_replace`` for this model)."""
+    num_layers = hf_config["num_hidden_layers"]
+    types = hf_config.get("mlp_layer_types")
+    if types is None:
+        return [index > 0 for index in range(num_layers)]
+    if (
+        not isinstance(types, list)
+        or len(types) != num_layers
+        or not set(types) <= {"dense", "sparse"}
+    ):
+        raise ValueError(
+            f"model: mlp_layer_types must list 'dense' or 'sparse' for each of the "
+            f"{num_layers} layers, got {types!r:.200}"
+        )
+    return [kind == "sparse" for kind in types]
 
 
 def _hunyuan_experts(hf_config: dict[str, Any]) -> tuple[ExpertsSpec | None, ...]:

@@ -48,6 +48,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "Glm4MoeForCausalLM": transformers.Glm4MoeConfig,
         "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
         "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
+        "Glm4MoeLiteForCausalLM": transformers.Glm4MoeLiteConfig,
         "Dots1ForCausalLM": transformers.Dots1Config,
         "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig,
         "Exaone4ForCausalLM": transformers.Exaone4Config,

@@ -1,6 +1,8 @@
-"""DeepSeek-V2 and DeepSeek-V3 (and the models built on them: DeepSeek-R1, Kimi K2, ...):
-Llama's layers with multi-head latent attention (MLA) and, from layer ``first_k_dense_replace``
-on, experts under DeepSeek's grouped router beside shared experts (layers/moe.py).
+"""DeepSeek-V2 and DeepSeek-V3 (and the models built on them: DeepSeek-R1, Kimi K2, ...; and
+Zhipu's GLM-4.7-Flash, ``Glm4MoeLiteForCausalLM``, which is V3's layers under GLM's names for
+which have experts): Llama's layers with multi-head latent attention (MLA) and, from layer
+``first_k_dense_replace`` on (GLM-4.7-Flash: the "sparse" ``mlp_layer_types``), experts under
+DeepSeek's grouped router beside shared experts (layers/moe.py).
 
 MLA: each token's keys and values come from one small latent per token, the RMS-normed
 ``kv_lora_rank`` values of ``kv_a_proj_with_mqa``, expanded per head by ``kv_b_proj`` into the
@@ -12,11 +14,11 @@ last ``qk_rope_head_dim`` of each query and key, on interleaved pairs (V2; V3 wi
 1/sqrt(query-key head size), times YaRN's ``mscale_all_dim`` factor squared.
 
 NOTE: the paged cache holds the expanded keys and values of every head, the value padded with
-zeros to the key's size (``model_config.latent_attention_heads``), as the attention ops take
-them: the same attention as HF's, which caches the latent, at more memory per token (DeepSeek-V3:
-128 heads x 192 x 2 values a layer, against the latent's 576). Attention over the latent itself
-(absorbing ``kv_b_proj`` into the query and the output) is for an op that reads a latent cache.
-"""
+zeros to the key's size or the key to the value's (``model_config.latent_attention_heads``), as
+the attention ops take them: the same attention as HF's, which caches the latent, at more
+memory per token (DeepSeek-V3: 128 heads x 192 x 2 values a layer, against the latent's 576).
+Attention over the latent itself (absorbing ``kv_b_proj`` into the query and the output) is for
+an op that reads a latent cache."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
-"""DeepSeek-V2 and DeepSeek-V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``): multi-head
-latent attention (keys and values expanded per head from a normed latent, one rotated key part
-shared by all heads, RoPE on interleaved pairs or halves, a query straight or through a low-rank
-projection, YaRN's softmax scale) over Llama's residual stream; dense first layers, then
-experts beside shared experts under V2's softmax router (greedy, or limited to groups) or V3's
-grouped sigmoid router. Greedy tokens identical to HF transformers (float32) across block
-sizes, chunked prefill with prefix hits, two tensor-parallel ranks and preemption by swap;
-the checkpoint's next-token-prediction layer is skipped as HF skips it; the rotary layout,
-YaRN's scale and the router's groups each change HF's own tokens, so the checks can fail;
-bfloat16's first tokens agree with HF's bfloat16."""
+"""DeepSeek-V2 and DeepSeek-V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``), and
+GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: V3's attention and experts, its own layer types):
+multi-head latent attention (keys and values expanded per head from a normed latent, one
+rotated key part shared by all heads, RoPE on interleaved pairs or halves, a query straight or
+through a low-rank projection, YaRN's softmax scale) over Llama's residual stream; dense first
+layers, then experts beside shared experts under V2's softmax router (greedy, or limited to
+groups) or V3's grouped sigmoid router. Greedy tokens identical to HF transformers (float32)
+across block sizes, chunked prefill with prefix hits, two tensor-parallel ranks and preemption
+by swap; the checkpoint's next-token-prediction layer is skipped as HF skips it; the rotary
+layout, YaRN's scale and the router's groups each change HF's own tokens, so the checks can
+fail; bfloat16's first tokens agree with HF's bfloat16."""
 
 from __future__ import annotations
 
@@ -89,6 +90,30 @@ CONFIGS = {
     ),
 }
 CONFIGS["v2"]["num_hidden_layers"] = CONFIGS["v3"]["num_hidden_layers"] = 3
+# GLM-4.7-Flash (Glm4MoeLiteForCausalLM) in small: V3's attention with values wider than the
+# query-key heads (64 + 32, values 128: keys padded in the cache), experts at the layers
+# mlp_layer_types names, 8 in 2 groups (1 kept), sigmoid scores.
+CONFIGS["glm4_moe_lite"] = dict(
+    architectures=["Glm4MoeLiteForCausalLM"],
+    **_SHAPE,
+    num_key_value_heads=4,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=128,
+    moe_intermediate_size=64,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=1.8,
+    mlp_layer_types=["dense", "sparse", "dense"],
+    pad_token_id=0,
+    eos_token_id=2,
+)
+CONFIGS["glm4_moe_lite"]["num_hidden_layers"] = 3
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +137,25 @@ def test_the_cache_holds_each_head_expanded_and_the_router_is_deepseek_s(model_d
     assert v2.layer_experts[1].shared_intermediate_size == 128
     assert v3.layer_experts[2].grouped == GroupedRouting(True, 4, 2, 2.5, correction_bias=True)
     assert v3.layer_experts[2].renormalize
+
+
+def test_glm4_moe_lite_reads_its_layer_types_and_pads_its_keys(model_dirs, tmp_path):
+    lite = ModelConfig.from_dir(model_dirs["glm4_moe_lite"])
+    assert (lite.head_size, lite.num_kv_heads) == (128, 4)  # values 128, keys 64 + 32
+    assert [spec is not None for spec in lite.layer_experts] == [False, True, False]
+    assert lite.layer_experts[1].grouped == GroupedRouting(True, 2, 1, 1.8, correction_bias=True)
+    # Without the field, HF's default: the first layer dense, the rest sparse (HF reads no
+    # first_k_dense_replace for this model).
+    default = rewritten(model_dirs["glm4_moe_lite"], tmp_path / "default", mlp_layer_types=None)
+    config = json.loads((default / "config.json").read_text())
+    config.pop("mlp_layer_types", None)
+    (default / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 2}))
+    layers = ModelConfig.from_dir(default).layer_experts
+    assert [spec is not None for spec in layers] == [False, True, True]
+    with pytest.raises(ValueError, match="mlp_layer_types must list 'dense' or 'sparse'"):
+        ModelConfig.from_dir(
+            rewritten(model_dirs["glm4_moe_lite"], tmp_path / "bad", mlp_layer_types=["dense"])
+        )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -166,10 +210,11 @@ def test_rope_layout_yarn_scale_and_groups_each_change_hf_s_tokens(
         assert hf_greedy(variant, prompts()) != hf_references["v3"], variant.name
 
 
-def test_the_next_token_prediction_layer_is_skipped(model_dirs, hf_references, tmp_path):
-    with_mtp = with_next_token_layer(model_dirs["v3"], tmp_path / "with_mtp")
+@pytest.mark.parametrize("name", ["v3", "glm4_moe_lite"])
+def test_the_next_token_prediction_layer_is_skipped(model_dirs, hf_references, tmp_path, name):
+    with_mtp = with_next_token_layer(model_dirs[name], tmp_path / "with_mtp")
     llm = LLM(with_mtp, num_blocks=256)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["v3"]
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
