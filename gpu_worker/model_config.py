@@ -48,6 +48,9 @@ SUPPORTED_ARCHITECTURES = {
     "HunYuanMoEV1ForCausalLM": "llama",
     "ExaoneForCausalLM": "llama",
     "OlmoeForCausalLM": "llama",
+    # MiniMax-M2: OLMoE's whole-projection q/k norms, RoPE over part of each head, Mixtral's
+    # experts under a sigmoid router whose learned bias only chooses.
+    "MiniMaxM2ForCausalLM": "llama",
     "NemotronForCausalLM": "nemotron",
     "ApertusForCausalLM": "llama",
     "OPTForCausalLM": "opt",
@@ -91,6 +94,7 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "ExaoneForCausalLM",
         "OlmoeForCausalLM",
         "Glm4MoeLiteForCausalLM",
+        "MiniMaxM2ForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -108,6 +112,7 @@ _PARTIAL_ROTARY = (
     "Glm4ForCausalLM",
     "Glm4MoeForCausalLM",
     "NemotronForCausalLM",
+    "MiniMaxM2ForCausalLM",
 )
 # RoPE settings per layer type (sliding / full attention), not one for the model.
 _PER_LAYER_TYPE_ROPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
@@ -244,6 +249,17 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         topk_group=1,
         norm_topk_prob=True,
         rope_interleave=True,
+    ),
+    # MiniMaxM2Config's (MiniMax-M2's shapes; its RoPE base when the config gives none).
+    "MiniMaxM2ForCausalLM": dict(
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=196608,
+        rope_theta=5_000_000.0,
+        num_local_experts=256,
+        num_experts_per_tok=8,
+        intermediate_size=1536,
+        tie_word_embeddings=False,
     ),
     # Dots1Config's: its windowed layers, from max_window_layers on, are none at 62 layers.
     "Dots1ForCausalLM": dict(
@@ -402,14 +418,18 @@ class GroupedRouting:
     ``sigmoid`` (DeepSeek-V3's "noaux_tc", GLM-4.5): an expert's score is the sigmoid of its
     logit; a group ranks by the sum of its two best. Otherwise (DeepSeek-V2's "greedy", one
     group, and "group_limited_greedy"; ERNIE 4.5) the scores are the logits' softmax and a group
-    ranks by its best. ``correction_bias`` (V3, GLM-4.5, ERNIE 4.5): a learned bias per expert
-    (``gate.e_score_correction_bias``) joins the scores that choose, not the weights."""
+    ranks by its best. ``correction_bias`` (V3, GLM-4.5, ERNIE 4.5, MiniMax-M2): a learned bias
+    per expert (``gate.e_score_correction_bias``) joins the scores that choose, not the weights.
+    ``router_in_float32`` off (MiniMax-M2, one group): the router weight, its logits and the
+    bias are in the model's dtype, the scores from them in float32, as HF's Mixtral-based
+    router has them."""
 
     sigmoid: bool
     num_groups: int
     top_k_groups: int
     routed_scaling_factor: float
     correction_bias: bool = False
+    router_in_float32: bool = True
 
 
 @dataclass(frozen=True)
@@ -544,6 +564,11 @@ class ModelConfig:
         hf_config = {**_CONFIG_DEFAULTS.get(architecture, {}), **hf_config}
         if architecture in HUNYUAN:
             hf_config = _with_ntk_alpha_rope(hf_config)
+        if architecture == "MiniMaxM2ForCausalLM" and hf_config.get("rotary_dim") is not None:
+            # MiniMaxM2Config's reading: RoPE over the first rotary_dim values of each head.
+            hf_config.setdefault(
+                "partial_rotary_factor", hf_config["rotary_dim"] / hf_config["head_dim"]
+            )
         _check_supported_fields(architecture, hf_config)
         num_heads = hf_config["num_attention_heads"]
         hidden_size = hf_config["hidden_size"]
@@ -946,6 +971,10 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
       ``shared_intermediate_size``.
     - DeepSeek-V2 / V3, GLM-4.5, dots.llm1: ``_grouped_router_experts``; ERNIE 4.5 MoE:
       ``_ernie_experts``; Hunyuan MoE: ``_hunyuan_experts``.
+    - MiniMax-M2: every layer; ``num_local_experts`` (default 256) of ``intermediate_size``, top
+      ``num_experts_per_tok`` (default 8) by sigmoid scores plus ``e_score_correction_bias``,
+      weighted by their scores renormalised (``GroupedRouting`` of one group, in the model's
+      dtype).
     """
     num_layers = hf_config["num_hidden_layers"]
     if architecture == "GptOssForCausalLM":
@@ -1007,6 +1036,24 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
         return _ernie_experts(hf_config)
     if architecture == "HunYuanMoEV1ForCausalLM":
         return _hunyuan_experts(hf_config)
+    if architecture == "MiniMaxM2ForCausalLM":
+        num_experts, num_experts_field = _num_experts(hf_config, 256)
+        spec = _checked_experts(
+            hf_config,
+            num_experts=num_experts,
+            num_experts_field=num_experts_field,
+            top_k=hf_config["num_experts_per_tok"],
+            intermediate_field="intermediate_size",
+            renormalize=True,
+            weights_in_float32=True,
+        )
+        if spec.num_experts < 2:
+            raise ValueError(
+                f"model: {num_experts_field}={spec.num_experts}: the sigmoid router needs at "
+                "least 2 experts"
+            )
+        routing = GroupedRouting(True, 1, 1, 1.0, correction_bias=True, router_in_float32=False)
+        return (dataclasses.replace(spec, grouped=routing),) * num_layers
     if architecture == "OlmoeForCausalLM":
         num_experts, num_experts_field = _num_experts(hf_config, 64)
         spec = _checked_experts(

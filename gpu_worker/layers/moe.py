@@ -1,7 +1,7 @@
 """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, gpt-oss, DeepSeek-V2
-/ V3, GLM-4.5): a router picks each token's top-k experts (DeepSeek's and GLM-4.5's within its
-best groups of experts), and each expert, a gated MLP (gpt-oss's: a clamped SwiGLU with
-biases), runs on the tokens routed to it.
+/ V3, GLM-4.5, MiniMax-M2): a router picks each token's top-k experts (DeepSeek's and
+GLM-4.5's within its best groups of experts), and each expert, a gated MLP (gpt-oss's: a
+clamped SwiGLU with biases), runs on the tokens routed to it.
 
 Dispatch: the (token, expert) pairs are sorted by expert and their rows gathered once, so
 each expert runs one GEMM over a slice of them; the weighted outputs go back to token
@@ -60,12 +60,14 @@ class SparseMoE(nn.Module):
             for _ in range(spec.num_experts)
         )
         if spec.grouped is not None:
-            # DeepSeek's and GLM-4.5's routers score in float32 over a float32 weight.
-            self.gate = Linear(hidden_size, spec.num_experts, False, torch.float32)
+            # DeepSeek's and GLM-4.5's routers score in float32 over a float32 weight;
+            # MiniMax-M2's router and bias are in the model's dtype.
+            router_dtype = torch.float32 if spec.grouped.router_in_float32 else dtype
+            self.gate = Linear(hidden_size, spec.num_experts, False, router_dtype)
             self.gate.quantizable = False
             if spec.grouped.correction_bias:
                 self.gate.e_score_correction_bias = nn.Parameter(
-                    torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False
+                    torch.zeros(spec.num_experts, dtype=router_dtype), requires_grad=False
                 )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
@@ -109,7 +111,10 @@ class SparseMoE(nn.Module):
         within its best groups."""
         grouped = self.spec.grouped
         assert grouped is not None
-        logits = self.gate(hidden.float())
+        if grouped.router_in_float32:
+            logits = self.gate(hidden.float())
+        else:
+            logits = self.gate(hidden).float()
         num_groups = grouped.num_groups
         if grouped.sigmoid:
             scores = logits.sigmoid()
@@ -117,7 +122,7 @@ class SparseMoE(nn.Module):
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         choice = scores
         if grouped.correction_bias:
-            choice = scores + self.gate.e_score_correction_bias
+            choice = scores + self.gate.e_score_correction_bias.float()
         grouped_choice = choice.view(-1, num_groups, self.spec.num_experts // num_groups)
         if grouped.sigmoid:
             group_scores = grouped_choice.topk(2, dim=-1)[0].sum(dim=-1)

@@ -31,7 +31,9 @@ scalars per layer (``basic.XIELU``); its norms' names are its own. LG AI's EXAON
 (``ExaoneForCausalLM``) is Llama under GPT-2-style names (``transformer.h.N.attn.attention``,
 ``c_fc_0`` / ``c_fc_1``), renamed on loading as transformers renames them. AllenAI's OLMoE
 is Llama with norms over the whole query and key projections (as OLMo 2's, Llama's
-arithmetic), an optional ``clip_qkv``, and experts in every layer."""
+arithmetic), an optional ``clip_qkv``, and experts in every layer. MiniMax-M2
+(``MiniMaxM2ForCausalLM``) has those norms, RoPE over the first ``rotary_dim`` values of each
+head, and Mixtral's experts under a sigmoid router whose learned bias only chooses."""
 
 from __future__ import annotations
 
@@ -137,9 +139,12 @@ class LlamaAttention(SelfAttention):
             scale=_granite_scalar(config, "attention_multiplier"),
             clip_qkv=hf.get("clip_qkv") if config.architecture == "OlmoeForCausalLM" else None,
         )
-        # OLMoE norms the whole query and key projections (all heads at once; each rank its
-        # rows, the sum of squares over the ranks), Llama's arithmetic.
-        self.whole_projection_norms = config.architecture == "OlmoeForCausalLM"
+        # OLMoE and MiniMax-M2 norm the whole query and key projections (all heads at once;
+        # each rank its rows, the sum of squares over the ranks), Llama's arithmetic.
+        self.whole_projection_norms = config.architecture in (
+            "OlmoeForCausalLM",
+            "MiniMaxM2ForCausalLM",
+        )
         if self.whole_projection_norms:
             eps = hf.get("rms_norm_eps", 1e-5)
             query_rows, kv_rows, _ = self.qkv_proj.component_rows
@@ -336,6 +341,8 @@ class LlamaForCausalLM(StackedDecoderLM):
             weights = ((_hunyuan_moe_name(name), tensor) for name, tensor in weights)
         if self.config.architecture == "ApertusForCausalLM":
             weights = ((_apertus_name(name), tensor) for name, tensor in weights)
+        if self.config.architecture == "MiniMaxM2ForCausalLM":
+            weights = ((_minimax_m2_name(name), tensor) for name, tensor in weights)
 
         def rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
             return self.checkpoint_rows(name.rpartition(".")[0].rpartition(".")[2], tensor)
@@ -453,6 +460,17 @@ def _ernie_moe_tensors(
                 name = name.replace(stem, ".mlp.gate.")
                 tensor = tensor.reshape(-1)
         yield name, tensor
+
+
+def _minimax_m2_name(name: str) -> str:
+    """MiniMax-M2's router bias (``block_sparse_moe.e_score_correction_bias``, transformers 5's
+    ``mlp.e_score_correction_bias``) beside its router, as this engine keeps it."""
+    for prefix in (".block_sparse_moe.", ".mlp."):
+        if name.endswith(prefix + "e_score_correction_bias"):
+            return name.replace(
+                prefix + "e_score_correction_bias", ".mlp.gate.e_score_correction_bias"
+            )
+    return name
 
 
 # Mixtral's sparse block and its experts' gate, down and up projections, by their own names.
