@@ -137,6 +137,7 @@ def _speculative_fields(config: SpeculativeConfig | None) -> dict[str, Any]:
         "prompt_lookup_max": config.prompt_lookup_max,
         "prompt_lookup_min": config.prompt_lookup_min,
         "speculative_method": config.method,
+        "speculative_disable_by_batch_size": config.disable_by_batch_size or 0,
     }
 
 

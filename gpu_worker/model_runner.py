@@ -175,7 +175,7 @@ class ModelRunner:
                     plan.step_id,
                     prompt_logprobs=prompt_logprobs,
                     embeddings=embeddings,
-                    draft_token_ids=self._draft(entries, samples),
+                    draft_token_ids=self._draft(entries, samples, plan.draft_guesses),
                 )
             # The sampler works on the host (numpy seeds, per-request lists).
             # NOTE: on a GPU this copy waits for the forward pass: the step's one synchronization.
@@ -199,14 +199,17 @@ class ModelRunner:
             logprobs=[logprobs[row] for row in rows] if logprobs else [],
             prompt_logprobs=prompt_logprobs,
             embeddings=embeddings,
-            draft_token_ids=self._draft(entries, samples),
+            draft_token_ids=self._draft(entries, samples, plan.draft_guesses),
         )
 
-    def _draft(self, entries: list[_ScheduledEntry], samples: list[bool]) -> dict[str, list[int]]:
-        """The draft model's pass over what the target kept of this step, and its guesses
-        for the sequences that sampled and may speculate (``draft_model.py``); none
-        without a draft model. Runs after the sampled tokens joined the states. A pooling
-        request's prompt runs through it too: its blocks may serve a later prompt's prefix."""
+    def _draft(
+        self, entries: list[_ScheduledEntry], samples: list[bool], guesses: bool
+    ) -> dict[str, list[int]]:
+        """The draft model's pass over what the target kept of this step, and, when the
+        plan wants ``guesses``, its guesses for the sequences that sampled and may
+        speculate (``draft_model.py``); none without a draft model. Runs after the sampled
+        tokens joined the states. A pooling request's prompt runs through it too: its
+        blocks may serve a later prompt's prefix."""
         if self.draft_model is None:
             return {}
         rows = []
@@ -225,7 +228,10 @@ class ModelRunner:
                     len(state.token_ids) - 1
                     if sampled
                     else entry.num_computed_tokens + entry.num_scheduled_tokens,
-                    sampled and params.num_sequences == 1 and not params.use_beam_search,
+                    guesses
+                    and sampled
+                    and params.num_sequences == 1
+                    and not params.use_beam_search,
                 )
             )
         return self.draft_model.propose(rows)

@@ -54,6 +54,9 @@ class SchedulerConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     speculative_method: str = "ngram"
+    # No sequence speculates in a step that starts with at least this many running
+    # sequences (vLLM's ``disable_by_batch_size``); 0: always speculate.
+    speculative_disable_by_batch_size: int = 0
     # "fcfs": requests run in arrival order; "priority": by each request's priority
     # (lower first, then arrival), and a queued request preempts running ones of a
     # strictly lower priority when it does not fit (scheduler.py).
@@ -106,6 +109,12 @@ class SchedulerConfig:
             # Validates the three (vLLM's names, in its messages).
             SpeculativeConfig(
                 self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
+            )
+        size = self.speculative_disable_by_batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size == 1:
+            raise ValueError(
+                f"speculative_disable_by_batch_size must be 0 (off) or an integer >= 2, got "
+                f"{size!r}"
             )
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(

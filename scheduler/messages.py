@@ -108,6 +108,10 @@ class StepPlan:
     load_loras: list[tuple[int, str, str]] = field(default_factory=list)
     unload_lora_ids: list[int] = field(default_factory=list)
     window_freed_blocks: dict[str, int] = field(default_factory=dict)
+    # Whether the workers' draft model guesses after this step (speculative decoding with a
+    # draft model; off while the batch is at ``disable_by_batch_size``): it still follows
+    # the step's tokens either way.
+    draft_guesses: bool = True
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -190,6 +190,8 @@ class Scheduler:
         self._drop_ids_for_workers: list[str] = []
         # Copy-on-writes of the step being planned: sequence id -> (table index, src, dst).
         self._step_copies: dict[str, tuple[int, int, int]] = {}
+        # Whether sequences may speculate in the step being planned (disable_by_batch_size).
+        self._speculating = True
         self.accounting = MemoryAccounting()
         self._by_priority = config.scheduling_policy == "priority"
         self._num_added = 0
@@ -315,6 +317,11 @@ class Scheduler:
         plan = StepPlan(step_id=self._step_id)
         budget = self.config.max_num_batched_tokens
         preempted = False
+        limit = self.config.speculative_disable_by_batch_size
+        # A large batch keeps the device busy already: no drafts, no guesses (vLLM's
+        # disable_by_batch_size, counted over the sequences running as the step starts).
+        self._speculating = not limit or len(self.running) < limit
+        plan.draft_guesses = self._speculating
         if self._by_priority:
             self._preempt_for_priority(plan)
 
@@ -383,6 +390,7 @@ class Scheduler:
         config = self.config
         if (
             not config.num_speculative_tokens
+            or not self._speculating
             or num_new != 1
             or request.num_computed_tokens + 1 != request.num_tokens
             or request.group is not None  # n > 1, best_of, beams: one token a step
@@ -437,6 +445,7 @@ class Scheduler:
         if (
             config.speculative_method != "draft_model"
             or not config.num_speculative_tokens
+            or not self._speculating
             or request.group is not None
             or request.pooling_params is not None
             or target < request.num_tokens  # a prefill chunk: nothing sampled after it

@@ -206,6 +206,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "load_loras",
         "unload_lora_ids",
         "window_freed_blocks",
+        "draft_guesses",
     ),
     StepResult: (
         "step_id",
@@ -263,6 +264,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "prompt_lookup_max",
         "prompt_lookup_min",
         "speculative_method",
+        "speculative_disable_by_batch_size",
         "scheduling_policy",
         "max_loras",
         "sliding_window",
@@ -551,6 +553,7 @@ def _pack_step_plan(plan: StepPlan) -> list:
         [list(load) for load in plan.load_loras],
         plan.unload_lora_ids,
         plan.window_freed_blocks,
+        plan.draft_guesses,
     ]
 
 
@@ -568,6 +571,7 @@ def _unpack_step_plan(value: Any) -> StepPlan:
         load_loras,
         unload_lora_ids,
         window_freed,
+        draft_guesses,
     ) = _fields(value, "StepPlan")
     _check(step_id, int, "StepPlan.step_id")
     _check(new_requests, list, "StepPlan.new_requests")
@@ -603,6 +607,7 @@ def _unpack_step_plan(value: Any) -> StepPlan:
             )
     unload_lora_ids = _check(unload_lora_ids, list, "StepPlan.unload_lora_ids")
     _check_column(unload_lora_ids, int, len(unload_lora_ids), "StepPlan.unload_lora_ids")
+    _check(draft_guesses, bool, "StepPlan.draft_guesses")
     _check(window_freed, dict, "StepPlan.window_freed_blocks")
     _check_column(
         list(window_freed.values()), int, len(window_freed), "StepPlan.window_freed_blocks"
@@ -623,6 +628,7 @@ def _unpack_step_plan(value: Any) -> StepPlan:
         load_loras=[tuple(load) for load in load_loras],
         unload_lora_ids=unload_lora_ids,
         window_freed_blocks=window_freed,
+        draft_guesses=draft_guesses,
     )
 
 
@@ -909,6 +915,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         int,
         int,
         str,
+        int,
         str,
         int,
         int,

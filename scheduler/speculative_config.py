@@ -22,13 +22,17 @@ class SpeculativeConfig:
     """Up to ``num_speculative_tokens`` draft tokens per sequence per step: by prompt
     lookup (``method="ngram"``: the most recent earlier occurrence of the sequence's last n
     tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), or from the draft
-    model at ``model`` (``method="draft_model"``: an HF directory or a GGUF file)."""
+    model at ``model`` (``method="draft_model"``: an HF directory or a GGUF file).
+    ``disable_by_batch_size``: no sequence speculates in a step that starts with at least
+    that many running sequences (a large batch keeps the device busy already: checking
+    drafts then costs more than the steps it saves); None: always speculate."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     method: str = "ngram"
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -42,6 +46,12 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config.{name} must be an integer >= 1, got {value!r}"
                 )
+        size = self.disable_by_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 2):
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size must be an integer >= 2 (or null), "
+                f"got {size!r}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
@@ -66,7 +76,13 @@ class SpeculativeConfig:
         is a draft model, as in vLLM); unknown keys refused."""
         if not isinstance(config, dict):
             raise TypeError(f"speculative_config must be a dict, got {config!r}")
-        known = {"method", "model", "num_speculative_tokens", *_PROMPT_LOOKUP_KEYS}
+        known = {
+            "method",
+            "model",
+            "num_speculative_tokens",
+            "disable_by_batch_size",
+            *_PROMPT_LOOKUP_KEYS,
+        }
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(

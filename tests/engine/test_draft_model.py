@@ -261,6 +261,32 @@ def test_an_embedding_requests_blocks_carry_the_draft_cache(tiny_model_dirs, pla
     assert_every_guess_accepted(llm, before)
 
 
+def test_disable_by_batch_size_stops_the_guesses_of_a_large_batch(
+    tiny_model_dirs, plain_llama, monkeypatch
+):
+    """Four running: no drafts checked, and the workers make no guesses (the passes would
+    be wasted); two running: every guess again."""
+    model = tiny_model_dirs["llama"]
+    speculative = {**draft_config(model), "disable_by_batch_size": 3}
+    llm = LLM(model, num_blocks=256, speculative_config=speculative)
+    scheduler = llm.engine.scheduler
+    guessed_when_off = []
+    update = scheduler.update_from_output
+
+    def recording_update(plan, result):
+        if not plan.draft_guesses:
+            guessed_when_off.append(result.draft_token_ids)
+        return update(plan, result)
+
+    monkeypatch.setattr(scheduler, "update_from_output", recording_update)
+    prompts = random_prompts(15, count=4)
+    assert outputs(llm, prompts, GREEDY) == outputs(plain_llama, prompts, GREEDY)
+    assert llm.stats()["num_draft_tokens"] == 0  # four running from the second step on
+    assert guessed_when_off and not any(guessed_when_off)
+    assert outputs(llm, prompts[:2], GREEDY) == outputs(plain_llama, prompts[:2], GREEDY)
+    assert_every_guess_accepted(llm)
+
+
 def test_a_draft_model_with_a_shorter_window_guesses_within_it(tiny_model_dirs, plain_llama):
     """Past the draft model's context window it neither follows nor guesses; the target
     goes on a token at a time."""

@@ -183,6 +183,19 @@ def test_sequences_that_do_not_speculate_run_beside_those_that_do(plain_llama, s
         ]
 
 
+def test_disable_by_batch_size_leaves_a_large_batch_unspeculated(tiny_model_dirs, plain_llama):
+    llm = LLM(
+        tiny_model_dirs["llama"],
+        num_blocks=256,
+        speculative_config={**SPECULATIVE, "disable_by_batch_size": 4},
+    )
+    prompts = repetitive_prompts(8)
+    assert outputs(llm, prompts, GREEDY) == outputs(plain_llama, prompts, GREEDY)
+    assert llm.stats()["num_draft_tokens"] == 0  # six running from the second step on
+    assert outputs(llm, prompts[:3], GREEDY) == outputs(plain_llama, prompts[:3], GREEDY)
+    assert llm.stats()["num_draft_tokens"] > 0
+
+
 @pytest.mark.slow
 def test_across_processes_and_tensor_parallel_ranks(tiny_model_dirs, plain_llama):
     prompts = repetitive_prompts(7)

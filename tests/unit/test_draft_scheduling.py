@@ -95,6 +95,23 @@ def test_reservations_never_take_a_block_a_running_sequence_needs():
     assert scheduler.block_manager.num_free_blocks == 0
 
 
+def test_a_batch_at_disable_by_batch_size_neither_speculates_nor_guesses():
+    scheduler = draft_scheduler(speculative_disable_by_batch_size=2)
+    for request_id, max_tokens in (("a", 40), ("b", 2)):
+        scheduler.add_request(make_request(request_id, 5, max_tokens=max_tokens))
+    plan = scheduler.schedule()
+    assert plan.draft_guesses  # the step started with none running
+    answer(scheduler, plan, {"a": [11, 12], "b": [13]})
+    plan = scheduler.schedule()  # two running: at the limit
+    assert (plan.spec_token_ids, plan.draft_guesses) == ({}, False)
+    assert table_tokens(scheduler, "a") == 16  # no block reserved for guesses either
+    answer(scheduler, plan, {})  # "b" ends (max_tokens 2)
+    assert set(scheduler.requests) == {"a"}
+    answer(scheduler, scheduler.schedule(), {"a": [21, 22]})
+    plan = scheduler.schedule()
+    assert (plan.spec_token_ids, plan.draft_guesses) == ({"a": [21, 22]}, True)
+
+
 def test_sequences_of_a_group_neither_guess_nor_reserve():
     scheduler = draft_scheduler()
     request = make_request("a", 5, max_tokens=20)

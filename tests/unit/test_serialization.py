@@ -115,6 +115,7 @@ FULL_PLAN = StepPlan(
     load_loras=[(3, "sql-é", "/adapters/sql-é"), (4, "chat", "/adapters/chat")],
     unload_lora_ids=[1, 2],
     window_freed_blocks={"req-2": 3, "req-1": 1},
+    draft_guesses=False,
 )
 
 FULL_DELTA = RequestOutputDelta(
@@ -380,6 +381,7 @@ def _plan_fields(**overrides) -> list:
         "load_loras": [],
         "unload_lora_ids": [],
         "window_freed_blocks": {},
+        "draft_guesses": True,
     }
     fields.update(overrides)
     return list(fields.values())
@@ -395,7 +397,11 @@ def _plan_fields(**overrides) -> list:
         (msgpack.packb([]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb(["StepPlan"]), r"expected an array \[tag, fields...\]"),
         (msgpack.packb([99, 1]), "unknown message tag 99 .*1=StepPlan"),
-        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 12 fields"),
+        (_frame(StepPlan, 1, [], []), "StepPlan: expected an array of 13 fields"),
+        (
+            _frame(StepPlan, *_plan_fields(draft_guesses=1)),
+            "StepPlan.draft_guesses: expected bool, got int",
+        ),
         (_frame(StepPlan, *_plan_fields(step_id="1")), "StepPlan.step_id: expected int, got str"),
         (_frame(StepPlan, *_plan_fields(step_id=True)), "StepPlan.step_id: expected int, got bool"),
         (
@@ -620,6 +626,7 @@ def _plan_fields(**overrides) -> list:
                 4,
                 2,
                 "ngram",
+                0,
                 "fcfs",
                 0,
                 0,

@@ -27,6 +27,8 @@ def test_prompt_lookup_and_draft_model_configs():
     )
     explicit = {"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 5}
     assert SpeculativeConfig.from_dict(explicit) == config
+    limited = SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "disable_by_batch_size": 8})
+    assert limited.disable_by_batch_size == 8
 
 
 @pytest.mark.parametrize(
@@ -54,6 +56,14 @@ def test_prompt_lookup_and_draft_model_configs():
             {"model": "/m/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
             "prompt_lookup_max apply to method 'ngram'",
         ),
+        (
+            {"num_speculative_tokens": 2, "disable_by_batch_size": 1},
+            "speculative_config.disable_by_batch_size must be an integer >= 2 (or null), got 1",
+        ),
+        (
+            {"num_speculative_tokens": 2, "disable_by_batch_size": "8"},
+            "speculative_config.disable_by_batch_size must be an integer >= 2",
+        ),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_field(config, words):
@@ -68,3 +78,5 @@ def test_the_scheduler_config_checks_its_speculation_fields():
         SchedulerConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="speculative_method must be one of ngram, draft_model"):
         SchedulerConfig(num_speculative_tokens=2, speculative_method="eagle")
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be 0"):
+        SchedulerConfig(num_speculative_tokens=2, speculative_disable_by_batch_size=1)
