@@ -514,6 +514,16 @@ class LLM:
             self.num_host_blocks,
         )
         logger.info("sampling defaults: %s", self.generation_defaults.describe())
+        if speculative is not None:
+            logger.info(
+                "speculative decoding: %s, %d draft tokens a step%s%s",
+                "prompt lookup" if draft_path is None else f"draft model {draft_path}",
+                speculative.num_speculative_tokens,
+                " (the draft model's K/V share each block)" if draft_path is not None else "",
+                f", none from {speculative.disable_by_batch_size} running sequences on"
+                if speculative.disable_by_batch_size
+                else "",
+            )
 
     # ------------------------------------------------------------------ public API
 
