@@ -246,8 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
         "reasoning_content: qwen3 (Qwen3, QwQ), deepseek_r1 (DeepSeek-R1 and distills), "
         "mistral (Magistral: [THINK] ... [/THINK]), seed_oss (Seed-OSS: <seed:think> ... "
         "</seed:think>), glm45 (GLM-4.5 / 4.6: <think> ... </think> after leading whitespace), "
-        "granite (IBM Granite 3.2+: 'Here is my thought process:' ... 'Here is my response:') "
-        "or openai_gptoss (gpt-oss: harmony's analysis channel)",
+        "minimax_m2 (MiniMax-M2: as deepseek_r1; minimax_m2_append_think keeps it all as the "
+        "answer, <think> included), granite (IBM Granite 3.2+: 'Here is my thought "
+        "process:' ... 'Here is my response:') or openai_gptoss (gpt-oss: harmony's analysis "
+        "channel)",
     )
     api.add_argument(
         "--tool-call-parser",
@@ -260,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
         "deepseek_v3 (DeepSeek V3, R1 and its Qwen / Llama "
         "distills), deepseek_v31 (DeepSeek V3.1), glm45 (GLM-4.5 / 4.6: <tool_call> blocks of "
         "<arg_key> / <arg_value> pairs), kimi_k2 (Kimi K2: a <|tool_calls_section_begin|> "
-        "section of functions.NAME:INDEX calls), granite (IBM Granite 3.x: a JSON array "
+        "section of functions.NAME:INDEX calls), minimax_m2 (MiniMax-M2: <minimax:tool_call> "
+        "blocks of <invoke> calls), granite (IBM Granite 3.x: a JSON array "
         "after <|tool_call|>), phi4_mini_json (Phi-4-mini: functools[...]) or openai "
         "(gpt-oss: harmony messages to=functions.NAME)",
     )

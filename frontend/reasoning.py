@@ -19,6 +19,12 @@ serves it: a chat answer's ``message.reasoning_content`` holds what the model wr
   markers: the thinking follows "Here is my thought process:" and the answer "Here is my
   response:" (either written "Here's" too); an output that does not start with the first
   is all answer.
+- ``minimax_m2`` (MiniMax-M2, whose chat template opens the ``<think>`` itself): as
+  ``deepseek_r1``.
+- ``minimax_m2_append_think`` (MiniMax-M2, as its own deployment guide serves it): no
+  split: the whole output is answer, with the template's ``<think>`` put back before it,
+  so a client that sends the answer back in later turns keeps the thinking there (MiniMax
+  asks for it; the template reads it from the content).
 - ``openai_gptoss`` (gpt-oss, whose output is messages in OpenAI's harmony format,
   ``harmony.py``): the analysis channel's messages are the thinking, the final channel's
   and the preambles (commentary addressed to nobody) the answer, one message a line, as
@@ -63,6 +69,9 @@ class _Format:
     opened_by_template: bool = False
     # Whitespace before the opening marker is layout, in neither part (GLM-4.5's "\n<think>").
     skips_leading_whitespace: bool = False
+    # The thinking stays in the answer, markers and all, after the opening marker the
+    # template wrote (vLLM's minimax_m2_append_think): clients that keep it in the history.
+    keeps_thinking_in_answer: bool = False
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -76,6 +85,10 @@ _FORMATS = {
     "seed_oss": _Format(("<seed:think>",), ("</seed:think>",), opened_by_template=True),
     "glm45": _Format((THINK_START,), (THINK_END,), skips_leading_whitespace=True),
     "granite": _Format(GRANITE_THINKING, GRANITE_ANSWER, skips_leading_whitespace=True),
+    "minimax_m2": _Format((THINK_START,), (THINK_END,), opened_by_template=True),
+    "minimax_m2_append_think": _Format(
+        (THINK_START,), (THINK_END,), opened_by_template=True, keeps_thinking_in_answer=True
+    ),
 }
 # gpt-oss: channels of OpenAI's harmony format, not a pair of markers (harmony.py).
 HARMONY = "openai_gptoss"
@@ -174,6 +187,13 @@ class ReasoningParser:
         if self._format is None:
             messages = harmony.read_messages(text, final)
             return SplitOutput(harmony.reasoning_text(messages), harmony.content_text(messages))
+        if self._format.keeps_thinking_in_answer:
+            return SplitOutput("", self._format.starts[0] + text)
+        return self._split(text, final)
+
+    def _split(self, text: str, final: bool) -> SplitOutput:
+        """``parse`` by the format's markers: the thinking between them, the answer after."""
+        assert self._format is not None
         markers = self._format
         lead_chars = len(text) - len(text.lstrip()) if markers.skips_leading_whitespace else 0
         rest = text[lead_chars:]
@@ -200,13 +220,15 @@ class ReasoningParser:
         """How many of an output's tokens (``token_ids``, read as ``text``) are its thinking,
         the markers included: the Responses API's ``reasoning_tokens``. Counted on the ids
         when the closing marker is one token of the vocabulary (Qwen3, DeepSeek-R1,
-        Magistral, GLM-4.5); else (Granite's phrases) the thinking's text is tokenized
-        again, which can differ from the ids the model chose by a token or two. Harmony's
-        thinking (gpt-oss) runs from the output's start to the end of its last analysis
-        message, and is tokenized again."""
+        Magistral, GLM-4.5, MiniMax-M2); else (Granite's phrases) the thinking's text is
+        tokenized again, which can differ from the ids the model chose by a token or two.
+        Harmony's thinking (gpt-oss) runs from the output's start to the end of its last
+        analysis message, and is tokenized again. Thinking kept in the answer
+        (``minimax_m2_append_think``) counts all the same: the model spent those tokens
+        thinking."""
         if self._format is None:
             return self._harmony_reasoning_tokens(token_ids, text, tokenizer)
-        split = self.parse(text, final=True)
+        split = self._split(text, final=True)
         if not split.reasoning and split.content == text:
             return 0  # no thinking (qwen3 and mistral: the output did not open it)
         # The answer follows the closing marker: what comes before it is the thinking.

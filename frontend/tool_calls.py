@@ -45,6 +45,7 @@ TOOL_CALL_PARSERS = (
     "deepseek_v31",
     "glm45",
     "kimi_k2",
+    "minimax_m2",
     "granite",
     "phi4_mini_json",
     "openai",
@@ -325,6 +326,8 @@ class ToolCalling:
             return _Glm45Reader({tool.name: tool.parameters for tool in self.tools})
         if tool_call_parser == "kimi_k2":
             return _KimiK2Reader()
+        if tool_call_parser == "minimax_m2":
+            return _MiniMaxM2Reader({tool.name: tool.parameters for tool in self.tools})
         if tool_call_parser == "granite":
             return _GraniteReader()
         if tool_call_parser == "phi4_mini_json":
@@ -1024,6 +1027,101 @@ class _Glm45Reader(_HermesReader):
         return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
+class _MiniMaxM2Reader(_OutputReader):
+    """MiniMax-M2's calls: ``<minimax:tool_call>`` blocks of ``<invoke>`` elements, each one
+    call, its function and its parameters named in attributes (quoted or not); one block
+    may hold several calls::
+
+        <minimax:tool_call>
+        <invoke name="get_weather">
+        <parameter name="city">Paris</parameter>
+        <parameter name="days">3</parameter>
+        </invoke>
+        </minimax:tool_call>
+
+    A call counts once its ``</invoke>`` is written, so a stream sends each call as soon as
+    it is whole, before its block ends; an invoke the output's end cut off is no call (its
+    last value may be cut short), as vLLM's ``minimax_m2`` reads it. A value is the text
+    between its tags as written: the chat template writes values inline, so whitespace
+    there belongs to the value (a file's last newline, a line's indentation). It takes the
+    types its tool's schema gives it (``_schema_types``); a parameter the schema does not
+    type, of a tool or a function not in the request, stays a string. Text before the
+    first block is content, and so is text between or after blocks unless it is only
+    whitespace; a block that holds no call stays content as written."""
+
+    START = "<minimax:tool_call>"
+    END = "</minimax:tool_call>"
+    INVOKE_END = "</invoke>"
+    markers = (START, END)
+    # A name attribute: double-quoted, single-quoted or bare, as vLLM's reader takes it.
+    NAME_ATTRIBUTE = r"""\s+name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]*))\s*>"""
+    INVOKE = re.compile(r"<invoke" + NAME_ATTRIBUTE)
+    PARAMETER = re.compile(r"<parameter" + NAME_ATTRIBUTE + r"(.*?)</parameter>", re.DOTALL)
+
+    def __init__(self, schemas: dict[str, dict[str, Any]]) -> None:
+        self._schemas = schemas
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        content: list[str] = []
+        calls: list[ParsedCall] = []
+        position = 0
+        after_calls = False  # whitespace after a block of calls is layout, not content
+        while True:
+            start = text.find(self.START, position)
+            if start < 0:
+                tail = text[position:]
+                if not final:  # held back: the start of a block may be arriving
+                    tail = tail[: len(tail) - partial_marker_chars(tail, self.START)]
+                if not (after_calls and not tail.strip()):
+                    content.append(tail)
+                break
+            segment = text[position:start]
+            if not (after_calls and not segment.strip()):
+                content.append(segment)
+            body_start = start + len(self.START)
+            end = text.find(self.END, body_start)
+            closed = end >= 0
+            block_calls = self._calls(text[body_start:end] if closed else text[body_start:])
+            if block_calls:
+                calls.extend(block_calls)
+                after_calls = True
+            elif closed:
+                content.append(text[start : end + len(self.END)])
+            elif final:  # the output ended inside a block without a call: all content
+                content.append(text[start:])
+            if not closed:
+                break  # the rest is the open block's: its next call may be arriving
+            position = end + len(self.END)
+        return ParsedOutput("".join(content), calls)
+
+    def _calls(self, body: str) -> list[ParsedCall]:
+        """The block's whole invokes that are calls; what follows the last ``</invoke>``
+        is an invoke still being written (or cut off), which more text cannot change."""
+        calls = []
+        for invoke in body.split(self.INVOKE_END)[:-1]:
+            call = self._call(invoke)
+            if call is not None:
+                calls.append(call)
+        return calls
+
+    def _call(self, invoke: str) -> ParsedCall | None:
+        header = self.INVOKE.search(invoke)
+        if header is None:
+            return None
+        name = next(group for group in header.groups() if group is not None).strip()
+        if not _FUNCTION_NAME.fullmatch(name):
+            return None
+        properties = self._schemas.get(name, {}).get("properties", {})
+        arguments = {}
+        for parameter in self.PARAMETER.finditer(invoke, header.end()):
+            key = next(group for group in parameter.groups()[:3] if group is not None).strip()
+            if not key:
+                continue  # a value with no name is no argument
+            kinds = _schema_types(properties.get(key)) or ["string"]
+            arguments[key] = _typed_value(parameter.group(4), {"type": kinds})
+        return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
 class _HarmonyReader(_OutputReader):
     """gpt-oss's calls, messages of OpenAI's harmony format (``harmony.py``) addressed
     ``to=functions.NAME``, the recipient before ``<|channel|>`` or after it::
@@ -1052,7 +1150,7 @@ class _HarmonyReader(_OutputReader):
 
 def _typed_value(text: str, schema: Any) -> Any:
     """A parameter's text as its JSON schema types it (``_Qwen3CoderReader``,
-    ``_Glm45Reader``)."""
+    ``_Glm45Reader``, ``_MiniMaxM2Reader``)."""
     kinds = schema.get("type") if isinstance(schema, dict) else None
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     if kinds == ["string"] or (isinstance(schema, dict) and "enum" in schema and not kinds):
@@ -1087,3 +1185,40 @@ def _typed_value(text: str, schema: Any) -> Any:
     except (TypeError, ValueError):
         return text
     return value
+
+
+def _schema_types(schema: Any) -> list[str]:
+    """The JSON types a parameter's schema allows, as vLLM's ``minimax_m2`` reads them: its
+    ``type`` (one or a list), the types of its ``enum``'s values, and those of its
+    ``anyOf`` / ``oneOf`` / ``allOf`` alternatives (``{"anyOf": [{"type": "integer"},
+    {"type": "null"}]}`` is an integer or null); none when the schema says nothing of them."""
+    if not isinstance(schema, dict):
+        return []
+    kinds = schema.get("type")
+    found = [kinds] if isinstance(kinds, str) else []
+    if isinstance(kinds, list):
+        found += [kind for kind in kinds if isinstance(kind, str)]
+    values = schema.get("enum")
+    found += [_json_type(value) for value in (values if isinstance(values, list) else [])]
+    for key in ("anyOf", "oneOf", "allOf"):
+        alternatives = schema.get(key)
+        for alternative in alternatives if isinstance(alternatives, list) else []:
+            found += _schema_types(alternative)
+    return list(dict.fromkeys(found))  # each once, in the schema's order
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a value an ``enum`` lists."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):  # before int: a bool is an int to Python
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return "string"

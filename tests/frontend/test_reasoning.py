@@ -1,5 +1,6 @@
-"""Reasoning parsers (frontend/reasoning.py): thinking apart from the answer for Qwen3's
-and DeepSeek-R1's formats, and a stream that adds up to the whole answer."""
+"""Reasoning parsers (frontend/reasoning.py): thinking apart from the answer for each
+format (Qwen3's, DeepSeek-R1's, MiniMax-M2's, ...), and a stream that adds up to the whole
+answer."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ DEEPSEEK = ReasoningParser("deepseek_r1")
 MISTRAL = ReasoningParser("mistral")
 GLM45 = ReasoningParser("glm45")
 GRANITE = ReasoningParser("granite")
+MINIMAX = ReasoningParser("minimax_m2")
+MINIMAX_APPEND = ReasoningParser("minimax_m2_append_think")
 
 CASES = [
     # (text, qwen3's split, deepseek_r1's split)
@@ -89,9 +92,54 @@ def test_granite_thinks_after_its_thought_phrase_until_its_response_phrase(text,
     assert GRANITE.parse(text, final=True) == split
 
 
+# MiniMax-M2's template ends the prompt with "<think>\n": the output thinks from its start.
+MB = "<minimax:tool_call>"
+MINIMAX_CASES = [
+    # (text, minimax_m2's split)
+    (
+        "The user greets me. A short reply will do.\n</think>\n\nHello! How can I help?",
+        SplitOutput("The user greets me. A short reply will do.\n", "\n\nHello! How can I help?"),
+    ),
+    # Thinking, then calls: the answer (the tool-call reader's text) is the block.
+    (
+        f'Paris needs the tool.\n</think>\n\n{MB}\n<invoke name="get_weather">\n'
+        '<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>',
+        SplitOutput(
+            "Paris needs the tool.\n",
+            f'\n\n{MB}\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+            "</invoke>\n</minimax:tool_call>",
+        ),
+    ),
+    # Cut off while thinking: all thinking, a marker's beginning included.
+    ("Let me think about </thi", SplitOutput("Let me think about </thi", "")),
+]
+
+
+@pytest.mark.parametrize(("text", "split"), MINIMAX_CASES)
+def test_minimax_m2_thinks_from_the_start_until_its_end_marker(text, split):
+    assert MINIMAX.parse(text, final=True) == split
+
+
+def test_minimax_m2_reads_as_deepseek_r1_and_append_think_keeps_it_all_in_the_answer():
+    """vLLM's minimax_m2 is DeepSeek-R1's rule; minimax_m2_append_think splits nothing: the
+    answer is the output with the template's <think> put back, for clients that send the
+    thinking back (MiniMax's template reads it from the assistant's content)."""
+    for text, _qwen3, deepseek in CASES:
+        assert MINIMAX.parse(text, final=True) == deepseek
+    for text in [case[0] for case in CASES + MINIMAX_CASES]:
+        assert MINIMAX_APPEND.parse(text, final=True) == SplitOutput("", "<think>" + text)
+        # Nothing waits while it streams: no marker ends a part.
+        assert MINIMAX_APPEND.parse(text, final=False) == SplitOutput("", "<think>" + text)
+    assert MINIMAX.parse("plan </thi", final=False) == SplitOutput("plan ", "")
+    assert MINIMAX.parse("<th", final=False) == SplitOutput("", "")
+    assert set(MINIMAX.markers) == set(MINIMAX_APPEND.markers) == {"<think>", "</think>"}
+
+
 @pytest.mark.parametrize(
     ("parser", "text"),
-    [(GLM45, case[0]) for case in GLM45_CASES] + [(GRANITE, case[0]) for case in GRANITE_CASES],
+    [(GLM45, case[0]) for case in GLM45_CASES]
+    + [(GRANITE, case[0]) for case in GRANITE_CASES]
+    + [(parser, case[0]) for parser in (MINIMAX, MINIMAX_APPEND) for case in MINIMAX_CASES],
 )
 def test_a_stream_adds_up_however_it_is_cut(parser, text):
     """In two pieces split at every point (a marker in two chunks, or whole in one)."""
@@ -126,8 +174,16 @@ def test_glm45_and_granite_hold_back_what_may_be_a_marker():
 
 @pytest.mark.parametrize(
     "parser",
-    [QWEN3, DEEPSEEK, MISTRAL, GLM45, GRANITE],
-    ids=["qwen3", "deepseek_r1", "mistral", "glm45", "granite"],
+    [QWEN3, DEEPSEEK, MISTRAL, GLM45, GRANITE, MINIMAX, MINIMAX_APPEND],
+    ids=[
+        "qwen3",
+        "deepseek_r1",
+        "mistral",
+        "glm45",
+        "granite",
+        "minimax_m2",
+        "minimax_m2_append_think",
+    ],
 )
 @pytest.mark.parametrize("text", [case[0] for case in CASES])
 def test_a_stream_adds_up_to_the_whole_answer(parser, text):
@@ -186,7 +242,7 @@ def test_mistral_thinks_between_its_own_markers_as_qwen3_does():
 
 class _OneTokenMarkers:
     """A tokenizer whose markers are single tokens (ids 1 and 2), as Qwen3's,
-    DeepSeek-R1's and GLM-4.5's are; other text takes a token per character."""
+    DeepSeek-R1's, GLM-4.5's and MiniMax-M2's are; other text takes a token per character."""
 
     IDS = {"<think>": 1, "</think>": 2, "[THINK]": 1, "[/THINK]": 2, "\n": 10}
 
@@ -216,6 +272,10 @@ class _OneTokenMarkers:
         (GRANITE, "Here's my thought process: a Here's my response: b", list(range(50)), 48),
         (GRANITE, "Here's my thought process: a", list(range(28)), 28),
         (GRANITE, "Hi", [72, 105], 0),
+        # MiniMax-M2 thinks from the start; kept in the answer, the thinking counts the same.
+        (MINIMAX, "ab</think>cd", [97, 98, 2, 99, 100], 3),
+        (MINIMAX_APPEND, "ab</think>cd", [97, 98, 2, 99, 100], 3),
+        (MINIMAX_APPEND, "still thinking", [115, 116], 2),
     ],
 )
 def test_reasoning_tokens_count_the_thinking_and_its_markers(parser, text, token_ids, expected):
@@ -233,6 +293,9 @@ class _EveryTextOneToken(_OneTokenMarkers):
 def test_grammars_wait_for_single_marker_tokens_and_not_for_granite_s_phrases(caplog):
     assert thinking_token_ids("qwen3", _OneTokenMarkers()) == (1, [2], None)
     assert thinking_token_ids("deepseek_r1", _OneTokenMarkers()) == (None, [2], None)
+    # MiniMax-M2's template opens the thinking: the gate waits for </think> alone.
+    for name in ("minimax_m2", "minimax_m2_append_think"):
+        assert thinking_token_ids(name, _OneTokenMarkers()) == (None, [2], None)
     # GLM-4.5 writes a newline before <think>: the gate lets it pass undecided.
     assert thinking_token_ids("glm45", _OneTokenMarkers()) == (1, [2], [10])
     # Two spellings of each phrase: no one token ends Granite's thinking, and the log says
@@ -243,7 +306,9 @@ def test_grammars_wait_for_single_marker_tokens_and_not_for_granite_s_phrases(ca
     assert thinking_token_ids("granite", _OneTokenMarkers()) == (None, None, None)
     for name in ("glm45", "granite"):
         assert thinking_token_ids(name, None) == (None, None, None)
-    with pytest.raises(ValueError, match="glm45, granite, openai_gptoss"):
+    with pytest.raises(
+        ValueError, match="glm45, granite, minimax_m2, minimax_m2_append_think, openai_gptoss"
+    ):
         thinking_token_ids("granite4", None)
 
 

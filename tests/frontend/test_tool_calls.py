@@ -570,9 +570,139 @@ def test_glm45_reads_key_value_calls_typed_by_their_schema():
     assert {"<tool_call>", "<arg_key>", "</arg_value>"} <= set(glm.markers)
 
 
+MB, ME = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX_M2_TEXTS = [
+    # Content, then one block of two calls (a string stays a string, whatever it looks like).
+    f'I will check both cities.\n{MB}\n<invoke name="get_weather">\n'
+    '<parameter name="city">Paris</parameter>\n<parameter name="unit">C</parameter>\n'
+    f'</invoke>\n<invoke name="get_weather">\n<parameter name="city">42</parameter>\n'
+    f"</invoke>\n{ME}",
+    # No parameters; single-quoted and bare names.
+    f"{MB}\n<invoke name='get_time'>\n</invoke>\n<invoke name=get_weather>\n"
+    f"<parameter name=city>Rome</parameter>\n</invoke>\n{ME}",
+    # Two blocks: text between them is content, whitespace after the last is layout.
+    f'{MB}<invoke name="get_time"></invoke>{ME}\nThen: {MB}\n<invoke name="get_time">'
+    f"</invoke>\n{ME}\n",
+    # Cut off inside the second call: the first counts, the second is no call.
+    f'Sure.\n{MB}\n<invoke name="get_time">\n</invoke>\n<invoke name="get_weather">\n'
+    '<parameter name="city">Os',
+    # Cut off inside the first call: no call, all content.
+    f'{MB}\n<invoke name="get_weather">\n<parameter name="city">Os',
+    # A block without a call (not a function name) stays as written, and what follows it.
+    f'A {MB}<invoke name="get weather"></invoke>{ME} b\n',
+    # Qwen3-Coder's XML is not MiniMax's; nor is a marker's beginning.
+    QWEN3_CODER_TEXTS[0],
+    "x < y <minimax:tool",
+]
+WRITE_FILE = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "content": {"type": "string"},
+                "mode": {"enum": [420, 384]},
+                "size": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            },
+        },
+    },
+}
+
+
+def test_minimax_m2_reads_invokes_typed_by_their_schema():
+    minimax = calling("auto", "minimax_m2")
+    assert minimax.parse(MINIMAX_M2_TEXTS[0], True) == ParsedOutput(
+        "I will check both cities.\n",
+        [
+            ParsedCall("get_weather", '{"city": "Paris", "unit": "C"}'),
+            ParsedCall("get_weather", '{"city": "42"}'),
+        ],
+    )
+    assert minimax.parse(MINIMAX_M2_TEXTS[1], True) == ParsedOutput(
+        "", [ParsedCall("get_time", "{}"), ParsedCall("get_weather", '{"city": "Rome"}')]
+    )
+    assert minimax.parse(MINIMAX_M2_TEXTS[2], True) == ParsedOutput(
+        "\nThen: ", [ParsedCall("get_time", "{}"), ParsedCall("get_time", "{}")]
+    )
+    assert minimax.parse(MINIMAX_M2_TEXTS[3], True) == ParsedOutput(
+        "Sure.\n", [ParsedCall("get_time", "{}")]
+    )
+    for text in MINIMAX_M2_TEXTS[4:]:
+        assert minimax.parse(text, True) == ParsedOutput(text)
+    single = calling("auto", "minimax_m2", parallel=False)
+    assert single.parse(MINIMAX_M2_TEXTS[0], True).calls == [
+        ParsedCall("get_weather", '{"city": "Paris", "unit": "C"}')
+    ]
+    assert {MB, ME} <= set(minimax.markers)
+    # Each value typed by its schema: a type, a type list with null, an enum's values, an
+    # anyOf; a string (and a parameter or function the schema does not type) as written.
+    typed = ToolCalling(parse_tools([FORECAST, WRITE_FILE]), "auto", True, "minimax_m2")
+    values = {
+        "days": "7",
+        "hourly": "True",
+        "where": '{"lat": 39.9, "lon": 116.4}',
+        "hours": "[6, 12]",
+        "note": " null \n",
+        "scale": "null",
+        "extra": "[1, 2]",
+    }
+    forecast = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in values.items())
+    code = "def area(r):\n    return 3.14 * r * r\n"
+    write = (
+        f'<parameter name="content">{code}</parameter>\n<parameter name="mode">420</parameter>\n'
+        '<parameter name="size">12</parameter>\n'
+    )
+    unknown = '<parameter name="k">5</parameter>'
+    calls = typed.parse(
+        f'{MB}\n<invoke name="forecast">\n{forecast}</invoke>\n<invoke name="write_file">\n'
+        f'{write}</invoke>\n<invoke name="search">{unknown}</invoke>\n{ME}',
+        True,
+    ).calls
+    assert [call.name for call in calls] == ["forecast", "write_file", "search"]
+    assert [json.loads(call.arguments) for call in calls] == [
+        {
+            "days": 7,
+            "hourly": True,
+            "where": {"lat": 39.9, "lon": 116.4},
+            "hours": [6, 12],
+            "note": " null \n",
+            "scale": None,
+            "extra": "[1, 2]",
+        },
+        {"content": code, "mode": 420, "size": 12},
+        {"k": "5"},
+    ]
+    none_size = f'{MB}<invoke name="write_file"><parameter name="size">null</parameter></invoke>'
+    assert typed.parse(none_size, True).calls == [ParsedCall("write_file", '{"size": null}')]
+
+
+def test_minimax_m2_streams_each_call_once_its_invoke_is_closed():
+    minimax = calling("auto", "minimax_m2")
+    # A possible block start is held back; an open block holds back what follows it.
+    assert minimax.parse("Sure <minimax:tool", False) == ParsedOutput("Sure ")
+    first_call = MINIMAX_M2_TEXTS[0].index("</invoke>") + len("</invoke>")
+    assert minimax.parse(MINIMAX_M2_TEXTS[0][: first_call - 1], False) == ParsedOutput(
+        "I will check both cities.\n"
+    )
+    # The first call is sent before the block (and the second call) ends.
+    assert minimax.parse(MINIMAX_M2_TEXTS[0][:first_call], False) == ParsedOutput(
+        "I will check both cities.\n",
+        [ParsedCall("get_weather", '{"city": "Paris", "unit": "C"}')],
+    )
+    # While an open block holds no call yet, it may still turn out to be content.
+    assert minimax.parse(MINIMAX_M2_TEXTS[4], False) == ParsedOutput("")
+    # Whitespace after a block of calls waits: it is layout unless text follows.
+    closed = f'{MB}<invoke name="get_time"></invoke>{ME}'
+    assert minimax.parse(closed + "\n", False) == ParsedOutput("", [ParsedCall("get_time", "{}")])
+    assert minimax.parse(closed + "\nDone", False).content == "\nDone"
+
+
 @pytest.mark.parametrize(
     ("parser", "text"),
-    [("glm45", text) for text in GLM45_TEXTS] + [("kimi_k2", text) for text in KIMI_K2_TEXTS],
+    [("glm45", text) for text in GLM45_TEXTS]
+    + [("kimi_k2", text) for text in KIMI_K2_TEXTS]
+    + [("minimax_m2", text) for text in MINIMAX_M2_TEXTS],
 )
 def test_a_stream_adds_up_however_it_is_cut(parser, text):
     """In two pieces split at every point (a marker in two chunks, or a whole block in one):
@@ -604,6 +734,7 @@ CASES = (
     + [("auto", "deepseek_v31", text) for text in DEEPSEEK_V31_TEXTS]
     + [("auto", "glm45", text) for text in GLM45_TEXTS]
     + [("auto", "kimi_k2", text) for text in KIMI_K2_TEXTS]
+    + [("auto", "minimax_m2", text) for text in MINIMAX_M2_TEXTS]
     + [("auto", "granite", text) for text in GRANITE_TEXTS]
     + [("auto", "phi4_mini_json", text) for text in PHI4_MINI_TEXTS]
     + [("required", None, text) for text in REQUIRED_TEXTS]
