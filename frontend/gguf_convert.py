@@ -1,7 +1,8 @@
 """Convert a GGUF file (llama.cpp's architectures llama (and Mixtral, llama with experts),
 qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, granite, smollm3, olmo2, gpt-oss,
 glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2 and V3), dots1 (dots.llm1), ernie4_5-moe (ERNIE 4.5
-MoE) and exaone4 (EXAONE 4.0)) into a local Hugging Face model directory.
+MoE), exaone4 (EXAONE 4.0), olmoe (OLMoE) and minimax-m2 (MiniMax-M2)) into a local Hugging Face
+model directory.
 
 The engine loads plain float32 HF directories, so a GGUF file is converted once:
 
@@ -157,6 +158,10 @@ _FAMILIES = {
         bias_field=None,
         layer_names=_POST_NORM_NAMES,
     ),
+    # OLMoE: Llama's layers with RMSNorms over the whole query and key projections (kept whole
+    # by llama.cpp, as HF has them), RoPE on halves (llama.cpp's NEOX, as HF: no permutation),
+    # and experts in every layer under Qwen's names (_olmoe_config).
+    "olmoe": _Family("OlmoeForCausalLM", "olmoe", permuted_qk=False, bias_field="attention_bias"),
 }
 # gpt-oss: biases and a sink per head on the attention, a router with a bias; the experts'
 # stacked gate, up (or fused gate_up) and down tensors, MXFP4 in OpenAI's files, are
@@ -262,11 +267,26 @@ _MIXTRAL = _Family(
     expert_format="block_sparse_moe.experts.{expert}.{projection}",
     expert_projections=(("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")),
 )
+# MiniMax-M2: OLMoE's whole-projection q/k norms, RoPE on halves over the first
+# rope.dimension_count values of each head (llama.cpp's NEOX, as HF: no permutation), and in
+# every layer Mixtral's experts under a sigmoid router whose selection bias (exp_probs_b) is
+# HF's block_sparse_moe.e_score_correction_bias (_minimax_m2_config).
+_FAMILIES["minimax-m2"] = _Family(
+    "MiniMaxM2ForCausalLM",
+    "minimax_m2",
+    permuted_qk=False,
+    bias_field=None,
+    layer_names=_MIXTRAL.layer_names,
+    expert_format=_MIXTRAL.expert_format,
+    expert_projections=_MIXTRAL.expert_projections,
+    unsuffixed_names=(("exp_probs_b.bias", "block_sparse_moe.e_score_correction_bias"),),
+)
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 # The architectures whose RoPE may rotate part of each head (rope.dimension_count).
-_PARTIAL_ROTARY = ("phi3", "glm4moe")
-# llama.cpp's expert_gating_func values: DeepSeek-V2's softmax router (llama.cpp's default for
-# deepseek2), DeepSeek-V3's and GLM-4.5's sigmoid one.
+_PARTIAL_ROTARY = ("phi3", "glm4moe", "minimax-m2")
+# llama.cpp's expert_gating_func values: DeepSeek-V2's and OLMoE's softmax router (llama.cpp's
+# default for deepseek2, and fixed for olmoe), DeepSeek-V3's, GLM-4.5's and MiniMax-M2's
+# sigmoid one.
 _SOFTMAX = int(gguf.ExpertGatingFuncType.SOFTMAX)
 _SIGMOID = int(gguf.ExpertGatingFuncType.SIGMOID)
 _FAMILIES_BY_HF = {
@@ -439,7 +459,7 @@ def _hf_config(
     if rope_dim != head_dim and architecture not in (*_PARTIAL_ROTARY, "deepseek2"):
         raise ValueError(
             f"GGUF rope.dimension_count={rope_dim} differs from head_dim={head_dim}; partial "
-            f"rotary embeddings are supported for {' and '.join(_PARTIAL_ROTARY)} only, not "
+            f"rotary embeddings are supported for {', '.join(_PARTIAL_ROTARY)} only, not "
             f"{architecture}"
         )
     # The embedding's rows: llama.cpp drops Gemma 3's rows past the tokenizer's vocabulary.
@@ -494,6 +514,10 @@ def _hf_config(
         config.update(_ernie4_5_moe_config(key, tensor_shapes, num_layers))
     if architecture == "exaone4":
         config.update(_exaone4_config(key, num_layers))
+    if architecture == "olmoe":
+        config.update(_olmoe_config(key, tensor_shapes, num_layers))
+    if architecture == "minimax-m2":
+        config.update(_minimax_m2_config(key, tensor_shapes, num_layers, rope_dim))
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
@@ -547,6 +571,9 @@ def _hf_config(
     if architecture == "glm4moe":
         # transformers 5 reads the rotated share there; older readers at the top level.
         config["rope_parameters"]["partial_rotary_factor"] = config["partial_rotary_factor"]
+    if architecture == "minimax-m2":
+        # As transformers 5 saves MiniMax-M2's: the share there, rotary_dim at the top level.
+        config["rope_parameters"]["partial_rotary_factor"] = rope_dim / head_dim
     if architecture == "gemma3":
         # Gemma 3's global layers take the GGUF's RoPE base and scaling; llama.cpp gives its
         # sliding layers a base of 10000 and no scaling, as HF's Gemma 3 does by default.
@@ -973,6 +1000,127 @@ def _mixtral_config(
         "intermediate_size": intermediate_size,
         "sliding_window": None,
     }
+
+
+def _olmoe_config(
+    key: Callable[..., Any], tensor_shapes: dict[str, tuple[int, ...]], num_layers: int
+) -> dict[str, Any]:
+    """OLMoE: experts of intermediate_size in every layer under a softmax router whose top-k
+    weights are not renormalised, which llama.cpp's OLMoE graph fixes (its converter writes
+    neither); q/k norms over the whole projections; no clamp: llama.cpp's converter drops
+    HF's clip_qkv and its graph clamps nothing."""
+    _check_fixed_router("olmoe", key, _SOFTMAX, renormalize=False)
+    clamp = key("attention.clamp_kqv")
+    if clamp is not None:
+        raise ValueError(
+            f"GGUF olmoe attention.clamp_kqv={clamp} is not supported (llama.cpp's OLMoE "
+            "graph clamps nothing); supported: none"
+        )
+    _check_whole_projection_norms("olmoe", tensor_shapes, num_layers)
+    num_experts, intermediate_size, top_k = _experts_in_every_layer(
+        "olmoe", key, tensor_shapes, num_layers
+    )
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "intermediate_size": intermediate_size,
+        "norm_topk_prob": False,
+        "clip_qkv": None,
+    }
+
+
+def _minimax_m2_config(
+    key: Callable[..., Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+    rope_dim: int,
+) -> dict[str, Any]:
+    """MiniMax-M2: RoPE over the first rope.dimension_count values of each head (HF's
+    rotary_dim), q/k norms over the whole projections, and experts of intermediate_size in
+    every layer under a sigmoid router with a selection bias (exp_probs_b) and its top-k
+    weights renormalised: HF's only MiniMax-M2 router, and llama.cpp's graph's, so a file that
+    does not name its gating function is read as that one (llama.cpp's converter writes it
+    from the checkpoint's scoring_func)."""
+    _check_fixed_router("minimax-m2", key, _SIGMOID, renormalize=True)
+    _check_whole_projection_norms("minimax-m2", tensor_shapes, num_layers)
+    unbiased = [i for i in range(num_layers) if f"blk.{i}.exp_probs_b.bias" not in tensor_shapes]
+    if unbiased:
+        raise ValueError(
+            f"GGUF minimax-m2 has no router selection bias (exp_probs_b) in layers {unbiased}; "
+            "every MiniMax-M2 router has one"
+        )
+    num_experts, intermediate_size, top_k = _experts_in_every_layer(
+        "minimax-m2", key, tensor_shapes, num_layers
+    )
+    return {
+        "num_local_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "intermediate_size": intermediate_size,
+        "rotary_dim": rope_dim,
+    }
+
+
+def _check_fixed_router(
+    architecture: str, key: Callable[..., Any], gating: int, renormalize: bool
+) -> None:
+    """OLMoE's and MiniMax-M2's routers, whose scoring and renormalisation llama.cpp's graphs
+    (and HF's classes) fix: the keys a file may carry about them must agree, and neither
+    scales its weights or groups its experts."""
+    names = {_SOFTMAX: "softmax", _SIGMOID: "sigmoid"}
+    fixed = {
+        "expert_gating_func": (gating, f"{gating} ({names[gating]})"),
+        "expert_weights_norm": (renormalize, str(renormalize).lower()),
+        "expert_weights_scale": (1.0, "1"),
+        "expert_group_count": (1, "1"),
+        "expert_group_used_count": (1, "1"),
+    }
+    for name, (value, spelled) in fixed.items():
+        found = key(name)
+        if found is not None and found != value:
+            raise ValueError(
+                f"GGUF {architecture} {name}={found} is not supported (llama.cpp's graph and "
+                f"HF's model fix the router); supported: {spelled} or none"
+            )
+
+
+def _check_whole_projection_norms(
+    architecture: str, tensor_shapes: dict[str, tuple[int, ...]], num_layers: int
+) -> None:
+    """OLMoE's and MiniMax-M2's q/k norms: in every layer, over the whole query and key
+    projections (a weight per row of each, all heads at once, as both llama.cpp and HF keep
+    them), not one head's."""
+    for layer in range(num_layers):
+        for projection in ("attn_q", "attn_k"):
+            rows = tensor_shapes[f"blk.{layer}.{projection}.weight"][0]
+            shape = tensor_shapes.get(f"blk.{layer}.{projection}_norm.weight")
+            if shape != (rows,):
+                found = "no such tensor" if shape is None else f"shape {shape}"
+                raise ValueError(
+                    f"GGUF {architecture} blk.{layer}.{projection}_norm: {found}; expected "
+                    f"({rows},), a norm over the whole {projection} projection"
+                )
+
+
+def _experts_in_every_layer(
+    architecture: str,
+    key: Callable[..., Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+) -> tuple[int, int, int]:
+    """(experts, their intermediate size, experts per token) of a model whose every layer is
+    sparse (OLMoE, MiniMax-M2), the sizes from the tensors: llama.cpp's graphs for those need
+    a router and experts in each layer."""
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes]
+    if dense:
+        raise ValueError(
+            f"GGUF {architecture} has no expert router (ffn_gate_inp) in layers {dense}; every "
+            f"{architecture} layer has experts"
+        )
+    top_k = key("expert_used_count")
+    if top_k is None:
+        raise ValueError("GGUF has experts but no expert_used_count (the experts per token)")
+    num_experts, intermediate_size, _ = tensor_shapes["blk.0.ffn_gate_exps.weight"]
+    return num_experts, intermediate_size, int(top_k)
 
 
 # Llama 3's RoPE scaling besides its factor: every Llama 3.x model's values, and those

@@ -5,9 +5,10 @@ tables), Llama's Q/K rows interleaved for llama.cpp's RoPE, a layer's experts st
 one tensor per projection, the shared-expert gate's leading 1 dropped, Gemma's norms
 stored as 1 + w, DeepSeek's kv_b_proj split per head into attn_k_b (transposed) and attn_v_b
 (or kept whole, as older llama.cpp did), GLM-4.5's multi-token-prediction layer appended as
-a block (DeepSeek's dropped), ERNIE 4.5's router bias kept [1, experts] as HF has it, 1-D
-tensors kept in float32, and a byte-level BPE vocabulary (or for Gemma a SentencePiece one) in
-the tokenizer keys.
+a block (DeepSeek's dropped), ERNIE 4.5's router bias kept [1, experts] as HF has it,
+OLMoE's and MiniMax-M2's whole-projection q/k norms kept whole, MiniMax-M2's router bias as
+exp_probs_b, 1-D tensors kept in float32, and a byte-level BPE vocabulary (or for Gemma a
+SentencePiece one) in the tokenizer keys.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ GGUF_ARCHITECTURES = {
     "Dots1ForCausalLM": "dots1",
     "Ernie4_5_MoeForCausalLM": "ernie4_5-moe",
     "Exaone4ForCausalLM": "exaone4",
+    "OlmoeForCausalLM": "olmoe",
+    "MiniMaxM2ForCausalLM": "minimax-m2",
 }
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -108,6 +111,8 @@ def write_gguf(
         _write_ernie4_5_moe_hparams(writer, config)
     if architecture == "exaone4":
         _write_exaone4_hparams(writer, config)
+    if architecture == "minimax-m2":
+        _write_minimax_m2_hparams(writer, config)
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
@@ -244,6 +249,7 @@ def permute_for_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _write_hparams(writer: gguf.GGUFWriter, config: dict, block_count: int) -> None:
     deepseek = config["architectures"][0] in _DEEPSEEK
+    olmoe = config["architectures"][0] == "OlmoeForCausalLM"
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(block_count)
@@ -254,7 +260,8 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, block_count: int) -> N
     # transformers 5 saves RoPE's base in rope_parameters.
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    # llama.cpp's OlmoeModel overwrites the epsilon with 1e-5 (OLMoE's own), whatever the config.
+    writer.add_layer_norm_rms_eps(1e-5 if olmoe else config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     # llama.cpp's Granite and Phi-3 converters write no head size (hidden / heads).
     if config.get("head_dim") is not None and config["architectures"][0] not in (
@@ -273,7 +280,8 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, block_count: int) -> N
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if "shared_expert_intermediate_size" in config:
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-        if config.get("norm_topk_prob") is not None:
+        # (llama.cpp's OlmoeModel writes no renormalisation: its graph never renormalises.)
+        if config.get("norm_topk_prob") is not None and not olmoe:
             writer.add_expert_weights_norm(config["norm_topk_prob"])
 
 
@@ -414,6 +422,15 @@ def _write_exaone4_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
         writer.add_sliding_window_pattern(
             [kind == "sliding_attention" for kind in config["layer_types"]]
         )
+
+
+def _write_minimax_m2_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """What llama.cpp's MiniMaxM2Model adds: the experts' size (intermediate_size, as the
+    dense one), the rotated dimensions (rotary_dim), and from its base converter the sigmoid
+    router the checkpoints' scoring_func names (which transformers 5 no longer saves)."""
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_rope_dimension_count(config["rotary_dim"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
 def _write_routed_experts(

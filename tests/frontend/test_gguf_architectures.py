@@ -3,7 +3,8 @@ qwen3, qwen2moe, qwen3moe, phi3 (Phi-3 and Phi-4-mini's LongRoPE), granite, smol
 olmo2 and OLMo 3's windowed olmo2, gpt-oss (also with MXFP4 experts), glm4moe (GLM-4.5,
 also with its multi-token-prediction block), deepseek2 as DeepSeek-V2 and V3 (kv_b split as
 newer llama.cpp writes it, or whole as older), dots1, ernie4_5-moe (also with its experts
-ending before the last layer) and exaone4 (windowed, or not); gemma2 and gemma3 below),
+ending before the last layer), exaone4 (windowed, or not), olmoe and minimax-m2; gemma2 and
+gemma3 below),
 written from tiny HF models the way llama.cpp writes them (tests/gguf_writer.py): the engine
 on the converted model gives HF transformers' greedy tokens on the original (float32 weights
 survive exactly), a Q8_0 file converts to its dequantized weights, the config carries what
@@ -297,6 +298,31 @@ FAMILIES = {
         pad_token_id=0,
         eos_token_id=2,
     ),
+    # OLMoE: q/k norms over the whole projections, 8 experts of 128 in every layer, top 3 by
+    # softmax, not renormalised (llama.cpp's OLMoE graph fixes that router); OLMoE's epsilon,
+    # which llama.cpp's converter writes whatever the config says, and no clamp (it drops
+    # clip_qkv; its graph clamps nothing).
+    "olmoe": dict(
+        architectures=["OlmoeForCausalLM"],
+        num_experts=8,
+        num_experts_per_tok=3,
+        clip_qkv=None,
+        tie_word_embeddings=False,
+        **{**_COMMON, "intermediate_size": 128, "rms_norm_eps": 1e-5},
+    ),
+    # tests/engine/test_minimax_m2.py's MiniMax-M2: heads of 64 rotated over their first 32
+    # values, q/k norms over the whole projections, 8 experts of 96 in every layer, top 3 under
+    # a sigmoid router whose selection bias (exp_probs_b) only chooses.
+    "minimax_m2": dict(
+        architectures=["MiniMaxM2ForCausalLM"],
+        head_dim=64,
+        rotary_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        **{**_COMMON, "intermediate_size": 96},
+    ),
     # 8 experts of 96, top 3, renormalised; per-head q/k norms.
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"],
@@ -437,6 +463,8 @@ _ENGINE_CONFIG_CHECKED = [
     "dots1",
     "ernie4_5_moe",
     "exaone4",
+    "olmoe",
+    "minimax_m2",
 ]
 
 
@@ -466,6 +494,8 @@ def check_engine_config_matches(converted_dir: Path, hf_dir: Path) -> None:
         "use_bias",
         "sliding_window",
         "layer_types",
+        "clip_qkv",
+        "rotary_dim",
     )
     for name in fields:
         assert ours.hf_config.get(name) == original.hf_config.get(name), name
@@ -508,6 +538,7 @@ def gguf_metadata(hf_dir: Path, path: Path) -> tuple[dict, dict]:
 
 
 _SOFTMAX = int(gguf.ExpertGatingFuncType.SOFTMAX)
+_SIGMOID = int(gguf.ExpertGatingFuncType.SIGMOID)
 
 
 @pytest.mark.parametrize(
@@ -545,6 +576,52 @@ _SOFTMAX = int(gguf.ExpertGatingFuncType.SOFTMAX)
             [],
             "exaone4 file with a sliding window needs attention.sliding_window_pattern",
         ),
+        # llama.cpp's OLMoE graph (and HF's OLMoE) routes by softmax, never renormalises, and
+        # clamps nothing; it rotates whole heads.
+        ("olmoe", {"olmoe.expert_gating_func": _SIGMOID}, [], "olmoe expert_gating_func=2"),
+        ("olmoe", {"olmoe.expert_weights_norm": True}, [], "olmoe expert_weights_norm=True"),
+        ("olmoe", {"olmoe.attention.clamp_kqv": 8.0}, [], "olmoe attention.clamp_kqv=8.0"),
+        (
+            "olmoe",
+            {"olmoe.rope.dimension_count": 32},
+            [],
+            "rope.dimension_count=32 differs from head_dim=64",
+        ),
+        # Every OLMoE layer has its experts and its whole-projection q/k norms.
+        ("olmoe", {}, ["blk.1.ffn_gate_inp.weight"], r"no expert router .* in layers \[1\]"),
+        ("olmoe", {}, ["blk.1.attn_k_norm.weight"], "blk.1.attn_k_norm: no such tensor"),
+        # MiniMax-M2's router: sigmoid, its top-k renormalised, unscaled, one group, a
+        # selection bias in every layer.
+        (
+            "minimax_m2",
+            {"minimax-m2.expert_gating_func": _SOFTMAX},
+            [],
+            "minimax-m2 expert_gating_func=1 is not supported",
+        ),
+        (
+            "minimax_m2",
+            {"minimax-m2.expert_weights_norm": False},
+            [],
+            "minimax-m2 expert_weights_norm=False",
+        ),
+        (
+            "minimax_m2",
+            {"minimax-m2.expert_weights_scale": 2.5},
+            [],
+            "minimax-m2 expert_weights_scale=2.5",
+        ),
+        (
+            "minimax_m2",
+            {"minimax-m2.expert_group_count": 4},
+            [],
+            "minimax-m2 expert_group_count=4",
+        ),
+        (
+            "minimax_m2",
+            {},
+            ["blk.1.exp_probs_b.bias"],
+            r"no router selection bias \(exp_probs_b\) in layers \[1\]",
+        ),
     ],
 )
 def test_files_hf_cannot_express_are_refused_by_name(
@@ -563,14 +640,84 @@ def test_files_hf_cannot_express_are_refused_by_name(
         gguf_convert._hf_config(fields, shapes)
 
 
-def test_a_dots1_file_without_its_gating_function_is_read_as_sigmoid(hf_dirs, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "architecture"), [("dots1", "dots1"), ("minimax_m2", "minimax-m2")]
+)
+def test_a_file_without_its_gating_function_is_read_as_sigmoid(
+    hf_dirs, tmp_path, family, architecture
+):
     # llama.cpp's current converter writes the gating function only when the HF config names
-    # a scoring_func; HF's Dots1 has no other router than the sigmoid one.
-    fields, shapes = gguf_metadata(hf_dirs["dots1"], tmp_path / "file.gguf")
-    del fields["dots1.expert_gating_func"]
+    # a scoring_func; HF's Dots1 and MiniMax-M2 have no other router than the sigmoid one.
+    fields, shapes = gguf_metadata(hf_dirs[family], tmp_path / "file.gguf")
+    key = f"{architecture}.expert_gating_func"
+    assert fields.pop(key) == _SIGMOID
     assert gguf_convert._hf_config(fields, shapes) == gguf_convert._hf_config(
-        {**fields, "dots1.expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID)}, shapes
+        {**fields, key: _SIGMOID}, shapes
     )
+
+
+def test_olmoe_and_minimax_m2_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tmp_path):
+    """What llama.cpp keeps of the two, and the config the converter makes of it: OLMoE's
+    router and epsilon written by no key but the experts' count and top-k (its graph fixes a
+    softmax router, not renormalised; its converter fixes the epsilon), its q/k norms whole;
+    MiniMax-M2's rotated dimensions as rope.dimension_count, its sigmoid router as
+    expert_gating_func, its selection bias as a tensor per layer (exp_probs_b), its q/k norms
+    whole; no Q/K rows permuted in either (llama.cpp's NEOX RoPE)."""
+    fields, shapes = gguf_metadata(hf_dirs["olmoe"], tmp_path / "olmoe.gguf")
+    assert fields["general.architecture"] == "olmoe"
+    assert (fields["olmoe.expert_count"], fields["olmoe.expert_used_count"]) == (8, 3)
+    assert not any(name.startswith("olmoe.expert_weights") for name in fields)
+    assert "olmoe.expert_gating_func" not in fields
+    assert np.float32(fields["olmoe.attention.layer_norm_rms_epsilon"]) == np.float32(1e-5)
+    assert shapes["blk.0.attn_q_norm.weight"] == (256,)  # 4 heads of 64
+    assert shapes["blk.0.attn_k_norm.weight"] == (128,)  # 2 KV heads of 64
+    assert shapes["blk.1.ffn_gate_exps.weight"] == (8, 128, 256)
+    olmoe = gguf_convert._hf_config(fields, shapes)
+    assert olmoe["architectures"] == ["OlmoeForCausalLM"]
+    assert (olmoe["num_experts"], olmoe["num_experts_per_tok"]) == (8, 3)
+    assert (olmoe["intermediate_size"], olmoe["norm_topk_prob"], olmoe["clip_qkv"]) == (
+        128,
+        False,
+        None,
+    )
+    assert olmoe["rms_norm_eps"] == 1e-5
+
+    fields, shapes = gguf_metadata(hf_dirs["minimax_m2"], tmp_path / "minimax_m2.gguf")
+    assert fields["general.architecture"] == "minimax-m2"
+    assert fields["minimax-m2.rope.dimension_count"] == 32
+    assert fields["minimax-m2.attention.key_length"] == 64
+    assert fields["minimax-m2.expert_gating_func"] == _SIGMOID
+    assert fields["minimax-m2.expert_feed_forward_length"] == 96
+    assert shapes["blk.1.exp_probs_b.bias"] == (8,)
+    assert shapes["blk.0.attn_q_norm.weight"] == (256,)
+    assert shapes["blk.0.attn_k_norm.weight"] == (128,)
+    minimax = gguf_convert._hf_config(fields, shapes)
+    assert minimax["architectures"] == ["MiniMaxM2ForCausalLM"]
+    assert (minimax["num_local_experts"], minimax["num_experts_per_tok"]) == (8, 3)
+    assert (minimax["intermediate_size"], minimax["head_dim"], minimax["rotary_dim"]) == (
+        96,
+        64,
+        32,
+    )
+    assert minimax["rope_parameters"] == {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+    }
+    # llama.cpp's converter writes the RoPE base the config gives; one without it rotates
+    # with llama.cpp's default base (10000), not MiniMaxM2Config's (5M).
+    del fields["minimax-m2.rope.freq_base"]
+    assert gguf_convert._hf_config(fields, shapes)["rope_theta"] == 10000.0
+
+
+def test_per_head_q_k_norms_are_refused_for_olmoe_and_minimax_m2(hf_dirs, tmp_path):
+    # HF's OLMoE and MiniMax-M2 norm the whole projections; a norm per head (one head's
+    # size) is another model.
+    for family in ("olmoe", "minimax_m2"):
+        fields, shapes = gguf_metadata(hf_dirs[family], tmp_path / f"{family}.gguf")
+        shapes["blk.0.attn_q_norm.weight"] = (64,)
+        with pytest.raises(ValueError, match=r"blk.0.attn_q_norm: shape \(64,\); expected"):
+            gguf_convert._hf_config(fields, shapes)
 
 
 def test_glm4_moe_s_next_token_prediction_block_is_dropped(hf_dirs, tmp_path):
