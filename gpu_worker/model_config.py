@@ -25,6 +25,8 @@ from pagedserve.gpu_worker.layers.rope_config import (
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    # Ministral 3: Mistral with Llama 4's attention temperature (queries scaled by position).
+    "Ministral3ForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "GraniteForCausalLM": "llama",
@@ -249,6 +251,24 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         topk_group=1,
         norm_topk_prob=True,
         rope_interleave=True,
+    ),
+    # Ministral3Config's: YaRN over a 16k original context, and Llama 4's query scaling.
+    "Ministral3ForCausalLM": dict(
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 16384,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale_all_dim": 1.0,
+            "mscale": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
     ),
     # MiniMaxM2Config's (MiniMax-M2's shapes; its RoPE base when the config gives none).
     "MiniMaxM2ForCausalLM": dict(
@@ -732,7 +752,8 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
     """Each layer's sliding window in tokens (0: full attention), as HF transformers 5.x
     builds the model:
 
-    - Mistral, Mixtral, Phi-3 and StarCoder2: ``sliding_window`` (when set) on every layer;
+    - Mistral, Ministral 3, Mixtral, Phi-3 and StarCoder2: ``sliding_window`` (when set) on
+      every layer;
       their configs ignore ``layer_types`` and ``use_sliding_window``.
     - Qwen2 / Qwen3 / Qwen2-MoE: ``sliding_window`` counts only with ``use_sliding_window``
       (default false); then the layers whose ``layer_types`` entry is ``"sliding_attention"``
@@ -757,6 +778,7 @@ def _layer_sliding_windows(architecture: str, hf_config: dict[str, Any]) -> tupl
         raise ValueError(f"model: sliding_window must be a non-negative integer, got {window!r}")
     if architecture in (
         "MistralForCausalLM",
+        "Ministral3ForCausalLM",
         "MixtralForCausalLM",
         "Phi3ForCausalLM",
         "Starcoder2ForCausalLM",
@@ -1394,6 +1416,29 @@ def check_cuda_graph_support(config: ModelConfig) -> None:
             f"cuda_graphs: {config.architecture} routes tokens to experts by data, which a "
             "captured graph cannot replay; drop cuda_graphs for this model"
         )
+
+
+def llama4_query_scaling(config: ModelConfig) -> tuple[float, int] | None:
+    """Llama 4's attention temperature as Ministral 3 configures it: (``beta``, the original
+    context ``L``), each query scaled by ``1 + beta * log(1 + floor(position / L))`` after
+    RoPE, so queries far past the original context sharpen their attention; None for other
+    models. Both come from ``rope_parameters`` (``llama_4_scaling_beta``,
+    ``original_max_position_embeddings``), which HF requires."""
+    if config.architecture != "Ministral3ForCausalLM":
+        return None
+    parameters = rope_parameters(config.hf_config)
+    beta = parameters.get("llama_4_scaling_beta")
+    original = parameters.get("original_max_position_embeddings")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta):
+        raise ValueError(
+            f"model: rope_parameters.llama_4_scaling_beta must be a finite number, got {beta!r}"
+        )
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ValueError(
+            "model: rope_parameters.original_max_position_embeddings must be an integer >= 1 "
+            f"(Llama 4's query scaling divides positions by it), got {original!r}"
+        )
+    return float(beta), original
 
 
 def check_draft_model(target: ModelConfig, draft: ModelConfig, tensor_parallel_size: int) -> None:

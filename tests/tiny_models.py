@@ -50,6 +50,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
         "Glm4MoeLiteForCausalLM": transformers.Glm4MoeLiteConfig,
         "MiniMaxM2ForCausalLM": transformers.MiniMaxM2Config,
+        "Ministral3ForCausalLM": transformers.Ministral3Config,
         "Dots1ForCausalLM": transformers.Dots1Config,
         "Ernie4_5_MoeForCausalLM": transformers.Ernie4_5_MoeConfig,
         "Exaone4ForCausalLM": transformers.Exaone4Config,

@@ -19,7 +19,9 @@ class SelfAttention(nn.Module):
     """``bias``: on q, k and v (``output_bias`` on the output projection, default the
     same); ``rotary`` None: a layer without position embeddings; ``scale``: the attention
     scores' factor (default 1/sqrt(head size)); ``clip_qkv``: q, k and v clamped to that
-    magnitude after the norms (OLMoE's). A family with query / key norms overrides
+    magnitude after the norms (OLMoE's); ``query_scaling`` (``beta``, ``L``): each query
+    scaled by ``1 + beta * log(1 + floor(position / L))`` after RoPE (Llama 4's attention
+    temperature, Ministral 3's). A family with query / key norms overrides
     ``normalize_qk`` (before RoPE) or ``normalize_rotated_qk`` (after it)."""
 
     def __init__(
@@ -34,6 +36,7 @@ class SelfAttention(nn.Module):
         sliding_window: int = 0,
         scale: float | None = None,
         clip_qkv: float | None = None,
+        query_scaling: tuple[float, int] | None = None,
     ) -> None:
         super().__init__()
         head_size = config.head_size
@@ -66,6 +69,7 @@ class SelfAttention(nn.Module):
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
         self.clip_qkv = clip_qkv
+        self.query_scaling = query_scaling
 
     def normalize_qk(
         self, query: torch.Tensor, key: torch.Tensor
@@ -91,5 +95,10 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             self.rotary(positions, query, key)
         query, key = self.normalize_rotated_qk(query, key)
+        if self.query_scaling is not None:
+            beta, original = self.query_scaling
+            # HF's arithmetic: float32 factors, rounded to the queries' dtype.
+            factors = 1 + beta * torch.log(1 + torch.floor(positions / original))
+            query = query * factors.to(query.dtype)[:, None]
         output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
         return self.o_proj(output)

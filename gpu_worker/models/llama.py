@@ -54,7 +54,12 @@ from pagedserve.gpu_worker.layers.mlp import GatedMLP, UngatedMLP
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
-from pagedserve.gpu_worker.model_config import HUNYUAN, ModelConfig, rope_layers
+from pagedserve.gpu_worker.model_config import (
+    HUNYUAN,
+    ModelConfig,
+    llama4_query_scaling,
+    rope_layers,
+)
 from pagedserve.gpu_worker.models.base import (
     StackedDecoderLM,
     load_fused_checkpoint,
@@ -138,6 +143,7 @@ class LlamaAttention(SelfAttention):
             sliding_window=sliding_window,
             scale=_granite_scalar(config, "attention_multiplier"),
             clip_qkv=hf.get("clip_qkv") if config.architecture == "OlmoeForCausalLM" else None,
+            query_scaling=llama4_query_scaling(config),
         )
         # OLMoE and MiniMax-M2 norm the whole query and key projections (all heads at once;
         # each rank its rows, the sum of squares over the ranks), Llama's arithmetic.

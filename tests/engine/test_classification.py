@@ -25,6 +25,7 @@ from tests.engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
 from tests.engine.test_glm4 import GLM4
 from tests.engine.test_gpt_oss import GPT_OSS
 from tests.engine.test_hunyuan import HUNYUAN
+from tests.engine.test_ministral3 import CONFIG as MINISTRAL3
 from tests.engine.test_nemotron import NEMOTRON
 from tests.engine.test_olmo2 import OLMO2, OLMO3
 from tests.engine.test_phi3 import PHI3
@@ -61,6 +62,7 @@ FAMILIES = {
     "exaone4": {**EXAONE4, "pad_token_id": None},
     "hunyuan": {**HUNYUAN, "pad_token_id": None},
     "nemotron": {**NEMOTRON, "pad_token_id": None},
+    "ministral3": {**MINISTRAL3, "pad_token_id": None},
 }
 
 
