@@ -105,6 +105,22 @@ CLASSIFIER_ARCHITECTURES = {
     if name not in _NO_CLASSIFIER_OF_THE_NAME
 } | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
+# Vision-language checkpoints whose language model this engine serves on its own, for text
+# (no image encoder: a request with an image is refused where it arrives): the HF class ->
+# its ``text_config``'s model_type -> the text architecture, and the model_type HF's config
+# class assumes when the text config names none.
+VLM_TEXT_MODELS: dict[str, dict[str, str]] = {
+    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+    "Mistral3ForConditionalGeneration": {
+        "ministral3": "Ministral3ForCausalLM",
+        "mistral": "MistralForCausalLM",
+    },
+}
+_VLM_DEFAULT_TEXT_TYPES = {
+    "Gemma3ForConditionalGeneration": "gemma3_text",
+    "Mistral3ForConditionalGeneration": "mistral",
+}
+
 # The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding
 # layers, soft-capping fields).
 _GEMMA2_LIKE = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -567,13 +583,20 @@ class ModelConfig:
             raise ValueError(f"model: {str(path)!r} has no config.json")
         hf_config = json.loads(config_file.read_text())
         architectures = hf_config.get("architectures") or []
-        known = {**{name: name for name in SUPPORTED_ARCHITECTURES}, **CLASSIFIER_ARCHITECTURES}
+        vlm = next((a for a in architectures if a in VLM_TEXT_MODELS), None)
+        if vlm is not None:
+            hf_config, architectures = _vlm_text_config(vlm, hf_config), [vlm]
+        known = {
+            **{name: name for name in SUPPORTED_ARCHITECTURES},
+            **CLASSIFIER_ARCHITECTURES,
+            **({vlm: hf_config["architectures"][0]} if vlm else {}),
+        }
         declared = next((a for a in architectures if a in known), None)
         if declared is None:
             raise ValueError(
                 f"model: architecture {architectures or hf_config.get('model_type')!r} in "
                 f"{str(config_file)!r} is not supported; supported: "
-                f"{', '.join(known)}"
+                f"{', '.join(dict.fromkeys([*known, *VLM_TEXT_MODELS]))}"
             )
         architecture = known[declared]
         labels = _labels(hf_config) if declared in CLASSIFIER_ARCHITECTURES else ()
@@ -1416,6 +1439,27 @@ def check_cuda_graph_support(config: ModelConfig) -> None:
             f"cuda_graphs: {config.architecture} routes tokens to experts by data, which a "
             "captured graph cannot replay; drop cuda_graphs for this model"
         )
+
+
+def _vlm_text_config(vlm: str, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language checkpoint's language model as a text model's config: its
+    ``text_config``, with the text architecture HF builds for it, and the checkpoint's own
+    ``tie_word_embeddings`` (HF ties the LM head by the outer config's, default true)."""
+    text = hf_config.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"model: {vlm}'s config.json has no text_config object, got {text!r}")
+    model_type = text.get("model_type") or _VLM_DEFAULT_TEXT_TYPES[vlm]
+    architectures = VLM_TEXT_MODELS[vlm]
+    if model_type not in architectures:
+        raise ValueError(
+            f"model: {vlm}'s text_config.model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(architectures)}"
+        )
+    return {
+        **text,
+        "architectures": [architectures[model_type]],
+        "tie_word_embeddings": hf_config.get("tie_word_embeddings", True),
+    }
 
 
 def llama4_query_scaling(config: ModelConfig) -> tuple[float, int] | None:

@@ -8,6 +8,39 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+# A vision-language checkpoint's language model, under the names a text model's checkpoint
+# gives it: as transformers saves such models (``language_model.model.``,
+# ``language_model.lm_head.``), and as newer checkpoints name them (``model.language_model.``).
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+# Its image side, which a text-only engine leaves unread.
+_IMAGE_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def language_model_weights(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A vision-language checkpoint's tensors as its language model's alone
+    (``model_config.VLM_TEXT_MODELS``): renamed as a text checkpoint names them; the vision
+    encoder and the projector dropped. Any other name passes as is (the loader refuses what
+    it does not know)."""
+    for name, tensor in weights:
+        if name.startswith(_IMAGE_PREFIXES):
+            continue
+        for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix) :]
+                break
+        yield name, tensor
+
 
 def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``path``.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from pagedserve.gpu_worker.lora import (
 )
 from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import (
+    VLM_TEXT_MODELS,
     ModelConfig,
     check_cuda_graph_support,
     check_dtype_name,
@@ -32,7 +33,7 @@ from pagedserve.gpu_worker.model_config import (
 from pagedserve.gpu_worker.model_runner import ModelRunner
 from pagedserve.gpu_worker.models import build_model
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel, check_tensor_parallel_size
-from pagedserve.gpu_worker.weights import iterate_weights
+from pagedserve.gpu_worker.weights import iterate_weights, language_model_weights
 from pagedserve.scheduler.messages import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class Worker:
         # copied in from the host.
         with torch.device(self.device):
             self.model = build_model(self.model_config, torch_dtype, parallel)
-        self.model.load_weights(iterate_weights(Path(model_path)))
+        self.model.load_weights(checkpoint_weights(self.model_config))
         lora_batch = None
         if lora_modules or enable_lora:
             check_lora_support(self.model_config.architecture, parallel.size, cuda_graph_max_batch)
@@ -141,7 +142,7 @@ class Worker:
             started = time.monotonic()
             with torch.device(self.device):
                 self.draft_model = build_model(self.draft_config, torch_dtype, parallel)
-            self.draft_model.load_weights(iterate_weights(Path(speculative_model)))
+            self.draft_model.load_weights(checkpoint_weights(self.draft_config))
             self.draft_model.eval()
             self.draft_model.pack_weights(None)
             self.draft_kv_cache_spec = KVCacheSpec.for_model(
@@ -294,6 +295,15 @@ def _parse_device(device: str) -> torch.device:
     if index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices")
     return torch.device("cuda", index)
+
+
+def checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's checkpoint tensors: a vision-language checkpoint's language model's
+    alone (``model_config.VLM_TEXT_MODELS``)."""
+    weights = iterate_weights(config.path)
+    if config.declared_architecture in VLM_TEXT_MODELS:
+        return language_model_weights(weights)
+    return weights
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""The language model of a vision-language checkpoint served for text
+(``Gemma3ForConditionalGeneration``: Gemma 3 4B and up; ``Mistral3ForConditionalGeneration``:
+Mistral Small 3.1 / 3.2, Ministral 3, Devstral Small 2): its ``text_config`` read as the text
+model's, its ``language_model`` tensors loaded under a text checkpoint's names, the vision
+encoder and projector left unread. Greedy tokens identical to HF transformers' vision-language
+model given the same text alone (float32), chunked prefill and two tensor-parallel ranks too;
+the outer config's ``tie_word_embeddings`` decides the LM head, as in HF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from engine.test_ministral3 import ROPE as MINISTRAL3_ROPE
+from tiny_family import GREEDY, TINY_SHAPE, prompts, token_ids
+
+from pagedserve.frontend import LLM
+from pagedserve.gpu_worker.model_config import ModelConfig
+
+NEW_TOKENS = GREEDY.max_tokens
+_TEXT = {k: v for k, v in TINY_SHAPE.items()}
+_VISION_SIGLIP = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    image_size=32, patch_size=16,
+)  # fmt: skip
+_VISION_PIXTRAL = dict(_VISION_SIGLIP, head_dim=16)
+
+MODELS = {
+    "gemma3": (
+        transformers.Gemma3Config,
+        dict(
+            text_config=dict(
+                model_type="gemma3_text",
+                **_TEXT,
+                head_dim=64,
+                sliding_window=24,
+                query_pre_attn_scalar=64,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            vision_config=_VISION_SIGLIP,
+            tie_word_embeddings=True,
+        ),
+        "Gemma3ForCausalLM",
+    ),
+    "ministral3": (
+        transformers.Mistral3Config,
+        dict(
+            text_config=dict(
+                model_type="ministral3", **_TEXT, head_dim=64, rope_parameters=MINISTRAL3_ROPE
+            ),
+            vision_config=_VISION_PIXTRAL,
+            tie_word_embeddings=False,
+        ),
+        "Ministral3ForCausalLM",
+    ),
+    "mistral_small": (
+        transformers.Mistral3Config,
+        dict(
+            text_config=dict(model_type="mistral", **_TEXT, head_dim=64, rope_theta=10000.0),
+            vision_config=_VISION_PIXTRAL,
+            tie_word_embeddings=False,
+        ),
+        "MistralForCausalLM",
+    ),
+}
+
+
+def vlm_dir(name: str, path: Path) -> Path:
+    """A random vision-language model saved as transformers saves it, weights drawn wide
+    (``tiny_models.random_hf_model``'s reason: tie-free greedy paths)."""
+    config_class, fields, _ = MODELS[name]
+    config = config_class(**fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "norm" in parameter_name:
+                parameter.uniform_(0.8, 1.2)
+            else:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_text_greedy(model_dir: Path) -> list[list[int]]:
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts():
+            input_ids = torch.tensor([prompt])
+            generated = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vlm")
+    return {name: vlm_dir(name, root / name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def hf_references(vlm_dirs) -> dict[str, list[list[int]]]:
+    return {name: hf_text_greedy(path) for name, path in vlm_dirs.items()}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_text_model_of_a_vision_language_checkpoint_matches_hf(vlm_dirs, hf_references, name):
+    config = ModelConfig.from_dir(vlm_dirs[name])
+    assert config.architecture == MODELS[name][2]
+    assert config.declared_architecture in ("Gemma3ForConditionalGeneration",
+                                            "Mistral3ForConditionalGeneration")  # fmt: skip
+    llm = LLM(vlm_dirs[name], num_blocks=256, max_num_batched_tokens=64)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_hf(vlm_dirs, hf_references):
+    llm = LLM(vlm_dirs["ministral3"], num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["ministral3"]
+    finally:
+        llm.shutdown()
+
+
+def test_an_unknown_text_model_is_refused_by_its_model_type(vlm_dirs, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((vlm_dirs["mistral_small"] / "config.json").read_text())
+    config["text_config"]["model_type"] = "qwen2"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="text_config.model_type 'qwen2' is not supported"):
+        ModelConfig.from_dir(bad)
