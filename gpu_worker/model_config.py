@@ -105,20 +105,44 @@ CLASSIFIER_ARCHITECTURES = {
     if name not in _NO_CLASSIFIER_OF_THE_NAME
 } | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
+
+@dataclass(frozen=True)
+class _VisionLanguageModel:
+    """How a vision-language checkpoint's language model reads as a text model: its
+    ``text_config``'s model_type -> the text architecture (``default_text_type`` when the
+    text config names none), the outer config's ``tie_word_embeddings`` default (HF ties
+    the LM head by the outer config's), and two of Qwen2.5-VL's ways: older checkpoints keep
+    the text fields at the top level (``flat``), and a text config's tie counts too."""
+
+    text_architectures: dict[str, str]
+    default_text_type: str
+    tie_default: bool
+    flat: bool = False
+    text_tie_counts: bool = False
+
+
 # Vision-language checkpoints whose language model this engine serves on its own, for text
-# (no image encoder: a request with an image is refused where it arrives): the HF class ->
-# its ``text_config``'s model_type -> the text architecture, and the model_type HF's config
-# class assumes when the text config names none.
-VLM_TEXT_MODELS: dict[str, dict[str, str]] = {
-    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
-    "Mistral3ForConditionalGeneration": {
-        "ministral3": "Ministral3ForCausalLM",
-        "mistral": "MistralForCausalLM",
-    },
-}
-_VLM_DEFAULT_TEXT_TYPES = {
-    "Gemma3ForConditionalGeneration": "gemma3_text",
-    "Mistral3ForConditionalGeneration": "mistral",
+# (no image encoder: a request with an image is refused where it arrives). Qwen's M-RoPE
+# gives a text token the same position in its three streams: plain RoPE.
+VLM_TEXT_MODELS: dict[str, _VisionLanguageModel] = {
+    "Gemma3ForConditionalGeneration": _VisionLanguageModel(
+        {"gemma3_text": "Gemma3ForCausalLM"}, "gemma3_text", tie_default=True
+    ),
+    "Mistral3ForConditionalGeneration": _VisionLanguageModel(
+        {"ministral3": "Ministral3ForCausalLM", "mistral": "MistralForCausalLM"},
+        "mistral",
+        tie_default=True,
+    ),
+    "Qwen2_5_VLForConditionalGeneration": _VisionLanguageModel(
+        {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
+        "qwen2_5_vl_text",
+        tie_default=False,
+        flat=True,
+        text_tie_counts=True,
+    ),
+    "Qwen3VLForConditionalGeneration": _VisionLanguageModel(
+        {"qwen3_vl_text": "Qwen3ForCausalLM"}, "qwen3_vl_text", tie_default=False
+    ),
 }
 
 # The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding
@@ -1443,23 +1467,36 @@ def check_cuda_graph_support(config: ModelConfig) -> None:
 
 def _vlm_text_config(vlm: str, hf_config: dict[str, Any]) -> dict[str, Any]:
     """A vision-language checkpoint's language model as a text model's config: its
-    ``text_config``, with the text architecture HF builds for it, and the checkpoint's own
-    ``tie_word_embeddings`` (HF ties the LM head by the outer config's, default true)."""
+    ``text_config`` (``VLM_TEXT_MODELS``), with the text architecture HF builds for it, the
+    LM head tied as HF ties it, and M-RoPE read as the plain RoPE it is for text."""
+    spec = VLM_TEXT_MODELS[vlm]
     text = hf_config.get("text_config")
+    if text is None and spec.flat:
+        text = {k: v for k, v in hf_config.items() if k not in ("vision_config", "model_type")}
     if not isinstance(text, dict):
         raise ValueError(f"model: {vlm}'s config.json has no text_config object, got {text!r}")
-    model_type = text.get("model_type") or _VLM_DEFAULT_TEXT_TYPES[vlm]
-    architectures = VLM_TEXT_MODELS[vlm]
-    if model_type not in architectures:
+    model_type = text.get("model_type") or spec.default_text_type
+    if model_type not in spec.text_architectures:
         raise ValueError(
             f"model: {vlm}'s text_config.model_type {model_type!r} is not supported; "
-            f"supported: {', '.join(architectures)}"
+            f"supported: {', '.join(spec.text_architectures)}"
         )
-    return {
+    tie = bool(hf_config.get("tie_word_embeddings", spec.tie_default))
+    if spec.text_tie_counts and text.get("tie_word_embeddings"):
+        tie = True
+    text = {
         **text,
-        "architectures": [architectures[model_type]],
-        "tie_word_embeddings": hf_config.get("tie_word_embeddings", True),
+        "architectures": [spec.text_architectures[model_type]],
+        "tie_word_embeddings": tie,
     }
+    for field_name in ("rope_parameters", "rope_scaling"):
+        parameters = text.get(field_name)
+        if isinstance(parameters, dict) and "mrope" in (
+            parameters.get("rope_type"),
+            parameters.get("type"),
+        ):
+            text[field_name] = {**parameters, "rope_type": "default", "type": "default"}
+    return text
 
 
 def llama4_query_scaling(config: ModelConfig) -> tuple[float, int] | None:

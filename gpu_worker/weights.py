@@ -22,6 +22,8 @@ _IMAGE_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "visual.",  # Qwen2.5-VL's and Qwen3-VL's vision encoders and mergers
+    "model.visual.",
 )
 
 
