@@ -121,6 +121,11 @@ class _VisionLanguageModel:
     text_tie_counts: bool = False
 
 
+_LLAVA_TEXT_MODELS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 # Vision-language checkpoints whose language model this engine serves on its own, for text
 # (no image encoder: a request with an image is refused where it arrives). Qwen's M-RoPE
 # gives a text token the same position in its three streams: plain RoPE.
@@ -142,6 +147,13 @@ VLM_TEXT_MODELS: dict[str, _VisionLanguageModel] = {
     ),
     "Qwen3VLForConditionalGeneration": _VisionLanguageModel(
         {"qwen3_vl_text": "Qwen3ForCausalLM"}, "qwen3_vl_text", tie_default=False
+    ),
+    # LLaVA (1.5, Pixtral 12B) and LLaVA-NeXT (1.6) over Llama, Mistral or Qwen2.
+    "LlavaForConditionalGeneration": _VisionLanguageModel(
+        _LLAVA_TEXT_MODELS, "llama", tie_default=False, text_tie_counts=True
+    ),
+    "LlavaNextForConditionalGeneration": _VisionLanguageModel(
+        _LLAVA_TEXT_MODELS, "llama", tie_default=False
     ),
 }
 

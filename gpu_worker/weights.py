@@ -24,6 +24,8 @@ _IMAGE_PREFIXES = (
     "model.multi_modal_projector.",
     "visual.",  # Qwen2.5-VL's and Qwen3-VL's vision encoders and mergers
     "model.visual.",
+    "image_newline",  # LLaVA-NeXT's learned separator between image rows
+    "model.image_newline",
 )
 
 

@@ -1,6 +1,7 @@
 """The language model of a vision-language checkpoint served for text
 (``Gemma3ForConditionalGeneration``: Gemma 3 4B and up; ``Mistral3ForConditionalGeneration``:
-Mistral Small 3.1 / 3.2, Ministral 3, Devstral Small 2): its ``text_config`` read as the text
+Mistral Small 3.1 / 3.2, Ministral 3, Devstral Small 2; Qwen2.5-VL and Qwen3-VL, whose M-RoPE is
+plain RoPE for text; LLaVA and LLaVA-NeXT): its ``text_config`` read as the text
 model's, its ``language_model`` tensors loaded under a text checkpoint's names, the vision
 encoder and projector left unread. Greedy tokens identical to HF transformers' vision-language
 model given the same text alone (float32), chunked prefill and two tensor-parallel ranks too;
@@ -88,6 +89,23 @@ MODELS = {
             vision_config=dict(_VISION_QWEN, deepstack_visual_indexes=[]),
         ),
         "Qwen3ForCausalLM",
+    ),
+    "llava": (
+        transformers.LlavaConfig,
+        dict(
+            text_config=dict(model_type="llama", **_TEXT, head_dim=64),
+            vision_config=dict(_VISION_SIGLIP, model_type="clip_vision_model"),
+        ),
+        "LlamaForCausalLM",
+    ),
+    "llava_next": (
+        transformers.LlavaNextConfig,
+        dict(
+            text_config=dict(model_type="mistral", **_TEXT, head_dim=64),
+            vision_config=dict(_VISION_SIGLIP, model_type="clip_vision_model"),
+            image_grid_pinpoints=[[32, 32]],
+        ),
+        "MistralForCausalLM",
     ),
     "mistral_small": (
         transformers.Mistral3Config,
