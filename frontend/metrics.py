@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pagedserve.frontend.outputs import EmbeddingRequestOutput
-from pagedserve.scheduler.engine_core import COUNTER_STATS
+from pagedserve.scheduler.engine_core import ACCEPTED_PER_POSITION, COUNTER_STATS
 
 if TYPE_CHECKING:
     from pagedserve.frontend.outputs import RequestOutput
@@ -83,6 +83,7 @@ _VLLM_NAMES = {
     f"{PREFIX}_engine_num_drafts": "vllm:spec_decode_num_drafts",
     f"{PREFIX}_engine_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
     f"{PREFIX}_engine_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    f"{PREFIX}_engine_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
     f"{PREFIX}_engine_prefix_cache_queries": "vllm:prefix_cache_queries",
     f"{PREFIX}_engine_prefix_cache_hits": "vllm:prefix_cache_hits",
     # vLLM's current name, and the one its older dashboards read.
@@ -143,13 +144,23 @@ class _EngineCollector(Collector):
         yield up
         if stats is None:
             return
+        per_position = CounterMetricFamily(
+            f"{PREFIX}_engine_num_accepted_tokens_per_pos",
+            "speculation's accepted draft tokens by their position in their step's drafts",
+            labels=["position"],
+        )
         for name, value in sorted(stats.stats.items()):
+            if name.startswith(ACCEPTED_PER_POSITION):
+                per_position.add_metric([name[len(ACCEPTED_PER_POSITION) :]], float(value))
+                continue
             metric_name = f"{PREFIX}_engine_{re.sub(r'[^a-zA-Z0-9_]', '_', name)}"
             # Counters as counters (exposed with _total), so rate() and resets read right.
             kind = CounterMetricFamily if name in COUNTER_STATS else GaugeMetricFamily
             family = kind(metric_name, f"the scheduler's {name}")
             family.add_metric([], float(value))
             yield family
+        if per_position.samples:
+            yield per_position
         total = stats.stats.get("num_total_blocks", 0)
         if total:
             # vLLM's kv_cache_usage_perc: what an operator alerts on.

@@ -42,6 +42,11 @@ COUNTER_STATS = frozenset(
 )
 
 
+# ``stats()`` keys of the accepted drafts by position: this prefix, then the position (0: a
+# step's first draft), one key per ``num_speculative_tokens`` (counters too).
+ACCEPTED_PER_POSITION = "num_accepted_tokens_pos_"
+
+
 class EngineCore:
     """Owns the scheduler and drives the executor, one step per call."""
 
@@ -191,6 +196,10 @@ class EngineCore:
             "num_drafts": scheduler.num_drafts,
             "num_draft_tokens": scheduler.num_draft_tokens,
             "num_accepted_tokens": scheduler.num_accepted_tokens,
+            **{
+                f"{ACCEPTED_PER_POSITION}{position}": count
+                for position, count in enumerate(scheduler.num_accepted_tokens_per_pos)
+            },
             "num_window_freed_blocks": scheduler.num_window_freed_blocks,
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_total_blocks": self.block_manager.num_total_blocks,

@@ -182,6 +182,9 @@ class Scheduler:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Accepted drafts by their position in their step's drafts (the first, the second,
+        # ...): how deep speculation pays, what num_speculative_tokens is tuned by.
+        self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
         # Blocks given back because a sliding window left them behind (a windowed model).
         self.num_window_freed_blocks = 0
         self._step_id = 0
@@ -934,6 +937,8 @@ class Scheduler:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += num_accepted
+                for position in range(num_accepted):
+                    self.num_accepted_tokens_per_pos[position] += 1
             request.num_computed_tokens += num_computed
             if rows:
                 # Guesses at what follows the tokens sampled now (none: guess nothing).

@@ -40,4 +40,16 @@ def test_a_server_with_a_draft_model(start_server, server_model_dir):
         assert got[(f"vllm:spec_decode_num_{name}_total", model)] == ours
         counts[name] = ours
     assert 0 < counts["drafts"] < counts["draft_tokens"] == counts["accepted_tokens"], counts
+    # By position in their step's drafts: every draft of a step at a position counts there.
+    per_position = [
+        got[("pagedserve_engine_num_accepted_tokens_per_pos_total", (("position", str(p)),))]
+        for p in range(3)
+    ]
+    assert per_position[0] == counts["drafts"], per_position
+    assert per_position[0] >= per_position[1] >= per_position[2] > 0, per_position
+    assert sum(per_position) == counts["accepted_tokens"]
+    vllm_name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert got[(vllm_name, (("model_name", SERVED_MODEL_NAME), ("position", "2")))] == (
+        per_position[2]
+    )
     server.assert_blocks_all_free()

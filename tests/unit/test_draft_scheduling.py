@@ -53,7 +53,11 @@ def test_guesses_are_scheduled_after_the_last_token_with_slots_reserved_past_the
     answer(scheduler, plan, {"a": [21, 22]})
     request = scheduler.requests["a"]
     assert request.output_token_ids == [7, 11, 12, 13, 14, 7]
-    assert scheduler.schedule().spec_token_ids == {"a": [21, 22]}
+    assert scheduler.num_accepted_tokens_per_pos == [1, 1, 1, 1]
+    plan = scheduler.schedule()
+    assert plan.spec_token_ids == {"a": [21, 22]}
+    answer(scheduler, plan, {})
+    assert scheduler.num_accepted_tokens_per_pos == [2, 2, 1, 1]
 
 
 def test_a_step_that_samples_without_guesses_drops_the_old_ones():
