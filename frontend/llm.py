@@ -418,6 +418,15 @@ class LLM:
                 f"{model_limit}{limit_source}"
             )
         max_model_len = max_model_len or model_limit
+        if draft_path is not None:
+            draft_window = ModelConfig.from_dir(draft_path).max_position_embeddings
+            if draft_window < max_model_len:
+                logger.info(
+                    "the draft model's context window (%d tokens) is shorter than "
+                    "max_model_len (%d): past it a sequence decodes without guesses",
+                    draft_window,
+                    max_model_len,
+                )
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens
