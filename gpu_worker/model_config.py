@@ -119,6 +119,11 @@ class _VisionLanguageModel:
     tie_default: bool
     flat: bool = False
     text_tie_counts: bool = False
+    # The text config class's defaults where they differ from the text architecture's
+    # (GLM-4V's text model rotates whole heads unless its config says otherwise, and its
+    # heads are hidden_size / num_attention_heads: it has no head_dim field).
+    text_defaults: tuple[tuple[str, Any], ...] = ()
+    head_dim_from_heads: bool = False
 
 
 _LLAVA_TEXT_MODELS = {
@@ -147,6 +152,18 @@ VLM_TEXT_MODELS: dict[str, _VisionLanguageModel] = {
     ),
     "Qwen3VLForConditionalGeneration": _VisionLanguageModel(
         {"qwen3_vl_text": "Qwen3ForCausalLM"}, "qwen3_vl_text", tie_default=False
+    ),
+    # GLM-4.1V / 4.5V / 4.6V: GLM-4's and GLM-4.5's language models (M-RoPE over GLM's
+    # interleaved pairs: plain for text).
+    "Glm4vForConditionalGeneration": _VisionLanguageModel(
+        {"glm4v_text": "Glm4ForCausalLM"},
+        "glm4v_text",
+        tie_default=False,
+        text_defaults=(("partial_rotary_factor", 1.0),),
+        head_dim_from_heads=True,
+    ),
+    "Glm4vMoeForConditionalGeneration": _VisionLanguageModel(
+        {"glm4v_moe_text": "Glm4MoeForCausalLM"}, "glm4v_moe_text", tie_default=False
     ),
     # LLaVA (1.5, Pixtral 12B) and LLaVA-NeXT (1.6) over Llama, Mistral or Qwen2.
     "LlavaForConditionalGeneration": _VisionLanguageModel(
@@ -1493,10 +1510,13 @@ def _vlm_text_config(vlm: str, hf_config: dict[str, Any]) -> dict[str, Any]:
             f"model: {vlm}'s text_config.model_type {model_type!r} is not supported; "
             f"supported: {', '.join(spec.text_architectures)}"
         )
+    if spec.head_dim_from_heads and isinstance(text.get("num_attention_heads"), int):
+        text = {"head_dim": text.get("hidden_size", 0) // text["num_attention_heads"], **text}
     tie = bool(hf_config.get("tie_word_embeddings", spec.tie_default))
     if spec.text_tie_counts and text.get("tie_word_embeddings"):
         tie = True
     text = {
+        **dict(spec.text_defaults),
         **text,
         "architectures": [spec.text_architectures[model_type]],
         "tie_word_embeddings": tie,

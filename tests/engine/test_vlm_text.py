@@ -1,7 +1,8 @@
 """The language model of a vision-language checkpoint served for text
 (``Gemma3ForConditionalGeneration``: Gemma 3 4B and up; ``Mistral3ForConditionalGeneration``:
 Mistral Small 3.1 / 3.2, Ministral 3, Devstral Small 2; Qwen2.5-VL and Qwen3-VL, whose M-RoPE is
-plain RoPE for text; LLaVA and LLaVA-NeXT): its ``text_config`` read as the text
+plain RoPE for text; GLM-4.1V and GLM-4.5V; LLaVA and LLaVA-NeXT): its ``text_config`` read
+as the text
 model's, its ``language_model`` tensors loaded under a text checkpoint's names, the vision
 encoder and projector left unread. Greedy tokens identical to HF transformers' vision-language
 model given the same text alone (float32), chunked prefill and two tensor-parallel ranks too;
@@ -89,6 +90,51 @@ MODELS = {
             vision_config=dict(_VISION_QWEN, deepstack_visual_indexes=[]),
         ),
         "Qwen3ForCausalLM",
+    ),
+    "glm4v": (
+        transformers.Glm4vConfig,
+        dict(
+            text_config=dict(
+                **_TEXT,
+                rope_parameters={
+                    "rope_type": "default",
+                    "mrope_section": [4, 6, 6],  # of the 16 frequencies of half a head
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.5,
+                },
+            ),
+            vision_config=dict(
+                depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256
+            ),
+        ),
+        "Glm4ForCausalLM",
+    ),
+    "glm4v_moe": (
+        transformers.Glm4vMoeConfig,
+        dict(
+            text_config=dict(
+                **{**_TEXT, "num_hidden_layers": 3},
+                head_dim=64,
+                moe_intermediate_size=64,
+                n_routed_experts=8,
+                num_experts_per_tok=3,
+                n_group=4,
+                topk_group=2,
+                first_k_dense_replace=1,
+                routed_scaling_factor=2.5,
+                attention_bias=True,
+                rope_parameters={
+                    "rope_type": "default",
+                    "mrope_section": [4, 6, 6],
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.5,
+                },
+            ),
+            vision_config=dict(
+                depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256
+            ),
+        ),
+        "Glm4MoeForCausalLM",
     ),
     "llava": (
         transformers.LlavaConfig,
