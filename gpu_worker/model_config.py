@@ -165,6 +165,14 @@ VLM_TEXT_MODELS: dict[str, _VisionLanguageModel] = {
     "Glm4vMoeForConditionalGeneration": _VisionLanguageModel(
         {"glm4v_moe_text": "Glm4MoeForCausalLM"}, "glm4v_moe_text", tie_default=False
     ),
+    # GLM-4.6V's own class (its Flash model): GLM-4V's language model.
+    "Glm46VForConditionalGeneration": _VisionLanguageModel(
+        {"glm4v_text": "Glm4ForCausalLM"},
+        "glm4v_text",
+        tie_default=False,
+        text_defaults=(("partial_rotary_factor", 1.0),),
+        head_dim_from_heads=True,
+    ),
     # LLaVA (1.5, Pixtral 12B) and LLaVA-NeXT (1.6) over Llama, Mistral or Qwen2.
     "LlavaForConditionalGeneration": _VisionLanguageModel(
         _LLAVA_TEXT_MODELS, "llama", tie_default=False, text_tie_counts=True

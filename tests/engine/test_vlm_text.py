@@ -34,6 +34,15 @@ _VISION_QWEN = dict(
 )  # out_hidden_size: the text model's hidden size
 _MROPE = [8, 12, 12]  # M-RoPE's sections of the 32 rotary frequencies of a 64-value head
 
+MODELS_GLM4V_TEXT = dict(
+    **_TEXT,
+    rope_parameters={
+        "rope_type": "default",
+        "mrope_section": [4, 6, 6],  # of the 16 frequencies of half a head
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+    },
+)
 MODELS = {
     "gemma3": (
         transformers.Gemma3Config,
@@ -94,15 +103,7 @@ MODELS = {
     "glm4v": (
         transformers.Glm4vConfig,
         dict(
-            text_config=dict(
-                **_TEXT,
-                rope_parameters={
-                    "rope_type": "default",
-                    "mrope_section": [4, 6, 6],  # of the 16 frequencies of half a head
-                    "rope_theta": 10000.0,
-                    "partial_rotary_factor": 0.5,
-                },
-            ),
+            text_config=MODELS_GLM4V_TEXT,
             vision_config=dict(
                 depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256
             ),
@@ -135,6 +136,21 @@ MODELS = {
             ),
         ),
         "Glm4MoeForCausalLM",
+    ),
+    "glm46v": (
+        transformers.Glm46VConfig,
+        {
+            "text_config": {"model_type": "glm4v_text", **MODELS_GLM4V_TEXT},
+            "vision_config": dict(
+                model_type="glm4v_vision",
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=256,
+            ),
+        },
+        "Glm4ForCausalLM",
     ),
     "llava": (
         transformers.LlavaConfig,
