@@ -1,14 +1,16 @@
 """Convert a GGUF file (llama.cpp's architectures llama (and Mixtral, llama with experts),
 qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, granite, smollm3, olmo2, gpt-oss,
 glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2 and V3), dots1 (dots.llm1), ernie4_5-moe (ERNIE 4.5
-MoE), exaone4 (EXAONE 4.0), olmoe (OLMoE) and minimax-m2 (MiniMax-M2)) into a local Hugging Face
-model directory.
+MoE), exaone4 (EXAONE 4.0), olmoe (OLMoE), minimax-m2 (MiniMax-M2), ernie4_5 (ERNIE 4.5 dense),
+hunyuan-dense and hunyuan-moe (Tencent's Hunyuan), nemotron (Nemotron-4, Minitron) and apertus
+(Apertus)) into a local Hugging Face model directory.
 
 The engine loads plain float32 HF directories, so a GGUF file is converted once:
 
     model.gguf ──read──> metadata ──> config.json, generation_config.json
               └─dequantize, un-permute Llama's Q/K, split stacked experts, un-shift Gemma's
-                norms, rejoin DeepSeek's kv_b, drop multi-token-prediction blocks──>
+                and Nemotron's norms, rejoin DeepSeek's kv_b, drop multi-token-prediction
+                blocks, turn Apertus's xIELU metadata back into weights──>
                 model.safetensors or shards of it (float32, HF names)
               └─transformers' GGUF tokenizer converter──> tokenizer.json, chat_template.jinja, ...
 
@@ -62,9 +64,11 @@ class _Family:
     # Whether the top-k routing weights are renormalised when the GGUF does not say
     # (llama.cpp's graph for the architecture; HF's config default for it).
     default_renormalize: bool = False
-    # Gemma: llama.cpp stores every norm's weight as 1 + w (its RMSNorm multiplies by the
-    # weight; HF's Gemma norms multiply by 1 + w), and names some norms its own way.
+    # Gemma: its config fields, and names for some norms of its own.
     gemma: bool = False
+    # Gemma and Nemotron: llama.cpp stores every norm's weight as 1 + w (its norms multiply by
+    # the weight; HF's Gemma norms and Nemotron's LayerNorm1P multiply by 1 + w).
+    one_plus_norms: bool = False
     layer_names: tuple[tuple[str, str], ...] = ()
     # Where HF keeps expert E's projections, and their names (llama.cpp's stacked tensor ->
     # HF's projection).
@@ -89,6 +93,7 @@ def _gemma_family(hf_architecture: str, model_type: str) -> _Family:
         permuted_qk=False,
         bias_field="attention_bias",
         gemma=True,
+        one_plus_norms=True,
         layer_names=(
             ("post_attention_norm", "post_attention_layernorm"),
             ("ffn_norm", "pre_feedforward_layernorm"),
@@ -281,9 +286,65 @@ _FAMILIES["minimax-m2"] = _Family(
     expert_projections=_MIXTRAL.expert_projections,
     unsuffixed_names=(("exp_probs_b.bias", "block_sparse_moe.e_score_correction_bias"),),
 )
+# ERNIE 4.5 (the dense models): Llama whose RoPE rotates adjacent pairs in both llama.cpp (NORM)
+# and HF, so no permutation; use_bias puts biases on every projection, not on the LM head
+# (_check_ernie4_5_biases).
+_FAMILIES["ernie4_5"] = _Family(
+    "Ernie4_5ForCausalLM", "ernie4_5", permuted_qk=False, bias_field="use_bias"
+)
+# Hunyuan: Llama with an RMSNorm over each query and key head after RoPE, which rotates halves
+# (llama.cpp's NEOX, as HF: no permutation); HF names the norms query_ / key_layernorm. The MoE
+# models put experts beside a shared MLP in every layer, under HF's own router and shared-MLP
+# names (_hunyuan_config).
+_HUNYUAN_QK_NORM_NAMES = (
+    ("attn_q_norm", "self_attn.query_layernorm"),
+    ("attn_k_norm", "self_attn.key_layernorm"),
+)
+_FAMILIES["hunyuan-dense"] = _Family(
+    "HunYuanDenseV1ForCausalLM",
+    "hunyuan_v1_dense",
+    permuted_qk=False,
+    bias_field="attention_bias",
+    layer_names=_HUNYUAN_QK_NORM_NAMES,
+)
+_FAMILIES["hunyuan-moe"] = _Family(
+    "HunYuanMoEV1ForCausalLM",
+    "hunyuan_v1_moe",
+    permuted_qk=False,
+    bias_field="attention_bias",
+    layer_names=(
+        *_HUNYUAN_QK_NORM_NAMES,
+        ("ffn_gate_inp", "mlp.gate.wg"),
+        ("ffn_gate_shexp", "mlp.shared_mlp.gate_proj"),
+        ("ffn_up_shexp", "mlp.shared_mlp.up_proj"),
+        ("ffn_down_shexp", "mlp.shared_mlp.down_proj"),
+    ),
+)
+# Nemotron: LayerNorm1P (a LayerNorm with a bias, scaled by 1 + w, which llama.cpp stores as
+# 1 + w), RoPE on halves over the first rope.dimension_count values of each head (llama.cpp's
+# NEOX, as HF: no permutation), an ungated squared-ReLU MLP (_nemotron_config).
+_FAMILIES["nemotron"] = _Family(
+    "NemotronForCausalLM",
+    "nemotron",
+    permuted_qk=False,
+    bias_field="attention_bias",
+    one_plus_norms=True,
+    global_names=(("output_norm.bias", "model.norm.bias"),),
+)
+# Apertus: Llama with per-head q/k norms before RoPE on halves (llama.cpp's NEOX, as HF: no
+# permutation), its norms under its own names, and an ungated MLP whose xIELU activation's
+# scalars llama.cpp keeps as metadata, one per layer (_apertus_config, _xielu_tensors).
+_FAMILIES["apertus"] = _Family(
+    "ApertusForCausalLM",
+    "apertus",
+    permuted_qk=False,
+    bias_field="attention_bias",
+    layer_names=(("attn_norm", "attention_layernorm"), ("ffn_norm", "feedforward_layernorm")),
+)
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 # The architectures whose RoPE may rotate part of each head (rope.dimension_count).
-_PARTIAL_ROTARY = ("phi3", "glm4moe", "minimax-m2")
+_PARTIAL_ROTARY = ("phi3", "glm4moe", "minimax-m2", "nemotron")
+_HUNYUAN = ("hunyuan-dense", "hunyuan-moe")
 # llama.cpp's expert_gating_func values: DeepSeek-V2's and OLMoE's softmax router (llama.cpp's
 # default for deepseek2, and fixed for olmoe), DeepSeek-V3's, GLM-4.5's and MiniMax-M2's
 # sigmoid one.
@@ -518,6 +579,16 @@ def _hf_config(
         config.update(_olmoe_config(key, tensor_shapes, num_layers))
     if architecture == "minimax-m2":
         config.update(_minimax_m2_config(key, tensor_shapes, num_layers, rope_dim))
+    if architecture == "ernie4_5":
+        _check_ernie4_5_biases(tensor_shapes, num_layers)
+    if architecture in _HUNYUAN:
+        config.update(_hunyuan_config(architecture, key, tensor_shapes, num_layers, head_dim))
+    if architecture == "nemotron":
+        # LayerNorms, whose epsilon is norm_eps (_nemotron_config), not an RMSNorm's.
+        del config["rms_norm_eps"]
+        config.update(_nemotron_config(key, tensor_shapes, num_layers, rope_dim, head_dim))
+    if architecture == "apertus":
+        config.update(_apertus_config(fields, tensor_shapes, num_layers, head_dim))
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
@@ -557,6 +628,8 @@ def _hf_config(
         rope_scaling = _llama3_rope_scaling(rope_freqs, rope_theta, head_dim)
     elif rope_factors:
         rope_scaling = _longrope_scaling(architecture, rope_factors)
+    elif architecture in _HUNYUAN:
+        rope_scaling = _hunyuan_rope_scaling(architecture, key)
     else:
         rope_scaling = _rope_scaling(key)
     if rope_scaling is not None:
@@ -574,6 +647,9 @@ def _hf_config(
     if architecture == "minimax-m2":
         # As transformers 5 saves MiniMax-M2's: the share there, rotary_dim at the top level.
         config["rope_parameters"]["partial_rotary_factor"] = rope_dim / head_dim
+    if architecture == "nemotron":
+        # transformers 5 reads the rotated share there; older readers at the top level.
+        config["rope_parameters"]["partial_rotary_factor"] = config["partial_rotary_factor"]
     if architecture == "gemma3":
         # Gemma 3's global layers take the GGUF's RoPE base and scaling; llama.cpp gives its
         # sliding layers a base of 10000 and no scaling, as HF's Gemma 3 does by default.
@@ -1063,9 +1139,9 @@ def _minimax_m2_config(
 def _check_fixed_router(
     architecture: str, key: Callable[..., Any], gating: int, renormalize: bool
 ) -> None:
-    """OLMoE's and MiniMax-M2's routers, whose scoring and renormalisation llama.cpp's graphs
-    (and HF's classes) fix: the keys a file may carry about them must agree, and neither
-    scales its weights or groups its experts."""
+    """OLMoE's, MiniMax-M2's and Hunyuan MoE's routers, whose scoring and renormalisation
+    llama.cpp's graphs (and HF's classes) fix: the keys a file may carry about them must agree,
+    and none scales its weights or groups its experts."""
     names = {_SOFTMAX: "softmax", _SIGMOID: "sigmoid"}
     fixed = {
         "expert_gating_func": (gating, f"{gating} ({names[gating]})"),
@@ -1108,8 +1184,8 @@ def _experts_in_every_layer(
     num_layers: int,
 ) -> tuple[int, int, int]:
     """(experts, their intermediate size, experts per token) of a model whose every layer is
-    sparse (OLMoE, MiniMax-M2), the sizes from the tensors: llama.cpp's graphs for those need
-    a router and experts in each layer."""
+    sparse (OLMoE, MiniMax-M2, Hunyuan MoE), the sizes from the tensors: llama.cpp's graphs for
+    those need a router and experts in each layer."""
     dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes]
     if dense:
         raise ValueError(
@@ -1121,6 +1197,240 @@ def _experts_in_every_layer(
         raise ValueError("GGUF has experts but no expert_used_count (the experts per token)")
     num_experts, intermediate_size, _ = tensor_shapes["blk.0.ffn_gate_exps.weight"]
     return num_experts, intermediate_size, int(top_k)
+
+
+# The projections HF's attention_bias gives a bias (llama.cpp's names), and ERNIE 4.5's use_bias.
+_ATTENTION_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output")
+_ERNIE4_5_BIASED = (*_ATTENTION_PROJECTIONS, "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _biases_switched(
+    architecture: str,
+    field: str,
+    projections: tuple[str, ...],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+) -> bool:
+    """Whether the file has the biases HF's one switch ``field`` gives ``projections`` in
+    every layer: all of them, or none (a file with some is another model)."""
+    names = [f"blk.{i}.{projection}.bias" for i in range(num_layers) for projection in projections]
+    present = [name for name in names if name in tensor_shapes]
+    if present and len(present) < len(names):
+        missing = [name for name in names if name not in tensor_shapes]
+        raise ValueError(
+            f"GGUF {architecture} has {_listed(present)} but not {_listed(missing)}; HF's "
+            f"{field} gives {', '.join(projections)} a bias in every layer, or none"
+        )
+    return bool(present)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
+
+
+def _check_ernie4_5_biases(tensor_shapes: dict[str, tuple[int, ...]], num_layers: int) -> None:
+    """ERNIE 4.5's use_bias: a bias on every projection of every layer, or none; never on the
+    LM head of the dense model (HF's Ernie4_5ForCausalLM has none, unlike the MoE model's)."""
+    _biases_switched("ernie4_5", "use_bias", _ERNIE4_5_BIASED, tensor_shapes, num_layers)
+    if "output.bias" in tensor_shapes:
+        raise ValueError(
+            "GGUF ernie4_5 has an LM-head bias (output.bias), which HF's dense ERNIE 4.5 does "
+            "not have; supported: none"
+        )
+
+
+def _check_per_head_qk_norms(
+    architecture: str, tensor_shapes: dict[str, tuple[int, ...]], num_layers: int, head_dim: int
+) -> None:
+    """Hunyuan's and Apertus's q/k norms: in every layer, one weight per value of a head,
+    shared by all heads (llama.cpp's graphs need them; HF's models always have them)."""
+    for layer in range(num_layers):
+        for projection in ("attn_q", "attn_k"):
+            shape = tensor_shapes.get(f"blk.{layer}.{projection}_norm.weight")
+            if shape != (head_dim,):
+                found = "no such tensor" if shape is None else f"shape {shape}"
+                raise ValueError(
+                    f"GGUF {architecture} blk.{layer}.{projection}_norm: {found}; expected "
+                    f"({head_dim},), a norm over each head"
+                )
+
+
+def _check_ungated(
+    architecture: str, tensor_shapes: dict[str, tuple[int, ...]], num_layers: int
+) -> None:
+    """Nemotron's and Apertus's MLPs: down(act(up(x))), no gate in HF's model or llama.cpp's
+    graph."""
+    gated = [i for i in range(num_layers) if f"blk.{i}.ffn_gate.weight" in tensor_shapes]
+    if gated:
+        raise ValueError(
+            f"GGUF {architecture} has a gated MLP (ffn_gate) in layers {gated}; "
+            f"{architecture}'s MLP is ungated"
+        )
+
+
+def _hunyuan_config(
+    architecture: str,
+    key: Callable[..., Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+    head_dim: int,
+) -> dict[str, Any]:
+    """Hunyuan: per-head q/k norms in every layer, the attention's biases all or none
+    (attention_bias, set from the tensors); the MoE models' experts (_hunyuan_moe_config). The
+    RoPE: _hunyuan_rope_scaling. HunyuanVL's XD-RoPE sections are another model."""
+    _check_per_head_qk_norms(architecture, tensor_shapes, num_layers, head_dim)
+    _biases_switched(
+        architecture, "attention_bias", _ATTENTION_PROJECTIONS, tensor_shapes, num_layers
+    )
+    sections = key("rope.dimension_sections")
+    if sections is not None and any(sections):
+        raise ValueError(
+            f"GGUF {architecture} rope.dimension_sections={list(sections)} is not supported "
+            "(HunyuanVL's XD-RoPE); supported: none"
+        )
+    if architecture == "hunyuan-dense":
+        return {}
+    return _hunyuan_moe_config(key, tensor_shapes, num_layers)
+
+
+def _hunyuan_moe_config(
+    key: Callable[..., Any], tensor_shapes: dict[str, tuple[int, ...]], num_layers: int
+) -> dict[str, Any]:
+    """Hunyuan MoE: in every layer experts under a softmax router, top-k renormalised (fixed by
+    llama.cpp's graph and HF's model), beside one shared MLP. HF gives the experts and the
+    shared MLP both intermediate_size rows (its config's moe_intermediate_size and
+    num_shared_expert unread), so the tensors must agree; llama.cpp's expert and shared sizes
+    (expert_feed_forward_length, expert_shared_feed_forward_length) are not read: the
+    tensors give them."""
+    _check_fixed_router("hunyuan-moe", key, _SOFTMAX, renormalize=True)
+    num_experts, intermediate_size, top_k = _experts_in_every_layer(
+        "hunyuan-moe", key, tensor_shapes, num_layers
+    )
+    for layer in range(num_layers):
+        for projection in ("ffn_gate_exps", "ffn_gate_shexp"):
+            shape = tensor_shapes.get(f"blk.{layer}.{projection}.weight")
+            rows = None if shape is None else shape[-2]
+            if rows != intermediate_size:
+                found = "no such tensor" if shape is None else f"{rows} rows"
+                raise ValueError(
+                    f"GGUF hunyuan-moe blk.{layer}.{projection}: {found}; expected "
+                    f"{intermediate_size} (HF's experts and shared MLP all have "
+                    "intermediate_size rows)"
+                )
+    return {"num_experts": num_experts, "moe_topk": top_k, "intermediate_size": intermediate_size}
+
+
+def _hunyuan_rope_scaling(architecture: str, key: Callable[..., Any]) -> dict[str, Any] | None:
+    """Hunyuan's NTK-alpha RoPE. llama.cpp's converter folds HF's alpha into the base (base x
+    alpha ** (d / (d - 2)), written as rope.freq_base, no scaling), which is plain RoPE with
+    that base to HF as well. A hunyuan-dense file may instead keep the alpha apart
+    (rope.scaling.alpha, HunyuanVL's way), which llama.cpp's hunyuan-dense folds in when
+    loading: HF's "dynamic" RoPE with that alpha, as Hunyuan's checkpoints write it. llama.cpp's
+    hunyuan-moe ignores the key, so a file with one is refused there, as is an alpha beside
+    another scaling."""
+    scaling = _rope_scaling(key)
+    alpha = key("rope.scaling.alpha")
+    if not alpha:  # absent, or 0: llama.cpp folds nothing in
+        return scaling
+    if architecture != "hunyuan-dense" or scaling is not None:
+        beside = "" if scaling is None else f" beside rope.scaling.type {scaling['rope_type']}"
+        raise ValueError(
+            f"GGUF {architecture} rope.scaling.alpha={alpha}{beside} is not supported; "
+            "supported: hunyuan-dense's alpha without another scaling, or none"
+        )
+    return {"rope_type": "dynamic", "factor": 1.0, "alpha": _float32_value(alpha)}
+
+
+def _nemotron_config(
+    key: Callable[..., Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+    rope_dim: int,
+    head_dim: int,
+) -> dict[str, Any]:
+    """Nemotron: LayerNorm1P with its epsilon (attention.layer_norm_epsilon) and a bias in
+    every norm (both required by llama.cpp's graph, and HF's), RoPE over rope.dimension_count
+    of each head (HF's partial_rotary_factor), the ungated squared-ReLU MLP, and biases on the
+    attention (attention_bias) and on the MLP (mlp_bias), each all or none."""
+    eps = key("attention.layer_norm_epsilon")
+    if eps is None:
+        raise ValueError(
+            "GGUF nemotron has no attention.layer_norm_epsilon (its LayerNorms' epsilon, "
+            "which llama.cpp requires)"
+        )
+    norm_biases = [
+        "output_norm.bias",
+        *(f"blk.{i}.{norm}.bias" for i in range(num_layers) for norm in ("attn_norm", "ffn_norm")),
+    ]
+    missing = [name for name in norm_biases if name not in tensor_shapes]
+    if missing:
+        raise ValueError(
+            f"GGUF nemotron has no {_listed(missing)}; every Nemotron LayerNorm1P has a bias"
+        )
+    _check_ungated("nemotron", tensor_shapes, num_layers)
+    _biases_switched(
+        "nemotron", "attention_bias", _ATTENTION_PROJECTIONS, tensor_shapes, num_layers
+    )
+    mlp_bias = _biases_switched(
+        "nemotron", "mlp_bias", ("ffn_up", "ffn_down"), tensor_shapes, num_layers
+    )
+    return {
+        "hidden_act": "relu2",
+        "norm_eps": _float32_value(eps),
+        "partial_rotary_factor": rope_dim / head_dim,
+        "mlp_bias": mlp_bias,
+    }
+
+
+# Apertus's xIELU scalars: llama.cpp's metadata key (one value per layer, each as HF stores
+# it: alpha_p and alpha_n before their softplus, which both apply) -> HF's tensor and shape.
+_XIELU = {
+    "alpha_p": (gguf.Keys.xIELU.ALPHA_P, (1,)),
+    "alpha_n": (gguf.Keys.xIELU.ALPHA_N, (1,)),
+    "beta": (gguf.Keys.xIELU.BETA, ()),
+    "eps": (gguf.Keys.xIELU.EPS, ()),
+}
+
+
+def _apertus_config(
+    fields: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+    head_dim: int,
+) -> dict[str, Any]:
+    """Apertus: xIELU (its scalars: _xielu_values), per-head q/k norms in every layer, the
+    ungated MLP, the attention's biases all or none (attention_bias)."""
+    _xielu_values(fields, num_layers)
+    _check_per_head_qk_norms("apertus", tensor_shapes, num_layers, head_dim)
+    _check_ungated("apertus", tensor_shapes, num_layers)
+    _biases_switched("apertus", "attention_bias", _ATTENTION_PROJECTIONS, tensor_shapes, num_layers)
+    return {"hidden_act": "xielu"}
+
+
+def _xielu_values(fields: dict[str, Any], num_layers: int) -> dict[str, list[float]]:
+    """Apertus's xIELU scalars by name, one per layer, as llama.cpp's converter keeps them
+    (metadata arrays, which its graph reads per layer)."""
+    values = {}
+    for name, (gguf_key, _) in _XIELU.items():
+        found = fields.get(gguf_key)
+        if not isinstance(found, list) or len(found) != num_layers:
+            raise ValueError(
+                f"GGUF apertus needs {gguf_key}, one value per layer ({num_layers}), "
+                f"got {found!r:.100}"
+            )
+        values[name] = [float(value) for value in found]
+    return values
+
+
+def _xielu_tensors(
+    values: dict[str, list[float]], num_layers: int
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Apertus's xIELU scalars as HF's weights: model.layers.N.mlp.act_fn.alpha_p and alpha_n
+    of one value, beta and eps of none (scalars)."""
+    for layer in range(num_layers):
+        for name, (_, shape) in _XIELU.items():
+            value = np.full(shape, values[name][layer], dtype=np.float32)
+            yield f"model.layers.{layer}.mlp.act_fn.{name}", value
 
 
 # Llama 3's RoPE scaling besides its factor: every Llama 3.x model's values, and those
@@ -1299,6 +1609,15 @@ def _dequantized_tensors(
         yield from _joined_kv_b(each_tensor(), config)
     else:
         yield from each_tensor()
+    if family is _FAMILIES["apertus"]:
+        # Not tensors in the GGUF: llama.cpp keeps them as metadata (_apertus_config).
+        fields = {
+            gguf_key: reader.fields[gguf_key].contents()
+            for gguf_key, _ in _XIELU.values()
+            if gguf_key in reader.fields
+        }
+        values = _xielu_values(fields, config["num_hidden_layers"])
+        yield from _xielu_tensors(values, config["num_hidden_layers"])
 
 
 def _tensors_without_weights(names: list[str], num_layers: int) -> set[str]:
@@ -1433,7 +1752,7 @@ def _hf_tensors(
         weight = _undo_rope_permutation(weight, config["num_attention_heads"])
     elif family.permuted_qk and ".k_proj." in name:
         weight = _undo_rope_permutation(weight, config["num_key_value_heads"])
-    elif family.gemma and name.endswith("norm.weight"):
+    elif family.one_plus_norms and name.endswith("norm.weight"):
         weight = weight - 1.0
     elif name.endswith("shared_expert_gate.weight"):
         weight = weight.reshape(1, -1)  # llama.cpp drops HF's leading 1

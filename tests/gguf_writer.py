@@ -2,12 +2,13 @@
 (convert_hf_to_gguf.py) does, so the engine's GGUF converter can be checked against the
 HF model it came from: tensor names from gguf-py's own name map (not the converter's
 tables), Llama's Q/K rows interleaved for llama.cpp's RoPE, a layer's experts stacked into
-one tensor per projection, the shared-expert gate's leading 1 dropped, Gemma's norms
-stored as 1 + w, DeepSeek's kv_b_proj split per head into attn_k_b (transposed) and attn_v_b
+one tensor per projection, the shared-expert gate's leading 1 dropped, Gemma's and Nemotron's
+norms stored as 1 + w, DeepSeek's kv_b_proj split per head into attn_k_b (transposed) and attn_v_b
 (or kept whole, as older llama.cpp did), GLM-4.5's multi-token-prediction layer appended as
 a block (DeepSeek's dropped), ERNIE 4.5's router bias kept [1, experts] as HF has it,
 OLMoE's and MiniMax-M2's whole-projection q/k norms kept whole, MiniMax-M2's router bias as
-exp_probs_b, 1-D tensors kept in float32, and a byte-level BPE vocabulary (or for Gemma a
+exp_probs_b, Hunyuan's NTK alpha folded into the RoPE base, Apertus's xIELU scalars as
+metadata, 1-D tensors kept in float32, and a byte-level BPE vocabulary (or for Gemma a
 SentencePiece one) in the tokenizer keys.
 """
 
@@ -45,6 +46,11 @@ GGUF_ARCHITECTURES = {
     "Exaone4ForCausalLM": "exaone4",
     "OlmoeForCausalLM": "olmoe",
     "MiniMaxM2ForCausalLM": "minimax-m2",
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "HunYuanDenseV1ForCausalLM": "hunyuan-dense",
+    "HunYuanMoEV1ForCausalLM": "hunyuan-moe",
+    "NemotronForCausalLM": "nemotron",
+    "ApertusForCausalLM": "apertus",
 }
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -63,13 +69,17 @@ def write_gguf(
     end_of_turn_id: int | None = None,
     fuse_gate_up: bool = False,
     split_kv_b: bool = True,
+    hunyuan_alpha_apart: bool = False,
 ) -> Path:
     """``tokens``: a byte-level BPE vocabulary by id and its merges (``byte_level_vocab``);
     ``quantization`` applies to the matrices; ``end_of_turn_id`` is written as the EOT token;
     ``fuse_gate_up``: gpt-oss's experts as llama.cpp's --fuse-gate-up-exps writes them (one
     ffn_gate_up_exps, gate rows then up rows); ``split_kv_b``: DeepSeek's attention as
     llama.cpp writes it since its MLA support (attn_k_b and attn_v_b, the *_mla lengths, one
-    KV head), else as before it (one attn_kv_b, the heads' own lengths)."""
+    KV head), else as before it (one attn_kv_b, the heads' own lengths);
+    ``hunyuan_alpha_apart``: a Hunyuan dense model's NTK alpha kept apart from the RoPE base
+    (rope.scaling.alpha), as llama.cpp's HunyuanVL converter writes it and its hunyuan-dense
+    reads it, instead of folded into the base as its Hunyuan converters write it."""
     config = json.loads((hf_dir / "config.json").read_text())
     architecture = GGUF_ARCHITECTURES[config["architectures"][0]]
     arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
@@ -113,16 +123,27 @@ def write_gguf(
         _write_exaone4_hparams(writer, config)
     if architecture == "minimax-m2":
         _write_minimax_m2_hparams(writer, config)
+    if architecture.startswith("hunyuan"):
+        _write_hunyuan_hparams(writer, architecture, config, hunyuan_alpha_apart)
+    if architecture == "nemotron":
+        _write_nemotron_hparams(writer, config)
+    if architecture == "apertus":
+        # LlamaModel's: the rotated dimensions (all of each head).
+        writer.add_rope_dimension_count(config["head_dim"])
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
         weights.pop("lm_head.weight", None)
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    xielu: dict[str, dict[int, float]] = {}
     for name, weight in weights.items():
         module, _, kind = name.rpartition(".")
         parts = module.split(".")
         if parts[:2] == ["model", "layers"] and int(parts[2]) >= block_count:
             continue  # DeepSeek's multi-token-prediction layer
+        if module.endswith(".act_fn"):  # Apertus's xIELU scalars: metadata, per layer
+            xielu.setdefault(kind, {})[int(parts[2])] = float(weight.reshape(()))
+            continue
         if kind == "e_score_correction_bias":  # llama.cpp renames it e_score_correction.bias
             gguf_name = name_map.get_name(f"{module}.e_score_correction")
             _add(writer, f"{gguf_name}.bias", weight, F32)
@@ -151,13 +172,20 @@ def write_gguf(
             weight = permute_for_llama_cpp(weight, heads)
         if module.endswith("shared_expert_gate"):
             weight = weight.reshape(-1)
-        if architecture.startswith("gemma") and name.endswith("norm.weight"):
+        # llama.cpp's Gemma and Nemotron converters store each norm's weight as 1 + w.
+        one_plus_norms = architecture.startswith("gemma") or architecture == "nemotron"
+        if one_plus_norms and name.endswith("norm.weight"):
             weight = weight + np.float32(1.0)
         _add(writer, f"{gguf_name}.{kind}", weight, quantization)
     for (prefix, projection), by_expert in sorted(experts.items()):
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
         gguf_name = name_map.get_name(f"{prefix}.{projection}")
         _add(writer, f"{gguf_name}.weight", stacked, quantization)
+    if xielu:
+        writer.add_xielu_alpha_p(_by_layer(xielu["alpha_p"]))
+        writer.add_xielu_alpha_n(_by_layer(xielu["alpha_n"]))
+        writer.add_xielu_beta(_by_layer(xielu["beta"]))
+        writer.add_xielu_eps(_by_layer(xielu["eps"]))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -167,6 +195,10 @@ def write_gguf(
 
 
 F32 = gguf.GGMLQuantizationType.F32
+
+
+def _by_layer(values: dict[int, float]) -> list[float]:
+    return [values[layer] for layer in sorted(values)]
 
 
 def _split_kv_b(
@@ -261,7 +293,9 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, block_count: int) -> N
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     # llama.cpp's OlmoeModel overwrites the epsilon with 1e-5 (OLMoE's own), whatever the config.
-    writer.add_layer_norm_rms_eps(1e-5 if olmoe else config["rms_norm_eps"])
+    # (Nemotron's LayerNorms have none: _write_nemotron_hparams.)
+    if olmoe or config.get("rms_norm_eps") is not None:
+        writer.add_layer_norm_rms_eps(1e-5 if olmoe else config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     # llama.cpp's Granite and Phi-3 converters write no head size (hidden / heads).
     if config.get("head_dim") is not None and config["architectures"][0] not in (
@@ -275,7 +309,8 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, block_count: int) -> N
     num_experts = config.get("num_experts") or config.get("num_local_experts")
     if num_experts:
         writer.add_expert_count(num_experts)
-        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("num_experts_per_tok") is not None:  # Hunyuan's: moe_topk
+            writer.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:  # Mixtral's experts: intermediate_size
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if "shared_expert_intermediate_size" in config:
@@ -431,6 +466,65 @@ def _write_minimax_m2_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_expert_feed_forward_length(config["intermediate_size"])
     writer.add_rope_dimension_count(config["rotary_dim"])
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _write_hunyuan_hparams(
+    writer: gguf.GGUFWriter, architecture: str, config: dict, alpha_apart: bool
+) -> None:
+    """What llama.cpp's HunYuanModel / HunYuanMoEModel add: HF's "dynamic" RoPE with an alpha
+    folded into the base (base x alpha ** (d / (d - 2)), d the dense model's head_dim, the MoE
+    model's hidden / heads), no scaling, and a 256K context (those converters assert the
+    checkpoints' base, alpha and head size, which these tiny models need not have); the MoE
+    model's expert keys (the shared MLP's size is intermediate_size). ``alpha_apart``: the
+    dense model's alpha as HunyuanVLTextModel writes it instead (rope.scaling.alpha beside the
+    unscaled base, and the model's own context)."""
+    rope = config["rope_parameters"]
+    if rope.get("rope_type") == "dynamic" and alpha_apart:
+        assert architecture == "hunyuan-dense"
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
+        writer.add_rope_scaling_alpha(float(rope["alpha"]))
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        writer.add_rope_scaling_factor(float(rope.get("factor", 1)))
+        writer.add_rope_scaling_orig_ctx_len(config["max_position_embeddings"])
+    elif rope.get("rope_type") == "dynamic":
+        dim = config["head_dim"]
+        if architecture == "hunyuan-moe":
+            dim = config["hidden_size"] // config["num_attention_heads"]
+        alpha = rope.get("alpha", 1000 if architecture == "hunyuan-moe" else 50)
+        writer.add_rope_freq_base(rope["rope_theta"] * alpha ** (dim / (dim - 2)))
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        writer.add_rope_scaling_factor(1)
+        writer.add_rope_scaling_orig_ctx_len(256 * 1024)
+        writer.add_context_length(256 * 1024)
+    if architecture == "hunyuan-moe":
+        writer.add_expert_shared_feed_forward_length(config["intermediate_size"])
+        expert_size = config.get("moe_intermediate_size", config["intermediate_size"])
+        writer.add_expert_feed_forward_length(_first(expert_size))
+        writer.add_expert_used_count(_first(config["moe_topk"]))
+        writer.add_expert_shared_count(_first(config.get("num_shared_expert", 1)))
+
+
+def _first(value: int | list[int]) -> int:
+    """One of Hunyuan-A13B's per-layer values, which llama.cpp's converter asserts agree."""
+    return value[0] if isinstance(value, list) else value
+
+
+def _write_nemotron_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """What llama.cpp's NemotronModel adds: the LayerNorms' epsilon, the rotated dimensions
+    (the rotated share of hidden / heads, not of head_dim), linear scaling where the config
+    has a factor, none else (its norms' 1 + w: write_gguf)."""
+    writer.add_layer_norm_eps(config["norm_eps"])
+    rope = config["rope_parameters"]
+    rotated = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    writer.add_rope_dimension_count(
+        int(rotated * config["hidden_size"]) // config["num_attention_heads"]
+    )
+    factor = config.get("factor") or rope.get("factor")
+    if factor is None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    else:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(factor)
 
 
 def _write_routed_experts(

@@ -3,13 +3,16 @@ qwen3, qwen2moe, qwen3moe, phi3 (Phi-3 and Phi-4-mini's LongRoPE), granite, smol
 olmo2 and OLMo 3's windowed olmo2, gpt-oss (also with MXFP4 experts), glm4moe (GLM-4.5,
 also with its multi-token-prediction block), deepseek2 as DeepSeek-V2 and V3 (kv_b split as
 newer llama.cpp writes it, or whole as older), dots1, ernie4_5-moe (also with its experts
-ending before the last layer), exaone4 (windowed, or not), olmoe and minimax-m2; gemma2 and
-gemma3 below),
+ending before the last layer), exaone4 (windowed, or not), olmoe, minimax-m2, ernie4_5 (with
+biases, or not), hunyuan-dense (its NTK alpha folded into the base, or apart), hunyuan-moe,
+nemotron (its norms stored as 1 + w; with biases, or not) and apertus (its xIELU scalars as
+metadata); gemma2 and gemma3 below),
 written from tiny HF models the way llama.cpp writes them (tests/gguf_writer.py): the engine
 on the converted model gives HF transformers' greedy tokens on the original (float32 weights
-survive exactly), a Q8_0 file converts to its dequantized weights, the config carries what
-llama.cpp keeps only in tensors (biases, a tied head, expert sizes and layers), files HF
-cannot express are refused by name, and the tokenizer and chat template come through."""
+survive exactly, norms llama.cpp stores as 1 + w to float32's resolution), a Q8_0 file
+converts to its dequantized weights, the config carries what llama.cpp keeps only in tensors
+(biases, a tied head, expert sizes and layers), files HF cannot express are refused by name,
+and the tokenizer and chat template come through."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from engine.test_dots1 import DOTS1
+from engine.test_ernie4_5 import ERNIE
 from engine.test_parity import GREEDY, hf_greedy, random_prompts
 from gguf_writer import byte_level_vocab, write_gguf
 from safetensors.numpy import load_file
@@ -33,6 +37,7 @@ from pagedserve.frontend import LLM, SamplingParams, gguf_convert
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.layers.rope_config import rope_parameters
+from pagedserve.gpu_worker.layers.rotary import inverse_frequencies
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 
 VOCAB_SIZE = 512
@@ -47,6 +52,15 @@ _COMMON = dict(
     max_position_embeddings=512,
     rms_norm_eps=1e-6,
     bos_token_id=0,
+    eos_token_id=2,
+)
+_HUNYUAN = dict(
+    architectures=["HunYuanDenseV1ForCausalLM"],
+    **{**TINY_SHAPE, "max_position_embeddings": 32768},
+    head_dim=64,
+    rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
+    tie_word_embeddings=False,
+    pad_token_id=0,
     eos_token_id=2,
 )
 FAMILIES = {
@@ -323,6 +337,45 @@ FAMILIES = {
         tie_word_embeddings=False,
         **{**_COMMON, "intermediate_size": 96},
     ),
+    # tests/engine/test_ernie4_5.py's ERNIE 4.5 (dense): use_bias's biases on every projection,
+    # RoPE on adjacent pairs in both llama.cpp and HF (no rows permuted).
+    "ernie4_5": ERNIE,
+    # tests/engine/test_hunyuan.py's Hunyuan (dense, and with 4 experts, top 2, beside a shared
+    # MLP): "dynamic" RoPE with alpha 1000, which llama.cpp folds into the base; the context
+    # llama.cpp's converter asserts (32K, which it writes as 256K).
+    "hunyuan_dense": _HUNYUAN,
+    "hunyuan_moe": dict(
+        _HUNYUAN, architectures=["HunYuanMoEV1ForCausalLM"], num_experts=4, moe_topk=2
+    ),
+    # tests/engine/test_nemotron.py's Nemotron: LayerNorm1P, half of each head rotated, the
+    # squared ReLU.
+    "nemotron": dict(
+        architectures=["NemotronForCausalLM"],
+        **TINY_SHAPE,
+        head_dim=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
+    # tests/engine/test_apertus.py's Apertus with Apertus's own RoPE (Llama 3's scaling over
+    # 8192 tokens and a base of 12M, the llama3 settings a GGUF's rope_freqs can give back),
+    # xIELU's scalars per layer.
+    "apertus": dict(
+        architectures=["ApertusForCausalLM"],
+        **TINY_SHAPE,
+        head_dim=64,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 12_000_000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
     # 8 experts of 96, top 3, renormalised; per-head q/k norms.
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"],
@@ -359,8 +412,23 @@ def test_float32_gguf_converts_to_the_original_weights(hf_dirs, converted, famil
     ours = load_file(converted[family] / "model.safetensors")
     if FAMILIES[family]["tie_word_embeddings"]:
         original.pop("lm_head.weight", None)
+    check_original_weights(ours, original, FAMILIES[family]["architectures"][0])
+
+
+# The HF architectures whose norms llama.cpp stores as 1 + w (Gemma's: below).
+_ONE_PLUS_NORMS = ("NemotronForCausalLM",)
+
+
+def check_original_weights(ours: dict, original: dict, architecture: str) -> None:
+    """The converted weights are the original ones, names and shapes (Apertus's scalars
+    included) and values: exactly, but for norms stored as 1 + w, whose w comes back to
+    float32's resolution near 1 (the + 1 and - 1 round)."""
     assert sorted(ours) == sorted(original)
     for name, weight in original.items():
+        assert ours[name].shape == weight.shape, name
+        if architecture in _ONE_PLUS_NORMS and name.endswith("norm.weight"):
+            np.testing.assert_allclose(ours[name], weight, rtol=0, atol=2**-22, err_msg=name)
+            continue
         np.testing.assert_array_equal(ours[name], weight, err_msg=name)
 
 
@@ -465,6 +533,9 @@ _ENGINE_CONFIG_CHECKED = [
     "exaone4",
     "olmoe",
     "minimax_m2",
+    "ernie4_5",
+    "nemotron",
+    "apertus",
 ]
 
 
@@ -515,17 +586,23 @@ def test_the_engine_reads_the_converted_config_as_the_original_s(hf_dirs, conver
         # EXAONE 4.0 1.2B's kind: no window, every layer global and rotating (Exaone4Config
         # needs the layer kinds given then).
         ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 4)),
+        # ERNIE 4.5 0.3B's kind: no biases, the LM head tied to the embeddings.
+        ("ernie4_5", dict(use_bias=False, tie_word_embeddings=True)),
+        # Nemotron with biases on the attention and the MLP (each its own switch).
+        ("nemotron", dict(attention_bias=True, mlp_bias=True)),
+        ("nemotron", dict(attention_bias=True, mlp_bias=False)),
     ],
 )
 def test_other_layouts_convert_to_the_original_model(family, changes, tmp_path):
-    hf_dir = random_hf_model({**FAMILIES[family], **changes}, tmp_path / "hf")
+    config = {**FAMILIES[family], **changes}
+    hf_dir = random_hf_model(config, tmp_path / "hf")
     gguf_path = write_gguf(hf_dir, tmp_path / "variant.gguf", byte_level_vocab(VOCAB_SIZE))
     converted = resolve_model(gguf_path, cache_dir=str(tmp_path / "cache")).path
     original = load_file(hf_dir / "model.safetensors")
+    if config["tie_word_embeddings"]:
+        original.pop("lm_head.weight", None)
     ours = load_file(converted / "model.safetensors")
-    assert sorted(ours) == sorted(original)
-    for name, weight in original.items():
-        np.testing.assert_array_equal(ours[name], weight, err_msg=name)
+    check_original_weights(ours, original, config["architectures"][0])
     check_engine_config_matches(converted, hf_dir)
 
 
@@ -622,6 +699,55 @@ _SIGMOID = int(gguf.ExpertGatingFuncType.SIGMOID)
             ["blk.1.exp_probs_b.bias"],
             r"no router selection bias \(exp_probs_b\) in layers \[1\]",
         ),
+        # ERNIE 4.5's use_bias gives every projection of every layer a bias, or none.
+        (
+            "ernie4_5",
+            {},
+            ["blk.1.ffn_down.bias"],
+            r"ernie4_5 has .* but not blk.1.ffn_down.bias; HF's use_bias gives",
+        ),
+        # Hunyuan's q/k norms are in every layer; HunyuanVL's XD-RoPE is another model.
+        ("hunyuan_dense", {}, ["blk.1.attn_k_norm.weight"], "blk.1.attn_k_norm: no such tensor"),
+        (
+            "hunyuan_dense",
+            {"hunyuan-dense.rope.dimension_sections": [16, 16, 0, 0]},
+            [],
+            r"hunyuan-dense rope.dimension_sections=\[16, 16, 0, 0\] is not supported",
+        ),
+        # Hunyuan MoE's router: softmax, renormalised; a shared MLP in every layer. Its
+        # llama.cpp graph ignores rope.scaling.alpha, HF's would not.
+        (
+            "hunyuan_moe",
+            {"hunyuan-moe.expert_gating_func": _SIGMOID},
+            [],
+            "hunyuan-moe expert_gating_func=2 is not supported",
+        ),
+        (
+            "hunyuan_moe",
+            {"hunyuan-moe.expert_weights_norm": False},
+            [],
+            "hunyuan-moe expert_weights_norm=False",
+        ),
+        ("hunyuan_moe", {}, ["blk.1.ffn_gate_shexp.weight"], "blk.1.ffn_gate_shexp: no such"),
+        ("hunyuan_moe", {}, ["blk.1.ffn_gate_inp.weight"], r"no expert router .* in layers \[1\]"),
+        (
+            "hunyuan_moe",
+            {"hunyuan-moe.rope.scaling.alpha": 1000.0},
+            [],
+            "hunyuan-moe rope.scaling.alpha=1000.0 is not supported",
+        ),
+        # Nemotron's LayerNorm1P: an epsilon, a bias in every norm; its biases per switch.
+        (
+            "nemotron",
+            {"nemotron.attention.layer_norm_epsilon": None},
+            [],
+            "nemotron has no attention.layer_norm_epsilon",
+        ),
+        ("nemotron", {}, ["blk.1.ffn_norm.bias"], "nemotron has no blk.1.ffn_norm.bias"),
+        # Apertus's xIELU scalars: one of each per layer, as metadata.
+        ("apertus", {"xielu.beta": None}, [], "apertus needs xielu.beta"),
+        ("apertus", {"xielu.alpha_p": [0.1]}, [], r"xielu.alpha_p, one value per layer \(2\)"),
+        ("apertus", {}, ["blk.0.attn_q_norm.weight"], "apertus blk.0.attn_q_norm: no such tensor"),
     ],
 )
 def test_files_hf_cannot_express_are_refused_by_name(
@@ -718,6 +844,162 @@ def test_per_head_q_k_norms_are_refused_for_olmoe_and_minimax_m2(hf_dirs, tmp_pa
         shapes["blk.0.attn_q_norm.weight"] = (64,)
         with pytest.raises(ValueError, match=r"blk.0.attn_q_norm: shape \(64,\); expected"):
             gguf_convert._hf_config(fields, shapes)
+
+
+@pytest.mark.parametrize(
+    ("family", "tensors", "message"),
+    [
+        # HF's dense ERNIE 4.5 has no LM-head bias (its MoE model's use_bias gives one).
+        ("ernie4_5", {"output.bias": (VOCAB_SIZE,)}, "ernie4_5 has an LM-head bias"),
+        # HF's Hunyuan MoE gives its experts and its shared MLP the same rows.
+        (
+            "hunyuan_moe",
+            {"blk.1.ffn_gate_shexp.weight": (192, 256)},
+            "blk.1.ffn_gate_shexp: 192 rows; expected 384",
+        ),
+        # Nemotron's and Apertus's MLPs are ungated.
+        (
+            "nemotron",
+            {"blk.0.ffn_gate.weight": (384, 256)},
+            r"nemotron has a gated MLP \(ffn_gate\) in layers \[0\]",
+        ),
+        (
+            "apertus",
+            {"blk.1.ffn_gate.weight": (384, 256)},
+            r"apertus has a gated MLP \(ffn_gate\) in layers \[1\]",
+        ),
+        # attention_bias gives every layer's q/k/v/o a bias, or none.
+        (
+            "apertus",
+            {"blk.1.attn_q.bias": (256,)},
+            "apertus has blk.1.attn_q.bias but not blk.0.attn_q.bias",
+        ),
+    ],
+)
+def test_tensors_hf_cannot_hold_are_refused_by_name(hf_dirs, tmp_path, family, tensors, message):
+    # ``tensors``: tensors added to the file, by shape (torch's order).
+    fields, shapes = gguf_metadata(hf_dirs[family], tmp_path / "file.gguf")
+    with pytest.raises(ValueError, match=message):
+        gguf_convert._hf_config(fields, {**shapes, **tensors})
+
+
+@pytest.mark.parametrize("family", ["hunyuan_dense", "hunyuan_moe"])
+def test_hunyuan_s_alpha_folded_into_the_base_rotates_as_the_original(
+    hf_dirs, converted, tmp_path, family
+):
+    """llama.cpp's Hunyuan converters fold HF's NTK alpha into the RoPE base (base x alpha **
+    (d / (d - 2))) and write a 256K context; the converted config's plain RoPE with that base
+    rotates by HF's very angles (the engine's, as HF computes them), and everything else the
+    engine reads is the original's."""
+    fields, _ = gguf_metadata(hf_dirs[family], tmp_path / "file.gguf")
+    prefix = family.replace("_", "-")  # llama.cpp's architecture
+    assert fields[f"{prefix}.rope.freq_base"] == np.float32(10000.0 * 1000.0 ** (64 / 62))
+    assert fields[f"{prefix}.context_length"] == 256 * 1024
+    assert f"{prefix}.rope.scaling.alpha" not in fields
+    ours, original = (ModelConfig.from_dir(path) for path in (converted[family], hf_dirs[family]))
+    assert rope_parameters(original.hf_config)["rope_type"] == "ntk_alpha"
+    assert rope_parameters(ours.hf_config) == {
+        "rope_type": "default",
+        "rope_theta": float(np.float32(10000.0 * 1000.0 ** (64 / 62))),
+    }
+    torch.testing.assert_close(
+        inverse_frequencies(64, rope_parameters(ours.hf_config)),
+        inverse_frequencies(64, rope_parameters(original.hf_config)),
+        rtol=0,
+        atol=0,
+    )
+    assert ours.max_position_embeddings == 256 * 1024
+    assert (
+        dataclasses.replace(
+            ours, path=original.path, max_position_embeddings=original.max_position_embeddings
+        )
+        == original
+    )
+    assert ours.hf_config["attention_bias"] is False
+
+
+def test_hunyuan_dense_s_alpha_kept_apart_converts_to_hf_s_dynamic_rope(hf_dirs, tmp_path):
+    # Newer llama.cpp's hunyuan-dense also reads the alpha apart from the base
+    # (rope.scaling.alpha, as its HunyuanVL converter writes it) and folds it in on loading:
+    # HF's own "dynamic" RoPE with that alpha, the checkpoint's.
+    hf_dir = hf_dirs["hunyuan_dense"]
+    gguf_path = write_gguf(
+        hf_dir, tmp_path / "apart.gguf", byte_level_vocab(VOCAB_SIZE), hunyuan_alpha_apart=True
+    )
+    fields = {name: field.contents() for name, field in gguf.GGUFReader(gguf_path).fields.items()}
+    assert fields["hunyuan-dense.rope.scaling.alpha"] == 1000.0
+    assert fields["hunyuan-dense.rope.freq_base"] == 10000.0
+    converted = resolve_model(gguf_path, cache_dir=str(tmp_path / "cache")).path
+    config = json.loads((converted / "config.json").read_text())
+    assert config["rope_parameters"] == FAMILIES["hunyuan_dense"]["rope_parameters"]
+    original = load_file(hf_dir / "model.safetensors")
+    check_original_weights(load_file(converted / "model.safetensors"), original, "")
+    check_engine_config_matches(converted, hf_dir)
+
+
+def test_new_architectures_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tmp_path):
+    """What llama.cpp keeps of ERNIE 4.5, Nemotron and Apertus, and the config made of it:
+    ERNIE's Q/K rows as HF has them (both rotate adjacent pairs); Nemotron's norms as 1 + w,
+    their epsilon as a LayerNorm's, the rotated share of hidden / heads; Apertus's xIELU
+    scalars as metadata arrays (no tensors), Llama 3's scaling as rope_freqs."""
+    original = load_file(hf_dirs["ernie4_5"] / "model.safetensors")
+    reader = gguf.GGUFReader(
+        write_gguf(hf_dirs["ernie4_5"], tmp_path / "ernie.gguf", byte_level_vocab(VOCAB_SIZE))
+    )
+    stored = {tensor.name: tensor.data for tensor in reader.tensors}
+    for gguf_name, hf_name in [("attn_q", "q_proj"), ("attn_k", "k_proj")]:
+        np.testing.assert_array_equal(
+            stored[f"blk.0.{gguf_name}.weight"],
+            original[f"model.layers.0.self_attn.{hf_name}.weight"],
+        )
+    assert {"blk.0.ffn_up.bias", "blk.0.attn_output.bias"} <= set(stored)
+    fields, shapes = gguf_metadata(hf_dirs["ernie4_5"], tmp_path / "ernie.gguf")
+    ernie = gguf_convert._hf_config(fields, shapes)
+    assert (ernie["architectures"], ernie["use_bias"], ernie["head_dim"]) == (
+        ["Ernie4_5ForCausalLM"],
+        True,
+        64,
+    )
+
+    original = load_file(hf_dirs["nemotron"] / "model.safetensors")
+    path = write_gguf(hf_dirs["nemotron"], tmp_path / "nemotron.gguf", byte_level_vocab(VOCAB_SIZE))
+    stored = {tensor.name: tensor.data for tensor in gguf.GGUFReader(path).tensors}
+    np.testing.assert_array_equal(
+        stored["blk.0.attn_norm.weight"],
+        original["model.layers.0.input_layernorm.weight"] + np.float32(1.0),
+    )
+    np.testing.assert_array_equal(stored["output_norm.bias"], original["model.norm.bias"])
+    fields, shapes = gguf_metadata(hf_dirs["nemotron"], tmp_path / "nemotron.gguf")
+    assert fields["nemotron.rope.dimension_count"] == 32
+    assert np.float32(fields["nemotron.attention.layer_norm_epsilon"]) == np.float32(1e-5)
+    assert "nemotron.attention.layer_norm_rms_epsilon" not in fields
+    nemotron = gguf_convert._hf_config(fields, shapes)
+    assert "rms_norm_eps" not in nemotron
+    assert (nemotron["norm_eps"], nemotron["hidden_act"], nemotron["partial_rotary_factor"]) == (
+        1e-5,
+        "relu2",
+        0.5,
+    )
+    assert nemotron["rope_parameters"] == {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+    }
+    assert (nemotron["attention_bias"], nemotron["mlp_bias"]) == (False, False)
+
+    original = load_file(hf_dirs["apertus"] / "model.safetensors")
+    fields, shapes = gguf_metadata(hf_dirs["apertus"], tmp_path / "apertus.gguf")
+    reader = gguf.GGUFReader(tmp_path / "apertus.gguf")
+    rope_freqs = next(t.data for t in reader.tensors if t.name == "rope_freqs.weight")
+    for name in ("alpha_p", "alpha_n", "beta", "eps"):
+        np.testing.assert_array_equal(
+            np.array(fields[f"xielu.{name}"], dtype=np.float32),
+            [original[f"model.layers.{i}.mlp.act_fn.{name}"].item() for i in range(2)],
+        )
+    assert not any("act_fn" in name or "xielu" in name for name in shapes)
+    apertus = gguf_convert._hf_config(fields, shapes, rope_freqs)
+    assert apertus["hidden_act"] == "xielu"
+    assert apertus["rope_parameters"] == FAMILIES["apertus"]["rope_parameters"]
 
 
 def test_glm4_moe_s_next_token_prediction_block_is_dropped(hf_dirs, tmp_path):

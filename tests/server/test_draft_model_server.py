@@ -49,7 +49,8 @@ def test_a_server_with_a_draft_model(start_server, server_model_dir):
     assert per_position[0] >= per_position[1] >= per_position[2] > 0, per_position
     assert sum(per_position) == counts["accepted_tokens"]
     vllm_name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-    assert got[(vllm_name, (("model_name", SERVED_MODEL_NAME), ("position", "2")))] == (
-        per_position[2]
+    assert (
+        got[(vllm_name, (("model_name", SERVED_MODEL_NAME), ("position", "2")))]
+        == (per_position[2])
     )
     server.assert_blocks_all_free()
