@@ -124,6 +124,9 @@ class _VisionLanguageModel:
     # heads are hidden_size / num_attention_heads: it has no head_dim field).
     text_defaults: tuple[tuple[str, Any], ...] = ()
     head_dim_from_heads: bool = False
+    # What the language model's HF class fixes whatever its config says (Qwen3-VL-MoE's
+    # router always renormalises its top-k weights).
+    text_overrides: tuple[tuple[str, Any], ...] = ()
 
 
 _LLAVA_TEXT_MODELS = {
@@ -152,6 +155,12 @@ VLM_TEXT_MODELS: dict[str, _VisionLanguageModel] = {
     ),
     "Qwen3VLForConditionalGeneration": _VisionLanguageModel(
         {"qwen3_vl_text": "Qwen3ForCausalLM"}, "qwen3_vl_text", tie_default=False
+    ),
+    "Qwen3VLMoeForConditionalGeneration": _VisionLanguageModel(
+        {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
+        "qwen3_vl_moe_text",
+        tie_default=False,
+        text_overrides=(("norm_topk_prob", True),),
     ),
     # GLM-4.1V / 4.5V / 4.6V: GLM-4's and GLM-4.5's language models (M-RoPE over GLM's
     # interleaved pairs: plain for text).
@@ -1528,6 +1537,7 @@ def _vlm_text_config(vlm: str, hf_config: dict[str, Any]) -> dict[str, Any]:
         **text,
         "architectures": [spec.text_architectures[model_type]],
         "tie_word_embeddings": tie,
+        **dict(spec.text_overrides),
     }
     for field_name in ("rope_parameters", "rope_scaling"):
         parameters = text.get(field_name)

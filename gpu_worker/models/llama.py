@@ -349,6 +349,8 @@ class LlamaForCausalLM(StackedDecoderLM):
             weights = ((_apertus_name(name), tensor) for name, tensor in weights)
         if self.config.architecture == "MiniMaxM2ForCausalLM":
             weights = ((_minimax_m2_name(name), tensor) for name, tensor in weights)
+        if self.config.architecture == "Qwen3MoeForCausalLM":
+            weights = _split_stacked_experts(self.config, weights)
 
         def rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
             return self.checkpoint_rows(name.rpartition(".")[0].rpartition(".")[2], tensor)
@@ -402,6 +404,36 @@ def _split_granite_experts(
             yield f"{prefix}mlp.shared_experts.up_proj.weight", up
         elif kind == "shared_down":
             yield f"{prefix}mlp.shared_experts.down_proj.weight", tensor
+        else:
+            yield name, tensor
+
+
+def _split_stacked_experts(
+    config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """A layer's experts stacked in two tensors (Qwen3-VL-MoE's checkpoints:
+    ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) as each expert's projections.
+    Either orientation, as transformers reads both: its own ([experts, 2 * intermediate,
+    hidden] and [experts, hidden, intermediate]) or the published checkpoints' transposed one
+    ([experts, hidden, 2 * intermediate], [experts, intermediate, hidden]), told apart by the
+    hidden size (where the two sizes are equal, transformers' own, as it reads them). Gate
+    rows first, HF's ``chunk(2)``."""
+    hidden = config.hidden_size
+    for name, tensor in weights:
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            if tensor.shape[-1] != hidden:
+                tensor = tensor.transpose(1, 2)
+            prefix = name.removesuffix("gate_up_proj")
+            for expert, stacked in enumerate(tensor):
+                gate, up = stacked.chunk(2, dim=0)
+                yield f"{prefix}{expert}.gate_proj.weight", gate
+                yield f"{prefix}{expert}.up_proj.weight", up
+        elif name.endswith(".mlp.experts.down_proj"):
+            if tensor.shape[1] != hidden:
+                tensor = tensor.transpose(1, 2)
+            prefix = name.removesuffix("down_proj")
+            for expert, down in enumerate(tensor):
+                yield f"{prefix}{expert}.down_proj.weight", down
         else:
             yield name, tensor
 

@@ -1,6 +1,7 @@
 """The language model of a vision-language checkpoint served for text
 (``Gemma3ForConditionalGeneration``: Gemma 3 4B and up; ``Mistral3ForConditionalGeneration``:
-Mistral Small 3.1 / 3.2, Ministral 3, Devstral Small 2; Qwen2.5-VL and Qwen3-VL, whose M-RoPE is
+Mistral Small 3.1 / 3.2, Ministral 3, Devstral Small 2; Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE,
+whose M-RoPE is
 plain RoPE for text; GLM-4.1V and GLM-4.5V; LLaVA and LLaVA-NeXT): its ``text_config`` read
 as the text
 model's, its ``language_model`` tensors loaded under a text checkpoint's names, the vision
@@ -17,6 +18,7 @@ import pytest
 import torch
 import transformers
 from engine.test_ministral3 import ROPE as MINISTRAL3_ROPE
+from safetensors.torch import load_file, save_file
 from tiny_family import GREEDY, TINY_SHAPE, prompts, token_ids
 
 from pagedserve.frontend import LLM
@@ -99,6 +101,26 @@ MODELS = {
             vision_config=dict(_VISION_QWEN, deepstack_visual_indexes=[]),
         ),
         "Qwen3ForCausalLM",
+    ),
+    "qwen3_vl_moe": (
+        transformers.Qwen3VLMoeConfig,
+        dict(
+            text_config=dict(
+                **_TEXT,
+                head_dim=64,
+                moe_intermediate_size=96,
+                num_experts=8,
+                num_experts_per_tok=3,
+                rope_scaling={
+                    "rope_type": "default",
+                    "mrope_section": _MROPE,
+                    "mrope_interleaved": True,
+                    "rope_theta": 10000.0,
+                },
+            ),
+            vision_config=dict(_VISION_QWEN, deepstack_visual_indexes=[]),
+        ),
+        "Qwen3MoeForCausalLM",
     ),
     "glm4v": (
         transformers.Glm4vConfig,
@@ -263,6 +285,28 @@ def test_qwen2_5_vl_s_older_flat_config_reads_the_same(vlm_dirs, hf_references, 
     assert ModelConfig.from_dir(flat_dir).architecture == "Qwen2ForCausalLM"
     llm = LLM(flat_dir, num_blocks=256)
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["qwen2_5_vl"]
+
+
+def test_qwen3_vl_moe_s_published_expert_orientation_reads_the_same(
+    vlm_dirs, hf_references, tmp_path
+):
+    """Qwen3-VL-MoE's published checkpoints stack each layer's experts transposed
+    ([experts, hidden, 2 x intermediate]); transformers 5 saves them the other way round."""
+    source = vlm_dirs["qwen3_vl_moe"]
+    published = tmp_path / "published"
+    published.mkdir()
+    for file in source.iterdir():
+        if file.name != "model.safetensors":
+            (published / file.name).symlink_to(file)
+    tensors = load_file(source / "model.safetensors")
+    stacked = [name for name in tensors if name.endswith(("experts.gate_up_proj", "down_proj"))]
+    stacked = [name for name in stacked if ".experts." in name]
+    assert stacked
+    for name in stacked:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, published / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(published, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["qwen3_vl_moe"]
 
 
 def test_an_unknown_text_model_is_refused_by_its_model_type(vlm_dirs, tmp_path):
