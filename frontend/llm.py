@@ -322,6 +322,14 @@ class LLM:
         # Speculative decoding with a draft model: its directory (a GGUF file converted once).
         draft_path: Path | None = None
         if speculative is not None and speculative.method == "draft_model":
+            ranks = speculative.draft_tensor_parallel_size
+            if ranks is not None and ranks != tensor_parallel_size:
+                raise ValueError(
+                    f"speculative_config.draft_tensor_parallel_size={ranks} with "
+                    f"tensor_parallel_size={tensor_parallel_size}: this engine splits the draft "
+                    f"model over the target's ranks; set it to {tensor_parallel_size} or leave "
+                    "it out"
+                )
             draft_path = resolve_model(
                 speculative.model, cache_dir=cache_dir, progress=_print_progress
             ).path

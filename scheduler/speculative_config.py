@@ -25,7 +25,9 @@ class SpeculativeConfig:
     model at ``model`` (``method="draft_model"``: an HF directory or a GGUF file).
     ``disable_by_batch_size``: no sequence speculates in a step that starts with at least
     that many running sequences (a large batch keeps the device busy already: checking
-    drafts then costs more than the steps it saves); None: always speculate."""
+    drafts then costs more than the steps it saves); None: always speculate.
+    ``draft_tensor_parallel_size``: the ranks the draft model splits over, which here are
+    always the target's (the engine checks it against ``tensor_parallel_size``)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
@@ -33,6 +35,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     model: str | None = None
     disable_by_batch_size: int | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -51,6 +54,18 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.disable_by_batch_size must be an integer >= 2 (or null), "
                 f"got {size!r}"
+            )
+        ranks = self.draft_tensor_parallel_size
+        if ranks is not None and (
+            isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1
+        ):
+            raise ValueError(
+                f"speculative_config.draft_tensor_parallel_size must be an integer >= 1 (or "
+                f"null), got {ranks!r}"
+            )
+        if ranks is not None and self.method != "draft_model":
+            raise ValueError(
+                "speculative_config.draft_tensor_parallel_size is for method 'draft_model'"
             )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
@@ -81,6 +96,7 @@ class SpeculativeConfig:
             "model",
             "num_speculative_tokens",
             "disable_by_batch_size",
+            "draft_tensor_parallel_size",
             *_PROMPT_LOOKUP_KEYS,
         }
         unknown = sorted(set(config) - known)

@@ -420,6 +420,13 @@ def test_a_draft_model_that_cannot_serve_is_refused_naming_why(tiny_model_dirs, 
     for target, draft, options, words in cases:
         with pytest.raises(ValueError, match=re.escape(words)):
             LLM(target, num_blocks=64, speculative_config=draft_config(draft), **options)
+    # vLLM's key for the draft's ranks: here always the target's.
+    with pytest.raises(ValueError, match="splits the draft model over the target's ranks"):
+        LLM(
+            llama,
+            num_blocks=64,
+            speculative_config={**draft_config(llama), "draft_tensor_parallel_size": 2},
+        )
     # A windowed draft model within the target's window serves.
     llm = LLM(windowed, num_blocks=64, speculative_config=draft_config(windowed))
     prompts = random_prompts(12, count=2)

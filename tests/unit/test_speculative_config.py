@@ -64,6 +64,14 @@ def test_prompt_lookup_and_draft_model_configs():
             {"num_speculative_tokens": 2, "disable_by_batch_size": "8"},
             "speculative_config.disable_by_batch_size must be an integer >= 2",
         ),
+        (
+            {"model": "/m/d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
+            "speculative_config.draft_tensor_parallel_size must be an integer >= 1",
+        ),
+        (
+            {"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+            "speculative_config.draft_tensor_parallel_size is for method 'draft_model'",
+        ),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_field(config, words):
