@@ -189,6 +189,13 @@ VLM_TEXT_MODELS: dict[str, _VisionLanguageModel] = {
     "LlavaNextForConditionalGeneration": _VisionLanguageModel(
         _LLAVA_TEXT_MODELS, "llama", tie_default=False
     ),
+    "LlavaOnevisionForConditionalGeneration": _VisionLanguageModel(
+        _LLAVA_TEXT_MODELS, "qwen2", tie_default=False, text_tie_counts=True
+    ),
+    # InternVL 3 / 3.5 in transformers' format (the "-hf" checkpoints).
+    "InternVLForConditionalGeneration": _VisionLanguageModel(
+        {**_LLAVA_TEXT_MODELS, "qwen3": "Qwen3ForCausalLM"}, "qwen2", tie_default=True
+    ),
 }
 
 # The Gemma architectures with Gemma 2's layer (four norms, query_pre_attn_scalar, sliding

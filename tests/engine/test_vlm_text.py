@@ -2,7 +2,8 @@
 (``Gemma3ForConditionalGeneration``: Gemma 3 4B and up; ``Mistral3ForConditionalGeneration``:
 Mistral Small 3.1 / 3.2, Ministral 3, Devstral Small 2; Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE,
 whose M-RoPE is
-plain RoPE for text; GLM-4.1V and GLM-4.5V; LLaVA and LLaVA-NeXT): its ``text_config`` read
+plain RoPE for text; GLM-4.1V and GLM-4.5V; LLaVA, LLaVA-NeXT and LLaVA-OneVision; InternVL):
+its ``text_config`` read
 as the text
 model's, its ``language_model`` tensors loaded under a text checkpoint's names, the vision
 encoder and projector left unread. Greedy tokens identical to HF transformers' vision-language
@@ -190,6 +191,29 @@ MODELS = {
             image_grid_pinpoints=[[32, 32]],
         ),
         "MistralForCausalLM",
+    ),
+    "llava_onevision": (
+        transformers.LlavaOnevisionConfig,
+        dict(
+            text_config=dict(model_type="qwen2", **_TEXT),
+            vision_config=dict(_VISION_SIGLIP, model_type="siglip_vision_model"),
+        ),
+        "Qwen2ForCausalLM",
+    ),
+    "internvl": (
+        transformers.InternVLConfig,
+        dict(
+            text_config=dict(model_type="qwen3", **_TEXT, head_dim=64),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=[32, 32],
+                patch_size=[16, 16],
+            ),
+        ),
+        "Qwen3ForCausalLM",
     ),
     "mistral_small": (
         transformers.Mistral3Config,
