@@ -64,9 +64,6 @@ class KVCacheSpec:
             self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_size
         ) * element_size
 
-    def num_blocks_for_bytes(self, kv_cache_bytes: int) -> int:
-        return kv_cache_bytes // self.bytes_per_block
-
     def allocate(
         self, num_blocks: int, device: torch.device | str = "cpu", pin_memory: bool = False
     ) -> torch.Tensor:
