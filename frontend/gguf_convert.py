@@ -188,12 +188,19 @@ _GPT_OSS = _Family(
     expert_projections=(),
 )
 _FAMILIES["gpt-oss"] = _GPT_OSS
+
+
+def _shared_mlp_names(module: str) -> tuple[tuple[str, str], ...]:
+    """llama.cpp's shared-expert projections (``ffn_*_shexp``) under the HF ``module`` that
+    holds them."""
+    return tuple(
+        (f"ffn_{projection}_shexp", f"{module}.{projection}_proj")
+        for projection in ("gate", "up", "down")
+    )
+
+
 # DeepSeek's and GLM-4.5's shared experts: one MLP of n_shared_experts experts' rows, ungated.
-_SHARED_EXPERTS_NAMES = (
-    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"),
-    ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
-    ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
-)
+_SHARED_EXPERTS_NAMES = _shared_mlp_names("mlp.shared_experts")
 # GLM-4.5: Llama's attention with q/k/v biases and per-head q/k norms, RoPE over the first part
 # of each head on halves (llama.cpp's NEOX, as HF: no permutation); post_attention_norm is
 # HF's post_attention_layernorm (the FFN's input norm). llama.cpp appends the checkpoint's
@@ -315,9 +322,7 @@ _FAMILIES["hunyuan-moe"] = _Family(
     layer_names=(
         *_HUNYUAN_QK_NORM_NAMES,
         ("ffn_gate_inp", "mlp.gate.wg"),
-        ("ffn_gate_shexp", "mlp.shared_mlp.gate_proj"),
-        ("ffn_up_shexp", "mlp.shared_mlp.up_proj"),
-        ("ffn_down_shexp", "mlp.shared_mlp.down_proj"),
+        *_shared_mlp_names("mlp.shared_mlp"),
     ),
 )
 # Nemotron: LayerNorm1P (a LayerNorm with a bias, scaled by 1 + w, which llama.cpp stores as

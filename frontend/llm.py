@@ -321,6 +321,7 @@ class LLM:
         )
         # Speculative decoding with a draft model: its directory (a GGUF file converted once).
         draft_path: Path | None = None
+        draft_config: ModelConfig | None = None
         if speculative is not None and speculative.method == "draft_model":
             ranks = speculative.draft_tensor_parallel_size
             if ranks is not None and ranks != tensor_parallel_size:
@@ -333,10 +334,9 @@ class LLM:
             draft_path = resolve_model(
                 speculative.model, cache_dir=cache_dir, progress=_print_progress
             ).path
+            draft_config = ModelConfig.from_dir(draft_path)
             check_draft_model(
-                ModelConfig.from_dir(resolved.path),
-                ModelConfig.from_dir(draft_path),
-                tensor_parallel_size,
+                ModelConfig.from_dir(resolved.path), draft_config, tensor_parallel_size
             )
         num_draft_tokens = speculative.num_speculative_tokens if draft_path is not None else 0
         self.generation_defaults = load_generation_defaults(
@@ -426,8 +426,8 @@ class LLM:
                 f"{model_limit}{limit_source}"
             )
         max_model_len = max_model_len or model_limit
-        if draft_path is not None:
-            draft_window = ModelConfig.from_dir(draft_path).max_position_embeddings
+        if draft_config is not None:
+            draft_window = draft_config.max_position_embeddings
             if draft_window < max_model_len:
                 logger.info(
                     "the draft model's context window (%d tokens) is shorter than "
