@@ -37,7 +37,9 @@ from pagedserve.frontend.outputs import ToolCall
 TOOL_CALL_PARSERS = (
     "hermes",
     "llama3_json",
+    "llama4_json",  # vLLM's name for Llama 4 of the same reader
     "pythonic",
+    "llama4_pythonic",  # vLLM's name for Llama 4 of the same reader
     "mistral",
     "qwen3_coder",
     "seed_oss",
@@ -310,9 +312,9 @@ class ToolCalling:
             )
         if tool_call_parser == "hermes":
             return _HermesReader()
-        if tool_call_parser == "llama3_json":
+        if tool_call_parser in ("llama3_json", "llama4_json"):
             return _Llama3JsonReader()
-        if tool_call_parser == "pythonic":
+        if tool_call_parser in ("pythonic", "llama4_pythonic"):
             return _PythonicReader()
         if tool_call_parser == "mistral":
             return _MistralReader()

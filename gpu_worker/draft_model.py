@@ -70,12 +70,15 @@ class DraftModel:
         block_size: int,
         device: torch.device,
         gathered_prefill: bool,
+        attention_chunk_size: int = 0,
     ) -> None:
         """``vocab_size``: the target's; a guess is one of its tokens even where the draft
         model's vocabulary is padded further. ``max_positions``: the draft model's context
         window; past it the draft neither follows a sequence nor guesses for it (the
-        target's window may be longer)."""
+        target's window may be longer). ``attention_chunk_size``: the draft model's
+        (``ModelConfig.attention_chunk_size``)."""
         self.model = model
+        self.attention_chunk_size = attention_chunk_size
         self.max_positions = max_positions
         self.num_speculative_tokens = num_speculative_tokens
         self.vocab_size = vocab_size
@@ -132,6 +135,7 @@ class DraftModel:
             self.block_size,
             device,
             self.gathered_prefill,
+            self.attention_chunk_size,
         )
         with torch.inference_mode():
             hidden = self.model(

@@ -27,6 +27,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     # Ministral 3: Mistral with Llama 4's attention temperature (queries scaled by position).
     "Ministral3ForCausalLM": "llama",
+    # Llama 4's language model: chunked attention with RoPE and L2 q/k norms on most layers,
+    # global attention without RoPE (and with a temperature) on every fourth, and a top-1
+    # expert that scales its input by its sigmoid score beside a shared expert.
+    "Llama4ForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "GraniteForCausalLM": "llama",
@@ -97,6 +101,7 @@ _NO_CLASSIFIER_OF_THE_NAME = frozenset(
         "OlmoeForCausalLM",
         "Glm4MoeLiteForCausalLM",
         "MiniMaxM2ForCausalLM",
+        "Llama4ForCausalLM",
     }
 )
 CLASSIFIER_ARCHITECTURES = {
@@ -192,6 +197,10 @@ VLM_TEXT_MODELS: dict[str, _VisionLanguageModel] = {
     "LlavaOnevisionForConditionalGeneration": _VisionLanguageModel(
         _LLAVA_TEXT_MODELS, "qwen2", tie_default=False, text_tie_counts=True
     ),
+    # Llama 4 (Scout, Maverick): its language model, Llama4ForCausalLM.
+    "Llama4ForConditionalGeneration": _VisionLanguageModel(
+        {"llama4_text": "Llama4ForCausalLM"}, "llama4_text", tie_default=False
+    ),
     # InternVL 3 / 3.5 in transformers' format (the "-hf" checkpoints).
     "InternVLForConditionalGeneration": _VisionLanguageModel(
         {**_LLAVA_TEXT_MODELS, "qwen3": "Qwen3ForCausalLM"}, "qwen2", tie_default=True
@@ -224,6 +233,24 @@ _GRANITE_SCALARS = dict(
 # from what the engine would otherwise assume (Hub Gemma configs have no
 # tie_word_embeddings, and Gemma 7B's head_dim is not hidden_size / num_attention_heads).
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Llama4TextConfig's (Llama 4 Scout's shapes).
+    "Llama4ForCausalLM": dict(
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        head_dim=128,
+        max_position_embeddings=131_072,
+        intermediate_size=8192,
+        intermediate_size_mlp=16384,
+        num_local_experts=16,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        use_qk_norm=True,
+        no_rope_layer_interval=4,
+        attention_chunk_size=8192,
+        attn_temperature_tuning=True,
+        floor_scale=8192,
+        attn_scale=0.1,
+    ),
     "GemmaForCausalLM": dict(
         head_dim=256,
         tie_word_embeddings=True,
@@ -582,6 +609,9 @@ class ExpertsSpec:
     shared_expert_gated: bool = True
     # ERNIE 4.5's shared experts have biases when ``use_bias`` says (its experts never do).
     shared_expert_bias: bool = False
+    # Llama 4: the top-k logits' sigmoids (in the model's dtype) weigh each expert's input,
+    # not its output.
+    sigmoid_scales_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -605,6 +635,9 @@ class ModelConfig:
     layer_sliding_windows: tuple[int, ...]
     # Each layer's experts; None for a dense MLP (see _layer_experts).
     layer_experts: tuple[ExpertsSpec | None, ...]
+    # Each layer's attention chunk in tokens, 0 where it attends to the whole context (see
+    # _layer_attention_chunks).
+    layer_attention_chunks: tuple[int, ...]
     hf_config: dict[str, Any] = field(repr=False, compare=False)
     # A sequence classification model's labels, in the order of its head's logits (its
     # ``id2label``); empty for a causal LM.
@@ -645,6 +678,13 @@ class ModelConfig:
         the scheduler may free blocks behind (``SchedulerConfig.sliding_window``)."""
         windows = self.layer_sliding_windows
         return max(windows) if windows and min(windows) > 0 else 0
+
+    @property
+    def attention_chunk_size(self) -> int:
+        """Tokens per chunk of the layers of chunked attention (Llama 4's: each token
+        attends only within its chunk; the others to the whole context), or 0 when no layer
+        is chunked. What the step's ``AttentionMetadata.chunked`` view cuts at."""
+        return max(self.layer_attention_chunks, default=0)
 
     @property
     def embedding_size(self) -> int:
@@ -710,6 +750,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(path, hf_config),
             layer_sliding_windows=_layer_sliding_windows(architecture, hf_config),
             layer_experts=_layer_experts(architecture, hf_config),
+            layer_attention_chunks=_layer_attention_chunks(architecture, hf_config),
             hf_config=hf_config,
             labels=labels,
             declared_architecture=declared,
@@ -972,9 +1013,10 @@ def olmo3_layer_types(hf_config: dict[str, Any]) -> list[str]:
 
 
 def rope_layers(architecture: str, hf_config: dict[str, Any]) -> tuple[bool, ...]:
-    """Whether each layer rotates its queries and keys: SmolLM3's ``no_rope_layers`` (1:
-    RoPE, 0: none; without it every ``no_rope_layer_interval``-th layer, default 4, has
-    none, as SmolLM3Config derives it); EXAONE 4's windowed layers only, when it has any
+    """Whether each layer rotates its queries and keys: SmolLM3's and Llama 4's
+    ``no_rope_layers`` (1: RoPE, 0: none; without it every ``no_rope_layer_interval``-th
+    layer, default 4, has none, as their configs derive it; Llama 4's may be longer than
+    the layers, and an empty list is none); EXAONE 4's windowed layers only, when it has any
     (``exaone4_layer_types``); every layer elsewhere."""
     num_layers = hf_config["num_hidden_layers"]
     if architecture == "Exaone4ForCausalLM":
@@ -982,10 +1024,13 @@ def rope_layers(architecture: str, hf_config: dict[str, Any]) -> tuple[bool, ...
         if not hf_config.get("sliding_window"):
             return (True,) * num_layers
         return tuple(kind == "sliding_attention" for kind in exaone4_layer_types(hf_config))
-    if architecture != "SmolLM3ForCausalLM":
+    if architecture not in ("SmolLM3ForCausalLM", "Llama4ForCausalLM"):
         return (True,) * num_layers
     flags = hf_config.get("no_rope_layers")
-    if flags is None:
+    llama4 = architecture == "Llama4ForCausalLM"
+    if llama4 and isinstance(flags, list) and len(flags) > num_layers:
+        flags = flags[:num_layers]  # Llama4TextConfig reads one per layer, by index
+    if flags is None or (llama4 and flags == []):
         interval = hf_config.get("no_rope_layer_interval", 4)
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(
@@ -1002,6 +1047,40 @@ def rope_layers(architecture: str, hf_config: dict[str, Any]) -> tuple[bool, ...
             f"got {flags!r:.200}"
         )
     return tuple(bool(flag) for flag in flags)
+
+
+_LLAMA4_LAYER_TYPES = ("chunked_attention", "full_attention")
+
+
+def _layer_attention_chunks(architecture: str, hf_config: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's attention chunk (0: the whole context), as Llama4TextConfig derives it:
+    ``layer_types``, else ``"chunked_attention"`` on the layers with RoPE when
+    ``attention_chunk_size`` is set (null: no chunks); a chunked layer's tokens attend only
+    to the earlier tokens of their own chunk of ``attention_chunk_size`` positions. Only
+    Llama 4 has chunked layers."""
+    num_layers = hf_config["num_hidden_layers"]
+    if architecture != "Llama4ForCausalLM":
+        return (0,) * num_layers
+    chunk = hf_config.get("attention_chunk_size")
+    layer_types = hf_config.get("layer_types") or [
+        "chunked_attention" if rotates and chunk is not None else "full_attention"
+        for rotates in rope_layers(architecture, hf_config)
+    ]
+    _check_layer_count(layer_types, num_layers)
+    unknown = sorted(set(layer_types) - set(_LLAMA4_LAYER_TYPES))
+    if unknown:
+        raise ValueError(
+            f"model: layer_types holds {', '.join(map(repr, unknown))}, which Llama 4 does not "
+            f"have; supported: {', '.join(_LLAMA4_LAYER_TYPES)}"
+        )
+    if "chunked_attention" in layer_types and (
+        isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
+    ):
+        raise ValueError(
+            "model: attention_chunk_size must be an integer >= 1 where layer_types has "
+            f"chunked_attention layers, got {chunk!r}"
+        )
+    return tuple(chunk if kind == "chunked_attention" else 0 for kind in layer_types)
 
 
 def exaone4_layer_types(hf_config: dict[str, Any]) -> list[str]:
@@ -1097,8 +1176,11 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
       ``num_experts_per_tok`` (default 8) by sigmoid scores plus ``e_score_correction_bias``,
       weighted by their scores renormalised (``GroupedRouting`` of one group, in the model's
       dtype).
+    - Llama 4: ``_llama4_experts``.
     """
     num_layers = hf_config["num_hidden_layers"]
+    if architecture == "Llama4ForCausalLM":
+        return _llama4_experts(hf_config)
     if architecture == "GptOssForCausalLM":
         num_experts, num_experts_field = _num_experts(hf_config, 128)
         spec = _checked_experts(
@@ -1213,6 +1295,55 @@ def _layer_experts(architecture: str, hf_config: dict[str, Any]) -> tuple[Expert
     return tuple(
         spec if i not in dense and (i + 1) % step == 0 else None for i in range(num_layers)
     )
+
+
+def _llama4_experts(hf_config: dict[str, Any]) -> tuple[ExpertsSpec | None, ...]:
+    """Llama 4's experts, at the layers in ``moe_layers``, else at every
+    ``interleave_moe_layer_step``-th (default 1: all): ``num_local_experts`` (default 16) of
+    ``intermediate_size``, the top ``num_experts_per_tok`` (default 1) by logit, each scaling
+    its input by its logit's sigmoid, plus a shared expert of ``intermediate_size``; the
+    other layers have a dense MLP of ``intermediate_size_mlp``."""
+    num_layers = hf_config["num_hidden_layers"]
+    num_experts, num_experts_field = _num_experts(hf_config, 16)
+    spec = _checked_experts(
+        hf_config,
+        num_experts=num_experts,
+        num_experts_field=num_experts_field,
+        top_k=hf_config["num_experts_per_tok"],
+        intermediate_field="intermediate_size",
+        renormalize=False,
+        weights_in_float32=False,
+    )
+    spec = dataclasses.replace(
+        spec,
+        shared_intermediate_size=spec.intermediate_size,
+        shared_expert_gated=False,
+        sigmoid_scales_input=True,
+    )
+    moe_layers = hf_config.get("moe_layers")
+    if moe_layers is None:
+        step = hf_config["interleave_moe_layer_step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(
+                f"model: interleave_moe_layer_step must be an integer >= 1, got {step!r}"
+            )
+        moe_layers = list(range(step - 1, num_layers, step))
+    if not isinstance(moe_layers, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in moe_layers
+    ):
+        raise ValueError(
+            f"model: moe_layers must list layer indices from 0 to {num_layers - 1}, "
+            f"got {moe_layers!r:.200}"
+        )
+    sparse = set(moe_layers)
+    dense_size = hf_config.get("intermediate_size_mlp")
+    if len(sparse) < num_layers and (
+        isinstance(dense_size, bool) or not isinstance(dense_size, int) or dense_size < 1
+    ):
+        raise ValueError(
+            f"model: intermediate_size_mlp must be an integer >= 1, got {dense_size!r}"
+        )
+    return tuple(spec if i in sparse else None for i in range(num_layers))
 
 
 # Tencent's Hunyuan: dense, and with experts beside a shared MLP.
@@ -1510,11 +1641,29 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
 
 def check_cuda_graph_support(config: ModelConfig) -> None:
     """Raise ``ValueError`` for a model whose decode step cannot be captured as a CUDA
-    graph: a mixture-of-experts layer reads its experts' row counts on the host."""
+    graph: a mixture-of-experts layer reads its experts' row counts on the host, and the
+    captured decode has no chunked view of the step (``AttentionMetadata.chunked``)."""
     if config.has_experts:
         raise ValueError(
             f"cuda_graphs: {config.architecture} routes tokens to experts by data, which a "
             "captured graph cannot replay; drop cuda_graphs for this model"
+        )
+    if config.attention_chunk_size:
+        raise ValueError(
+            f"cuda_graphs: {config.architecture}'s chunked attention layers are not captured "
+            "yet; drop cuda_graphs for this model"
+        )
+
+
+def check_attention_chunk_size(config: ModelConfig, block_size: int) -> None:
+    """Raise ``ValueError`` when the model's attention chunks do not start on block
+    boundaries: the chunked view of a step starts each chunk's block table at a block."""
+    chunk = config.attention_chunk_size
+    if chunk % block_size:
+        raise ValueError(
+            f"block_size={block_size} must divide {config.architecture}'s "
+            f"attention_chunk_size={chunk} (its chunked layers' chunks start on block "
+            "boundaries)"
         )
 
 
@@ -1577,6 +1726,23 @@ def llama4_query_scaling(config: ModelConfig) -> tuple[float, int] | None:
             f"(Llama 4's query scaling divides positions by it), got {original!r}"
         )
     return float(beta), original
+
+
+def llama4_nope_temperature(config: ModelConfig, rotates: bool) -> tuple[float, int] | None:
+    """Llama 4's attention temperature on its layers without RoPE (``attn_temperature_tuning``):
+    (``attn_scale``, ``floor_scale``), each query scaled by
+    ``1 + attn_scale * log(1 + floor((position + 1) / floor_scale))`` so that queries far
+    into a long context sharpen their global attention; None for a layer with RoPE and for
+    other models."""
+    hf = config.hf_config
+    if config.architecture != "Llama4ForCausalLM" or rotates or not hf["attn_temperature_tuning"]:
+        return None
+    scale, floor_scale = hf["attn_scale"], hf["floor_scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"model: attn_scale must be a finite number, got {scale!r}")
+    if isinstance(floor_scale, bool) or not isinstance(floor_scale, int) or floor_scale < 1:
+        raise ValueError(f"model: floor_scale must be an integer >= 1, got {floor_scale!r}")
+    return float(scale), floor_scale
 
 
 def check_draft_model(target: ModelConfig, draft: ModelConfig, tensor_parallel_size: int) -> None:

@@ -133,8 +133,12 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         lora_batch: LoRABatch | None = None,
+        attention_chunk_size: int = 0,
     ) -> None:
+        """``attention_chunk_size``: the model's (``ModelConfig.attention_chunk_size``; 0:
+        no chunked layers), the chunks each step's chunked view cuts at."""
         self.model = model
+        self.attention_chunk_size = attention_chunk_size
         # Which token rows each LoRA adapter takes in a step (None: no adapters loaded).
         self.lora_batch = lora_batch
         self.block_size = block_size
@@ -330,6 +334,7 @@ class ModelRunner:
             self.block_size,
             device,
             self.gathered_prefill,
+            self.attention_chunk_size,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

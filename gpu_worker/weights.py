@@ -25,6 +25,7 @@ _IMAGE_PREFIXES = (
     "visual.",  # Qwen2.5-VL's and Qwen3-VL's vision encoders and mergers
     "model.visual.",
     "image_newline",  # LLaVA-NeXT's learned separator between image rows
+    "vision_model.",  # Llama 4's vision encoder
     "model.image_newline",
 )
 

@@ -25,6 +25,7 @@ from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import (
     VLM_TEXT_MODELS,
     ModelConfig,
+    check_attention_chunk_size,
     check_cuda_graph_support,
     check_dtype_name,
     check_kv_cache_dtype,
@@ -104,10 +105,12 @@ class Worker:
             raise ValueError(f"cuda_graphs need device='cuda', got device={device!r}")
         self.model_config = ModelConfig.from_dir(model_path)
         check_tensor_parallel_size(self.model_config, parallel.size)
+        check_attention_chunk_size(self.model_config, block_size)
         self.draft_config = None
         if speculative_model is not None:
             self.draft_config = ModelConfig.from_dir(speculative_model)
             check_tensor_parallel_size(self.draft_config, parallel.size)
+            check_attention_chunk_size(self.draft_config, block_size)
         if cuda_graph_max_batch:
             check_cuda_graph_support(self.model_config)
         torch_dtype = parse_dtype(dtype)
@@ -186,7 +189,13 @@ class Worker:
         self.kv_cache = self.kv_caches[0]
         self.swap_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.model.bind_kv_cache(self.kv_cache)
-        self.runner = ModelRunner(self.model, block_size, self.device, lora_batch)
+        self.runner = ModelRunner(
+            self.model,
+            block_size,
+            self.device,
+            lora_batch,
+            self.model_config.attention_chunk_size,
+        )
         if self.draft_model is not None:
             self.draft_model.bind_kv_cache(self.kv_caches[1])
             self.runner.draft_model = DraftModel(
@@ -197,6 +206,7 @@ class Worker:
                 block_size,
                 self.device,
                 self.runner.gathered_prefill,
+                self.draft_config.attention_chunk_size,
             )
         if cuda_graph_max_batch:
             started = time.monotonic()

@@ -61,6 +61,7 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
         "ExaoneForCausalLM": transformers.ExaoneConfig,
         "OlmoeForCausalLM": transformers.OlmoeConfig,
         "NemotronForCausalLM": transformers.NemotronConfig,
+        "Llama4ForCausalLM": transformers.Llama4TextConfig,
     }[_causal_architecture(architecture)]
     config = config_class(**config_kwargs)
     config.architectures = [architecture]

@@ -37,6 +37,12 @@ class AttentionMetadata:
     # Set: prefills run as one SDPA call over gathered K/V (gathered_prefill.py).
     prefill_plan: GatheredPrefillPlan | None = None
 
+    # The same step seen by layers of chunked attention (``attention_chunk_size``): each
+    # sequence cut where its chunks begin, one virtual sequence per chunk it has new tokens in,
+    # whose block table starts at the chunk's first block. Same tokens in the same order (the
+    # slot mapping is shared); None when the model has no such layer.
+    chunked: AttentionMetadata | None = None
+
     @classmethod
     def for_sequences(
         cls,
@@ -44,11 +50,13 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         gathered_prefill: bool,
+        attention_chunk_size: int = 0,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """The metadata of a batch of ``sequences``, each ``(block_ids, first position,
         new tokens)``, the one-token ones first, and the new tokens' positions (int64, on
         ``device``); ``gathered_prefill``: plan the prefills' SDPA path
-        (``use_gathered_prefill``)."""
+        (``use_gathered_prefill``); ``attention_chunk_size`` > 0 (a multiple of
+        ``block_size``): also the ``chunked`` view of the step."""
         num_decodes = sum(1 for _, _, num_tokens in sequences if num_tokens == 1)
         max_blocks = max(len(block_ids) for block_ids, _, _ in sequences)
         block_tables = np.zeros((len(sequences), max_blocks), dtype=np.int32)
@@ -65,13 +73,51 @@ class AttentionMetadata:
             slot_parts.append(table[positions // block_size] * block_size + positions % block_size)
             seq_lens[row] = start + num_tokens
             query_lens[row] = num_tokens
+        # NOTE: on a GPU, eight small host-to-device copies (the GPU is idle here: the previous
+        # pass ended in a synchronization); one pinned staging buffer would batch them.
+        metadata = cls._from_host(
+            torch.from_numpy(np.concatenate(slot_parts)).to(device),
+            num_decodes,
+            block_tables,
+            seq_lens,
+            query_lens,
+            block_size,
+            device,
+            gathered_prefill,
+        )
+        if attention_chunk_size:
+            metadata.chunked = cls._chunked(
+                metadata.slot_mapping,
+                num_decodes,
+                block_tables,
+                seq_lens,
+                query_lens,
+                attention_chunk_size,
+                block_size,
+                device,
+                gathered_prefill,
+            )
+        return metadata, torch.from_numpy(np.concatenate(positions_parts)).to(device)
+
+    @classmethod
+    def _from_host(
+        cls,
+        slot_mapping: torch.Tensor,
+        num_decodes: int,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+        query_lens: np.ndarray,
+        block_size: int,
+        device: torch.device,
+        gathered_prefill: bool,
+    ) -> AttentionMetadata:
+        """The metadata of sequences given by host-side arrays, the first ``num_decodes``
+        of them one token each."""
         prefill_query_lens = query_lens[num_decodes:]
         prefill_start_loc = np.zeros(len(prefill_query_lens) + 1, dtype=np.int32)
         np.cumsum(prefill_query_lens, out=prefill_start_loc[1:])
-        # NOTE: on a GPU, eight small host-to-device copies (the GPU is idle here: the previous
-        # pass ended in a synchronization); one pinned staging buffer would batch them.
-        metadata = cls(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(device),
+        return cls(
+            slot_mapping=slot_mapping,
             num_decode_tokens=num_decodes,
             decode_block_tables=torch.from_numpy(block_tables[:num_decodes]).to(device),
             decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes]).to(device),
@@ -89,7 +135,59 @@ class AttentionMetadata:
             if gathered_prefill and len(prefill_query_lens)
             else None,
         )
-        return metadata, torch.from_numpy(np.concatenate(positions_parts)).to(device)
+
+    @classmethod
+    def _chunked(
+        cls,
+        slot_mapping: torch.Tensor,
+        num_decodes: int,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+        query_lens: np.ndarray,
+        chunk_size: int,
+        block_size: int,
+        device: torch.device,
+        gathered_prefill: bool,
+    ) -> AttentionMetadata:
+        """Chunked attention as plain causal attention over virtual sequences: a token at
+        position ``p`` sees positions ``c * chunk_size`` to ``p``, ``c = p // chunk_size``
+        (HF's chunked mask). A sequence whose new tokens span chunks ``c0 .. c1`` becomes one
+        virtual sequence per chunk: that chunk's new tokens as its queries, the chunk's
+        tokens up to the last of them as its context, its block table from block
+        ``c * chunk_size / block_size`` on. Tokens keep their order, so the slot mapping and
+        the output rows are the step's own."""
+        if chunk_size % block_size:
+            raise ValueError(
+                f"attention_chunk_size={chunk_size} must be a multiple of block_size={block_size}"
+            )
+        blocks_per_chunk = chunk_size // block_size
+        tables, virtual_seq_lens, virtual_query_lens = [], [], []
+        # NOTE: a loop per (sequence, chunk); a prefill of n tokens spans n / chunk_size + 2
+        # chunks at most.
+        for row in range(len(seq_lens)):
+            end = int(seq_lens[row])
+            start = end - int(query_lens[row])
+            for chunk in range(start // chunk_size, (end - 1) // chunk_size + 1):
+                chunk_start = chunk * chunk_size
+                queries_end = min(end, chunk_start + chunk_size)
+                tables.append(block_tables[row, chunk * blocks_per_chunk :])
+                virtual_seq_lens.append(queries_end - chunk_start)
+                virtual_query_lens.append(queries_end - max(start, chunk_start))
+        width = max(1, max(len(table) for table in tables))
+        virtual_tables = np.zeros((len(tables), width), dtype=np.int32)
+        for row, table in enumerate(tables):
+            virtual_tables[row, : len(table)] = table
+        # A decode's one token makes one virtual sequence: the first num_decodes rows.
+        return cls._from_host(
+            slot_mapping,
+            num_decodes,
+            virtual_tables,
+            np.asarray(virtual_seq_lens, dtype=np.int32),
+            np.asarray(virtual_query_lens, dtype=np.int32),
+            block_size,
+            device,
+            gathered_prefill,
+        )
 
 
 class PagedAttention:
@@ -98,7 +196,9 @@ class PagedAttention:
     each token's own, as HF's sliding-window layers), with each logit ``s`` soft-capped to
     ``c * tanh(s / c)`` when ``logits_soft_cap`` ``c`` > 0 (Gemma 2), and each query head's
     sink logit joining its softmax when ``sinks`` (float32 [num_heads], this rank's heads)
-    is set (gpt-oss; the model sets it to its parameter, which loading fills in place)."""
+    is set (gpt-oss; the model sets it to its parameter, which loading fills in place).
+    With ``attention_chunk_size`` > 0 each token attends only within its chunk of that many
+    positions (Llama 4's chunked layers), through the step's ``chunked`` view."""
 
     def __init__(
         self,
@@ -108,6 +208,7 @@ class PagedAttention:
         scale: float,
         sliding_window: int = 0,
         logits_soft_cap: float = 0.0,
+        attention_chunk_size: int = 0,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -115,6 +216,7 @@ class PagedAttention:
         self.scale = scale
         self.sliding_window = sliding_window  # tokens; 0: full attention
         self.logits_soft_cap = logits_soft_cap  # 0.0: off
+        self.attention_chunk_size = attention_chunk_size  # tokens; 0: no chunks
         self.sinks: torch.Tensor | None = None
 
     def __call__(
@@ -133,6 +235,13 @@ class PagedAttention:
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
         ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if self.attention_chunk_size:
+            if metadata.chunked is None:
+                raise ValueError(
+                    "a layer of chunked attention needs the step's chunked view "
+                    "(AttentionMetadata.for_sequences with attention_chunk_size)"
+                )
+            metadata = metadata.chunked
 
         output = torch.empty_like(query, memory_format=torch.contiguous_format)
         num_decode = metadata.num_decode_tokens

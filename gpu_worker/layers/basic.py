@@ -51,6 +51,21 @@ class RMSNorm(nn.Module):
         ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class WeightlessRMSNorm(nn.Module):
+    """An RMSNorm without a learned scale (Llama 4's L2 norm of each query and key head):
+    the fused kernel over a fixed weight of ones, which scales by 1 exactly."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("ones", torch.ones(hidden_size, dtype=dtype), persistent=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        ops.rms_norm(out, x, self.ones, self.eps)
+        return out
+
+
 class ScaledInFloat32RMSNorm(RMSNorm):
     """An RMSNorm whose HF model scales the float32 normalised value by the weight before
     rounding to the activation dtype once (OLMo 2's ``(w * x.float()).to(dtype)``, Gemma's
@@ -136,7 +151,9 @@ class ShardedRMSNorm(nn.Module):
         return (self.weight.float() * normed).to(x.dtype)
 
 
-def norm_each_head(norm: RMSNorm, rows: torch.Tensor, head_size: int) -> torch.Tensor:
+def norm_each_head(
+    norm: RMSNorm | WeightlessRMSNorm, rows: torch.Tensor, head_size: int
+) -> torch.Tensor:
     """``rows`` [num_tokens, num_heads * head_size] -> a new tensor of that shape, each
     head's vector RMS-normalised on its own (HF's ``q_norm(q.view(..., head_size))``: Qwen3's
     and Gemma 3's per-head query and key norms)."""
@@ -146,7 +163,11 @@ def norm_each_head(norm: RMSNorm, rows: torch.Tensor, head_size: int) -> torch.T
 
 
 def norm_query_and_key_heads(
-    q_norm: RMSNorm, k_norm: RMSNorm, query: torch.Tensor, key: torch.Tensor, head_size: int
+    q_norm: RMSNorm | WeightlessRMSNorm,
+    k_norm: RMSNorm | WeightlessRMSNorm,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``norm_each_head`` on the query rows with ``q_norm`` and the key rows with ``k_norm``:
     the per-head norms of Qwen3, Gemma 3, EXAONE 4, Hunyuan (after RoPE) and others."""

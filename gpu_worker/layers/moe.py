@@ -1,7 +1,8 @@
 """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, gpt-oss, DeepSeek-V2
-/ V3, GLM-4.5, MiniMax-M2): a router picks each token's top-k experts (DeepSeek's and
+/ V3, GLM-4.5, MiniMax-M2, Llama 4): a router picks each token's top-k experts (DeepSeek's and
 GLM-4.5's within its best groups of experts), and each expert, a gated MLP (gpt-oss's: a
-clamped SwiGLU with biases), runs on the tokens routed to it.
+clamped SwiGLU with biases), runs on the tokens routed to it, its output weighted (Llama 4's:
+its input).
 
 Dispatch: the (token, expert) pairs are sorted by expert and their rows gathered once, so
 each expert runs one GEMM over a slice of them; the weighted outputs go back to token
@@ -31,7 +32,8 @@ from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 class SparseMoE(nn.Module):
     """Parameters under HF's names: ``gate`` (the router, [num_experts, hidden]; DeepSeek-V3's
     and GLM-4.5's with ``gate.e_score_correction_bias``), ``experts.{e}`` (gated MLPs), Qwen2-MoE's
-    ``shared_expert`` and ``shared_expert_gate``, DeepSeek's and GLM-4.5's ``shared_experts``."""
+    ``shared_expert`` and ``shared_expert_gate``, DeepSeek's and GLM-4.5's ``shared_experts``
+    (Llama 4's ungated ``shared_expert`` too, renamed on loading)."""
 
     def __init__(
         self,
@@ -95,6 +97,9 @@ class SparseMoE(nn.Module):
         if self.spec.grouped is not None:
             return self._route_in_groups(hidden)
         logits = self.gate(hidden)
+        if self.spec.sigmoid_scales_input:  # Llama 4: the top k logits' sigmoids
+            top_logits, experts = torch.topk(logits, self.spec.top_k, dim=-1)
+            return experts, torch.sigmoid(top_logits.float()).to(hidden.dtype)
         if self.spec.softmax_over_top_k:  # Granite MoE, gpt-oss: the top k logits' softmax
             top_logits, experts = torch.topk(logits.float(), self.spec.top_k, dim=-1)
             return experts, torch.softmax(top_logits, dim=-1).to(hidden.dtype)
@@ -158,6 +163,9 @@ class SparseMoE(nn.Module):
         order = torch.argsort(pair_experts, stable=True)
         # One gather of every pair's row: each expert then reads a slice of it, a view.
         pair_hidden = hidden[order // self.spec.top_k]
+        scales_input = self.spec.sigmoid_scales_input
+        if scales_input:  # Llama 4 weighs what goes into each expert, in the model's dtype
+            pair_hidden = pair_hidden * weights.flatten()[order][:, None]
         # One host read per layer: the loop needs each expert's row count.
         counts = torch.bincount(pair_experts, minlength=self.spec.num_experts).tolist()
         expert_outputs = []
@@ -171,7 +179,8 @@ class SparseMoE(nn.Module):
         pairs = torch.empty_like(by_expert)
         pairs[order] = by_expert
         pairs = pairs.view(-1, self.spec.top_k, hidden.shape[-1])
-        pairs = (pairs * weights[..., None]).to(hidden.dtype)
+        if not scales_input:
+            pairs = (pairs * weights[..., None]).to(hidden.dtype)
         # Added one expert at a time, rounding after each add in the model's dtype, as HF's
         # per-expert index_add_ does (one add of all k would round once in bfloat16).
         output = pairs[:, 0].clone()

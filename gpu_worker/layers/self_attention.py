@@ -21,8 +21,11 @@ class SelfAttention(nn.Module):
     scores' factor (default 1/sqrt(head size)); ``clip_qkv``: q, k and v clamped to that
     magnitude after the norms (OLMoE's); ``query_scaling`` (``beta``, ``L``): each query
     scaled by ``1 + beta * log(1 + floor(position / L))`` after RoPE (Llama 4's attention
-    temperature, Ministral 3's). A family with query / key norms overrides
-    ``normalize_qk`` (before RoPE) or ``normalize_rotated_qk`` (after it)."""
+    temperature, Ministral 3's); ``nope_temperature`` (``s``, ``F``): each query scaled by
+    ``1 + s * log(1 + floor((position + 1) / F))`` (Llama 4's layers without RoPE);
+    ``attention_chunk_size`` > 0: each token attends only within its chunk (Llama 4's layers
+    with RoPE). A family with query / key norms overrides ``normalize_qk`` (before RoPE) or
+    ``normalize_rotated_qk`` (after it)."""
 
     def __init__(
         self,
@@ -37,6 +40,8 @@ class SelfAttention(nn.Module):
         scale: float | None = None,
         clip_qkv: float | None = None,
         query_scaling: tuple[float, int] | None = None,
+        nope_temperature: tuple[float, int] | None = None,
+        attention_chunk_size: int = 0,
     ) -> None:
         super().__init__()
         head_size = config.head_size
@@ -65,11 +70,13 @@ class SelfAttention(nn.Module):
             head_size,
             head_size**-0.5 if scale is None else scale,
             sliding_window,
+            attention_chunk_size=attention_chunk_size,
         )
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
         self.clip_qkv = clip_qkv
         self.query_scaling = query_scaling
+        self.nope_temperature = nope_temperature
 
     def normalize_qk(
         self, query: torch.Tensor, key: torch.Tensor
@@ -100,5 +107,11 @@ class SelfAttention(nn.Module):
             # HF's arithmetic: float32 factors, rounded to the queries' dtype.
             factors = 1 + beta * torch.log(1 + torch.floor(positions / original))
             query = query * factors.to(query.dtype)[:, None]
+        if self.nope_temperature is not None:
+            attn_scale, floor_scale = self.nope_temperature
+            # HF's arithmetic: float32 factors, the product in float32, then rounded.
+            factors = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale))
+            factors = factors * attn_scale + 1.0
+            query = (query * factors[:, None]).to(query.dtype)
         output = self.attention(query, key, value, self.key_cache, self.value_cache, metadata)
         return self.o_proj(output)

@@ -33,7 +33,14 @@ scalars per layer (``basic.XIELU``); its norms' names are its own. LG AI's EXAON
 is Llama with norms over the whole query and key projections (as OLMo 2's, Llama's
 arithmetic), an optional ``clip_qkv``, and experts in every layer. MiniMax-M2
 (``MiniMaxM2ForCausalLM``) has those norms, RoPE over the first ``rotary_dim`` values of each
-head, and Mixtral's experts under a sigmoid router whose learned bias only chooses."""
+head, and Mixtral's experts under a sigmoid router whose learned bias only chooses. Meta's
+Llama 4 (``Llama4ForCausalLM``, the language model of Scout and Maverick) rotates interleaved
+pairs (reordered on loading, as ERNIE's) and L2-normalises each query and key head after RoPE
+on its chunked layers (each token attends within its chunk of ``attention_chunk_size``);
+every fourth layer (``no_rope_layers``) attends to the whole context without RoPE, its
+queries scaled by a temperature growing with the position; its experts (stacked in the
+checkpoint, split on loading) take the top-1 expert's input scaled by its sigmoid score,
+beside a shared expert."""
 
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import (
     RMSNorm,
     ShardedRMSNorm,
+    WeightlessRMSNorm,
     empty_parameter,
     norm_query_and_key_heads,
 )
@@ -57,6 +65,7 @@ from pagedserve.gpu_worker.layers.self_attention import SelfAttention
 from pagedserve.gpu_worker.model_config import (
     HUNYUAN,
     ModelConfig,
+    llama4_nope_temperature,
     llama4_query_scaling,
     rope_layers,
 )
@@ -129,9 +138,10 @@ class LlamaAttention(SelfAttention):
         dtype: torch.dtype,
         parallel: TensorParallel,
         sliding_window: int = 0,
+        attention_chunk_size: int = 0,
     ) -> None:
-        """``rotary``: None for a layer without position embeddings (SmolLM3's NoPE
-        layers)."""
+        """``rotary``: None for a layer without position embeddings (SmolLM3's and Llama 4's
+        NoPE layers)."""
         hf = config.hf_config
         super().__init__(
             config,
@@ -144,6 +154,8 @@ class LlamaAttention(SelfAttention):
             scale=_granite_scalar(config, "attention_multiplier"),
             clip_qkv=hf.get("clip_qkv") if config.architecture == "OlmoeForCausalLM" else None,
             query_scaling=llama4_query_scaling(config),
+            nope_temperature=llama4_nope_temperature(config, rotary is not None),
+            attention_chunk_size=attention_chunk_size,
         )
         # OLMoE and MiniMax-M2 norm the whole query and key projections (all heads at once;
         # each rank its rows, the sum of squares over the ranks), Llama's arithmetic.
@@ -181,10 +193,14 @@ class LlamaAttention(SelfAttention):
         eps = hf.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
         self.k_norm = RMSNorm(config.head_size, eps, dtype) if per_head_norm else None
-        # Hunyuan norms each query and key head after RoPE, not before.
+        # Hunyuan norms each query and key head after RoPE, not before; Llama 4 too, on its
+        # layers with RoPE, without learned scales.
         rotated_norm = config.architecture in HUNYUAN
         self.query_layernorm = RMSNorm(config.head_size, eps, dtype) if rotated_norm else None
         self.key_layernorm = RMSNorm(config.head_size, eps, dtype) if rotated_norm else None
+        if config.architecture == "Llama4ForCausalLM" and hf["use_qk_norm"] and rotary:
+            self.query_layernorm = WeightlessRMSNorm(config.head_size, eps, dtype)
+            self.key_layernorm = WeightlessRMSNorm(config.head_size, eps, dtype)
 
     def normalize_qk(
         self, query: torch.Tensor, key: torch.Tensor
@@ -214,6 +230,10 @@ def _mlp(
     experts = config.layer_experts[layer_index]
     if experts is not None:
         return SparseMoE(config.hidden_size, experts, act_name, dtype, parallel)
+    if config.architecture == "Llama4ForCausalLM":  # its dense layers' own width
+        return GatedMLP(
+            config.hidden_size, hf["intermediate_size_mlp"], False, act_name, dtype, parallel
+        )
     if config.architecture in _UNGATED_MLP:
         return UngatedMLP(
             config.hidden_size,
@@ -256,6 +276,7 @@ class LlamaDecoderLayer(nn.Module):
                 dtype,
                 parallel,
                 config.layer_sliding_windows[layer_index],
+                config.layer_attention_chunks[layer_index],
             )
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
@@ -327,8 +348,11 @@ class LlamaForCausalLM(StackedDecoderLM):
         return logits
 
     def checkpoint_rows(self, projection: str, tensor: torch.Tensor) -> torch.Tensor:
-        """ERNIE 4.5's query and key rows from interleaved pairs to halves."""
-        if self.config.architecture in _ERNIE and projection in ("q_proj", "k_proj"):
+        """ERNIE 4.5's and Llama 4's query and key rows from interleaved pairs to halves (on
+        Llama 4's layers without RoPE too: a permutation of both, which leaves their dot
+        products and norms as they are)."""
+        interleaved = self.config.architecture in (*_ERNIE, "Llama4ForCausalLM")
+        if interleaved and projection in ("q_proj", "k_proj"):
             return pairs_to_halves(tensor, self.config.head_size, self.config.head_size)
         return tensor
 
@@ -351,6 +375,9 @@ class LlamaForCausalLM(StackedDecoderLM):
             weights = ((_minimax_m2_name(name), tensor) for name, tensor in weights)
         if self.config.architecture == "Qwen3MoeForCausalLM":
             weights = _split_stacked_experts(self.config, weights)
+        if self.config.architecture == "Llama4ForCausalLM":
+            weights = ((_llama4_name(name), tensor) for name, tensor in weights)
+            weights = _split_stacked_experts(self.config, weights, hidden_first=True)
 
         def rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
             return self.checkpoint_rows(name.rpartition(".")[0].rpartition(".")[2], tensor)
@@ -409,19 +436,22 @@ def _split_granite_experts(
 
 
 def _split_stacked_experts(
-    config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
+    config: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    hidden_first: bool = False,
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """A layer's experts stacked in two tensors (Qwen3-VL-MoE's checkpoints:
     ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) as each expert's projections.
     Either orientation, as transformers reads both: its own ([experts, 2 * intermediate,
     hidden] and [experts, hidden, intermediate]) or the published checkpoints' transposed one
     ([experts, hidden, 2 * intermediate], [experts, intermediate, hidden]), told apart by the
-    hidden size (where the two sizes are equal, transformers' own, as it reads them). Gate
-    rows first, HF's ``chunk(2)``."""
+    hidden size (where the two sizes are equal, transformers' own, as it reads them), or
+    always the transposed one with ``hidden_first`` (Llama 4's, which its HF model holds).
+    Gate rows first, HF's ``chunk(2)``."""
     hidden = config.hidden_size
     for name, tensor in weights:
         if name.endswith(".mlp.experts.gate_up_proj"):
-            if tensor.shape[-1] != hidden:
+            if hidden_first or tensor.shape[-1] != hidden:
                 tensor = tensor.transpose(1, 2)
             prefix = name.removesuffix("gate_up_proj")
             for expert, stacked in enumerate(tensor):
@@ -429,7 +459,7 @@ def _split_stacked_experts(
                 yield f"{prefix}{expert}.gate_proj.weight", gate
                 yield f"{prefix}{expert}.up_proj.weight", up
         elif name.endswith(".mlp.experts.down_proj"):
-            if tensor.shape[1] != hidden:
+            if hidden_first or tensor.shape[1] != hidden:
                 tensor = tensor.transpose(1, 2)
             prefix = name.removesuffix("down_proj")
             for expert, down in enumerate(tensor):
@@ -498,6 +528,16 @@ def _ernie_moe_tensors(
                 name = name.replace(stem, ".mlp.gate.")
                 tensor = tensor.reshape(-1)
         yield name, tensor
+
+
+def _llama4_name(name: str) -> str:
+    """Llama 4's feed-forward names (``feed_forward``, its ``router``, its ungated
+    ``shared_expert``) as ``SparseMoE`` and ``GatedMLP`` hold them."""
+    return (
+        name.replace(".feed_forward.router.", ".mlp.gate.")
+        .replace(".feed_forward.shared_expert.", ".mlp.shared_experts.")
+        .replace(".feed_forward.", ".mlp.")
+    )
 
 
 def _minimax_m2_name(name: str) -> str:

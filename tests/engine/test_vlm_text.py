@@ -2,7 +2,8 @@
 (``Gemma3ForConditionalGeneration``: Gemma 3 4B and up; ``Mistral3ForConditionalGeneration``:
 Mistral Small 3.1 / 3.2, Ministral 3, Devstral Small 2; Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE,
 whose M-RoPE is
-plain RoPE for text; GLM-4.1V and GLM-4.5V; LLaVA, LLaVA-NeXT and LLaVA-OneVision; InternVL):
+plain RoPE for text; GLM-4.1V and GLM-4.5V; LLaVA, LLaVA-NeXT and LLaVA-OneVision; InternVL;
+Llama 4):
 its ``text_config`` read
 as the text
 model's, its ``language_model`` tensors loaded under a text checkpoint's names, the vision
@@ -214,6 +215,32 @@ MODELS = {
             ),
         ),
         "Qwen3ForCausalLM",
+    ),
+    "llama4": (
+        transformers.Llama4Config,
+        dict(
+            text_config=dict(
+                model_type="llama4_text",
+                **{**_TEXT, "intermediate_size": 96},
+                head_dim=64,
+                intermediate_size_mlp=384,
+                no_rope_layer_interval=2,
+                moe_layers=[0],
+                num_local_experts=4,
+                attention_chunk_size=32,
+                floor_scale=16,
+                attn_scale=0.5,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            ),
+            vision_config=dict(
+                _VISION_SIGLIP,
+                intermediate_size=128,
+                vision_output_dim=64,
+                projector_input_dim=64,
+                projector_output_dim=64,
+            ),
+        ),
+        "Llama4ForCausalLM",
     ),
     "mistral_small": (
         transformers.Mistral3Config,

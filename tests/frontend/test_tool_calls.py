@@ -211,6 +211,17 @@ def test_pythonic_reads_a_list_of_calls_with_literal_keywords():
     assert pythonic.parse("The", False) == ParsedOutput("The")
 
 
+def test_vllm_s_llama4_parser_names_read_as_their_llama_3_readers():
+    text = "<|python_start|>[get_weather(city='Oslo', days=[1, 2])]<|python_end|>"
+    llama4 = calling("auto", "llama4_pythonic").parse(text, True)
+    assert llama4 == calling("auto", "pythonic").parse(text, True)
+    assert llama4.calls == [ParsedCall("get_weather", '{"city": "Oslo", "days": [1, 2]}')]
+    json_text = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    llama4_json = calling("auto", "llama4_json").parse(json_text, True)
+    assert llama4_json == calling("auto", "llama3_json").parse(json_text, True)
+    assert llama4_json.calls == [ParsedCall("get_weather", '{"city": "Paris"}')]
+
+
 REQUIRED_TEXTS = [
     '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
     '{"name": "get_time", "parameters": {}}]',
