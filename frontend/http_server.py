@@ -157,6 +157,7 @@ class HttpApi:
         app.router.add_get("/v1/responses/{response_id}", self._get_response)
         app.router.add_get("/v1/responses/{response_id}/input_items", self._input_items)
         app.router.add_delete("/v1/responses/{response_id}", self._delete_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self._cancel_response)
         app.router.add_post("/v1/embeddings", self._embeddings)
         # vLLM's scores of an embedding model (and the rerank route's versions it serves).
         for path in ("/score", "/v1/score"):
@@ -283,6 +284,9 @@ class HttpApi:
             call, api_request, streams, llm = self._calls.start_response(
                 await _json_body(http_request), http_request.headers.get("X-Request-Id")
             )
+            if call.background:
+                queued = await self._calls.start_background(call, api_request, streams, llm)
+                return web.json_response(queued, headers=_request_id_header(http_request))
             if not call.stream:
                 answer = await self._calls.whole_response(call, api_request, streams, llm)
                 return web.json_response(answer, headers=_request_id_header(http_request))
@@ -313,9 +317,16 @@ class HttpApi:
         page = responses.input_items_page(stored, dict(http_request.query))
         return web.json_response(page)
 
+    async def _cancel_response(self, http_request: web.Request) -> web.Response:
+        response = await self._server.responses.cancel(http_request.match_info["response_id"])
+        return web.json_response(response)
+
     async def _delete_response(self, http_request: web.Request) -> web.Response:
         response_id = http_request.match_info["response_id"]
-        self._server.responses.delete(response_id)
+        store = self._server.responses
+        if response_id in store.running:  # a background response still running ends first
+            await store.cancel(response_id)
+        store.delete(response_id)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def _score(self, http_request: web.Request) -> web.Response:

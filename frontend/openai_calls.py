@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend import openai_classify as classify
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
     from pagedserve.frontend.server import Server
+
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAiCalls:
@@ -97,6 +101,12 @@ class OpenAiCalls:
         """Check and submit a ``/v1/responses`` body (it runs as a chat completion):
         the call, its chat request, its one stream and the engine's ``LLM``."""
         call = responses.prepare(body, self._server.responses)
+        if call.background and not streaming_allowed:
+            raise CallError(
+                "INVALID_ARGUMENT",
+                "background=true: a batch's answers are written whole; leave background unset",
+                "background",
+            )
         try:
             api_request, streams, llm = self.start_generation(
                 "chat", call.chat_body, client_request_id, streaming_allowed
@@ -124,6 +134,65 @@ class OpenAiCalls:
         if call.store:
             self._server.responses.put(responses.stored(call, response))
         return response
+
+    async def start_background(
+        self,
+        call: responses.ResponsesCall,
+        api_request: protocol.ApiRequest,
+        streams: list[RequestStream],
+        llm: LLM,
+    ) -> dict:
+        """Run a started ``background`` Responses call on its own and return it ``queued``
+        (stored, as each later status is, for ``GET``)."""
+        store = self._server.responses
+        queued = responses.unfinished_response(call, api_request, "queued")
+        store.put(responses.stored(call, queued))
+        task = asyncio.create_task(self._background(call, api_request, streams, llm))
+        store.running[call.response_id] = task
+        # One turn of the loop: the task enters its call count (server.call) before the
+        # caller's ends, so a drain starting now still waits for it.
+        await asyncio.sleep(0)
+        return queued
+
+    async def _background(
+        self,
+        call: responses.ResponsesCall,
+        api_request: protocol.ApiRequest,
+        streams: list[RequestStream],
+        llm: LLM,
+    ) -> None:
+        """A background response's run: it ends stored as completed (or incomplete),
+        failed with its error, or cancelled."""
+        server = self._server
+        store = server.responses
+        try:
+            async with server.call("http"):
+                store.put(
+                    responses.stored(
+                        call, responses.unfinished_response(call, api_request, "in_progress")
+                    )
+                )
+                try:
+                    await self.whole_response(call, api_request, streams, llm)
+                except asyncio.CancelledError:
+                    store.put(responses.stored(call, responses.ended_response(call, api_request)))
+                    raise
+                except CallError as error:
+                    failed = responses.ended_response(call, api_request, error)
+                    store.put(responses.stored(call, failed))
+                    raise
+                except Exception as error:  # a bug: the response still ends, failed
+                    failed = responses.ended_response(
+                        call, api_request, CallError("INTERNAL", f"internal error: {error}")
+                    )
+                    store.put(responses.stored(call, failed))
+                    raise
+        except (asyncio.CancelledError, CallError):
+            pass  # stored above; counted by server.call
+        except Exception:
+            logger.exception("background response %s failed", call.response_id)
+        finally:
+            store.running.pop(call.response_id, None)
 
     async def embedding(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/v1/embeddings`` body answered (OpenAI's response body)."""

@@ -17,13 +17,19 @@ calls (``function_call`` items).
 - Streams (``"stream": true``) send OpenAI's typed events (``response.created``, ...,
   ``response.output_text.delta``, ..., ``response.completed``), each ``event: <type>``
   with its JSON and a ``sequence_number``.
+- ``background`` (with ``store``): the call answers at once with the response ``queued``;
+  it runs on (``in_progress``) and ends ``completed``, ``incomplete``, ``failed`` (with its
+  ``error``) or ``cancelled`` (``POST /v1/responses/{id}/cancel``), which ``GET`` reads
+  back. It counts as a call in flight: a draining server waits for it.
 
-Refused by name: hosted tools (web search, file search, ...), ``background``,
-``truncation: "auto"``, image and file parts, item references.
+Refused by name: hosted tools (web search, file search, ...), ``background`` with
+``stream`` (poll ``GET`` instead), ``truncation: "auto"``, image and file parts, item
+references.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 import uuid
@@ -106,6 +112,10 @@ _FIELD_NAMES = {
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 DEFAULT_RESPONSES_STORE_SIZE = 1024
+# A background response's statuses before it ends.
+_UNFINISHED = ("queued", "in_progress")
+# A failed background response's error code (OpenAI's) by how its call ended.
+_ERROR_CODES = {"INVALID_ARGUMENT": "invalid_prompt", "RESOURCE_EXHAUSTED": "rate_limit_exceeded"}
 
 
 def _new_id(prefix: str) -> str:
@@ -127,13 +137,15 @@ class StoredResponse:
 
 class ResponseStore:
     """The responses kept for ``previous_response_id`` and ``GET``: the most recent
-    ``capacity`` (0: none kept), in this process's memory."""
+    ``capacity`` (0: none kept), in this process's memory; and the background responses
+    still running (``running``: response id -> its task)."""
 
     def __init__(self, capacity: int = DEFAULT_RESPONSES_STORE_SIZE) -> None:
         if capacity < 0:
             raise ValueError(f"the response store's capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.running: dict[str, asyncio.Task] = {}
 
     def put(self, stored: StoredResponse) -> None:
         if self.capacity == 0:
@@ -159,6 +171,24 @@ class ResponseStore:
         self.get(response_id)
         del self._responses[response_id]
 
+    async def cancel(self, response_id: str) -> dict:
+        """Cancel a background response (``CallError`` for another) and return it as it
+        ended: ``cancelled``, or as it was when it had already ended (cancelling is
+        idempotent, as OpenAI's)."""
+        stored = self.get(response_id)
+        if not stored.response.get("background"):
+            raise CallError(
+                "INVALID_ARGUMENT",
+                f"response_id: {response_id!r:.100} was not created with background=true; only "
+                "background responses can be cancelled",
+                "response_id",
+            )
+        task = self.running.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return self._responses.get(response_id, stored).response
+
 
 # ---------------------------------------------------------------- request -> chat
 
@@ -172,6 +202,7 @@ class ResponsesCall:
     messages: list[dict]  # the conversation without the instructions
     store: bool
     input_items: list[dict] = field(default_factory=list)  # the request's input, as items
+    background: bool = False
     response_id: str = field(default_factory=lambda: _new_id("resp"))
     created_s: int = field(default_factory=lambda: int(time.time()))
 
@@ -184,9 +215,18 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
     """The chat request a Responses ``body`` runs as; ``CallError`` naming the field for
     what is wrong or not served."""
     checked_body(body, KNOWN_FIELDS, "responses")
-    if typed_field(body, "background", (bool,), "a boolean", False):
+    background = typed_field(body, "background", (bool,), "a boolean", False)
+    store_it = typed_field(body, "store", (bool,), "a boolean", True)
+    if background and not store_it:
         raise invalid_field(
-            "background=true: responses run while the call is open; leave background unset",
+            "background=true needs store=true: a background response is read back by GET "
+            "/v1/responses/{id}",
+            "background",
+        )
+    if background and body.get("stream"):
+        raise invalid_field(
+            "background=true with stream=true is not served: poll GET /v1/responses/{id} for "
+            "a background response, or stream without background",
             "background",
         )
     truncation = typed_field(body, "truncation", (str,), "a string", "disabled")
@@ -204,7 +244,14 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
     messages: list[dict] = []
     previous_id = typed_field(body, "previous_response_id", (str,), "a string")
     if previous_id is not None:
-        messages = copy.deepcopy(store.get(previous_id, "previous_response_id").messages)
+        previous = store.get(previous_id, "previous_response_id")
+        if previous.response["status"] in _UNFINISHED:
+            raise invalid_field(
+                f"previous_response_id: response {previous_id!r:.100} is still "
+                f"{previous.response['status']}; continue it once it has ended",
+                "previous_response_id",
+            )
+        messages = copy.deepcopy(previous.messages)
     messages += _input_messages(body.get("input"))
     chat_body: dict[str, Any] = {name: body[name] for name in _PASSED_FIELDS if name in body}
     instructions = typed_field(body, "instructions", (str,), "a string")
@@ -237,8 +284,9 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
         body=body,
         chat_body=chat_body,
         messages=messages,
-        store=typed_field(body, "store", (bool,), "a boolean", True),
+        store=store_it,
         input_items=_input_items(body["input"]),
+        background=background,
     )
 
 
@@ -443,6 +491,7 @@ def _base(call: ResponsesCall, api_request: ApiRequest, status: str, output: lis
         "object": "response",
         "created_at": call.created_s,
         "status": status,
+        "background": call.background,
         "model": api_request.model,
         "output": output,
         "error": None,
@@ -560,6 +609,25 @@ def whole_response(
     ]
     response = _base(call, api_request, "completed", items)
     return _finished(response, api_request, output, finish_reason(completion), llm)
+
+
+def unfinished_response(call: ResponsesCall, api_request: ApiRequest, status: str) -> dict:
+    """A background response before its output: ``queued`` or ``in_progress``."""
+    return _base(call, api_request, status, [])
+
+
+def ended_response(
+    call: ResponsesCall, api_request: ApiRequest, error: CallError | None = None
+) -> dict:
+    """A background response ended without its output: ``cancelled``, or ``failed`` with
+    ``error``."""
+    response = _base(call, api_request, "cancelled" if error is None else "failed", [])
+    if error is not None:
+        response["error"] = {
+            "code": _ERROR_CODES.get(error.code, "server_error"),
+            "message": error.message,
+        }
+    return response
 
 
 def stored(call: ResponsesCall, response: dict) -> StoredResponse:

@@ -166,6 +166,7 @@ def test_bad_lines_are_answered_in_order_naming_the_line(server_model_dir, tmp_p
         request_line("a", "/v1/completions", {"prompt": "x"}),
         request_line("e", "/v1/chat/completions", {**chat, "stream": True}),
         request_line("f", "/v1/chat/completions", {**chat, "model": "another"}),
+        request_line("h", "/v1/responses", {"input": "hi", "background": True}),
         request_line("g", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
     ]
     result, records = run_batch(server_model_dir, tmp_path, lines)
@@ -184,21 +185,23 @@ def test_bad_lines_are_answered_in_order_naming_the_line(server_model_dir, tmp_p
               "got an array"),
         ("a", "line 9: custom_id 'a' is line 1's already"),
     ]  # fmt: skip
-    assert len(records) == 1 + len(invalid) + 3
+    assert len(records) == 1 + len(invalid) + 4
     assert records[0]["response"]["status_code"] == 200
     for record, (custom_id, message) in zip(records[1:], invalid, strict=False):
         assert record["custom_id"] == custom_id
         assert record["response"] is None
         assert record["error"]["code"] == "invalid_request_line"
         assert record["error"]["message"].startswith(message), record
-    stream, model, last = records[-3:]
+    stream, model, background, last = records[-4:]
     assert stream["custom_id"] == "e" and stream["response"]["status_code"] == 400
     assert stream["response"]["body"]["error"]["param"] == "stream"
     assert model["response"]["status_code"] == 404
     assert "another" in model["response"]["body"]["error"]["message"]
+    assert background["custom_id"] == "h" and background["response"]["status_code"] == 400
+    assert background["response"]["body"]["error"]["param"] == "background"
     assert last["custom_id"] == "g" and last["response"]["status_code"] == 200
     assert "3 answered 200" not in result.stderr  # counted by status:
-    assert "2 answered 200, 1 answered 400, 1 answered 404, 7 invalid" in result.stderr
+    assert "2 answered 200, 2 answered 400, 1 answered 404, 7 invalid" in result.stderr
 
 
 def test_standard_input_to_standard_output(server_model_dir, tmp_path):

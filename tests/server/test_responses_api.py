@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 from collections.abc import Iterator
 
 import openai
@@ -273,7 +275,10 @@ def test_text_format_and_logprobs(client):
          "input[0].call_id", "input[0].call_id must be a non-empty string"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type",
          "'web_search' is not served here"),
-        ({"input": "x", "background": True}, 400, "background", "background=true"),
+        ({"input": "x", "background": True, "store": False}, 400, "background",
+         "background=true needs store=true"),
+        ({"input": "x", "background": True, "stream": True}, 400, "background",
+         "background=true with stream=true is not served"),
         ({"input": "x", "truncation": "auto"}, 400, "truncation", "only 'disabled'"),
         ({"input": "x", "metadata": {"k": 1}}, 400, "metadata", "metadata must map"),
         ({"input": "x", "reasoning": {"effort": "max"}}, 400, "reasoning.effort",
@@ -324,6 +329,103 @@ def test_a_client_that_disconnects_mid_stream_ends_its_response(server):
     assert server.stats().engine["num_sampled_tokens"] - sampled_before < 400
     status, _answer = get(server, f"/v1/responses/{created['response']['id']}")
     assert status == 404
+
+
+def test_a_background_response_answers_queued_and_is_read_back_when_done(client):
+    """``background``: the call answers at once, ``queued`` and empty; the response runs on
+    and ``GET`` reads it back as the same request answered in the foreground."""
+    fields = {"model": SERVED_MODEL_NAME, "input": "Hello", "max_output_tokens": 12, **GREEDY}
+    queued = client.responses.create(**fields, background=True)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    assert wait_until(
+        lambda: client.responses.retrieve(queued.id).status in ("completed", "incomplete"), 30
+    )
+    done = client.responses.retrieve(queued.id)
+    foreground = client.responses.create(**fields)
+    assert done.output_text == foreground.output_text
+    assert done.usage.output_tokens == foreground.usage.output_tokens
+    assert done.background and not foreground.background
+    # It continues a conversation as any stored response does.
+    after = client.responses.create(
+        model=SERVED_MODEL_NAME, input="More", previous_response_id=done.id, max_output_tokens=2
+    )
+    assert after.previous_response_id == done.id
+    # Cancelling an ended one returns it as it ended.
+    assert client.responses.cancel(done.id).status == done.status
+
+
+def test_a_background_response_is_cancelled(server, client):
+    """``POST /v1/responses/{id}/cancel`` ends it in the engine (the fixture then finds every
+    block free) and stores it ``cancelled``; a second cancel returns the same; a response
+    still running cannot be continued; only background responses can be cancelled."""
+    sampled_before = server.stats().engine["num_sampled_tokens"]
+    running = client.responses.create(
+        model=SERVED_MODEL_NAME, input="Tell a long story", max_output_tokens=400,
+        background=True,
+    )  # fmt: skip
+    status, refused = post(
+        server,
+        "/v1/responses",
+        {"input": "x", "previous_response_id": running.id},
+    )
+    assert status == 400 and refused["error"]["param"] == "previous_response_id"
+    assert (
+        "is still queued" in refused["error"]["message"]
+        or "still in_progress" in (refused["error"]["message"])
+    )
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.output == []
+    assert server.stats().engine["num_sampled_tokens"] - sampled_before < 400
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled"
+    foreground = client.responses.create(model=SERVED_MODEL_NAME, input="x", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as not_background:
+        client.responses.cancel(foreground.id)
+    assert not_background.value.body["param"] == "response_id"
+    assert "only background responses can be cancelled" in not_background.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+
+
+def test_deleting_a_running_background_response_ends_it(server, client):
+    running = client.responses.create(
+        model=SERVED_MODEL_NAME, input="Tell a long story", max_output_tokens=400,
+        background=True,
+    )  # fmt: skip
+    client.responses.delete(running.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
+    server.assert_blocks_all_free()
+
+
+def test_a_draining_server_waits_for_its_background_responses(start_server):
+    """SIGTERM with a background response queued behind a stream (one sequence at a time):
+    the drain waits for both as calls in flight, the background response runs whole after
+    the stream, and the server exits 0."""
+    server = start_server("--http-port", "0", "--max-num-seqs", "1")
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    stream_body = {"prompt": [5, 300, 301, 302], "max_tokens": 150, "temperature": 0,
+                   "ignore_eos": True, "stream": True}  # fmt: skip
+    connection.request("POST", "/v1/completions", json.dumps(stream_body))
+    stream = connection.getresponse()
+    assert stream.readline().startswith(b"data: ")
+    status, queued = post(
+        server, "/v1/responses", {"input": "Tell a story", "max_output_tokens": 40,
+                                  "background": True, "temperature": 0.0},
+    )  # fmt: skip
+    assert status == 200 and queued["status"] == "queued", queued
+    os.kill(server.pid, signal.SIGTERM)
+    assert wait_until(lambda: get(server, "/health")[0] == 503, 10)
+    status, refused = post(server, "/v1/responses", {"input": "x", "background": True})
+    assert status == 503 and "shutting down" in refused["error"]["message"]
+    assert stream.read().decode().rstrip().endswith("data: [DONE]")
+    connection.close()
+    assert server.process.wait(30) == 0  # by itself: no second signal
+    log = server.log()
+    assert "draining: 2 calls in flight" in log, log
+    assert "shut down before the request finished" not in log, log
+    finished = [line for line in log.splitlines() if " output tokens, " in line]
+    assert len(finished) == 2, log
 
 
 def test_input_items_are_listed_and_paged(server, client):
