@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
+from engine.test_llama4 import CONFIG as LLAMA4_CONFIG
 from engine.test_moe import MOE_CONFIGS
 from engine.test_sliding_window import make_windowed_model, windowed_prompts
 from tiny_models import random_hf_model
@@ -241,6 +242,19 @@ def test_mixture_of_experts_and_gemma_models_match_hf_on_the_gpu(tmp_path, famil
     # refused). Gemma 3: the 1 + w norms, two RoPE tables, sliding layers, logit soft-cap.
     configs = {**MOE_CONFIGS, "gemma3": GEMMA_CONFIGS["gemma3"]}
     model_dir = random_hf_model(configs[family], tmp_path / family)
+    expected = hf_greedy(model_dir, random_prompts(1))
+    llm = LLM(model_dir, device="cuda", block_size=16, num_blocks=256)
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize("prefill", ["sdpa", "kernel"])
+def test_llama4_matches_hf_on_the_gpu(tmp_path, monkeypatch, prefill):
+    # Llama 4's chunked layers (chunks of 32: the step's chunked view of the block tables,
+    # copied to the device each step) in the CUDA decode kernel and either prefill path, its
+    # NoPE layers' temperature, L2 q/k norms and input-scaled experts on the device.
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, prefill)
+    model_dir = random_hf_model(LLAMA4_CONFIG, tmp_path / "llama4")
     expected = hf_greedy(model_dir, random_prompts(1))
     llm = LLM(model_dir, device="cuda", block_size=16, num_blocks=256)
     outputs = llm.generate(random_prompts(1), GREEDY)
