@@ -9,9 +9,9 @@ Routes:
   ``data: {chunk}`` per step (or per ``--stream-interval`` tokens), then
   ``data: [DONE]``. A client that disconnects ends its requests in the engine at once.
 - ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
-  /v1/responses/{id}/input_items``: OpenAI's Responses
-  API (``openai_responses.py``), run as a chat completion; a stream's events are typed
-  (``event: <type>``) and end without ``[DONE]``, as OpenAI's do.
+  /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``: OpenAI's Responses
+  API (``openai_responses.py``), run as a chat completion (or in the background); a
+  stream's events are typed (``event: <type>``) and end without ``[DONE]``, as OpenAI's do.
 - ``POST /v1/embeddings``: OpenAI's embeddings (``input`` as text, token ids or a batch
   of either; ``encoding_format`` float or base64; ``dimensions``), vLLM's
   ``truncate_prompt_tokens`` and ``normalize``: one prompt-only engine request per input.
@@ -20,6 +20,8 @@ Routes:
   of a cross-encoder, each pair classified (``openai_scores.py``).
 - ``POST /classify`` (``/v1/classify``): vLLM's classifications by a sequence
   classification model, probabilities over its labels (``openai_classify.py``).
+- ``POST /pooling``: vLLM's pooler output of either task in one shape, an embedding or a
+  classification's probabilities per input (``openai_pooling.py``).
 - ``GET /v1/models`` (and ``/v1/models/{name}``): the one model served.
 - ``POST /tokenize``, ``POST /detokenize``: as vLLM's.
 - ``GET /health``: 200 while serving, 503 while the model loads, when draining, or once
@@ -166,6 +168,7 @@ class HttpApi:
             app.router.add_post(path, self._rerank)
         for path in ("/classify", "/v1/classify"):
             app.router.add_post(path, self._classify)
+        app.router.add_post("/pooling", self._pooling)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{name:.+}", self._model)
         app.router.add_post("/tokenize", self._tokenize)
@@ -256,6 +259,9 @@ class HttpApi:
 
     async def _classify(self, http_request: web.Request) -> web.Response:
         return await self._answered(http_request, self._calls.classification)
+
+    async def _pooling(self, http_request: web.Request) -> web.Response:
+        return await self._answered(http_request, self._calls.pooling)
 
     async def _answered(self, http_request: web.Request, call) -> web.Response:
         """A body answered whole by ``call`` (one of ``OpenAiCalls``'), as JSON."""

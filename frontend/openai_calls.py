@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend import openai_classify as classify
+from pagedserve.frontend import openai_pooling as pooling
 from pagedserve.frontend import openai_protocol as protocol
 from pagedserve.frontend import openai_responses as responses
 from pagedserve.frontend import openai_scores as scores
@@ -209,6 +210,15 @@ class OpenAiCalls:
         )
         outputs = await self._pooled(api_request)
         return classify.classify_response(api_request, outputs)
+
+    async def pooling(self, body: Any, client_request_id: str | None) -> dict:
+        """A ``/pooling`` body answered (vLLM's response body): the embeddings or the
+        classifications, by the model's task, in one shape."""
+        call = self._parse_pooling(
+            pooling.parse_pooling_request, body, client_request_id, **self._chat_options()
+        )
+        outputs = await self._pooled(call.request)
+        return pooling.pooling_response(call, outputs)
 
     async def score(self, kind: str, body: Any, client_request_id: str | None) -> dict:
         """A ``/score`` (``kind="score"``) or ``/rerank`` (``"rerank"``) body answered

@@ -104,6 +104,33 @@ def test_classify_takes_ids_raw_logits_and_invocations(server, offline):
     )
 
 
+def test_pooling_answers_with_the_classifications(server, offline):
+    """vLLM's ``/pooling`` on a classifier: each input's probabilities (or with
+    ``use_activation`` false its raw logits, a reward model's scores) as ``/classify``
+    gives them; an embedding field or task is refused by name."""
+    status, answer = post(server, "/pooling", {"input": TEXTS, "model": SERVED_MODEL_NAME})
+    assert status == 200, answer
+    assert answer["id"].startswith("pool-")
+    want = offline.classify(TEXTS, use_tqdm=False)
+    for index, (item, output) in enumerate(zip(answer["data"], want, strict=True)):
+        assert item["index"] == index and item["object"] == "pooling"
+        assert item["data"] == pytest.approx(output.outputs.probs, abs=1e-6)
+    raw = offline.classify(
+        TEXTS[:1], PoolingParams(task="classify", use_activation=False), use_tqdm=False
+    )
+    status, answer = post(
+        server, "/pooling", {"input": TEXTS[0], "task": "classify", "use_activation": False}
+    )
+    assert status == 200, answer
+    assert answer["data"][0]["data"] == pytest.approx(raw[0].outputs.probs, abs=1e-5)
+    for body, param in [
+        ({"input": "a", "normalize": True}, "normalize"),
+        ({"input": "a", "task": "embed"}, "task"),
+    ]:
+        status, answer = post(server, "/pooling", body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+
+
 def test_classify_takes_a_conversation_as_messages(server, offline):
     """vLLM's chat form: one conversation rendered with the chat template (ending with its
     last message unless add_generation_prompt), classified as its token ids are."""

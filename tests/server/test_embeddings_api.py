@@ -106,6 +106,42 @@ def test_raw_bodies_token_ids_base64_and_vllm_fields(server, offline):
     assert answer["usage"]["prompt_tokens"] == 3
 
 
+def test_pooling_answers_with_the_embeddings(server, offline):
+    """vLLM's ``/pooling`` on an embedding model: each input's embedding (as
+    ``/v1/embeddings`` gives it, its fields too) as a ``pooling`` object; a field or task of
+    classification is refused by name."""
+    from test_http_api import post as post_to
+
+    want = [o.outputs.embedding for o in offline.embed(TOKEN_IDS)]
+    status, answer = post_to(server, "/pooling", {"input": TOKEN_IDS, "task": "embed"})
+    assert status == 200, answer
+    assert answer["id"].startswith("pool-") and answer["object"] == "list"
+    assert answer["model"] == SERVED_MODEL_NAME
+    assert [item["object"] for item in answer["data"]] == ["pooling", "pooling"]
+    assert [item["index"] for item in answer["data"]] == [0, 1]
+    assert all(close(item["data"], w) for item, w in zip(answer["data"], want, strict=True))
+    assert answer["usage"]["prompt_tokens"] == answer["usage"]["total_tokens"] == 44
+    status, answer = post_to(
+        server,
+        "/pooling",
+        {"input": TOKEN_IDS[0], "encoding_format": "base64", "normalize": False, "dimensions": 8},
+    )
+    assert status == 200, answer
+    raw = offline.embed(TOKEN_IDS[0], PoolingParams(normalize=False, dimensions=8))
+    packed = base64.b64decode(answer["data"][0]["data"])
+    assert close(list(struct.unpack(f"<{len(packed) // 4}f", packed)), raw[0].outputs.embedding)
+    for body, param, message in [
+        ({"input": "a", "task": "classify"}, "task", "pools for 'embed' only"),
+        ({"input": "a", "task": "reward"}, "task", "task must be one of embed, classify"),
+        ({"input": "a", "use_activation": False}, "use_activation", "a setting of task"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
+        ({"input": "a", "dimensions": 0}, "dimensions", "dimensions"),
+    ]:
+        status, answer = post_to(server, "/pooling", body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+        assert message in answer["error"]["message"], answer
+
+
 CONVERSATION = [
     {"role": "system", "content": "Embed the user's question."},
     {"role": "user", "content": "Where is the Eiffel tower?"},
