@@ -223,6 +223,12 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
             "/v1/responses/{id}",
             "background",
         )
+    if background and store.capacity == 0:
+        raise invalid_field(
+            "background=true needs the server's response store, which keeps none here "
+            "(--responses-store-size 0)",
+            "background",
+        )
     if background and body.get("stream"):
         raise invalid_field(
             "background=true with stream=true is not served: poll GET /v1/responses/{id} for "

@@ -1,0 +1,25 @@
+"""``openai_responses.prepare`` on its own (the server tests run the API end to end): what
+background mode needs of the request and of the server's store."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.frontend.call_errors import CallError
+from pagedserve.frontend.openai_responses import ResponseStore, prepare
+
+
+def test_background_needs_store_and_a_store_that_keeps_responses():
+    call = prepare({"input": "hi", "background": True}, ResponseStore(4))
+    assert call.background and call.store
+    cases = [
+        ({"input": "hi", "background": True, "store": False}, 4, "needs store=true"),
+        ({"input": "hi", "background": True, "stream": True}, 4, "with stream=true"),
+        ({"input": "hi", "background": True}, 0, "--responses-store-size 0"),
+        ({"input": "hi", "background": "yes"}, 4, "background must be a boolean"),
+    ]
+    for body, capacity, message in cases:
+        with pytest.raises(CallError) as refused:
+            prepare(body, ResponseStore(capacity))
+        assert refused.value.param == "background" and message in refused.value.message
+    assert not prepare({"input": "hi"}, ResponseStore(0)).background
