@@ -292,7 +292,12 @@ class HttpApi:
             )
             if call.background:
                 queued = await self._calls.start_background(call, api_request, streams, llm)
-                return web.json_response(queued, headers=_request_id_header(http_request))
+                if not call.stream:
+                    return web.json_response(queued, headers=_request_id_header(http_request))
+                # The stream follows the kept events: a client gone leaves the response
+                # running, and GET ...?stream=true reads it again.
+                log = server.responses.event_logs[call.response_id]
+                return await self._follow(http_request, log, -1)
             if not call.stream:
                 answer = await self._calls.whole_response(call, api_request, streams, llm)
                 return web.json_response(answer, headers=_request_id_header(http_request))
@@ -314,9 +319,32 @@ class HttpApi:
                 server.responses.put(responses.stored(call, writer.response))
             return stream
 
-    async def _get_response(self, http_request: web.Request) -> web.Response:
-        stored = self._server.responses.get(http_request.match_info["response_id"])
-        return web.json_response(stored.response)
+    async def _get_response(self, http_request: web.Request) -> web.StreamResponse:
+        response_id = http_request.match_info["response_id"]
+        store = self._server.responses
+        stream = http_request.query.get("stream", "false")
+        if stream not in ("true", "false"):
+            raise CallError(
+                "INVALID_ARGUMENT", f"stream must be true or false, got {stream!r:.50}", "stream"
+            )
+        if stream == "false":
+            return web.json_response(store.get(response_id).response)
+        log = store.event_log(response_id)
+        return await self._follow(
+            http_request, log, responses.starting_after(dict(http_request.query), log)
+        )
+
+    async def _follow(
+        self, http_request: web.Request, log: responses.EventLog, starting_after: int
+    ) -> web.StreamResponse:
+        """A streamed background response's events after ``starting_after``, as they come,
+        until it ends (or the client goes)."""
+        stream = await self._event_stream(http_request)
+        events = log.follow(starting_after)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                await stream.write(_typed_sse(event))
+        return stream
 
     async def _input_items(self, http_request: web.Request) -> web.Response:
         stored = self._server.responses.get(http_request.match_info["response_id"])

@@ -19,7 +19,7 @@ from pagedserve.frontend import openai_pooling as pooling
 from pagedserve.frontend import openai_protocol as protocol
 from pagedserve.frontend import openai_responses as responses
 from pagedserve.frontend import openai_scores as scores
-from pagedserve.frontend.call_errors import CallError
+from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
 
 if TYPE_CHECKING:
     from pagedserve.frontend.async_engine import RequestStream
@@ -144,11 +144,15 @@ class OpenAiCalls:
         llm: LLM,
     ) -> dict:
         """Run a started ``background`` Responses call on its own and return it ``queued``
-        (stored, as each later status is, for ``GET``)."""
+        (stored, as each later status is, for ``GET``); a streamed one's events go to its
+        ``EventLog`` in the store as they come."""
         store = self._server.responses
         queued = responses.unfinished_response(call, api_request, "queued")
         store.put(responses.stored(call, queued))
-        task = asyncio.create_task(self._background(call, api_request, streams, llm))
+        log = None
+        if call.stream:
+            log = store.event_logs[call.response_id] = responses.EventLog()
+        task = asyncio.create_task(self._background(call, api_request, streams, llm, log))
         store.running[call.response_id] = task
         # One turn of the loop: the task enters its call count (server.call) before the
         # caller's ends, so a drain starting now still waits for it.
@@ -161,9 +165,10 @@ class OpenAiCalls:
         api_request: protocol.ApiRequest,
         streams: list[RequestStream],
         llm: LLM,
+        log: responses.EventLog | None,
     ) -> None:
         """A background response's run: it ends stored as completed (or incomplete),
-        failed with its error, or cancelled."""
+        failed with its error, or cancelled; a streamed one's ``log`` then ends too."""
         server = self._server
         store = server.responses
         try:
@@ -174,7 +179,10 @@ class OpenAiCalls:
                     )
                 )
                 try:
-                    await self.whole_response(call, api_request, streams, llm)
+                    if log is None:
+                        await self.whole_response(call, api_request, streams, llm)
+                    else:
+                        await self._streamed_response(call, api_request, streams, llm, log)
                 except asyncio.CancelledError:
                     store.put(responses.stored(call, responses.ended_response(call, api_request)))
                     raise
@@ -194,6 +202,32 @@ class OpenAiCalls:
             logger.exception("background response %s failed", call.response_id)
         finally:
             store.running.pop(call.response_id, None)
+            if log is not None:
+                log.end()
+
+    async def _streamed_response(
+        self,
+        call: responses.ResponsesCall,
+        api_request: protocol.ApiRequest,
+        streams: list[RequestStream],
+        llm: LLM,
+        log: responses.EventLog,
+    ) -> None:
+        """A streamed background response's events into ``log`` as its output grows (the
+        error event last if it fails), the whole response stored at the end."""
+        writer = responses.ResponseStream(call, api_request, llm)
+        log.add(writer.start())
+        (stream,) = streams
+        outputs = self._server.outputs(stream, api_request.client_request_id)
+        try:
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    log.add(writer.chunks(output))
+        except CallError as error:
+            log.add([writer.failed(error, HTTP_STATUS[error.code])])
+            raise
+        if writer.response is not None:
+            self._server.responses.put(responses.stored(call, writer.response))
 
     async def embedding(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/v1/embeddings`` body answered (OpenAI's response body)."""

@@ -20,11 +20,13 @@ calls (``function_call`` items).
 - ``background`` (with ``store``): the call answers at once with the response ``queued``;
   it runs on (``in_progress``) and ends ``completed``, ``incomplete``, ``failed`` (with its
   ``error``) or ``cancelled`` (``POST /v1/responses/{id}/cancel``), which ``GET`` reads
-  back. It counts as a call in flight: a draining server waits for it.
+  back. It counts as a call in flight: a draining server waits for it. With ``stream``
+  too, the call streams its events as they come, and they are kept (``EventLog``): a client
+  that lost the stream reads it again from any event on (``GET
+  /v1/responses/{id}?stream=true&starting_after=N``), while it runs and after.
 
-Refused by name: hosted tools (web search, file search, ...), ``background`` with
-``stream`` (poll ``GET`` instead), ``truncation: "auto"``, image and file parts, item
-references.
+Refused by name: hosted tools (web search, file search, ...), ``truncation: "auto"``,
+image and file parts, item references.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import copy
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -146,13 +149,16 @@ class ResponseStore:
         self.capacity = capacity
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self.running: dict[str, asyncio.Task] = {}
+        # The streamed background responses' events, kept as long as their responses.
+        self.event_logs: dict[str, EventLog] = {}
 
     def put(self, stored: StoredResponse) -> None:
         if self.capacity == 0:
             return
         self._responses[stored.response["id"]] = stored
         while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
+            evicted, _ = self._responses.popitem(last=False)
+            self.event_logs.pop(evicted, None)
 
     def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
         stored = self._responses.get(response_id)
@@ -170,6 +176,20 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         self.get(response_id)
         del self._responses[response_id]
+        self.event_logs.pop(response_id, None)
+
+    def event_log(self, response_id: str) -> EventLog:
+        """A stored response's events (``CallError`` when it has none kept)."""
+        self.get(response_id)
+        log = self.event_logs.get(response_id)
+        if log is None:
+            raise CallError(
+                "INVALID_ARGUMENT",
+                f"stream: response {response_id!r:.100} was not created with background=true "
+                "and stream=true, whose events alone are kept; GET it without stream",
+                "stream",
+            )
+        return log
 
     async def cancel(self, response_id: str) -> dict:
         """Cancel a background response (``CallError`` for another) and return it as it
@@ -227,12 +247,6 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
         raise invalid_field(
             "background=true needs the server's response store, which keeps none here "
             "(--responses-store-size 0)",
-            "background",
-        )
-    if background and body.get("stream"):
-        raise invalid_field(
-            "background=true with stream=true is not served: poll GET /v1/responses/{id} for "
-            "a background response, or stream without background",
             "background",
         )
     truncation = typed_field(body, "truncation", (str,), "a string", "disabled")
@@ -634,6 +648,61 @@ def ended_response(
             "message": error.message,
         }
     return response
+
+
+class EventLog:
+    """A streamed background response's events, in order (an event's index is its
+    ``sequence_number``), for each reader to follow from where it starts."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.ended = False
+        self._grown = asyncio.Event()  # set (and replaced) whenever events come or it ends
+
+    def add(self, events: list[dict]) -> None:
+        if events:
+            self.events += events
+            self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._grown.set()
+        self._grown = asyncio.Event()
+
+    async def follow(self, starting_after: int = -1) -> AsyncIterator[dict]:
+        """The events after ``sequence_number`` ``starting_after`` (-1: all), those kept
+        and those still to come, until it ends."""
+        position = starting_after + 1
+        while True:
+            grown = self._grown  # before reading: an event added after wakes this one
+            while position < len(self.events):
+                yield self.events[position]
+                position += 1
+            if self.ended:
+                return
+            await grown.wait()
+
+
+def starting_after(query: dict[str, str], log: EventLog) -> int:
+    """``GET .../{id}?stream=true``'s ``starting_after`` (default -1: from the first
+    event), an integer from -1 to the last event's sequence number (sent or to come)."""
+    text = query.get("starting_after")
+    if text is None:
+        return -1
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < -1 or (log.ended and value >= len(log.events)):
+        raise invalid_field(
+            f"starting_after must be an integer from -1 to the last event's sequence number "
+            f"({len(log.events) - 1} so far), got {text!r:.50}",
+            "starting_after",
+        )
+    return value
 
 
 def stored(call: ResponsesCall, response: dict) -> StoredResponse:

@@ -14,7 +14,6 @@ def test_background_needs_store_and_a_store_that_keeps_responses():
     assert call.background and call.store
     cases = [
         ({"input": "hi", "background": True, "store": False}, 4, "needs store=true"),
-        ({"input": "hi", "background": True, "stream": True}, 4, "with stream=true"),
         ({"input": "hi", "background": True}, 0, "--responses-store-size 0"),
         ({"input": "hi", "background": "yes"}, 4, "background must be a boolean"),
     ]

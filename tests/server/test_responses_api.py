@@ -277,8 +277,6 @@ def test_text_format_and_logprobs(client):
          "'web_search' is not served here"),
         ({"input": "x", "background": True, "store": False}, 400, "background",
          "background=true needs store=true"),
-        ({"input": "x", "background": True, "stream": True}, 400, "background",
-         "background=true with stream=true is not served"),
         ({"input": "x", "truncation": "auto"}, 400, "truncation", "only 'disabled'"),
         ({"input": "x", "metadata": {"k": 1}}, 400, "metadata", "metadata must map"),
         ({"input": "x", "reasoning": {"effort": "max"}}, 400, "reasoning.effort",
@@ -385,6 +383,94 @@ def test_a_background_response_is_cancelled(server, client):
     assert "only background responses can be cancelled" in not_background.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_unknown")
+
+
+def read_events(response) -> list[dict]:
+    """The typed events of an SSE answer read to its end, each checked against its
+    ``event:`` line."""
+    events = []
+    for raw in response.read().decode().split("\n\n"):
+        if raw.strip():
+            event_line, data_line = raw.split("\n")
+            event = json.loads(data_line.removeprefix("data: "))
+            assert event_line == f"event: {event['type']}"
+            events.append(event)
+    return events
+
+
+def get_events(server, path: str) -> list[dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        return read_events(response)
+    finally:
+        connection.close()
+
+
+def test_a_streamed_background_response_is_read_again_from_any_event(server):
+    """``background`` with ``stream``: the call streams as any stream does, and the events
+    are kept: ``GET ...?stream=true&starting_after=N`` reads them again from event N + 1,
+    all of them without it."""
+    body = {"model": SERVED_MODEL_NAME, "input": "Tell", "max_output_tokens": 10,
+            "background": True, **GREEDY}  # fmt: skip
+    events = typed_events(server, body)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    response_id = events[0]["response"]["id"]
+    assert get_events(server, f"/v1/responses/{response_id}?stream=true") == events
+    again = get_events(server, f"/v1/responses/{response_id}?stream=true&starting_after=3")
+    assert again == events[4:]
+    status, stored = get(server, f"/v1/responses/{response_id}")
+    assert status == 200 and json.loads(stored) == events[-1]["response"]
+    foreground = typed_events(server, {**body, "background": False})
+    assert [e["type"] for e in foreground] == [e["type"] for e in events]
+    assert (
+        foreground[-1]["response"]["output"][0]["content"]
+        == (events[-1]["response"]["output"][0]["content"])
+    )
+    assert events[-1]["response"]["background"] and not foreground[-1]["response"]["background"]
+    for query, param in [
+        ("?stream=true&starting_after=x", "starting_after"),
+        (f"?stream=true&starting_after={len(events)}", "starting_after"),
+        ("?stream=maybe", "stream"),
+    ]:
+        status, answer = get(server, f"/v1/responses/{response_id}{query}")
+        assert status == 400 and json.loads(answer)["error"]["param"] == param, answer
+    status, plain = post(server, "/v1/responses", {"input": "x", "max_output_tokens": 1})
+    status, answer = get(server, f"/v1/responses/{plain['id']}?stream=true")
+    assert status == 400 and json.loads(answer)["error"]["param"] == "stream"
+
+
+def test_a_lost_background_stream_runs_on_and_resumes(server):
+    """The client of a streamed background response goes after a few events: the response
+    runs on, and ``starting_after`` the last event it read gives the rest, the two parts one
+    whole stream."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    body = {"model": SERVED_MODEL_NAME, "input": "Tell a story", "max_output_tokens": 60,
+            "background": True, "stream": True, **GREEDY}  # fmt: skip
+    connection.request("POST", "/v1/responses", json.dumps(body))
+    response = connection.getresponse()
+    assert response.status == 200
+    first = []
+    while len(first) < 3:
+        event_line = response.readline()
+        data = json.loads(response.readline().removeprefix(b"data: "))
+        assert event_line == f"event: {data['type']}\n".encode()
+        assert response.readline() == b"\n"
+        first.append(data)
+    connection.close()  # gone: the response runs on
+    response_id = first[0]["response"]["id"]
+    rest = get_events(server, f"/v1/responses/{response_id}?stream=true&starting_after=2")
+    whole = first + rest
+    assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
+    assert whole[-1]["type"] == "response.completed"
+    deltas = "".join(e["delta"] for e in whole if e["type"] == "response.output_text.delta")
+    status, stored = get(server, f"/v1/responses/{response_id}")
+    final = json.loads(stored)
+    assert final["status"] in ("completed", "incomplete")
+    assert deltas == final["output"][0]["content"][0]["text"]
 
 
 def test_deleting_a_running_background_response_ends_it(server, client):
