@@ -71,14 +71,16 @@ class DraftModel:
         device: torch.device,
         gathered_prefill: bool,
         attention_chunk_size: int = 0,
+        latent_attention: bool = False,
     ) -> None:
         """``vocab_size``: the target's; a guess is one of its tokens even where the draft
         model's vocabulary is padded further. ``max_positions``: the draft model's context
         window; past it the draft neither follows a sequence nor guesses for it (the
-        target's window may be longer). ``attention_chunk_size``: the draft model's
-        (``ModelConfig.attention_chunk_size``)."""
+        target's window may be longer). ``attention_chunk_size``, ``latent_attention``: the
+        draft model's (``ModelConfig``'s)."""
         self.model = model
         self.attention_chunk_size = attention_chunk_size
+        self.latent_attention = latent_attention
         self.max_positions = max_positions
         self.num_speculative_tokens = num_speculative_tokens
         self.vocab_size = vocab_size
@@ -136,6 +138,7 @@ class DraftModel:
             device,
             self.gathered_prefill,
             self.attention_chunk_size,
+            self.latent_attention,
         )
         with torch.inference_mode():
             hidden = self.model(

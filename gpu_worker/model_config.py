@@ -680,6 +680,12 @@ class ModelConfig:
         return max(windows) if windows and min(windows) > 0 else 0
 
     @property
+    def latent_attention(self) -> bool:
+        """Whether the cache holds latents (DeepSeek's multi-head latent attention,
+        ``layers/latent_attention.py``), which each step's ``latent_plan`` reads."""
+        return self.family == "deepseek"
+
+    @property
     def attention_chunk_size(self) -> int:
         """Tokens per chunk of the layers of chunked attention (Llama 4's: each token
         attends only within its chunk; the others to the whole context), or 0 when no layer
@@ -735,7 +741,7 @@ class ModelConfig:
         head_size = hf_config.get("head_dim") or hidden_size // num_heads
         num_kv_heads = hf_config.get("num_key_value_heads") or num_heads
         if family == "deepseek":
-            head_size, num_kv_heads = latent_attention_heads(hf_config), num_heads
+            head_size, num_kv_heads = latent_cache_head_size(hf_config), 1
         return cls(
             path=path,
             architecture=architecture,
@@ -757,12 +763,11 @@ class ModelConfig:
         )
 
 
-def latent_attention_heads(hf_config: dict[str, Any]) -> int:
-    """The head size the KV cache and the attention ops take for DeepSeek's multi-head latent
-    attention: each head's query and key values (``qk_nope_head_dim + qk_rope_head_dim``) or
-    its value's (``v_head_dim``), whichever is larger, the other padded with zeros. The cache
-    holds every head's keys and values as expanded from the latent (HF caches the latent
-    itself: the same attention, more memory here); the ops need a head size they support."""
+def latent_cache_head_size(hf_config: dict[str, Any]) -> int:
+    """The KV cache's head size for DeepSeek's multi-head latent attention, whose cache holds
+    one latent per token and layer, ``kv_lora_rank + qk_rope_head_dim`` values, as one KV
+    head whose key row holds the first half and whose value row the rest (rounded up:
+    ``layers/latent_attention.py``), as HF caches it (DeepSeek-V3: 576 values, 288 a row)."""
     for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"):
         value = hf_config.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -779,8 +784,7 @@ def latent_attention_heads(hf_config: dict[str, Any]) -> int:
         raise ValueError(
             f"model: q_lora_rank must be a positive integer or null, got {q_lora_rank!r}"
         )
-    query_key = hf_config["qk_nope_head_dim"] + hf_config["qk_rope_head_dim"]
-    return max(query_key, hf_config["v_head_dim"])
+    return -(-(hf_config["kv_lora_rank"] + hf_config["qk_rope_head_dim"]) // 2)
 
 
 def _with_ntk_alpha_rope(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -1648,10 +1652,11 @@ def check_cuda_graph_support(config: ModelConfig) -> None:
             f"cuda_graphs: {config.architecture} routes tokens to experts by data, which a "
             "captured graph cannot replay; drop cuda_graphs for this model"
         )
-    if config.attention_chunk_size:
+    if config.attention_chunk_size or config.latent_attention:
+        kind = "chunked attention" if config.attention_chunk_size else "latent attention"
         raise ValueError(
-            f"cuda_graphs: {config.architecture}'s chunked attention layers are not captured "
-            "yet; drop cuda_graphs for this model"
+            f"cuda_graphs: {config.architecture}'s {kind} layers are not captured yet; drop "
+            "cuda_graphs for this model"
         )
 
 

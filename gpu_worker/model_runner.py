@@ -134,11 +134,15 @@ class ModelRunner:
         device: torch.device,
         lora_batch: LoRABatch | None = None,
         attention_chunk_size: int = 0,
+        latent_attention: bool = False,
     ) -> None:
         """``attention_chunk_size``: the model's (``ModelConfig.attention_chunk_size``; 0:
-        no chunked layers), the chunks each step's chunked view cuts at."""
+        no chunked layers), the chunks each step's chunked view cuts at;
+        ``latent_attention``: the model's (``ModelConfig.latent_attention``), whether each
+        step plans its ``latent_plan``."""
         self.model = model
         self.attention_chunk_size = attention_chunk_size
+        self.latent_attention = latent_attention
         # Which token rows each LoRA adapter takes in a step (None: no adapters loaded).
         self.lora_batch = lora_batch
         self.block_size = block_size
@@ -335,6 +339,7 @@ class ModelRunner:
             device,
             self.gathered_prefill,
             self.attention_chunk_size,
+            self.latent_attention,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -195,6 +195,7 @@ class Worker:
             self.device,
             lora_batch,
             self.model_config.attention_chunk_size,
+            self.model_config.latent_attention,
         )
         if self.draft_model is not None:
             self.draft_model.bind_kv_cache(self.kv_caches[1])
@@ -207,6 +208,7 @@ class Worker:
                 self.device,
                 self.runner.gathered_prefill,
                 self.draft_config.attention_chunk_size,
+                self.draft_config.latent_attention,
             )
         if cuda_graph_max_batch:
             started = time.monotonic()

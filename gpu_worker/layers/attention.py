@@ -42,6 +42,9 @@ class AttentionMetadata:
     # whose block table starts at the chunk's first block. Same tokens in the same order (the
     # slot mapping is shared); None when the model has no such layer.
     chunked: AttentionMetadata | None = None
+    # Every sequence of the step, decodes too, as one padded batch over K/V gathered out of
+    # the blocks (latent_attention.py's MLA); None when the model has no such layer.
+    latent_plan: GatheredPrefillPlan | None = None
 
     @classmethod
     def for_sequences(
@@ -51,12 +54,14 @@ class AttentionMetadata:
         device: torch.device,
         gathered_prefill: bool,
         attention_chunk_size: int = 0,
+        latent_attention: bool = False,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """The metadata of a batch of ``sequences``, each ``(block_ids, first position,
         new tokens)``, the one-token ones first, and the new tokens' positions (int64, on
         ``device``); ``gathered_prefill``: plan the prefills' SDPA path
         (``use_gathered_prefill``); ``attention_chunk_size`` > 0 (a multiple of
-        ``block_size``): also the ``chunked`` view of the step."""
+        ``block_size``): also the ``chunked`` view of the step; ``latent_attention``: also
+        the ``latent_plan`` of every sequence."""
         num_decodes = sum(1 for _, _, num_tokens in sequences if num_tokens == 1)
         max_blocks = max(len(block_ids) for block_ids, _, _ in sequences)
         block_tables = np.zeros((len(sequences), max_blocks), dtype=np.int32)
@@ -85,6 +90,10 @@ class AttentionMetadata:
             device,
             gathered_prefill,
         )
+        if latent_attention:
+            metadata.latent_plan = plan_gathered_prefill(
+                block_tables, query_lens, seq_lens, block_size, device
+            )
         if attention_chunk_size:
             metadata.chunked = cls._chunked(
                 metadata.slot_mapping,

@@ -13,12 +13,11 @@ last ``qk_rope_head_dim`` of each query and key, on interleaved pairs (V2; V3 wi
 ``rope_interleave``) run as the ops' halves on rows the loader reorders. The softmax scale is
 1/sqrt(query-key head size), times YaRN's ``mscale_all_dim`` factor squared.
 
-NOTE: the paged cache holds the expanded keys and values of every head, the value padded with
-zeros to the key's size or the key to the value's (``model_config.latent_attention_heads``), as
-the attention ops take them: the same attention as HF's, which caches the latent, at more
-memory per token (DeepSeek-V3: 128 heads x 192 x 2 values a layer, against the latent's 576).
-Attention over the latent itself (absorbing ``kv_b_proj`` into the query and the output) is for
-an op that reads a latent cache."""
+The paged cache holds the latent and the rotated key alone, as HF's cache does (DeepSeek-V3:
+576 values a token and layer, against 128 heads x 192 x 2 expanded), and attention runs over
+it with ``kv_b_proj`` absorbed into the query and the output (``layers/latent_attention.py``):
+its rows are split once loading is over into each head's key part ``w_uk`` and value part
+``w_uv``, and the layer keeps those instead."""
 
 from __future__ import annotations
 
@@ -26,11 +25,11 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.gpu_worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.basic import Linear, RMSNorm
+from pagedserve.gpu_worker.layers.latent_attention import latent_attention, write_latents
 from pagedserve.gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves, rope_parameters
 from pagedserve.gpu_worker.model_config import ModelConfig
@@ -71,7 +70,8 @@ def rope_is_interleaved(config: ModelConfig) -> bool:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """This rank's heads of MLA (the latent projection and norms are replicated: small)."""
+    """This rank's heads of MLA (the latent projection and norms are replicated: small, and
+    so is the latent cache: every rank's heads read all of it)."""
 
     def __init__(
         self,
@@ -87,7 +87,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.value_size = hf["v_head_dim"]
         self.latent_size = hf["kv_lora_rank"]
         self.query_key_size = self.nope_size + self.rope_size
-        self.head_size = config.head_size  # the cache's: the larger of the two, padded
         self.num_heads = len(parallel.shard(config.num_heads))
         bias = bool(hf.get("attention_bias"))
         hidden = config.hidden_size
@@ -116,11 +115,22 @@ class MultiHeadLatentAttention(nn.Module):
             config.num_heads * self.value_size, hidden, bias, dtype, parallel
         )
         self.rotary = rotary
-        self.attention = PagedAttention(
-            self.num_heads, self.num_heads, self.head_size, softmax_scale(hf)
-        )
+        self.scale = softmax_scale(hf)
+        # kv_b_proj's rows per head once loaded (absorb_kv_b_proj): the key part [heads,
+        # nope, latent] into the query, the value part [heads, value, latent] into the output.
+        self.w_uk: torch.Tensor | None = None
+        self.w_uv: torch.Tensor | None = None
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+
+    def absorb_kv_b_proj(self) -> None:
+        """Once loading is over: keep ``kv_b_proj``'s rows as each head's ``w_uk`` and
+        ``w_uv``, and drop the layer (attention never expands the latent)."""
+        weight = self.kv_b_proj.weight.detach()
+        per_head = weight.view(self.num_heads, self.nope_size + self.value_size, self.latent_size)
+        self.w_uk = per_head[:, : self.nope_size].contiguous()
+        self.w_uv = per_head[:, self.nope_size :].contiguous()
+        del self.kv_b_proj
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
@@ -141,26 +151,28 @@ class MultiHeadLatentAttention(nn.Module):
         query_rope = query[..., self.nope_size :].reshape(num_tokens, -1)
         key_rope = key_rope.contiguous()
         self.rotary(positions, query_rope, key_rope)
-        expanded = self.kv_b_proj(latent).view(num_tokens, self.num_heads, -1)
-        key_nope, value = expanded.split([self.nope_size, self.value_size], dim=-1)
-        # Each head as the cache holds it: [nope | rope | zeros], the value [value | zeros].
-        shape = (num_tokens, self.num_heads, self.head_size)
-        query_rope = query_rope.view(num_tokens, self.num_heads, self.rope_size)
-        key_rope = key_rope[:, None, :].expand(-1, self.num_heads, -1)
-        key_padding = (0, self.head_size - self.query_key_size)
-        queries = F.pad(torch.cat((query[..., : self.nope_size], query_rope), -1), key_padding)
-        keys = F.pad(torch.cat((key_nope, key_rope), -1), key_padding)
-        values = F.pad(value, (0, self.head_size - self.value_size))
-        output = self.attention(
-            queries.view(num_tokens, -1),
-            keys.view(num_tokens, -1),
-            values.view(num_tokens, -1),
+        assert self.key_cache is not None and self.value_cache is not None
+        assert self.w_uk is not None and self.w_uv is not None, "absorb_kv_b_proj first"
+        write_latents(latent, key_rope, self.key_cache, self.value_cache, metadata.slot_mapping)
+        if metadata.latent_plan is None:
+            raise ValueError(
+                "latent attention needs the step's latent_plan "
+                "(AttentionMetadata.for_sequences with latent_attention)"
+            )
+        # The absorbed products in float32 (as the attention itself), rounded once at the end.
+        query_latent = torch.einsum(
+            "thn,hnl->thl", query[..., : self.nope_size].float(), self.w_uk.float()
+        )
+        summed = latent_attention(
+            query_latent,
+            query_rope.view(num_tokens, self.num_heads, self.rope_size),
             self.key_cache,
             self.value_cache,
-            metadata,
+            metadata.latent_plan,
+            self.scale,
         )
-        output = output.view(shape)[..., : self.value_size].reshape(num_tokens, -1)
-        return self.o_proj(output)
+        output = torch.einsum("thl,hvl->thv", summed, self.w_uv.float())
+        return self.o_proj(output.to(hidden.dtype).reshape(num_tokens, -1))
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
@@ -211,3 +223,5 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             return self.checkpoint_rows(name.rpartition(".")[0].rpartition(".")[2], tensor)
 
         load_fused_checkpoint(self, without_next_token_layers(self.config, weights), convert=rows)
+        for layer in self.layers:
+            layer.self_attn.absorb_kv_b_proj()

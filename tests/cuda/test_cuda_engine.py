@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import transformers
+from engine.test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
 from engine.test_llama4 import CONFIG as LLAMA4_CONFIG
 from engine.test_moe import MOE_CONFIGS
@@ -244,6 +245,24 @@ def test_mixture_of_experts_and_gemma_models_match_hf_on_the_gpu(tmp_path, famil
     model_dir = random_hf_model(configs[family], tmp_path / family)
     expected = hf_greedy(model_dir, random_prompts(1))
     llm = LLM(model_dir, device="cuda", block_size=16, num_blocks=256)
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize("family", ["v2", "v3"])
+def test_deepseek_latent_attention_matches_hf_on_the_gpu(tmp_path, family):
+    # MLA over the latent cache on the device: latents written by index, the step's latent
+    # plan copied over, the absorbed einsums; swaps move the latent pool.
+    model_dir = random_hf_model(DEEPSEEK_CONFIGS[family], tmp_path / family)
+    expected = hf_greedy(model_dir, random_prompts(1))
+    llm = LLM(
+        model_dir,
+        device="cuda",
+        block_size=16,
+        num_blocks=24,
+        preemption_mode="swap",
+        swap_space_bytes=64 << 20,
+    )
     outputs = llm.generate(random_prompts(1), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
 

@@ -1,8 +1,9 @@
 """DeepSeek-V2 and DeepSeek-V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``), and
 GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: V3's attention and experts, its own layer types):
-multi-head latent attention (keys and values expanded per head from a normed latent, one
-rotated key part shared by all heads, RoPE on interleaved pairs or halves, a query straight or
-through a low-rank projection, YaRN's softmax scale) over Llama's residual stream; dense first
+multi-head latent attention (keys and values from a normed latent per token, one rotated key
+part shared by all heads, RoPE on interleaved pairs or halves, a query straight or through a
+low-rank projection, YaRN's softmax scale; the cache holds the latents, attended over with
+``kv_b_proj`` absorbed) over Llama's residual stream; dense first
 layers, then experts beside shared experts under V2's softmax router (greedy, or limited to
 groups) or V3's grouped sigmoid router. Greedy tokens identical to HF transformers (float32)
 across block sizes, chunked prefill with prefix hits, two tensor-parallel ranks and preemption
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from safetensors.torch import load_file, save_file
 from tiny_family import (
@@ -30,7 +32,9 @@ from tiny_family import (
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
+from pagedserve.gpu_worker.kv_cache import KVCacheSpec
 from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig
+from pagedserve.gpu_worker.parallel import TensorParallel
 
 _SHAPE = {k: v for k, v in TINY_SHAPE.items() if k != "num_key_value_heads"}
 
@@ -127,9 +131,15 @@ def hf_references(model_dirs):
     return {name: hf_greedy(path, prompts()) for name, path in model_dirs.items()}
 
 
-def test_the_cache_holds_each_head_expanded_and_the_router_is_deepseek_s(model_dirs):
+def test_the_cache_holds_the_latents_and_the_router_is_deepseek_s(model_dirs):
+    """One KV head per layer whose key and value rows hold a token's latent and rotated key,
+    half each (v2: 64 + 32, v3: 64 + 64), as HF caches them: not every head expanded."""
     v2, v3 = (ModelConfig.from_dir(model_dirs[name]) for name in ("v2", "v3"))
-    assert (v2.head_size, v2.num_kv_heads, v3.head_size, v3.num_kv_heads) == (96, 4, 192, 4)
+    assert (v2.head_size, v2.num_kv_heads, v3.head_size, v3.num_kv_heads) == (48, 1, 64, 1)
+    assert v2.latent_attention and v3.latent_attention
+    spec = KVCacheSpec.for_model(v3, TensorParallel(0, 2), 16, torch.float32)
+    assert spec.num_kv_heads == 1  # every rank holds every latent
+    assert spec.bytes_per_block == 3 * 2 * 16 * 64 * 4  # layers x (k, v) x tokens x row x 4
     assert v2.layer_experts[0] is None and v2.layer_experts[1].grouped == GroupedRouting(
         False, 1, 1, 1.5
     )
@@ -139,9 +149,9 @@ def test_the_cache_holds_each_head_expanded_and_the_router_is_deepseek_s(model_d
     assert v3.layer_experts[2].renormalize
 
 
-def test_glm4_moe_lite_reads_its_layer_types_and_pads_its_keys(model_dirs, tmp_path):
+def test_glm4_moe_lite_reads_its_layer_types_and_caches_latents(model_dirs, tmp_path):
     lite = ModelConfig.from_dir(model_dirs["glm4_moe_lite"])
-    assert (lite.head_size, lite.num_kv_heads) == (128, 4)  # values 128, keys 64 + 32
+    assert (lite.head_size, lite.num_kv_heads) == (48, 1)  # latents of 64 + 32
     assert [spec is not None for spec in lite.layer_experts] == [False, True, False]
     assert lite.layer_experts[1].grouped == GroupedRouting(True, 2, 1, 1.8, correction_bias=True)
     # Without the field, HF's default: the first layer dense, the rest sparse (HF reads no

@@ -1,0 +1,105 @@
+"""Multi-head latent attention (DeepSeek's MLA) over a paged cache of latents.
+
+Each token's keys and values come from one latent shared by every head: ``c`` (the
+normed ``kv_lora_rank`` values) and the rotated key ``k_pe`` (``qk_rope_head_dim``). The
+cache keeps only that, ``[c | k_pe]`` per token and layer (DeepSeek-V3: 576 values,
+against 128 heads x 192 x 2 expanded), packed in the pool's layout as one KV head whose
+key row holds the first half and whose value row holds the second (``latent_cache_rows``).
+
+Attention never expands the latent: each head's ``kv_b_proj`` rows are absorbed, the key's
+into the query and the value's into the output (as vLLM's MLA does)::
+
+    q_nope . (W_UK c)  =  (q_nope W_UK) . c        out = sum_j p_j W_UV c_j = W_UV sum_j p_j c_j
+
+so a head's score over position j is ``(q_lat . c_j + q_pe . k_pe_j) * scale`` and its output
+``W_UV`` times the probabilities' sum of the latents: one multi-query attention of heads
+``kv_lora_rank + qk_rope_head_dim`` wide over a single KV head. The same numbers as HF's
+expanded attention, summed in another order.
+
+The step's sequences (decodes and prefills alike) run as one padded batch over latents
+gathered out of the blocks (``AttentionMetadata.latent_plan``, a ``GatheredPrefillPlan`` of
+every sequence), in float32 whatever the model's dtype, as the paged kernels compute.
+
+NOTE: torch, not a paged kernel: the gather copies each sequence's latents once per layer (a
+576-value row per position, a fraction of what the expanded cache read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.gpu_worker.layers.gathered_prefill import GatheredPrefillPlan
+
+
+def latent_cache_rows(latent_size: int, rope_size: int) -> int:
+    """The head size of the pool holding one latent per token as one KV head: half of
+    ``latent_size + rope_size`` (rounded up), the key row the first half, the value row the
+    rest (zero-padded)."""
+    return -(-(latent_size + rope_size) // 2)
+
+
+def write_latents(
+    latent: torch.Tensor,
+    key_rope: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's ``[latent | key_rope]`` ([num_tokens, L], [num_tokens, R]) into its
+    slot of the caches (``[num_blocks, 1, block_size, rows]`` each; a negative slot is a
+    padding token, skipped), rounded to a float8 cache as ``ops.reshape_and_cache`` rounds
+    (saturating for e4m3)."""
+    rows = key_cache.shape[-1]
+    packed = torch.cat((latent, key_rope), dim=-1)
+    if packed.shape[-1] < 2 * rows:
+        packed = torch.nn.functional.pad(packed, (0, 2 * rows - packed.shape[-1]))
+    written = slot_mapping >= 0
+    if not bool(written.all()):
+        packed, slot_mapping = packed[written], slot_mapping[written]
+    if key_cache.dtype == torch.float8_e4m3fn:
+        packed = packed.clamp(-448.0, 448.0)
+    packed = packed.to(key_cache.dtype)
+    block_size = key_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, 0, offsets] = packed[:, :rows]
+    value_cache[blocks, 0, offsets] = packed[:, rows:]
+
+
+def latent_attention(
+    query_latent: torch.Tensor,
+    query_rope: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: GatheredPrefillPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every token of the step over its sequence's cached latents
+    (this step's already written): ``query_latent`` [T, heads, L] (the query with the key's
+    ``kv_b_proj`` rows absorbed), ``query_rope`` [T, heads, R]; returns the probabilities'
+    sums of the latents, [T, heads, L], in the query's dtype."""
+    num_tokens, num_heads, latent_size = query_latent.shape
+    rope_size = query_rope.shape[-1]
+    num_seqs, max_query = plan.query_rows.shape
+    rows = plan.query_rows.view(-1)
+    q_latent = query_latent[rows].view(num_seqs, max_query, num_heads, latent_size).float()
+    q_rope = query_rope[rows].view(num_seqs, max_query, num_heads, rope_size).float()
+    # [S, K, 2 * rows]: a key position's latent and rotated key; padding reads block 0,
+    # zeroed (a masked NaN would still poison the sums).
+    cached = torch.cat(
+        (
+            key_cache[plan.key_blocks, 0, plan.key_offsets],
+            value_cache[plan.key_blocks, 0, plan.key_offsets],
+        ),
+        dim=-1,
+    ).float()
+    cached = cached.masked_fill(~plan.key_valid[:, :, None], 0.0)
+    latents = cached[..., :latent_size]
+    key_rope = cached[..., latent_size : latent_size + rope_size]
+    scores = torch.einsum("sqhl,skl->shqk", q_latent, latents)
+    scores += torch.einsum("sqhr,skr->shqk", q_rope, key_rope)
+    scores *= scale
+    scores = scores.masked_fill(~plan.mask, float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1)
+    summed = torch.einsum("shqk,skl->sqhl", probabilities, latents)
+    flat = summed.reshape(num_seqs * max_query, num_heads, latent_size)
+    return flat[plan.output_rows].to(query_latent.dtype)
