@@ -2,15 +2,17 @@
 qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, granite, smollm3, olmo2, gpt-oss,
 glm4moe (GLM-4.5), deepseek2 (DeepSeek-V2 and V3), dots1 (dots.llm1), ernie4_5-moe (ERNIE 4.5
 MoE), exaone4 (EXAONE 4.0), olmoe (OLMoE), minimax-m2 (MiniMax-M2), ernie4_5 (ERNIE 4.5 dense),
-hunyuan-dense and hunyuan-moe (Tencent's Hunyuan), nemotron (Nemotron-4, Minitron) and apertus
-(Apertus)) into a local Hugging Face model directory.
+hunyuan-dense and hunyuan-moe (Tencent's Hunyuan), nemotron (Nemotron-4, Minitron), apertus
+(Apertus) and llama4 (Llama 4 Scout and Maverick's language model)) into a local Hugging Face
+model directory.
 
 The engine loads plain float32 HF directories, so a GGUF file is converted once:
 
     model.gguf ──read──> metadata ──> config.json, generation_config.json
-              └─dequantize, un-permute Llama's Q/K, split stacked experts, un-shift Gemma's
-                and Nemotron's norms, rejoin DeepSeek's kv_b, drop multi-token-prediction
-                blocks, turn Apertus's xIELU metadata back into weights──>
+              └─dequantize, un-permute Llama's Q/K, split stacked experts (or restack
+                gpt-oss's and Llama 4's), un-shift Gemma's and Nemotron's norms, rejoin
+                DeepSeek's kv_b, drop multi-token-prediction blocks, turn Apertus's xIELU
+                metadata back into weights──>
                 model.safetensors or shards of it (float32, HF names)
               └─transformers' GGUF tokenizer converter──> tokenizer.json, chat_template.jinja, ...
 
@@ -346,13 +348,37 @@ _FAMILIES["apertus"] = _Family(
     bias_field="attention_bias",
     layer_names=(("attn_norm", "attention_layernorm"), ("ffn_norm", "feedforward_layernorm")),
 )
+# Llama 4: RoPE on adjacent pairs in both llama.cpp (NORM) and HF, so no permutation; its
+# feed-forward block under HF's feed_forward names: a dense MLP, or a sigmoid router over
+# stacked experts beside one ungated shared expert. llama.cpp's converter splits HF's gate_up
+# into gate and up and transposes both and the down; _llama4_experts restacks them
+# (_llama4_config: what llama.cpp fixes rather than stores).
+_LLAMA4 = _Family(
+    "Llama4ForCausalLM",
+    "llama4_text",
+    permuted_qk=False,
+    bias_field="attention_bias",
+    layer_names=(
+        ("ffn_gate", "feed_forward.gate_proj"),
+        ("ffn_up", "feed_forward.up_proj"),
+        ("ffn_down", "feed_forward.down_proj"),
+        ("ffn_gate_inp", "feed_forward.router"),
+        *_shared_mlp_names("feed_forward.shared_expert"),
+        # Interim names, restacked by _llama4_experts.
+        ("ffn_gate_exps", "feed_forward.experts.gate"),
+        ("ffn_up_exps", "feed_forward.experts.up"),
+        ("ffn_down_exps", "feed_forward.experts.down"),
+    ),
+    expert_projections=(),
+)
+_FAMILIES["llama4"] = _LLAMA4
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 # The architectures whose RoPE may rotate part of each head (rope.dimension_count).
 _PARTIAL_ROTARY = ("phi3", "glm4moe", "minimax-m2", "nemotron")
 _HUNYUAN = ("hunyuan-dense", "hunyuan-moe")
 # llama.cpp's expert_gating_func values: DeepSeek-V2's and OLMoE's softmax router (llama.cpp's
-# default for deepseek2, and fixed for olmoe), DeepSeek-V3's, GLM-4.5's and MiniMax-M2's
-# sigmoid one.
+# default for deepseek2, and fixed for olmoe), DeepSeek-V3's, GLM-4.5's, MiniMax-M2's and
+# Llama 4's sigmoid one.
 _SOFTMAX = int(gguf.ExpertGatingFuncType.SOFTMAX)
 _SIGMOID = int(gguf.ExpertGatingFuncType.SIGMOID)
 _FAMILIES_BY_HF = {
@@ -594,6 +620,8 @@ def _hf_config(
         config.update(_nemotron_config(key, tensor_shapes, num_layers, rope_dim, head_dim))
     if architecture == "apertus":
         config.update(_apertus_config(fields, tensor_shapes, num_layers, head_dim))
+    if architecture == "llama4":
+        config.update(_llama4_config(key, tensor_shapes, num_layers, rope_theta))
     config.update(
         {
             # Without output.weight, llama.cpp reuses the embedding matrix as the LM head.
@@ -630,7 +658,7 @@ def _hf_config(
     elif architecture == "deepseek2":
         rope_scaling = _deepseek2_rope_scaling(key)
     elif rope_freqs is not None:
-        rope_scaling = _llama3_rope_scaling(rope_freqs, rope_theta, head_dim)
+        rope_scaling = _llama3_rope_scaling(architecture, rope_freqs, rope_theta, head_dim)
     elif rope_factors:
         rope_scaling = _longrope_scaling(architecture, rope_factors)
     elif architecture in _HUNYUAN:
@@ -1144,9 +1172,9 @@ def _minimax_m2_config(
 def _check_fixed_router(
     architecture: str, key: Callable[..., Any], gating: int, renormalize: bool
 ) -> None:
-    """OLMoE's, MiniMax-M2's and Hunyuan MoE's routers, whose scoring and renormalisation
-    llama.cpp's graphs (and HF's classes) fix: the keys a file may carry about them must agree,
-    and none scales its weights or groups its experts."""
+    """OLMoE's, MiniMax-M2's, Hunyuan MoE's and Llama 4's routers, whose scoring and
+    renormalisation llama.cpp's graphs (and HF's classes) fix: the keys a file may carry about
+    them must agree, and none scales its weights or groups its experts."""
     names = {_SOFTMAX: "softmax", _SIGMOID: "sigmoid"}
     fixed = {
         "expert_gating_func": (gating, f"{gating} ({names[gating]})"),
@@ -1438,6 +1466,115 @@ def _xielu_tensors(
             yield f"model.layers.{layer}.mlp.act_fn.{name}", value
 
 
+# What llama.cpp fixes for Llama 4 rather than reading from the file (its llama4 hparams):
+# attention in chunks of 8192 positions on the first three layers of every four (the chunk
+# is no key; a sliding_window of 0 turns the chunks off and RoPE on in every layer), no RoPE
+# on every fourth layer, whose queries it scales by 1 + 0.1 * log(1 + floor((position + 1) /
+# 8192)), and q/k norms unless the model has 128 experts (Maverick's have none).
+_LLAMA4_CHUNK = 8192
+_LLAMA4_NO_ROPE_EVERY = 4
+_LLAMA4_FLOOR_SCALE = 8192
+_LLAMA4_ATTN_SCALE = 0.1
+_LLAMA4_EXPERTS_WITHOUT_QK_NORM = 128
+
+
+def _llama4_config(
+    key: Callable[..., Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+    rope_theta: float,
+) -> dict[str, Any]:
+    """Llama 4: experts at every interleave_moe_layer_step-th layer (the only way llama.cpp
+    places them, so the file's routers must be there), each of the size the tensors give
+    beside a shared expert of that size, the top expert_used_count by a sigmoid that scales
+    their input, unrenormalised (llama.cpp's graph and HF's model fix that router); dense
+    layers of feed_forward_length (HF's intermediate_size_mlp); the layers' chunks, RoPE,
+    temperature and q/k norms as llama.cpp fixes them (_LLAMA4_CHUNK and the rest), written
+    out per layer (layer_types, no_rope_layers, moe_layers), as HF's config holds them."""
+    _check_fixed_router("llama4", key, _SIGMOID, renormalize=False)
+    step = key("interleave_moe_layer_step")
+    if step is None or int(step) < 1:
+        raise ValueError(
+            "GGUF llama4 needs interleave_moe_layer_step >= 1 (the experts are at every "
+            f"step-th layer, where llama.cpp puts them), got {step!r}"
+        )
+    step = int(step)
+    sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes]
+    expected = [i for i in range(num_layers) if (i + 1) % step == 0]
+    if not sparse or sparse != expected:
+        raise ValueError(
+            f"GGUF llama4 has an expert router (ffn_gate_inp) in layers {sparse}; expected "
+            f"the layers whose number + 1 is a multiple of interleave_moe_layer_step={step} "
+            f"({expected}), and llama.cpp's llama4 needs experts"
+        )
+    top_k = key("expert_used_count")
+    if top_k is None:
+        raise ValueError("GGUF has experts but no expert_used_count (the experts per token)")
+    num_experts, intermediate_size, _ = tensor_shapes[f"blk.{sparse[0]}.ffn_gate_exps.weight"]
+    for layer in sparse:
+        shape = tensor_shapes.get(f"blk.{layer}.ffn_gate_shexp.weight")
+        if shape is None or shape[0] != intermediate_size:
+            found = "no such tensor" if shape is None else f"{shape[0]} rows"
+            raise ValueError(
+                f"GGUF llama4 blk.{layer}.ffn_gate_shexp: {found}; expected {intermediate_size} "
+                "(HF's and llama.cpp's shared expert has the experts' intermediate_size rows)"
+            )
+    chunked = _llama4_chunked(key, rope_theta)
+    # Newer llama.cpp reads the chunked layers' period from the file (not the RoPE-less
+    # layers' step, which stays 4); its converter writes none.
+    period = key("attention.sliding_window_pattern", _LLAMA4_NO_ROPE_EVERY)
+    if isinstance(period, list) or int(period) < 1:
+        raise ValueError(
+            f"GGUF llama4 attention.sliding_window_pattern={period!r:.100} is not supported; "
+            "supported: an integer >= 1 (every period-th layer attends in full), or none (4)"
+        )
+    period = int(period)
+    return {
+        "intermediate_size": intermediate_size,
+        "intermediate_size_mlp": int(key("feed_forward_length")),
+        "num_local_experts": num_experts,
+        "num_experts_per_tok": int(top_k),
+        "interleave_moe_layer_step": step,
+        "moe_layers": sparse,
+        "use_qk_norm": num_experts != _LLAMA4_EXPERTS_WITHOUT_QK_NORM,
+        "no_rope_layer_interval": _LLAMA4_NO_ROPE_EVERY,
+        "no_rope_layers": [
+            int(not chunked or (i + 1) % _LLAMA4_NO_ROPE_EVERY != 0) for i in range(num_layers)
+        ],
+        "attention_chunk_size": _LLAMA4_CHUNK if chunked else None,
+        "layer_types": [
+            "chunked_attention" if chunked and i % period < period - 1 else "full_attention"
+            for i in range(num_layers)
+        ],
+        # Without chunks llama.cpp scales no query (and every layer rotates).
+        "attn_temperature_tuning": chunked,
+        "floor_scale": _LLAMA4_FLOOR_SCALE,
+        "attn_scale": _LLAMA4_ATTN_SCALE,
+    }
+
+
+def _llama4_chunked(key: Callable[..., Any], rope_theta: float) -> bool:
+    """Whether llama.cpp runs the file with Llama 4's chunks (and RoPE-less layers): unless
+    attention.sliding_window is 0 (llama.cpp's converter writes 0 for a config whose layers
+    all attend in full, MobileLLM-R1's). Any other window it ignores for 8192, so only that
+    one is read; a separate RoPE base for the chunked layers (rope.freq_base_swa) is one HF's
+    Llama 4 does not have."""
+    window = key("attention.sliding_window")
+    if window is not None and int(window) not in (0, _LLAMA4_CHUNK):
+        raise ValueError(
+            f"GGUF llama4 attention.sliding_window={window} is not supported (llama.cpp chunks "
+            f"by {_LLAMA4_CHUNK} whatever a nonzero window says); supported: 0 (no chunks), "
+            f"{_LLAMA4_CHUNK} or none"
+        )
+    base = key("rope.freq_base_swa")
+    if base is not None and _float32_value(base) != rope_theta:
+        raise ValueError(
+            f"GGUF llama4 rope.freq_base_swa={base} differs from rope.freq_base={rope_theta}; "
+            "HF's Llama 4 rotates every layer with one base"
+        )
+    return window is None or int(window) != 0
+
+
 # Llama 3's RoPE scaling besides its factor: every Llama 3.x model's values, and those
 # llama.cpp assumes when a config leaves them out.
 _LLAMA3_ROPE = {
@@ -1445,30 +1582,36 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+# Llama 4 Scout's: no band between the kept and the stretched wavelengths (Maverick has no
+# scaling).
+_LLAMA4_ROPE = {**_LLAMA3_ROPE, "high_freq_factor": 1.0}
 
 
 def _llama3_rope_scaling(
-    rope_freqs: np.ndarray, rope_theta: float, head_dim: int
+    architecture: str, rope_freqs: np.ndarray, rope_theta: float, head_dim: int
 ) -> dict[str, Any]:
     """HF's llama3 rope_scaling for a GGUF's rope_freqs tensor. llama.cpp's converter turns
     HF's settings into one divisor per frequency (1 for short wavelengths, the factor for long
     ones, a blend between); the factor is the largest divisor, and the other settings are
-    Llama 3's if, and only if, they give back every divisor."""
+    Llama 3's or Llama 4 Scout's if, and only if, they give back every divisor (the
+    architecture's own first: where no frequency falls in Llama 3's band, both do, alike)."""
     factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
     if factors.shape != (head_dim // 2,):
         raise ValueError(
             f"GGUF rope_freqs has {factors.size} values; expected head_dim / 2 = {head_dim // 2}"
         )
-    scaling = {"rope_type": "llama3", "factor": _float32_value(factors.max()), **_LLAMA3_ROPE}
-    expected = _llama3_divisors(scaling, rope_theta, head_dim)
-    if not np.allclose(factors, expected, rtol=1e-5, atol=0):
-        raise ValueError(
-            "GGUF rope_freqs is not Llama 3's RoPE scaling with factor "
-            f"{scaling['factor']}, low_freq_factor 1, high_freq_factor 4 and "
-            "original_max_position_embeddings 8192, the only llama3 settings this converter "
-            "reads from a GGUF"
-        )
-    return scaling
+    candidates = (_LLAMA3_ROPE, _LLAMA4_ROPE)
+    for settings in reversed(candidates) if architecture == "llama4" else candidates:
+        scaling = {"rope_type": "llama3", "factor": _float32_value(factors.max()), **settings}
+        expected = _llama3_divisors(scaling, rope_theta, head_dim)
+        if np.allclose(factors, expected, rtol=1e-5, atol=0):
+            return scaling
+    raise ValueError(
+        "GGUF rope_freqs is not Llama 3's RoPE scaling with factor "
+        f"{_float32_value(factors.max())}, low_freq_factor 1, high_freq_factor 4 (Llama 4 "
+        "Scout's: 1) and original_max_position_embeddings 8192, the only llama3 settings this "
+        "converter reads from a GGUF"
+    )
 
 
 def _llama3_divisors(scaling: dict[str, Any], rope_theta: float, head_dim: int) -> np.ndarray:
@@ -1477,7 +1620,10 @@ def _llama3_divisors(scaling: dict[str, Any], rope_theta: float, head_dim: int) 
     wavelengths = 2 * np.pi / frequencies
     original = scaling["original_max_position_embeddings"]
     low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
-    smooth = (original / wavelengths - low) / (high - low)
+    # Without a band (Llama 4 Scout's high_freq_factor = low_freq_factor) every wavelength is
+    # kept or stretched below.
+    band = high - low
+    smooth = (original / wavelengths - low) / band if band else np.zeros_like(wavelengths)
     divisors = 1 / ((1 - smooth) / factor + smooth)
     divisors[wavelengths < original / high] = 1.0
     divisors[wavelengths > original / low] = factor
@@ -1610,6 +1756,8 @@ def _dequantized_tensors(
 
     if family is _GPT_OSS:
         yield from _gpt_oss_experts(each_tensor())
+    elif family is _LLAMA4:
+        yield from _llama4_experts(each_tensor())
     elif family in (_DEEPSEEK_V2, _DEEPSEEK_V3):
         yield from _joined_kv_b(each_tensor(), config)
     else:
@@ -1731,6 +1879,40 @@ def _gpt_oss_experts(
         )
         raise ValueError(
             f"GGUF gpt-oss has an expert gate or up tensor without the other: {missing}"
+        )
+
+
+def _llama4_experts(
+    tensors: Iterator[tuple[str, np.ndarray]],
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Llama 4's experts as HF stacks them: llama.cpp's gate and up ([experts, intermediate,
+    hidden] each, HF's gate_up split in halves and transposed) side by side into
+    ``gate_up_proj`` [experts, hidden, 2 x intermediate], gate columns first (HF's
+    ``chunk(2)``); its down [experts, hidden, intermediate] transposed into ``down_proj``
+    [experts, intermediate, hidden]. HF's names for both have no .weight."""
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for name, tensor in tensors:
+        stem, _, rest = name.partition(".feed_forward.experts.")
+        if not rest:
+            yield name, tensor
+            continue
+        projection = rest.removesuffix(".weight")
+        prefix = f"{stem}.feed_forward.experts."
+        if projection == "down":
+            yield prefix + "down_proj", np.ascontiguousarray(tensor.swapaxes(1, 2))
+            continue
+        pair = halves.setdefault(prefix, {})
+        pair[projection] = tensor
+        if len(pair) < 2:
+            continue
+        del halves[prefix]
+        gate_up = np.concatenate([pair["gate"], pair["up"]], axis=1).swapaxes(1, 2)
+        # C order: safetensors writes the array's memory as it lies.
+        yield prefix + "gate_up_proj", np.ascontiguousarray(gate_up)
+    if halves:
+        missing = ", ".join(f"{prefix}: {sorted(pair)}" for prefix, pair in halves.items())
+        raise ValueError(
+            f"GGUF llama4 has an expert gate or up tensor without the other: {missing}"
         )
 
 

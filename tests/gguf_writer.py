@@ -8,8 +8,9 @@ norms stored as 1 + w, DeepSeek's kv_b_proj split per head into attn_k_b (transp
 a block (DeepSeek's dropped), ERNIE 4.5's router bias kept [1, experts] as HF has it,
 OLMoE's and MiniMax-M2's whole-projection q/k norms kept whole, MiniMax-M2's router bias as
 exp_probs_b, Hunyuan's NTK alpha folded into the RoPE base, Apertus's xIELU scalars as
-metadata, 1-D tensors kept in float32, and a byte-level BPE vocabulary (or for Gemma a
-SentencePiece one) in the tokenizer keys.
+metadata, Llama 4's stacked gate_up split into gate and up and its experts transposed,
+1-D tensors kept in float32, and a byte-level BPE vocabulary (or for Gemma a SentencePiece
+one) in the tokenizer keys.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ GGUF_ARCHITECTURES = {
     "HunYuanMoEV1ForCausalLM": "hunyuan-moe",
     "NemotronForCausalLM": "nemotron",
     "ApertusForCausalLM": "apertus",
+    "Llama4ForCausalLM": "llama4",
 }
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -130,6 +132,8 @@ def write_gguf(
     if architecture == "apertus":
         # LlamaModel's: the rotated dimensions (all of each head).
         writer.add_rope_dimension_count(config["head_dim"])
+    if architecture == "llama4":
+        _write_llama4_hparams(writer, config)
 
     weights = load_file(hf_dir / "model.safetensors")
     if config.get("tie_word_embeddings", architecture.startswith("gemma")):
@@ -155,6 +159,10 @@ def write_gguf(
         if architecture == "gpt-oss" and (kind == "sinks" or parts[-1] == "experts"):
             for gguf_name, tensor in _gpt_oss_tensors(name, weight, fuse_gate_up):
                 _add(writer, gguf_name, tensor, quantization if tensor.ndim == 3 else F32)
+            continue
+        if architecture == "llama4" and parts[-1] == "experts":
+            for gguf_name, tensor in _llama4_tensors(name, weight):
+                _add(writer, gguf_name, tensor, quantization)
             continue
         if "experts" in parts:  # model.layers.L.<mlp | block_sparse_moe>.experts.E.<projection>
             prefix, expert, projection = ".".join(parts[:5]), int(parts[5]), parts[6]
@@ -249,6 +257,21 @@ def _gpt_oss_tensors(
     return [(f"blk.{layer}.ffn_down_exps.bias", weight)]
 
 
+def _llama4_tensors(name: str, weight: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """As llama.cpp's Llama4Model writes Llama 4's experts: the stacked gate_up ([experts,
+    hidden, 2 x intermediate], gate columns first) transposed and split into gate and up
+    ([experts, intermediate, hidden] each), the down ([experts, intermediate, hidden])
+    transposed to [experts, hidden, intermediate]."""
+    layer = name.split(".")[2]
+    if name.endswith(".gate_up_proj"):
+        gate, up = np.split(weight.swapaxes(1, 2), 2, axis=1)
+        return [
+            (f"blk.{layer}.ffn_gate_exps.weight", gate),
+            (f"blk.{layer}.ffn_up_exps.weight", up),
+        ]
+    return [(f"blk.{layer}.ffn_down_exps.weight", weight.swapaxes(1, 2))]
+
+
 def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     """llama.cpp's rope_freqs for HF's llama3 scaling: per frequency the divisor of its
     angle, computed in float32 one frequency at a time as llama.cpp's converter does."""
@@ -285,7 +308,8 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict, block_count: int) -> N
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(block_count)
-    writer.add_feed_forward_length(config["intermediate_size"])
+    # Llama 4's: the dense layers' size (its experts': _write_llama4_hparams).
+    writer.add_feed_forward_length(config.get("intermediate_size_mlp", config["intermediate_size"]))
     writer.add_head_count(config["num_attention_heads"])
     if not deepseek:  # its KV heads and lengths: _write_deepseek2_hparams
         writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
@@ -525,6 +549,34 @@ def _write_nemotron_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     else:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(factor)
+
+
+def _write_llama4_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
+    """What llama.cpp's Llama4Model adds (its feed_forward_length being the dense layers'
+    intermediate_size_mlp: _write_hparams): the experts' size (intermediate_size), their
+    step (interleave_moe_layer_step; it writes no moe_layers), the rotated dimensions
+    (head_dim, LlamaModel's), and a sliding window of 0 only for a config whose layers all
+    attend in full. No chunk size, RoPE-less step, temperature or q/k norm switch: llama.cpp
+    fixes those (chunks of 8192 on three layers of four, no RoPE on the fourth, whose queries
+    it scales with 8192 and 0.1; with the window of 0, RoPE on every layer; q/k norms unless
+    128 experts), so a config must match them, and its moe_layers the step."""
+    num_layers, step = config["num_hidden_layers"], config["interleave_moe_layer_step"]
+    assert config["moe_layers"] == list(range(step - 1, num_layers, step)), "only the step"
+    assert config["use_qk_norm"] == (config["num_local_experts"] != 128)
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_interleave_moe_layer_step(step)
+    writer.add_rope_dimension_count(config["head_dim"])
+    if all(kind == "full_attention" for kind in config["layer_types"]):
+        assert config["no_rope_layers"] == [1] * num_layers, "llama.cpp then rotates every layer"
+        writer.add_sliding_window(0)
+        return
+    assert config["no_rope_layers"] == [int((i + 1) % 4 != 0) for i in range(num_layers)]
+    assert config["layer_types"] == [
+        "chunked_attention" if rotates else "full_attention" for rotates in config["no_rope_layers"]
+    ]
+    assert config["attention_chunk_size"] == 8192, "llama.cpp's fixed chunk"
+    assert config["attn_temperature_tuning"]
+    assert (config["floor_scale"], config["attn_scale"]) == (8192, 0.1)
 
 
 def _write_routed_experts(

@@ -5,8 +5,9 @@ also with its multi-token-prediction block), deepseek2 as DeepSeek-V2 and V3 (kv
 newer llama.cpp writes it, or whole as older), dots1, ernie4_5-moe (also with its experts
 ending before the last layer), exaone4 (windowed, or not), olmoe, minimax-m2, ernie4_5 (with
 biases, or not), hunyuan-dense (its NTK alpha folded into the base, or apart), hunyuan-moe,
-nemotron (its norms stored as 1 + w; with biases, or not) and apertus (its xIELU scalars as
-metadata); gemma2 and gemma3 below),
+nemotron (its norms stored as 1 + w; with biases, or not), apertus (its xIELU scalars as
+metadata) and llama4 (its experts restacked; the chunks, RoPE-less layers and temperature
+llama.cpp fixes, a prompt crossing its 8192-token chunk); gemma2 and gemma3 below),
 written from tiny HF models the way llama.cpp writes them (tests/gguf_writer.py): the engine
 on the converted model gives HF transformers' greedy tokens on the original (float32 weights
 survive exactly, norms llama.cpp stores as 1 + w to float32's resolution), a Q8_0 file
@@ -376,6 +377,38 @@ FAMILIES = {
         pad_token_id=0,
         eos_token_id=2,
     ),
+    # tests/engine/test_llama4.py's Llama 4 as llama.cpp's llama4 can hold it: chunks of
+    # 8192 (its fixed size, which a long prompt below crosses) on three layers of four, no
+    # RoPE on the fourth, which scales its queries with 8192 and 0.1 (llama.cpp's fixed
+    # temperature); experts at every second layer (interleave_moe_layer_step: llama.cpp
+    # keeps no moe_layers), 4 of 96, top 1, beside a shared expert of 96, dense layers of
+    # 384; Llama 4 Scout's RoPE scaling (rope_freqs); q/k norms (llama.cpp's: not 128
+    # experts).
+    "llama4": dict(
+        architectures=["Llama4ForCausalLM"],
+        **{
+            **TINY_SHAPE,
+            "num_hidden_layers": 4,
+            "max_position_embeddings": 16384,
+            "intermediate_size": 96,
+        },
+        head_dim=64,
+        intermediate_size_mlp=384,
+        interleave_moe_layer_step=2,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500_000.0,
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+    ),
     # 8 experts of 96, top 3, renormalised; per-head q/k norms.
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"],
@@ -536,6 +569,7 @@ _ENGINE_CONFIG_CHECKED = [
     "ernie4_5",
     "nemotron",
     "apertus",
+    "llama4",
 ]
 
 
@@ -591,6 +625,17 @@ def test_the_engine_reads_the_converted_config_as_the_original_s(hf_dirs, conver
         # Nemotron with biases on the attention and the MLP (each its own switch).
         ("nemotron", dict(attention_bias=True, mlp_bias=True)),
         ("nemotron", dict(attention_bias=True, mlp_bias=False)),
+        # Llama 4 whose layers all attend in full and rotate (MobileLLM-R1's kind), which
+        # llama.cpp writes as a sliding window of 0; experts in every layer (Scout's step).
+        (
+            "llama4",
+            dict(
+                layer_types=["full_attention"] * 4,
+                no_rope_layers=[1] * 4,
+                attention_chunk_size=None,
+                interleave_moe_layer_step=1,
+            ),
+        ),
     ],
 )
 def test_other_layouts_convert_to_the_original_model(family, changes, tmp_path):
@@ -748,6 +793,48 @@ _SIGMOID = int(gguf.ExpertGatingFuncType.SIGMOID)
         ("apertus", {"xielu.beta": None}, [], "apertus needs xielu.beta"),
         ("apertus", {"xielu.alpha_p": [0.1]}, [], r"xielu.alpha_p, one value per layer \(2\)"),
         ("apertus", {}, ["blk.0.attn_q_norm.weight"], "apertus blk.0.attn_q_norm: no such tensor"),
+        # Llama 4: experts only where llama.cpp's step puts them, each layer's with its shared
+        # expert; the sigmoid router llama.cpp and HF fix; only the chunks llama.cpp runs
+        # (8192, or none), one RoPE base.
+        (
+            "llama4",
+            {"llama4.interleave_moe_layer_step": 1},
+            [],
+            r"llama4 has an expert router \(ffn_gate_inp\) in layers \[1, 3\]; expected .*"
+            r"\(\[0, 1, 2, 3\]\)",
+        ),
+        (
+            "llama4",
+            {"llama4.interleave_moe_layer_step": None},
+            [],
+            "llama4 needs interleave_moe_layer_step >= 1",
+        ),
+        ("llama4", {}, ["blk.3.ffn_gate_shexp.weight"], "blk.3.ffn_gate_shexp: no such tensor"),
+        (
+            "llama4",
+            {"llama4.expert_gating_func": _SOFTMAX},
+            [],
+            "llama4 expert_gating_func=1 is not supported",
+        ),
+        ("llama4", {"llama4.expert_weights_norm": True}, [], "llama4 expert_weights_norm=True"),
+        (
+            "llama4",
+            {"llama4.attention.sliding_window": 4096},
+            [],
+            "llama4 attention.sliding_window=4096 is not supported",
+        ),
+        (
+            "llama4",
+            {"llama4.attention.sliding_window_pattern": [True, True, True, False]},
+            [],
+            "llama4 attention.sliding_window_pattern=.* is not supported",
+        ),
+        (
+            "llama4",
+            {"llama4.rope.freq_base_swa": 10000.0},
+            [],
+            "llama4 rope.freq_base_swa=10000.0 differs from rope.freq_base=500000.0",
+        ),
     ],
 )
 def test_files_hf_cannot_express_are_refused_by_name(
@@ -1000,6 +1087,92 @@ def test_new_architectures_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tm
     apertus = gguf_convert._hf_config(fields, shapes, rope_freqs)
     assert apertus["hidden_act"] == "xielu"
     assert apertus["rope_parameters"] == FAMILIES["apertus"]["rope_parameters"]
+
+
+def test_llama4_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tmp_path):
+    """What llama.cpp keeps of Llama 4, and the config the converter makes of it: the dense
+    layers' size as feed_forward_length, the experts' and their step as their own keys, no
+    key for the chunk, the RoPE-less layers, the temperature or the q/k norms (what llama.cpp
+    fixes is written out per layer); Q/K rows as HF has them (both rotate adjacent pairs);
+    the experts split and transposed; Scout's RoPE scaling as rope_freqs."""
+    original = load_file(hf_dirs["llama4"] / "model.safetensors")
+    path = tmp_path / "llama4.gguf"
+    fields, shapes = gguf_metadata(hf_dirs["llama4"], path)
+    reader = gguf.GGUFReader(path)
+    stored = {tensor.name: tensor.data for tensor in reader.tensors}
+    for gguf_name, hf_name in [("attn_q", "q_proj"), ("attn_k", "k_proj")]:
+        np.testing.assert_array_equal(
+            stored[f"blk.0.{gguf_name}.weight"],
+            original[f"model.layers.0.self_attn.{hf_name}.weight"],
+        )
+    gate_up = original["model.layers.1.feed_forward.experts.gate_up_proj"]
+    up = gate_up[..., 96:].swapaxes(1, 2)  # HF's up columns, transposed
+    np.testing.assert_array_equal(stored["blk.1.ffn_up_exps.weight"], up)
+    assert (fields["llama4.feed_forward_length"], fields["llama4.expert_feed_forward_length"]) == (
+        384,
+        96,
+    )
+    assert (fields["llama4.interleave_moe_layer_step"], fields["llama4.expert_count"]) == (2, 4)
+    assert not any("sliding_window" in name or "chunk" in name for name in fields)
+    assert shapes["blk.1.ffn_gate_exps.weight"] == (4, 96, 256)
+    assert shapes["blk.1.ffn_down_exps.weight"] == (4, 256, 96)
+    assert shapes["blk.1.ffn_gate_shexp.weight"] == (96, 256)
+    assert shapes["blk.2.ffn_gate.weight"] == (384, 256)
+    assert "blk.2.ffn_gate_inp.weight" not in shapes
+    rope_freqs = stored["rope_freqs.weight"]
+    llama4 = gguf_convert._hf_config(fields, shapes, rope_freqs)
+    assert llama4["rope_parameters"] == FAMILIES["llama4"]["rope_parameters"]
+    assert (llama4["moe_layers"], llama4["no_rope_layers"]) == ([1, 3], [1, 1, 1, 0])
+    assert llama4["layer_types"] == ["chunked_attention"] * 3 + ["full_attention"]
+    assert (llama4["attention_chunk_size"], llama4["floor_scale"], llama4["attn_scale"]) == (
+        8192,
+        8192,
+        0.1,
+    )
+    assert llama4["attn_temperature_tuning"] and llama4["use_qk_norm"]
+    # The window llama.cpp's converter writes for layers that all attend in full: no chunks,
+    # RoPE everywhere (so no temperature); 8192 reads as no window does.
+    unchunked = gguf_convert._hf_config({**fields, "llama4.attention.sliding_window": 0}, shapes)
+    assert (unchunked["attention_chunk_size"], unchunked["attn_temperature_tuning"]) == (
+        None,
+        False,
+    )
+    assert unchunked["no_rope_layers"] == [1] * 4
+    assert unchunked["layer_types"] == ["full_attention"] * 4
+    assert gguf_convert._hf_config(
+        {**fields, "llama4.attention.sliding_window": 8192}, shapes
+    ) == gguf_convert._hf_config(fields, shapes)
+    # Newer llama.cpp reads the chunked layers' period from the file; the RoPE-less layers'
+    # step stays its fixed 4.
+    every_other = gguf_convert._hf_config(
+        {**fields, "llama4.attention.sliding_window_pattern": 2}, shapes
+    )
+    assert every_other["layer_types"] == ["chunked_attention", "full_attention"] * 2
+    assert every_other["no_rope_layers"] == [1, 1, 1, 0]
+    # llama.cpp's Maverick (128 experts) has no q/k norms.
+    maverick = {
+        name: (128, *shape[1:]) if "_exps." in name else (128, shape[1])
+        for name, shape in shapes.items()
+        if "_exps." in name or "ffn_gate_inp" in name
+    }
+    assert gguf_convert._hf_config(fields, {**shapes, **maverick})["use_qk_norm"] is False
+
+
+@pytest.mark.slow
+def test_llama4_s_fixed_chunk_cuts_a_long_prompt_as_hf_s(hf_dirs, converted, tmp_path):
+    """llama.cpp's chunks of 8192, which the converted config writes out: a prompt crossing a
+    chunk's start in prefill, and one whose new tokens cross it in decode, give HF's tokens
+    on the original; without the chunks HF's own tokens move, so the check can fail."""
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(VOCAB_SIZE, size=n).tolist() for n in (8185, 8250)]
+    params = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = LLM(converted["llama4"], num_blocks=1100)
+    tokens = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+    expected = hf_greedy(hf_dirs["llama4"], prompts, max_new_tokens=PARITY_TOKENS)
+    assert tokens == expected
+    full = ["full_attention"] * 4
+    unchunked = rewritten(hf_dirs["llama4"], tmp_path / "unchunked", layer_types=full)
+    assert hf_greedy(unchunked, prompts, max_new_tokens=PARITY_TOKENS) != expected
 
 
 def test_glm4_moe_s_next_token_prediction_block_is_dropped(hf_dirs, tmp_path):
