@@ -110,17 +110,22 @@ def classify_response(request: ClassifyApiRequest, outputs: list[EmbeddingReques
                 "num_classes": len(probs),
             }
         )
-    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return {
         "id": "classify-" + (request.client_request_id or uuid.uuid4().hex),
         "object": "list",
         "created": request.created_s,
         "model": request.model,
         "data": data,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens,
-            "completion_tokens": 0,
-            "prompt_tokens_details": None,
-        },
+        "usage": pooling_usage(outputs),
+    }
+
+
+def pooling_usage(outputs: list[EmbeddingRequestOutput]) -> dict:
+    """vLLM's usage of a pooling answer: the prompts' tokens, none generated."""
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
     }

@@ -11,8 +11,6 @@ must be the model's. A field of the other task is refused by name.
 
 from __future__ import annotations
 
-import base64
-import struct
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.frontend import openai_classify as classify
 from pagedserve.frontend import openai_protocol as protocol
 from pagedserve.frontend.openai_protocol import (
-    EMBEDDING_ENCODING_FORMATS,
     POOLING_CHAT_FIELDS,
     PoolingApiRequest,
     checked_body,
@@ -90,12 +87,7 @@ def parse_pooling_request(
                 f"{name} is a setting of task {other_task!r}; this model pools for {task!r}",
                 name,
             )
-    encoding_format = typed_field(body, "encoding_format", (str,), "a string", "float")
-    if encoding_format not in EMBEDDING_ENCODING_FORMATS:
-        raise invalid_field(
-            f"encoding_format must be 'float' or 'base64', got {encoding_format!r:.100}",
-            "encoding_format",
-        )
+    encoding_format = protocol.checked_encoding_format(body)
     # What the task's own parser reads: the rest was checked here.
     own = {k: v for k, v in body.items() if k not in ("task", "encoding_format")}
     parse = protocol.parse_embedding_request if task == "embed" else classify.parse_classify_request
@@ -113,14 +105,14 @@ def parse_pooling_request(
 def pooling_response(call: PoolingCall, outputs: list[EmbeddingRequestOutput]) -> dict:
     """vLLM's answer: one ``pooling`` object per input, in order (its values as floats or
     base64), and the usage."""
-    data = []
-    for index, output in enumerate(outputs):
-        values: Any = output.outputs.embedding
-        if call.encoding_format == "base64":
-            packed = struct.pack(f"<{len(values)}f", *values)
-            values = base64.b64encode(packed).decode("ascii")
-        data.append({"index": index, "object": "pooling", "data": values})
-    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    data = [
+        {
+            "index": index,
+            "object": "pooling",
+            "data": protocol.encoded_vector(output.outputs.embedding, call.encoding_format),
+        }
+        for index, output in enumerate(outputs)
+    ]
     request = call.request
     return {
         "id": "pool-" + (request.client_request_id or uuid.uuid4().hex),
@@ -128,10 +120,5 @@ def pooling_response(call: PoolingCall, outputs: list[EmbeddingRequestOutput]) -
         "created": request.created_s,
         "model": request.model,
         "data": data,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens,
-            "completion_tokens": 0,
-            "prompt_tokens_details": None,
-        },
+        "usage": classify.pooling_usage(outputs),
     }

@@ -1313,12 +1313,7 @@ def parse_embedding_request(
     prompts, from_messages = pooling_input_prompts(
         body, llm, max_prompts, trust_request_chat_template
     )
-    encoding_format = typed_field(body, "encoding_format", (str,), "a string", "float")
-    if encoding_format not in EMBEDDING_ENCODING_FORMATS:
-        raise invalid_field(
-            f"encoding_format must be 'float' or 'base64', got {encoding_format!r:.100}",
-            "encoding_format",
-        )
+    encoding_format = checked_encoding_format(body)
     dimensions = int_field(body, "dimensions", 1, llm.model_config.embedding_size)
     normalize = typed_field(body, "normalize", (bool,), "a boolean")
     priority = checked_priority(body, llm)
@@ -1440,14 +1435,30 @@ def checked_priority(body: dict, llm: LLM) -> int:
     return priority
 
 
+def checked_encoding_format(body: dict) -> str:
+    """A pooling body's ``encoding_format``: "float" (the default) or "base64"."""
+    encoding_format = typed_field(body, "encoding_format", (str,), "a string", "float")
+    if encoding_format not in EMBEDDING_ENCODING_FORMATS:
+        raise invalid_field(
+            f"encoding_format must be 'float' or 'base64', got {encoding_format!r:.100}",
+            "encoding_format",
+        )
+    return encoding_format
+
+
+def encoded_vector(values: list[float], encoding_format: str) -> list[float] | str:
+    """A pooled vector as ``encoding_format`` sends it: the floats, or "base64" of their
+    little-endian float32 bytes (as OpenAI sends embeddings)."""
+    if encoding_format != "base64":
+        return values
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
 def embedding_response(request: EmbeddingApiRequest, outputs: list[EmbeddingRequestOutput]) -> dict:
     """OpenAI's answer: one ``embedding`` object per input, in order, and the usage."""
     data = []
     for index, output in enumerate(outputs):
-        values = output.outputs.embedding
-        if request.encoding_format == "base64":
-            packed = struct.pack(f"<{len(values)}f", *values)
-            values = base64.b64encode(packed).decode("ascii")
+        values = encoded_vector(output.outputs.embedding, request.encoding_format)
         data.append({"object": "embedding", "embedding": values, "index": index})
     prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return {
