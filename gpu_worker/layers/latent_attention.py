@@ -20,8 +20,13 @@ The step's sequences (decodes and prefills alike) run as one padded batch over l
 gathered out of the blocks (``AttentionMetadata.latent_plan``, a ``GatheredPrefillPlan`` of
 every sequence), in float32 whatever the model's dtype, as the paged kernels compute.
 
+The float32 scores are made a slice of query rows at a time, at most
+``SCORES_BYTES_PER_SLICE`` each: a long prefill's [sequences, heads, queries, keys] scores
+would not fit at once (DeepSeek-V3: 128 heads).
+
 NOTE: torch, not a paged kernel: the gather copies each sequence's latents once per layer (a
-576-value row per position, a fraction of what the expanded cache read).
+576-value row per position, a fraction of what the expanded cache read), padded to the
+step's longest context.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from __future__ import annotations
 import torch
 
 from pagedserve.gpu_worker.layers.gathered_prefill import GatheredPrefillPlan
+
+# The most float32 scores one slice of query rows makes (256 MiB).
+SCORES_BYTES_PER_SLICE = 256 << 20
 
 
 def latent_cache_rows(latent_size: int, rope_size: int) -> int:
@@ -95,11 +103,16 @@ def latent_attention(
     cached = cached.masked_fill(~plan.key_valid[:, :, None], 0.0)
     latents = cached[..., :latent_size]
     key_rope = cached[..., latent_size : latent_size + rope_size]
-    scores = torch.einsum("sqhl,skl->shqk", q_latent, latents)
-    scores += torch.einsum("sqhr,skr->shqk", q_rope, key_rope)
-    scores *= scale
-    scores = scores.masked_fill(~plan.mask, float("-inf"))
-    probabilities = torch.softmax(scores, dim=-1)
-    summed = torch.einsum("shqk,skl->sqhl", probabilities, latents)
+    max_keys = latents.shape[1]
+    rows_per_slice = max(1, SCORES_BYTES_PER_SLICE // (4 * num_seqs * num_heads * max_keys))
+    summed = torch.empty(num_seqs, max_query, num_heads, latent_size, device=latents.device)
+    for start in range(0, max_query, rows_per_slice):
+        part = slice(start, start + rows_per_slice)
+        scores = torch.einsum("sqhl,skl->shqk", q_latent[:, part], latents)
+        scores += torch.einsum("sqhr,skr->shqk", q_rope[:, part], key_rope)
+        scores *= scale
+        scores = scores.masked_fill(~plan.mask[:, :, part], float("-inf"))
+        probabilities = torch.softmax(scores, dim=-1)
+        summed[:, part] = torch.einsum("shqk,skl->sqhl", probabilities, latents)
     flat = summed.reshape(num_seqs * max_query, num_heads, latent_size)
     return flat[plan.output_rows].to(query_latent.dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.gpu_worker.layers import latent_attention as latent_attention_module
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.latent_attention import latent_attention, write_latents
 
@@ -34,8 +35,12 @@ def _reference(q_nope, q_rope, latents, key_ropes, w_uk, w_uv, positions, scale)
     return out
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_latent_attention_equals_expanded_attention(block_size):
+@pytest.mark.parametrize(
+    ("block_size", "slice_bytes"), [(4, None), (16, None), (16, 1)], ids=["4", "16", "sliced"]
+)
+def test_latent_attention_equals_expanded_attention(block_size, slice_bytes, monkeypatch):
+    if slice_bytes is not None:  # scores one query row at a time, as a long prefill's are
+        monkeypatch.setattr(latent_attention_module, "SCORES_BYTES_PER_SLICE", slice_bytes)
     generator = torch.Generator().manual_seed(block_size)
     w_uk = torch.randn(HEADS, NOPE, LATENT, generator=generator) * 0.3
     w_uv = torch.randn(HEADS, VALUE, LATENT, generator=generator) * 0.3

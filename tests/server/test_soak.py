@@ -2,7 +2,8 @@
 127.0.0.1 only, over both APIs. Each call is one of: a stream read to its end, a whole
 result, a stream cancelled part-way, a call whose deadline passes, bad input, parallel
 samples with a stop string, beam search (gRPC); a streamed or whole completion, a client
-that disconnects mid-stream, bad input (HTTP). Every call must end in exactly one final
+that disconnects mid-stream, bad input, a background response polled, cancelled, or streamed,
+lost and resumed (HTTP). Every call must end in exactly one final
 message or one expected error status; afterwards nothing runs, every block is free, the
 accounting holds, the server's memory has not grown without bound, and it drains and
 exits 0."""
@@ -33,9 +34,57 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def background_response(port: int, rng: random.Random, max_tokens: int) -> str:
+    """A background response (the Responses API): polled to its end, cancelled, or
+    streamed, its stream lost after a few events and read again from there to its end."""
+    kind = rng.choice(["background_poll", "background_cancel", "background_resume"])
+    body = {"input": "soak", "max_output_tokens": max_tokens, "background": True,
+            "temperature": 0, "stream": kind == "background_resume"}  # fmt: skip
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def call(method: str, path: str, data: dict | None = None) -> dict:
+        connection.request(method, path, None if data is None else json.dumps(data))
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 200, answer
+        return answer
+
+    try:
+        if kind == "background_resume":
+            connection.request("POST", "/v1/responses", json.dumps(body))
+            response = connection.getresponse()
+            assert response.status == 200, response.read()
+            assert response.readline() == b"event: response.created\n"
+            response_id = json.loads(response.readline().removeprefix(b"data: "))["response"]["id"]
+            connection.close()  # lost after the first event: the response runs on
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            connection.request("GET", f"/v1/responses/{response_id}?stream=true&starting_after=0")
+            rest = connection.getresponse().read().decode()
+            assert "event: response.completed" in rest, rest[-300:]
+            return kind
+        response_id = call("POST", "/v1/responses", body)["id"]
+        if kind == "background_cancel":
+            status = call("POST", f"/v1/responses/{response_id}/cancel")["status"]
+            assert status in ("cancelled", "completed", "incomplete"), status
+            return kind
+        deadline_s = time.monotonic() + 60
+        while (status := call("GET", f"/v1/responses/{response_id}")["status"]) in (
+            "queued",
+            "in_progress",
+        ):
+            assert time.monotonic() < deadline_s, "a background response is stuck"
+            time.sleep(0.02)
+        assert status in ("completed", "incomplete"), status
+        return kind
+    finally:
+        connection.close()
+
+
 def one_http_call(port: int, rng: random.Random, prompt: list[int], max_tokens: int) -> str:
     """One random call of the OpenAI-compatible API; return what happened (checked here)."""
-    kind = rng.choice(["http_stream", "http_whole", "http_disconnect", "http_bad"])
+    kind = rng.choice(["http_stream", "http_whole", "http_disconnect", "http_bad", "background"])
+    if kind == "background":
+        return background_response(port, rng, max_tokens)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     if kind == "http_bad":
         body["top_p"] = 1.5
@@ -165,6 +214,7 @@ def test_soak_mixed_traffic_leaves_nothing_behind(start_server):
     assert not failures, failures[0]
     assert sum(outcomes.values()) > 100, outcomes
     assert outcomes["http_stream"] and outcomes["http_disconnect"], outcomes
+    assert outcomes["background_poll"] and outcomes["background_resume"], outcomes
     server.assert_blocks_all_free()
     stats = server.stats()
     assert stats.engine["num_preemptions"] > 0, ("the cache was meant to run short", outcomes)
