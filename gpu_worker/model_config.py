@@ -682,7 +682,7 @@ class ModelConfig:
     @property
     def latent_attention(self) -> bool:
         """Whether the cache holds latents (DeepSeek's multi-head latent attention,
-        ``layers/latent_attention.py``), which each step's ``latent_plan`` reads."""
+        ``layers/latent_attention.py``), which each step's ``latent_plans`` read."""
         return self.family == "deepseek"
 
     @property

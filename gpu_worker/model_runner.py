@@ -139,7 +139,7 @@ class ModelRunner:
         """``attention_chunk_size``: the model's (``ModelConfig.attention_chunk_size``; 0:
         no chunked layers), the chunks each step's chunked view cuts at;
         ``latent_attention``: the model's (``ModelConfig.latent_attention``), whether each
-        step plans its ``latent_plan``."""
+        step plans its ``latent_plans``."""
         self.model = model
         self.attention_chunk_size = attention_chunk_size
         self.latent_attention = latent_attention

@@ -157,6 +157,13 @@ def model_flops(model_path: Path) -> ModelFlops:
     attention_flops = config.num_hidden_layers * config.num_attention_heads * 4 * head_dim
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     kv_values = 2 * config.num_hidden_layers * num_kv_heads * head_dim
+    if getattr(config, "kv_lora_rank", None):
+        # MLA as pagedserve runs it: one latent and rotated key cached per token and layer;
+        # each head scores it whole and sums the latents (kv_b_proj absorbed).
+        latent = config.kv_lora_rank + config.qk_rope_head_dim
+        per_head = 2 * (latent + config.kv_lora_rank)  # scores over [c | k_pe], sums of c
+        attention_flops = config.num_hidden_layers * config.num_attention_heads * per_head
+        kv_values = config.num_hidden_layers * latent
     return ModelFlops(
         body_flops + expert_flops, lm_head_flops, attention_flops, kv_values, idle_expert_params
     )

@@ -42,9 +42,10 @@ class AttentionMetadata:
     # whose block table starts at the chunk's first block. Same tokens in the same order (the
     # slot mapping is shared); None when the model has no such layer.
     chunked: AttentionMetadata | None = None
-    # Every sequence of the step, decodes too, as one padded batch over K/V gathered out of
-    # the blocks (latent_attention.py's MLA); None when the model has no such layer.
-    latent_plan: GatheredPrefillPlan | None = None
+    # The step's decodes, then its prefills, each as one padded batch over K/V gathered out
+    # of the blocks (latent_attention.py's MLA): (first token, end token, plan) each, apart
+    # so a decode is not padded to a prefill's queries; None when the model has no such layer.
+    latent_plans: list[tuple[int, int, GatheredPrefillPlan]] | None = None
 
     @classmethod
     def for_sequences(
@@ -61,7 +62,7 @@ class AttentionMetadata:
         ``device``); ``gathered_prefill``: plan the prefills' SDPA path
         (``use_gathered_prefill``); ``attention_chunk_size`` > 0 (a multiple of
         ``block_size``): also the ``chunked`` view of the step; ``latent_attention``: also
-        the ``latent_plan`` of every sequence."""
+        the ``latent_plans`` of its decodes and its prefills."""
         num_decodes = sum(1 for _, _, num_tokens in sequences if num_tokens == 1)
         max_blocks = max(len(block_ids) for block_ids, _, _ in sequences)
         block_tables = np.zeros((len(sequences), max_blocks), dtype=np.int32)
@@ -91,9 +92,22 @@ class AttentionMetadata:
             gathered_prefill,
         )
         if latent_attention:
-            metadata.latent_plan = plan_gathered_prefill(
-                block_tables, query_lens, seq_lens, block_size, device
-            )
+            metadata.latent_plans = []
+            if num_decodes:
+                first = slice(0, num_decodes)
+                plan = plan_gathered_prefill(
+                    block_tables[first], query_lens[first], seq_lens[first], block_size, device
+                )
+                metadata.latent_plans.append((0, num_decodes, plan))
+            if num_decodes < len(sequences):
+                plan = metadata.prefill_plan or plan_gathered_prefill(
+                    block_tables[num_decodes:],
+                    query_lens[num_decodes:],
+                    seq_lens[num_decodes:],
+                    block_size,
+                    device,
+                )
+                metadata.latent_plans.append((num_decodes, int(query_lens.sum()), plan))
         if attention_chunk_size:
             metadata.chunked = cls._chunked(
                 metadata.slot_mapping,

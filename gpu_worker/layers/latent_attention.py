@@ -16,9 +16,9 @@ so a head's score over position j is ``(q_lat . c_j + q_pe . k_pe_j) * scale`` a
 ``kv_lora_rank + qk_rope_head_dim`` wide over a single KV head. The same numbers as HF's
 expanded attention, summed in another order.
 
-The step's sequences (decodes and prefills alike) run as one padded batch over latents
-gathered out of the blocks (``AttentionMetadata.latent_plan``, a ``GatheredPrefillPlan`` of
-every sequence), in float32 whatever the model's dtype, as the paged kernels compute.
+The step's decodes, then its prefills, each run as one padded batch over latents gathered
+out of the blocks (``AttentionMetadata.latent_plans``: ``GatheredPrefillPlan``s), in float32
+whatever the model's dtype, as the paged kernels compute.
 
 The float32 scores are made a slice of query rows at a time, at most
 ``SCORES_BYTES_PER_SLICE`` each: a long prefill's [sequences, heads, queries, keys] scores

@@ -154,23 +154,26 @@ class MultiHeadLatentAttention(nn.Module):
         assert self.key_cache is not None and self.value_cache is not None
         assert self.w_uk is not None and self.w_uv is not None, "absorb_kv_b_proj first"
         write_latents(latent, key_rope, self.key_cache, self.value_cache, metadata.slot_mapping)
-        if metadata.latent_plan is None:
+        if metadata.latent_plans is None:
             raise ValueError(
-                "latent attention needs the step's latent_plan "
+                "latent attention needs the step's latent_plans "
                 "(AttentionMetadata.for_sequences with latent_attention)"
             )
         # The absorbed products in float32 (as the attention itself), rounded once at the end.
         query_latent = torch.einsum(
             "thn,hnl->thl", query[..., : self.nope_size].float(), self.w_uk.float()
         )
-        summed = latent_attention(
-            query_latent,
-            query_rope.view(num_tokens, self.num_heads, self.rope_size),
-            self.key_cache,
-            self.value_cache,
-            metadata.latent_plan,
-            self.scale,
-        )
+        query_rope = query_rope.view(num_tokens, self.num_heads, self.rope_size)
+        summed = torch.empty_like(query_latent)
+        for start, end, plan in metadata.latent_plans:
+            summed[start:end] = latent_attention(
+                query_latent[start:end],
+                query_rope[start:end],
+                self.key_cache,
+                self.value_cache,
+                plan,
+                self.scale,
+            )
         output = torch.einsum("thl,hvl->thv", summed, self.w_uv.float())
         return self.o_proj(output.to(hidden.dtype).reshape(num_tokens, -1))
 

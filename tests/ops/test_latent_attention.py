@@ -76,13 +76,20 @@ def test_latent_attention_equals_expanded_attention(block_size, slice_bytes, mon
     metadata, _ = AttentionMetadata.for_sequences(
         sequences, block_size, torch.device("cpu"), False, latent_attention=True
     )
-    assert metadata.latent_plan is not None
+    assert metadata.latent_plans is not None
+    assert [(start, end) for start, end, _ in metadata.latent_plans] == [(0, 3), (3, 39)]
     write_latents(
         torch.cat(new_latents), torch.cat(new_ropes), key_cache, value_cache, metadata.slot_mapping
     )
     query_latent = torch.einsum("thn,hnl->thl", torch.cat(q_nopes), w_uk)
-    summed = latent_attention(
-        query_latent, torch.cat(q_ropes), key_cache, value_cache, metadata.latent_plan, scale
+    query_rope = torch.cat(q_ropes)
+    summed = torch.cat(
+        [
+            latent_attention(
+                query_latent[start:end], query_rope[start:end], key_cache, value_cache, plan, scale
+            )
+            for start, end, plan in metadata.latent_plans
+        ]
     )
     out = torch.einsum("thl,hvl->thv", summed, w_uv)
     torch.testing.assert_close(out.double(), torch.cat(expected), atol=1e-5, rtol=1e-5)
