@@ -157,7 +157,12 @@ class ResponseStore:
             return
         self._responses[stored.response["id"]] = stored
         while len(self._responses) > self.capacity:
-            evicted, _ = self._responses.popitem(last=False)
+            # The oldest that has ended: a background response still running stays, for its
+            # GET and cancel (the store may hold more than capacity while that many run).
+            evicted = next((key for key in self._responses if key not in self.running), None)
+            if evicted is None:
+                break
+            del self._responses[evicted]
             self.event_logs.pop(evicted, None)
 
     def get(self, response_id: str, param: str = "response_id") -> StoredResponse:

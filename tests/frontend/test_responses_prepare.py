@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.frontend.call_errors import CallError
-from pagedserve.frontend.openai_responses import ResponseStore, prepare
+from pagedserve.frontend.openai_responses import ResponseStore, StoredResponse, prepare
 
 
 def test_background_needs_store_and_a_store_that_keeps_responses():
@@ -22,3 +22,24 @@ def test_background_needs_store_and_a_store_that_keeps_responses():
             prepare(body, ResponseStore(capacity))
         assert refused.value.param == "background" and message in refused.value.message
     assert not prepare({"input": "hi"}, ResponseStore(0)).background
+
+
+def test_a_running_background_response_is_never_evicted():
+    store = ResponseStore(2)
+    store.running["resp_running"] = object()  # its task, as start_background records it
+
+    def put(response_id: str) -> None:
+        store.put(StoredResponse({"id": response_id, "status": "completed"}, []))
+
+    put("resp_running")
+    for index in range(3):
+        put(f"resp_{index}")
+    assert store.get("resp_running").response["id"] == "resp_running"
+    assert store.get("resp_2") is not None
+    for gone in ("resp_0", "resp_1"):
+        with pytest.raises(CallError):
+            store.get(gone)
+    del store.running["resp_running"]  # ended: the oldest again, evicted by the next put
+    put("resp_3")
+    with pytest.raises(CallError):
+        store.get("resp_running")
