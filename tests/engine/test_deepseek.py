@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from engine.test_speculative_decoding import SPECULATIVE, assert_speculated, repetitive_prompts
 from safetensors.torch import load_file, save_file
 from tiny_family import (
     GREEDY,
@@ -178,6 +179,16 @@ def test_deepseek_matches_hf(model_dirs, hf_references, name, block_size):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dirs, hf_references, name):
     check_chunked_prefix_hits_and_two_ranks(model_dirs[name], hf_references[name])
+
+
+def test_speculative_decoding_over_the_latent_cache_matches_hf(model_dirs):
+    """Prompt-lookup drafts verified several tokens a sequence a step: the latent plans
+    run those rows with the prefills."""
+    prompts = repetitive_prompts(1)
+    llm = LLM(model_dirs["v3"], num_blocks=256, speculative_config=SPECULATIVE)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == hf_greedy(model_dirs["v3"], prompts)
+    assert_speculated(llm)
 
 
 def test_preemption_by_swap_keeps_the_tokens(model_dirs, hf_references):

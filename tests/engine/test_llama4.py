@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from engine.test_speculative_decoding import SPECULATIVE, assert_speculated, repetitive_prompts
 from tiny_family import (
     GREEDY,
     TINY_SHAPE,
@@ -121,3 +122,13 @@ def test_bad_layer_fields_are_refused(model_dir, tmp_path):
 
 def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
     check_bfloat16_first_tokens_agree_with_hf(model_dir)
+
+
+def test_speculative_decoding_matches_hf(model_dir):
+    """Prompt-lookup drafts verified several tokens a sequence a step: the chunked view cuts
+    those rows at chunk starts too."""
+    prompts = repetitive_prompts(1)
+    llm = LLM(model_dir, block_size=8, num_blocks=256, speculative_config=SPECULATIVE)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == hf_greedy(model_dir, prompts)
+    assert_speculated(llm)
