@@ -4,7 +4,8 @@ Each token's keys and values come from one latent shared by every head: ``c`` (t
 normed ``kv_lora_rank`` values) and the rotated key ``k_pe`` (``qk_rope_head_dim``). The
 cache keeps only that, ``[c | k_pe]`` per token and layer (DeepSeek-V3: 576 values,
 against 128 heads x 192 x 2 expanded), packed in the pool's layout as one KV head whose
-key row holds the first half and whose value row holds the second (``latent_cache_rows``).
+key row holds the first half and whose value row holds the second
+(``model_config.latent_cache_head_size``).
 
 Attention never expands the latent: each head's ``kv_b_proj`` rows are absorbed, the key's
 into the query and the value's into the output (as vLLM's MLA does)::
@@ -37,13 +38,6 @@ from pagedserve.gpu_worker.layers.gathered_prefill import GatheredPrefillPlan
 
 # The most float32 scores one slice of query rows makes (256 MiB).
 SCORES_BYTES_PER_SLICE = 256 << 20
-
-
-def latent_cache_rows(latent_size: int, rope_size: int) -> int:
-    """The head size of the pool holding one latent per token as one KV head: half of
-    ``latent_size + rope_size`` (rounded up), the key row the first half, the value row the
-    rest (zero-padded)."""
-    return -(-(latent_size + rope_size) // 2)
 
 
 def write_latents(
