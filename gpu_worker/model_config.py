@@ -1636,7 +1636,10 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
         return
     # Each rank holds 1/size of every MLP's intermediate rows, every expert's included.
     if None in config.layer_experts:
-        _check_divisible("intermediate_size", config.hf_config["intermediate_size"], size)
+        # Llama 4's dense layers have their own width.
+        dense = "intermediate_size_mlp" if config.architecture == "Llama4ForCausalLM" else None
+        dense = dense or "intermediate_size"
+        _check_divisible(dense, config.hf_config[dense], size)
     for spec in set(config.layer_experts) - {None}:
         _check_divisible(spec.intermediate_field, spec.intermediate_size, size)
         if spec.shared_intermediate_size:

@@ -26,7 +26,11 @@ from tiny_family import (
 )
 
 from pagedserve.frontend import LLM
-from pagedserve.gpu_worker.model_config import ModelConfig, llama4_nope_temperature
+from pagedserve.gpu_worker.model_config import (
+    ModelConfig,
+    check_tensor_parallel_size,
+    llama4_nope_temperature,
+)
 
 CONFIG = dict(
     architectures=["Llama4ForCausalLM"],
@@ -118,6 +122,13 @@ def test_bad_layer_fields_are_refused(model_dir, tmp_path):
         bad = rewritten(model_dir, tmp_path / f"bad{index}", **changes)
         with pytest.raises(ValueError, match=message):
             LLM(bad, num_blocks=64)
+
+
+def test_tensor_parallel_checks_the_dense_layers_own_width(model_dir, tmp_path):
+    odd = rewritten(model_dir, tmp_path / "odd", intermediate_size_mlp=385)
+    with pytest.raises(ValueError, match="intermediate_size_mlp=385"):
+        check_tensor_parallel_size(ModelConfig.from_dir(odd), 2)
+    check_tensor_parallel_size(ModelConfig.from_dir(model_dir), 2)
 
 
 def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
