@@ -10,9 +10,9 @@ import random
 from pathlib import Path
 
 import pytest
-from test_parity import NEW_TOKENS, hf_greedy
-from test_structured_output import CONSTRAINTS
-from test_structured_output import PROMPTS as STRUCTURED_PROMPTS
+from engine.test_parity import NEW_TOKENS, hf_greedy
+from engine.test_structured_output import CONSTRAINTS
+from engine.test_structured_output import PROMPTS as STRUCTURED_PROMPTS
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.scheduler.sampling_params import StructuredOutputsParams
