@@ -128,7 +128,7 @@ def model_shape(args: argparse.Namespace) -> dict[str, Any]:
 
 def synchronize() -> None:
     if torch.cuda.is_available():
-        synchronize()
+        torch.cuda.synchronize()
 
 
 def greedy_params(requests: list[Request]) -> list[SamplingParams]:

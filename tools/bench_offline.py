@@ -52,6 +52,7 @@ Examples (from the repository root):
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -351,12 +352,27 @@ def hf_continuous_batching_config(
         math.ceil((len(request.prompt_token_ids) + request.output_len) / HF_PAGE_SIZE)
         for request in requests
     )
-    return {
-        "page_size": HF_PAGE_SIZE,
-        "num_blocks": max(1, min(blocks_needed, args.kv_cache_bytes // bytes_per_block)),
-        "max_batch_tokens": args.max_num_batched_tokens,
-        "max_requests_per_batch": args.max_num_seqs,
-    }
+    return _accepted_by_continuous_batching_config(
+        {
+            "page_size": HF_PAGE_SIZE,
+            "num_blocks": max(1, min(blocks_needed, args.kv_cache_bytes // bytes_per_block)),
+            "max_batch_tokens": args.max_num_batched_tokens,
+            "max_requests_per_batch": args.max_num_seqs,
+        }
+    )
+
+
+def _accepted_by_continuous_batching_config(config: dict[str, int]) -> dict[str, int]:
+    """``config`` as the installed transformers' ``ContinuousBatchingConfig`` takes it:
+    older releases (5.17, the GPU image's) name the page size ``block_size``; a setting it
+    does not have is left out, and said (the returned dict is what the run used)."""
+    accepted = inspect.signature(ContinuousBatchingConfig.__init__).parameters
+    if "page_size" not in accepted and "block_size" in accepted:
+        config = {("block_size" if k == "page_size" else k): v for k, v in config.items()}
+    dropped = sorted(set(config) - set(accepted))
+    if dropped:
+        _log(f"ContinuousBatchingConfig has no {', '.join(dropped)}: left at its defaults")
+    return {k: v for k, v in config.items() if k in accepted}
 
 
 def run_hf_generate_batch(

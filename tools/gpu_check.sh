@@ -104,7 +104,7 @@ if [ "$build_rc" -eq 0 ]; then
   # --- 2. tests --------------------------------------------------------------------------------
   say "pytest -m cuda tests/cuda"
   tests_rc=0
-  timeout 150 "$PYTHON" -m pytest -q -m cuda tests/cuda -p no:cacheprovider \
+  timeout 180 "$PYTHON" -m pytest -q -m cuda tests/cuda -p no:cacheprovider --durations=15 \
     --junitxml="$OUT/pytest.xml" || tests_rc=$?
 
   # --- 3. kernel microbenchmarks ---------------------------------------------------------------
