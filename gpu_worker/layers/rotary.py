@@ -42,7 +42,7 @@ def inverse_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Ten
     if rope_type == "longrope":
         # The short factors: positions stay within the original context (rope_config's
         # LONGROPE_WINDOW_REASON). HF's order: the base's powers times the factors, inverted.
-        short_factor = torch.tensor(parameters["short_factor"], dtype=torch.float32)
+        short_factor = torch.tensor(parameters["short_factor"], dtype=torch.float32, device="cpu")
         if short_factor.numel() != head_size // 2:
             raise ValueError(
                 f"rope short_factor has {short_factor.numel()} values; the rotated head size "
@@ -96,7 +96,7 @@ def _yarn_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Tenso
     if low == high:
         high += 0.001  # a ramp of one step, not a division by zero
     ramp = torch.clamp(
-        (torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+        (torch.arange(head_size // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
     )
     extrapolation_weight = 1 - ramp
     pos_freqs = base ** (torch.arange(0, head_size, 2, device="cpu").to(torch.float32) / head_size)

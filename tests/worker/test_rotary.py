@@ -102,6 +102,31 @@ def test_frequencies_and_scale_equal_transformers(case):
     assert attention_factor(parameters) == hf_rotary.attention_scaling
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_frequencies_are_computed_on_the_cpu_whatever_the_default_device(case):
+    """A worker builds its model under ``torch.device(device)``: every rope type's frequencies
+    are still computed on the CPU (as HF's, bit for bit), then moved. (The meta device stands
+    in for CUDA here: a tensor made there beside one made on the CPU fails the same way.)"""
+    parameters = rope_parameters(_hf_config(CASES[case]))
+    with torch.device("meta"):
+        frequencies = inverse_frequencies(HEAD_SIZE, parameters)
+    assert frequencies.device.type == "cpu"
+    assert torch.equal(frequencies, inverse_frequencies(HEAD_SIZE, parameters))
+
+
+def test_longrope_frequencies_are_computed_on_the_cpu_whatever_the_default_device():
+    parameters = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + i / 64 for i in range(HEAD_SIZE // 2)],
+        "long_factor": [2.0] * (HEAD_SIZE // 2),
+        "original_max_position_embeddings": 256,
+    }
+    with torch.device("meta"):
+        frequencies = inverse_frequencies(HEAD_SIZE, parameters)
+    assert frequencies.device.type == "cpu"
+
+
 def test_yarn_extends_the_context_window():
     yarn = rope_parameters(_hf_config(CASES["yarn"]))
     assert rope_context_window(yarn, MAX_POSITIONS) == 4 * 128
