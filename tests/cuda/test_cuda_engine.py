@@ -41,7 +41,12 @@ def random_prompts(seed: int, vocab_size: int = 512) -> list[list[int]]:
 
 
 def hf_model(model_dir, dtype: torch.dtype) -> transformers.PreTrainedModel:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda")
+    # Eager attention: the reference must soft-cap Gemma 2's logits (and sink gpt-oss's),
+    # which HF's SDPA path leaves out; older transformers (the GPU image's 5.17) chose SDPA
+    # for Gemma 2 on a GPU, and its tokens parted from the engine's after a few steps.
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="eager"
+    ).to("cuda")
     model.generation_config.eos_token_id = None  # exactly NEW_TOKENS, like ignore_eos
     model.generation_config.pad_token_id = 0
     return model.eval()
