@@ -41,9 +41,10 @@ def random_prompts(seed: int, vocab_size: int = 512) -> list[list[int]]:
 
 
 def hf_model(model_dir, dtype: torch.dtype) -> transformers.PreTrainedModel:
-    # Eager attention: the reference must soft-cap Gemma 2's logits (and sink gpt-oss's),
-    # which HF's SDPA path leaves out; older transformers (the GPU image's 5.17) chose SDPA
-    # for Gemma 2 on a GPU, and its tokens parted from the engine's after a few steps.
+    # Eager attention: the reference must soft-cap Gemma 2's logits, which HF's SDPA path
+    # leaves out. transformers 5.25 refuses SDPA for Gemma 2 ("sdpa does not support
+    # softcapping"); the GPU image's 5.17 took it, and its tokens parted from the engine's
+    # (which agreed across both prefill paths) after a few decode steps.
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, attn_implementation="eager"
     ).to("cuda")
