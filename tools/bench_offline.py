@@ -387,8 +387,10 @@ def run_hf_generate_batch(
         max_new_tokens=max(request.output_len for request in requests),
     )
     results: dict[str, Any] = {}
+    # no_grad, not inference_mode: the manager's own thread updates tensors made here in
+    # place, which an inference tensor refuses outside inference mode (transformers 5.17).
     with (
-        torch.inference_mode(),
+        torch.no_grad(),
         model.continuous_batching_context_manager(
             generation_config=generation_config,
             continuous_batching_config=ContinuousBatchingConfig(**cb_config),
