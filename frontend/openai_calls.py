@@ -171,6 +171,10 @@ class OpenAiCalls:
         failed with its error, or cancelled; a streamed one's ``log`` then ends too."""
         server = self._server
         store = server.responses
+
+        def ended(error: CallError | None) -> None:  # None: cancelled
+            store.put(responses.stored(call, responses.ended_response(call, api_request, error)))
+
         try:
             async with server.call("http"):
                 store.put(
@@ -184,17 +188,13 @@ class OpenAiCalls:
                     else:
                         await self._streamed_response(call, api_request, streams, llm, log)
                 except asyncio.CancelledError:
-                    store.put(responses.stored(call, responses.ended_response(call, api_request)))
+                    ended(None)
                     raise
                 except CallError as error:
-                    failed = responses.ended_response(call, api_request, error)
-                    store.put(responses.stored(call, failed))
+                    ended(error)
                     raise
                 except Exception as error:  # a bug: the response still ends, failed
-                    failed = responses.ended_response(
-                        call, api_request, CallError("INTERNAL", f"internal error: {error}")
-                    )
-                    store.put(responses.stored(call, failed))
+                    ended(CallError("INTERNAL", f"internal error: {error}"))
                     raise
         except (asyncio.CancelledError, CallError):
             pass  # stored above; counted by server.call
