@@ -28,12 +28,12 @@ def long_request(prompt_start: int = 5, **fields) -> pb.GenerateRequest:
     )
 
 
-def longest_request() -> pb.GenerateRequest:
+def longest_request(prompt_start: int = 5) -> pb.GenerateRequest:
     """500 tokens, nearly the test model's whole window (512): for calls that must still be
     running a fraction of a second later (the tiny model streams over 1000 tokens a second
     on a quiet machine)."""
     return pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=[5, 300, 301, 302]),
+        token_ids=pb.TokenIds(ids=[prompt_start, 300, 301, 302]),
         sampling=pb.SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True),
     )
 
@@ -45,7 +45,7 @@ def health_status(server) -> int:
 
 def test_cancelled_stream_and_passed_deadline_free_their_blocks(start_server):
     server = start_server("--kv-cache-bytes", str(4 << 20))
-    stream = server.stub.GenerateStream(long_request())
+    stream = server.stub.GenerateStream(longest_request())
     first = next(stream)
     next(stream)
     assert first.prompt_token_ids
@@ -68,7 +68,7 @@ def test_cancelled_stream_and_passed_deadline_free_their_blocks(start_server):
 
 def test_more_calls_than_the_limit_get_resource_exhausted(start_server):
     server = start_server("--max-concurrent-requests", "2")
-    streams = [server.stub.GenerateStream(long_request(5 + i)) for i in range(2)]
+    streams = [server.stub.GenerateStream(longest_request(5 + i)) for i in range(2)]
     for stream in streams:
         next(stream)
     with pytest.raises(grpc.RpcError) as caught:
@@ -121,11 +121,14 @@ def test_drain_timeout_ends_the_calls_left_with_unavailable(start_server):
 
 def test_worker_killed_mid_generation_fails_every_call_and_exits_1(start_server):
     server = start_server()
-    streams = [server.stub.GenerateStream(long_request(5 + i)) for i in range(3)]
-    for stream in streams:
-        next(stream)
+    # The pids are read before the calls start and the worker is killed the moment every
+    # call has streamed once: on a fast machine 500 tokens take under half a second, and
+    # reading /proc between the first token and the kill once let a call finish cleanly.
     engine_pids = server.engine_pids()
     (worker_pid,) = server.worker_pids()
+    streams = [server.stub.GenerateStream(longest_request(5 + i)) for i in range(3)]
+    for stream in streams:
+        next(stream)
     killed_s = time.monotonic()
     os.kill(worker_pid, signal.SIGKILL)
     for stream in streams:
