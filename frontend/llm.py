@@ -55,6 +55,7 @@ from pagedserve.gpu_worker.model_config import (
     check_kv_cache_dtype,
     check_quantization_name,
     check_tensor_parallel_size,
+    next_token_layer_config,
 )
 from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig, check_priority
 from pagedserve.scheduler.engine_core import EngineCore
@@ -189,6 +190,9 @@ class LLM:
     ``{"model": "/path/to/draft", "num_speculative_tokens": 4}`` drafts with a small model of
     the same tokenizer instead (``gpu_worker/draft_model.py``): the workers run it beside the
     target, with a KV pool of its own sharing the target's block tables.
+    ``{"method": "mtp", "num_speculative_tokens": 1}`` drafts with the model's own
+    multi-token-prediction layer (DeepSeek-V3, GLM-4.5: ``gpu_worker/next_token_drafter.py``),
+    from the target's hidden states, likewise with a pool of its own.
 
     ``structured_outputs_disable_any_whitespace=True`` sets
     ``StructuredOutputsParams.disable_any_whitespace`` for every request: JSON constraints
@@ -338,7 +342,15 @@ class LLM:
             check_draft_model(
                 ModelConfig.from_dir(resolved.path), draft_config, tensor_parallel_size
             )
-        num_draft_tokens = speculative.num_speculative_tokens if draft_path is not None else 0
+        # Speculative decoding with the model's own multi-token-prediction layer: checked
+        # here, before any process starts.
+        mtp = speculative is not None and speculative.method == "mtp"
+        if mtp:
+            next_token_layer_config(ModelConfig.from_dir(resolved.path))
+        worker_method = "mtp" if mtp else "draft_model"
+        num_draft_tokens = (
+            speculative.num_speculative_tokens if draft_path is not None or mtp else 0
+        )
         self.generation_defaults = load_generation_defaults(
             self.model_path, generation_config, override_generation_config
         )
@@ -391,6 +403,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
                 speculative_model=draft_path,
                 num_speculative_tokens=num_draft_tokens,
+                speculative_method=worker_method,
             )
             model_config = self.worker.model_config
         self.model_config = model_config
@@ -471,6 +484,7 @@ class LLM:
                     kv_cache_dtype,
                     None if draft_path is None else str(draft_path),
                     num_draft_tokens,
+                    worker_method,
                 ),
                 seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
@@ -534,9 +548,13 @@ class LLM:
         if speculative is not None:
             logger.info(
                 "speculative decoding: %s, %d draft tokens a step%s%s",
-                "prompt lookup" if draft_path is None else f"draft model {draft_path}",
+                {
+                    "ngram": "prompt lookup",
+                    "draft_model": f"draft model {draft_path}",
+                    "mtp": "the model's multi-token-prediction layer",
+                }[speculative.method],
                 speculative.num_speculative_tokens,
-                " (the draft model's K/V share each block)" if draft_path is not None else "",
+                " (the drafter's K/V share each block)" if draft_path is not None or mtp else "",
                 f", none from {speculative.disable_by_batch_size} running sequences on"
                 if speculative.disable_by_batch_size
                 else "",

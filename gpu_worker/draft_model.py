@@ -48,6 +48,9 @@ class DraftRow:
     # The sequence sampled and may speculate: its token at ``end`` (the one just sampled)
     # joins the pass, and the draft guesses after it.
     proposes: bool
+    # The row of the step's target hidden states at position ``start`` (the rows up to
+    # ``end`` follow it): what a multi-token-prediction layer drafts from.
+    hidden_row: int = 0
 
 
 @dataclass
@@ -88,9 +91,12 @@ class DraftModel:
         self.device = device
         self.gathered_prefill = gathered_prefill
 
-    def propose(self, rows: list[DraftRow]) -> dict[str, list[int]]:
+    def propose(
+        self, rows: list[DraftRow], hidden: torch.Tensor | None = None
+    ) -> dict[str, list[int]]:
         """Bring the draft's cache up to the target's for every row, and return the
-        guesses of each proposing row that has a slot for them (one at least)."""
+        guesses of each proposing row that has a slot for them (one at least). A draft model
+        reads tokens alone: the target's ``hidden`` states are not used."""
         first_pass = []
         for row in rows:
             end = min(row.end, self.max_positions)

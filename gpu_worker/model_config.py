@@ -1663,6 +1663,41 @@ def check_cuda_graph_support(config: ModelConfig) -> None:
         )
 
 
+# The architectures whose checkpoints carry DeepSeek-V3's multi-token-prediction layers,
+# which speculative decoding's method "mtp" drafts with (models/multi_token_predictor.py).
+NEXT_TOKEN_PREDICTION_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+
+
+def next_token_layer_config(config: ModelConfig) -> ModelConfig:
+    """The model's first multi-token-prediction layer (the one after its
+    ``num_hidden_layers`` decoder layers) as a one-layer model: its experts as a decoder
+    layer at that index would have them, full attention, the target's cache head. Raises
+    ``ValueError`` naming why for a model without such a layer."""
+    if config.architecture not in NEXT_TOKEN_PREDICTION_ARCHITECTURES:
+        raise ValueError(
+            f"speculative_config.method 'mtp' drafts with a model's multi-token-prediction "
+            f"layers, which {config.architecture} has none of; models with them: "
+            f"{', '.join(NEXT_TOKEN_PREDICTION_ARCHITECTURES)}"
+        )
+    count = config.hf_config.get("num_nextn_predict_layers")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(
+            f"speculative_config.method 'mtp': {str(config.path / 'config.json')!r} has "
+            f"num_nextn_predict_layers={count!r}, so its checkpoint has no "
+            "multi-token-prediction layer (it must be an integer >= 1)"
+        )
+    index = config.num_layers
+    extended = {**config.hf_config, "num_hidden_layers": index + 1}
+    experts = _layer_experts(config.architecture, extended)[index]
+    return dataclasses.replace(
+        config,
+        num_layers=1,
+        layer_sliding_windows=(0,),
+        layer_experts=(experts,),
+        layer_attention_chunks=(0,),
+    )
+
+
 def check_attention_chunk_size(config: ModelConfig, block_size: int) -> None:
     """Raise ``ValueError`` when the model's attention chunks do not start on block
     boundaries: the chunked view of a step starts each chunk's block table at a block."""

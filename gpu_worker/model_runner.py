@@ -13,6 +13,7 @@ from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.gathered_prefill import use_gathered_prefill
 from pagedserve.gpu_worker.lora import LoRABatch
 from pagedserve.gpu_worker.models.base import CausalLM
+from pagedserve.gpu_worker.next_token_drafter import NextTokenDrafter
 from pagedserve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedserve.scheduler.beam_search import num_candidates
 from pagedserve.scheduler.messages import (
@@ -151,8 +152,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.gathered_prefill = use_gathered_prefill(device)
         self.decode_graphs: DecodeGraphs | None = None  # set by the worker when asked
-        # Speculative decoding with a draft model: set by the worker when it has one.
-        self.draft_model: DraftModel | None = None
+        # Speculative decoding with a draft model or the model's multi-token-prediction
+        # layer: set by the worker when it has one.
+        self.draft_model: DraftModel | NextTokenDrafter | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         entries = self._apply_plan(plan)
@@ -183,7 +185,7 @@ class ModelRunner:
                     plan.step_id,
                     prompt_logprobs=prompt_logprobs,
                     embeddings=embeddings,
-                    draft_token_ids=self._draft(entries, samples, plan.draft_guesses),
+                    draft_token_ids=self._draft(entries, samples, plan.draft_guesses, hidden),
                 )
             # The sampler works on the host (numpy seeds, per-request lists).
             # NOTE: on a GPU this copy waits for the forward pass: the step's one synchronization.
@@ -207,11 +209,15 @@ class ModelRunner:
             logprobs=[logprobs[row] for row in rows] if logprobs else [],
             prompt_logprobs=prompt_logprobs,
             embeddings=embeddings,
-            draft_token_ids=self._draft(entries, samples, plan.draft_guesses),
+            draft_token_ids=self._draft(entries, samples, plan.draft_guesses, hidden),
         )
 
     def _draft(
-        self, entries: list[_ScheduledEntry], samples: list[bool], guesses: bool
+        self,
+        entries: list[_ScheduledEntry],
+        samples: list[bool],
+        guesses: bool,
+        hidden: torch.Tensor,
     ) -> dict[str, list[int]]:
         """The draft model's pass over what the target kept of this step, and, when the
         plan wants ``guesses``, its guesses for the sequences that sampled and may
@@ -221,6 +227,7 @@ class ModelRunner:
         if self.draft_model is None:
             return {}
         rows = []
+        hidden_row = 0  # the entry's first row in the step's hidden states
         for entry, samples_now in zip(entries, samples):
             state = entry.state
             params = state.sampling_params
@@ -240,9 +247,11 @@ class ModelRunner:
                     and sampled
                     and params.num_sequences == 1
                     and not params.use_beam_search,
+                    hidden_row,
                 )
             )
-        return self.draft_model.propose(rows)
+            hidden_row += entry.num_scheduled_tokens  # its drafts' rows included
+        return self.draft_model.propose(rows, hidden)
 
     def _apply_plan(self, plan: StepPlan) -> list[_ScheduledEntry]:
         for request_id in plan.finished_request_ids:

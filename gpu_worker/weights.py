@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -47,8 +47,11 @@ def language_model_weights(
         yield name, tensor
 
 
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``path``.
+def iterate_weights(
+    path: Path, names: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``path`` (those whose
+    name ``names`` accepts, when given: safetensors then reads no other).
 
     safetensors files are preferred; PyTorch ``.bin`` files are read with
     ``weights_only=True`` so a checkpoint can never run code.
@@ -58,7 +61,8 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in safetensors_files:
             with safe_open(file, framework="pt") as reader:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, reader.get_tensor(name)
+                    if names is None or names(name):
+                        yield name, reader.get_tensor(name)
         return
     bin_files = sorted(path.glob("pytorch_model*.bin"))
     if not bin_files:
@@ -67,4 +71,4 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         )
     for file in bin_files:
         state = torch.load(file, map_location="cpu", weights_only=True)
-        yield from state.items()
+        yield from (item for item in state.items() if names is None or names(item[0]))

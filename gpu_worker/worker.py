@@ -30,9 +30,12 @@ from pagedserve.gpu_worker.model_config import (
     check_dtype_name,
     check_kv_cache_dtype,
     check_quantization_name,
+    next_token_layer_config,
 )
 from pagedserve.gpu_worker.model_runner import ModelRunner
 from pagedserve.gpu_worker.models import build_model
+from pagedserve.gpu_worker.models.multi_token_predictor import MultiTokenPredictor, layer_prefix
+from pagedserve.gpu_worker.next_token_drafter import NextTokenDrafter
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel, check_tensor_parallel_size
 from pagedserve.gpu_worker.weights import iterate_weights, language_model_weights
 from pagedserve.scheduler.messages import StepPlan, StepResult
@@ -70,6 +73,9 @@ class Worker:
     its own of as many blocks, that guesses up to ``num_speculative_tokens`` tokens per
     decoding sequence after each step (draft_model.py). A block then costs both models'
     bytes (``bytes_per_block``), and copies and swaps move it in both pools.
+    ``speculative_method="mtp"`` (no ``speculative_model``): the model's own
+    multi-token-prediction layer guesses instead, from its checkpoint, with a one-layer pool
+    beside the target's (next_token_drafter.py).
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class Worker:
         kv_cache_dtype: str = "auto",
         speculative_model: Path | None = None,
         num_speculative_tokens: int = 0,
+        speculative_method: str = "draft_model",
     ) -> None:
         """``lora_modules``: (name, PEFT LoRA adapter directory) pairs, adapter ids 1, 2,
         ... in order; ``enable_lora``: adapters may also load at run time (the plans'
@@ -107,7 +114,13 @@ class Worker:
         check_tensor_parallel_size(self.model_config, parallel.size)
         check_attention_chunk_size(self.model_config, block_size)
         self.draft_config = None
-        if speculative_model is not None:
+        if speculative_method == "mtp":
+            self.draft_config = next_token_layer_config(self.model_config)
+        elif speculative_method != "draft_model":
+            raise ValueError(
+                f"speculative_method must be 'draft_model' or 'mtp', got {speculative_method!r}"
+            )
+        elif speculative_model is not None:
             self.draft_config = ModelConfig.from_dir(speculative_model)
             check_tensor_parallel_size(self.draft_config, parallel.size)
             check_attention_chunk_size(self.draft_config, block_size)
@@ -140,7 +153,31 @@ class Worker:
         )
         self.draft_model = None
         self.draft_kv_cache_spec = None
-        if self.draft_config is not None:
+        self.next_token_predictor: MultiTokenPredictor | None = None
+        if speculative_method == "mtp":
+            assert self.draft_config is not None
+            started = time.monotonic()
+            with torch.device(self.device):
+                self.next_token_predictor = MultiTokenPredictor(
+                    self.model, self.draft_config, torch_dtype, parallel
+                )
+            prefix = layer_prefix(self.model_config)
+            self.next_token_predictor.load_weights(
+                checkpoint_weights(self.model_config, lambda name: name.startswith(prefix)),
+                prefix,
+            )
+            self.next_token_predictor.eval()
+            self.next_token_predictor.pack_weights(None)
+            self.draft_kv_cache_spec = KVCacheSpec.for_model(
+                self.draft_config, parallel, block_size, cache_dtype
+            )
+            logger.info(
+                "loaded the multi-token-prediction layer (%s%s) in %.1f s",
+                prefix,
+                "" if self.next_token_predictor.head is None else ", its own head",
+                time.monotonic() - started,
+            )
+        elif self.draft_config is not None:
             # Loaded before the pools are sized: its weights take memory too.
             started = time.monotonic()
             with torch.device(self.device):
@@ -197,6 +234,19 @@ class Worker:
             self.model_config.attention_chunk_size,
             self.model_config.latent_attention,
         )
+        if self.next_token_predictor is not None:
+            assert self.draft_config is not None
+            self.next_token_predictor.bind_kv_cache(self.kv_caches[1])
+            self.runner.draft_model = NextTokenDrafter(
+                self.next_token_predictor,
+                num_speculative_tokens,
+                self.model_config.vocab_size,
+                self.model_config.max_position_embeddings,
+                block_size,
+                self.device,
+                self.runner.gathered_prefill,
+                self.model_config.latent_attention,
+            )
         if self.draft_model is not None:
             self.draft_model.bind_kv_cache(self.kv_caches[1])
             self.runner.draft_model = DraftModel(
@@ -309,10 +359,13 @@ def _parse_device(device: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(
+    config: ModelConfig, names: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's checkpoint tensors: a vision-language checkpoint's language model's
-    alone (``model_config.VLM_TEXT_MODELS``)."""
-    weights = iterate_weights(config.path)
+    alone (``model_config.VLM_TEXT_MODELS``); with ``names``, only those it accepts are
+    read."""
+    weights = iterate_weights(config.path, names)
     if config.declared_architecture in VLM_TEXT_MODELS:
         return language_model_weights(weights)
     return weights

@@ -97,6 +97,7 @@ def build_worker(start: StartWorker) -> Worker:
         kv_cache_dtype=spec.kv_cache_dtype,
         speculative_model=None if spec.speculative_model is None else Path(spec.speculative_model),
         num_speculative_tokens=spec.num_speculative_tokens,
+        speculative_method=spec.speculative_method,
     )
 
 

@@ -48,8 +48,9 @@ class SchedulerConfig:
     allocation_policy: str = "paged"
     # Speculative decoding (``speculative_config.py``): draft tokens per sequence per step,
     # at most (0: off); by prompt lookup (``ngram_proposer.py``, the suffix lengths looked
-    # up), or from the workers' draft model ("draft_model": the scheduler also reserves
-    # blocks for the draft's guesses past a sequence's scheduled tokens when they are free).
+    # up), or from the workers' draft model or multi-token-prediction layer ("draft_model",
+    # "mtp": the scheduler also reserves blocks for their guesses past a sequence's
+    # scheduled tokens when they are free).
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2

@@ -168,6 +168,8 @@ class WorkerSpec:
     # tokens it guesses per sequence per step.
     speculative_model: str | None = None
     num_speculative_tokens: int = 0
+    # "mtp": the model's own multi-token-prediction layer guesses (no speculative_model).
+    speculative_method: str = "draft_model"
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pagedserve.scheduler.messages import (
 from pagedserve.scheduler.pooling_params import check_task
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sequence_group import SequenceGroup
+from pagedserve.scheduler.speculative_config import WORKER_DRAFTED_METHODS
 from pagedserve.scheduler.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -411,7 +412,7 @@ class Scheduler:
         # any draft); then the draft model's guesses or prompt lookup, cut where the
         # grammar would refuse a draft.
         drafts = grammar.forced_tokens()[:room] if grammar is not None else []
-        if not drafts and config.speculative_method == "draft_model":
+        if not drafts and config.speculative_method in WORKER_DRAFTED_METHODS:
             drafts = request.draft_token_ids[:room]
         elif not drafts:
             drafts = ngram_proposer.propose(
@@ -446,7 +447,7 @@ class Scheduler:
         never preempts. Returns the blocks added to the table."""
         config = self.config
         if (
-            config.speculative_method != "draft_model"
+            config.speculative_method not in WORKER_DRAFTED_METHODS
             or not config.num_speculative_tokens
             or not self._speculating
             or request.group is not None

@@ -286,6 +286,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "kv_cache_dtype",
         "speculative_model",
         "num_speculative_tokens",
+        "speculative_method",
     ),
     StartEngine: (
         "frontend_pid",
@@ -937,6 +938,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         str,
         (str, type(None)),
         int,
+        str,
     ),
     StructuredOutputsParams: (
         (str, type(None)),

@@ -1,11 +1,14 @@
 """How speculative decoding is set up, as vLLM's ``speculative_config`` dict says it.
 
-Two ways to draft tokens: ``"ngram"``, prompt lookup (``ngram_proposer.py``, in the
-scheduler: free, good on text that repeats itself), and ``"draft_model"``, a small model of
+Three ways to draft tokens: ``"ngram"``, prompt lookup (``ngram_proposer.py``, in the
+scheduler: free, good on text that repeats itself); ``"draft_model"``, a small model of
 the target's vocabulary run by the workers beside the target
 (``gpu_worker/draft_model.py``: a forward pass per guessed token, good on any text the small
-model predicts well). Either way the target checks the drafts in one pass and the output is
-what decoding a token at a time gives.
+model predicts well); and ``"mtp"``, the target's own multi-token-prediction layer
+(DeepSeek-V3's, GLM-4.5's: ``gpu_worker/next_token_drafter.py``, one layer's pass per guess
+from the target's hidden states; vLLM's ``"deepseek_mtp"`` and ``"glm4_moe_mtp"`` name it
+too). Either way the target checks the drafts in one pass and the output is what decoding a
+token at a time gives.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # vLLM's names for the methods and settings, as its ``speculative_config`` takes them.
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's older, per-family names for "mtp".
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
+# The methods whose drafts the workers make after each step (the rest: the scheduler).
+WORKER_DRAFTED_METHODS = ("draft_model", "mtp")
 _PROMPT_LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 
 
@@ -22,7 +29,8 @@ class SpeculativeConfig:
     """Up to ``num_speculative_tokens`` draft tokens per sequence per step: by prompt
     lookup (``method="ngram"``: the most recent earlier occurrence of the sequence's last n
     tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), or from the draft
-    model at ``model`` (``method="draft_model"``: an HF directory or a GGUF file).
+    model at ``model`` (``method="draft_model"``: an HF directory or a GGUF file), or by the
+    target's multi-token-prediction layer (``method="mtp"``, no ``model``).
     ``disable_by_batch_size``: no sequence speculates in a step that starts with at least
     that many running sequences (a large batch keeps the device busy already: checking
     drafts then costs more than the steps it saves); None: always speculate.
@@ -82,6 +90,11 @@ class SpeculativeConfig:
                 f"speculative_config.model ({self.model!r}) is for method 'draft_model'; "
                 "method 'ngram' drafts by prompt lookup, without a model"
             )
+        if self.method == "mtp" and self.model is not None:
+            raise ValueError(
+                f"speculative_config.model ({self.model!r}) is for method 'draft_model'; "
+                "method 'mtp' drafts with the target's own multi-token-prediction layer"
+            )
 
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
@@ -110,10 +123,12 @@ class SpeculativeConfig:
         config = dict(config)
         if "method" not in config:
             config["method"] = "draft_model" if "model" in config else "ngram"
+        if config["method"] in MTP_ALIASES:
+            config["method"] = "mtp"
         lookup_keys = sorted(set(_PROMPT_LOOKUP_KEYS) & set(config))
-        if config["method"] == "draft_model" and lookup_keys:
+        if config["method"] in WORKER_DRAFTED_METHODS and lookup_keys:
             raise ValueError(
                 f"speculative_config: {', '.join(lookup_keys)} apply to method 'ngram' "
-                "(prompt lookup), not to 'draft_model'"
+                f"(prompt lookup), not to {config['method']!r}"
             )
         return cls(**config)

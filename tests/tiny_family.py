@@ -70,9 +70,11 @@ def rewritten(model_dir: Path, path: Path, **changes) -> Path:
     return path
 
 
-def check_chunked_prefix_hits_and_two_ranks(model_dir: Path, expected: list[list[int]]) -> None:
+def check_chunked_prefix_hits_and_two_ranks(
+    model_dir: Path, expected: list[list[int]], **engine_args
+) -> None:
     """HF's greedy tokens (``expected``) from 24-token chunks whose second pass hits the
-    prefix cache, and from two tensor-parallel ranks."""
+    prefix cache, and from two tensor-parallel ranks (``engine_args``: both engines')."""
     llm = LLM(
         model_dir,
         block_size=16,
@@ -80,12 +82,13 @@ def check_chunked_prefix_hits_and_two_ranks(model_dir: Path, expected: list[list
         enable_chunked_prefill=True,
         max_num_batched_tokens=24,
         enable_prefix_caching=True,
+        **engine_args,
     )
     first = llm.generate(prompts(), GREEDY)
     second = llm.generate(prompts(), GREEDY)
     assert [o.num_cached_tokens for o in second] == [0, 16, 32, 96, 144]
     assert token_ids(first) == token_ids(second) == expected
-    parallel = LLM(model_dir, num_blocks=256, tensor_parallel_size=2)
+    parallel = LLM(model_dir, num_blocks=256, tensor_parallel_size=2, **engine_args)
     try:
         assert token_ids(parallel.generate(prompts(), GREEDY)) == expected
     finally:

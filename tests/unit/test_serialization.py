@@ -652,12 +652,13 @@ def _plan_fields(**overrides) -> list:
                 "auto",
                 None,
                 0,
+                "draft_model",
             ),
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
             _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None),
-            "WorkerSpec: expected an array of 15 fields",
+            "WorkerSpec: expected an array of 16 fields",
         ),
         (
             _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),

@@ -29,6 +29,10 @@ def test_prompt_lookup_and_draft_model_configs():
     assert SpeculativeConfig.from_dict(explicit) == config
     limited = SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "disable_by_batch_size": 8})
     assert limited.disable_by_batch_size == 8
+    # The model's own multi-token-prediction layer, under vLLM's names old and new.
+    for method in ("mtp", "deepseek_mtp", "glm4_moe_mtp"):
+        config = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 1})
+        assert (config.method, config.model) == ("mtp", None)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +59,18 @@ def test_prompt_lookup_and_draft_model_configs():
         (
             {"model": "/m/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
             "prompt_lookup_max apply to method 'ngram'",
+        ),
+        (
+            {"method": "mtp", "model": "/m/draft", "num_speculative_tokens": 1},
+            "method 'mtp' drafts with the target's own multi-token-prediction layer",
+        ),
+        (
+            {"method": "deepseek_mtp", "num_speculative_tokens": 1, "prompt_lookup_min": 2},
+            "prompt_lookup_min apply to method 'ngram' (prompt lookup), not to 'mtp'",
+        ),
+        (
+            {"method": "mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1},
+            "speculative_config.draft_tensor_parallel_size is for method 'draft_model'",
         ),
         (
             {"num_speculative_tokens": 2, "disable_by_batch_size": 1},
