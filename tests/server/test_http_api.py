@@ -875,7 +875,9 @@ def test_a_client_that_disconnects_mid_stream_ends_its_request(server):
 
 def test_overload_and_drain_over_http(start_server):
     server = start_server("--http-port", "0", "--max-concurrent-requests", "2")
-    long_body = {"prompt": PROMPT_IDS, "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+    # 500 tokens: the streams must outlive five more round trips (the tiny model streams
+    # over 1000 tokens a second on a quiet machine).
+    long_body = {"prompt": PROMPT_IDS, "max_tokens": 500, "temperature": 0, "ignore_eos": True,
                  "stream": True}  # fmt: skip
     connections = []
     for _ in range(2):
@@ -916,6 +918,7 @@ def test_a_worker_killed_mid_stream_ends_http_calls_with_an_error_event(start_se
     # (~1 ms a step) before the second call is in flight.
     prompts = [[5 + index, 300, 301, 302] for index in range(8)]
     long_body = {"prompt": prompts, "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    (worker_pid,) = server.worker_pids()  # read before the calls: /proc is slow to scan
     connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
     connection.request("POST", "/v1/completions", json.dumps({**long_body, "stream": True}))
     response = connection.getresponse()
@@ -923,7 +926,6 @@ def test_a_worker_killed_mid_stream_ends_http_calls_with_an_error_event(start_se
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         whole = pool.submit(post, server, "/v1/completions", long_body)
         assert wait_until(lambda: server.stats().requests_running == 2, 10)
-        (worker_pid,) = server.worker_pids()
         os.kill(worker_pid, signal.SIGKILL)
         # The stream's last events: the error, then [DONE].
         events = [e for e in response.read().decode().split("\n\n") if e.strip()]
@@ -1096,9 +1098,9 @@ def test_while_the_model_loads_http_answers_503_then_serves(start_server):
 
 
 def test_the_drain_timeout_ends_an_http_stream_with_an_error_event(start_server):
-    # No time to drain: the stream (450 tokens, of which it has read one) is ended at once.
+    # No time to drain: the stream (500 tokens, of which it has read one) is ended at once.
     server = start_server("--http-port", "0", "--drain-timeout-s", "0")
-    body = {"prompt": PROMPT_IDS, "max_tokens": 450, "temperature": 0, "ignore_eos": True,
+    body = {"prompt": PROMPT_IDS, "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
     connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
     connection.request("POST", "/v1/completions", json.dumps(body))

@@ -490,7 +490,8 @@ def test_a_draining_server_waits_for_its_background_responses(start_server):
     the stream, and the server exits 0."""
     server = start_server("--http-port", "0", "--max-num-seqs", "1")
     connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    stream_body = {"prompt": [5, 300, 301, 302], "max_tokens": 150, "temperature": 0,
+    # 500 tokens: the stream must outlive four more round trips and the signal.
+    stream_body = {"prompt": [5, 300, 301, 302], "max_tokens": 500, "temperature": 0,
                    "ignore_eos": True, "stream": True}  # fmt: skip
     connection.request("POST", "/v1/completions", json.dumps(stream_body))
     stream = connection.getresponse()

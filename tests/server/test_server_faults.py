@@ -83,11 +83,7 @@ def test_more_calls_than_the_limit_get_resource_exhausted(start_server):
 
 def test_sigterm_drains_calls_in_flight_then_exits_0(start_server):
     server = start_server()
-    request = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=[5, 300, 301]),
-        sampling=pb.SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True),
-    )
-    stream = server.stub.GenerateStream(request)
+    stream = server.stub.GenerateStream(longest_request())
     messages = [next(stream)]
     os.kill(server.pid, signal.SIGTERM)
     assert wait_until(
@@ -99,7 +95,7 @@ def test_sigterm_drains_calls_in_flight_then_exits_0(start_server):
     assert "shutting down" in caught.value.details()
     messages += list(stream)  # the call in flight runs to its end
     assert messages[-1].finished
-    assert sum(len(c.token_ids) for m in messages for c in m.outputs) == 120
+    assert sum(len(c.token_ids) for m in messages for c in m.outputs) == 500
     assert server.terminate() == 0
     assert "draining: 1 calls in flight" in server.log()
 
