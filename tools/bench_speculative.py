@@ -2,8 +2,9 @@
 
 One engine per configuration, built once and kept for the whole run: plain decoding, and
 prompt-lookup speculation (vLLM's "ngram" method), or with ``--draft-model`` speculation
-with that draft model, with each ``--num-speculative-tokens`` K, otherwise the same
-settings. Each serves two workloads, chat prompts on the chat
+with that draft model, or with ``--mtp`` the model's own multi-token-prediction layer
+(DeepSeek-V3, GLM-4.5), with each ``--num-speculative-tokens`` K, otherwise the same
+settings. Each serves the workloads, chat prompts on the chat
 template, greedy, ``--max-tokens`` per request with ``ignore_eos=True`` so that every
 configuration generates the same token counts:
 
@@ -16,6 +17,8 @@ configuration generates the same token counts:
     free        open questions whose answers do not repeat the prompt: the control,
                 where the drafts are few and mostly wrong and what speculation costs
                 shows.
+    random      8 prompts of 64 to 200 random token ids (seeded): for a model without a
+                tokenizer (a random checkpoint), the only workload it takes.
 
 For each (workload, batch size) cell, the first ``batch_size`` prompts of the workload
 (cycled past its 8) run once untimed on every engine (plain first: its outputs are the
@@ -45,6 +48,11 @@ Examples (from the repository root):
     # multi-row GEMM many times slower (docs/BENCHMARKS.md), speculation's verification most.
     .venv/bin/python tools/bench_speculative.py --threads 1 --json bench.json
 
+    # The model's multi-token-prediction layer on a random DeepSeek-V3-shaped checkpoint
+    # (no tokenizer: random prompts; docs/BENCHMARKS.md shows how the model is made).
+    .venv/bin/python tools/bench_speculative.py --model /tmp/bench-mtp/predictable --mtp \
+        --workloads random --num-speculative-tokens 1 2 3 --threads 1 --json bench.json
+
     # A smoke run, a couple of minutes.
     .venv/bin/python tools/bench_speculative.py --batch-sizes 1 --num-speculative-tokens 4 \\
         --repeats 1 --max-tokens 32
@@ -56,6 +64,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shlex
 import statistics
 import sys
@@ -138,6 +147,7 @@ FREE = (
     "How do airplanes stay in the air?",
 )
 WORKLOADS = {"repetitive": REPETITIVE, "free": FREE}
+RANDOM = "random"  # token ids, not text
 
 
 @dataclass(frozen=True)
@@ -196,6 +206,8 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLM]:
         speculative_config = None
         if k is not None and args.draft_model is not None:
             speculative_config = {"model": args.draft_model, "num_speculative_tokens": k}
+        elif k is not None and args.mtp:
+            speculative_config = {"method": "mtp", "num_speculative_tokens": k}
         elif k is not None:
             speculative_config = {
                 "method": "ngram",
@@ -217,12 +229,22 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLM]:
     return engines
 
 
-def encode_workloads(llm: LLM) -> dict[str, list[list[int]]]:
+def encode_workloads(llm: LLM, workloads: list[str]) -> dict[str, list[list[int]]]:
     """Each workload's chat prompts as token ids, encoded once so no timed run tokenizes."""
-    tokenizer = llm.tokenizer
-    assert tokenizer is not None, "the benchmark's prompts are text: the model needs a tokenizer"
     encoded = {}
-    for name, texts in WORKLOADS.items():
+    if RANDOM in workloads:
+        rng = random.Random(0)
+        vocab_size = llm.model_config.vocab_size
+        encoded[RANDOM] = [
+            [rng.randrange(vocab_size) for _ in range(rng.randrange(64, 201))] for _ in range(8)
+        ]
+    texts_asked = [name for name in workloads if name != RANDOM]
+    if not texts_asked:
+        return encoded
+    tokenizer = llm.tokenizer
+    assert tokenizer is not None, "text workloads need a tokenizer: use --workloads random"
+    for name in texts_asked:
+        texts = WORKLOADS[name]
         encoded[name] = [
             tokenizer.encode(
                 llm.render_chat([{"role": "user", "content": text}]), add_special_tokens=False
@@ -460,6 +482,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "tokenizer) instead of by prompt lookup",
     )
     parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help="speculate with the model's multi-token-prediction layer (method 'mtp')",
+    )
+    parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 8], help="requests per generate call"
     )
     parser.add_argument(
@@ -471,7 +498,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--prompt-lookup-max", type=int, default=4, help="longest suffix looked up")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest suffix")
-    parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument(
+        "--workloads", nargs="+", choices=(*WORKLOADS, RANDOM), default=list(WORKLOADS)
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each engine")
     parser.add_argument(
@@ -491,6 +520,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {bad}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.mtp and args.draft_model is not None:
+        parser.error("--mtp and --draft-model are two methods: give one")
     return args
 
 
@@ -501,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         ops.set_num_threads(args.threads)
     load_before = list(os.getloadavg())
     engines = build_engines(args)
-    prompts = encode_workloads(engines[PLAIN])
-    warm_up(engines, prompts["repetitive"])
+    prompts = encode_workloads(engines[PLAIN], args.workloads)
+    warm_up(engines, prompts[args.workloads[0]])
     mismatches: list[Mismatch] = []
     cells = [
         run_cell(engines, workload, prompts[workload], batch_size, args, mismatches)
@@ -514,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(sys.orig_argv),
         "settings": {
             "model": args.model or "embedded",
-            "method": "ngram" if args.draft_model is None else "draft_model",
+            "method": "mtp"
+            if args.mtp
+            else ("ngram" if args.draft_model is None else "draft_model"),
             "draft_model": args.draft_model,
             "dtype": args.dtype,
             "batch_sizes": args.batch_sizes,

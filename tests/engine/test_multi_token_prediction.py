@@ -195,31 +195,38 @@ def test_every_guess_is_the_hf_reference_s_and_the_tokens_hf_s(
     assert stats["num_draft_tokens"] > 0
 
 
-def test_a_layer_that_predicts_well_gets_its_guesses_accepted(model_dirs, tmp_path):
-    """A model whose next token is a function of the current one (its layers' outputs zeroed:
-    the token's embedding through the final norm and head) and whose MTP layer computes the
-    same function of its input token: its guesses are right, three a step."""
-    source = model_dirs["glm4_moe"]
-    copy = tmp_path / "copy"
-    shutil.copytree(source, copy)
-    tensors = load_file(copy / "model.safetensors")
-    config = json.loads((copy / "config.json").read_text())
+def predictable_copy(model_dir: Path, path: Path) -> Path:
+    """A copy of ``model_dir`` (with its MTP layer) whose next token is a function of the
+    current one and whose MTP layer computes that function of its input token, so its
+    guesses are right: every layer's attention and MLP outputs are zeroed (the token's
+    embedding goes through the final norm and head), ``eh_proj`` passes the normed embedding
+    of its token through, and the MTP head is the target's final norm and head. Every matrix
+    keeps its shape: a step costs what it costs on the model itself."""
+    shutil.copytree(model_dir, path)
+    tensors = load_file(path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
     for name in list(tensors):
-        if name.endswith(("o_proj.weight", "down_proj.weight")) and ".layers." in name:
+        if ".layers." in name and name.endswith(
+            ("o_proj.weight", "down_proj.weight", "o_proj.bias", "down_proj.bias")
+        ):
             tensors[name] = torch.zeros_like(tensors[name])
-        if name.endswith(("o_proj.bias", "down_proj.bias")):
-            tensors[name] = torch.zeros_like(tensors[name])
-    layer = config["num_hidden_layers"]
-    prefix = f"model.layers.{layer}."
+    prefix = f"model.layers.{config['num_hidden_layers']}."
     hidden = config["hidden_size"]
-    # eh_proj passes the normed embedding of the next token through; the layer adds nothing.
     tensors[f"{prefix}eh_proj.weight"] = torch.cat(
         [torch.eye(hidden), torch.zeros(hidden, hidden)], 1
     )
     tensors[f"{prefix}enorm.weight"] = torch.ones(hidden)
     tensors[f"{prefix}shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
-    tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    tensors[f"{prefix}shared_head.head.weight"] = head.clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_layer_that_predicts_well_gets_its_guesses_accepted(model_dirs, tmp_path, name):
+    """``predictable_copy``: three guesses a step, all right."""
+    copy = predictable_copy(model_dirs[name], tmp_path / "copy")
     plain = LLM(copy, num_blocks=256)
     want = token_ids(plain.generate(prompts(), GREEDY))
     llm = LLM(copy, num_blocks=256, speculative_config=mtp(3))
