@@ -12,8 +12,10 @@ feed it (the first token has no hidden state before it in training). A second gu
 same layer again on the first guess, with this module's own output in place of ``h``.
 
 The checkpoint's copies of the embedding and the head (``embed_tokens``,
-``shared_head.head``) are loaded as tables of its own; a checkpoint without them drafts with
-the target's.
+``shared_head.head``) are loaded as tables of its own unless they equal the target's (as
+DeepSeek-V3's do: the paper shares them), which the module then reads instead, so a copy
+takes no memory (DeepSeek-V3's head: 1.85 GB in bfloat16); a checkpoint without them
+drafts with the target's.
 """
 
 from __future__ import annotations
@@ -147,9 +149,19 @@ class MultiTokenPredictor(nn.Module):
         load_fused_checkpoint(self, pairs)
         if isinstance(self.layer.self_attn, MultiHeadLatentAttention):
             self.layer.self_attn.absorb_kv_b_proj()
+        target_embedding, target_head = self._target_tables
+        if self.embed_tokens is not None and _same_table(self.embed_tokens, target_embedding):
+            self.embed_tokens = None
+        if self.head is not None and _same_table(self.head, target_head):
+            self.head = None
 
     def pack_weights(self, quantization: str | None = None) -> int:
         packed = pack_linear_weights(self, quantization)
         if self.head is not None:
             packed += self.head.pack_for_logits()
         return packed
+
+
+def _same_table(own: VocabParallelEmbedding, target: VocabParallelEmbedding) -> bool:
+    """Whether this rank's rows of two tables are equal (a copy the module need not keep)."""
+    return own.weight.shape == target.weight.shape and bool(torch.equal(own.weight, target.weight))

@@ -293,6 +293,11 @@ def test_the_layer_s_experts_and_cache(model_dirs):
     llm = LLM(model_dirs["deepseek_v3"], num_blocks=64, speculative_config=mtp(1))
     worker = llm.worker
     assert worker.bytes_per_block == worker.kv_cache_spec.bytes_per_block * 4 // 3
+    # The checkpoint's embedding copy equals the target's: read from the target, not kept;
+    # its head differs (with_mtp_layer's noise): kept.
+    predictor = worker.next_token_predictor
+    assert predictor.embed_tokens is None and predictor.head is not None
+    assert "embed_tokens.weight" not in dict(predictor.named_parameters())
 
 
 def test_models_without_the_layer_are_refused_naming_why(model_dirs, tiny_model_dirs, tmp_path):
