@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         help='speculative decoding, as vLLM takes it: by prompt lookup \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\', with a draft model of the '
         'same tokenizer \'{"model": "/models/draft", "num_speculative_tokens": 4}\' or with '
-        "the model's multi-token-prediction layer (DeepSeek-V3, GLM-4.5) '{\"method\": "
-        '"mtp", "num_speculative_tokens": 1}\'',
+        "the model's multi-token-prediction layer (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash) "
+        '\'{"method": "mtp", "num_speculative_tokens": 1}\'',
     )
     engine.add_argument(
         "--lora-modules",

@@ -191,7 +191,8 @@ class LLM:
     the same tokenizer instead (``gpu_worker/draft_model.py``): the workers run it beside the
     target, with a KV pool of its own sharing the target's block tables.
     ``{"method": "mtp", "num_speculative_tokens": 1}`` drafts with the model's own
-    multi-token-prediction layer (DeepSeek-V3, GLM-4.5: ``gpu_worker/next_token_drafter.py``),
+    multi-token-prediction layer (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash:
+    ``gpu_worker/next_token_drafter.py``),
     from the target's hidden states, likewise with a pool of its own.
 
     ``structured_outputs_disable_any_whitespace=True`` sets

@@ -1665,7 +1665,11 @@ def check_cuda_graph_support(config: ModelConfig) -> None:
 
 # The architectures whose checkpoints carry DeepSeek-V3's multi-token-prediction layers,
 # which speculative decoding's method "mtp" drafts with (models/multi_token_predictor.py).
-NEXT_TOKEN_PREDICTION_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+NEXT_TOKEN_PREDICTION_ARCHITECTURES = (
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+)
 
 
 def next_token_layer_config(config: ModelConfig) -> ModelConfig:
@@ -1688,6 +1692,8 @@ def next_token_layer_config(config: ModelConfig) -> ModelConfig:
         )
     index = config.num_layers
     extended = {**config.hf_config, "num_hidden_layers": index + 1}
+    if isinstance(extended.get("mlp_layer_types"), list):  # GLM-4.7-Flash: its layer is sparse
+        extended["mlp_layer_types"] = [*extended["mlp_layer_types"], "sparse"]
     experts = _layer_experts(config.architecture, extended)[index]
     return dataclasses.replace(
         config,

@@ -258,7 +258,8 @@ def without_next_token_layers(
     """A checkpoint without its multi-token-prediction layers (DeepSeek-V3's and GLM-4.5's
     ``model.layers.{N}``, the ``num_nextn_predict_layers`` (default 1) after the
     ``num_hidden_layers``), which HF does not load either (``_keys_to_ignore_on_load_unexpected``):
-    they only draft tokens, which this engine's speculative decoding does not take from them."""
+    they only draft tokens, and speculative decoding's method "mtp" loads the first on its own
+    (``models/multi_token_predictor.py``)."""
     extra = config.hf_config.get("num_nextn_predict_layers", 1)
     next_token_layers = range(config.num_layers, config.num_layers + extra)
     for name, tensor in weights:

@@ -1,7 +1,7 @@
-"""DeepSeek-V3's multi-token-prediction (MTP) module, as its checkpoints and GLM-4.5's carry it
-(``model.layers.{N}``, the layer after the ``num_hidden_layers`` decoder layers; HF
-transformers skips it): a draft model for speculative decoding (method ``"mtp"``,
-``gpu_worker/next_token_drafter.py``).
+"""DeepSeek-V3's multi-token-prediction (MTP) module, as its checkpoints and GLM-4.5's and
+GLM-4.7-Flash's carry it (``model.layers.{N}``, the layer after the ``num_hidden_layers``
+decoder layers; HF transformers skips it): a draft model for speculative decoding (method
+``"mtp"``, ``gpu_worker/next_token_drafter.py``).
 
 At position ``i`` it takes the target's final hidden state there, ``h_i``, and the embedding
 of the token after it, ``t_{i+1}``, and predicts ``t_{i+2}``:

@@ -30,13 +30,17 @@ from tiny_models import random_hf_model
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig, next_token_layer_config
 
-CONFIGS = {"deepseek_v3": DEEPSEEK_CONFIGS["v3"], "glm4_moe": GLM4_MOE}
+CONFIGS = {
+    "deepseek_v3": DEEPSEEK_CONFIGS["v3"],
+    "glm4_moe": GLM4_MOE,
+    "glm4_moe_lite": DEEPSEEK_CONFIGS["glm4_moe_lite"],
+}
 
 
 def with_mtp_layer(model_dir: Path, path: Path, own_tables: bool = True, seed: int = 0) -> Path:
     """A copy of ``model_dir`` with a random multi-token-prediction layer after its decoder
-    layers, named as DeepSeek-V3's checkpoint names it: the last decoder layer's tensors plus
-    noise, random norms and ``eh_proj``, and (``own_tables``) copies of the embedding and
+    layers, named as DeepSeek-V3's checkpoint names it: the last layer with experts' tensors
+    plus noise, random norms and ``eh_proj``, and (``own_tables``) copies of the embedding and
     the LM head as ``embed_tokens`` and ``shared_head.head``."""
     shutil.copytree(model_dir, path)
     config = json.loads((path / "config.json").read_text())
@@ -48,11 +52,15 @@ def with_mtp_layer(model_dir: Path, path: Path, own_tables: bool = True, seed: i
     def noise(shape) -> torch.Tensor:
         return torch.randn(shape, generator=generator)
 
-    last, layer = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
-    for name in [n for n in tensors if n.startswith(f"model.layers.{last}.")]:
+    layer = config["num_hidden_layers"]
+    # The MTP layer has experts: the last decoder layer that has them is copied.
+    source = max(
+        index for index in range(layer) if f"model.layers.{index}.mlp.gate.weight" in tensors
+    )
+    for name in [n for n in tensors if n.startswith(f"model.layers.{source}.")]:
         tensor = tensors[name]
         copy = tensor + 0.05 * noise(tensor.shape) if tensor.is_floating_point() else tensor
-        tensors[name.replace(f".{last}.", f".{layer}.", 1)] = copy.clone()
+        tensors[name.replace(f".{source}.", f".{layer}.", 1)] = copy.clone()
     hidden = config["hidden_size"]
     prefix = f"model.layers.{layer}."
     for norm in ("enorm", "hnorm", "shared_head.norm"):
@@ -95,12 +103,15 @@ class HfNextTokenReference:
         self.target = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32
         )
-        # One layer more: HF loads the checkpoint's MTP decoder layer as its last one.
+        # One layer more: HF loads the checkpoint's MTP decoder layer as its last one (a
+        # sparse one where the config lists the layers' kinds).
+        kinds = config.get("mlp_layer_types")
         extended = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir,
             dtype=torch.float32,
             num_hidden_layers=self.num_layers + 1,
             attn_implementation="eager",
+            **({} if kinds is None else {"mlp_layer_types": [*kinds, "sparse"]}),
         )
         self.layer = extended.model.layers[self.num_layers]
         self.rotary = extended.model.rotary_emb
