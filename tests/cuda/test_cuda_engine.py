@@ -13,6 +13,8 @@ from engine.test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
 from engine.test_llama4 import CONFIG as LLAMA4_CONFIG
 from engine.test_moe import MOE_CONFIGS
+from engine.test_multi_token_prediction import CONFIGS as MTP_CONFIGS
+from engine.test_multi_token_prediction import predictable_copy, with_mtp_layer
 from engine.test_sliding_window import make_windowed_model, windowed_prompts
 from tiny_models import random_hf_model
 
@@ -322,3 +324,34 @@ def test_a_draft_model_on_the_gpu_matches_hf(
     assert 0 < stats["num_accepted_tokens"] == stats["num_draft_tokens"], stats
     if preemption_mode:
         assert stats["num_swap_preemptions"] > 0, stats
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_the_mtp_layer_on_the_gpu_keeps_hf_s_tokens(tmp_path, name):
+    """The multi-token-prediction layer drafting on the device from the step's hidden states
+    (its own latent or KV pool, swapped beside the target's): HF's tokens with a random
+    layer, and every guess but a one-token prompt's first accepted with a predictable one."""
+    model_dir = with_mtp_layer(
+        random_hf_model(MTP_CONFIGS[name], tmp_path / "base"), tmp_path / "m"
+    )
+    expected = hf_greedy(model_dir, random_prompts(1))
+    speculative = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(
+        model_dir,
+        device="cuda",
+        block_size=16,
+        num_blocks=24,
+        preemption_mode="swap",
+        swap_space_bytes=64 << 20,
+        speculative_config=speculative,
+    )
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.stats()["num_swap_preemptions"] > 0
+    predictable = predictable_copy(model_dir, tmp_path / "predictable")
+    plain = LLM(predictable, device="cuda", num_blocks=256).generate(random_prompts(1), GREEDY)
+    llm = LLM(predictable, device="cuda", num_blocks=256, speculative_config=speculative)
+    outputs = llm.generate(random_prompts(1), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.stats()
+    assert stats["num_draft_tokens"] - stats["num_accepted_tokens"] <= 2, stats

@@ -21,7 +21,7 @@ import peft
 import pytest
 import torch
 import transformers
-from test_quantization import save_dequantized
+from engine.test_quantization import save_dequantized
 from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, LoRARequest, SamplingParams

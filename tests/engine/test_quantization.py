@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_parity import NEW_TOKENS, hf_greedy
+from engine.test_parity import NEW_TOKENS, hf_greedy
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.moe import SparseMoE
