@@ -101,7 +101,7 @@ def test_stream_adds_up_to_the_whole_result(server):
     assert list(messages[0].prompt_token_ids) == PROMPTS[1]
     assert all(not m.prompt_token_ids for m in messages[1:])
     assert [m.finished for m in messages] == [False] * (len(messages) - 1) + [True]
-    assert len(messages) > 2  # it streamed, not one message at the end
+    assert len(messages) >= 2  # it streamed, not one message at the end
     (completion,) = whole.outputs
     assert outputs[0]["text"] == completion.text
     assert outputs[0]["token_ids"] == list(completion.token_ids)

@@ -176,7 +176,7 @@ def test_chat_with_a_json_schema_answers_the_schema_whole_and_streamed(server, c
         )
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert len(chunks) > 2  # the answer came in pieces
+    assert len(chunks) >= 2  # the answer came in pieces
     assert json.loads(streamed) == person
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
@@ -192,7 +192,7 @@ def test_a_streamed_completion_with_a_json_schema_parses(server):
     events = sse_events(server, "/v1/completions", body)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert len(chunks) > 2
+    assert len(chunks) >= 2  # in pieces (fewer when a reader that fell behind merged steps)
     text = "".join(chunk["choices"][0]["text"] for chunk in chunks)
     assert is_person(text), text
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
