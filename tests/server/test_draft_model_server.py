@@ -1,16 +1,20 @@
 """``pagedserve serve --speculative-config '{"model": ...}'``: a real server with a draft
-model answers both APIs with the target's greedy tokens, and its metrics (ours and vLLM's
-``spec_decode`` names) count the drafts it checked."""
+model (or the model's own MTP layer) answers both APIs with the target's greedy tokens, and
+its metrics (ours and vLLM's ``spec_decode`` names) count the drafts it checked."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
-from conftest import SERVED_MODEL_NAME
+from conftest import SERVED_MODEL_NAME, serving
+from engine.test_multi_token_prediction import CONFIGS as MTP_CONFIGS
+from engine.test_multi_token_prediction import predictable_copy, with_mtp_layer
 from engine.test_parity import hf_greedy
 from test_grpc_api import token_request
 from test_http_api import post
 from test_vllm_metric_names import samples
+from tiny_models import random_hf_model
 
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -54,3 +58,32 @@ def test_a_server_with_a_draft_model(start_server, server_model_dir):
         == (per_position[2])
     )
     server.assert_blocks_all_free()
+
+
+def test_a_server_drafting_with_the_model_s_mtp_layer(server_model_dir, tmp_path):
+    """``--speculative-config '{"method": "mtp", ...}'`` on a DeepSeek-V3-shaped model whose
+    multi-token-prediction layer guesses right (``predictable_copy``), with the byte-level
+    tokenizer: the target's greedy tokens over both APIs, its guesses accepted."""
+    base = random_hf_model(MTP_CONFIGS["deepseek_v3"], tmp_path / "base")
+    model = predictable_copy(with_mtp_layer(base, tmp_path / "mtp"), tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(server_model_dir / name, model / name)
+    speculative = {"method": "mtp", "num_speculative_tokens": 2}
+    want = hf_greedy(model, PROMPTS)
+    (tmp_path / "work").mkdir()
+    with serving(
+        model, tmp_path / "work", "--vllm-metric-names", "--speculative-config",
+        json.dumps(speculative),
+    ) as server:  # fmt: skip
+        sampling = pb.SamplingParams(max_tokens=len(want[0]), temperature=0.0, ignore_eos=True)
+        output = server.stub.Generate(token_request(PROMPTS[0], sampling)).outputs[0]
+        assert list(output.token_ids) == want[0]
+        body = {"prompt": PROMPTS[1], "max_tokens": len(want[1]), "ignore_eos": True}
+        status, answer = post(server, "/v1/completions", {**body, "temperature": 0.0})
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == len(want[1])
+        got = samples(server)
+        drafted = got[("pagedserve_engine_num_draft_tokens_total", ())]
+        accepted = got[("pagedserve_engine_num_accepted_tokens_total", ())]
+        assert drafted > 20 and drafted - accepted <= 2, (drafted, accepted)
+        server.assert_blocks_all_free()
