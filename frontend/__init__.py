@@ -15,6 +15,8 @@ from pagedserve.frontend.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
 )
 from pagedserve.frontend.scores import ScoringOutput, ScoringRequestOutput
@@ -38,6 +40,8 @@ __all__ = [
     "ScoringOutput",
     "ClassificationRequestOutput",
     "ClassificationOutput",
+    "PoolingRequestOutput",
+    "PoolingOutput",
 ]
 
 

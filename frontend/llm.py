@@ -23,6 +23,8 @@ from pagedserve.frontend.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     most_probable_label,
 )
@@ -61,6 +63,7 @@ from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig, ch
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.pooling_params import (
+    POOLING_TASKS,
     PROMPT_ONLY_SAMPLING_PARAMS,
     PoolingParams,
     check_task,
@@ -728,6 +731,52 @@ class LLM:
         pooled = self._pool("classify", prompt_list, params_list, lora_request, priority, use_tqdm)
         return [self._classification(output) for output in pooled]
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARef | Sequence[LoRARef] = None,
+        priority: int | Sequence[int] | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's ``encode``: any pooling task of the model, ``pooling_task`` one of
+        "embed" and "token_embed" (a causal LM), "classify" and "token_classify" (a
+        sequence classification model); None: ``pooling_params.task``, else the model's
+        one-vector task. "embed" and "classify" give ``embed``'s and ``classify``'s vectors;
+        the token tasks give a row per prompt token (each normalized, or through the
+        classifier head and its activation), from every chunk of the prompt, without
+        prefix-cache hits. One ``PoolingRequestOutput`` per prompt, in order:
+        ``.outputs.data``."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_task is None:
+            if isinstance(pooling_params, PoolingParams):
+                pooling_task = pooling_params.task
+            else:
+                pooling_task = "classify" if self.model_config.task == "classify" else "embed"
+        if pooling_task not in POOLING_TASKS:
+            raise ValueError(
+                f"pooling_task must be one of {', '.join(map(repr, POOLING_TASKS))}, got "
+                f"{pooling_task!r}"
+            )
+        if pooling_params is None:
+            if pooling_task.removeprefix("token_") == "embed":
+                pooling_params = self.embedding_params()
+            else:
+                pooling_params = PoolingParams(task="classify")
+            pooling_params = dataclasses.replace(pooling_params, task=pooling_task)
+        params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
+        for index, params in enumerate(params_list):
+            params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
+            if params.task == "embed":  # the model's pooling, whatever the caller's says
+                params_list[index] = dataclasses.replace(
+                    params, pooling_type=self.pooler_config.pooling_type
+                )
+        pooled = self._pool(
+            pooling_task, prompt_list, params_list, lora_request, priority, use_tqdm
+        )
+        return [_pooling_output(output, pooling_task) for output in pooled]
+
     def _classification(self, output: EmbeddingRequestOutput) -> ClassificationRequestOutput:
         probs = output.outputs.embedding
         return ClassificationRequestOutput(
@@ -748,8 +797,8 @@ class LLM:
         priority: int | Sequence[int] | None,
         use_tqdm: bool,
     ) -> list[EmbeddingRequestOutput]:
-        """Run one pooling request of ``task`` per prompt (``embed``'s and ``classify``'s);
-        the pooled vectors in order."""
+        """Run one pooling request of ``task`` per prompt (``embed``'s, ``classify``'s and
+        ``encode``'s); the pooled vectors in order."""
         for params in params_list:
             if params.task != task:
                 raise ValueError(
@@ -1299,6 +1348,29 @@ class LLM:
                 "pass token ids instead"
             )
         return self.tokenizer
+
+
+def _pooling_output(output: EmbeddingRequestOutput, task: str) -> PoolingRequestOutput:
+    """An ``encode`` result: a per-token task's values cut into a row per prompt token."""
+    values = output.outputs.embedding if output.outputs is not None else []
+    data: list[float] | list[list[float]] = values
+    if task.startswith("token_"):
+        num_tokens = len(output.prompt_token_ids)
+        if len(values) % num_tokens:
+            raise RuntimeError(
+                f"request {output.request_id}: {len(values)} values are not a row for each "
+                f"of its {num_tokens} prompt tokens"
+            )
+        width = len(values) // num_tokens
+        data = [values[start : start + width] for start in range(0, len(values), width)]
+    return PoolingRequestOutput(
+        request_id=output.request_id,
+        prompt=output.prompt,
+        prompt_token_ids=output.prompt_token_ids,
+        outputs=PoolingOutput(data),
+        task=task,
+        num_cached_tokens=output.num_cached_tokens,
+    )
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

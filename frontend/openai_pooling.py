@@ -7,10 +7,16 @@ model ("classify") with the probabilities over its labels, as ``/classify`` woul
 chat template), ``truncate_prompt_tokens``, ``priority`` and ``encoding_format`` (``float``,
 or ``base64`` of little-endian float32) as those endpoints take them; ``task``, when given,
 must be the model's. A field of the other task is refused by name.
+
+``task`` "token_embed" (a causal LM) or "token_classify" (a classification model), vLLM's
+per-token tasks, answers each input with a row per prompt token (each normalized, or
+through the classifier head): ``data`` a list of rows, or with ``base64`` the rows' float32
+values one row after another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,7 +35,7 @@ if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.outputs import EmbeddingRequestOutput
 
-POOLING_TASKS = ("embed", "classify")
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 # Each task's own fields (the other task's are refused by name).
 _TASK_FIELDS = {
     "embed": ("dimensions", "normalize"),
@@ -55,6 +61,7 @@ class PoolingCall:
 
     request: PoolingApiRequest
     encoding_format: str  # "float" or "base64"
+    task: str = "embed"
 
 
 def parse_pooling_request(
@@ -74,13 +81,14 @@ def parse_pooling_request(
         raise invalid_field(
             f"task must be one of {', '.join(POOLING_TASKS)}, got {task!r:.50}", "task"
         )
-    if task != model_task:
+    base_task = task.removeprefix("token_")
+    if base_task != model_task:
         raise invalid_field(
             f"task={task!r}: model {llm.model_config.declared_architecture} pools for "
-            f"{model_task!r} only",
+            f"{model_task!r} and 'token_{model_task}' only",
             "task",
         )
-    other_task = "classify" if task == "embed" else "embed"
+    other_task = "classify" if base_task == "embed" else "embed"
     for name in _TASK_FIELDS[other_task]:
         if body.get(name) is not None:
             raise invalid_field(
@@ -90,7 +98,11 @@ def parse_pooling_request(
     encoding_format = protocol.checked_encoding_format(body)
     # What the task's own parser reads: the rest was checked here.
     own = {k: v for k, v in body.items() if k not in ("task", "encoding_format")}
-    parse = protocol.parse_embedding_request if task == "embed" else classify.parse_classify_request
+    parse = (
+        protocol.parse_embedding_request
+        if base_task == "embed"
+        else classify.parse_classify_request
+    )
     request = parse(
         own,
         llm,
@@ -99,18 +111,16 @@ def parse_pooling_request(
         max_prompts,
         trust_request_chat_template=trust_request_chat_template,
     )
-    return PoolingCall(request, encoding_format)
+    if task != base_task:  # a row per prompt token, each as the task's one vector
+        request.params = dataclasses.replace(request.params, task=task, pooling_type="LAST")
+    return PoolingCall(request, encoding_format, task)
 
 
 def pooling_response(call: PoolingCall, outputs: list[EmbeddingRequestOutput]) -> dict:
     """vLLM's answer: one ``pooling`` object per input, in order (its values as floats or
     base64), and the usage."""
     data = [
-        {
-            "index": index,
-            "object": "pooling",
-            "data": protocol.encoded_vector(output.outputs.embedding, call.encoding_format),
-        }
+        {"index": index, "object": "pooling", "data": _encoded(call, output)}
         for index, output in enumerate(outputs)
     ]
     request = call.request
@@ -122,3 +132,13 @@ def pooling_response(call: PoolingCall, outputs: list[EmbeddingRequestOutput]) -
         "data": data,
         "usage": classify.pooling_usage(outputs),
     }
+
+
+def _encoded(call: PoolingCall, output: EmbeddingRequestOutput) -> Any:
+    """One input's values as the call sends them: a vector, or a per-token task's rows (as
+    base64: all rows' values in one run, row after row)."""
+    values = output.outputs.embedding
+    if not call.task.startswith("token_") or call.encoding_format == "base64":
+        return protocol.encoded_vector(values, call.encoding_format)
+    width = len(values) // len(output.prompt_token_ids)
+    return [values[start : start + width] for start in range(0, len(values), width)]

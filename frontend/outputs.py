@@ -80,6 +80,27 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """What a pooling task made of one prompt (vLLM's ``PoolingOutput``): one vector
+    ("embed", "classify") or a row per prompt token ("token_embed", "token_classify")."""
+
+    data: list[float] | list[list[float]]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.encode`` returns per prompt (vLLM's): ``outputs.data``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    task: str
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
 class ClassificationOutput:
     """One classification (vLLM's ``ClassificationOutput``): a value per label, in the
     model's label order: probabilities (softmax; a sigmoid for a one-label model), or the

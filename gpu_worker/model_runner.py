@@ -38,6 +38,8 @@ class CachedRequestState:
     eos_token_ids: list[int]
     lora_id: int = 0  # 0: the base model
     pooling_params: PoolingParams | None = None  # an embedding request: never samples
+    # A per-token pooling request's rows from the prompt's chunks before its last.
+    pooled_rows: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -171,10 +173,12 @@ class ModelRunner:
                 hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-            embeddings = {
-                entry.request_id: _pooled(self.model, hidden[rows], entry)
-                for entry, rows in inputs.pooling_entries
-            }
+            embeddings = {}
+            for entry, rows in inputs.pooling_entries:
+                if entry.samples:
+                    embeddings[entry.request_id] = _pooled(self.model, hidden[rows], entry)
+                else:  # a per-token request's chunk: its rows wait for the last
+                    entry.state.pooled_rows.append(hidden[rows].clone())
             prompt_logprobs = {
                 entry.request_id: self._prompt_logprobs(hidden, entry, first_row)
                 for entry, first_row in inputs.prompt_logprob_entries
@@ -319,8 +323,11 @@ class ModelRunner:
                 sampling_entries.extend([entry] * num_rows)
                 sampling_states.extend(entry.draft_states())
                 sample_seeds.extend([None] * num_rows)
-            elif entry.samples and entry.state.pooling_params is not None:
-                # This step's rows of the prompt (all of it for MEAN and CLS pooling).
+            elif entry.state.pooling_params is not None and (
+                entry.samples or entry.state.pooling_params.per_token
+            ):
+                # This step's rows of the prompt (all of it for MEAN and CLS pooling; a
+                # per-token request's every chunk, kept until its last).
                 pooling_entries.append(
                     (entry, slice(len(input_ids) - entry.num_scheduled_tokens, len(input_ids)))
                 )
@@ -477,6 +484,8 @@ def _pooled(model: CausalLM, hidden_rows: torch.Tensor, entry: _ScheduledEntry) 
     a softmax over the labels (a sigmoid for one label, as vLLM's classifier pooler does)
     unless ``use_activation`` is off."""
     params = entry.state.pooling_params
+    if params.per_token:
+        return _pooled_rows(model, torch.cat([*entry.state.pooled_rows, hidden_rows]), params)
     if params.pooling_type != "LAST" and entry.num_computed_tokens != 0:
         # The engine runs such a model without chunks or prefix-cache hits.
         raise RuntimeError(
@@ -501,6 +510,25 @@ def _pooled(model: CausalLM, hidden_rows: torch.Tensor, entry: _ScheduledEntry) 
         vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
     # NOTE: a device-to-host copy per pooled request (one vector of hidden_size floats).
     return vector.cpu().numpy().astype("<f4").tobytes()
+
+
+def _pooled_rows(model: CausalLM, hidden_rows: torch.Tensor, params: PoolingParams) -> bytes:
+    """A per-token task's matrix, a row per prompt token (``hidden_rows``: every prompt
+    token's final-norm hidden state), as little-endian float32 bytes row after row: each
+    row cut to ``dimensions`` and L2-normalized ("token_embed"), or the classifier head's
+    logits through its activation ("token_classify")."""
+    if params.base_task == "classify":
+        rows = model.classify(hidden_rows)
+        if params.use_activation:
+            rows = torch.sigmoid(rows) if rows.shape[1] == 1 else rows.softmax(dim=1)
+    else:
+        rows = hidden_rows.float()
+        if params.dimensions is not None:
+            rows = rows[:, : params.dimensions]
+        if params.normalize:
+            rows = torch.nn.functional.normalize(rows, p=2.0, dim=1)
+    # NOTE: a device-to-host copy of prompt tokens x values per request.
+    return rows.cpu().numpy().astype("<f4").tobytes()
 
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)

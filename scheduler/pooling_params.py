@@ -11,6 +11,11 @@ the model's final-norm hidden state at that token (last-token pooling):
 - ``task="classify"`` (a sequence classification model, ``*ForSequenceClassification``):
   the classifier head's logits over the model's labels, through a softmax (a sigmoid for a
   one-label model, a cross-encoder's relevance) unless ``use_activation=False``.
+- ``task="token_embed"`` / ``"token_classify"`` (vLLM's per-token tasks): the same at every
+  prompt token, a row per token (each row cut and normalized, or through the head and its
+  activation), for token-level rewards and multi-vector retrieval. The rows come from every
+  chunk of the prompt (the worker keeps a chunk's rows until the last), and such a request
+  takes no prefix-cache hit: a cached token is never computed, so it would have no row.
 
 Which tasks a model serves is its ``model_task`` (``check_task``): a causal LM generates and
 embeds; a classification model only classifies (it has no LM head).
@@ -28,7 +33,7 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 # pools the request's last prompt token instead.
 PROMPT_ONLY_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
-POOLING_TASKS = ("embed", "classify")
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # A model's task: "generate" (a causal LM: generation and embedding requests) or "classify"
 # (a sequence classification model: classification requests only).
@@ -40,10 +45,12 @@ class PoolingParams:
     """``normalize``: divide the vector by its L2 norm (after the cut). ``dimensions``:
     keep only the first ``dimensions`` values (Matryoshka embeddings, OpenAI's
     ``dimensions``); None keeps the whole hidden state. Both are the embed task's.
-    ``task``: "embed" or "classify". ``use_activation``: the classify task's softmax (or
-    sigmoid); False gives the raw logits. ``pooling_type``: which tokens' states the vector
-    pools (``POOLING_TYPES``; the model's, set by the engine); "MEAN" and "CLS" need the
-    whole prompt computed in the request's one step (no chunks, no prefix-cache hits)."""
+    ``task``: "embed" or "classify", or their per-token forms "token_embed" and
+    "token_classify" (a row per prompt token). ``use_activation``: the classify task's
+    softmax (or sigmoid); False gives the raw logits. ``pooling_type``: which tokens'
+    states the one vector pools (``POOLING_TYPES``; the model's, set by the engine); "MEAN"
+    and "CLS" need the whole prompt computed in the request's one step (no chunks, no
+    prefix-cache hits)."""
 
     normalize: bool = True
     dimensions: int | None = None
@@ -68,7 +75,7 @@ class PoolingParams:
                 f"pooling_type={self.pooling_type!r}: a classifier's head reads the last "
                 "token (LAST), as HF's does"
             )
-        if self.task == "classify" and self.dimensions is not None:
+        if self.base_task == "classify" and self.dimensions is not None:
             raise ValueError(
                 f"dimensions={self.dimensions!r} is the embed task's; a classification has "
                 "one value per label"
@@ -79,6 +86,16 @@ class PoolingParams:
             or self.dimensions < 1
         ):
             raise ValueError(f"dimensions must be an integer >= 1, got {self.dimensions!r}")
+
+    @property
+    def per_token(self) -> bool:
+        """A row per prompt token ("token_embed", "token_classify"), not one vector."""
+        return self.task.startswith("token_")
+
+    @property
+    def base_task(self) -> str:
+        """ "embed" or "classify": what each row (or the one vector) is."""
+        return self.task.removeprefix("token_")
 
     def check_dimensions(self, embedding_size: int, field: str = "dimensions") -> None:
         """``ValueError`` naming ``field`` when ``dimensions`` exceeds the model's
@@ -94,7 +111,7 @@ def check_task(model_task: str, pooling_params: PoolingParams | None) -> None:
     """``ValueError`` for a request the model cannot serve: a generation (no
     ``pooling_params``) or an embedding on a classification model, a classification on a
     causal LM."""
-    task = "generate" if pooling_params is None else pooling_params.task
+    task = "generate" if pooling_params is None else pooling_params.base_task
     if model_task == "classify" and task != "classify":
         raise ValueError(
             f"this model is a sequence classification model (its head scores labels, it has "

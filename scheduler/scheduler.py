@@ -803,10 +803,13 @@ class Scheduler:
         """The blocks of the request's prompt found in the prefix cache. A request that wants
         prompt logprobs reads only the positions whose logprobs were already reported (none
         at first): a cached token is never computed, so the position after it would get no
-        logprob (vLLM skips the cache for such requests too)."""
+        logprob (vLLM skips the cache for such requests too). A per-token pooling request
+        reads none, for the same reason."""
         max_cached_tokens = None
         if request.sampling_params.prompt_logprobs is not None:
             max_cached_tokens = request.num_prompt_logprobs_reported - 1
+        if request.pooling_params is not None and request.pooling_params.per_token:
+            max_cached_tokens = 0  # a row per prompt token: every one is computed
         return self.block_manager.find_cached_prefix(
             request.token_ids, request.cache_namespace, max_cached_tokens
         )

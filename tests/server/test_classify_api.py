@@ -123,9 +123,19 @@ def test_pooling_answers_with_the_classifications(server, offline):
     )
     assert status == 200, answer
     assert answer["data"][0]["data"] == pytest.approx(raw[0].outputs.probs, abs=1e-5)
+    # vLLM's per-token task: the head's probabilities at every prompt token.
+    rows = offline.encode(TEXTS[:1], pooling_task="token_classify", use_tqdm=False)
+    status, answer = post(server, "/pooling", {"input": TEXTS[0], "task": "token_classify"})
+    assert status == 200, answer
+    got = answer["data"][0]["data"]
+    assert len(got) == len(rows[0].prompt_token_ids) == len(rows[0].outputs.data)
+    for row, want_row in zip(got, rows[0].outputs.data):
+        assert row == pytest.approx(want_row, abs=1e-6)
+    assert got[-1] == pytest.approx(want[0].outputs.probs, abs=1e-5)
     for body, param in [
         ({"input": "a", "normalize": True}, "normalize"),
         ({"input": "a", "task": "embed"}, "task"),
+        ({"input": "a", "task": "token_embed"}, "task"),
     ]:
         status, answer = post(server, "/pooling", body)
         assert status == 400 and answer["error"]["param"] == param, answer

@@ -130,8 +130,21 @@ def test_pooling_answers_with_the_embeddings(server, offline):
     raw = offline.embed(TOKEN_IDS[0], PoolingParams(normalize=False, dimensions=8))
     packed = base64.b64decode(answer["data"][0]["data"])
     assert close(list(struct.unpack(f"<{len(packed) // 4}f", packed)), raw[0].outputs.embedding)
+    # vLLM's per-token task: a row per prompt token (base64: the rows one after another).
+    rows = [o.outputs.data for o in offline.encode(TOKEN_IDS, pooling_task="token_embed")]
+    status, answer = post_to(server, "/pooling", {"input": TOKEN_IDS, "task": "token_embed"})
+    assert status == 200, answer
+    for item, want_rows, ids in zip(answer["data"], rows, TOKEN_IDS, strict=True):
+        assert len(item["data"]) == len(want_rows) == len(ids)
+        assert all(close(row, want_row) for row, want_row in zip(item["data"], want_rows))
+    body = {"input": TOKEN_IDS[0], "task": "token_embed", "encoding_format": "base64"}
+    status, answer = post_to(server, "/pooling", body)
+    packed = base64.b64decode(answer["data"][0]["data"])
+    flat = [value for row in rows[0] for value in row]
+    assert status == 200 and close(list(struct.unpack(f"<{len(packed) // 4}f", packed)), flat)
     for body, param, message in [
-        ({"input": "a", "task": "classify"}, "task", "pools for 'embed' only"),
+        ({"input": "a", "task": "classify"}, "task", "pools for 'embed' and 'token_embed' only"),
+        ({"input": "a", "task": "token_classify"}, "task", "'token_embed' only"),
         ({"input": "a", "task": "reward"}, "task", "task must be one of embed, classify"),
         ({"input": "a", "use_activation": False}, "use_activation", "a setting of task"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),

@@ -736,7 +736,8 @@ def _plan_fields(**overrides) -> list:
                 0,
                 [True, None, "rank", True, "LAST"],
             ),
-            "PoolingParams: task must be one of 'embed', 'classify', got 'rank'",
+            "PoolingParams: task must be one of 'embed', 'classify', 'token_embed', "
+            "'token_classify', got 'rank'",
         ),
         (
             _frame(
