@@ -767,6 +767,11 @@ class LLM:
             pooling_params = dataclasses.replace(pooling_params, task=pooling_task)
         params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
         for index, params in enumerate(params_list):
+            if params.task != pooling_task:
+                raise ValueError(
+                    f"pooling_params.task={params.task!r} with pooling_task={pooling_task!r}: "
+                    "give one task"
+                )
             params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
             if params.task == "embed":  # the model's pooling, whatever the caller's says
                 params_list[index] = dataclasses.replace(

@@ -111,6 +111,8 @@ def test_a_task_the_model_does_not_serve_is_refused(tiny_model_dirs, classifier_
     llm = LLM(tiny_model_dirs["llama"], num_blocks=64)
     with pytest.raises(ValueError, match="pooling_task must be one of"):
         llm.encode([[1, 2]], pooling_task="token_reward")
+    with pytest.raises(ValueError, match="pooling_params.task='embed' with pooling_task="):
+        llm.encode([[1, 2]], PoolingParams(), pooling_task="token_embed")
     with pytest.raises(ValueError, match="not a sequence classification model"):
         llm.encode([[1, 2]], pooling_task="token_classify")
     with pytest.raises(ValueError, match="dimensions=4 is the embed task's"):
