@@ -464,6 +464,7 @@ class LLM:
             max_loras=max_loras or 0,
             sliding_window=model_config.attention_window,
             model_task=model_config.task,
+            long_rope_switch=model_config.long_rope_switch,
             **_speculative_fields(speculative),
         )
         self.engine: EngineCore | EngineClient

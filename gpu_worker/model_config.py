@@ -12,10 +12,10 @@ from typing import Any
 from pagedserve.gpu_worker.layers.rope_config import (
     DYNAMIC_WINDOW_REASON,
     GEMMA3_LAYER_TYPES,
-    LONGROPE_WINDOW_REASON,
     NTK_ALPHA,
     SUPPORTED_ROPE_TYPES,
     layer_type_rope_parameters,
+    long_rope_switch,
     olmo3_layer_rope_parameters,
     rope_context_window,
     rope_parameters,
@@ -655,17 +655,21 @@ class ModelConfig:
     @property
     def context_window_reason(self) -> str:
         """Why ``max_position_embeddings`` is where the window stops though the RoPE scaling
-        reaches further (a LongRoPE model's original context, a dynamic-NTK model's
-        configured one); "" when it is not."""
+        reaches further (a dynamic-NTK model's configured one); "" when it is not."""
         if self.architecture in _PER_LAYER_TYPE_ROPE:
             return ""
         rope_type = rope_parameters(self.hf_config)["rope_type"]
         if rope_type == "dynamic":
             return DYNAMIC_WINDOW_REASON
-        configured = self.hf_config.get("max_position_embeddings", 2048)
-        if rope_type == "longrope" and self.max_position_embeddings < configured:
-            return LONGROPE_WINDOW_REASON
         return ""
+
+    @property
+    def long_rope_switch(self) -> int:
+        """A LongRoPE model's original context, past which its long factors rotate (the
+        rule: ``rope_config.long_rope_switch``); 0 for other models."""
+        if self.architecture in _PER_LAYER_TYPE_ROPE:
+            return 0
+        return long_rope_switch(rope_parameters(self.hf_config))
 
     @property
     def has_experts(self) -> bool:
@@ -888,8 +892,8 @@ def _max_positions(architecture: str, hf_config: dict[str, Any]) -> int:
     else:
         parameters = rope_parameters(hf_config)
     # YaRN extends the context past the configured positions (the original times the factor);
-    # LongRoPE's stops at the original context for now (LONGROPE_WINDOW_REASON). A sliding
-    # window does not bound it: the attention ops honour each layer's window.
+    # LongRoPE's is the configured one (its long factors past the original context). A
+    # sliding window does not bound it: the attention ops honour each layer's window.
     return rope_context_window(parameters, max_positions)
 
 

@@ -138,12 +138,19 @@ class ModelRunner:
         lora_batch: LoRABatch | None = None,
         attention_chunk_size: int = 0,
         latent_attention: bool = False,
+        long_rope_switch: int = 0,
+        long_rope_offset: int = 0,
     ) -> None:
         """``attention_chunk_size``: the model's (``ModelConfig.attention_chunk_size``; 0:
         no chunked layers), the chunks each step's chunked view cuts at;
         ``latent_attention``: the model's (``ModelConfig.latent_attention``), whether each
-        step plans its ``latent_plans``."""
+        step plans its ``latent_plans``; ``long_rope_switch`` (LongRoPE's original context;
+        0: none) and ``long_rope_offset`` (the rotary table's row of the long rotation at
+        position 0): the tokens rotated with the long factors are given their position plus
+        the offset (``rope_config.long_rope_switch``'s rule)."""
         self.model = model
+        self.long_rope_switch = long_rope_switch
+        self.long_rope_offset = long_rope_offset
         self.attention_chunk_size = attention_chunk_size
         self.latent_attention = latent_attention
         # Which token rows each LoRA adapter takes in a step (None: no adapters loaded).
@@ -357,6 +364,8 @@ class ModelRunner:
             self.attention_chunk_size,
             self.latent_attention,
         )
+        if self.long_rope_switch:
+            positions = positions + self._long_rope_rows(entries, device)
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=positions,
@@ -368,6 +377,18 @@ class ModelRunner:
             prompt_logprob_entries=prompt_logprob_entries,
             pooling_entries=pooling_entries,
         )
+
+    def _long_rope_rows(self, entries: list[_ScheduledEntry], device: torch.device) -> torch.Tensor:
+        """Each input token's offset into the rotary table: ``long_rope_offset`` for the
+        tokens of a sequence longer than LongRoPE's original context (rotated with the long
+        factors throughout: the scheduler has it computed again from its first token when
+        it grows past, as HF's Phi-3 does), else 0."""
+        offsets = [
+            self.long_rope_offset if len(entry.state.token_ids) > self.long_rope_switch else 0
+            for entry in entries
+        ]
+        counts = [entry.num_scheduled_tokens for entry in entries]
+        return torch.tensor(np.repeat(offsets, counts), dtype=torch.int64, device=device)
 
     def _lora_groups(self, entries: list[_ScheduledEntry]) -> list[tuple[int, torch.Tensor | None]]:
         """Each adapter's token rows in this step's inputs (entries in input order)."""

@@ -233,6 +233,8 @@ class Worker:
             lora_batch,
             self.model_config.attention_chunk_size,
             self.model_config.latent_attention,
+            self.model_config.long_rope_switch,
+            self.model_config.max_position_embeddings,  # the rotary table's long rows
         )
         if self.next_token_predictor is not None:
             assert self.draft_config is not None

@@ -77,6 +77,11 @@ class SchedulerConfig:
     # and embedding requests) or "classify" (a sequence classification model: classification
     # requests only; it has no LM head). Set from the model by the engine.
     model_task: str = "generate"
+    # A LongRoPE model's original context (0: another model). A prompt longer than it is
+    # rotated with the long factors at every position, a shorter one with the short factors
+    # within it (gpu_worker/layers/rope_config.long_rope_switch), so their K/V differ at the
+    # same tokens: the prefix cache keeps the two apart. Set from the model by the engine.
+    long_rope_switch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -111,6 +116,9 @@ class SchedulerConfig:
             SpeculativeConfig(
                 self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
             )
+        switch = self.long_rope_switch
+        if isinstance(switch, bool) or not isinstance(switch, int) or switch < 0:
+            raise ValueError(f"long_rope_switch must be an integer >= 0, got {switch!r}")
         size = self.speculative_disable_by_batch_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size == 1:
             raise ValueError(

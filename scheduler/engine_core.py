@@ -117,7 +117,8 @@ class EngineCore:
             # K/V computed through an adapter is not the base model's, nor another's:
             # prefixes are shared only within one (adapter, namespace). Joined into one
             # key injectively: the adapter id and the first NUL are the engine's, so no
-            # namespace a client picks (cache_salt is any string) names another adapter's.
+            # namespace a client picks (cache_salt is any string) names another adapter's
+            # (nor a LongRoPE rotation's: Scheduler._prefix_namespace).
             cache_namespace = f"{lora_id}\x00{cache_namespace or ''}"
         if not sampling_params.is_greedy and sampling_params.seed is None:
             sampling_params = replace(sampling_params, seed=self._seed_rng.getrandbits(63))

@@ -71,6 +71,9 @@ class Request:
     grammar: GrammarMatcher | None = None
     # The LoRA adapter its tokens run through (0: the base model).
     lora_id: int = 0
+    # A LongRoPE model's sequence rotated with the long factors (SchedulerConfig's
+    # long_rope_switch): set when its computation starts from its first token.
+    long_rope: bool = False
     # Under the priority policy requests run in (priority, arrival_index) order, lower
     # first; arrival_index is the scheduler's count of requests added before this one.
     priority: int = 0
@@ -111,6 +114,7 @@ class Request:
             cumulative_logprob=self.cumulative_logprob,
             grammar=None if self.grammar is None else self.grammar.fork(),
             lora_id=self.lora_id,
+            long_rope=self.long_rope,
             priority=self.priority,
             arrival_index=self.arrival_index,
             queue_time_s=self.queue_time_s,

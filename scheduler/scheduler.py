@@ -333,6 +333,9 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             request = self.running[index]
+            if self._crosses_long_rope_switch(request):
+                self._recompute_with_long_rope(request, plan)
+                continue
             num_new = self._num_tokens_to_schedule(request, budget)
             if num_new == 0:
                 index += 1
@@ -374,6 +377,37 @@ class Scheduler:
         self._add_lora_updates(plan)
         return plan
 
+    def _crosses_long_rope_switch(self, request: Request) -> bool:
+        """Whether a sequence rotated with LongRoPE's short factors has grown past the
+        original context (``SchedulerConfig.long_rope_switch``): HF's Phi-3 then drops its
+        cache and computes the whole sequence again with the long factors."""
+        switch = self.config.long_rope_switch
+        return bool(switch) and not request.long_rope and request.num_tokens > switch
+
+    def _recompute_with_long_rope(self, request: Request, plan: StepPlan) -> None:
+        """Take the sequence (its group's, all of them) out of the batch to compute again
+        from its first token, as HF does at this point: it resumes ahead of newer requests,
+        rotated with the long factors, and takes prefix hits among such sequences only."""
+        group = request.group
+        sequences = (
+            [request]
+            if group is None
+            else [sequence for sequence in self.running if sequence.group is group]
+        )
+        self.running = [sequence for sequence in self.running if sequence not in sequences]
+        self._preempt(
+            sequences, plan, "LongRoPE past the original context", mode="recompute", counted=False
+        )
+
+    def _prefix_namespace(self, request: Request) -> str | None:
+        """The prefix-cache namespace of the request's K/V: its own, kept apart for a
+        LongRoPE sequence rotated with the long factors (the same tokens, other keys). The
+        mark goes before the first NUL, the engine's part of a namespace."""
+        if not request.long_rope:
+            return request.cache_namespace
+        head, _, tail = (request.cache_namespace or "0\x00").partition("\x00")
+        return f"{head}L\x00{tail}"
+
     def _free_blocks_before_window(self, plan: StepPlan, request: Request) -> None:
         """Give back the sequence's blocks that its window has left behind (a windowed model
         only), before it asks for new ones; the workers mark them in their tables."""
@@ -405,6 +439,10 @@ class Scheduler:
             budget - 1,
             request.max_total_tokens - request.num_tokens - 1,
         )
+        if config.long_rope_switch and not request.long_rope:
+            # Within LongRoPE's original context: a draft past it would be computed with the
+            # short factors where HF computes the sequence again with the long ones.
+            room = min(room, config.long_rope_switch - request.num_tokens)
         if room < 1:
             return []
         grammar = request.grammar
@@ -805,13 +843,16 @@ class Scheduler:
         at first): a cached token is never computed, so the position after it would get no
         logprob (vLLM skips the cache for such requests too). A per-token pooling request
         reads none, for the same reason."""
+        switch = self.config.long_rope_switch
+        # Computed from its first token: its rotation is the one its length says now.
+        request.long_rope = bool(switch) and request.num_tokens > switch
         max_cached_tokens = None
         if request.sampling_params.prompt_logprobs is not None:
             max_cached_tokens = request.num_prompt_logprobs_reported - 1
         if request.pooling_params is not None and request.pooling_params.per_token:
             max_cached_tokens = 0  # a row per prompt token: every one is computed
         return self.block_manager.find_cached_prefix(
-            request.token_ids, request.cache_namespace, max_cached_tokens
+            request.token_ids, self._prefix_namespace(request), max_cached_tokens
         )
 
     def _note_prefix_hit(self, request: Request, num_cached: int) -> None:
@@ -858,12 +899,21 @@ class Scheduler:
         self.running = [sequence for sequence in self.running if sequence.group is not group]
         return victims
 
-    def _preempt(self, sequences: list[Request], plan: StepPlan, reason: str) -> None:
+    def _preempt(
+        self,
+        sequences: list[Request],
+        plan: StepPlan,
+        reason: str,
+        mode: str | None = None,
+        counted: bool = True,
+    ) -> None:
         """Take a request's running sequences out of the batch, all or nothing: swap
-        their blocks to the host pool, or free them to recompute later. Either way it
-        resumes ahead of newer requests (of its priority, under the priority policy)."""
+        their blocks to the host pool, or free them to recompute later (``mode``, else the
+        configured one, else by the group's size). Either way it resumes ahead of newer
+        requests (of its priority, under the priority policy). ``counted``: a preemption
+        for the stats (not LongRoPE's switch, which no shortage of blocks caused)."""
         default_mode = "swap" if len(sequences) > 1 else "recompute"
-        mode = self.config.preemption_mode or default_mode
+        mode = mode or self.config.preemption_mode or default_mode
         ids = {sequence.request_id for sequence in sequences}
         # Undo what this step already planned for them: their entries, and the copies
         # of shared blocks (whose destination a swap-out would otherwise copy unfilled).
@@ -906,7 +956,8 @@ class Scheduler:
             self.block_manager.free(sequence.request_id)
             sequence.status = RequestStatus.WAITING
             sequence.num_computed_tokens = 0
-        self.num_recompute_preemptions += 1
+        if counted:
+            self.num_recompute_preemptions += 1
         self._enqueue(self.waiting, sequences, front=True)
         logger.info(
             "preempted request %s (%d sequences) by recompute (%s): %d tokens to recompute",
@@ -951,7 +1002,7 @@ class Scheduler:
                 request.request_id,
                 request.token_ids,
                 request.num_computed_tokens,
-                request.cache_namespace,
+                self._prefix_namespace(request),
             )
             if request.pooling_params is not None:
                 if request.num_computed_tokens == request.num_tokens:

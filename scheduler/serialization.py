@@ -269,6 +269,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "max_loras",
         "sliding_window",
         "model_task",
+        "long_rope_switch",
     ),
     WorkerSpec: (
         "model_path",
@@ -921,6 +922,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         int,
         int,
         str,
+        int,
     ),
     WorkerSpec: (
         str,

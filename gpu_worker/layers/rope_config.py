@@ -73,24 +73,24 @@ def _check_longrope(parameters: dict[str, Any], hf_config: dict[str, Any]) -> No
 
 def rope_context_window(parameters: dict[str, Any], max_position_embeddings: int) -> int:
     """The positions the model is meant to take: YaRN's extended context (the original times
-    the factor, as vLLM derives it), LongRoPE's original context (its short factors: see
-    ``LONGROPE_WINDOW_REASON``), else ``max_position_embeddings``."""
+    the factor, as vLLM derives it), else ``max_position_embeddings`` (LongRoPE's whole
+    window: its long factors past the original context, ``long_rope_switch``)."""
     if parameters["rope_type"] == "yarn":
         return int(parameters["original_max_position_embeddings"] * parameters["factor"])
-    if parameters["rope_type"] == "longrope":
-        return min(max_position_embeddings, parameters["original_max_position_embeddings"])
     return max_position_embeddings
 
 
-# Why a LongRoPE model's window stops at its original context. HF rotates every position of
-# a forward pass with the long factors once the pass reaches past the original context, and
-# keeps the keys it cached before with the short ones: which rotation a token's key has then
-# depends on the length of the pass that computed it, which paged blocks shared by prefix
-# caching, chunked prefill and recompute after preemption cannot keep apart yet.
-LONGROPE_WINDOW_REASON = (
-    "longrope: positions past original_max_position_embeddings (its long factors) are not "
-    "supported yet"
-)
+def long_rope_switch(parameters: dict[str, Any]) -> int:
+    """LongRoPE's original context in tokens (0 for other RoPE types). HF rotates the tokens
+    a forward pass computes with the short factors while the pass stays within it, and with
+    the long factors once it reaches past it, keeping the keys it cached before as they
+    were: under ``generate`` a token at position p is rotated with the long factors when
+    max(prompt length, p + 1) exceeds it. The engine rotates each token by that rule (the
+    prompt's length, not a pass's, so chunked prefill and recompute rotate alike), and keeps
+    the cached prefixes of prompts past it apart from the others'."""
+    if parameters["rope_type"] != "longrope":
+        return 0
+    return int(parameters["original_max_position_embeddings"])
 
 
 # Why a dynamic-NTK model's window stops at max_position_embeddings. Within it HF rotates with

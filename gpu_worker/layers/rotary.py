@@ -40,19 +40,32 @@ def inverse_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Ten
     if rope_type == "yarn":
         return _yarn_frequencies(head_size, parameters)
     if rope_type == "longrope":
-        # The short factors: positions stay within the original context (rope_config's
-        # LONGROPE_WINDOW_REASON). HF's order: the base's powers times the factors, inverted.
-        short_factor = torch.tensor(parameters["short_factor"], dtype=torch.float32, device="cpu")
-        if short_factor.numel() != head_size // 2:
-            raise ValueError(
-                f"rope short_factor has {short_factor.numel()} values; the rotated head size "
-                f"{head_size} needs {head_size // 2}"
-            )
-        return 1.0 / (short_factor * base**exponents)
+        # The short factors (within the original context; ``long_frequencies`` past it).
+        return _longrope_frequencies(head_size, parameters, "short_factor")
     raise NotImplementedError(
         f"rope_type {rope_type!r} is not supported yet; "
         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
+
+
+def long_frequencies(head_size: int, parameters: dict[str, Any]) -> torch.Tensor:
+    """LongRoPE's frequencies past the original context (its long factors)."""
+    return _longrope_frequencies(head_size, parameters, "long_factor")
+
+
+def _longrope_frequencies(head_size: int, parameters: dict[str, Any], name: str) -> torch.Tensor:
+    """HF's order: the base's powers times the factors, inverted."""
+    base = float(parameters["rope_theta"])
+    exponents = (
+        torch.arange(0, head_size, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_size
+    )
+    factors = torch.tensor(parameters[name], dtype=torch.float32, device="cpu")
+    if factors.numel() != head_size // 2:
+        raise ValueError(
+            f"rope {name} has {factors.numel()} values; the rotated head size "
+            f"{head_size} needs {head_size // 2}"
+        )
+    return 1.0 / (factors * base**exponents)
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, parameters: dict[str, Any]) -> torch.Tensor:
@@ -134,7 +147,9 @@ class RotaryEmbedding:
     cos/sin are tabulated once in float32 for every position up to ``max_positions``, on the
     default device (the model's: HF takes cos and sin on the device that runs the model); the
     fused kernel casts them to the activation dtype and rotates in HF's exact arithmetic
-    (csrc: rotary_embedding).
+    (csrc: rotary_embedding). LongRoPE tabulates both its rotations: rows ``max_positions +
+    p`` hold position p's with the long factors, which the model runner asks for by that row
+    (``long_offset``) where ``rope_config.long_rope_switch``'s rule says.
     """
 
     def __init__(self, head_size: int, max_positions: int, parameters: dict[str, Any]) -> None:
@@ -150,6 +165,12 @@ class RotaryEmbedding:
         positions = torch.arange(max_positions, dtype=torch.float32)
         inv_freq = inverse_frequencies(self.rotary_dim, parameters).to(positions.device)
         freqs = positions[:, None] * inv_freq[None, :]
+        # The row of position 0 rotated with LongRoPE's long factors (0: one rotation only).
+        self.long_offset = 0
+        if parameters["rope_type"] == "longrope":
+            long_inv_freq = long_frequencies(self.rotary_dim, parameters).to(positions.device)
+            freqs = torch.cat([freqs, positions[:, None] * long_inv_freq[None, :]])
+            self.long_offset = max_positions
         # [max_positions, rotary_dim // 2] each; float32 times the factor, as HF scales them.
         scale = attention_factor(parameters)
         self.cos = (freqs.cos() * scale).contiguous()

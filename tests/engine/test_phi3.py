@@ -3,8 +3,10 @@
 sets one. Greedy tokens identical to HF transformers (float32) across block sizes, with a
 window the longer prompts pass, chunked prefill with prefix hits, and two tensor-parallel
 ranks (each takes its heads and rows out of the fused tensors); Phi-4-mini's shape of RoPE
-(LongRoPE's short factors, three quarters of each head rotated) within its original
-context, past which a window is refused naming why.
+(LongRoPE, three quarters of each head rotated): the short factors within its original
+context, the long ones past it as HF's ``generate`` rotates (a prompt past it: every
+position; a shorter one: the positions its decoding reaches past it), under chunked
+prefill, prefix hits, preemption by recompute and two ranks.
 """
 
 from __future__ import annotations
@@ -97,10 +99,10 @@ def longrope_dir(tmp_path_factory) -> Path:
 def test_longrope_and_partial_rotary_match_hf(longrope_dir):
     """Within the original context HF rotates with the short factors, three quarters of each
     head, cos and sin scaled by the attention factor: so does the engine (chunked prefill
-    and prefix hits too); its window is the original context."""
+    and prefix hits too); its window is the whole max_position_embeddings."""
     expected = hf_greedy(longrope_dir, prompts())
     llm = LLM(longrope_dir, block_size=16, num_blocks=256)
-    assert llm.scheduler_config.max_model_len == 256
+    assert llm.scheduler_config.max_model_len == 1024
     assert token_ids(llm.generate(prompts(), GREEDY)) == expected
     chunked = LLM(
         longrope_dir,
@@ -136,13 +138,89 @@ def test_the_short_factors_and_the_partial_rotation_change_hf_s_tokens(longrope_
     assert hf_greedy(whole_heads, prompts()) != expected
 
 
-def test_longrope_past_the_original_context_is_refused_naming_why(longrope_dir):
-    with pytest.raises(
-        ValueError,
-        match=r"max_model_len=512 exceeds the model's context "
-        r"window 256 \(longrope: positions past original_max_position_embeddings",
-    ):
-        LLM(longrope_dir, num_blocks=64, max_model_len=512)
+def long_prompts() -> list[list[int]]:
+    """Past the original context (256): two prompts longer than it, one that decodes across
+    it, one within it (beside them in the batch)."""
+    rng = random.Random(7)
+    return [[rng.randrange(512) for _ in range(n)] for n in (300, 600, 240, 40)]
+
+
+@pytest.fixture(scope="module")
+def long_reference(longrope_dir) -> list[list[int]]:
+    return hf_greedy(longrope_dir, long_prompts())
+
+
+def test_longrope_past_the_original_context_matches_hf(longrope_dir, long_reference):
+    """The long factors where HF's generate uses them: every position of a prompt past the
+    original context, and a shorter prompt's positions from the original context on."""
+    llm = LLM(longrope_dir, block_size=16, num_blocks=256)
+    assert token_ids(llm.generate(long_prompts(), GREEDY)) == long_reference
+
+
+@pytest.mark.parametrize("preemption_mode", [None, "recompute"])
+def test_longrope_rotation_follows_the_prompt_through_chunks_hits_and_recompute(
+    longrope_dir, long_reference, preemption_mode
+):
+    """Chunks of 64 rotate as the whole prompt's pass does (the prompt's length decides,
+    not the chunk's); the second run's prefix hits come only from prompts on the same side
+    of the original context (the long prompts' blocks and the short ones' differ for the
+    same tokens); a sequence recomputed after preemption rotates as it first did."""
+    tight = dict(num_blocks=60, preemption_mode="recompute") if preemption_mode else {}
+    llm = LLM(
+        longrope_dir,
+        block_size=16,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        **({"num_blocks": 256} | tight),
+    )
+    prompts = long_prompts()
+    assert token_ids(llm.generate(prompts, GREEDY)) == long_reference
+    # A short prompt that is the first 240 tokens of the 300-token one: the same tokens,
+    # the other rotation, so no hit on the long prompt's blocks; the 240-token prompt hits
+    # the blocks it computed before it grew past the original context.
+    again = llm.generate([*prompts, prompts[0][:240]], GREEDY)
+    assert token_ids(again)[:4] == long_reference
+    if preemption_mode:
+        assert llm.stats()["num_recompute_preemptions"] > 0  # (and hits evicted: no count)
+    else:
+        assert [o.num_cached_tokens for o in again] == [288, 592, 224, 32, 0]
+
+
+def test_a_group_of_samples_grows_past_the_original_context_together(longrope_dir):
+    """n=2 samples of the 240-token prompt cross the original context together: the group is
+    computed again from its first token as one (seeded: the same samples either way)."""
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=48, ignore_eos=True)
+    prompt = long_prompts()[2]
+    outputs = [
+        LLM(longrope_dir, block_size=16, num_blocks=256, **kwargs).generate([prompt], params)
+        for kwargs in ({}, {"preemption_mode": "swap"})
+    ]
+    samples = [[list(c.token_ids) for c in output[0].outputs] for output in outputs]
+    assert samples[0] == samples[1] and [len(s) for s in samples[0]] == [48, 48]
+    assert samples[0][0] != samples[0][1]
+
+
+def test_longrope_two_ranks_match_hf(longrope_dir, long_reference):
+    parallel = LLM(longrope_dir, num_blocks=256, tensor_parallel_size=2)
+    try:
+        assert token_ids(parallel.generate(long_prompts(), GREEDY)) == long_reference
+    finally:
+        parallel.shutdown()
+
+
+def test_the_long_factors_change_hf_s_tokens(longrope_dir, long_reference, tmp_path):
+    # The checks above fail on an engine that keeps the short factors past the context.
+    short_only = rewritten(
+        longrope_dir,
+        tmp_path / "short_only",
+        rope_scaling={
+            **LONGROPE_PHI4_MINI["rope_scaling"],
+            "long_factor": LONGROPE_PHI4_MINI["rope_scaling"]["short_factor"],
+        },
+    )
+    changed = hf_greedy(short_only, long_prompts())
+    assert [a != b for a, b in zip(changed, long_reference)] == [True, True, True, False]
 
 
 @pytest.mark.parametrize(

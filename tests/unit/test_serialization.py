@@ -631,6 +631,7 @@ def _plan_fields(**overrides) -> list:
                 0,
                 0,
                 "generate",
+                0,
             ),
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),

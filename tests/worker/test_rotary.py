@@ -11,10 +11,12 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
 
+from pagedserve.gpu_worker.layers.rope_config import long_rope_switch
 from pagedserve.gpu_worker.layers.rotary import (
     RotaryEmbedding,
     attention_factor,
     inverse_frequencies,
+    long_frequencies,
     rope_context_window,
     rope_parameters,
 )
@@ -161,10 +163,11 @@ def test_unsupported_rope_type_names_the_supported_ones():
         (0.5, {"factor": 2.0}),
     ],
 )
-def test_longrope_short_factors_and_scale_equal_transformers(partial, fields):
-    """Phi-3's LongRoPE within its original context, as HF's Phi3RotaryEmbedding builds it
-    (the short factors; the long ones only past the original context, which the engine's
-    window does not reach)."""
+def test_longrope_factors_and_scale_equal_transformers(partial, fields):
+    """Phi-3's LongRoPE as HF's Phi3RotaryEmbedding builds it: the short factors within the
+    original context, the long ones for a pass that reaches past it (the window is the
+    whole ``max_position_embeddings``); the engine's table holds both, the long rotation
+    ``long_offset`` rows on, bit for bit as HF rotates."""
     rotary_dim = int(HEAD_SIZE * partial)
     rope = {
         "rope_type": "longrope",
@@ -178,9 +181,19 @@ def test_longrope_short_factors_and_scale_equal_transformers(partial, fields):
     hf_rotary = Phi3RotaryEmbedding(transformers.Phi3Config(**hf_config))
     parameters = rope_parameters(hf_config)
     assert parameters["original_max_position_embeddings"] == 128
-    assert rope_context_window(parameters, MAX_POSITIONS) == 128
+    assert rope_context_window(parameters, MAX_POSITIONS) == MAX_POSITIONS
+    assert long_rope_switch(parameters) == 128
     assert torch.equal(inverse_frequencies(rotary_dim, parameters), hf_rotary.inv_freq)
     assert attention_factor(parameters) == hf_rotary.attention_scaling
+    rotary = RotaryEmbedding(HEAD_SIZE, MAX_POSITIONS, parameters)
+    assert rotary.long_offset == MAX_POSITIONS
+    for positions, offset in [(torch.arange(0, 128), 0), (torch.arange(0, 300), MAX_POSITIONS)]:
+        x = torch.zeros(1, 1, len(positions), HEAD_SIZE)
+        cos, sin = hf_rotary(x, positions[None, :])  # a pass of len(positions) tokens
+        half = rotary_dim // 2
+        assert torch.equal(rotary.cos[positions + offset], cos[0, :, :half])
+        assert torch.equal(rotary.sin[positions + offset], sin[0, :, :half])
+    assert torch.equal(long_frequencies(rotary_dim, parameters), hf_rotary.inv_freq)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
