@@ -689,14 +689,21 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if pooling_params is None:
             pooling_params = self.embedding_params()
-        params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
-        for index, params in enumerate(params_list):
-            params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
-            if params.task == "embed":  # the model's pooling, whatever the caller's says
-                params_list[index] = dataclasses.replace(
-                    params, pooling_type=self.pooler_config.pooling_type
-                )
+        params_list = self._model_pooling(
+            self._as_pooling_params_list(pooling_params, len(prompt_list))
+        )
         return self._pool("embed", prompt_list, params_list, lora_request, priority, use_tqdm)
+
+    def _model_pooling(self, params_list: list[PoolingParams]) -> list[PoolingParams]:
+        """Each request's ``dimensions`` checked against the model, and an embedding's
+        pooling type made the model's, whatever the caller's says."""
+        checked = []
+        for params in params_list:
+            params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
+            if params.task == "embed":
+                params = dataclasses.replace(params, pooling_type=self.pooler_config.pooling_type)
+            checked.append(params)
+        return checked
 
     def embedding_params(
         self, normalize: bool | None = None, dimensions: int | None = None
@@ -767,17 +774,13 @@ class LLM:
                 pooling_params = PoolingParams(task="classify")
             pooling_params = dataclasses.replace(pooling_params, task=pooling_task)
         params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
-        for index, params in enumerate(params_list):
+        for params in params_list:
             if params.task != pooling_task:
                 raise ValueError(
                     f"pooling_params.task={params.task!r} with pooling_task={pooling_task!r}: "
                     "give one task"
                 )
-            params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
-            if params.task == "embed":  # the model's pooling, whatever the caller's says
-                params_list[index] = dataclasses.replace(
-                    params, pooling_type=self.pooler_config.pooling_type
-                )
+        params_list = self._model_pooling(params_list)
         pooled = self._pool(
             pooling_task, prompt_list, params_list, lora_request, priority, use_tqdm
         )
