@@ -914,6 +914,10 @@ class Scheduler:
         for the stats (not LongRoPE's switch, which no shortage of blocks caused)."""
         default_mode = "swap" if len(sequences) > 1 else "recompute"
         mode = mode or self.config.preemption_mode or default_mode
+        if any(self._crosses_long_rope_switch(sequence) for sequence in sequences):
+            # Past LongRoPE's switch it is computed again from its first token anyway (a
+            # swap-in would resume it with the short factors' keys).
+            mode = "recompute"
         ids = {sequence.request_id for sequence in sequences}
         # Undo what this step already planned for them: their entries, and the copies
         # of shared blocks (whose destination a swap-out would otherwise copy unfilled).

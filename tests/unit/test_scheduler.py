@@ -431,3 +431,56 @@ def test_lora_loads_ride_the_next_step_and_unloads_wait_for_their_requests():
     assert plan.unload_lora_ids == [3]
     plan, _ = run_step(scheduler)
     assert plan.unload_lora_ids == []  # once
+
+
+def test_a_long_rope_sequence_past_the_switch_is_computed_again_with_its_own_prefixes():
+    """LongRoPE (``long_rope_switch`` 20): a sequence that grows past the original context
+    is computed again from its first token (not counted as a preemption), then rotated with
+    the long factors; prefix-cache blocks of the two rotations stay apart; a swap-out at
+    that point recomputes it too; drafts never cross the switch for a short sequence."""
+    config = SchedulerConfig(
+        max_model_len=256, watermark_fraction=0.0, long_rope_switch=20,
+        num_speculative_tokens=4,
+    )  # fmt: skip
+    block_manager = BlockManager(16, 8, num_host_blocks=8, enable_prefix_caching=True)
+    scheduler = Scheduler(config, block_manager)
+    scheduler.add_request(make_request("a", 18, max_tokens=6))
+    run_step(scheduler)  # the prompt: 18 tokens, 19 known
+    assert not scheduler.requests["a"].long_rope
+    plan, _ = run_step(scheduler)  # position 18: 20 known
+    assert scheduled(plan) == {"a": 1}
+    plan, _ = run_step(scheduler)  # position 19: 21 known, past the switch
+    assert scheduled(plan) == {"a": 1}
+    plan, _ = run_step(scheduler)  # computed again from its first token, all 21
+    request = scheduler.requests["a"]
+    assert scheduled(plan) == {"a": 21} and plan.new_requests[0].num_computed_tokens == 0
+    assert request.long_rope and scheduler.num_recompute_preemptions == 0
+    # A short prompt of the same first 18 tokens and two others hits the short rotation's
+    # two full blocks, which the long sequence's recompute could not use.
+    scheduler.add_request(make_request("b", 20, max_tokens=1))
+    plan, _ = run_step(scheduler)
+    new = {r.request_id: r.num_computed_tokens for r in plan.new_requests}
+    assert new == {"b": 16}
+    # Swapping a sequence out as it crosses the switch recomputes it instead.
+    scheduler.add_request(make_request("c", 20, max_tokens=4))
+    run_step(scheduler)  # c: 21 known, past the switch
+    victim = scheduler.requests["c"]
+    scheduler.running.remove(victim)
+    scheduler._preempt([victim], StepPlan(step_id=0), "test", mode="swap")
+    assert victim.status == RequestStatus.WAITING and victim.num_computed_tokens == 0
+
+
+def test_drafts_of_a_short_long_rope_sequence_stop_at_the_switch():
+    config = SchedulerConfig(
+        max_model_len=256, watermark_fraction=0.0, long_rope_switch=20, num_speculative_tokens=4
+    )
+    scheduler = Scheduler(config, BlockManager(16, 8))
+    request = make_request("a", 18, max_tokens=8)
+    request.prompt_token_ids = [1, 2, 3, 4] * 4 + [1, 2]
+    request.token_ids = list(request.prompt_token_ids)
+    scheduler.add_request(request)
+    run_step(scheduler, token_id=3)  # 19 known: ...1, 2, 3, as four tokens before
+    # Prompt lookup proposes 4, 1, 2, 3; only the one at position 19 stays within it.
+    assert scheduler._draft_tokens(request, 1, 100) == [4]
+    request.long_rope = True  # a sequence rotated with the long factors: no such cut
+    assert scheduler._draft_tokens(request, 1, 100) == [4, 1, 2, 3]
