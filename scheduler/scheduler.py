@@ -394,7 +394,8 @@ class Scheduler:
             if group is None
             else [sequence for sequence in self.running if sequence.group is group]
         )
-        self.running = [sequence for sequence in self.running if sequence not in sequences]
+        ids = {sequence.request_id for sequence in sequences}
+        self.running = [sequence for sequence in self.running if sequence.request_id not in ids]
         self._preempt(
             sequences, plan, "LongRoPE past the original context", mode="recompute", counted=False
         )
