@@ -67,6 +67,7 @@ from pagedserve.scheduler.pooling_params import (
     PROMPT_ONLY_SAMPLING_PARAMS,
     PoolingParams,
     check_task,
+    split_rows,
 )
 from pagedserve.scheduler.sampling_params import (
     DEFAULT_MAX_LOGPROBS,
@@ -1364,14 +1365,7 @@ def _pooling_output(output: EmbeddingRequestOutput, task: str) -> PoolingRequest
     values = output.outputs.embedding if output.outputs is not None else []
     data: list[float] | list[list[float]] = values
     if task.startswith("token_"):
-        num_tokens = len(output.prompt_token_ids)
-        if len(values) % num_tokens:
-            raise RuntimeError(
-                f"request {output.request_id}: {len(values)} values are not a row for each "
-                f"of its {num_tokens} prompt tokens"
-            )
-        width = len(values) // num_tokens
-        data = [values[start : start + width] for start in range(0, len(values), width)]
+        data = split_rows(values, len(output.prompt_token_ids))
     return PoolingRequestOutput(
         request_id=output.request_id,
         prompt=output.prompt,

@@ -30,6 +30,7 @@ from pagedserve.frontend.openai_protocol import (
     invalid_field,
     typed_field,
 )
+from pagedserve.scheduler.pooling_params import split_rows
 
 if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
@@ -140,5 +141,4 @@ def _encoded(call: PoolingCall, output: EmbeddingRequestOutput) -> Any:
     values = output.outputs.embedding
     if not call.task.startswith("token_") or call.encoding_format == "base64":
         return protocol.encoded_vector(values, call.encoding_format)
-    width = len(values) // len(output.prompt_token_ids)
-    return [values[start : start + width] for start in range(0, len(values), width)]
+    return split_rows(values, len(output.prompt_token_ids))

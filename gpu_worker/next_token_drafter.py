@@ -64,17 +64,23 @@ class NextTokenDrafter:
         if hidden is None:
             return {}
         batch: list[_PassRow] = []
-        hidden_rows: list[int] = []
         for row in rows:
             # Positions whose next token is known: all the target kept once it sampled.
             end = min(row.end, len(row.token_ids) - 1)
-            if end <= row.start:
-                continue
-            guesses = row.proposes and end == row.end
-            batch.append(_PassRow(row, row.start, row.token_ids[row.start + 1 : end + 1], guesses))
-            hidden_rows.extend(range(row.hidden_row, row.hidden_row + end - row.start))
+            if end > row.start:
+                guesses = row.proposes and end == row.end
+                tokens = row.token_ids[row.start + 1 : end + 1]
+                batch.append(_PassRow(row, row.start, tokens, guesses))
         if not batch:
             return {}
+        # Decodes first: the attention layer runs the decode kernel on that prefix (the
+        # further passes are decodes only, in this order).
+        batch.sort(key=lambda pass_row: len(pass_row.token_ids) != 1)
+        hidden_rows = [
+            pass_row.row.hidden_row + offset
+            for pass_row in batch
+            for offset in range(len(pass_row.token_ids))
+        ]
         previous = hidden[torch.tensor(hidden_rows, dtype=torch.int64, device=hidden.device)]
         drafts: dict[str, list[int]] = {}
         for count in range(self.num_speculative_tokens):
@@ -102,30 +108,18 @@ class NextTokenDrafter:
     def _forward(
         self, batch: list[_PassRow], previous: torch.Tensor
     ) -> tuple[list[int], torch.Tensor]:
-        """One pass over ``batch`` (``previous``: each of its rows' hidden state in, in
-        order); returns the guess of each row that guesses, in batch order, and the layer's
-        outputs at those rows."""
-        # Decodes first: the attention layer runs the decode kernel on that prefix.
-        order = sorted(range(len(batch)), key=lambda index: len(batch[index].token_ids) != 1)
-        firsts = []
-        offset = 0
-        for pass_row in batch:
-            firsts.append(offset)
-            offset += len(pass_row.token_ids)
+        """One pass over ``batch`` (decodes first; ``previous``: each of its rows' hidden
+        state in, in order); returns the guess of each row that guesses, in batch order, and
+        the layer's outputs at those rows."""
         input_ids: list[int] = []
-        source_rows: list[int] = []
-        guess_at = {}  # batch index -> its guessing row in this pass
-        for index in order:
-            pass_row = batch[index]
+        guess_rows = []
+        for pass_row in batch:
             input_ids.extend(pass_row.token_ids)
-            source_rows.extend(range(firsts[index], firsts[index] + len(pass_row.token_ids)))
             if pass_row.guesses:
-                guess_at[index] = len(input_ids) - 1
-        guess_rows = [guess_at[index] for index in range(len(batch)) if index in guess_at]
+                guess_rows.append(len(input_ids) - 1)
         device = self.device
-        sorted_batch = [batch[index] for index in order]
         metadata, positions = AttentionMetadata.for_sequences(
-            [(r.row.block_ids, r.start, len(r.token_ids)) for r in sorted_batch],
+            [(r.row.block_ids, r.start, len(r.token_ids)) for r in batch],
             self.block_size,
             device,
             self.gathered_prefill,
@@ -133,11 +127,10 @@ class NextTokenDrafter:
             self.latent_attention,
         )
         with torch.inference_mode():
-            source = torch.tensor(source_rows, dtype=torch.int64, device=previous.device)
             outputs = self.model(
                 torch.tensor(input_ids, dtype=torch.int64, device=device),
                 positions,
-                previous[source],
+                previous,
                 metadata,
             )
             if not guess_rows:

@@ -131,3 +131,12 @@ def decode_embedding(data: bytes) -> list[float]:
     if len(data) % 4:
         raise ValueError(f"an embedding is float32 values; got {len(data)} bytes")
     return list(struct.unpack(f"<{len(data) // 4}f", data))
+
+
+def split_rows(values: list[float], num_rows: int) -> list[list[float]]:
+    """A per-token task's values (``decode_embedding``'s, rows one after another) as
+    ``num_rows`` rows, one per prompt token."""
+    if num_rows < 1 or len(values) % num_rows:
+        raise ValueError(f"{len(values)} values are not {num_rows} rows of one width")
+    width = len(values) // num_rows
+    return [values[start : start + width] for start in range(0, len(values), width)]
