@@ -117,7 +117,9 @@ def _check_lora_modules(
     adapters = []
     for name, path in (lora_modules or {}).items():
         _check_lora_name(name, "lora_modules")
-        adapters.append((name, _checked_adapter_path(name, path, model_config)))
+        adapters.append(
+            (name, _checked_adapter_path(f"lora_modules[{name!r}]", path, model_config))
+        )
     return adapters
 
 
@@ -126,10 +128,11 @@ def _check_lora_name(name: object, field: str) -> None:
         raise ValueError(f"{field}: adapter names must be non-empty strings, got {name!r}")
 
 
-def _checked_adapter_path(name: str, path: str | os.PathLike[str], config: ModelConfig) -> str:
-    """The adapter's directory, resolved, once its files fit the model."""
-    check_adapter_files(name, path)
-    check_adapter_weights(name, path, config)
+def _checked_adapter_path(field: str, path: str | os.PathLike[str], config: ModelConfig) -> str:
+    """The adapter's directory, resolved, once its files (inside it) fit the model; errors
+    name ``field``, the option that gave the path."""
+    check_adapter_files(field, path)
+    check_adapter_weights(field, path, config)
     return str(Path(path).resolve())
 
 
@@ -962,7 +965,7 @@ class LLM:
             )
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"lora_path: expected an adapter directory, got {path!r}")
-        resolved = _checked_adapter_path(name, path, self.model_config)
+        resolved = _checked_adapter_path(f"lora_path of {name!r}", path, self.model_config)
         lora_id = self._next_lora_id
         self._next_lora_id += 1
         self.lora_ids[name] = lora_id

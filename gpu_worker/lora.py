@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:  # torch-free at import: the frontend checks adapters without it
     import torch
@@ -107,6 +109,9 @@ LORA_ARCHITECTURES = (
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "c_proj")
 _WEIGHTS_FILE = "adapter_model.safetensors"
 _CONFIG_FILE = "adapter_config.json"
+# A PEFT config is a few hundred bytes; a safetensors header a few bytes per tensor.
+_MAX_CONFIG_BYTES = 1 << 20
+_MAX_HEADER_BYTES = 100 << 20
 
 
 @dataclass
@@ -160,23 +165,24 @@ def check_lora_support(architecture: str, tensor_parallel_size: int, cuda_graphs
         raise ValueError("lora_modules: LoRA adapters do not run in CUDA graphs; drop cuda_graphs")
 
 
-def check_adapter_files(name: str, path: str | Path) -> None:
+def check_adapter_files(field: str, path: str | Path) -> None:
     """The checks that need no model: a PEFT LoRA directory with a supported config and
-    a weights file (raises ``ValueError`` naming the adapter)."""
+    a weights file, both inside it (raises ``ValueError`` naming ``field``, the option that
+    gave the directory: ``lora_modules['name']``, ``lora_path of 'name'``)."""
     path = Path(path)
-    _read_config(name, path)
-    if not (path / _WEIGHTS_FILE).is_file():
-        raise ValueError(f"lora_modules[{name!r}]: {path / _WEIGHTS_FILE} is missing")
+    _read_config(field, path)
+    file, _ = _open_adapter_file(field, path, _WEIGHTS_FILE)
+    file.close()
 
 
-def check_adapter_weights(name: str, path: str | Path, config: ModelConfig) -> None:
+def check_adapter_weights(field: str, path: str | Path, config: ModelConfig) -> None:
     """Every tensor of the adapter's weights file against the model's projections, from
     the safetensors header alone (torch-free, nothing loaded): a LoRA A or B weight of a
     decoder layer the model has, of a projection an adapter may target, in pairs whose
-    shapes fit the projection. Raises ``ValueError`` naming the adapter and the tensor, so
+    shapes fit the projection. Raises ``ValueError`` naming ``field`` and the tensor, so
     that a worker never fails to load an adapter the frontend accepted."""
     path = Path(path)
-    header = _safetensors_header(name, path / _WEIGHTS_FILE)
+    header = _safetensors_header(field, path)
     hidden, heads = config.hidden_size, config.num_heads * config.head_size
     kv_heads = config.num_kv_heads * config.head_size
     intermediate = config.hf_config.get("intermediate_size", 0)
@@ -199,7 +205,7 @@ def check_adapter_weights(name: str, path: str | Path, config: ModelConfig) -> N
         if tensor_name == "__metadata__":
             continue
         layer, projection, which = _checked_weight_name(
-            name,
+            field,
             tensor_name,
             config.num_layers,
             _sparse_layers(config.layer_experts),
@@ -207,32 +213,85 @@ def check_adapter_weights(name: str, path: str | Path, config: ModelConfig) -> N
         )
         pairs.setdefault((layer, projection), {})[which] = list(entry.get("shape", []))
     for (layer, projection), pair in sorted(pairs.items()):
-        _check_pair(name, layer, projection, pair)
+        _check_pair(field, layer, projection, pair)
         out_size, in_size = shapes[projection]
         a, b = pair["lora_A"], pair["lora_B"]
         if len(a) != 2 or len(b) != 2 or a[1] != in_size or b[0] != out_size or a[0] != b[1]:
             raise ValueError(
-                f"lora_modules[{name!r}]: layer {layer} {projection}: lora_A {tuple(a)} and "
+                f"{field}: layer {layer} {projection}: lora_A {tuple(a)} and "
                 f"lora_B {tuple(b)} do not fit the model's [{out_size}, {in_size}] projection"
             )
 
 
-def _safetensors_header(name: str, weights_file: Path) -> dict:
-    """The JSON header of a safetensors file: tensor name -> dtype, shape, offsets."""
+def _open_adapter_file(field: str, directory: Path, file_name: str) -> tuple[BinaryIO, int]:
+    """``directory/file_name`` open for reading, and its size in bytes, once it is a regular
+    file inside the directory's own resolved path (the directory may be a link; a file that
+    is a link to one elsewhere is refused, never opened). Raises ``ValueError`` naming
+    ``field`` and the file, never quoting what the file holds: it may be anyone's."""
+    given = directory / file_name
     try:
-        with weights_file.open("rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            if length > 100 << 20:
-                raise ValueError(f"a header of {length} bytes")
-            return json.loads(file.read(length))
-    except (OSError, ValueError, struct.error) as error:
+        root = directory.resolve(strict=True)
+        resolved = (root / file_name).resolve(strict=True)
+    except FileNotFoundError:
+        raise ValueError(f"{field}: {given} is missing (a PEFT LoRA directory)") from None
+    except (OSError, RuntimeError) as error:  # RuntimeError: a link loop (Python < 3.13)
+        reason = error.strerror if isinstance(error, OSError) else "a loop of links"
+        raise ValueError(f"{field}: {given} cannot be opened: {reason}") from None
+    if not resolved.is_relative_to(root):
+        raise ValueError(f"{field}: {given} is a link to a file outside the adapter directory")
+    try:
+        # O_NOFOLLOW: a link swapped in since the check is not followed; O_NONBLOCK: a FIFO
+        # does not block the caller (the server's event loop) waiting for a writer.
+        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise ValueError(f"{field}: {given} cannot be opened: {error.strerror}") from None
+    file = os.fdopen(fd, "rb")
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
+        file.close()
+        raise ValueError(f"{field}: {given} is not a regular file")
+    return file, status.st_size
+
+
+def _safetensors_header(field: str, directory: Path) -> dict:
+    """The JSON header of the adapter's safetensors file: tensor name -> dtype, shape,
+    offsets. Errors give the file's size, never its bytes (its first 8 are the length)."""
+    file, size_bytes = _open_adapter_file(field, directory, _WEIGHTS_FILE)
+    refusal = f"{field}: {directory / _WEIGHTS_FILE} ({size_bytes} bytes) is not a safetensors file"
+    with file:
+        if size_bytes < 8:
+            raise ValueError(f"{refusal}: it is shorter than the 8-byte header length")
+        (header_bytes,) = struct.unpack("<Q", file.read(8))
+        if header_bytes > size_bytes - 8:
+            raise ValueError(f"{refusal}: the header length in its first 8 bytes exceeds its size")
+        if header_bytes > _MAX_HEADER_BYTES:
+            raise ValueError(f"{refusal}: its header exceeds the {_MAX_HEADER_BYTES}-byte limit")
+        header = _parse_json(refusal + ": its header", file.read(header_bytes), first_byte=8)
+    if not isinstance(header, dict) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("shape", []), list)
+        for key, entry in header.items()
+        if key != "__metadata__"
+    ):
+        raise ValueError(f"{refusal}: its header is not a JSON object of tensor entries")
+    return header
+
+
+def _parse_json(what: str, data: bytes, first_byte: int = 0) -> object:
+    """``data`` parsed; an error names ``what`` and the byte offset, not the text there
+    (``first_byte``: where ``data`` starts in its file)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what} is not UTF-8 text (byte {first_byte + error.start})") from None
+    except json.JSONDecodeError as error:
+        # The message is one of the parser's fixed phrases; error.doc, the text, stays out.
         raise ValueError(
-            f"lora_modules[{name!r}]: {weights_file} is not a safetensors file: {error}"
+            f"{what} is not JSON: {error.msg} (line {error.lineno}, column {error.colno})"
         ) from None
 
 
 def _checked_weight_name(
-    name: str,
+    field: str,
     tensor_name: str,
     num_layers: int,
     sparse_layers: frozenset[int] = frozenset(),
@@ -245,24 +304,22 @@ def _checked_weight_name(
     parsed = _weight_name(tensor_name)
     if parsed is None:
         raise ValueError(
-            f"lora_modules[{name!r}]: tensor {tensor_name!r} is not a LoRA A or B "
-            "weight of a decoder layer"
+            f"{field}: tensor {tensor_name!r} is not a LoRA A or B weight of a decoder layer"
         )
     layer, projection, _ = parsed
     if projection not in TARGET_MODULES:
         raise ValueError(
-            f"lora_modules[{name!r}]: tensor {tensor_name!r} targets {projection!r}; "
+            f"{field}: tensor {tensor_name!r} targets {projection!r}; "
             f"an adapter may target {', '.join(TARGET_MODULES)}"
         )
     if layer >= num_layers:
         raise ValueError(
-            f"lora_modules[{name!r}]: tensor {tensor_name!r} names layer {layer}; "
-            f"the model has {num_layers}"
+            f"{field}: tensor {tensor_name!r} names layer {layer}; the model has {num_layers}"
         )
     has = _ARCHITECTURE_PROJECTIONS.get(architecture, _LLAMA_PROJECTIONS)
     if projection not in has:
         raise ValueError(
-            f"lora_modules[{name!r}]: tensor {tensor_name!r} targets {projection!r}, which "
+            f"{field}: tensor {tensor_name!r} targets {projection!r}, which "
             f"{architecture} does not have; its projections: {', '.join(has)}"
         )
     # The projection must sit where the layer keeps it (self_attn.q_proj, mlp.gate_proj), not
@@ -273,7 +330,7 @@ def _checked_weight_name(
     if parent != expected or (projection in _MLP_PROJECTIONS and layer in sparse_layers):
         where = "mixture-of-experts " if layer in sparse_layers else ""
         raise ValueError(
-            f"lora_modules[{name!r}]: tensor {tensor_name!r} targets {parent}.{projection} of "
+            f"{field}: tensor {tensor_name!r} targets {parent}.{projection} of "
             f"{where}layer {layer}; adapters may target self_attn's projections and a dense "
             "mlp's, not an expert's"
         )
@@ -284,45 +341,46 @@ def _sparse_layers(layer_experts: tuple) -> frozenset[int]:
     return frozenset(index for index, experts in enumerate(layer_experts) if experts is not None)
 
 
-def _check_pair(name: str, layer: int, projection: str, pair: dict) -> None:
+def _check_pair(field: str, layer: int, projection: str, pair: dict) -> None:
     """A targeted projection needs both its LoRA A and B weights."""
     if set(pair) != {"lora_A", "lora_B"}:
         raise ValueError(
-            f"lora_modules[{name!r}]: layer {layer} {projection} lacks its "
+            f"{field}: layer {layer} {projection} lacks its "
             f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight"
         )
 
 
-def _read_config(name: str, path: Path) -> tuple[float, list[str]]:
+def _read_config(field: str, path: Path) -> tuple[float, list[str]]:
+    file, size_bytes = _open_adapter_file(field, path, _CONFIG_FILE)
     config_file = path / _CONFIG_FILE
-    if not config_file.is_file():
-        raise ValueError(
-            f"lora_modules[{name!r}]: {config_file} is missing (a PEFT LoRA directory)"
-        )
-    config = json.loads(config_file.read_text())
+    with file:
+        if size_bytes > _MAX_CONFIG_BYTES:
+            raise ValueError(
+                f"{field}: {config_file} is {size_bytes} bytes, more than the "
+                f"{_MAX_CONFIG_BYTES} a PEFT config may take"
+            )
+        config = _parse_json(f"{field}: {config_file}", file.read(_MAX_CONFIG_BYTES))
+    if not isinstance(config, dict):
+        raise ValueError(f"{field}: {config_file} is not a JSON object (a PEFT config)")
     if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"lora_modules[{name!r}]: peft_type is {config['peft_type']!r}, not LORA")
+        raise ValueError(f"{field}: peft_type is {config['peft_type']!r}, not LORA")
     for key, allowed in (("bias", ("none", None)), ("fan_in_fan_out", (False, None))):
         if config.get(key) not in allowed:
             raise ValueError(
-                f"lora_modules[{name!r}]: {key}={config.get(key)!r} is not supported "
-                f"(only {allowed[0]!r})"
+                f"{field}: {key}={config.get(key)!r} is not supported (only {allowed[0]!r})"
             )
     if config.get("modules_to_save"):
         raise ValueError(
-            f"lora_modules[{name!r}]: modules_to_save={config['modules_to_save']!r} is not "
+            f"{field}: modules_to_save={config['modules_to_save']!r} is not "
             "supported: an adapter may only add low-rank products to projections"
         )
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
         raise ValueError(
-            f"lora_modules[{name!r}]: r={rank!r} and lora_alpha={alpha!r} must be a positive "
-            "integer and a number"
+            f"{field}: r={rank!r} and lora_alpha={alpha!r} must be a positive integer and a number"
         )
     if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise ValueError(
-            f"lora_modules[{name!r}]: per-module rank_pattern / alpha_pattern is not supported"
-        )
+        raise ValueError(f"{field}: per-module rank_pattern / alpha_pattern is not supported")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     targets = config.get("target_modules") or []
     if isinstance(targets, str):
@@ -330,7 +388,7 @@ def _read_config(name: str, path: Path) -> tuple[float, list[str]]:
     unknown = sorted(set(targets) - set(TARGET_MODULES))
     if unknown:
         raise ValueError(
-            f"lora_modules[{name!r}]: target_modules {', '.join(unknown)} are not supported; "
+            f"{field}: target_modules {', '.join(unknown)} are not supported; "
             f"an adapter may target {', '.join(TARGET_MODULES)}"
         )
     return scale, list(targets)
@@ -360,19 +418,22 @@ def load_adapters(model: nn.Module, adapters: list[tuple[str, str]]) -> LoRABatc
 def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str, path: str) -> None:
     """Load one adapter as ``adapter_id``: every product is built and checked first, then
     attached, so a failure leaves the model as it was."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load as load_safetensors
 
+    field = f"lora_modules[{name!r}]"
     layers = model.layers
     weight = model.embed_tokens.weight
     path = Path(path)
-    scale, _ = _read_config(name, path)
-    weights_file = path / _WEIGHTS_FILE
-    if not weights_file.is_file():
-        raise ValueError(f"lora_modules[{name!r}]: {weights_file} is missing")
+    scale, _ = _read_config(field, path)
+    file, _ = _open_adapter_file(field, path, _WEIGHTS_FILE)
+    # NOTE: the file is read whole, from the descriptor checked to be inside the directory,
+    # rather than mapped by name; an adapter is small next to the model.
+    with file:
+        tensors = load_safetensors(file.read())
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for tensor_name, tensor in load_file(str(weights_file)).items():
+    for tensor_name, tensor in tensors.items():
         layer, projection, which = _checked_weight_name(
-            name,
+            field,
             tensor_name,
             len(layers),
             _sparse_layers(model.config.layer_experts),
@@ -381,7 +442,7 @@ def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str,
         pairs.setdefault((layer, projection), {})[which] = tensor
     products: list[tuple[nn.Module, _Product]] = []
     for (layer, projection), pair in sorted(pairs.items()):
-        _check_pair(name, layer, projection, pair)
+        _check_pair(field, layer, projection, pair)
         module_path, part = _ARCHITECTURE_TARGET_MODULES.get(model.config.architecture, {}).get(
             projection, TARGET_MODULES[projection]
         )
@@ -396,7 +457,7 @@ def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str,
         in_size = module.weight.shape[1]
         if a.shape[1] != in_size or b.shape[0] != out_size or a.shape[0] != b.shape[1]:
             raise ValueError(
-                f"lora_modules[{name!r}]: layer {layer} {projection}: lora_A "
+                f"{field}: layer {layer} {projection}: lora_A "
                 f"{tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the model's "
                 f"[{out_size}, {in_size}] projection"
             )

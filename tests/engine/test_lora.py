@@ -480,6 +480,14 @@ def _without_weights(path: Path) -> Path:
     return path
 
 
+def _weights_linked_outside(path: Path) -> Path:
+    """The weights moved out of the directory, a link to them left in their place: they
+    would pass every other check, so only the link is refused."""
+    weights = path / "adapter_model.safetensors"
+    weights.symlink_to(weights.rename(path.parent / f"{path.name}.safetensors"))
+    return path
+
+
 BAD_ADAPTERS: dict[str, tuple[Callable[[dict, Path], Path], str]] = {
     # case: (make the bad adapter in a folder, what the refusal must name)
     "lm_head": (
@@ -510,6 +518,10 @@ BAD_ADAPTERS: dict[str, tuple[Callable[[dict, Path], Path], str]] = {
     "no_weights": (
         lambda dirs, p: _without_weights(peft_adapter(dirs, p, target_modules=["q_proj"])),
         "adapter_model.safetensors",
+    ),
+    "weights_linked_outside": (
+        lambda dirs, p: _weights_linked_outside(peft_adapter(dirs, p, target_modules=["q_proj"])),
+        "adapter_model.safetensors is a link to a file outside the adapter directory",
     ),
     # Made for Qwen3, whose q_proj has 256 outputs; the Llama's has 128.
     "shape": (
@@ -616,7 +628,9 @@ def test_an_adapter_unloaded_mid_request_serves_it_to_the_end(
     assert held_adapter_ids(llm) == set()
 
 
-@pytest.mark.parametrize("case", ["shape", "no_weights", "lm_head", "no_directory"])
+@pytest.mark.parametrize(
+    "case", ["shape", "no_weights", "lm_head", "no_directory", "weights_linked_outside"]
+)
 def test_a_bad_adapter_is_refused_at_run_time_and_nothing_changes(
     tiny_model_dirs, adapter_dir, reference, tmp_path, case
 ):
@@ -627,6 +641,19 @@ def test_a_bad_adapter_is_refused_at_run_time_and_nothing_changes(
     assert llm.lora_ids == {}
     prompts = random_prompts(7, [9])
     assert token_ids(llm.generate(prompts, GREEDY)) == reference("llama", None, prompts)
+
+
+def test_an_adapter_in_a_linked_directory_loads_at_run_time(
+    tiny_model_dirs, adapter_dir, reference, tmp_path
+):
+    # The directory a link (a deployment's "current"), its files inside what it points at.
+    linked = tmp_path / "current"
+    linked.symlink_to(adapter_dir("llama", "all_r8"), target_is_directory=True)
+    llm = LLM(tiny_model_dirs["llama"], num_blocks=32, enable_lora=True)
+    assert llm.load_lora("linked", linked) == 1
+    prompts = random_prompts(7, [9])
+    tokens = token_ids(llm.generate(prompts, GREEDY, lora_request="linked"))
+    assert tokens == reference("llama", "all_r8", prompts)
 
 
 def test_run_time_loading_is_refused_where_it_cannot_be_done(tiny_model_dirs, adapter_dir):

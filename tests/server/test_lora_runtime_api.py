@@ -7,6 +7,7 @@ naming the field. A server started without the flag has no such routes."""
 from __future__ import annotations
 
 import json
+import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -143,6 +144,26 @@ def test_bad_load_and_unload_calls_name_the_field(server, adapter_path, tmp_path
     assert got == 400 and error["param"] == "lora_name" and "already loaded" in error["message"]
     assert completion(server, "twice")[0] == 200
     assert post_text(server, "/v1/unload_lora_adapter", {"lora_name": "twice"})[0] == 200
+
+
+def test_a_weights_file_linked_outside_the_adapter_is_refused_unread(
+    server, adapter_path, tmp_path
+):
+    secret = "root:TOP-SECRET-PASSWORD:0:0"
+    outside = tmp_path / "passwd"
+    outside.write_text(secret)
+    adapter = Path(shutil.copytree(adapter_path, tmp_path / "adapter"))
+    (adapter / "adapter_model.safetensors").unlink()
+    (adapter / "adapter_model.safetensors").symlink_to(outside)
+    got, text = post_text(
+        server, "/v1/load_lora_adapter", {"lora_name": "linked", "lora_path": str(adapter)}
+    )
+    error = json.loads(text)["error"]
+    assert (got, error["param"]) == (400, "lora_path"), error
+    assert "is a link to a file outside the adapter directory" in error["message"], error
+    assert "TOP-SECRET" not in text
+    assert model_ids(server) == [SERVED_MODEL_NAME]
+    assert completion(server, SERVED_MODEL_NAME)[0] == 200
 
 
 def test_without_the_flag_the_routes_are_absent(shared_server, adapter_path):
