@@ -33,9 +33,16 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.frontend.engine_client import EngineClient, EngineDeadError, RequestRefusedError
+from pagedserve.frontend.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineProgress,
+    RequestFailedError,
+    RequestRefusedError,
+)
 from pagedserve.frontend.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
+from pagedserve.scheduler import fault_injection
 from pagedserve.scheduler.engine_messages import EngineStats
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS, PoolingParams
@@ -131,6 +138,21 @@ class AsyncEngine:
     def num_open_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def progress(self) -> EngineProgress | None:
+        """The engine's pulse as last heard (``liveness.py``); None until it is up."""
+        return None if self.llm is None else self.llm.engine.progress
+
+    @property
+    def scheduler_pid(self) -> int | None:
+        return None if self.llm is None else self.llm.engine.scheduler_pid
+
+    def declare_dead(self, message: str) -> None:
+        """End the engine as if it had died (it stalled past the liveness limit): every
+        open request fails with ``EngineDeadError(message)``; ``shutdown`` then kills its
+        processes, stalled or not."""
+        self._on_engine_dead(message)
+
     def submit(
         self,
         request_id: str,
@@ -164,18 +186,26 @@ class AsyncEngine:
         stream = RequestStream(tracker)
         self._streams[request_id] = stream
         token_ids = list(prompt_token_ids)
-        self._call(
-            lambda engine: engine.add_request(
-                request_id,
-                token_ids,
-                params,
-                eos_token_ids,
-                cache_namespace=cache_namespace,
-                lora_id=lora_id,
-                priority=priority,
-                pooling_params=pooling_params,
-            )
-        )
+
+        def add(engine: EngineClient) -> None:
+            try:
+                engine.add_request(
+                    request_id,
+                    token_ids,
+                    params,
+                    eos_token_ids,
+                    cache_namespace=cache_namespace,
+                    lora_id=lora_id,
+                    priority=priority,
+                    pooling_params=pooling_params,
+                )
+            except EngineDeadError:
+                raise
+            except Exception as error:  # a request's failure is the request's, not the engine's
+                why = f"the frontend could not send it: {type(error).__name__}: {error}"
+                self._post(self._on_failed, RequestFailedError(request_id, why))
+
+        self._call(add)
         return stream
 
     def load_lora(self, lora_id: int, name: str, path: str) -> None:
@@ -241,8 +271,17 @@ class AsyncEngine:
             stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue  # aborted meanwhile
-            action = stream.tracker.apply(delta)
             request_id = delta.request_id
+            try:
+                params = getattr(stream.tracker, "params", None)
+                fault_injection.check("output_processing", getattr(params, "seed", None))
+                action = stream.tracker.apply(delta)
+            except Exception as error:  # this request's output alone cannot be made
+                logger.exception("the output of %s failed", request_id)
+                why = f"its output could not be made: {type(error).__name__}: {error}"
+                stream.fail(RequestFailedError(request_id, why))
+                self.abort(request_id)
+                continue
             if action is EngineAction.ABORT_REQUEST:
                 self._call(lambda engine, r=request_id: engine.abort_request(r))
             elif action is EngineAction.STOP_SAMPLE:
@@ -256,6 +295,12 @@ class AsyncEngine:
         stream = self._streams.pop(error.request_id, None)
         if stream is not None:
             stream.fail(ValueError(error.reason))
+
+    def _on_failed(self, error: RequestFailedError) -> None:
+        stream = self._streams.get(error.request_id)
+        if stream is not None:
+            stream.fail(error)
+            self.abort(error.request_id)  # whatever of it reached the engine
 
     def _on_engine_dead(self, message: str) -> None:
         if self.dead_message is not None:
@@ -309,6 +354,9 @@ class AsyncEngine:
                     deltas = engine.step(wait_when_idle=True)
                 except RequestRefusedError as error:
                     self._post(self._on_refused, error)
+                    continue
+                except RequestFailedError as error:
+                    self._post(self._on_failed, error)
                     continue
                 if deltas:
                     self._post(self._on_deltas, deltas)

@@ -12,6 +12,7 @@ HTTP_STATUS = {
     "PERMISSION_DENIED": 403,
     "NOT_FOUND": 404,
     "RESOURCE_EXHAUSTED": 429,
+    "DEADLINE_EXCEEDED": 408,  # the client was too slow to send its request
     "UNAVAILABLE": 503,
     "INTERNAL": 500,
 }

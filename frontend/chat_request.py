@@ -47,10 +47,13 @@ def render_chat_prompt(
     tools: list[dict[str, Any]] | None,
     field: str,
     options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS,
+    check_size: bool = False,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of ``conversation`` (each message as the template gets
     it: role, content, and tool calling's fields) with ``tools`` (OpenAI's function-tool
-    definitions; None: no tools), rendered as ``options`` say (``LLM.render_chat``).
+    definitions; None: no tools), rendered as ``options`` say (``LLM.render_chat``);
+    ``check_size``: refuse a text too long for the window before tokenizing it (a request
+    that does not truncate its prompt).
     ``ValueError`` naming ``field`` when the template refuses the messages (its
     ``raise_exception``) or the prompt is not one the engine takes; one starting with the
     setting's name (``chat_template.SETTING_NAMES``) for that setting's errors."""
@@ -64,6 +67,8 @@ def render_chat_prompt(
         raise ValueError(
             f"{field}: the chat template failed on them: {type(error).__name__}: {error}"
         ) from None
+    if check_size:
+        llm.check_prompt_size(text, field)
     token_ids = llm.encode_prompt(llm.tokenizer.encode(text, add_special_tokens=False), field)
     return text, token_ids
 

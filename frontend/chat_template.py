@@ -5,8 +5,12 @@ template of the call's own. Checked when made, each error starting with the sett
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +140,46 @@ def check_template_allowed(chat_template: object, trusted: bool) -> None:
             "chat_template: this server does not render a request's own template (start it "
             "with --trust-request-chat-template to allow that)"
         )
+
+
+# How long a request's own template may take to render, and how long its text may be: a
+# template is code, and a loop in one would otherwise hold a thread of the frontend.
+REQUEST_TEMPLATE_BUDGET_S = 1.0
+REQUEST_TEMPLATE_MAX_CHARS = 16 << 20
+
+
+@contextlib.contextmanager
+def request_template_budget() -> Iterator[None]:
+    """Render a request's own template within ``REQUEST_TEMPLATE_BUDGET_S``: past it, the
+    render ends with ``ValueError`` naming ``chat_template``. NOTE: a trace function on this
+    thread checks the clock at every line the template runs (several times slower than
+    plain rendering; the model's own template is never traced)."""
+    deadline_s = time.monotonic() + REQUEST_TEMPLATE_BUDGET_S
+
+    def trace(frame, event: str, arg: object):
+        if time.monotonic() > deadline_s:
+            raise ValueError(
+                f"chat_template: rendering took longer than {REQUEST_TEMPLATE_BUDGET_S:g} s, "
+                "the limit for a request's own template"
+            )
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def check_rendered_length(text: str) -> str:
+    """A request's own template's output, at most ``REQUEST_TEMPLATE_MAX_CHARS`` long."""
+    if len(text) > REQUEST_TEMPLATE_MAX_CHARS:
+        raise ValueError(
+            f"chat_template: the template wrote {len(text)} characters; a request's own "
+            f"template may write at most {REQUEST_TEMPLATE_MAX_CHARS}"
+        )
+    return text
 
 
 # A new assistant turn after the conversation, the model's template: the usual rendering.

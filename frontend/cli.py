@@ -15,10 +15,15 @@ from pathlib import Path
 
 from pagedserve.frontend.api_key import ENVIRONMENT_VARIABLE as API_KEY_ENVIRONMENT_VARIABLE
 from pagedserve.frontend.cors import parse_origins
-from pagedserve.frontend.openai_responses import DEFAULT_RESPONSES_STORE_SIZE
+from pagedserve.frontend.liveness import DEFAULT_STALL_EXIT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
+from pagedserve.frontend.openai_responses import (
+    DEFAULT_RESPONSES_STORE_BYTES,
+    DEFAULT_RESPONSES_STORE_SIZE,
+)
 from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_HTTP_READ_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     ServerConfig,
     serve,
@@ -304,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
         "memory, for previous_response_id and GET /v1/responses/{id} (0: none)",
     )
     api.add_argument(
+        "--responses-store-bytes",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_BYTES,
+        metavar="BYTES",
+        help="... and within this many bytes of memory in all (their inputs, outputs and a "
+        "background stream's events; the oldest ended ones go first; default 512 MiB)",
+    )
+    api.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -392,6 +405,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM, how long calls in flight may run on before they are ended",
+    )
+    serve.add_argument(
+        "--http-read-timeout-s",
+        type=float,
+        default=DEFAULT_HTTP_READ_TIMEOUT_S,
+        help="an HTTP client has this long to send a request's headers, then its body; past "
+        "it the connection closes (default 30)",
+    )
+    serve.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        help="with requests pending and no engine step completed for this long (a worker "
+        "stopped, deadlocked or on a hung device), health turns NOT_SERVING / 503 and the "
+        "systemd watchdog is no longer pinged (default 30)",
+    )
+    serve.add_argument(
+        "--stall-exit-timeout-s",
+        type=float,
+        default=DEFAULT_STALL_EXIT_TIMEOUT_S,
+        help="still stalled this long after that, every call in flight ends UNAVAILABLE "
+        "naming the stalled process and the server exits 1 (default 30)",
     )
     serve.add_argument(
         "--no-request-log",
@@ -579,6 +614,7 @@ def _api_config(args: argparse.Namespace, **kwargs) -> dict:
         served_model_name=(args.served_model_name or [args.model or _embedded_name()])[0],
         served_model_aliases=tuple((args.served_model_name or [])[1:]),
         responses_store_size=args.responses_store_size,
+        responses_store_bytes=args.responses_store_bytes,
         vllm_metric_names=args.vllm_metric_names,
         metrics_port=args.metrics_port,
         tool_call_parser=args.tool_call_parser,
@@ -618,6 +654,9 @@ def _serve(args: argparse.Namespace) -> int:
                 http_port=args.http_port,
                 max_concurrent_requests=args.max_concurrent_requests,
                 drain_timeout_s=args.drain_timeout_s,
+                stall_timeout_s=args.stall_timeout_s,
+                stall_exit_timeout_s=args.stall_exit_timeout_s,
+                http_read_timeout_s=args.http_read_timeout_s,
                 port_file=args.port_file,
                 stream_interval_tokens=args.stream_interval,
                 force_include_usage=args.enable_force_include_usage,

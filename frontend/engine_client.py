@@ -57,10 +57,12 @@ import sys
 import tempfile
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
+from pagedserve.scheduler import fault_injection
 from pagedserve.scheduler.child_process import describe_exit
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import (
@@ -71,6 +73,7 @@ from pagedserve.scheduler.engine_messages import (
     GetStats,
     LoadLoRA,
     OutputBatch,
+    Progress,
     Ready,
     ResetPrefixCache,
     Shutdown,
@@ -89,6 +92,8 @@ from pagedserve.scheduler.structured_output import GrammarVocabulary
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0  # loading a model takes seconds, a large one minutes
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+# How long a stats query waits for the scheduler's answer (it comes between two steps).
+STATS_TIMEOUT_S = 10.0
 # A process that exits right after its last message: that message may still be
 # crossing the socket when the exit is seen, so it is awaited this long.
 _LAST_WORD_WAIT_S = 0.5
@@ -110,9 +115,30 @@ class RequestRefusedError(ValueError):
         self.reason = message
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed in the engine (an error of the engine's own, caused by that
+    request alone); it has ended, and the engine runs on. ``request_id`` names it."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id!r}: {message}")
+        self.request_id = request_id
+        self.reason = message
+
+
 class EngineDeadError(RuntimeError):
     """The engine's processes are gone (a component died or failed): every request that
     was in flight has ended. The message names the component and how it ended."""
+
+
+@dataclass(frozen=True)
+class EngineProgress:
+    """The engine's pulse as the frontend last heard it: when a step last completed
+    (monotonic seconds), and what the scheduler last said it waits on within a step ("":
+    nothing) and when it said so."""
+
+    last_step_s: float
+    waiting_on: str
+    waiting_reported_s: float
 
 
 class EngineClient:
@@ -149,8 +175,11 @@ class EngineClient:
         # made before the engine heard, and are dropped (all but a request's final one).
         self._stopped_samples: dict[str, set[int]] = {}
         self._deltas: list[RequestOutputDelta] = []
-        self._refusals: list[RequestRefusedError] = []
+        self._refusals: list[RequestRefusedError | RequestFailedError] = []
         self._last_stats: EngineStats | None = None
+        #: What the scheduler last said of its progress (read by another thread: the
+        #: liveness monitor's; each field is replaced whole).
+        self.progress = EngineProgress(time.monotonic(), "", 0.0)
         try:
             self._process.start(
                 StartEngine(
@@ -248,6 +277,7 @@ class EngineClient:
         frontend's checks) makes a later ``step()`` raise ``ValueError``."""
         if request_id in self._unfinished:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        fault_injection.check("encoding", sampling_params.seed)
         self._send(
             AddRequest(
                 request_id,
@@ -290,7 +320,8 @@ class EngineClient:
         """Wait for the engine's next outputs; return the deltas of this client's
         unfinished requests (every batch that has arrived). Raises
         ``EngineDeadError`` if the engine dies, ``RequestRefusedError`` for a request
-        the scheduler refused (the others' deltas come with the next call).
+        the scheduler refused and ``RequestFailedError`` for one that failed in the engine
+        (the others' deltas come with the next call).
 
         With a wake-up fd (``set_wakeup_fd``) it returns, possibly with no deltas, as
         soon as that fd is readable; ``wait_when_idle`` makes it wait (for outputs, the
@@ -329,8 +360,16 @@ class EngineClient:
         if self.is_running:
             self._last_stats = None
             self._send(GetStats())
+            deadline_s = time.monotonic() + STATS_TIMEOUT_S
             while self._last_stats is None:
-                self._dispatch(self._receive(None))
+                # A stalled scheduler never answers: the caller must not wait for ever.
+                message = self._receive(max(0.0, deadline_s - time.monotonic()))
+                if message is None:
+                    raise TimeoutError(
+                        f"the scheduler (pid {self.scheduler_pid}) did not answer GetStats "
+                        f"within {STATS_TIMEOUT_S:g} s"
+                    )
+                self._dispatch(message)
         if self._last_stats is None:
             raise EngineDeadError(
                 f"no stats: {self._process.death_message or 'the engine has stopped'}"
@@ -376,6 +415,8 @@ class EngineClient:
             raise
 
     def _dispatch(self, message: Message) -> None:
+        if isinstance(message, (OutputBatch, Progress)):
+            self._note_progress(message)
         if isinstance(message, OutputBatch):
             unfinished = self._unfinished
             stopped_samples = self._stopped_samples
@@ -390,6 +431,8 @@ class EngineClient:
                 if delta.finished:
                     unfinished.discard(delta.request_id)
                     stopped_samples.pop(delta.request_id, None)
+        elif isinstance(message, Progress):
+            pass  # noted above
         elif isinstance(message, EngineStats):
             self._last_stats = message
         elif isinstance(message, EngineError) and message.request_id is None:
@@ -399,9 +442,19 @@ class EngineClient:
             # Raised by the next step(), wherever it was read (a stats query too).
             self._unfinished.discard(message.request_id)
             self._stopped_samples.pop(message.request_id, None)
-            self._refusals.append(RequestRefusedError(message.request_id, message.message))
+            error_type = (
+                RequestRefusedError if message.code == "INVALID_ARGUMENT" else RequestFailedError
+            )
+            self._refusals.append(error_type(message.request_id, message.message))
         else:
             raise RuntimeError(f"unexpected {type(message).__name__} from the scheduler")
+
+    def _note_progress(self, message: OutputBatch | Progress) -> None:
+        now_s = time.monotonic()
+        if isinstance(message, Progress) and message.waiting_on:
+            self.progress = EngineProgress(self.progress.last_step_s, message.waiting_on, now_s)
+        else:  # tokens, or a step completed without any
+            self.progress = EngineProgress(now_s, "", 0.0)
 
     def _await_engine_end(self) -> None:
         """After an engine-wide error the scheduler ends every request, sends its final

@@ -22,6 +22,7 @@ from pagedserve.frontend.chat_template import message_reasoning
 from pagedserve.frontend.generation_config import DEFAULT_FIELDS, limit_max_tokens
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.reasoning import ReasoningParser
+from pagedserve.frontend.request_contract import check_chat_role, clamped_logit_bias, decode_json
 from pagedserve.frontend.tool_calls import (
     TOOL_CHOICE_MODES,
     Tool,
@@ -61,8 +62,6 @@ _OPTIONAL_FIELDS = (
     "detokenize",
 )
 _EARLY_STOPPING = {"": False, "false": False, "true": True, "never": "never"}
-# uint64 on the wire; the engine's generators take seeds below 2**63.
-MAX_SEED = (1 << 63) - 1
 
 # StructuredOutputs' constraint (the proto's oneof) -> StructuredOutputsParams' field.
 _STRUCTURED_KINDS = {
@@ -107,8 +106,6 @@ def sampling_params_from_proto(
         )
     except ValueError as error:
         raise ValueError(f"sampling.{error}") from None
-    if message.HasField("seed") and message.seed > MAX_SEED:
-        raise ValueError(f"sampling.seed must be <= {MAX_SEED}, got {message.seed}")
     early_stopping = message.early_stopping.strip().lower()
     if early_stopping not in _EARLY_STOPPING:
         raise ValueError(
@@ -125,7 +122,7 @@ def sampling_params_from_proto(
     if message.HasField("structured_outputs"):
         kwargs["structured_outputs"] = _structured_outputs_from_proto(message.structured_outputs)
     if message.logit_bias:
-        kwargs["logit_bias"] = dict(message.logit_bias)
+        kwargs["logit_bias"] = clamped_logit_bias("sampling.logit_bias", dict(message.logit_bias))
     if message.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(message.allowed_token_ids)
     if message.bad_words:
@@ -256,12 +253,9 @@ def _tools_from_proto(tools: Sequence[pb.Tool], field: str) -> list[Tool] | None
         if tool.description:
             function["description"] = tool.description
         if tool.parameters:
-            try:
-                function["parameters"] = json.loads(tool.parameters)
-            except ValueError as error:
-                raise ValueError(
-                    f"{field}.tools[{position}].parameters is not valid JSON: {error}"
-                ) from None
+            function["parameters"] = decode_json(
+                f"{field}.tools[{position}].parameters", tool.parameters
+            )
         functions.append({"type": "function", "function": function})
     try:
         return parse_tools(functions)
@@ -280,8 +274,7 @@ def chat_from_proto(
     conversation = []
     for position, message in enumerate(chat.messages):
         name = f"{field}.messages[{position}]"
-        if not message.role:
-            raise ValueError(f"{name}.role is empty")
+        check_chat_role(message.role, f"{name}.role")
         entry: dict[str, Any] = {"role": message.role, "content": message.content}
         try:
             entry.update(chat_message_tool_fields(_message_as_openai(message), name))

@@ -22,7 +22,9 @@ drain and engine (``server.py``).
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
+import inspect
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +53,7 @@ from pagedserve.frontend.grpc_convert import (
     whole_response,
 )
 from pagedserve.frontend.openai_calls import OpenAiCalls
+from pagedserve.frontend.request_contract import check_id_text, check_output_room, decode_json
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 from pagedserve.frontend.tool_calls import Tool
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -61,6 +64,8 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.server import Server, ServerConfig
+
+logger = logging.getLogger("pagedserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -112,6 +117,76 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+class _Undecodable:
+    """A request message that did not parse, kept for the handler to refuse by name."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserializer):
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as error:  # protobuf's DecodeError, or a message nested too deep
+            return _Undecodable(error)
+
+    return deserialize
+
+
+class _UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
+    """A request whose bytes do not parse as the method's message ends with
+    ``INVALID_ARGUMENT`` naming the message (grpc's own answer is ``UNKNOWN``, as for a
+    server fault). Unary requests only: the streaming-request methods are reflection's."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+
+        async def refuse(request: _Undecodable, context) -> None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{method}: the request does not parse as its message: {request.error}",
+            )
+
+        deserialize = _lenient(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            behaviour = handler.unary_unary
+
+            async def unary(request, context):
+                if isinstance(request, _Undecodable):
+                    return await refuse(request, context)
+                return await behaviour(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, deserialize, handler.response_serializer
+            )
+        streaming = handler.unary_stream
+        if not inspect.isasyncgenfunction(streaming):  # one that writes (health's Watch)
+
+            async def writing(request, context):
+                if isinstance(request, _Undecodable):
+                    return await refuse(request, context)
+                return await streaming(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                writing, deserialize, handler.response_serializer
+            )
+
+        async def stream(request, context):
+            if isinstance(request, _Undecodable):
+                await refuse(request, context)
+                return
+            async for response in streaming(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, deserialize, handler.response_serializer
+        )
+
+
 def _grpc_code(context):
     def code_of(error: BaseException) -> str:
         if isinstance(error, CallError):
@@ -131,7 +206,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         async with self._counted_call(context):
-            stream, reading = self._admit(request)
+            stream, reading = await self._admit(request)
             async with self._outputs(stream, request) as outputs:
                 async for _output in outputs:
                     pass
@@ -141,7 +216,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateResponse]:
         async with self._counted_call(context):
-            stream, reading = self._admit(request)
+            stream, reading = await self._admit(request)
             state = StreamState(request.request_id, reading)
             async with self._outputs(stream, request) as outputs:
                 interval_tokens = self._server.config.stream_interval_tokens
@@ -154,7 +229,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         async with self._counted_call(context):
-            stream, _ = self._admit(request)
+            stream, _ = await self._admit(request)
             async with self._outputs(stream, request) as outputs:
                 async for _output in outputs:
                     pass
@@ -197,7 +272,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 body["use_activation"] = request.use_activation
             self._pooling_options(request, body)
             if request.HasField("chat"):
-                body["input"] = self._classify_chat_ids(request)
+                body["input"] = await self._server.prepare(self._classify_chat_ids, request)
             answer = await self._calls.classification(body, request.request_id or None)
             return pb.ClassifyResponse(
                 request_id=request.request_id,
@@ -250,17 +325,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         llm = await self._ready_llm(context)
         try:
-            kind = request.WhichOneof("input")
-            if kind == "chat":
-                conversation, tools = chat_from_proto(request.chat)
-                _, token_ids = self._render_chat(llm, request.chat, conversation, tools)
-            elif kind == "text":
-                token_ids = llm.encode_prompt(request.text, "text")
-            else:
-                raise ValueError("input: set one of text, chat")
+            token_ids = await self._server.prepare(self._tokenized, llm, request)
         except (ValueError, TypeError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except CallError as error:
+            await context.abort(grpc.StatusCode[error.code], error.message)
         return pb.TokenizeResponse(token_ids=token_ids)
+
+    def _tokenized(self, llm: LLM, request: pb.TokenizeRequest) -> list[int]:
+        """``Tokenize``'s token ids (a preparing thread's work)."""
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            conversation, tools = chat_from_proto(request.chat)
+            return self._render_chat(llm, request.chat, conversation, tools)[1]
+        if kind == "text":
+            return llm.encode_prompt(request.text, "text")
+        raise ValueError("input: set one of text, chat")
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         llm = await self._ready_llm(context)
@@ -308,7 +388,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         metrics and not find its call counted yet."""
         try:
             async with self._server.call("grpc", _grpc_code(context)):
-                yield
+                try:
+                    yield
+                except (CallError, grpc.aio.AbortError):
+                    raise
+                except Exception as error:  # a fault of ours: this call ends, INTERNAL
+                    logger.exception("a gRPC call failed")
+                    raise CallError(
+                        "INTERNAL", f"internal server error ({type(error).__name__}: {error})"
+                    ) from error
         except CallError as error:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
@@ -326,24 +414,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         request then, not when the generator is collected."""
         return contextlib.aclosing(self._server.outputs(stream, request.request_id))
 
-    def _admit(
+    async def _admit(
         self, request: pb.GenerateRequest | pb.EmbedRequest
     ) -> tuple[RequestStream, ChatReading | None]:
         """Validate, tokenize and queue a generation or embedding request, or raise a
         ``CallError`` whose message names the field. A chat's outputs read as the second value
-        says (None: the prompt is no chat, its text is the output's)."""
+        says (None: the prompt is no chat, its text is the output's). The request is
+        prepared off the event loop (``Server.prepare``)."""
         server = self._server
         llm = server.check_admission()
-        try:
-            prompt, token_ids, reading = self._prompt(llm, request)
-            params, token_ids = self._checked_params(llm, request, token_ids, reading)
-            llm.check_priority(request.priority)
-        except (ValueError, TypeError) as error:
-            raise CallError("INVALID_ARGUMENT", str(error)) from None
-        try:
-            lora_id = llm.lora_id(request.lora_adapter or None, "lora_adapter")
-        except ValueError as error:
-            raise CallError("NOT_FOUND", str(error)) from None
+        prompt, token_ids, params, reading, lora_id = await server.prepare(
+            self._prepared, llm, request
+        )
         stream = server.submit(
             "grpc",
             prompt,
@@ -354,6 +436,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             request.priority,
         )
         return stream, reading
+
+    def _prepared(
+        self, llm: LLM, request: pb.GenerateRequest | pb.EmbedRequest
+    ) -> tuple[str | None, list[int], SamplingParams | PoolingParams, ChatReading | None, int]:
+        """A request checked and tokenized (a preparing thread's work): its prompt's text
+        and token ids, its parameters, how a chat's outputs read, and its adapter's id."""
+        try:
+            check_id_text("request_id", request.request_id)
+            if isinstance(request, pb.GenerateRequest):
+                check_id_text("cache_namespace", request.cache_namespace)
+            check_id_text("lora_adapter", request.lora_adapter)
+            prompt, token_ids, reading = self._prompt(llm, request)
+            params, token_ids = self._checked_params(llm, request, token_ids, reading)
+            llm.check_priority(request.priority)
+        except (ValueError, TypeError) as error:
+            raise CallError("INVALID_ARGUMENT", str(error)) from None
+        try:
+            lora_id = llm.lora_id(request.lora_adapter or None, "lora_adapter")
+        except ValueError as error:
+            raise CallError("NOT_FOUND", str(error)) from None
+        return prompt, token_ids, params, reading, lora_id
 
     def _checked_params(
         self,
@@ -388,6 +491,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             params = chat_sampling_params(params, sampling, reading, llm)
         params = llm.resolve_bad_words(params, "sampling")
         token_ids = llm.truncate_prompt(token_ids, params, "sampling")
+        max_model_len = llm.scheduler_config.max_model_len
+        max_tokens_set = sampling is not None and sampling.HasField("max_tokens")
+        check_output_room(
+            len(token_ids),
+            params.max_tokens if max_tokens_set else 1,
+            max_model_len,
+            request.WhichOneof("prompt"),
+            "sampling.max_tokens",
+        )
+        if not max_tokens_set and len(token_ids) + params.max_tokens > max_model_len:
+            # The default (the model's or 16) yields to the window, as the HTTP API's does.
+            params = dataclasses.replace(params, max_tokens=max_model_len - len(token_ids))
         self._server.check_fits(llm, token_ids, params, "sampling.stop", "sampling")
         return params, token_ids
 
@@ -397,6 +512,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """The prompt's text (None when given as ids), its token ids, and for a chat how
         its outputs read."""
         kind = request.WhichOneof("prompt")
+        if kind in ("text", "token_ids") and not _truncates(request):
+            # Cheap, before the tokenizer spends seconds on a prompt that cannot fit.
+            prompt = request.text if kind == "text" else request.token_ids.ids
+            llm.check_prompt_size(prompt, "text" if kind == "text" else "token_ids.ids")
         if kind == "text":
             return request.text, llm.encode_prompt(request.text, "text"), None
         if kind == "token_ids":
@@ -443,10 +562,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             opens_turn = chat.add_generation_prompt
         template_kwargs = None
         if chat.chat_template_kwargs:
-            try:
-                template_kwargs = json.loads(chat.chat_template_kwargs)
-            except ValueError as error:
-                raise ValueError(f"chat.chat_template_kwargs: not JSON text: {error}") from None
+            template_kwargs = decode_json("chat.chat_template_kwargs", chat.chat_template_kwargs)
         template = chat.chat_template or None
         documents = [dict(document.fields) for document in chat.documents] or None
         try:
@@ -468,6 +584,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise
 
 
+def _truncates(request: pb.GenerateRequest | pb.EmbedRequest) -> bool:
+    """Whether the request keeps only its prompt's end (``truncate_prompt_tokens``; an
+    embedding request has none)."""
+    return (
+        isinstance(request, pb.GenerateRequest)
+        and request.HasField("sampling")
+        and request.sampling.HasField("truncate_prompt_tokens")
+    )
+
+
 class GrpcApi:
     """The gRPC server of a ``Server``: bound before the model loads (health checks are
     answered meanwhile), stopped after the drain."""
@@ -476,7 +602,10 @@ class GrpcApi:
         self._server = server
         api_key = server.config.api_key
         self._grpc = grpc.aio.server(
-            interceptors=[] if api_key is None else [_ApiKeyInterceptor(api_key)],
+            interceptors=[
+                _UndecodableRequestInterceptor(),
+                *([] if api_key is None else [_ApiKeyInterceptor(api_key)]),
+            ],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -44,7 +44,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 
 from pagedserve.frontend import openai_protocol as protocol
 from pagedserve.frontend import openai_responses as responses
@@ -52,6 +52,7 @@ from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
 from pagedserve.frontend.cors import CorsPolicy
 from pagedserve.frontend.openai_calls import OpenAiCalls
+from pagedserve.frontend.request_contract import decode_json
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
@@ -64,12 +65,15 @@ _ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
 # When a refused client may try again (429, 503), in seconds.
 _RETRY_AFTER_S = 1
+# Bodies up to this size are decoded on the event loop (a thread would cost more).
+_DECODE_ON_LOOP_BYTES = 1 << 20
 
 
 def error_body(error: CallError) -> dict:
@@ -140,6 +144,83 @@ def _api_key_check(api_key: str):
     return check
 
 
+class _HeaderTimedHandler(web_protocol.RequestHandler):
+    """aiohttp's connection protocol, which waits for a request's headers without end once
+    one byte has come: here a connection closes when they are not all in within
+    ``header_timeout_s`` (``await_headers`` starts the clock again once a call on it has
+    been answered)."""
+
+    header_timeout_s = 30.0  # set per server (``ServerConfig.http_read_timeout_s``)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._header_tail = b""
+        self.await_headers()
+
+    def await_headers(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_tail = b""
+        self._header_timer = self._loop.call_later(self.header_timeout_s, self._too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is not None:
+            seen = self._header_tail + data
+            if b"\r\n\r\n" in seen:  # the headers' end
+                self._header_timer.cancel()
+                self._header_timer = None
+            else:
+                self._header_tail = seen[-3:]
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _HeaderTimedServer(web_server.Server):
+    header_timeout_s = 30.0
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        handler = _HeaderTimedHandler(self, loop=self._loop, **self._kwargs)
+        handler.header_timeout_s = self.header_timeout_s
+        return handler
+
+
+class _AppRunner(web.AppRunner):
+    """aiohttp's runner, its connections ``_HeaderTimedHandler``s."""
+
+    def __init__(self, app: web.Application, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._header_timeout_s = header_timeout_s
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        # NOTE: aiohttp builds its server with arguments of its own; the subclass only
+        # changes which protocol each connection gets.
+        server.__class__ = _HeaderTimedServer
+        server.header_timeout_s = self._header_timeout_s
+        return server
+
+
+@web.middleware
+async def _next_headers_timed(request: web.Request, handler) -> web.StreamResponse:
+    """Once a call is answered, its connection's next headers are timed afresh."""
+    try:
+        return await handler(request)
+    finally:
+        if isinstance(request.protocol, _HeaderTimedHandler):
+            request.protocol.await_headers()
+
+
 class HttpApi:
     """The aiohttp application of a ``Server``: bound before the model loads (``/health``
     answers 503 meanwhile), stopped after the drain."""
@@ -147,7 +228,7 @@ class HttpApi:
     def __init__(self, server: Server) -> None:
         self._server = server
         self._calls = OpenAiCalls(server, "http")
-        middlewares = [_errors]
+        middlewares = [_errors, _next_headers_timed]
         if server.config.api_key is not None:
             middlewares.append(_api_key_check(server.config.api_key))
         app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=middlewares)
@@ -189,8 +270,32 @@ class HttpApi:
             app.router.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
         # handler_cancellation: a client that goes away cancels its handler, which ends
         # its requests in the engine (the default lets them run to the end unread).
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = _AppRunner(
+            app,
+            server.config.http_read_timeout_s,
+            handler_cancellation=True,
+            access_log=None,
+        )
         self._set_up = False
+
+    async def _json_body(self, request: web.Request) -> Any:
+        """The body as JSON, whatever its content type says (as curl -d sends it), no
+        deeper than the request contract's ``MAX_JSON_DEPTH``. A client that takes longer
+        than ``http_read_timeout_s`` to send it is answered 408; a large body is decoded off
+        the event loop."""
+        timeout_s = self._server.config.http_read_timeout_s
+        try:
+            data = await asyncio.wait_for(request.read(), timeout_s)
+        except asyncio.TimeoutError:
+            raise CallError(
+                "DEADLINE_EXCEEDED", f"the request body did not arrive within {timeout_s:g} s", ""
+            ) from None
+        try:
+            if len(data) <= _DECODE_ON_LOOP_BYTES:
+                return decode_json("the request body", data)
+            return await self._server.prepare(decode_json, "the request body", data)
+        except ValueError as error:
+            raise CallError("INVALID_ARGUMENT", str(error), "") from None
 
     async def bind(self) -> int:
         """Listen on the configured address; returns the port. ``OSError`` if it cannot."""
@@ -243,8 +348,8 @@ class HttpApi:
         server = self._server
         async with server.call("http"):
             server.check_admission()  # before the body is read: refused while starting
-            api_request, streams, llm = self._calls.start_generation(
-                kind, await _json_body(http_request), http_request.headers.get("X-Request-Id")
+            api_request, streams, llm = await self._calls.start_generation(
+                kind, await self._json_body(http_request), http_request.headers.get("X-Request-Id")
             )
             if api_request.stream:
                 return await self._stream(api_request, streams, http_request)
@@ -269,7 +374,7 @@ class HttpApi:
         async with server.call("http"):
             server.check_admission()
             body = await call(
-                await _json_body(http_request), http_request.headers.get("X-Request-Id")
+                await self._json_body(http_request), http_request.headers.get("X-Request-Id")
             )
             return web.json_response(body, headers=_request_id_header(http_request))
 
@@ -287,8 +392,8 @@ class HttpApi:
         server = self._server
         async with server.call("http"):
             server.check_admission()
-            call, api_request, streams, llm = self._calls.start_response(
-                await _json_body(http_request), http_request.headers.get("X-Request-Id")
+            call, api_request, streams, llm = await self._calls.start_response(
+                await self._json_body(http_request), http_request.headers.get("X-Request-Id")
             )
             if call.background:
                 queued = await self._calls.start_background(call, api_request, streams, llm)
@@ -500,7 +605,7 @@ class HttpApi:
         """vLLM's ``{"lora_name", "lora_path"}``: serve a PEFT LoRA adapter from now on;
         its files are checked against the model before the engine hears of it."""
         llm = self._server.ready_llm()
-        name, path = _lora_fields(await _json_body(request), "lora_name", "lora_path")
+        name, path = _lora_fields(await self._json_body(request), "lora_name", "lora_path")
         try:
             lora_id = llm.register_lora(name, path)
         except ValueError as error:
@@ -514,7 +619,7 @@ class HttpApi:
         """vLLM's ``{"lora_name"}``: requests may no longer name the adapter (those in
         flight finish under it)."""
         llm = self._server.ready_llm()
-        (name,) = _lora_fields(await _json_body(request), "lora_name")
+        (name,) = _lora_fields(await self._json_body(request), "lora_name")
         try:
             lora_id = llm.deregister_lora(name)
         except ValueError as error:
@@ -524,35 +629,8 @@ class HttpApi:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         llm = self._server.ready_llm()
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            raise CallError("INVALID_ARGUMENT", "the request body must be a JSON object", "")
-        try:
-            if "messages" in body:
-                prompt = protocol.chat_prompt(
-                    body, llm, self._server.config.trust_request_chat_template
-                )
-                token_ids = prompt.token_ids
-            else:
-                text = body.get("prompt")
-                if not isinstance(text, str):
-                    raise CallError(
-                        "INVALID_ARGUMENT",
-                        f"prompt must be a string (or send messages), got {text!r:.100}",
-                        "prompt",
-                    )
-                add_special_tokens = body.get("add_special_tokens", True)
-                if not isinstance(add_special_tokens, bool):
-                    raise CallError(
-                        "INVALID_ARGUMENT",
-                        f"add_special_tokens must be a boolean, got {add_special_tokens!r}",
-                        "add_special_tokens",
-                    )
-                if llm.tokenizer is None:
-                    raise ValueError("prompt: text needs a tokenizer, and this model has none")
-                token_ids = llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        except ValueError as error:
-            raise CallError("INVALID_ARGUMENT", str(error), "prompt") from None
+        body = await self._json_body(request)
+        token_ids = await self._server.prepare(self._tokenized, body, llm)
         return web.json_response(
             {
                 "tokens": token_ids,
@@ -561,27 +639,46 @@ class HttpApi:
             }
         )
 
+    def _tokenized(self, body: Any, llm) -> list[int]:
+        """``/tokenize``'s token ids (a preparing thread's work)."""
+        if not isinstance(body, dict):
+            raise CallError("INVALID_ARGUMENT", "the request body must be a JSON object", "")
+        try:
+            if "messages" in body:
+                prompt = protocol.chat_prompt(
+                    body, llm, self._server.config.trust_request_chat_template
+                )
+                return prompt.token_ids
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise CallError(
+                    "INVALID_ARGUMENT",
+                    f"prompt must be a string (or send messages), got {text!r:.100}",
+                    "prompt",
+                )
+            add_special_tokens = body.get("add_special_tokens", True)
+            if not isinstance(add_special_tokens, bool):
+                raise CallError(
+                    "INVALID_ARGUMENT",
+                    f"add_special_tokens must be a boolean, got {add_special_tokens!r}",
+                    "add_special_tokens",
+                )
+            if llm.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer, and this model has none")
+            return llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except ValueError as error:
+            raise CallError("INVALID_ARGUMENT", str(error), "prompt") from None
+
     async def _detokenize(self, request: web.Request) -> web.Response:
         llm = self._server.ready_llm()
-        body = await _json_body(request)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list):
-            raise CallError(
-                "INVALID_ARGUMENT", f"tokens must be a list of token ids, got {tokens!r:.100}"
-            )
-        try:
-            token_ids = llm.encode_prompt(tokens, "tokens") if tokens else []
-        except (ValueError, TypeError) as error:
-            raise CallError("INVALID_ARGUMENT", str(error), "tokens") from None
-        if llm.tokenizer is None:
-            raise CallError("INVALID_ARGUMENT", "this model has no tokenizer to decode with")
-        return web.json_response({"prompt": llm.tokenizer.decode(token_ids)})
+        body = await self._json_body(request)
+        return web.json_response({"prompt": await self._server.prepare(_detokenized, body, llm)})
 
     async def _invocations(self, request: web.Request) -> web.StreamResponse:
         """The body's shape picks the API, as vLLM's ``/invocations`` does: ``messages`` a
         chat completion, ``prompt`` a completion, ``input`` an embedding (a classification
         on a classification model), ``text_1`` a score, ``query`` a rerank."""
-        body = await _json_body(request)  # aiohttp keeps it for the handler's own read
+        body = await self._json_body(request)  # aiohttp keeps it for the handler's own read
         if isinstance(body, dict):
             if "messages" in body:
                 return await self._generate("chat", request)
@@ -650,16 +747,20 @@ def _request_id_header(request: web.Request) -> dict[str, str]:
     return {} if request_id is None else {"X-Request-Id": request_id}
 
 
-async def _json_body(request: web.Request) -> Any:
-    """The body as JSON, whatever its content type says (as curl -d sends it)."""
-    try:
-        return json.loads(await request.read())
-    except json.JSONDecodeError as error:
+def _detokenized(body: Any, llm) -> str:
+    """``/detokenize``'s text (a preparing thread's work)."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list):
         raise CallError(
-            "INVALID_ARGUMENT", f"the request body is not valid JSON: {error}", ""
-        ) from None
-    except UnicodeDecodeError as error:
-        raise CallError("INVALID_ARGUMENT", f"the request body is not UTF-8: {error}", "") from None
+            "INVALID_ARGUMENT", f"tokens must be a list of token ids, got {tokens!r:.100}"
+        )
+    try:
+        token_ids = llm.encode_prompt(tokens, "tokens") if tokens else []
+    except (ValueError, TypeError) as error:
+        raise CallError("INVALID_ARGUMENT", str(error), "tokens") from None
+    if llm.tokenizer is None:
+        raise CallError("INVALID_ARGUMENT", "this model has no tokenizer to decode with")
+    return llm.tokenizer.decode(token_ids)
 
 
 def _lora_fields(body: object, *names: str) -> list[str]:

@@ -69,6 +69,7 @@ from pagedserve.scheduler.pooling_params import (
     check_task,
     split_rows,
 )
+from pagedserve.scheduler.request_limits import MAX_PROMPT_CHARS_PER_TOKEN
 from pagedserve.scheduler.sampling_params import (
     DEFAULT_MAX_LOGPROBS,
     SamplingParams,
@@ -1148,6 +1149,26 @@ class LLM:
             grammar_text(structured)
         except ValueError as error:
             raise ValueError(f"{field}.{error}" if field else str(error)) from None
+
+    def check_prompt_size(self, prompt: PromptType, field: str) -> None:
+        """``ValueError`` for a prompt that could never fit the context window, found
+        without tokenizing it: more token ids than the window, or a text of more than
+        ``MAX_PROMPT_CHARS_PER_TOKEN`` characters per token of it. The servers check this
+        first, unless the request truncates its prompt (then it may be longer)."""
+        max_model_len = self.scheduler_config.max_model_len
+        if isinstance(prompt, str):
+            max_chars = max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+            if len(prompt) > max_chars:
+                raise ValueError(
+                    f"{field}: {len(prompt)} characters cannot fit the model's context window "
+                    f"of {max_model_len} tokens (at most {max_chars} characters; "
+                    "truncate_prompt_tokens keeps a longer prompt's end)"
+                )
+        elif isinstance(prompt, (list, tuple)) and len(prompt) > max_model_len:
+            raise ValueError(
+                f"{field}: {len(prompt)} prompt tokens exceed the model's context window of "
+                f"{max_model_len} tokens"
+            )
 
     def encode_prompt(self, prompt: PromptType, field: str) -> list[int]:
         """A prompt's token ids: text tokenized, ids checked against the vocabulary.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -38,15 +39,45 @@ class OpenAiCalls:
         self._server = server
         self.api = api
 
-    def start_generation(
+    async def start_generation(
         self, kind: str, body: Any, client_request_id: str | None, streaming_allowed: bool = True
     ) -> tuple[protocol.ApiRequest, list[RequestStream], LLM]:
         """Check and submit a ``/v1/completions`` (``kind="completion"``) or
         ``/v1/chat/completions`` (``"chat"``) body: its parsed request, one stream per
         prompt, and the engine's ``LLM``. Without ``streaming_allowed``, ``"stream": true``
-        is refused (a batch has no one to stream to)."""
+        is refused (a batch has no one to stream to). The body is checked, rendered and
+        tokenized off the event loop (``Server.prepare``)."""
         server = self._server
         llm = server.check_admission()
+        api_request = await server.prepare(
+            self._prepare_generation, kind, body, llm, client_request_id
+        )
+        if api_request.stream and server.config.force_include_usage:
+            api_request.include_usage = True  # the operator's choice (billing by stream)
+        if api_request.stream and not streaming_allowed:
+            raise CallError(
+                "INVALID_ARGUMENT",
+                "stream=true: a batch's answers are written whole; leave stream unset",
+                "stream",
+            )
+        llm = server.check_admission(len(api_request.prompts))
+        streams = self._submit(
+            [
+                (prompt, params)
+                for prompt, params in zip(api_request.prompts, api_request.params, strict=True)
+            ],
+            api_request.cache_namespace,
+            api_request.lora_id,
+            api_request.priority,
+        )
+        return api_request, streams, llm
+
+    def _prepare_generation(
+        self, kind: str, body: Any, llm: LLM, client_request_id: str | None
+    ) -> protocol.ApiRequest:
+        """A generation body parsed and checked against the engine (a preparing thread's
+        work: it touches no state of the event loop's)."""
+        server = self._server
         try:
             llm.check_task(None)
         except ValueError as error:
@@ -63,44 +94,28 @@ class OpenAiCalls:
             server.config.reasoning_parser,
             server.config.trust_request_chat_template,
         )
-        if api_request.stream and server.config.force_include_usage:
-            api_request.include_usage = True  # the operator's choice (billing by stream)
-        if api_request.stream and not streaming_allowed:
-            raise CallError(
-                "INVALID_ARGUMENT",
-                "stream=true: a batch's answers are written whole; leave stream unset",
-                "stream",
-            )
-        llm = server.check_admission(len(api_request.prompts))
         for prompt, params in zip(api_request.prompts, api_request.params, strict=True):
             try:
                 server.check_fits(llm, prompt.token_ids, params, "stop", "")
             except (ValueError, TypeError) as error:
-                raise CallError("INVALID_ARGUMENT", str(error)) from None
-        streams = self._submit(
-            [
-                (prompt, params)
-                for prompt, params in zip(api_request.prompts, api_request.params, strict=True)
-            ],
-            api_request.cache_namespace,
-            api_request.lora_id,
-            api_request.priority,
-        )
-        return api_request, streams, llm
+                param = protocol.field_named(error)
+                raise CallError("INVALID_ARGUMENT", str(error), param) from None
+        return api_request
 
     async def generation(self, kind: str, body: Any, client_request_id: str | None) -> dict:
         """A completion or chat completion answered whole (OpenAI's response body)."""
-        api_request, streams, llm = self.start_generation(
+        api_request, streams, llm = await self.start_generation(
             kind, body, client_request_id, streaming_allowed=False
         )
         outputs = await self.whole(api_request.client_request_id, streams)
         return protocol.whole_response(api_request, outputs, llm)
 
-    def start_response(
+    async def start_response(
         self, body: Any, client_request_id: str | None, streaming_allowed: bool = True
     ) -> tuple[responses.ResponsesCall, protocol.ApiRequest, list[RequestStream], LLM]:
         """Check and submit a ``/v1/responses`` body (it runs as a chat completion):
         the call, its chat request, its one stream and the engine's ``LLM``."""
+        # On the loop: it reads the response store; the chat it becomes is prepared off it.
         call = responses.prepare(body, self._server.responses)
         if call.background and not streaming_allowed:
             raise CallError(
@@ -109,7 +124,7 @@ class OpenAiCalls:
                 "background",
             )
         try:
-            api_request, streams, llm = self.start_generation(
+            api_request, streams, llm = await self.start_generation(
                 "chat", call.chat_body, client_request_id, streaming_allowed
             )
         except CallError as error:
@@ -118,7 +133,7 @@ class OpenAiCalls:
 
     async def response(self, body: Any, client_request_id: str | None) -> dict:
         """A Responses API body answered whole (and stored when it asks to be)."""
-        started = self.start_response(body, client_request_id, streaming_allowed=False)
+        started = await self.start_response(body, client_request_id, streaming_allowed=False)
         return await self.whole_response(*started)
 
     async def whole_response(
@@ -151,7 +166,9 @@ class OpenAiCalls:
         store.put(responses.stored(call, queued))
         log = None
         if call.stream:
-            log = store.event_logs[call.response_id] = responses.EventLog()
+            log = store.event_logs[call.response_id] = responses.EventLog(
+                functools.partial(store.count_events, call.response_id)
+            )
         task = asyncio.create_task(self._background(call, api_request, streams, llm, log))
         store.running[call.response_id] = task
         # One turn of the loop: the task enters its call count (server.call) before the
@@ -231,7 +248,7 @@ class OpenAiCalls:
 
     async def embedding(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/v1/embeddings`` body answered (OpenAI's response body)."""
-        api_request = self._parse_pooling(
+        api_request = await self._parse_pooling(
             protocol.parse_embedding_request, body, client_request_id, **self._chat_options()
         )
         outputs = await self._pooled(api_request)
@@ -239,7 +256,7 @@ class OpenAiCalls:
 
     async def classification(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/classify`` body answered (vLLM's response body)."""
-        api_request = self._parse_pooling(
+        api_request = await self._parse_pooling(
             classify.parse_classify_request, body, client_request_id, **self._chat_options()
         )
         outputs = await self._pooled(api_request)
@@ -248,7 +265,7 @@ class OpenAiCalls:
     async def pooling(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/pooling`` body answered (vLLM's response body): the embeddings or the
         classifications, by the model's task, in one shape."""
-        call = self._parse_pooling(
+        call = await self._parse_pooling(
             pooling.parse_pooling_request, body, client_request_id, **self._chat_options()
         )
         outputs = await self._pooled(call.request)
@@ -259,23 +276,23 @@ class OpenAiCalls:
         (vLLM's response body): the texts embedded, each pair's cosine similarity; on a
         cross-encoder, each pair classified."""
         parse = scores.parse_score_request if kind == "score" else scores.parse_rerank_request
-        api_request = self._parse_pooling(parse, body, client_request_id)
+        api_request = await self._parse_pooling(parse, body, client_request_id)
         outputs = await self._pooled(api_request)
         if kind == "score":
             return scores.score_response(api_request, outputs)
         return scores.rerank_response(api_request, outputs)
 
-    def _parse_pooling(self, parse, body: Any, client_request_id: str | None, **options):
-        """A pooling request's body checked by ``parse`` (once the server admits calls);
-        ``options``: ``parse``'s own keywords."""
+    async def _parse_pooling(self, parse, body: Any, client_request_id: str | None, **options):
+        """A pooling request's body checked by ``parse`` (once the server admits calls),
+        off the event loop; ``options``: ``parse``'s own keywords."""
         server = self._server
-        return parse(
+        return await server.prepare(
+            functools.partial(parse, **options),
             body,
             server.check_admission(),
             server.served_model_names(),
             client_request_id,
             server.config.max_concurrent_requests,
-            **options,
         )
 
     def _chat_options(self) -> dict[str, Any]:

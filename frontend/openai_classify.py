@@ -22,6 +22,7 @@ from pagedserve.frontend.openai_protocol import (
     PoolingApiRequest,
     checked_body,
     checked_priority,
+    id_field,
     invalid_field,
     pooling_input_prompts,
     served_model,
@@ -88,9 +89,7 @@ def parse_classify_request(
         prompts=prompts,
         params=PoolingParams(task="classify", use_activation=value),
         labels=llm.model_config.labels,
-        client_request_id=typed_field(
-            body, "request_id", (str,), "a string", client_request_id or ""
-        ),
+        client_request_id=id_field(body, "request_id") or client_request_id or "",
         lora_id=lora_id,
         priority=checked_priority(body, llm),
         from_messages=from_messages,

@@ -46,6 +46,12 @@ from pagedserve.frontend.chat_template import (
 )
 from pagedserve.frontend.generation_config import DEFAULT_FIELDS, limit_max_tokens
 from pagedserve.frontend.reasoning import ReasoningParser
+from pagedserve.frontend.request_contract import (
+    check_chat_role,
+    check_id_text,
+    check_output_room,
+    clamped_logit_bias,
+)
 from pagedserve.frontend.tool_calls import ToolCallDelta, ToolCallError, ToolCalling
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import (
@@ -138,7 +144,6 @@ _CHAT_FIELDS = {
     "echo",
     "reasoning_effort",
 }
-_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # vLLM's older structured-output fields -> StructuredOutputsParams' field.
 _GUIDED_FIELDS = {
     "guided_json": "json",
@@ -162,6 +167,14 @@ def _sampling_error(error: Exception, names: dict[str, str]) -> CallError:
     return CallError("INVALID_ARGUMENT", message, param)
 
 
+def field_named(error: Exception) -> str | None:
+    """The request field an engine check's message starts with (``stop_token_ids: token
+    id ...``), when it names one."""
+    name = re.match(r"[a-z_]+", str(error))
+    known = _COMMON_FIELDS | set(_SAMPLING_FIELDS) | _COMPLETION_FIELDS | _CHAT_FIELDS
+    return name.group(0) if name and name.group(0) in known else None
+
+
 def checked_body(body: Any, known: set[str] | frozenset[str], api: str) -> dict:
     """A request body that is a JSON object; the fields ``api`` does not know are ignored,
     and named in the log (vLLM's behaviour: a client's extra fields do not fail it)."""
@@ -183,6 +196,17 @@ def typed_field(body: dict, name: str, kinds: tuple[type, ...], what: str, defau
         raise invalid_field(f"{name} must be {what}, got {value!r}", name)
     if not isinstance(value, kinds):
         raise invalid_field(f"{name} must be {what}, got {value!r}", name)
+    return value
+
+
+def id_field(body: dict, name: str) -> str | None:
+    """A client's id or label (a string of at most ``MAX_ID_CHARS`` characters), or None."""
+    value = typed_field(body, name, (str,), "a string")
+    if value is not None:
+        try:
+            check_id_text(name, value)
+        except ValueError as error:
+            raise invalid_field(str(error), name) from None
     return value
 
 
@@ -303,8 +327,9 @@ def parse_request(
         raise invalid_field("stream_options is set but stream is not true", "stream_options")
     include_usage = typed_field(options, "include_usage", (bool,), "a boolean", False)
     continuous_usage = typed_field(options, "continuous_usage_stats", (bool,), "a boolean", False)
-    cache_salt = typed_field(body, "cache_salt", (str,), "a string")
-    request_id = typed_field(body, "request_id", (str,), "a string", client_request_id or "")
+    cache_salt = id_field(body, "cache_salt")
+    request_id = id_field(body, "request_id") or client_request_id or ""
+    id_field(body, "user")
     priority = checked_priority(body, llm)
     structured = _structured_outputs(body, llm)
     if tool_calling is not None and tool_calling.constraint() is not None:
@@ -339,12 +364,17 @@ def parse_request(
         if len(kept) < len(prompt.token_ids):  # its text is no longer the prompt's
             prompt = prompts[position] = Prompt(None, kept)
         num_prompt_tokens = len(prompt.token_ids)
-        if num_prompt_tokens >= max_model_len:
-            raise invalid_field(
-                f"{field_name}: {num_prompt_tokens} prompt tokens leave no room to generate "
-                f"in the model's context window of {max_model_len} tokens",
+        try:
+            check_output_room(
+                num_prompt_tokens,
+                1 if max_tokens_name is None else base.max_tokens,
+                max_model_len,
                 field_name,
+                max_tokens_name or "max_tokens",
             )
+        except ValueError as error:
+            param = field_name if str(error).startswith(field_name) else max_tokens_name
+            raise invalid_field(str(error), param) from None
         if max_tokens_name is None:
             default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else max_model_len
             room = max(1, max_total_tokens - num_prompt_tokens)
@@ -358,15 +388,6 @@ def parse_request(
             # An unset max_tokens never undercuts min_tokens.
             max_tokens = min(max(default, base.min_tokens), room)
             prompt_params = dataclasses.replace(base, max_tokens=_limited(max_tokens, base, llm))
-        elif num_prompt_tokens + base.max_tokens > max_model_len:
-            # As OpenAI's API and vLLM's server refuse it (the offline engine and the gRPC
-            # API stop such a request at the window instead).
-            raise invalid_field(
-                f"{max_tokens_name}={base.max_tokens}: the model's context window is "
-                f"{max_model_len} tokens and {field_name} takes {num_prompt_tokens}, which "
-                f"leaves at most {max_model_len - num_prompt_tokens}",
-                max_tokens_name,
-            )
         else:
             max_tokens = _limited(base.max_tokens, base, llm)
             prompt_params = base
@@ -596,32 +617,25 @@ def _disable_any_whitespace(body: dict) -> bool:
     return isinstance(structured, dict) and structured.get("disable_any_whitespace") is True
 
 
-# OpenAI's range for a logit_bias value; vLLM clamps to it, and so does this server.
-LOGIT_BIAS_LIMIT = 100.0
-
-
 def _logit_bias(body: dict) -> dict[int, float] | None:
     """OpenAI's ``logit_bias``: token ids (as JSON object keys, so strings) -> bias,
-    each clamped to [-100, 100] as vLLM does."""
+    each clamped to [-100, 100] as vLLM does (``clamped_logit_bias``)."""
     bias = typed_field(body, "logit_bias", (dict,), "an object of token id -> bias")
     if bias is None:
         return None
-    result = {}
+    by_token_id = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            token_id = -1
+        token_id = int(key) if key.strip().isdigit() and key.isascii() else -1
         if token_id < 0 or str(token_id) != key.strip():
             raise invalid_field(
-                f"logit_bias: key {key!r} is not a token id (a non-negative integer)", "logit_bias"
+                f"logit_bias: key {key!r:.100} is not a token id (a non-negative integer)",
+                "logit_bias",
             )
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise invalid_field(
-                f"logit_bias[{key!r}] must be a number, got {value!r}", "logit_bias"
-            )
-        result[token_id] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
-    return result
+        by_token_id[token_id] = value
+    try:
+        return clamped_logit_bias("logit_bias", by_token_id)
+    except (ValueError, TypeError) as error:
+        raise invalid_field(str(error), "logit_bias") from None
 
 
 def _limited(max_tokens: int, params: SamplingParams, llm: LLM) -> int:
@@ -725,13 +739,16 @@ def _completion_prompts(
             field,
         )
     prompts = []
+    truncating = body.get("truncate_prompt_tokens") is not None
     for position, item in enumerate(items):
         name = field if len(items) == 1 else f"{field}[{position}]"
         if not isinstance(item, (str, list)) or isinstance(item, bool):
             raise invalid_field(
-                f"{name} must be a string or a list of token ids, got {item!r}", name
+                f"{name} must be a string or a list of token ids, got {item!r:.200}", name
             )
         try:
+            if not truncating:  # cheap, before the tokenizer spends seconds on it
+                llm.check_prompt_size(item, name)
             token_ids = llm.encode_prompt(item, name)
         except (ValueError, TypeError) as error:
             raise invalid_field(str(error), name) from None
@@ -761,10 +778,10 @@ def chat_prompt(
         name = f"messages[{position}]"
         if not isinstance(message, dict):
             raise invalid_field(f"{name} must be an object, got {message!r:.200}", name)
-        role = message.get("role")
-        if role not in _CHAT_ROLES:
-            roles = ", ".join(_CHAT_ROLES)
-            raise invalid_field(f"{name}.role must be one of {roles}; got {role!r}", f"{name}.role")
+        try:
+            role = check_chat_role(message.get("role"), f"{name}.role")
+        except ValueError as error:
+            raise invalid_field(str(error), f"{name}.role") from None
         entry = {"role": role, "content": _message_text(message, name)}
         try:
             entry.update(tool_calls.chat_message_tool_fields(message, name))
@@ -802,7 +819,14 @@ def chat_prompt(
             documents=body.get("documents"),
             chat_template=template,
         )
-        text, token_ids = render_chat_prompt(llm, conversation, tools, "messages", options)
+        text, token_ids = render_chat_prompt(
+            llm,
+            conversation,
+            tools,
+            "messages",
+            options,
+            check_size=body.get("truncate_prompt_tokens") is None,
+        )
     except (ValueError, TypeError) as error:
         message = str(error)
         name = next((name for name in SETTING_NAMES if message.startswith(name)), "messages")
@@ -1322,9 +1346,7 @@ def parse_embedding_request(
         prompts=prompts,
         params=llm.embedding_params(normalize, dimensions),
         encoding_format=encoding_format,
-        client_request_id=typed_field(
-            body, "request_id", (str,), "a string", client_request_id or ""
-        ),
+        client_request_id=id_field(body, "request_id") or client_request_id or "",
         lora_id=lora_id,
         priority=priority,
         from_messages=from_messages,

@@ -36,7 +36,7 @@ import copy
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,10 +115,66 @@ _FIELD_NAMES = {
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 DEFAULT_RESPONSES_STORE_SIZE = 1024
+# What the stored responses (their inputs, outputs and kept events) may take of the server's
+# memory, in all; the oldest that have ended go first.
+DEFAULT_RESPONSES_STORE_BYTES = 512 << 20
+# OpenAI's limits on a response's metadata.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 # A background response's statuses before it ends.
 _UNFINISHED = ("queued", "in_progress")
 # A failed background response's error code (OpenAI's) by how its call ended.
 _ERROR_CODES = {"INVALID_ARGUMENT": "invalid_prompt", "RESOURCE_EXHAUSTED": "rate_limit_exceeded"}
+
+
+def _check_metadata(metadata: dict) -> None:
+    """OpenAI's limits: at most 16 pairs of strings, keys of up to 64 characters, values of
+    up to 512."""
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise invalid_field(
+            f"metadata must have at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+            "metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise invalid_field(
+                f"metadata: key {key[:20]!r}... has {len(key)} characters; keys have at most "
+                f"{MAX_METADATA_KEY_CHARS}",
+                "metadata",
+            )
+        if not isinstance(value, str):
+            raise invalid_field(
+                f"metadata[{key!r}] must be a string, got {value!r:.100}", "metadata"
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise invalid_field(
+                f"metadata[{key!r}] has {len(value)} characters; values have at most "
+                f"{MAX_METADATA_VALUE_CHARS}",
+                "metadata",
+            )
+
+
+def approximate_bytes(value: object) -> int:
+    """About how many bytes ``value`` (JSON-like: dicts, lists, strings, numbers) holds:
+    its strings' characters, plus 8 per other item. Iterative and linear in the number of
+    items, not in the text, so cheap enough on the event loop."""
+    total = 0
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, (str, bytes)):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += 8
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            total += 8
+            pending.extend(item)
+        else:
+            total += 8
+    return total
 
 
 def _new_id(prefix: str) -> str:
@@ -140,14 +196,24 @@ class StoredResponse:
 
 class ResponseStore:
     """The responses kept for ``previous_response_id`` and ``GET``: the most recent
-    ``capacity`` (0: none kept), in this process's memory; and the background responses
-    still running (``running``: response id -> its task)."""
+    ``capacity`` (0: none kept) within ``capacity_bytes`` in all (their inputs, outputs and
+    kept events, as ``approximate_bytes`` counts them), in this process's memory; and the
+    background responses still running (``running``: response id -> its task)."""
 
-    def __init__(self, capacity: int = DEFAULT_RESPONSES_STORE_SIZE) -> None:
+    def __init__(
+        self,
+        capacity: int = DEFAULT_RESPONSES_STORE_SIZE,
+        capacity_bytes: int = DEFAULT_RESPONSES_STORE_BYTES,
+    ) -> None:
         if capacity < 0:
             raise ValueError(f"the response store's capacity must be >= 0, got {capacity}")
+        if capacity_bytes < 0:
+            raise ValueError(f"the response store's bytes must be >= 0, got {capacity_bytes}")
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._bytes: dict[str, int] = {}
+        self.num_bytes = 0
         self.running: dict[str, asyncio.Task] = {}
         # The streamed background responses' events, kept as long as their responses.
         self.event_logs: dict[str, EventLog] = {}
@@ -155,15 +221,37 @@ class ResponseStore:
     def put(self, stored: StoredResponse) -> None:
         if self.capacity == 0:
             return
-        self._responses[stored.response["id"]] = stored
-        while len(self._responses) > self.capacity:
+        response_id = stored.response["id"]
+        self._forget_bytes(response_id)
+        self._responses[response_id] = stored
+        size = approximate_bytes((stored.response, stored.messages, stored.input_items))
+        self._bytes[response_id] = size
+        self.num_bytes += size
+        self._evict()
+
+    def count_events(self, response_id: str, num_bytes: int) -> None:
+        """A kept event log grew by ``num_bytes``: count them against the byte limit."""
+        if response_id in self._bytes:
+            self._bytes[response_id] += num_bytes
+            self.num_bytes += num_bytes
+            self._evict()
+
+    def _evict(self) -> None:
+        while len(self._responses) > self.capacity or self.num_bytes > self.capacity_bytes:
             # The oldest that has ended: a background response still running stays, for its
-            # GET and cancel (the store may hold more than capacity while that many run).
+            # GET and cancel (the store may hold more than its limits while those run).
             evicted = next((key for key in self._responses if key not in self.running), None)
             if evicted is None:
                 break
-            del self._responses[evicted]
-            self.event_logs.pop(evicted, None)
+            self._drop(evicted)
+
+    def _drop(self, response_id: str) -> None:
+        del self._responses[response_id]
+        self.event_logs.pop(response_id, None)
+        self._forget_bytes(response_id)
+
+    def _forget_bytes(self, response_id: str) -> None:
+        self.num_bytes -= self._bytes.pop(response_id, 0)
 
     def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
         stored = self._responses.get(response_id)
@@ -180,8 +268,7 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
-        del self._responses[response_id]
-        self.event_logs.pop(response_id, None)
+        self._drop(response_id)
 
     def event_log(self, response_id: str) -> EventLog:
         """A stored response's events (``CallError`` when it has none kept)."""
@@ -261,11 +348,7 @@ def prepare(body: Any, store: ResponseStore) -> ResponsesCall:
             "the context window is refused, not cut)",
             "truncation",
         )
-    metadata = typed_field(body, "metadata", (dict,), "an object", {})
-    if len(metadata) > 16 or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise invalid_field("metadata must map at most 16 string keys to string values", "metadata")
+    _check_metadata(typed_field(body, "metadata", (dict,), "an object", {}))
     messages: list[dict] = []
     previous_id = typed_field(body, "previous_response_id", (str,), "a string")
     if previous_id is not None:
@@ -659,14 +742,18 @@ class EventLog:
     """A streamed background response's events, in order (an event's index is its
     ``sequence_number``), for each reader to follow from where it starts."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_grown: Callable[[int], None] | None = None) -> None:
+        """``on_grown(num_bytes)``: told how much each addition holds (the store's limit)."""
         self.events: list[dict] = []
         self.ended = False
+        self._on_grown = on_grown
         self._grown = asyncio.Event()  # set (and replaced) whenever events come or it ends
 
     def add(self, events: list[dict]) -> None:
         if events:
             self.events += events
+            if self._on_grown is not None:
+                self._on_grown(approximate_bytes(events))
             self._wake()
 
     def end(self) -> None:

@@ -30,12 +30,12 @@ from pagedserve.frontend.openai_protocol import (
     check_prompt_length,
     checked_body,
     checked_priority,
+    id_field,
     int_field,
     invalid_field,
     pooling_prompts,
     served_model,
     truncate_prompt_tokens,
-    typed_field,
 )
 from pagedserve.frontend.scores import check_cross_encoder, cosine_similarity, pair_indices
 from pagedserve.scheduler.pooling_params import PoolingParams
@@ -163,9 +163,7 @@ def _request(
     common = dict(
         kind=kind,
         model=model,
-        client_request_id=typed_field(
-            body, "request_id", (str,), "a string", client_request_id or ""
-        ),
+        client_request_id=id_field(body, "request_id") or client_request_id or "",
         lora_id=lora_id,
         priority=checked_priority(body, llm),
     )

@@ -31,7 +31,9 @@ What this module owns:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -42,14 +44,23 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from pagedserve.frontend import systemd_notify
 from pagedserve.frontend.async_engine import AsyncEngine, RequestStream
 from pagedserve.frontend.call_errors import CallError, ServerDrainingError
-from pagedserve.frontend.engine_client import EngineDeadError
+from pagedserve.frontend.engine_client import EngineDeadError, RequestFailedError
+from pagedserve.frontend.liveness import (
+    DEFAULT_STALL_EXIT_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+    LivenessMonitor,
+)
 from pagedserve.frontend.metrics import ServerMetrics
-from pagedserve.frontend.openai_responses import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
+from pagedserve.frontend.openai_responses import (
+    DEFAULT_RESPONSES_STORE_BYTES,
+    DEFAULT_RESPONSES_STORE_SIZE,
+    ResponseStore,
+)
 from pagedserve.frontend.outputs import EmbeddingRequestOutput
 from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
@@ -62,12 +73,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedserve.server")
 
+T = TypeVar("T")
+
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_HTTP_READ_TIMEOUT_S = 30.0
 # Requests carry prompts of up to a model's whole context as text or token ids.
 MAX_MESSAGE_BYTES = 64 << 20
 # After the drain: how long handlers get to send the statuses of the calls ended last.
 FINAL_GRACE_S = 2.0
+# Requests are prepared (bodies decoded, templates rendered, prompts tokenized) on this many
+# threads, off the event loop; this many more may wait for one, and past that new calls are
+# refused (RESOURCE_EXHAUSTED) rather than queued without end.
+PREPARE_THREADS = 2
+MAX_WAITING_PREPARATIONS = 256
 
 
 @dataclass
@@ -125,12 +144,22 @@ class ServerConfig:
     # The Responses API's stored responses (store=true; previous_response_id, GET): the
     # most recent this many, in memory; 0: none.
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
+    # ... and within this many bytes in all (inputs, outputs, a stream's kept events).
+    responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES
     # The metrics vLLM also has, a second time under its names (vllm:...), labelled
     # model_name with the served model's name: vLLM's dashboards read this server.
     vllm_metric_names: bool = False
     # Every streamed completion and chat completion ends with a usage chunk, as if it asked
     # for one (stream_options.include_usage; vLLM's --enable-force-include-usage).
     force_include_usage: bool = False
+    # Liveness (liveness.py): work pending and no engine step completed for this long makes
+    # the server unhealthy; still so this much later, it ends every call and exits 1.
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    stall_exit_timeout_s: float = DEFAULT_STALL_EXIT_TIMEOUT_S
+    # An HTTP client has this long to send a request's headers (from when it connects, or
+    # since its previous call on the connection was answered), and then its body; past
+    # it the connection closes (408 for a late body): slow senders cannot hold connections.
+    http_read_timeout_s: float = DEFAULT_HTTP_READ_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):
@@ -157,12 +186,19 @@ class ServerConfig:
             )
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+        if self.responses_store_bytes < 0:
+            raise ValueError(
+                f"responses_store_bytes must be >= 0, got {self.responses_store_bytes}"
+            )
         if self.stream_interval_tokens < 1:
             raise ValueError(
                 f"stream_interval_tokens must be >= 1, got {self.stream_interval_tokens}"
             )
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        for name in ("stall_timeout_s", "stall_exit_timeout_s", "http_read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; leave it unset or give a secret")
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -228,7 +264,7 @@ class Server:
         self.metrics = ServerMetrics(
             (config.served_model_name or "") if config.vllm_metric_names else None
         )
-        self.responses = ResponseStore(config.responses_store_size)
+        self.responses = ResponseStore(config.responses_store_size, config.responses_store_bytes)
         self.draining = False
         self.serving = False  # the engine is up and the defaults are known
         self.default_params: SamplingParams | None = None
@@ -241,8 +277,19 @@ class Server:
         self._signals = 0
         self._forced_stop = asyncio.Event()  # a second signal: end the drain now
         self._ids = itertools.count()
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(
+            PREPARE_THREADS, thread_name_prefix="pagedserve-prepare"
+        )
+        self._num_preparing = 0
         # Called with True once serving, False when draining (the gRPC health service).
         self._on_serving: list[Callable[[bool], object]] = []
+        self.liveness = LivenessMonitor(
+            config.stall_timeout_s,
+            config.stall_exit_timeout_s,
+            on_stalled=lambda why: self._notify_serving(False),
+            on_recovered=self._on_recovered,
+            on_dead=self.engine.declare_dead,
+        )
 
     # ------------------------------------------------------------ what the APIs call
 
@@ -253,6 +300,8 @@ class Server:
             raise CallError("UNAVAILABLE", f"engine died: {self.engine.dead_message}")
         if not self.serving:
             raise CallError("UNAVAILABLE", "the engine is still starting")
+        if self.liveness.stalled is not None:
+            raise CallError("UNAVAILABLE", f"{self.liveness.stalled}; send to another server")
         return self.engine.llm
 
     def check_admission(self, num_requests: int = 1) -> LLM:
@@ -270,6 +319,27 @@ class Server:
                 f"max_concurrent_requests is {limit}; retry later",
             )
         return llm
+
+    async def prepare(self, function: Callable[..., T], *args: object) -> T:
+        """``function(*args)`` on one of the threads that prepare requests, so that the
+        event loop keeps answering (health checks, other streams) while a large prompt is
+        tokenized or a template rendered; ``CallError`` (RESOURCE_EXHAUSTED) when too many
+        are waiting already."""
+        limit = PREPARE_THREADS + MAX_WAITING_PREPARATIONS
+        if self._num_preparing >= limit:
+            raise CallError(
+                "RESOURCE_EXHAUSTED",
+                f"{self._num_preparing} requests are being prepared, the most this server "
+                "queues; retry later",
+            )
+        self._num_preparing += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._prepare_pool, functools.partial(function, *args)
+            )
+        finally:
+            self._num_preparing -= 1
 
     @staticmethod
     def check_fits(
@@ -326,27 +396,49 @@ class Server:
         request_id = stream.output.request_id
         started_s = time.monotonic()
         first_token_s = None
+        ending = "cancelled"  # unless it gets further: the caller stopped reading
         try:
-            async for output in stream:
-                if first_token_s is None and _num_output_tokens(output):
-                    first_token_s = time.monotonic() - started_s
-                yield output
-        except EngineDeadError as error:
-            raise CallError("UNAVAILABLE", f"engine died: {error}") from None
-        except ServerDrainingError as error:
-            raise CallError("UNAVAILABLE", str(error)) from None
-        except ValueError as error:  # the scheduler refused it
-            raise CallError("INVALID_ARGUMENT", str(error)) from None
+            try:
+                async for output in stream:
+                    if first_token_s is None and _num_output_tokens(output):
+                        first_token_s = time.monotonic() - started_s
+                    yield output
+            except EngineDeadError as error:
+                raise CallError("UNAVAILABLE", f"engine died: {error}") from None
+            except ServerDrainingError as error:
+                raise CallError("UNAVAILABLE", str(error)) from None
+            except ValueError as error:  # the scheduler refused it
+                raise CallError("INVALID_ARGUMENT", str(error)) from None
+            except RequestFailedError as error:  # the engine failed on it, and runs on
+                raise CallError("INTERNAL", f"the request failed: {error.reason}") from None
+            ending = "finished"
+            self.metrics.observe_finished(
+                stream.output, first_token_s, time.monotonic() - started_s
+            )
+        except CallError as error:
+            ending = f"failed ({error.code}: {error.message})"
+            raise
         finally:
             self.engine.abort(request_id)  # nothing to do once it finished
+            if self.config.log_requests:
+                self._log_call(stream, client_request_id, started_s, first_token_s, ending)
+
+    def _log_call(
+        self,
+        stream: RequestStream,
+        client_request_id: str,
+        started_s: float,
+        first_token_s: float | None,
+        ending: str,
+    ) -> None:
+        """The request log's line for a call's engine request, however it ended
+        (``ending``: finished, cancelled, or failed with its code and message)."""
         output = stream.output
         duration_s = time.monotonic() - started_s
-        self.metrics.observe_finished(output, first_token_s, duration_s)
-        if not self.config.log_requests:
-            return
         fields = {
-            "request_id": request_id,
+            "request_id": output.request_id,
             "client_request_id": client_request_id,
+            "ending": ending,
             "prompt_tokens": len(output.prompt_token_ids),
             "cached_tokens": output.num_cached_tokens,
             "output_tokens": _num_output_tokens(output),
@@ -356,12 +448,13 @@ class Server:
             "first_token_s": first_token_s,
         }
         logger.info(
-            "%s (client id %r): %d prompt tokens (%d cached), %d output tokens, %s, %.3f s "
+            "%s (client id %r) %s: %d prompt tokens (%d cached), %d output tokens, %s, %.3f s "
             "(%s queued)",
-            request_id,
+            output.request_id,
             client_request_id,
+            ending,
             fields["prompt_tokens"],
-            fields["cached_tokens"],
+            fields["cached_tokens"] or 0,
             fields["output_tokens"],
             fields["finish_reasons"],
             duration_s,
@@ -455,6 +548,7 @@ class Server:
             logger.info("metrics on http://%s:%d/metrics", self.config.host, metrics_port)
         await grpc_api.start()
         watchdog = asyncio.create_task(self._watchdog())
+        liveness = asyncio.create_task(self.liveness.run(self.engine))
         try:
             self.engine.start()
             try:
@@ -483,11 +577,13 @@ class Server:
             await self._drain()
         finally:
             watchdog.cancel()
+            liveness.cancel()
             self.draining = True
             await grpc_api.stop(FINAL_GRACE_S)
             if http_api is not None:
                 await http_api.stop()
             await self.engine.shutdown()
+            self._prepare_pool.shutdown(wait=False, cancel_futures=True)
             self.metrics.close()
             for signal_number in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signal_number)
@@ -567,8 +663,13 @@ class Server:
         if interval_s is None:
             return
         while True:
-            systemd_notify.notify("WATCHDOG=1")
+            if self.liveness.stalled is None:  # a stalled engine: let systemd see it
+                systemd_notify.notify("WATCHDOG=1")
             await asyncio.sleep(interval_s)
+
+    async def _on_recovered(self) -> None:
+        if self.serving and not self.draining:
+            await self._notify_serving(True)
 
     def _write_port_file(self, port: int, http_port: int | None, metrics_port: int | None) -> None:
         if self.config.port_file is None:

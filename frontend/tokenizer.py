@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import copy
+import functools
+import threading
 from pathlib import Path
 from typing import Any
 
-from pagedserve.frontend.chat_template import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions
+from pagedserve.frontend.chat_template import (
+    DEFAULT_CHAT_OPTIONS,
+    ChatTemplateOptions,
+    check_rendered_length,
+    request_template_budget,
+)
 
 
 def preload() -> None:
@@ -32,6 +39,8 @@ class Tokenizer:
         # The Rust tokenizer, when there is one: decoding through it directly skips
         # transformers' per-call overhead (about 3x), paid once per generated token.
         self._backend = self._tokenizer.backend_tokenizer if self._tokenizer.is_fast else None
+        self._pair_tokenizer: Any = None  # encode_pair's own copy, made when first needed
+        self._pair_lock = threading.Lock()
         if self._backend is not None:
             added_tokens = self._backend.get_added_tokens_decoder().items()
             special_ids = [token_id for token_id, token in added_tokens if token.special]
@@ -67,14 +76,20 @@ class Tokenizer:
         that many tokens, from the longer text first (HF's ``longest_first``)."""
         if self.lower_case:
             text, text_pair = text.lower(), text_pair.lower()
-        return list(
-            self._tokenizer(
-                text,
-                text_pair=text_pair,
-                truncation=max_length is not None,
-                max_length=max_length,
-            )["input_ids"]
-        )
+        # NOTE: truncation is a setting of the Rust tokenizer, changed per call; changed
+        # while another thread encodes with it, it fails ("Already borrowed"). Pairs get a
+        # copy of their own, one call at a time.
+        with self._pair_lock:
+            if self._pair_tokenizer is None:
+                self._pair_tokenizer = copy.deepcopy(self._tokenizer)
+            return list(
+                self._pair_tokenizer(
+                    text,
+                    text_pair=text_pair,
+                    truncation=max_length is not None,
+                    max_length=max_length,
+                )["input_ids"]
+            )
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``token_ids``, without transformers' clean-up of spaces before
@@ -123,7 +138,8 @@ class Tokenizer:
             raise ValueError(
                 "messages: this model's tokenizer has no chat template (give one: chat_template)"
             )
-        return self._tokenizer.apply_chat_template(
+        render = functools.partial(
+            self._tokenizer.apply_chat_template,
             messages,
             tools=tools,
             documents=options.documents,
@@ -133,3 +149,7 @@ class Tokenizer:
             continue_final_message=options.continue_final_message,
             **(options.chat_template_kwargs or {}),
         )
+        if options.chat_template is None:
+            return render()
+        with request_template_budget():  # the request's own: code from a client
+            return check_rendered_length(render())

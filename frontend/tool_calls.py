@@ -32,6 +32,7 @@ from typing import Any
 
 from pagedserve.frontend import harmony
 from pagedserve.frontend.outputs import ToolCall
+from pagedserve.frontend.request_contract import decode_json
 
 # --tool-call-parser: the model families whose output format the server can read.
 TOOL_CALL_PARSERS = (
@@ -228,12 +229,11 @@ def _message_tool_call(call: Any, name: str) -> dict[str, Any]:
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = (
+                decode_json(f"{name}.function.arguments", arguments) if arguments.strip() else {}
+            )
         except ValueError as error:
-            raise ToolCallError(
-                f"{name}.function.arguments is not valid JSON: {error}",
-                f"{name}.function.arguments",
-            ) from None
+            raise ToolCallError(str(error), f"{name}.function.arguments") from None
     if not isinstance(arguments, dict):
         raise ToolCallError(
             f"{name}.function.arguments must be a JSON object, got {arguments!r:.200}",
@@ -563,7 +563,7 @@ class _HermesReader(_OutputReader):
     def _call(body: str) -> ParsedCall | None:
         try:
             item = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the decoder's reach
             return None
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
@@ -701,7 +701,7 @@ class _PythonicReader(_OutputReader):
         """The calls of a Python list expression, or none when it is anything else."""
         try:
             tree = ast.parse(body, mode="eval").body
-        except SyntaxError:
+        except (SyntaxError, RecursionError, MemoryError):  # not Python, or nested too deep
             return []
         if not isinstance(tree, ast.List) or not tree.elts:
             return []
@@ -720,7 +720,7 @@ class _PythonicReader(_OutputReader):
                 }
                 # A set or bytes literal has no JSON form: not a call then.
                 arguments_text = json.dumps(arguments, ensure_ascii=False)
-            except (ValueError, SyntaxError, TypeError):
+            except (ValueError, SyntaxError, TypeError, RecursionError):
                 return []
             calls.append(ParsedCall(element.func.id, arguments_text))
         return calls
@@ -978,7 +978,7 @@ def _object_call(name: str, arguments: str) -> ParsedCall | None:
     """A call of ``name`` when ``arguments`` is a JSON object; else None (not a call)."""
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict):
         return None
@@ -1175,7 +1175,7 @@ def _typed_value(text: str, schema: Any) -> Any:
             pass
     try:
         value = json.loads(stripped)
-    except ValueError:
+    except (ValueError, RecursionError):
         try:
             value = ast.literal_eval(stripped)  # Python's literals (True, single quotes)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):

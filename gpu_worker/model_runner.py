@@ -15,6 +15,7 @@ from pagedserve.gpu_worker.lora import LoRABatch
 from pagedserve.gpu_worker.models.base import CausalLM
 from pagedserve.gpu_worker.next_token_drafter import NextTokenDrafter
 from pagedserve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedserve.scheduler import fault_injection
 from pagedserve.scheduler.beam_search import num_candidates
 from pagedserve.scheduler.messages import (
     NULL_BLOCK,
@@ -166,7 +167,15 @@ class ModelRunner:
         self.draft_model: DraftModel | NextTokenDrafter | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
-        entries = self._apply_plan(plan)
+        """Run one step. A new request whose sampling cannot be set up is left out of the
+        step and named in ``StepResult.failed_requests``; the others run."""
+        failed: dict[str, str] = {}
+        entries = self._apply_plan(plan, failed)
+        result = self._run(plan, entries)
+        result.failed_requests = failed
+        return result
+
+    def _run(self, plan: StepPlan, entries: list[_ScheduledEntry]) -> StepResult:
         if not entries:
             return StepResult(step_id=plan.step_id)
         # Which entries sample, before their sampled tokens join their states.
@@ -264,11 +273,16 @@ class ModelRunner:
             hidden_row += entry.num_scheduled_tokens  # its drafts' rows included
         return self.draft_model.propose(rows, hidden)
 
-    def _apply_plan(self, plan: StepPlan) -> list[_ScheduledEntry]:
+    def _apply_plan(self, plan: StepPlan, failed: dict[str, str]) -> list[_ScheduledEntry]:
+        """The step's entries; new requests that cannot join the batch go to ``failed``."""
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         entries = []
         for new in plan.new_requests:
+            why = _sampling_setup_error(new.sampling_params)
+            if why is not None:
+                failed[new.request_id] = why
+                continue
             state = CachedRequestState(
                 list(new.token_ids),
                 new.num_prompt_tokens,
@@ -553,6 +567,40 @@ def _pooled_rows(model: CausalLM, hidden_rows: torch.Tensor, params: PoolingPara
 
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)
+
+
+def _sampling_setup_error(params: SamplingParams) -> str | None:
+    """Why a request's sampling settings cannot join a batch's arrays (the conversions
+    ``_sampling_batch`` makes, done once for this request alone), or None. The frontend's
+    checks keep every value inside them; this keeps a value that slipped through from
+    failing the whole batch."""
+    try:
+        fault_injection.check("sampling_setup", params.seed)
+        np.array(
+            [
+                params.temperature,
+                params.top_p,
+                params.min_p,
+                params.repetition_penalty,
+                params.presence_penalty,
+                params.frequency_penalty,
+                *(params.logit_bias or {}).values(),
+            ],
+            dtype=np.float32,
+        )
+        np.array(
+            [
+                params.top_k,
+                *params.stop_token_ids,
+                *(params.logit_bias or ()),
+                *(params.allowed_token_ids or ()),
+            ],
+            dtype=np.int64,
+        )
+        np.array([params.seed or 0], dtype=np.uint64)
+    except Exception as error:
+        return f"its sampling settings cannot be set up: {type(error).__name__}: {error}"
+    return None
 
 
 def _banned_token_ids(state: CachedRequestState) -> np.ndarray:

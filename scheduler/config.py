@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.scheduler.pooling_params import MODEL_TASKS
+from pagedserve.scheduler.request_limits import check_int
 from pagedserve.scheduler.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig
 
 ALLOCATION_POLICIES = ("paged", "max", "pow2", "oracle")
@@ -16,7 +17,8 @@ def check_priority(priority: object, scheduling_policy: str, field: str = "prior
     an integer, or not 0 when the engine schedules first come, first served (vLLM's
     rule: a priority an engine would silently ignore is refused)."""
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"{field} must be an integer (lower runs first), got {priority!r}")
+        raise ValueError(f"{field} must be an integer (lower runs first), got {priority!r:.100}")
+    check_int(field, priority, "priority")
     if priority != 0 and scheduling_policy != "priority":
         raise ValueError(
             f"{field}={priority}: this engine schedules first come, first served "

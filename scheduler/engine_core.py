@@ -160,6 +160,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def take_failures(self) -> dict[str, str]:
+        """Requests that failed in the engine since the last call (request id -> why): a
+        request's failure ends that request only (its final delta says "error")."""
+        return self.scheduler.take_failures()
+
     def step(self) -> list[RequestOutputDelta]:
         """Run one iteration and return the new tokens of every request it advanced."""
         plan = self.scheduler.schedule()

@@ -70,10 +70,13 @@ class StopSample:
 @dataclass
 class EngineError:
     """A failure to report to the frontend: about one request (``request_id`` set; that
-    request has ended with this error) or about the whole engine (``request_id`` None)."""
+    request has ended with this error) or about the whole engine (``request_id`` None).
+    ``code`` says how a request's error reads (a ``call_errors`` code): ``INVALID_ARGUMENT``
+    for a request the scheduler refused, ``INTERNAL`` for one that failed in the engine."""
 
     request_id: str | None
     message: str
+    code: str = "INVALID_ARGUMENT"
 
 
 @dataclass
@@ -99,6 +102,17 @@ class OutputBatch:
     requests aborted since the previous step): one message per step, not per request."""
 
     deltas: list[RequestOutputDelta]
+
+
+@dataclass
+class Progress:
+    """The scheduler's pulse while it has requests: ``waiting_on`` "" after a step that sent
+    no tokens (a step completed); else what it has waited on for ``waiting_s`` seconds
+    within a step (a worker that has not returned the step's result). The frontend judges
+    liveness by it (``frontend/liveness.py``)."""
+
+    waiting_on: str
+    waiting_s: float
 
 
 @dataclass

@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
 import zmq
@@ -45,6 +46,7 @@ from pagedserve.scheduler.engine_messages import (
     GetStats,
     LoadLoRA,
     OutputBatch,
+    Progress,
     Ready,
     ResetPrefixCache,
     Shutdown,
@@ -68,6 +70,9 @@ from pagedserve.scheduler.structured_output import StructuredOutput
 # How long the last messages (final stats, an error) may take to reach the frontend
 # once this process is ready to exit.
 _LINGER_MS = 5000
+# While requests run, the frontend hears from this process at least this often: tokens, or
+# a Progress message (a step completed without tokens, or what a late step waits on).
+PROGRESS_INTERVAL_S = 1.0
 
 
 class EngineLoop:
@@ -93,6 +98,9 @@ class EngineLoop:
         self._idle_poller.register(inbox, zmq.POLLIN)
         for sentinel in executor.sentinels:
             self._idle_poller.register(sentinel, zmq.POLLIN)
+        self._stepped = False  # a step ran since the last flush
+        self._last_sent_s = time.monotonic()
+        executor.on_wait = self._report_wait
 
     def run(self) -> None:
         """Serve until ``Shutdown``; a dead worker raises ``WorkerDiedError``."""
@@ -105,6 +113,10 @@ class EngineLoop:
                 if self._stop or not engine.has_unfinished_requests():
                     continue
                 self._pending.extend(engine.step())
+                self._stepped = True
+                for request_id, why in engine.take_failures().items():
+                    # Before the batch with its final delta: the frontend reads why first.
+                    self.outbox.send(encode(EngineError(request_id, why, "INTERNAL")))
             else:
                 events = dict(self._idle_poller.poll())
                 if any(sentinel in events for sentinel in self.executor.sentinels):
@@ -142,6 +154,10 @@ class EngineLoop:
                 )
             except ValueError as error:
                 self.outbox.send(encode(EngineError(message.request_id, str(error))))
+            except Exception as error:  # a request's failure is the request's
+                engine.abort_request(message.request_id)  # whatever of it was queued
+                why = f"the scheduler failed to queue it: {type(error).__name__}: {error}"
+                self.outbox.send(encode(EngineError(message.request_id, why, "INTERNAL")))
         elif isinstance(message, AbortRequest):
             delta = engine.abort_request(message.request_id)
             if delta is not None:
@@ -166,9 +182,20 @@ class EngineLoop:
             raise RuntimeError(f"unexpected {type(message).__name__} from the frontend")
 
     def _flush(self) -> None:
+        now_s = time.monotonic()
         if self._pending:
             self.outbox.send(encode(OutputBatch(self._pending)))
             self._pending = []
+            self._last_sent_s = now_s
+        elif self._stepped and now_s - self._last_sent_s >= PROGRESS_INTERVAL_S:
+            self.outbox.send(encode(Progress("", 0.0)))  # steps complete, without tokens
+            self._last_sent_s = now_s
+        self._stepped = False
+
+    def _report_wait(self, waiting_on: str, waiting_s: float) -> None:
+        """A step's result is late (the executor says so each second): tell the frontend,
+        which judges whether the engine is stalled."""
+        self.outbox.send(encode(Progress(waiting_on, waiting_s)))
 
 
 def engine_stats(engine: EngineCore) -> EngineStats:

@@ -150,7 +150,10 @@ class StepResult:
 
     ``draft_token_ids`` (speculative decoding with a draft model): for each sequence that
     sampled in this step and may speculate, the draft model's guesses at its next tokens,
-    to schedule after its last token in a later step (``gpu_worker/draft_model.py``)."""
+    to schedule after its last token in a later step (``gpu_worker/draft_model.py``).
+
+    ``failed_requests``: the new requests a worker could not take into its batch (request
+    id -> why); the step ran without them, and the scheduler ends each with its error."""
 
     step_id: int
     request_ids: list[str] = field(default_factory=list)
@@ -160,6 +163,7 @@ class StepResult:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     embeddings: dict[str, bytes] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    failed_requests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

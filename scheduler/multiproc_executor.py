@@ -45,6 +45,8 @@ from pagedserve.scheduler.serialization import Message, decode, encode
 _LAST_WORD_WAIT_S = 0.5
 # Between checks of the workers' sentinels while the broadcast handshake runs.
 _HANDSHAKE_SLICE_S = 0.1
+# While a step's result is late, ``on_wait`` hears of it this often.
+WAIT_REPORT_INTERVAL_S = 1.0
 
 
 class WorkerDiedError(RuntimeError):
@@ -104,6 +106,9 @@ class MultiprocExecutor:
         self._poller.register(self._results, zmq.POLLIN)
         for process in self._processes:
             self._poller.register(process.sentinel, zmq.POLLIN)
+        # Told every WAIT_REPORT_INTERVAL_S that a step's result is late: what it waits on
+        # (the workers, named) and for how many seconds (the engine loop reports it).
+        self.on_wait: Callable[[str, float], None] | None = None
 
     @property
     def worker_pids(self) -> list[int]:
@@ -154,8 +159,10 @@ class MultiprocExecutor:
     def _receive(self, waiting_for: str) -> Message:
         """The next message from the workers (``waiting_for`` says what it should be);
         ``WorkerDiedError`` for a worker's ``EngineError`` or its end."""
+        started_s = time.monotonic()
+        timeout_ms = None if self.on_wait is None else WAIT_REPORT_INTERVAL_S * 1000
         while True:
-            events = dict(self._poller.poll())
+            events = dict(self._poller.poll(timeout_ms))
             if self._results in events:
                 message = decode(self._results.recv())
                 if isinstance(message, EngineError):
@@ -163,8 +170,19 @@ class MultiprocExecutor:
                 return message
             if events:
                 self.check_workers()
+            elif self.on_wait is not None:
+                self.on_wait(self.workers_description(), time.monotonic() - started_s)
             else:
                 raise RuntimeError(f"woke without an event while waiting for {waiting_for}")
+
+    def workers_description(self) -> str:
+        """The workers a step waits on, named for an operator: rank and pid."""
+        if self.world_size == 1:
+            return f"worker rank 0 (pid {self._processes[0].pid})"
+        ranks = ", ".join(
+            f"rank {rank} pid {process.pid}" for rank, process in enumerate(self._processes)
+        )
+        return f"the workers ({ranks})"
 
     def check_workers(self) -> None:
         """Raise ``WorkerDiedError`` if any worker has ended, naming the cause."""

@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import json
-import math
-import numbers
-import operator
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedserve.scheduler.request_limits import (
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_CHOICES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID_LIST,
+    MIN_SAMPLING_TEMPERATURE,
+    check_float,
+    check_int,
+    check_json_depth,
+    check_length,
+    loads_json,
+)
 
 # The most logprobs (and prompt logprobs) a request may ask for unless the engine is told
 # otherwise (vLLM's max_logprobs; the engine checks it, LLM.check_logprobs).
 DEFAULT_MAX_LOGPROBS = 20
-# A beam step looks at the top (1 + EOS ids) * beam_width tokens of each beam.
-MAX_BEAM_WIDTH = 16
-# bad_words per request: each is matched against the output at every step.
-MAX_BAD_WORDS = 256
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -55,6 +64,7 @@ class StructuredOutputsParams:
             if isinstance(self.json, dict):
                 # Kept as text: the form that crosses processes, and a copy the caller
                 # cannot change under us.
+                check_json_depth("structured_outputs.json", self.json)
                 self.json = json.dumps(self.json)
             elif not isinstance(self.json, str):
                 raise TypeError(
@@ -62,9 +72,12 @@ class StructuredOutputsParams:
                     f"got {self.json!r}"
                 )
             try:
-                schema = json.loads(self.json)
+                schema = loads_json("structured_outputs.json", self.json)
             except ValueError as error:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+                message = str(error)
+                if not message.startswith("structured_outputs.json"):
+                    message = f"structured_outputs.json is not valid JSON: {message}"
+                raise ValueError(message) from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(
                     f"structured_outputs.json must be a JSON schema (an object), got {schema!r}"
@@ -82,6 +95,7 @@ class StructuredOutputsParams:
                     f"got {self.choice!r}"
                 )
             self.choice = list(self.choice)
+            check_length("structured_outputs.choice", len(self.choice), MAX_CHOICES, "strings")
             for index, text in enumerate(self.choice):
                 if not isinstance(text, str):
                     raise TypeError(
@@ -198,35 +212,40 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        self.max_tokens = _check_int("max_tokens", self.max_tokens, minimum=1)
-        self.min_tokens = _check_int("min_tokens", self.min_tokens, minimum=0)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, "max_tokens")
+        self.min_tokens = check_int("min_tokens", self.min_tokens, "min_tokens")
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
-        self.temperature = _check_float("temperature", self.temperature, 0.0, None)
-        self.top_k = _check_int("top_k", self.top_k, minimum=-1)
+        self.temperature = check_float("temperature", self.temperature, "temperature")
+        if self.temperature < MIN_SAMPLING_TEMPERATURE:
+            self.temperature = 0.0  # as vLLM: logits / T would overflow; greedy is the limit
+        self.top_k = check_int("top_k", self.top_k, "top_k")
         if self.top_k == -1:
             self.top_k = 0
-        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
-        self.repetition_penalty = _check_float(
-            "repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True
-        )
-        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.frequency_penalty = _check_float(
-            "frequency_penalty", self.frequency_penalty, -2.0, 2.0
-        )
+        for name in (
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            setattr(self, name, check_float(name, getattr(self, name), name))
         if self.seed is not None:
-            self.seed = _check_int("seed", self.seed, minimum=0)
+            self.seed = check_int("seed", self.seed, "seed")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r:.100}"
+            )
+        check_length("stop_token_ids", len(self.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
         self.stop_token_ids = [
-            _check_int("stop_token_ids[]", token_id, minimum=0) for token_id in self.stop_token_ids
+            check_int("stop_token_ids[]", token_id, "token_id") for token_id in self.stop_token_ids
         ]
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                value = _check_int(name, value, minimum=0)
-                setattr(self, name, value)
+                setattr(self, name, check_int(name, value, name))
         self.stop = _check_stop_strings(self.stop)
         self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
@@ -235,14 +254,15 @@ class SamplingParams:
                     f"allowed_token_ids must be a non-empty list of token ids, "
                     f"got {self.allowed_token_ids!r}"
                 )
+            check_length("allowed_token_ids", len(self.allowed_token_ids), MAX_TOKEN_ID_LIST, "ids")
             self.allowed_token_ids = [
-                _check_int("allowed_token_ids[]", token_id, minimum=0)
+                check_int("allowed_token_ids[]", token_id, "token_id")
                 for token_id in self.allowed_token_ids
             ]
         self._check_bad_words()
         if self.truncate_prompt_tokens is not None:
-            self.truncate_prompt_tokens = _check_int(
-                "truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1
+            self.truncate_prompt_tokens = check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, "truncate_prompt_tokens"
             )
             if self.truncate_prompt_tokens == 0:
                 raise ValueError("truncate_prompt_tokens must be -1 or >= 1, got 0")
@@ -278,6 +298,7 @@ class SamplingParams:
             for word in words:
                 if not isinstance(word, str) or not word.strip():
                     raise ValueError(f"bad_words[] must be non-blank strings, got {word!r:.100}")
+                check_length("bad_words[]", len(word), MAX_BAD_WORD_CHARS, "characters")
             self.bad_words = list(words) or None
         sequences = self.bad_words_token_ids
         if sequences is not None:
@@ -285,6 +306,7 @@ class SamplingParams:
                 raise TypeError(
                     f"bad_words_token_ids must be a list of token id lists, got {sequences!r:.100}"
                 )
+            check_length("bad_words_token_ids", len(sequences), 2 * MAX_BAD_WORDS, "sequences")
             checked = []
             for sequence in sequences:
                 if not isinstance(sequence, (list, tuple)) or not sequence:
@@ -292,21 +314,23 @@ class SamplingParams:
                         f"bad_words_token_ids[] must be non-empty lists of token ids, "
                         f"got {sequence!r:.100}"
                     )
+                check_length("bad_words_token_ids[]", len(sequence), MAX_BAD_WORD_CHARS, "ids")
                 checked.append(
-                    [_check_int("bad_words_token_ids[][]", token_id, 0) for token_id in sequence]
+                    [
+                        check_int("bad_words_token_ids[][]", token_id, "token_id")
+                        for token_id in sequence
+                    ]
                 )
             self.bad_words_token_ids = checked
 
     def _check_sequences(self) -> None:
-        self.n = _check_int("n", self.n, minimum=1)
-        self.beam_width = _check_int("beam_width", self.beam_width, minimum=1)
-        if self.beam_width > MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be <= {MAX_BEAM_WIDTH}, got {self.beam_width}")
+        self.n = check_int("n", self.n, "n")
+        self.beam_width = check_int("beam_width", self.beam_width, "beam_width")
         if self.best_of is not None:
-            self.best_of = _check_int("best_of", self.best_of, minimum=1)
+            self.best_of = check_int("best_of", self.best_of, "best_of")
             if self.best_of < self.n:
                 raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
-        self.length_penalty = _check_float("length_penalty", self.length_penalty, -1e9, None)
+        self.length_penalty = check_float("length_penalty", self.length_penalty, "length_penalty")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
@@ -371,32 +395,16 @@ def derive_seed(seed: int, sequence_index: int) -> int:
     return (z ^ (z >> 31)) >> 1  # 63 bits: seeds are non-negative int64 on the wire
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as a Python int: an int, or an integer scalar of another library (numpy's
-    ``int64``: what ``__index__`` gives, as vLLM takes them), never a bool."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _check_logit_bias(bias: object) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, dict):
         raise TypeError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    check_length("logit_bias", len(bias), MAX_TOKEN_ID_LIST, "entries")
     checked = {}
     for token_id, value in bias.items():
-        token_id = _check_int("logit_bias key", token_id, minimum=0)
-        value = _check_float(f"logit_bias[{token_id}]", value, -math.inf, None)
-        if math.isinf(value):
-            raise ValueError(f"logit_bias[{token_id}] must be finite, got {value}")
-        checked[token_id] = value
+        token_id = check_int("logit_bias key", token_id, "token_id")
+        checked[token_id] = check_float(f"logit_bias[{token_id}]", value, "logit_bias")
     return checked or None
 
 
@@ -404,6 +412,7 @@ def token_ids_outside_vocabulary(params: SamplingParams, vocab_size: int) -> str
     """Which of ``params``'s token-id fields names an id the model does not have, as an
     error message (None when all are inside ``[0, vocab_size)``)."""
     for name, token_ids in (
+        ("stop_token_ids", params.stop_token_ids),
         ("logit_bias", params.logit_bias or ()),
         ("allowed_token_ids", params.allowed_token_ids or ()),
         ("bad_words_token_ids", [t for ids in params.bad_words_token_ids or () for t in ids]),
@@ -420,26 +429,12 @@ def _check_stop_strings(stop: object) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)):
-        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r:.100}")
+    check_length("stop", len(stop), MAX_STOP_STRINGS, "strings")
     for index, text in enumerate(stop):
         if not isinstance(text, str):
-            raise TypeError(f"stop[{index}] must be a string, got {text!r}")
+            raise TypeError(f"stop[{index}] must be a string, got {text!r:.100}")
         if not text:
             raise ValueError(f"stop[{index}] must have at least 1 character, got ''")
+        check_length(f"stop[{index}]", len(text), MAX_STOP_STRING_CHARS, "characters")
     return list(stop)
-
-
-def _check_float(
-    name: str, value: object, low: float, high: float | None, low_open: bool = False
-) -> float:
-    # numbers.Real: Python's int and float, and other libraries' scalars (numpy's float32).
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    too_low = value <= low if low_open else value < low
-    if too_low or (high is not None and value > high) or value != value:
-        bound = f"{'>' if low_open else '>='} {low}" + (
-            f" and <= {high}" if high is not None else ""
-        )
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value

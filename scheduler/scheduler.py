@@ -7,7 +7,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from pagedserve.scheduler import ngram_proposer
+from pagedserve.scheduler import fault_injection, ngram_proposer
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens, blocks_spanned
 from pagedserve.scheduler.config import SchedulerConfig, check_priority
 from pagedserve.scheduler.memory_accounting import MemoryAccounting
@@ -203,6 +203,9 @@ class Scheduler:
         # once no request uses them (LoadLoRA / UnloadLoRA).
         self._loras_to_load: list[tuple[int, str, str]] = []
         self._loras_to_unload: set[int] = set()
+        # Requests that failed in the engine since the last ``take_failures``: request id
+        # -> why. Each has ended (its blocks are free) with a final delta marked "error".
+        self._failures: dict[str, str] = {}
 
     # ----------------------------------------------------------------- admission
 
@@ -223,6 +226,7 @@ class Scheduler:
         if request.request_id in self.requests or request.request_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         params = request.sampling_params
+        fault_injection.check("admission", params.seed)
         max_tokens = 0 if request.pooling_params is not None else params.max_tokens
         self.check_request_fits(request.num_prompt_tokens, max_tokens, params.num_sequences)
         if self.block_manager.contiguous and params.num_sequences > 1:
@@ -265,6 +269,24 @@ class Scheduler:
         for sequence in sequences:
             self._release(sequence, RequestStatus.FINISHED_ABORTED)
         return RequestOutputDelta(request_id, [], finished=True, finish_reason="abort")
+
+    def take_failures(self) -> dict[str, str]:
+        """The requests that failed in the engine since the last call (request id -> why);
+        each already ended with a final delta whose finish reason is "error"."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _fail(self, request_id: str, why: str, deltas: list[RequestOutputDelta]) -> None:
+        """End a request whose own data made the engine fail (a request's failure is the
+        request's): its sequences leave and free their blocks, and the other requests run
+        on."""
+        delta = self.abort_request(request_id)
+        if delta is None:
+            return
+        delta.finish_reason = "error"
+        deltas.append(delta)
+        self._failures[request_id] = why
+        logger.warning("request %s failed: %s", request_id, why)
 
     def stop_sample(self, request_id: str, index: int) -> RequestOutputDelta | None:
         """End output ``index`` of a parallel-sampling request whose samples stream (a stop
@@ -981,65 +1003,92 @@ class Scheduler:
         for row, request_id in enumerate(result.request_ids):
             rows_of.setdefault(request_id, []).append(row)
         deltas: list[RequestOutputDelta] = []
+        for sequence_id, why in result.failed_requests.items():
+            sequence = self.requests.get(sequence_id)
+            if sequence is not None:
+                self._fail(_request_id(sequence), f"a worker refused it: {why}", deltas)
         beam_groups: dict[str, SequenceGroup] = {}
         for scheduled in (*plan.new_requests, *plan.cached_requests):
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            rows = rows_of.get(scheduled.request_id)
-            num_computed = scheduled.num_scheduled_tokens
-            drafts = plan.spec_token_ids.get(scheduled.request_id)
-            if drafts and rows:
-                # Rows: the accepted drafts, then one sampled token. The rejected drafts'
-                # K/V were written but count for nothing; later tokens overwrite them.
-                num_accepted = len(rows) - 1
-                num_computed -= len(drafts) - num_accepted
-                self.num_drafts += 1
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += num_accepted
-                for position in range(num_accepted):
-                    self.num_accepted_tokens_per_pos[position] += 1
-            request.num_computed_tokens += num_computed
-            if rows:
-                # Guesses at what follows the tokens sampled now (none: guess nothing).
-                request.draft_token_ids = result.draft_token_ids.get(scheduled.request_id, [])
-            self.block_manager.cache_full_blocks(
-                request.request_id,
-                request.token_ids,
-                request.num_computed_tokens,
-                self._prefix_namespace(request),
-            )
-            if request.pooling_params is not None:
-                if request.num_computed_tokens == request.num_tokens:
-                    deltas.append(self._finish_pooling(request, result))
-                continue
-            prompt_logprobs = self._new_prompt_logprobs(request, result)
-            group = request.group
-            if rows is None or (group is not None and group.beam_search is not None):
-                # A prefill chunk that did not reach the last prompt token, or a beam
-                # whose next token the group decides below.
-                if prompt_logprobs:
-                    deltas.append(
-                        RequestOutputDelta(
-                            _request_id(request), [], False, prompt_logprobs=prompt_logprobs
-                        )
-                    )
-                if rows is not None:
-                    entry = result.logprobs[rows[0]]
-                    group.pending_candidates[request.request_id] = list(
-                        zip(entry.token_ids[1:], entry.logprobs[1:])
-                    )
-                    beam_groups[group.request_id] = group
-                continue
-            if group is None:
-                deltas.append(self._advance(request, rows, result, prompt_logprobs))
-            else:
-                self._advance_samples(request, rows, result, prompt_logprobs, deltas)
+            try:
+                self._record(plan, scheduled, request, result, rows_of, deltas, beam_groups)
+            except Exception as error:
+                self._fail(_request_id(request), _failure("recording its step", error), deltas)
         for group in beam_groups.values():
-            if all(seq.request_id in group.pending_candidates for seq in group.sequences):
-                self._beam_step(group, deltas)
+            if group.request_id in self.groups and all(
+                seq.request_id in group.pending_candidates for seq in group.sequences
+            ):
+                try:
+                    self._beam_step(group, deltas)
+                except Exception as error:
+                    self._fail(group.request_id, _failure("its beam step", error), deltas)
         self._account_step()
         return deltas
+
+    def _record(
+        self,
+        plan: StepPlan,
+        scheduled: NewRequestData | CachedRequestData,
+        request: Request,
+        result: StepResult,
+        rows_of: dict[str, list[int]],
+        deltas: list[RequestOutputDelta],
+        beam_groups: dict[str, SequenceGroup],
+    ) -> None:
+        """One scheduled sequence's share of a step's result: its computed tokens, and its
+        sampled tokens (deltas), or its beam candidates for the group's step."""
+        fault_injection.check("scheduling", request.sampling_params.seed)
+        rows = rows_of.get(scheduled.request_id)
+        num_computed = scheduled.num_scheduled_tokens
+        drafts = plan.spec_token_ids.get(scheduled.request_id)
+        if drafts and rows:
+            # Rows: the accepted drafts, then one sampled token. The rejected drafts'
+            # K/V were written but count for nothing; later tokens overwrite them.
+            num_accepted = len(rows) - 1
+            num_computed -= len(drafts) - num_accepted
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += num_accepted
+            for position in range(num_accepted):
+                self.num_accepted_tokens_per_pos[position] += 1
+        request.num_computed_tokens += num_computed
+        if rows:
+            # Guesses at what follows the tokens sampled now (none: guess nothing).
+            request.draft_token_ids = result.draft_token_ids.get(scheduled.request_id, [])
+        self.block_manager.cache_full_blocks(
+            request.request_id,
+            request.token_ids,
+            request.num_computed_tokens,
+            self._prefix_namespace(request),
+        )
+        if request.pooling_params is not None:
+            if request.num_computed_tokens == request.num_tokens:
+                deltas.append(self._finish_pooling(request, result))
+            return
+        prompt_logprobs = self._new_prompt_logprobs(request, result)
+        group = request.group
+        if rows is None or (group is not None and group.beam_search is not None):
+            # A prefill chunk that did not reach the last prompt token, or a beam
+            # whose next token the group decides below.
+            if prompt_logprobs:
+                deltas.append(
+                    RequestOutputDelta(
+                        _request_id(request), [], False, prompt_logprobs=prompt_logprobs
+                    )
+                )
+            if rows is not None:
+                entry = result.logprobs[rows[0]]
+                group.pending_candidates[request.request_id] = list(
+                    zip(entry.token_ids[1:], entry.logprobs[1:])
+                )
+                beam_groups[group.request_id] = group
+            return
+        if group is None:
+            deltas.append(self._advance(request, rows, result, prompt_logprobs))
+        else:
+            self._advance_samples(request, rows, result, prompt_logprobs, deltas)
 
     def _account_step(self) -> None:
         """Tally where the device's KV slots are after this step (see MemoryAccounting)."""
@@ -1316,3 +1365,7 @@ def _ranked_deltas(
 
 def _request_id(request: Request) -> str:
     return request.request_id if request.group is None else request.group.request_id
+
+
+def _failure(stage: str, error: Exception) -> str:
+    return f"the scheduler failed on {stage}: {type(error).__name__}: {error}"

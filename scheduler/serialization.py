@@ -53,6 +53,7 @@ from pagedserve.scheduler.engine_messages import (
     GetStats,
     LoadLoRA,
     OutputBatch,
+    Progress,
     Ready,
     ResetPrefixCache,
     Shutdown,
@@ -87,6 +88,7 @@ Message = (
     | Shutdown
     | Ready
     | OutputBatch
+    | Progress
     | GetStats
     | EngineStats
     | ResetPrefixCache
@@ -216,6 +218,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "prompt_logprobs",
         "embeddings",
         "draft_token_ids",
+        "failed_requests",
     ),
     RequestOutputDelta: (
         "request_id",
@@ -243,10 +246,11 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
     ),
     AbortRequest: ("request_id",),
     StopSample: ("request_id", "index"),
-    EngineError: ("request_id", "message"),
+    EngineError: ("request_id", "message", "code"),
     Shutdown: (),
     Ready: ("component", "pid", "info"),
     OutputBatch: ("deltas",),
+    Progress: ("waiting_on", "waiting_s"),
     GetStats: (),
     EngineStats: ("stats", "integrity_error"),
     ResetPrefixCache: (),
@@ -646,13 +650,21 @@ def _pack_step_result(result: StepResult) -> list:
         },
         result.embeddings,
         result.draft_token_ids,
+        result.failed_requests,
     ]
 
 
 def _unpack_step_result(value: Any) -> StepResult:
-    step_id, request_ids, sampled_token_ids, logprobs, prompt_logprobs, embeddings, drafts = (
-        _fields(value, "StepResult")
-    )
+    (
+        step_id,
+        request_ids,
+        sampled_token_ids,
+        logprobs,
+        prompt_logprobs,
+        embeddings,
+        drafts,
+        failed,
+    ) = _fields(value, "StepResult")
     _check(step_id, int, "StepResult.step_id")
     num_requests = len(_check(request_ids, list, "StepResult.request_ids"))
     _check_column(request_ids, str, num_requests, "StepResult.request_ids")
@@ -663,6 +675,8 @@ def _unpack_step_result(value: Any) -> StepResult:
     _check_column(list(embeddings.values()), bytes, len(embeddings), "StepResult.embeddings")
     _check(drafts, dict, "StepResult.draft_token_ids")
     _check_column(list(drafts.values()), list, len(drafts), "StepResult.draft_token_ids")
+    _check(failed, dict, "StepResult.failed_requests")
+    _check_column(list(failed.values()), str, len(failed), "StepResult.failed_requests")
     return StepResult(
         step_id=step_id,
         request_ids=request_ids,
@@ -674,6 +688,7 @@ def _unpack_step_result(value: Any) -> StepResult:
         },
         embeddings=embeddings,
         draft_token_ids=drafts,
+        failed_requests=failed,
     )
 
 
@@ -791,10 +806,11 @@ def _unpack_abort_request(value: Any) -> AbortRequest:
 
 
 def _unpack_engine_error(value: Any) -> EngineError:
-    request_id, message = _fields(value, "EngineError")
+    request_id, message, code = _fields(value, "EngineError")
     return EngineError(
         request_id=_check(request_id, (str, type(None)), "EngineError.request_id"),
         message=_check(message, str, "EngineError.message"),
+        code=_check(code, str, "EngineError.code"),
     )
 
 
@@ -904,6 +920,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
     LoadLoRA: (int, str, str),
     UnloadLoRA: (int,),
     StopSample: (str, int),
+    Progress: (str, (float, int)),
     EngineStats: (dict, (str, type(None))),
     SchedulerConfig: (
         int,
@@ -1039,7 +1056,7 @@ _CODECS: dict[int, tuple[type, Callable[[Any], list], Callable[[Any], Any]]] = {
     3: (RequestOutputDelta, _pack_request_output_delta, _unpack_request_output_delta),
     4: (AddRequest, _pack_add_request, _unpack_add_request),
     5: (AbortRequest, lambda m: [m.request_id], _unpack_abort_request),
-    6: (EngineError, lambda m: [m.request_id, m.message], _unpack_engine_error),
+    6: (EngineError, lambda m: [m.request_id, m.message, m.code], _unpack_engine_error),
     7: (Shutdown, lambda m: [], _unpack_shutdown),
     8: (Ready, lambda m: [m.component, m.pid, m.info], _unpack_ready),
     9: (NewRequestData, _pack_new_request, _unpack_new_request),
@@ -1060,6 +1077,7 @@ _CODECS: dict[int, tuple[type, Callable[[Any], list], Callable[[Any], Any]]] = {
     24: _flat_codec(UnloadLoRA),
     25: _flat_codec(PoolingParams),
     26: (StartStructuredOutput, _pack_start_structured_output, _unpack_start_structured_output),
+    27: _flat_codec(Progress),
 }
 
 #: Each encodable type and its wire tag.

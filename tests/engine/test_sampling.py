@@ -148,7 +148,7 @@ def test_repetition_penalty_changes_a_repetitive_greedy_path(tiny_model_dirs):
         ("logprobs", -1, "logprobs must be >= 0, got -1"),
         ("prompt_logprobs", -1, "prompt_logprobs must be >= 0, got -1"),
         ("presence_penalty", 3.0, "presence_penalty must be >= -2.0 and <= 2.0, got 3.0"),
-        ("repetition_penalty", 0.0, "repetition_penalty must be > 0.0, got 0.0"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be >= 0.01 and <= 100.0, got 0.0"),
         ("min_tokens", 50, r"min_tokens \(50\) must be <= max_tokens \(16\)"),
     ],
 )

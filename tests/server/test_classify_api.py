@@ -237,7 +237,9 @@ def test_grpc_classify_answers_as_the_http_route(server, offline):
         (pb.ClassifyRequest(chat=long_chat), grpc.StatusCode.INVALID_ARGUMENT,
          "prompt tokens exceed the model's context window of 512"),
         (pb.ClassifyRequest(chat=pb.Chat(messages=[pb.ChatMessage(content="a")])),
-         grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[0].role is empty"),
+         grpc.StatusCode.INVALID_ARGUMENT,
+         "chat.messages[0].role must be one of system, developer, user, assistant, tool; "
+         "got ''"),
         (pb.ClassifyRequest(), grpc.StatusCode.INVALID_ARGUMENT, "input"),
         (pb.ClassifyRequest(input=["a"], truncate_prompt_tokens=0),
          grpc.StatusCode.INVALID_ARGUMENT, "truncate_prompt_tokens must be -1 or in [1, "),

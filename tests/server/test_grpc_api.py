@@ -292,7 +292,11 @@ def test_bad_input_names_the_field_value_and_limit(server):
         ),
         (token_request([1], greedy(early_stopping="maybe")), "sampling.early_stopping"),
         (token_request([1], greedy(seed=1 << 63)), "sampling.seed must be <="),
-        (token_request([1] * 600, greedy()), "max_model_len is 512"),
+        (
+            token_request([1] * 600, greedy()),
+            "token_ids: 600 prompt tokens leave no room to generate in the model's context "
+            "window of 512",
+        ),
         (token_request([1], greedy(n=100)), "max_num_seqs is 64"),
         (pb.GenerateRequest(chat=pb.Chat()), "chat.messages is empty"),
         (

@@ -598,7 +598,7 @@ def test_chat_template_kwargs_reach_the_template_in_each_api(server, offline, se
     chat.chat_template_kwargs = "{not json"
     with pytest.raises(grpc.RpcError) as caught:
         server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
-    assert caught.value.details().startswith("chat.chat_template_kwargs: not JSON text")
+    assert caught.value.details().startswith("chat.chat_template_kwargs is not valid JSON")
 
 
 def test_return_token_ids_beside_the_text_whole_and_streamed(server, offline):

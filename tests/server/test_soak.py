@@ -140,8 +140,9 @@ def one_call(stub, http_port: int, rng: random.Random) -> str:
                     break
             stream.cancel()
         elif kind == "deadline":
-            # 400 tokens take a third of a second at the least; the deadline passes first.
-            long = pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            # 390+ tokens take a third of a second at the least; the deadline passes first.
+            # (The prompt and max_tokens fit the 512-token window: past it is refused.)
+            long = pb.SamplingParams(max_tokens=511 - len(prompt), temperature=0.0, ignore_eos=True)
             long_request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=long)
             with pytest.raises(grpc.RpcError) as caught:
                 stub.Generate(long_request, timeout=rng.uniform(0.001, 0.05))

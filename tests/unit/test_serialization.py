@@ -18,6 +18,7 @@ from pagedserve.scheduler.engine_messages import (
     GetStats,
     LoadLoRA,
     OutputBatch,
+    Progress,
     Ready,
     ResetPrefixCache,
     Shutdown,
@@ -71,10 +72,10 @@ ALL_SET_PARAMS = SamplingParams(
     skip_special_tokens=False,
     spaces_between_special_tokens=False,
     structured_outputs=StructuredOutputsParams(json={"type": "object", "title": "é"}),
-    logit_bias={5: -100.0, 2**31: 0.125},
-    allowed_token_ids=[1, 5, 2**31],
+    logit_bias={5: -100.0, 2**31 - 1: 0.125},
+    allowed_token_ids=[1, 5, 2**31 - 1],
     bad_words=["nein", " 終"],
-    bad_words_token_ids=[[9], [4, 2**31]],
+    bad_words_token_ids=[[9], [4, 2**31 - 1]],
     truncate_prompt_tokens=-1,
 )
 BEAM_PARAMS = SamplingParams(
@@ -190,6 +191,12 @@ ROUND_TRIP_CASES = {
         sampled_token_ids=[5, 6],
         draft_token_ids={"a": [7, 8, 9], "b": []},
     ),
+    "result-failed": StepResult(
+        step_id=7,
+        request_ids=["a"],
+        sampled_token_ids=[5],
+        failed_requests={"b": "its sampling settings cannot be set up: OverflowError"},
+    ),
     "delta-full": FULL_DELTA,
     "delta-unset": RequestOutputDelta(request_id="a", new_token_ids=[], finished=False),
     "delta-embedding": RequestOutputDelta(
@@ -212,6 +219,9 @@ ROUND_TRIP_CASES = {
     "abort": AbortRequest("r"),
     "stop-sample": StopSample("r", 2),
     "error-request": EngineError(request_id="r", message="prompt too long: 9000 > 4096"),
+    "failed-request": EngineError(request_id="r", message="worker refused it", code="INTERNAL"),
+    "progress-step": Progress(waiting_on="", waiting_s=0.0),
+    "progress-waiting": Progress(waiting_on="worker rank 0 (pid 7)", waiting_s=2.5),
     "error-engine": EngineError(request_id=None, message="worker 1 died"),
     "shutdown": Shutdown(),
     "ready-full": Ready(
@@ -526,7 +536,7 @@ def _plan_fields(**overrides) -> list:
                 0,
                 None,
             ),
-            "SamplingParams: temperature must be >= 0.0, got -1.0",
+            "SamplingParams: temperature must be >= 0.0 and <= 100.0, got -1.0",
         ),
         (
             _frame(AddRequest, "r", [1], [16], 0.0, [2], None, 0, 0, None),
@@ -666,18 +676,25 @@ def _plan_fields(**overrides) -> list:
             "StartWorker.distributed_init_method: expected str or None, got int",
         ),
         (_frame(StopSample, "r", True), "StopSample.index: expected int, got bool"),
-        (_frame(EngineError, 7, "boom"), "EngineError.request_id: expected str or None, got int"),
         (
-            _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}, {}, {}),
+            _frame(EngineError, 7, "boom", "INTERNAL"),
+            "EngineError.request_id: expected str or None, got int",
+        ),
+        (
+            _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}, {}, {}, {}),
             "TokenLogprobs: 2 token_ids but 1 logprobs",
         ),
         (
-            _frame(StepResult, 1, [], [], [], {}, {"e": [1.0]}, {}),
+            _frame(StepResult, 1, [], [], [], {}, {"e": [1.0]}, {}, {}),
             r"StepResult.embeddings: expected only bytes, found \['list'\]",
         ),
         (
-            _frame(StepResult, 1, [], [], [], {}, {}, {"a": 5}),
+            _frame(StepResult, 1, [], [], [], {}, {}, {"a": 5}, {}),
             r"StepResult.draft_token_ids: expected only list, found \['int'\]",
+        ),
+        (
+            _frame(StepResult, 1, [], [], [], {}, {}, {}, {"a": 5}),
+            r"StepResult.failed_requests: expected only str, found \['int'\]",
         ),
         (
             _frame(
