@@ -41,6 +41,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -292,10 +293,15 @@ class HttpApi:
             ) from None
         try:
             if len(data) <= _DECODE_ON_LOOP_BYTES:
-                return decode_json("the request body", data)
-            return await self._server.prepare(decode_json, "the request body", data)
+                return decode_json("the request body", data, "")
+            return await self._server.prepare(decode_json, "the request body", data, "")
         except ValueError as error:
-            raise CallError("INVALID_ARGUMENT", str(error), "") from None
+            message = str(error)
+            # The field at fault leads its message ("stop holds ..."), or the body does.
+            field = (
+                "" if message.startswith("the request body") else re.split(r"[ .\[]", message)[0]
+            )
+            raise CallError("INVALID_ARGUMENT", message, field) from None
 
     async def bind(self) -> int:
         """Listen on the configured address; returns the port. ``OSError`` if it cannot."""
@@ -752,14 +758,14 @@ def _detokenized(body: Any, llm) -> str:
     tokens = body.get("tokens") if isinstance(body, dict) else None
     if not isinstance(tokens, list):
         raise CallError(
-            "INVALID_ARGUMENT", f"tokens must be a list of token ids, got {tokens!r:.100}"
+            "INVALID_ARGUMENT", f"tokens must be a list of token ids, got {tokens!r:.100}", "tokens"
         )
     try:
         token_ids = llm.encode_prompt(tokens, "tokens") if tokens else []
     except (ValueError, TypeError) as error:
         raise CallError("INVALID_ARGUMENT", str(error), "tokens") from None
     if llm.tokenizer is None:
-        raise CallError("INVALID_ARGUMENT", "this model has no tokenizer to decode with")
+        raise CallError("INVALID_ARGUMENT", "this model has no tokenizer to decode with", "")
     return llm.tokenizer.decode(token_ids)
 
 

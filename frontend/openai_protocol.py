@@ -306,7 +306,7 @@ def parse_request(
     chat_echo = ""
     if kind == "completion":
         prompts = _completion_prompts(body, llm, max_prompts)
-        logprobs = int_field(body, "logprobs", 0, llm.max_logprobs)
+        logprobs = int_field(body, "logprobs", 0)  # at most max_logprobs: check_fits
         echo = typed_field(body, "echo", (bool,), "a boolean", False)
         max_tokens_names = ("max_tokens",)
     else:

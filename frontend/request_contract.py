@@ -8,6 +8,7 @@ bounds themselves are declared in ``scheduler/request_limits.py``.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -76,15 +77,15 @@ def check_id_text(name: str, value: str) -> str:
     return value
 
 
-def decode_json(name: str, data: str | bytes) -> Any:
+def decode_json(name: str, data: str | bytes, field_prefix: str | None = None) -> Any:
     """JSON text a request carries (the HTTP body, or a field holding JSON), decoded no
-    deeper than ``MAX_JSON_DEPTH``; ``ValueError`` naming ``name``."""
+    deeper than ``MAX_JSON_DEPTH`` and its strings Unicode text; ``ValueError`` naming
+    ``name`` (or the field within it: ``field_prefix``, as ``check_json_value``)."""
     try:
-        return loads_json(name, data)
+        return loads_json(name, data, field_prefix)
     except UnicodeDecodeError as error:
         raise ValueError(f"{name} is not UTF-8: {error}") from None
     except ValueError as error:
-        message = str(error)
-        if message.startswith(name):
-            raise
-        raise ValueError(f"{name} is not valid JSON: {message}") from None
+        if isinstance(error, json.JSONDecodeError):
+            raise ValueError(f"{name} is not valid JSON: {error}") from None
+        raise

@@ -143,37 +143,69 @@ def check_length(name: str, size: int, limit: int, unit: str) -> None:
         raise ValueError(f"{name} must have at most {limit} {unit}, got {size}")
 
 
-def json_depth(value: object) -> int:
-    """How deep ``value`` (decoded JSON) nests: 0 for a scalar, 1 for a flat list or
-    object. Iterative, so it measures what would overflow a recursive walk."""
-    depth = 0
-    pending = [(value, 1)]
+def check_json_value(name: str, value: object, field_prefix: str | None = None) -> None:
+    """``ValueError`` for decoded JSON that nests deeper than ``MAX_JSON_DEPTH``, or holds a
+    string that is no Unicode text (a lone surrogate, which JSON's ``\\ud800`` escapes can
+    write and no UTF-8 encoder takes). Iterative, so it measures what would overflow a
+    recursive walk. An object's error names its field: ``<field_prefix><key>``
+    (``field_prefix`` defaults to ``name.``; "" for a request body, whose keys are the
+    request's fields)."""
+    if not isinstance(value, dict):
+        _check_json_tree(name, value, 0)
+        return
+    prefix = f"{name}." if field_prefix is None else field_prefix
+    for key, item in value.items():
+        _check_text(name, key)
+        _check_json_tree(f"{prefix}{key}", item, 1)
+
+
+def _check_json_tree(name: str, value: object, depth: int) -> None:
+    pending = [(value, depth)]
     while pending:
         item, level = pending.pop()
+        if isinstance(item, str):
+            _check_text(name, item)
+            continue
         if isinstance(item, dict):
+            _check_depth(name, level + 1)
+            for key in item:
+                _check_text(name, key)
             children = item.values()
-        elif isinstance(item, (list, tuple)):
+        elif isinstance(item, list):
+            _check_depth(name, level + 1)
             children = item
         else:
             continue
-        depth = max(depth, level)
-        pending.extend((child, level + 1) for child in children)
-    return depth
+        pending.extend(
+            (child, level + 1) for child in children if isinstance(child, (str, dict, list))
+        )
 
 
-def check_json_depth(name: str, value: object) -> None:
-    """``ValueError`` for decoded JSON that nests deeper than ``MAX_JSON_DEPTH``."""
-    depth = json_depth(value)
+def _check_depth(name: str, depth: int) -> None:
     if depth > MAX_JSON_DEPTH:
-        raise ValueError(f"{name} nests {depth} levels deep; the limit is {MAX_JSON_DEPTH}")
+        raise ValueError(f"{name} nests more than {MAX_JSON_DEPTH} levels deep (the limit)")
 
 
-def loads_json(name: str, text: str | bytes) -> object:
-    """``text`` decoded as JSON, no deeper than ``MAX_JSON_DEPTH``; ``ValueError`` naming
-    ``name`` otherwise (``json.JSONDecodeError`` is one)."""
+def _check_text(name: str, text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"{name} holds a lone surrogate ({text[error.start]!r}) at character "
+                f"{error.start}: it is no Unicode text"
+            ) from None
+
+
+def loads_json(name: str, text: str | bytes, field_prefix: str | None = None) -> object:
+    """``text`` decoded as JSON, no deeper than ``MAX_JSON_DEPTH`` and all of its strings
+    Unicode text; ``ValueError`` naming ``name`` otherwise (``json.JSONDecodeError`` is
+    one)."""
     try:
         value = json.loads(text)
     except RecursionError:  # the decoder's own recursion ran out: far past the limit
-        raise ValueError(f"{name} nests deeper than {MAX_JSON_DEPTH} levels (the limit)") from None
-    check_json_depth(name, value)
+        raise ValueError(
+            f"{name} nests more than {MAX_JSON_DEPTH} levels deep (the limit)"
+        ) from None
+    check_json_value(name, value, field_prefix)
     return value

@@ -17,7 +17,7 @@ from pagedserve.scheduler.request_limits import (
     MIN_SAMPLING_TEMPERATURE,
     check_float,
     check_int,
-    check_json_depth,
+    check_json_value,
     check_length,
     loads_json,
 )
@@ -64,7 +64,7 @@ class StructuredOutputsParams:
             if isinstance(self.json, dict):
                 # Kept as text: the form that crosses processes, and a copy the caller
                 # cannot change under us.
-                check_json_depth("structured_outputs.json", self.json)
+                check_json_value("structured_outputs.json", self.json)
                 self.json = json.dumps(self.json)
             elif not isinstance(self.json, str):
                 raise TypeError(

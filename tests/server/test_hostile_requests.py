@@ -83,7 +83,7 @@ def test_http_refuses_naming_the_field_and_limit(server, route, body, param, wor
 @pytest.mark.parametrize(
     ("data", "words"),
     [
-        (nested(100_000).encode(), "the request body nests deeper than 64 levels"),
+        (nested(100_000).encode(), "the request body nests more than 64 levels deep (the limit)"),
         (
             json.dumps(
                 {
@@ -94,9 +94,12 @@ def test_http_refuses_naming_the_field_and_limit(server, route, body, param, wor
                     },
                 }
             ).encode(),
-            "the request body nests 103 levels deep; the limit is 64",
+            "response_format nests more than 64 levels deep (the limit)",
         ),
         (b'{"prompt": "hi", "max_tokens": 1e999999}', "max_tokens must be an integer, got inf"),
+        # Once a 500: no UTF-8 encoder takes a lone surrogate, which JSON can write.
+        (b'{"prompt": "hi", "stop": "\\ud800"}', "stop holds a lone surrogate"),
+        (b'{"prompt": "hi", "x": {"\\udfff": 1}}', "x holds a lone surrogate"),
     ],
 )
 def test_deep_or_odd_json_gets_a_400_not_a_500(server, data, words):
@@ -128,9 +131,9 @@ GRPC_CASES = [
     (token_request([1], greedy(min_tokens=1, stop_token_ids=[100000])),
      "stop_token_ids: token id 100000 is outside the vocabulary"),
     (token_request([1], greedy(structured_outputs=pb.StructuredOutputs(
-        json_schema=nested(2000)))), "nests deeper than 64 levels"),
+        json_schema=nested(2000)))), "nests more than 64 levels deep (the limit)"),
     (token_request([1], greedy(structured_outputs=pb.StructuredOutputs(
-        json_schema=nested(100)))), "nests 100 levels deep; the limit is 64"),
+        json_schema=nested(100)))), "nests more than 64 levels deep (the limit)"),
     (token_request([1], greedy(), request_id="r" * 300),
      "request_id must have at most 256 characters, got 300"),
 ]  # fmt: skip
