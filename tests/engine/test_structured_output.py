@@ -6,6 +6,7 @@ sequence each step, llguidance's own ``hf.from_tokenizer`` builds the matcher fr
 HF tokenizer, the disallowed logits are set to -inf and the argmax taken, until the
 grammar completes or EOS is chosen. The tiny random Llama, which writes garbage when
 free, gets a byte-level tokenizer, so every JSON text, number or word is reachable.
+GBNF grammars are checked against a regex of their language instead, greedy and sampled.
 """
 
 from __future__ import annotations
@@ -187,6 +188,48 @@ def test_seeded_samples_are_valid_and_independent_of_the_batch(llm):
     assert [c.token_ids for c in crowd.outputs] == [c.token_ids for c in alone.outputs]
     for completion in alone.outputs:
         assert completion.finish_reason == "stop" and is_valid("json", completion.text)
+
+
+# GBNF (llama.cpp's grammar syntax) reaches llguidance through its own front end, not the
+# Lark one above; each grammar with a Python regex of the same language to check against.
+# The digits are bounded because this model, greedy, repeats one digit until max_tokens.
+GBNF_CASES = {
+    "alternation": ('root ::= "yes" | "no"', r"yes|no"),
+    "repetition": ('root ::= [0-9]{1,3} ("," [0-9]{1,3}){0,3}', r"[0-9]{1,3}(?:,[0-9]{1,3}){0,3}"),
+    "rules": (
+        'root ::= pet (" and " pet)*\npet ::= "cat" | "dog" | "none"',
+        r"(?:cat|dog|none)(?: and (?:cat|dog|none))*",
+    ),
+}
+SEEDS = range(6)
+
+
+def gbnf_params(constraint: StructuredOutputsParams | None) -> list[SamplingParams]:
+    """Greedy, then sampled at temperature 1 under each of ``SEEDS``."""
+    sampled = [
+        SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=MAX_TOKENS, structured_outputs=constraint
+        )
+        for seed in SEEDS
+    ]
+    return [greedy(constraint), *sampled]
+
+
+@pytest.mark.parametrize("case", GBNF_CASES)
+def test_gbnf_grammars_constrain_greedy_and_sampled_output(llm, case):
+    grammar, pattern = GBNF_CASES[case]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(1 + len(SEEDS))]
+    constrained = llm.generate(prompts, gbnf_params(StructuredOutputsParams(grammar=grammar)))
+    texts = [output.outputs[0].text for output in constrained]
+    for output in constrained:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (case, completion.text)
+        assert re.fullmatch(pattern, completion.text), (case, completion.text)
+    assert len(set(texts)) > 1, texts  # the seeds did sample different strings of it
+    # The same requests unconstrained: none of them lands in the grammar by chance, so
+    # the matches above are the constraint's doing.
+    for output in llm.generate(prompts, gbnf_params(None)):
+        assert not re.fullmatch(pattern, output.outputs[0].text), output.outputs[0].text
 
 
 def test_min_tokens_and_ignore_eos_yield_to_a_completed_grammar(llm):
