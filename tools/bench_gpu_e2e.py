@@ -10,6 +10,8 @@ The model is Llama-2-7B-shaped (32 layers, hidden 4096, 32 heads of 128, FFN 110
 default, so nothing large touches the disk) for pagedserve to load, and kept in memory as the
 HF peer. EOS is ignored; every request generates exactly its trace output length. Peers serve
 the first --peer-requests requests; pagedserve serves that subset too, and the whole trace.
+Every timed run is cold: warm-ups run requests of another trace (seed 1), and pagedserve's
+prefix cache is emptied before each timed run; the JSON records each run's prefix-cache hits.
 
 Each stage is skipped once --deadline-s has passed, and the JSON is rewritten after every
 stage, so a run cut short still reports what it measured.
@@ -57,6 +59,15 @@ TINY = {
     "vocab_size": 1024,
 }
 SHAPES = {"llama7b": LLAMA_7B, "tiny": TINY}
+# The timed trace is drawn with seed 0; warm-ups draw theirs with this one, so that they run
+# none of the timed prompts, at half the lengths (a few hundred decode steps suffice to touch
+# the allocator and kernels).
+WARMUP_SEED = 1
+WARMUP_LENGTH_SCALE = 0.5
+NO_PREFIX_CACHE_NOTE = (
+    "prefix_cache_hit_tokens is null for the HF peers: not counted, every HF run starts with an "
+    "empty cache (generate keeps none between calls; generate_batch's manager is made per run)"
+)
 
 
 class Report:
@@ -139,7 +150,12 @@ def greedy_params(requests: list[Request]) -> list[SamplingParams]:
 
 
 def run_pagedserve(llm: LLM, requests: list[Request]) -> dict[str, Any]:
+    """One cold run: the prefix cache is emptied first, so no prompt token comes from an
+    earlier run on this engine, as none does for the HF peers; the hits counted are those
+    among this run's own requests."""
     prompts = [request.prompt_token_ids for request in requests]
+    llm.reset_prefix_cache()
+    hits_before = llm.stats()["prefix_cache_hits"]
     synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, greedy_params(requests))
@@ -148,7 +164,9 @@ def run_pagedserve(llm: LLM, requests: list[Request]) -> dict[str, Any]:
     expected = sum(request.output_len for request in requests)
     if produced != expected:
         raise RuntimeError(f"pagedserve produced {produced} tokens, expected {expected}")
-    return _throughput(requests, seconds)
+    result = _throughput(requests, seconds)
+    result["prefix_cache_hit_tokens"] = int(llm.stats()["prefix_cache_hits"] - hits_before)
+    return result
 
 
 def run_hf_generate(
@@ -180,6 +198,7 @@ def run_hf_generate(
     synchronize()
     result = _throughput(requests, time.perf_counter() - start)
     result["batch_size"] = batch_size
+    result["prefix_cache_hit_tokens"] = None  # not counted: see NO_PREFIX_CACHE_NOTE
     return result
 
 
@@ -198,6 +217,7 @@ def run_hf_generate_batch(
     run = bench_offline.run_hf_generate_batch(model, requests, cb_config)
     result = _throughput(requests, run.seconds)
     result["config"] = cb_config
+    result["prefix_cache_hit_tokens"] = None  # not counted: see NO_PREFIX_CACHE_NOTE
     return result
 
 
@@ -243,10 +263,19 @@ def main(argv: list[str] | None = None) -> int:
         transformers=transformers.__version__,
         command=" ".join(sys.argv),
         model={**model_shape(args), "dtype": "float16"},
+        prefix_cache_note=NO_PREFIX_CACHE_NOTE,
     )
     requests = make_trace("sharegpt", args.num_requests, seed=0, max_len=args.max_len,
                           vocab_size=model_shape(args)["vocab_size"])  # fmt: skip
     peer_requests = requests[: args.peer_requests]
+    warmup_requests = make_trace(
+        "sharegpt",
+        4,
+        WARMUP_SEED,
+        args.max_len,
+        model_shape(args)["vocab_size"],
+        length_scale=WARMUP_LENGTH_SCALE,
+    )
     report.data["trace"] = {
         "name": "sharegpt",
         "all": trace_stats(requests).__dict__,
@@ -271,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graphs=cuda_graphs,
         )
         load_s = time.perf_counter() - started
-        run_pagedserve(models["llm"], requests[:4])  # warm-up: allocator, kernels
+        run_pagedserve(models["llm"], warmup_requests)  # warm-up: allocator, kernels
         return {"num_blocks": models["llm"].worker.num_blocks, "load_s": load_s}
 
     report.stage("create_model", create)
@@ -288,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     hf_model = models["hf"]
-    report.stage("hf_warmup", lambda: run_hf_generate(hf_model, requests[:2], 2))
+    report.stage("hf_warmup", lambda: run_hf_generate(hf_model, warmup_requests[:2], 2))
     report.stage(
         "hf_generate", lambda: run_hf_generate(hf_model, peer_requests, args.hf_batch_size)
     )
@@ -303,6 +332,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             llm.shutdown()
     stages = report.data["stages"]
+    peer_stages = ("pagedserve_peer_subset", "pagedserve_graphs_peer_subset")
+    peer_runs = [stages[name] for name in peer_stages if name in stages]
+    peer_hit_tokens = sum(run["prefix_cache_hit_tokens"] for run in peer_runs)
+    # True when pagedserve's runs on the peers' requests took no prompt token from its prefix
+    # cache: the speedups then compare cold runs only.
+    report.data["peer_comparison_prefix_cache_hit_tokens"] = peer_hit_tokens
+    report.data["peer_comparison_cold"] = peer_hit_tokens == 0 if peer_runs else None
+    if peer_hit_tokens:
+        _log(
+            f"WARNING: pagedserve took {peer_hit_tokens} prompt tokens of the peers' requests "
+            "from its prefix cache, which the peers compute: the speedups are not cold"
+        )
     ours = stages.get("pagedserve_peer_subset", {}).get("output_tokens_per_s")
     ours_graphs = stages.get("pagedserve_graphs_peer_subset", {}).get("output_tokens_per_s")
     for peer in ("hf_generate", "hf_generate_batch"):

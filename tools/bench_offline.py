@@ -23,8 +23,10 @@ Machines are shared and noisy: compare the ratios within one run, not figures ac
 
 HF peers are slow on a small CPU, so by default they serve only the first `--peer-requests`
 requests (64) of the trace; pagedserve then serves that same subset too, and the speedups
-compare those matched runs. Model loading, cache allocation and a short warm-up are outside
-every timed region.
+compare those matched runs. Model loading, cache allocation and a short warm-up (on prompts
+outside the trace) are outside every timed region. Every timed run is cold: pagedserve's
+prefix cache is emptied before each one, so no prompt token of a run comes from an earlier
+run, as none does for the HF peers; the JSON records each run's prefix-cache hits.
 
 Examples (from the repository root):
 
@@ -103,6 +105,9 @@ class EngineRun:
     num_requests: int
     output_tokens: int
     seconds: float
+    # Prompt tokens served from pagedserve's prefix cache during the run (it starts empty);
+    # None for the HF peers, which start every run with an empty cache of their own.
+    prefix_cache_hit_tokens: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -278,17 +283,23 @@ def _construct_llm(dtype: str, args: argparse.Namespace, multiprocess: bool) -> 
 
 
 def run_pagedserve(llm: LLM, requests: list[Request]) -> EngineRun:
+    """One cold run: the prefix cache is emptied first, so no prompt token comes from an
+    earlier run on this engine (a warm-up, the whole trace before its peer subset), as none
+    does for the HF peers. The hits counted are those among this run's own requests."""
     prompts = [request.prompt_token_ids for request in requests]
     params = [
         SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
         for request in requests
     ]
+    llm.reset_prefix_cache()
+    hits_before = llm.stats()["prefix_cache_hits"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
+    hit_tokens = int(llm.stats()["prefix_cache_hits"] - hits_before)
     for index, (request, output) in enumerate(zip(requests, outputs)):
         _check_length("pagedserve", index, request, len(output.outputs[0].token_ids))
-    return EngineRun(len(requests), sum(r.output_len for r in requests), seconds)
+    return EngineRun(len(requests), sum(r.output_len for r in requests), seconds, hit_tokens)
 
 
 def load_hf_model(model_path: Path, dtype: str) -> PreTrainedModel:
@@ -603,6 +614,8 @@ def make_record(
             return None
         return subset.tokens_per_s / peer.tokens_per_s
 
+    peer_hit_tokens = _prefix_cache_hits(subset) if runs.hf_generate is not None else None
+
     return {
         "trace": trace_name,
         "model": str(args.model) if args.model else "embedded",
@@ -662,6 +675,24 @@ def make_record(
         # ceiling for this exact trace.
         "ceiling_workload_tok_s": workload_ceiling,
         "machine": machine_info(),
+        # Prompt tokens each timed run took from the prefix cache (emptied before each run).
+        "pagedserve_prefix_cache_hit_tokens": _prefix_cache_hits(runs.pagedserve),
+        "pagedserve_peer_subset_prefix_cache_hit_tokens": _prefix_cache_hits(subset),
+        "pagedserve_multiprocess_prefix_cache_hit_tokens": _prefix_cache_hits(
+            runs.pagedserve_multiprocess
+        ),
+        "pagedserve_torch_linear_prefix_cache_hit_tokens": _prefix_cache_hits(
+            runs.pagedserve_torch_linear
+        ),
+        "hf_generate_prefix_cache_hit_tokens": None,
+        "hf_generate_batch_prefix_cache_hit_tokens": None,
+        "hf_prefix_cache_hit_tokens_null_because": "not counted: every HF run starts with an "
+        "empty cache (generate keeps none between calls; generate_batch's manager and its "
+        "paged cache are made and destroyed for each run)",
+        # True when pagedserve's peer-subset run took no prompt token from its prefix cache
+        # (the HF runs start empty): the speedups then compare cold runs only.
+        "peer_comparison_prefix_cache_hit_tokens": peer_hit_tokens,
+        "peer_comparison_cold": None if peer_hit_tokens is None else peer_hit_tokens == 0,
     }
 
 
@@ -671,6 +702,10 @@ def _rate(run: EngineRun | None) -> float | None:
 
 def _seconds(run: EngineRun | None) -> float | None:
     return None if run is None else run.seconds
+
+
+def _prefix_cache_hits(run: EngineRun | None) -> int | None:
+    return None if run is None else run.prefix_cache_hit_tokens
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
@@ -810,7 +845,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(records, indent=2) + "\n")
         print(f"wrote {args.json}")
-    return 0
+    warm = [r for r in records if r["peer_comparison_cold"] is False]
+    for record in warm:
+        print(
+            f"ERROR: [{record['dtype']} {record['trace']}] pagedserve's peer-subset run took "
+            f"{record['peer_comparison_prefix_cache_hit_tokens']} prompt tokens from its prefix "
+            "cache (prompts sharing a block, or preempted requests re-admitted), which the "
+            "peers compute: its speedups are not cold against cold",
+            file=sys.stderr,
+        )
+    return 1 if warm else 0
 
 
 def _log(message: str) -> None:
