@@ -339,6 +339,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             conversation, tools = chat_from_proto(request.chat)
             return self._render_chat(llm, request.chat, conversation, tools)[1]
         if kind == "text":
+            llm.check_prompt_size(request.text, "text")  # no text past it could be a prompt
             return llm.encode_prompt(request.text, "text")
         raise ValueError("input: set one of text, chat")
 
@@ -528,7 +529,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             reading = chat_reading_from_proto(
                 request.chat, tools, config.tool_call_parser, config.reasoning_parser
             )
-            text, token_ids = self._render_chat(llm, request.chat, conversation, tools)
+            text, token_ids = self._render_chat(
+                llm, request.chat, conversation, tools, check_size=not _truncates(request)
+            )
             return text, token_ids, reading
         raise ValueError("prompt: set one of text, token_ids, chat")
 
@@ -555,7 +558,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         conversation: list[dict],
         tools: list[Tool] | None,
         opens_turn_default: bool = True,
+        check_size: bool = True,
     ) -> tuple[str, list[int]]:
+        """A chat's prompt text and token ids; ``check_size``: a text too long for the
+        window is refused before it is tokenized (unless the request truncates it)."""
         definitions = None if tools is None else [tool.definition for tool in tools]
         opens_turn = opens_turn_default
         if chat.HasField("add_generation_prompt"):
@@ -577,7 +583,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 documents=documents,
                 chat_template=template,
             )
-            return render_chat_prompt(llm, conversation, definitions, "chat.messages", options)
+            return render_chat_prompt(
+                llm, conversation, definitions, "chat.messages", options, check_size
+            )
         except ValueError as error:
             if str(error).startswith(SETTING_NAMES):
                 raise ValueError(f"chat.{error}") from None

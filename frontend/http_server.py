@@ -671,6 +671,7 @@ class HttpApi:
                 )
             if llm.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer, and this model has none")
+            llm.check_prompt_size(text, "prompt")  # no text past it could be a prompt
             return llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except ValueError as error:
             raise CallError("INVALID_ARGUMENT", str(error), "prompt") from None

@@ -9,11 +9,16 @@ from pathlib import Path
 import pytest
 from tiny_models import random_hf_model
 
+# Every LLM built anywhere in the suite is checked after each test: those built during the
+# test by strong reference (a local variable is gone by teardown, and a leak in it would go
+# unseen), and those still alive from earlier tests (a module's fixture) by weak reference.
 _live_llms: weakref.WeakSet = weakref.WeakSet()
+_built_in_this_test: list = []
+# Engines that already failed the check: reported once, not again by every later test.
+_reported_llms: weakref.WeakSet = weakref.WeakSet()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    # Every LLM built anywhere in the suite is checked after each test (see below).
     from pagedserve.frontend.llm import LLM
 
     original_init = LLM.__init__
@@ -21,23 +26,39 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     def recording_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         _live_llms.add(self)
+        _built_in_this_test.append(self)
 
     LLM.__init__ = recording_init
 
 
+def check_engine_idle(llm) -> None:
+    """DESIGN.md's invariant on one engine: once every request has ended, nothing is queued
+    or running, all blocks are free on device and host, no ref count is negative and no
+    table points at a free block. ``AssertionError`` naming what is left."""
+    if not getattr(llm.engine, "stats_available", True):
+        return  # its scheduler process was killed (a fault test): no accounting left
+    llm.check_integrity()
+    stats = llm.stats()
+    assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0, stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    assert stats["num_free_host_blocks"] == stats["num_total_host_blocks"], stats
+
+
 @pytest.fixture(autouse=True)
 def _block_integrity_after_each_test():
-    """DESIGN.md's invariant: once every request has ended, all blocks are free on
-    device and host, no ref count is negative and no table points at a free block."""
+    """Every engine the test built or could reach is idle at its end (``check_engine_idle``);
+    a leak fails the test at teardown."""
+    _built_in_this_test.clear()
     yield
-    for llm in list(_live_llms):
-        if not getattr(llm.engine, "stats_available", True):
-            continue  # its scheduler process was killed (a fault test): no accounting left
-        llm.check_integrity()
-        stats = llm.stats()
-        assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0, stats
-        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-        assert stats["num_free_host_blocks"] == stats["num_total_host_blocks"], stats
+    engines = {id(llm): llm for llm in [*_built_in_this_test, *_live_llms]}
+    _built_in_this_test.clear()  # the test's own engines may go now
+    for llm in engines.values():
+        if llm not in _reported_llms:
+            try:
+                check_engine_idle(llm)
+            except AssertionError:
+                _reported_llms.add(llm)
+                raise
 
 
 TINY_CONFIGS = {

@@ -209,3 +209,42 @@ def test_slow_headers_and_a_slow_body_are_cut(start_server):
     status, answer = post(server, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
     assert status == 200, answer
     server.assert_blocks_all_free()
+
+
+def test_a_huge_tokenize_is_refused_at_once(server):
+    """A 63 MiB Tokenize once held the event loop for 91 s: no text that long could be a
+    prompt of this model, so it is refused before the tokenizer sees it."""
+    text = "hello world " * ((63 << 20) // 12)
+    started_s = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert "cannot fit the model's context window of 512 tokens" in caught.value.details()
+    status, answer = post(server, "/tokenize", {"prompt": text})
+    assert status == 400 and "cannot fit" in answer["error"]["message"], answer
+    assert time.monotonic() - started_s < 10
+
+
+def test_a_request_template_that_loops_is_cut_at_its_budget(start_server):
+    server = start_server("--http-port", "0", "--trust-request-chat-template")
+    loop = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x"
+    started_s = time.monotonic()
+    status, answer = post(server, "/v1/chat/completions", chat(chat_template=loop))
+    assert status == 400, answer
+    assert "rendering took longer than 1 s" in answer["error"]["message"], answer
+    assert time.monotonic() - started_s < 10
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub.Generate(
+            pb.GenerateRequest(
+                chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")],
+                             chat_template=loop),
+                sampling=greedy(2),
+            ),
+            timeout=30,
+        )  # fmt: skip
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert "rendering took longer than 1 s" in caught.value.details()
+    # The model's own template still serves.
+    status, answer = post(server, "/v1/chat/completions", chat())
+    assert status == 200, answer
+    server.assert_blocks_all_free()
