@@ -7,10 +7,12 @@ position is at or before i - W is never read again by i or any later token.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import pytest
 from unit.test_scheduler import EOS, run_step
 
-from pagedserve.scheduler.block_manager import BlockManager, blocks_spanned
+from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens, blocks_spanned
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import NULL_BLOCK
 from pagedserve.scheduler.request import Request
@@ -159,7 +161,7 @@ def windowed_scheduler(num_blocks, window=16, block_size=8, **config) -> Schedul
     )
 
 
-def windowed_request(request_id, num_prompt_tokens, max_tokens, n=1) -> Request:
+def windowed_request(request_id, num_prompt_tokens, max_tokens, n=1, priority=0) -> Request:
     return Request(
         request_id=request_id,
         prompt_token_ids=[10 + i % 50 for i in range(num_prompt_tokens)],
@@ -167,6 +169,7 @@ def windowed_request(request_id, num_prompt_tokens, max_tokens, n=1) -> Request:
         eos_token_ids=frozenset({EOS}),
         arrival_time_s=0.0,
         max_model_len=1024,
+        priority=priority,
     )
 
 
@@ -206,17 +209,71 @@ def test_two_long_requests_share_a_small_cache():
     assert scheduler.num_preemptions == 0
 
 
+def run_to_the_end(scheduler: Scheduler, arrivals: dict[int, Request], watched: str):
+    """Run until every request has finished, adding ``arrivals`` at their step numbers.
+    Returns the plans, ``watched``'s output token count, and its block table as it was at
+    its last step (its blocks go back to the pool as it finishes)."""
+    plans, num_outputs, last_table = [], 0, None
+    while scheduler.has_unfinished_requests() or arrivals:
+        if len(plans) in arrivals:
+            scheduler.add_request(arrivals.pop(len(plans)))
+        if watched in scheduler.block_manager.block_tables:
+            last_table = list(scheduler.block_manager.block_tables[watched])
+        plan, deltas = run_step(scheduler)
+        plans.append(plan)
+        num_outputs += sum(len(d.new_token_ids) for d in deltas if d.request_id == watched)
+        scheduler.block_manager.check_integrity()
+        assert len(plans) < 500, "no end in sight: requests preempting each other for good"
+    return plans, num_outputs, last_table
+
+
 def test_a_preempted_windowed_request_recomputes_in_chunks():
     # Recompute: its table is freed whole, and it comes back as a prompt of all its tokens,
-    # computed a chunk at a time behind the window, so it fits the small cache again.
-    scheduler = windowed_scheduler(num_blocks=6, max_num_batched_tokens=16)
-    scheduler.add_request(windowed_request("a", 30, 60))
-    scheduler.add_request(windowed_request("b", 30, 60))
-    while scheduler.has_unfinished_requests():
-        run_step(scheduler)
-        scheduler.block_manager.check_integrity()
-    assert scheduler.num_recompute_preemptions > 0
-    assert scheduler.block_manager.num_free_blocks == 6
+    # computed a chunk at a time behind the window, so it fits the small cache again. A
+    # request of a higher priority arrives when "a" is some 70 tokens long and preempts it
+    # (first come, first served preempts the newest request, here before it grows long).
+    window, block_size, budget, num_blocks = 16, 8, 16, 5
+    scheduler = windowed_scheduler(num_blocks, window, block_size, scheduling_policy="priority")
+    scheduler.add_request(windowed_request("a", 30, 80, priority=1))
+    urgent = {40: windowed_request("b", 10, 10, priority=0)}
+    plans, num_outputs, last_table = run_to_the_end(scheduler, urgent, "a")
+    assert scheduler.num_recompute_preemptions >= 1
+    assert all(plan.num_scheduled_tokens <= budget for plan in plans)
+
+    # Its last return carries all its tokens so far, computed from position 0 again.
+    start = max(i for i, plan in enumerate(plans) for r in plan.new_requests if r.request_id == "a")
+    (resumed,) = [r for r in plans[start].new_requests if r.request_id == "a"]
+    num_tokens = len(resumed.token_ids)
+    assert num_tokens >= 70 and resumed.num_computed_tokens == 0
+    chunks, freed_reports = [resumed.num_scheduled_tokens], []
+    for plan in plans[start + 1 :]:
+        (item,) = [r for r in plan.cached_requests if r.request_id == "a"]
+        if item.num_computed_tokens == num_tokens:
+            break  # recomputed: decoding again
+        chunks.append(item.num_scheduled_tokens)
+        freed_reports.append(plan.window_freed_blocks.get("a"))
+    assert sum(chunks) == num_tokens and max(chunks) <= budget
+    assert len(chunks) == -(-num_tokens // budget)  # whole budgets: it ran alone
+    # Before each later chunk the blocks wholly behind the window of its first query went
+    # back to the pool, and the plan told the workers the new count of NULL_BLOCK entries.
+    freed = 0
+    for chunk_start, report in zip(accumulate(chunks[:-1]), freed_reports):
+        behind = max(0, chunk_start - window + 1) // block_size
+        assert report == (behind if behind > freed else None), (chunk_start, report)
+        freed = behind
+    assert freed >= 4  # it recomputed holding a window's blocks, not all of its own
+
+    # It ends as a run that was never preempted ends: same output, same table shape.
+    alone = windowed_scheduler(64, window, block_size, scheduling_policy="priority")
+    alone.add_request(windowed_request("a", 30, 80, priority=1))
+    _, alone_outputs, alone_table = run_to_the_end(alone, {}, "a")
+    assert alone.num_recompute_preemptions == 0
+    assert num_outputs == alone_outputs == 80
+    assert [b == N for b in last_table] == [b == N for b in alone_table]
+    # 110 tokens: its last query, at position 108, reads 93..108, so blocks 0-10 are freed.
+    assert last_table.count(N) == 11 and len(last_table) == blocks_for_tokens(109, block_size)
+    assert scheduler.block_manager.num_free_blocks == num_blocks
+    scheduler.block_manager.check_integrity()
 
 
 def test_freed_blocks_of_a_preempted_request_leave_the_plan():
