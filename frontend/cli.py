@@ -6,7 +6,6 @@ model unless ``--model`` names another."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -15,12 +14,12 @@ from pathlib import Path
 
 from pagedserve.frontend.api_key import ENVIRONMENT_VARIABLE as API_KEY_ENVIRONMENT_VARIABLE
 from pagedserve.frontend.cors import parse_origins
+from pagedserve.frontend.engine_args import add_engine_arguments, engine_options_from_cli
 from pagedserve.frontend.liveness import DEFAULT_STALL_EXIT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
 from pagedserve.frontend.openai_responses import (
     DEFAULT_RESPONSES_STORE_BYTES,
     DEFAULT_RESPONSES_STORE_SIZE,
 )
-from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.server import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_HTTP_READ_TIMEOUT_S,
@@ -29,15 +28,12 @@ from pagedserve.frontend.server import (
     serve,
 )
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
-from pagedserve.gpu_worker.model_config import KV_CACHE_DTYPES, QUANTIZATION_NAMES
 from pagedserve.scheduler.logs import ENVIRONMENT_VARIABLE as LOG_FORMAT_ENVIRONMENT_VARIABLE
 from pagedserve.scheduler.logs import LOG_FORMATS, configure_logging
 from pagedserve.scheduler.sampling_params import (
-    DEFAULT_MAX_LOGPROBS,
     SamplingParams,
     StructuredOutputsParams,
 )
-from pagedserve.scheduler.speculative_config import SpeculativeConfig
 
 # run-batch: no limit of the server's own on requests in flight (see _run_batch).
 UNBOUNDED_REQUESTS = 1 << 40
@@ -45,147 +41,6 @@ UNBOUNDED_REQUESTS = 1 << 40
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
-    engine = argparse.ArgumentParser(add_help=False)
-    engine.add_argument(
-        "--model",
-        default=None,
-        help="local HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    engine.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    engine.add_argument(
-        "--quantization",
-        default=None,
-        choices=QUANTIZATION_NAMES,
-        help="quantize the linear layers' weights as the model loads (CPU only): int8 values, "
-        "one scale per output feature; faster decoding, output close to the unquantized one",
-    )
-    engine.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="what the KV cache stores: auto (the --dtype), or float8 (CPU only): fp8 = fp8_e4m3 "
-        "(3 mantissa bits, saturating at 448) or fp8_e5m2 (2 bits, wider range); half the bytes "
-        "of a 16-bit cache, so twice the tokens; output close to auto's",
-    )
-    engine.add_argument(
-        "--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (cuda)"
-    )
-    engine.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
-    engine.add_argument(
-        "--kv-cache-bytes", type=int, default=None, help="KV cache size (per tensor-parallel rank)"
-    )
-    engine.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over N worker processes (heads, MLP rows, vocabulary)",
-    )
-    engine.add_argument(
-        "--max-num-seqs", type=int, default=64, help="sequences in one batch, at most"
-    )
-    engine.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="prompt + output tokens of a request, at most (default: the model's window)",
-    )
-    engine.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens in one forward pass, at most (default 2048)",
-    )
-    engine.add_argument(
-        "--swap-space-bytes",
-        type=int,
-        default=1 << 30,
-        help="host memory for KV blocks of preempted requests (per rank)",
-    )
-    engine.add_argument(
-        "--preemption-mode",
-        default=None,
-        choices=["recompute", "swap"],
-        help="how to preempt when blocks run out (default: recompute a single sequence, "
-        "swap a group)",
-    )
-    engine.add_argument(
-        "--scheduling-policy",
-        default="fcfs",
-        choices=["fcfs", "priority"],
-        help="fcfs: requests run in arrival order; priority: by each request's priority "
-        "(lower first, then arrival; a request preempts running ones of a lower priority "
-        "when it does not fit)",
-    )
-    engine.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="do not share the KV blocks of common prompt prefixes between requests",
-    )
-    engine.add_argument(
-        "--speculative-config",
-        type=_speculative_config,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, as vLLM takes it: by prompt lookup \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\', with a draft model of the '
-        'same tokenizer \'{"model": "/models/draft", "num_speculative_tokens": 4}\' or with '
-        "the model's multi-token-prediction layer (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash) "
-        '\'{"method": "mtp", "num_speculative_tokens": 1}\'',
-    )
-    engine.add_argument(
-        "--lora-modules",
-        nargs="+",
-        type=_lora_module,
-        default=None,
-        metavar="NAME=PATH",
-        help="serve PEFT LoRA adapters beside the base model (the HTTP API's model NAME "
-        "selects one; chat / generate: --lora NAME)",
-    )
-    engine.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="serve LoRA adapters, also with no --lora-modules (they may then load at run "
-        "time: serve --allow-runtime-lora-updating)",
-    )
-    engine.add_argument(
-        "--max-loras",
-        type=int,
-        default=None,
-        metavar="N",
-        help="the most distinct LoRA adapters one batch runs (default: no cap); a request "
-        "whose adapter would pass it waits for a slot",
-    )
-    engine.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE_OR_TEXT",
-        help="a Jinja chat template (a file, or the template itself) instead of the model's",
-    )
-    engine.add_argument(
-        "--structured-outputs-disable-any-whitespace",
-        action="store_true",
-        help="JSON constraints (a schema, a JSON object) allow no whitespace between JSON "
-        "tokens, for every request",
-    )
-    engine.add_argument(
-        "--max-logprobs",
-        type=int,
-        default=DEFAULT_MAX_LOGPROBS,
-        metavar="N",
-        help="the most logprobs (top alternatives per token) and prompt logprobs a request may "
-        f"ask for (vLLM's; default {DEFAULT_MAX_LOGPROBS}; -1: the whole vocabulary)",
-    )
-    engine.add_argument(
-        "--pooler-config",
-        type=_json_object,
-        default=None,
-        metavar="JSON",
-        help='how an embedding model pools (vLLM\'s): \'{"pooling_type": "MEAN"}\' (LAST, '
-        "MEAN or CLS) and '\"normalize\": false'; default: the model's sentence-transformers "
-        "files (modules.json), else LAST, normalized",
-    )
-    engine.add_argument("--verbose", action="store_true", help="log engine events to stderr")
     request = argparse.ArgumentParser(add_help=False)
     request.add_argument("--max-tokens", type=int, default=128)
     request.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -214,16 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--choice", action="append", metavar="TEXT", help="the output is one of these; repeatable"
     )
     constraint.add_argument("--grammar", help="a Lark or GBNF grammar the output must follow")
-    request.add_argument(
-        "--multiprocess",
-        action="store_true",
-        help="run the scheduler and the worker in processes of their own",
-    )
     commands = parser.add_subparsers(dest="command", required=True)
-    chat = commands.add_parser("chat", parents=[engine, request], help="answer one user message")
+    chat = commands.add_parser(
+        "chat", parents=[_engine_parser("chat"), request], help="answer one user message"
+    )
     chat.add_argument("message", nargs="+", help="one or more user messages, answered in a batch")
     generate = commands.add_parser(
-        "generate", parents=[engine, request], help="continue raw prompts"
+        "generate", parents=[_engine_parser("generate"), request], help="continue raw prompts"
     )
     generate.add_argument("prompt", nargs="+", help="one or more prompts, run as one batch")
     # What the OpenAI API's calls need, served (serve) or read from a file (run-batch).
@@ -246,19 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
         "is code the server runs, so allow it only for trusted clients",
     )
     api.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=REASONING_PARSERS,
-        help="split a reasoning model's thinking (<think>...</think>) from its chat answers into "
-        "reasoning_content: qwen3 (Qwen3, QwQ), deepseek_r1 (DeepSeek-R1 and distills), "
-        "mistral (Magistral: [THINK] ... [/THINK]), seed_oss (Seed-OSS: <seed:think> ... "
-        "</seed:think>), glm45 (GLM-4.5 / 4.6: <think> ... </think> after leading whitespace), "
-        "minimax_m2 (MiniMax-M2: as deepseek_r1; minimax_m2_append_think keeps it all as the "
-        "answer, <think> included), granite (IBM Granite 3.2+: 'Here is my thought "
-        "process:' ... 'Here is my response:') or openai_gptoss (gpt-oss: harmony's analysis "
-        "channel)",
-    )
-    api.add_argument(
         "--tool-call-parser",
         default=None,
         choices=TOOL_CALL_PARSERS,
@@ -273,23 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
         "blocks of <invoke> calls), granite (IBM Granite 3.x: a JSON array "
         "after <|tool_call|>), phi4_mini_json (Phi-4-mini: functools[...]) or openai "
         "(gpt-oss: harmony messages to=functions.NAME)",
-    )
-    api.add_argument(
-        "--generation-config",
-        default="auto",
-        metavar="auto|vllm|DIR",
-        help="sampling defaults for what a request leaves unset: auto (the model's "
-        "generation_config.json: its temperature if it sets do_sample, else greedy; top_k, "
-        "top_p, min_p, repetition_penalty; its max_new_tokens limits every call's max_tokens), "
-        "vllm (none of it) or DIR/generation_config.json",
-    )
-    api.add_argument(
-        "--override-generation-config",
-        type=_json_object,
-        default=None,
-        metavar="JSON",
-        help="sampling defaults on top of --generation-config, e.g. "
-        '\'{"temperature": 0.5, "max_new_tokens": 512}\'',
     )
     api.add_argument(
         "--served-model-name",
@@ -344,15 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         "message, and each call's ids, token counts and times), for a log shipper; the "
         f"engine's processes follow it; default ${LOG_FORMAT_ENVIRONMENT_VARIABLE}",
     )
-    api.add_argument(
-        "--startup-timeout-s",
-        type=float,
-        default=120.0,
-        help="how long the engine's processes may take to load the model",
-    )
     serve = commands.add_parser(
         "serve",
-        parents=[engine, api],
+        parents=[_engine_parser("serve"), api],
         help="serve the gRPC API (protos/pagedserve/v1/generation.proto) and, with "
         "--http-port, the OpenAI-compatible HTTP API",
         description="Serve pagedserve.v1.Generation, grpc.health.v1.Health and reflection "
@@ -462,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run_batch = commands.add_parser(
         "run-batch",
-        parents=[engine, api],
+        parents=[_engine_parser("run-batch"), api],
         help="run a file of OpenAI batch requests (JSON Lines) and write their answers",
         description="Run OpenAI batch requests (vLLM's run-batch): each input line is "
         '{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" (or '
@@ -508,85 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        swap_space_bytes=args.swap_space_bytes,
-        preemption_mode=args.preemption_mode,
-        scheduling_policy=args.scheduling_policy,
-        enable_prefix_caching=not args.no_prefix_caching,
-        device=args.device,
-        cuda_graphs=args.cuda_graphs,
-        tensor_parallel_size=args.tensor_parallel_size,
-        chat_template=_chat_template(args.chat_template),
-        speculative_config=args.speculative_config,
-        lora_modules=dict(args.lora_modules) if args.lora_modules else None,
-        enable_lora=args.enable_lora or getattr(args, "allow_runtime_lora_updating", False),
-        max_loras=args.max_loras,
-        structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
-        max_logprobs=args.max_logprobs,
-        pooler_config=args.pooler_config,
-    )
-
-
-def _lora_module(value: str) -> tuple[str, str]:
-    """``--lora-modules NAME=PATH``."""
-    name, equals, path = value.partition("=")
-    if not equals or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
-    return name, path
-
-
-def _json_object(value: str) -> dict:
-    """A JSON object flag (``--override-generation-config``, ``--pooler-config``), its
-    fields checked by the engine."""
-    try:
-        config = json.loads(value)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
-    return config
-
-
-def _speculative_config(value: str) -> dict:
-    """``--speculative-config``: vLLM's JSON object, checked here so a mistake is a usage
-    error before the model loads."""
-    try:
-        config = json.loads(value)
-        SpeculativeConfig.from_dict(config)
-    except (ValueError, TypeError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return config
-
-
-def _chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's template, or the template given inline (as vLLM
-    takes it)."""
-    if value is None:
-        return None
-    path = Path(value)
-    try:
-        is_file = path.is_file()
-    except OSError:  # an inline template too long to be a file's name (ENAMETOOLONG)
-        is_file = False
-    if is_file:
-        return path.read_text()
-    if "{{" in value or "{%" in value:
-        return value
-    print(
-        f"pagedserve: error: --chat-template {value!r:.200} is neither a file nor a template",
-        file=sys.stderr,
-    )
-    raise SystemExit(2)
+def _engine_parser(command: str) -> argparse.ArgumentParser:
+    """The flags of the engine's options ``command`` takes (``engine_args.py``)."""
+    engine = argparse.ArgumentParser(add_help=False)
+    options = engine.add_argument_group("engine options (docs/engine_options.md)")
+    add_engine_arguments(options, command)
+    engine.add_argument("--verbose", action="store_true", help="log engine events to stderr")
+    return engine
 
 
 def _embedded_name() -> str:
@@ -629,18 +373,14 @@ def _server_llm(args: argparse.Namespace):
     from pagedserve.frontend.llm import LLM
     from pagedserve.frontend.tokenizer import preload as preload_tokenizer
 
-    kwargs = _engine_kwargs(args)
+    options = engine_options_from_cli(args, args.command)
+    # Adapters loaded at run time need an engine that serves them.
+    options["enable_lora"] = options["enable_lora"] or getattr(
+        args, "allow_runtime_lora_updating", False
+    )
     preload_tokenizer()
     # The server is the frontend process: the scheduler and workers always run apart.
-    return lambda: LLM(
-        **kwargs,
-        multiprocess=True,
-        startup_timeout_s=args.startup_timeout_s,
-        # Structured output then constrains a chat answer after the thinking only.
-        reasoning_parser=args.reasoning_parser,
-        generation_config=args.generation_config,
-        override_generation_config=args.override_generation_config,
-    )
+    return lambda: LLM(**options, multiprocess=True)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -762,10 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             structured_outputs=_structured_outputs(args),
         )
         started = time.monotonic()
-        llm = LLM(
-            **_engine_kwargs(args),
-            multiprocess=args.multiprocess or None,  # None: chosen by tensor_parallel_size
-        )
+        llm = LLM(**engine_options_from_cli(args, args.command))
         ranks = (
             f" on each of {llm.tensor_parallel_size} ranks" if llm.tensor_parallel_size > 1 else ""
         )

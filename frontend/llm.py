@@ -15,18 +15,14 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateSyntaxError
 
 from pagedserve.frontend.chat_template import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions
-from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S, EngineClient
+from pagedserve.frontend.engine_args import engine_args
+from pagedserve.frontend.engine_client import EngineClient
 from pagedserve.frontend.generation_config import load_generation_defaults
+from pagedserve.frontend.llm_pooling import PoolingCalls
 from pagedserve.frontend.lora_request import LoRARequest
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.outputs import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
-    EmbeddingRequestOutput,
-    PoolingOutput,
-    PoolingRequestOutput,
     RequestOutput,
-    most_probable_label,
 )
 from pagedserve.frontend.pooler_config import (
     PoolerConfig,
@@ -34,15 +30,9 @@ from pagedserve.frontend.pooler_config import (
     read_sentence_transformer_config,
 )
 from pagedserve.frontend.progress import ProgressBar
+from pagedserve.frontend.prompts import Message, PromptType, as_prompt_list
 from pagedserve.frontend.reasoning import thinking_token_ids
 from pagedserve.frontend.request_tracker import EmbeddingTracker, EngineAction, RequestTracker
-from pagedserve.frontend.scores import (
-    ScoringOutput,
-    ScoringRequestOutput,
-    check_cross_encoder,
-    cosine_similarity,
-    pair_indices,
-)
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.lora import (
     check_adapter_files,
@@ -53,25 +43,21 @@ from pagedserve.gpu_worker.model_config import (
     ModelConfig,
     check_cuda_graph_support,
     check_draft_model,
-    check_dtype_name,
     check_kv_cache_dtype,
     check_quantization_name,
     check_tensor_parallel_size,
     next_token_layer_config,
 )
-from pagedserve.scheduler.config import ALLOCATION_POLICIES, SchedulerConfig, check_priority
+from pagedserve.scheduler.config import SchedulerConfig, check_priority
 from pagedserve.scheduler.engine_core import EngineCore
 from pagedserve.scheduler.engine_messages import WorkerSpec
 from pagedserve.scheduler.pooling_params import (
-    POOLING_TASKS,
     PROMPT_ONLY_SAMPLING_PARAMS,
     PoolingParams,
     check_task,
-    split_rows,
 )
 from pagedserve.scheduler.request_limits import MAX_PROMPT_CHARS_PER_TOKEN
 from pagedserve.scheduler.sampling_params import (
-    DEFAULT_MAX_LOGPROBS,
     SamplingParams,
     token_ids_outside_vocabulary,
 )
@@ -87,12 +73,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | Sequence[int]
-Message = dict[str, Any]
 # A request's LoRA adapter: its name, a LoRARequest, or None for the base model.
 LoRARef = str | LoRARequest | None
-
-DEFAULT_SWAP_SPACE_BYTES = 1 << 30
 
 
 def _check_lora_modules(
@@ -154,202 +136,56 @@ def _print_progress(event: object) -> None:
     print(f"pagedserve: converting model: {event}", file=sys.stderr, flush=True)
 
 
-class LLM:
-    """An engine on one machine: tokenizer, scheduler and worker as plain objects.
+class LLM(PoolingCalls):
+    """An engine on one machine: tokenizer, scheduler and worker as plain objects, or
+    (``multiprocess``) the scheduler and workers in processes of their own. Its options are
+    ``EngineArgs``'s: docs/engine_options.md lists each, its default and what it does.
+    Call ``shutdown()`` when done (it also runs at interpreter exit)."""
 
-    ``model=None`` is the embedded SmolLM2-135M-Instruct; a path is a local HF directory
-    (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3 text, OPT) or a ``.gguf`` file. The KV
-    cache holds ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
-    ``kv_cache_bytes``.
-
-    ``multiprocess=True`` runs the scheduler and the worker in processes of their own
-    (``engine_client.py``); the tokenizer stays here. Start-up then fails with
-    ``EngineStartupError`` after ``startup_timeout_s``, and a component that dies makes
-    ``generate`` raise ``EngineDeadError``. Call ``shutdown()`` when done (it also runs
-    at interpreter exit).
-
-    ``tensor_parallel_size=N`` splits the model over N worker processes (query and KV
-    heads, MLP rows and the vocabulary; each rank's KV cache holds its own heads, so
-    ``kv_cache_bytes`` is per rank). It needs the multi-process engine: with
-    ``multiprocess`` left unset that is chosen for you, as vLLM does; with
-    ``multiprocess=False`` it is an error.
-
-    ``device="cuda"`` runs the worker on a GPU; ``cuda_graphs=True`` there replays decode
-    steps of up to ``max_num_seqs`` sequences from CUDA graphs captured at start-up
-    (``gpu_worker/cuda_graphs.py``). Prefill attention on a GPU is one torch SDPA call over
-    K/V gathered from the blocks unless ``PAGEDSERVE_PREFILL_ATTENTION=kernel``.
-
-    ``chat_template``: a Jinja chat template used instead of the model's own (one that
-    shows tools to the model, say).
-
-    A ``*ForSequenceClassification`` directory is a classification model: it serves
-    ``classify`` (and ``score`` as a cross-encoder when it has one label), nothing else.
-    ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` (vLLM's) sets how an
-    embedding model pools instead of its sentence-transformers files
-    (``pooler_config.py``); MEAN and CLS pooling turn chunked prefill and prefix caching off.
-
-    ``speculative_config`` (vLLM's form: ``{"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``) turns on speculative decoding by
-    prompt lookup: a decoding sequence whose last tokens occurred before proposes what
-    followed them, and one forward pass checks those drafts; the output is what decoding
-    a token at a time gives, the same tokens for the same seed
-    (``scheduler/ngram_proposer.py``); under structured output the tokens the grammar
-    forces come first. Sequences of n > 1, best_of or beam search decode a token at a time.
-    ``{"model": "/path/to/draft", "num_speculative_tokens": 4}`` drafts with a small model of
-    the same tokenizer instead (``gpu_worker/draft_model.py``): the workers run it beside the
-    target, with a KV pool of its own sharing the target's block tables.
-    ``{"method": "mtp", "num_speculative_tokens": 1}`` drafts with the model's own
-    multi-token-prediction layer (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash:
-    ``gpu_worker/next_token_drafter.py``),
-    from the target's hidden states, likewise with a pool of its own.
-
-    ``structured_outputs_disable_any_whitespace=True`` sets
-    ``StructuredOutputsParams.disable_any_whitespace`` for every request: JSON constraints
-    then allow no whitespace between JSON tokens (vLLM's option of that name).
-
-    ``scheduling_policy="priority"`` runs requests by the ``priority`` given to
-    ``generate`` / ``chat`` (lower first, then arrival) instead of first come, first served;
-    a request that does not fit preempts running ones of a strictly lower priority
-    (``scheduler/scheduler.py``). Under ``"fcfs"`` a priority other than 0 is refused.
-
-    ``reasoning_parser="qwen3" | "deepseek_r1" | "glm45" | ...`` (a reasoning model, whose
-    output thinks between ``<think>`` and ``</think>`` before it answers): a request's
-    structured output then constrains the answer only, from the token after ``</think>`` on,
-    as vLLM does (the markers must be single tokens of the vocabulary; under ``"openai_gptoss"`` the
-    thinking ends once the output has written the header ``<|channel|>final<|message|>``).
-    The output stays one text; the HTTP server's ``--reasoning-parser`` splits it.
-
-    ``lora_modules={"name": "/path/to/adapter"}`` serves PEFT LoRA adapters beside the base
-    model (Llama family, one rank, no CUDA graphs), loaded at start-up; a request picks one
-    with ``generate(..., lora_request="name")`` (or a ``LoRARequest``), and requests of
-    different adapters share a batch (``gpu_worker/lora.py``) but never cached prefixes.
-    ``enable_lora=True`` (implied by ``lora_modules``) lets adapters come and go while the
-    engine runs: ``load_lora(name, path)`` and ``unload_lora(name)``. ``max_loras=N`` caps
-    the distinct adapters of one batch (vLLM's ``max_loras``; default: no cap): a request
-    whose adapter would pass it waits, and the requests behind it that fit go first.
-
-    ``quantization="int8"`` (CPU only) quantizes the linear layers' weights as the model
-    loads: int8 values, one float32 scale per output feature (max |w| / 127), the
-    activations, LM head, embeddings and KV cache staying in ``dtype``. A decode step reads
-    every weight once, so at small batches it runs up to about as many times faster as
-    the weights shrink; the output is close to, not equal to, the unquantized model's.
-
-    ``kv_cache_dtype="fp8"`` (or ``"fp8_e4m3"``; CPU only; vLLM's names) stores the KV cache
-    as float8 e4m3: each key and value rounded to 3 mantissa bits as it is written (saturating
-    at +-448, no scales), read back exactly; ``"fp8_e5m2"`` rounds to 2 mantissa bits with
-    float16's range. A block takes half the bytes of a 16-bit cache (a quarter of float32's),
-    so the same ``kv_cache_bytes`` holds twice (four times) the tokens; the output is close
-    to, not equal to, the model's with ``"auto"`` (the cache in ``dtype``).
-
-    ``generation_config`` / ``override_generation_config`` (vLLM's) set what a request
-    samples with where it sets nothing (``default_sampling_params``, and the server's
-    defaults for unset fields): ``"auto"``, the model's generation_config.json (greedy
-    unless it sets ``do_sample``; its temperature, top_k, top_p, min_p,
-    repetition_penalty), ``"vllm"`` (none of it), or a directory holding such a file; then
-    ``override_generation_config={"temperature": 0.5, ...}`` on top. Their
-    ``max_new_tokens`` is the default ``max_tokens`` here and the server's limit on it.
-    """
-
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | None = None,
-        dtype: str = "float32",
-        block_size: int = 16,
-        kv_cache_bytes: int | None = None,
-        num_blocks: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES,
-        preemption_mode: str | None = None,
-        scheduling_policy: str = "fcfs",
-        enable_prefix_caching: bool = True,
-        allocation_policy: str = "paged",
-        seed: int = 0,
-        cache_dir: str | None = None,
-        device: str = "cpu",
-        cuda_graphs: bool = False,
-        multiprocess: bool | None = None,
-        tensor_parallel_size: int = 1,
-        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-        chat_template: str | None = None,
-        speculative_config: dict[str, Any] | None = None,
-        lora_modules: dict[str, str | os.PathLike[str]] | None = None,
-        structured_outputs_disable_any_whitespace: bool = False,
-        reasoning_parser: str | None = None,
-        enable_lora: bool = False,
-        max_loras: int | None = None,
-        quantization: str | None = None,
-        kv_cache_dtype: str = "auto",
-        generation_config: str = "auto",
-        override_generation_config: dict[str, Any] | None = None,
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-        pooler_config: dict[str, Any] | None = None,
-    ) -> None:
-        check_dtype_name(dtype)
-        valid = isinstance(max_logprobs, int) and not isinstance(max_logprobs, bool)
-        if not valid or max_logprobs < -1:
-            raise ValueError(
-                f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary; got "
-                f"{max_logprobs!r}"
-            )
-        check_quantization_name(quantization, device)
-        self.quantization = quantization
-        check_kv_cache_dtype(kv_cache_dtype, device)
-        self.kv_cache_dtype = kv_cache_dtype
-        _check_optional_positive("max_loras", max_loras)
-        if reasoning_parser is not None:
-            thinking_token_ids(reasoning_parser, None)  # the name, before anything loads
-        if allocation_policy not in ALLOCATION_POLICIES:
-            raise ValueError(
-                f"allocation_policy must be one of {', '.join(ALLOCATION_POLICIES)}, "
-                f"got {allocation_policy!r}"
-            )
+    def __init__(self, model: str | os.PathLike[str] | None = None, **options: Any) -> None:
+        """An engine of ``model`` (None: the embedded SmolLM2-135M-Instruct; a local HF
+        directory or a ``.gguf`` file) with ``options`` (``EngineArgs``'s fields)."""
+        args = engine_args(model, options)
+        check_quantization_name(args.quantization, args.device)
+        self.quantization = args.quantization
+        check_kv_cache_dtype(args.kv_cache_dtype, args.device)
+        self.kv_cache_dtype = args.kv_cache_dtype
+        if args.reasoning_parser is not None:
+            thinking_token_ids(args.reasoning_parser, None)  # the name, before anything loads
         # The reservation baselines of the paper share nothing, cached prefixes included.
-        enable_prefix_caching = enable_prefix_caching and allocation_policy == "paged"
-        multiprocess = _choose_multiprocess(multiprocess, tensor_parallel_size)
-        if block_size not in (8, 16, 32):
-            raise ValueError(f"block_size must be one of 8, 16, 32 (tokens), got {block_size!r}")
-        _check_optional_positive("kv_cache_bytes", kv_cache_bytes)
-        _check_optional_positive("num_blocks", num_blocks)
-        _check_optional_positive("max_model_len", max_model_len)
-        if not isinstance(cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
-        if not isinstance(structured_outputs_disable_any_whitespace, bool):
-            raise TypeError(
-                "structured_outputs_disable_any_whitespace must be a bool, got "
-                f"{structured_outputs_disable_any_whitespace!r}"
-            )
-        if cuda_graphs and not str(device).startswith("cuda"):
-            raise ValueError(f"cuda_graphs=True needs device='cuda' (or 'cuda:N'), got {device!r}")
+        enable_prefix_caching = args.enable_prefix_caching and args.allocation_policy == "paged"
+        enable_chunked_prefill = args.enable_chunked_prefill
+        multiprocess = _choose_multiprocess(args.multiprocess, args.tensor_parallel_size)
+        max_model_len = args.max_model_len
         # Graphs for every batch the scheduler may form, over block tables of max_model_len
         # (0: the model's window).
-        graph_max_batch = max_num_seqs if cuda_graphs else 0
+        graph_max_batch = args.max_num_seqs if args.cuda_graphs else 0
         graph_max_len = max_model_len or 0
-        resolved = resolve_model(model, cache_dir=cache_dir, progress=_print_progress)
+        resolved = resolve_model(args.model, cache_dir=args.cache_dir, progress=_print_progress)
         self.model_path: Path = resolved.path
         speculative = (
-            None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
+            None
+            if args.speculative_config is None
+            else SpeculativeConfig.from_dict(args.speculative_config)
         )
         # Speculative decoding with a draft model: its directory (a GGUF file converted once).
         draft_path: Path | None = None
         draft_config: ModelConfig | None = None
         if speculative is not None and speculative.method == "draft_model":
             ranks = speculative.draft_tensor_parallel_size
-            if ranks is not None and ranks != tensor_parallel_size:
+            if ranks is not None and ranks != args.tensor_parallel_size:
                 raise ValueError(
                     f"speculative_config.draft_tensor_parallel_size={ranks} with "
-                    f"tensor_parallel_size={tensor_parallel_size}: this engine splits the draft "
-                    f"model over the target's ranks; set it to {tensor_parallel_size} or leave "
-                    "it out"
+                    f"tensor_parallel_size={args.tensor_parallel_size}: this engine splits the "
+                    f"draft model over the target's ranks; set it to {args.tensor_parallel_size} "
+                    "or leave it out"
                 )
             draft_path = resolve_model(
-                speculative.model, cache_dir=cache_dir, progress=_print_progress
+                speculative.model, cache_dir=args.cache_dir, progress=_print_progress
             ).path
             draft_config = ModelConfig.from_dir(draft_path)
             check_draft_model(
-                ModelConfig.from_dir(resolved.path), draft_config, tensor_parallel_size
+                ModelConfig.from_dir(resolved.path), draft_config, args.tensor_parallel_size
             )
         # Speculative decoding with the model's own multi-token-prediction layer: checked
         # here, before any process starts.
@@ -361,32 +197,32 @@ class LLM:
             speculative.num_speculative_tokens if draft_path is not None or mtp else 0
         )
         self.generation_defaults = load_generation_defaults(
-            self.model_path, generation_config, override_generation_config
+            self.model_path, args.generation_config, args.override_generation_config
         )
-        if isinstance(swap_space_bytes, bool) or not isinstance(swap_space_bytes, int):
-            raise TypeError(f"swap_space_bytes must be an integer, got {swap_space_bytes!r}")
-        if swap_space_bytes < 0:
-            raise ValueError(f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
         self.worker: Worker | None = None  # in-process only
         # LoRA adapter name -> id (1, 2, ...: the workers load them in this order).
         self.lora_ids: dict[str, int] = {}
         self.lora_paths: dict[str, str] = {}
         adapters = _check_lora_modules(
-            lora_modules, resolved.path, tensor_parallel_size, graph_max_batch, enable_lora
+            args.lora_modules,
+            resolved.path,
+            args.tensor_parallel_size,
+            graph_max_batch,
+            args.enable_lora,
         )
         for lora_id, (name, path) in enumerate(adapters, start=1):
             self.lora_ids[name] = lora_id
             self.lora_paths[name] = path
         # Adapters loaded at run time take ids after these; an id is never reused, so no
         # cached prefix of an unloaded adapter can serve a new one.
-        self.enable_lora = enable_lora or bool(adapters)
+        self.enable_lora = args.enable_lora or bool(adapters)
         self._next_lora_id = len(adapters) + 1
         # The ids requests gave adapters they loaded (LoRARequest.lora_int_id), by name.
         self._lora_int_ids: dict[str, int] = {}
         if multiprocess:
             model_config = ModelConfig.from_dir(resolved.path)
             # Here, before any process starts, so a bad size fails at once.
-            check_tensor_parallel_size(model_config, tensor_parallel_size)
+            check_tensor_parallel_size(model_config, args.tensor_parallel_size)
             if graph_max_batch:
                 check_cuda_graph_support(model_config)
         else:
@@ -397,19 +233,19 @@ class LLM:
 
             self.worker = Worker(
                 resolved.path,
-                dtype,
-                block_size,
-                num_blocks,
-                kv_cache_bytes,
-                device,
-                swap_space_bytes=swap_space_bytes,
+                args.dtype,
+                args.block_size,
+                args.num_blocks,
+                args.kv_cache_bytes,
+                args.device,
+                swap_space_bytes=args.swap_space_bytes,
                 kv_cache_bytes_from_free_memory=default_kv_cache_bytes,
                 cuda_graph_max_batch=graph_max_batch,
                 cuda_graph_max_len=graph_max_len,
                 lora_modules=adapters,
                 enable_lora=self.enable_lora,
-                quantization=quantization,
-                kv_cache_dtype=kv_cache_dtype,
+                quantization=args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype,
                 speculative_model=draft_path,
                 num_speculative_tokens=num_draft_tokens,
                 speculative_method=worker_method,
@@ -419,7 +255,7 @@ class LLM:
         # An embedding model's pooling (its sentence-transformers files, or pooler_config);
         # a classifier's head always reads the last token.
         self.pooler_config = (
-            read_pooler_config(resolved.path, pooler_config)
+            read_pooler_config(resolved.path, args.pooler_config)
             if model_config.task == "generate"
             else PoolerConfig(source="classifier")
         )
@@ -458,15 +294,15 @@ class LLM:
                     max_model_len,
                 )
         scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens
             or (2048 if enable_chunked_prefill else max(2048, max_model_len)),
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
-            preemption_mode=preemption_mode,
-            allocation_policy=allocation_policy,
-            scheduling_policy=scheduling_policy,
-            max_loras=max_loras or 0,
+            preemption_mode=args.preemption_mode,
+            allocation_policy=args.allocation_policy,
+            scheduling_policy=args.scheduling_policy,
+            max_loras=args.max_loras or 0,
             sliding_window=model_config.attention_window,
             model_task=model_config.task,
             long_rope_switch=model_config.long_rope_switch,
@@ -480,31 +316,31 @@ class LLM:
                 scheduler_config,
                 WorkerSpec(
                     str(resolved.path),
-                    dtype,
-                    block_size,
-                    num_blocks,
-                    kv_cache_bytes,
-                    device,
-                    swap_space_bytes,
+                    args.dtype,
+                    args.block_size,
+                    args.num_blocks,
+                    args.kv_cache_bytes,
+                    args.device,
+                    args.swap_space_bytes,
                     graph_max_batch,
                     graph_max_len,
                     [list(adapter) for adapter in adapters],
                     self.enable_lora,
-                    quantization,
-                    kv_cache_dtype,
+                    args.quantization,
+                    args.kv_cache_dtype,
                     None if draft_path is None else str(draft_path),
                     num_draft_tokens,
                     worker_method,
                 ),
-                seed=seed,
+                seed=args.seed,
                 enable_prefix_caching=enable_prefix_caching,
-                world_size=tensor_parallel_size,
-                startup_timeout_s=startup_timeout_s,
+                world_size=args.tensor_parallel_size,
+                startup_timeout_s=args.startup_timeout_s,
             )
             try:
-                self._load_tokenizer(resolved.path, chat_template, reasoning_parser)
+                self._load_tokenizer(resolved.path, args.chat_template, args.reasoning_parser)
                 self.engine.finish_start(
-                    self.grammar_vocabulary, structured_outputs_disable_any_whitespace
+                    self.grammar_vocabulary, args.structured_outputs_disable_any_whitespace
                 )
             except BaseException:
                 self.engine.shutdown()
@@ -515,17 +351,17 @@ class LLM:
                 self.engine.num_host_blocks,
             )
         else:
-            self._load_tokenizer(resolved.path, chat_template, reasoning_parser)
+            self._load_tokenizer(resolved.path, args.chat_template, args.reasoning_parser)
             self.engine = EngineCore(
                 scheduler_config,
                 self.worker.num_blocks,
-                block_size,
+                args.block_size,
                 self.worker,
-                seed=seed,
+                seed=args.seed,
                 num_host_blocks=self.worker.num_host_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 structured_output=StructuredOutput(
-                    self.grammar_vocabulary, structured_outputs_disable_any_whitespace
+                    self.grammar_vocabulary, args.structured_outputs_disable_any_whitespace
                 ),
             )
             cache_sizes = (
@@ -535,23 +371,25 @@ class LLM:
             )
         self.eos_token_ids = model_config.eos_token_ids
         # The most logprobs a request may ask for (-1: as many as the vocabulary has).
-        self.max_logprobs = model_config.vocab_size if max_logprobs == -1 else max_logprobs
-        self.dtype = dtype
-        self.block_size = block_size
+        self.max_logprobs = (
+            model_config.vocab_size if args.max_logprobs == -1 else args.max_logprobs
+        )
+        self.dtype = args.dtype
+        self.block_size = args.block_size
         self.scheduler_config = scheduler_config
         self._request_counter = itertools.count()
         # Bytes per block are one rank's: each tensor-parallel rank holds its own heads.
         self.num_blocks, self.bytes_per_block, self.num_host_blocks = cache_sizes
-        self.tensor_parallel_size = tensor_parallel_size
+        self.tensor_parallel_size = args.tensor_parallel_size
         logger.info(
             "KV cache: %d blocks of %d tokens, %d bytes per block and rank (%d ranks), "
             "%d tokens at most (%s); host swap pool: %d blocks",
             self.num_blocks,
-            block_size,
+            args.block_size,
             self.bytes_per_block,
-            tensor_parallel_size,
-            self.num_blocks * block_size,
-            dtype if kv_cache_dtype == "auto" else kv_cache_dtype,
+            args.tensor_parallel_size,
+            self.num_blocks * args.block_size,
+            args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
             self.num_host_blocks,
         )
         logger.info("sampling defaults: %s", self.generation_defaults.describe())
@@ -589,7 +427,7 @@ class LLM:
         ``scheduling_policy="priority"`` unless every one is 0. ``use_tqdm``: vLLM's
         progress bar of finished prompts and token speeds, on stderr when it is a terminal."""
         self.check_task(None)
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         lora_ids = self.lora_ids_of(lora_request, len(prompt_list))
         priorities = self.priorities_of(priority, len(prompt_list))
@@ -675,164 +513,6 @@ class LLM:
             output.prompt = text
         return outputs
 
-    def embed(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        lora_request: LoRARef | Sequence[LoRARef] = None,
-        priority: int | Sequence[int] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[EmbeddingRequestOutput]:
-        """Embed every prompt (text or token ids) as one continuously batched run, as
-        vLLM's embed task does: each request computes its prompt only (chunked, with
-        cached prefixes, beside generation requests) and returns the final-norm hidden
-        state of its last token (or the mean over its tokens, or its first, as the model's
-        pooler config says: ``pooler_config.py``), L2-normalized unless
-        ``PoolingParams(normalize=False)``
-        (``dimensions``: the first that many values, then normalized). One
-        ``EmbeddingRequestOutput`` per prompt, in order: ``.outputs.embedding``."""
-        prompt_list = _as_prompt_list(prompts)
-        if pooling_params is None:
-            pooling_params = self.embedding_params()
-        params_list = self._model_pooling(
-            self._as_pooling_params_list(pooling_params, len(prompt_list))
-        )
-        return self._pool("embed", prompt_list, params_list, lora_request, priority, use_tqdm)
-
-    def _model_pooling(self, params_list: list[PoolingParams]) -> list[PoolingParams]:
-        """Each request's ``dimensions`` checked against the model, and an embedding's
-        pooling type made the model's, whatever the caller's says."""
-        checked = []
-        for params in params_list:
-            params.check_dimensions(self.model_config.embedding_size, "pooling_params.dimensions")
-            if params.task == "embed":
-                params = dataclasses.replace(params, pooling_type=self.pooler_config.pooling_type)
-            checked.append(params)
-        return checked
-
-    def embedding_params(
-        self, normalize: bool | None = None, dimensions: int | None = None
-    ) -> PoolingParams:
-        """An embedding request's ``PoolingParams`` on this model: its pooling type, and
-        ``normalize`` unless given as its pooler config says (sentence-transformers'
-        Normalize module; normalized without one)."""
-        return PoolingParams(
-            normalize=self.pooler_config.normalize if normalize is None else normalize,
-            dimensions=dimensions,
-            pooling_type=self.pooler_config.pooling_type,
-        )
-
-    def classify(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        lora_request: LoRARef | Sequence[LoRARef] = None,
-        priority: int | Sequence[int] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[ClassificationRequestOutput]:
-        """Classify every prompt (text or token ids) with a sequence classification model
-        (HF's ``*ForSequenceClassification``), as vLLM's classify task does: each request
-        computes its prompt only and its last token's final hidden state goes through the
-        classifier head, then a softmax over the labels (a sigmoid for a one-label model;
-        ``PoolingParams(task="classify", use_activation=False)``: the raw logits). One
-        ``ClassificationRequestOutput`` per prompt, in order: ``.outputs.probs`` (the
-        model's label order) and ``.label`` (the most probable)."""
-        prompt_list = _as_prompt_list(prompts)
-        if pooling_params is None:
-            pooling_params = PoolingParams(task="classify")
-        params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
-        pooled = self._pool("classify", prompt_list, params_list, lora_request, priority, use_tqdm)
-        return [self._classification(output) for output in pooled]
-
-    def encode(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        lora_request: LoRARef | Sequence[LoRARef] = None,
-        priority: int | Sequence[int] | None = None,
-        use_tqdm: bool = True,
-        pooling_task: str | None = None,
-    ) -> list[PoolingRequestOutput]:
-        """vLLM's ``encode``: any pooling task of the model, ``pooling_task`` one of
-        "embed" and "token_embed" (a causal LM), "classify" and "token_classify" (a
-        sequence classification model); None: ``pooling_params.task``, else the model's
-        one-vector task. "embed" and "classify" give ``embed``'s and ``classify``'s vectors;
-        the token tasks give a row per prompt token (each normalized, or through the
-        classifier head and its activation), from every chunk of the prompt, without
-        prefix-cache hits. One ``PoolingRequestOutput`` per prompt, in order:
-        ``.outputs.data``."""
-        prompt_list = _as_prompt_list(prompts)
-        if pooling_task is None:
-            if isinstance(pooling_params, PoolingParams):
-                pooling_task = pooling_params.task
-            else:
-                pooling_task = "classify" if self.model_config.task == "classify" else "embed"
-        if pooling_task not in POOLING_TASKS:
-            raise ValueError(
-                f"pooling_task must be one of {', '.join(map(repr, POOLING_TASKS))}, got "
-                f"{pooling_task!r}"
-            )
-        if pooling_params is None:
-            if pooling_task.removeprefix("token_") == "embed":
-                pooling_params = self.embedding_params()
-            else:
-                pooling_params = PoolingParams(task="classify")
-            pooling_params = dataclasses.replace(pooling_params, task=pooling_task)
-        params_list = self._as_pooling_params_list(pooling_params, len(prompt_list))
-        for params in params_list:
-            if params.task != pooling_task:
-                raise ValueError(
-                    f"pooling_params.task={params.task!r} with pooling_task={pooling_task!r}: "
-                    "give one task"
-                )
-        params_list = self._model_pooling(params_list)
-        pooled = self._pool(
-            pooling_task, prompt_list, params_list, lora_request, priority, use_tqdm
-        )
-        return [_pooling_output(output, pooling_task) for output in pooled]
-
-    def _classification(self, output: EmbeddingRequestOutput) -> ClassificationRequestOutput:
-        probs = output.outputs.embedding
-        return ClassificationRequestOutput(
-            request_id=output.request_id,
-            prompt=output.prompt,
-            prompt_token_ids=output.prompt_token_ids,
-            outputs=ClassificationOutput(probs),
-            label=most_probable_label(self.model_config.labels, probs),
-            num_cached_tokens=output.num_cached_tokens,
-        )
-
-    def _pool(
-        self,
-        task: str,
-        prompt_list: list[PromptType],
-        params_list: list[PoolingParams],
-        lora_request: LoRARef | Sequence[LoRARef],
-        priority: int | Sequence[int] | None,
-        use_tqdm: bool,
-    ) -> list[EmbeddingRequestOutput]:
-        """Run one pooling request of ``task`` per prompt (``embed``'s, ``classify``'s and
-        ``encode``'s); the pooled vectors in order."""
-        for params in params_list:
-            if params.task != task:
-                raise ValueError(
-                    f"pooling_params.task={params.task!r}: {task}() takes "
-                    f"PoolingParams(task={task!r})"
-                )
-            self.check_task(params)
-        lora_ids = self.lora_ids_of(lora_request, len(prompt_list))
-        priorities = self.priorities_of(priority, len(prompt_list))
-        encoded = [
-            self.encode_prompt(prompt, f"prompts[{index}]")
-            for index, prompt in enumerate(prompt_list)
-        ]
-        for index, token_ids in enumerate(encoded):
-            try:
-                self.engine.check_request_fits(len(token_ids), 0)
-            except ValueError as error:
-                raise ValueError(f"prompts[{index}]: {error}") from None
-        return self._run(prompt_list, encoded, params_list, None, lora_ids, priorities, use_tqdm)
-
     def check_task(self, pooling_params: PoolingParams | None) -> None:
         """``ValueError`` for a request of a task this model does not serve
         (``pooling_params.check_task``): None for a generation request."""
@@ -840,101 +520,6 @@ class LLM:
             check_task(self.model_config.task, pooling_params)
         except ValueError as error:
             raise ValueError(f"model {self.model_config.declared_architecture}: {error}") from None
-
-    def score(
-        self,
-        data_1: PromptType | Sequence[PromptType],
-        data_2: PromptType | Sequence[PromptType],
-        truncate_prompt_tokens: int | None = None,
-        lora_request: LoRARef = None,
-        priority: int = 0,
-        use_tqdm: bool = True,
-    ) -> list[ScoringRequestOutput]:
-        """vLLM's score. An embedding model: the cosine similarity of each pair's
-        embeddings (``embed``'s), each distinct prompt embedded once. A cross-encoder (a
-        classification model with one label): each pair's texts joined as the tokenizer
-        joins a pair, classified, its sigmoid the score. One ``data_1`` is scored against
-        every ``data_2``, or as many of each pairwise. ``truncate_prompt_tokens``: keep
-        each prompt's last k tokens (a cross-encoder's pair: k tokens, cut from the longer
-        text first); -1: the context window. One ``ScoringRequestOutput`` per pair, in
-        order: ``.outputs.score``."""
-        prompts_1 = _as_prompt_list(data_1)
-        prompts_2 = _as_prompt_list(data_2)
-        pairs = pair_indices(len(prompts_1), len(prompts_2), ("data_1", "data_2"))
-        keep = None
-        if truncate_prompt_tokens is not None:
-            max_model_len = self.scheduler_config.max_model_len
-            keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-            valid = isinstance(keep, int) and not isinstance(keep, bool)
-            if not valid or not 1 <= keep <= max_model_len:
-                raise ValueError(
-                    f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the "
-                    f"model's context window), got {truncate_prompt_tokens!r}"
-                )
-        if self.model_config.task == "classify":
-            return self._cross_encoder_scores(
-                prompts_1, prompts_2, pairs, keep, lora_request, priority, use_tqdm
-            )
-        prompts: list[PromptType] = [*prompts_1, *prompts_2]
-        if keep is not None:
-            prompts = [
-                self.encode_prompt(prompt, f"data_{1 if i < len(prompts_1) else 2}")[-keep:]
-                for i, prompt in enumerate(prompts)
-            ]
-        embeddings = self.embed(
-            prompts,
-            PoolingParams(normalize=True),
-            lora_request=lora_request,
-            priority=priority,
-            use_tqdm=use_tqdm,
-        )
-        offset = len(prompts_1)
-        outputs = []
-        for i, j in pairs:
-            first, second = embeddings[i], embeddings[offset + j]
-            outputs.append(
-                ScoringRequestOutput(
-                    request_id=f"{first.request_id}+{second.request_id}",
-                    outputs=ScoringOutput(
-                        cosine_similarity(first.outputs.embedding, second.outputs.embedding)
-                    ),
-                    prompt_token_ids=first.prompt_token_ids + second.prompt_token_ids,
-                )
-            )
-        return outputs
-
-    def _cross_encoder_scores(
-        self,
-        prompts_1: list[PromptType],
-        prompts_2: list[PromptType],
-        pairs: list[tuple[int, int]],
-        keep: int | None,
-        lora_request: LoRARef,
-        priority: int,
-        use_tqdm: bool,
-    ) -> list[ScoringRequestOutput]:
-        """``score`` on a cross-encoder: one classification per pair of texts."""
-        check_cross_encoder(self.model_config, "model")
-        tokenizer = self._require_tokenizer("data_1")
-        for name, prompt_list in (("data_1", prompts_1), ("data_2", prompts_2)):
-            for index, prompt in enumerate(prompt_list):
-                if not isinstance(prompt, str):
-                    raise ValueError(
-                        f"{name}[{index}]: a cross-encoder scores texts (the tokenizer joins "
-                        f"each pair), got {type(prompt).__name__}"
-                    )
-        encoded = [tokenizer.encode_pair(prompts_1[i], prompts_2[j], keep) for i, j in pairs]
-        classified = self.classify(
-            encoded, lora_request=lora_request, priority=priority, use_tqdm=use_tqdm
-        )
-        return [
-            ScoringRequestOutput(
-                request_id=output.request_id,
-                outputs=ScoringOutput(output.outputs.probs[0]),
-                prompt_token_ids=output.prompt_token_ids,
-            )
-            for output in classified
-        ]
 
     def load_lora(self, name: str, path: str | os.PathLike[str]) -> int:
         """Serve the PEFT LoRA adapter in directory ``path`` as ``name`` from now on (an
@@ -1246,21 +831,6 @@ class LLM:
             )
         return params
 
-    def _as_pooling_params_list(
-        self, params: PoolingParams | Sequence[PoolingParams] | None, count: int
-    ) -> list[PoolingParams]:
-        if params is None:
-            return [PoolingParams()] * count
-        if isinstance(params, PoolingParams):
-            return [params] * count
-        params = list(params)
-        if len(params) != count or not all(isinstance(p, PoolingParams) for p in params):
-            raise ValueError(
-                f"pooling_params: got {params!r} for {count} prompts; pass one PoolingParams "
-                "or one each"
-            )
-        return params
-
     def lora_id(self, lora_request: LoRARef, field: str = "lora_request") -> int:
         """The id of the adapter ``lora_request`` names (0: the base model); ``ValueError``
         naming ``field`` for one this engine does not serve."""
@@ -1382,41 +952,6 @@ class LLM:
                 "pass token ids instead"
             )
         return self.tokenizer
-
-
-def _pooling_output(output: EmbeddingRequestOutput, task: str) -> PoolingRequestOutput:
-    """An ``encode`` result: a per-token task's values cut into a row per prompt token."""
-    values = output.outputs.embedding if output.outputs is not None else []
-    data: list[float] | list[list[float]] = values
-    if task.startswith("token_"):
-        data = split_rows(values, len(output.prompt_token_ids))
-    return PoolingRequestOutput(
-        request_id=output.request_id,
-        prompt=output.prompt,
-        prompt_token_ids=output.prompt_token_ids,
-        outputs=PoolingOutput(data),
-        task=task,
-        num_cached_tokens=output.num_cached_tokens,
-    )
-
-
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if hasattr(prompts, "tolist") and not isinstance(prompts, Sequence):
-        # A numpy array or a torch tensor of token ids (one prompt, or one per row).
-        prompts = prompts.tolist()
-        prompts = [prompts] if isinstance(prompts, int) else prompts
-    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
-        raise TypeError(
-            f"prompts must be a string, a list of token ids, or a list of those; got "
-            f"{type(prompts).__name__}"
-        )
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty; pass at least one prompt")
-    if all(isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in prompts):
-        return [list(prompts)]
-    return list(prompts)
 
 
 def _choose_multiprocess(multiprocess: bool | None, tensor_parallel_size: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import weakref
 from pathlib import Path
@@ -23,6 +24,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     original_init = LLM.__init__
 
+    @functools.wraps(original_init)
     def recording_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         _live_llms.add(self)

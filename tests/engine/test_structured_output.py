@@ -365,8 +365,10 @@ def test_command_line_flags(model_dir, llm, tmp_path, capsys):
 
 
 def test_serve_passes_the_whitespace_flag_to_the_engine():
-    from pagedserve.frontend.cli import _engine_kwargs, build_parser
+    from pagedserve.frontend.cli import build_parser
+    from pagedserve.frontend.engine_args import engine_options_from_cli
 
     for flags, expected in (([], False), (["--structured-outputs-disable-any-whitespace"], True)):
         args = build_parser().parse_args(["serve", *flags])
-        assert _engine_kwargs(args)["structured_outputs_disable_any_whitespace"] is expected
+        options = engine_options_from_cli(args, "serve")
+        assert options["structured_outputs_disable_any_whitespace"] is expected

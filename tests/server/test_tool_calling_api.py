@@ -546,7 +546,7 @@ def test_the_command_line_refuses_bad_tool_flags(server_model_dir, tmp_path):
     cases = [
         (["--enable-auto-tool-choice"], together),
         (["--tool-call-parser", "hermes"], together),
-        (["--chat-template", missing], f"--chat-template {missing!r} is neither a file nor"),
+        (["--chat-template", missing], f"--chat-template: {missing!r} is neither a file nor"),
     ]
     command = [sys.executable, "-m", "pagedserve.frontend.cli", "serve"]
     running = [
