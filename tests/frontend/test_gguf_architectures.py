@@ -35,6 +35,9 @@ from tiny_family import TINY_SHAPE, rewritten, with_next_token_layer
 from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams, gguf_convert
+from pagedserve.frontend.gguf import config as gguf_config
+from pagedserve.frontend.gguf import registry as gguf_registry
+from pagedserve.frontend.gguf.metadata import tensor_shapes
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.layers.rope_config import rope_parameters
@@ -656,7 +659,7 @@ def gguf_metadata(hf_dir: Path, path: Path) -> tuple[dict, dict]:
     them (to doctor what llama.cpp's converter never writes)."""
     reader = gguf.GGUFReader(write_gguf(hf_dir, path, byte_level_vocab(VOCAB_SIZE)))
     fields = {name: field.contents() for name, field in reader.fields.items()}
-    return fields, gguf_convert._tensor_shapes(reader)
+    return fields, tensor_shapes(reader)
 
 
 _SOFTMAX = int(gguf.ExpertGatingFuncType.SOFTMAX)
@@ -850,7 +853,7 @@ def test_files_hf_cannot_express_are_refused_by_name(
     for name in tensors_dropped:
         del shapes[name]
     with pytest.raises(ValueError, match=message):
-        gguf_convert._hf_config(fields, shapes)
+        gguf_config.hf_config(fields, shapes)
 
 
 @pytest.mark.parametrize(
@@ -864,7 +867,7 @@ def test_a_file_without_its_gating_function_is_read_as_sigmoid(
     fields, shapes = gguf_metadata(hf_dirs[family], tmp_path / "file.gguf")
     key = f"{architecture}.expert_gating_func"
     assert fields.pop(key) == _SIGMOID
-    assert gguf_convert._hf_config(fields, shapes) == gguf_convert._hf_config(
+    assert gguf_config.hf_config(fields, shapes) == gguf_config.hf_config(
         {**fields, key: _SIGMOID}, shapes
     )
 
@@ -885,7 +888,7 @@ def test_olmoe_and_minimax_m2_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs,
     assert shapes["blk.0.attn_q_norm.weight"] == (256,)  # 4 heads of 64
     assert shapes["blk.0.attn_k_norm.weight"] == (128,)  # 2 KV heads of 64
     assert shapes["blk.1.ffn_gate_exps.weight"] == (8, 128, 256)
-    olmoe = gguf_convert._hf_config(fields, shapes)
+    olmoe = gguf_config.hf_config(fields, shapes)
     assert olmoe["architectures"] == ["OlmoeForCausalLM"]
     assert (olmoe["num_experts"], olmoe["num_experts_per_tok"]) == (8, 3)
     assert (olmoe["intermediate_size"], olmoe["norm_topk_prob"], olmoe["clip_qkv"]) == (
@@ -904,7 +907,7 @@ def test_olmoe_and_minimax_m2_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs,
     assert shapes["blk.1.exp_probs_b.bias"] == (8,)
     assert shapes["blk.0.attn_q_norm.weight"] == (256,)
     assert shapes["blk.0.attn_k_norm.weight"] == (128,)
-    minimax = gguf_convert._hf_config(fields, shapes)
+    minimax = gguf_config.hf_config(fields, shapes)
     assert minimax["architectures"] == ["MiniMaxM2ForCausalLM"]
     assert (minimax["num_local_experts"], minimax["num_experts_per_tok"]) == (8, 3)
     assert (minimax["intermediate_size"], minimax["head_dim"], minimax["rotary_dim"]) == (
@@ -920,7 +923,7 @@ def test_olmoe_and_minimax_m2_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs,
     # llama.cpp's converter writes the RoPE base the config gives; one without it rotates
     # with llama.cpp's default base (10000), not MiniMaxM2Config's (5M).
     del fields["minimax-m2.rope.freq_base"]
-    assert gguf_convert._hf_config(fields, shapes)["rope_theta"] == 10000.0
+    assert gguf_config.hf_config(fields, shapes)["rope_theta"] == 10000.0
 
 
 def test_per_head_q_k_norms_are_refused_for_olmoe_and_minimax_m2(hf_dirs, tmp_path):
@@ -930,7 +933,7 @@ def test_per_head_q_k_norms_are_refused_for_olmoe_and_minimax_m2(hf_dirs, tmp_pa
         fields, shapes = gguf_metadata(hf_dirs[family], tmp_path / f"{family}.gguf")
         shapes["blk.0.attn_q_norm.weight"] = (64,)
         with pytest.raises(ValueError, match=r"blk.0.attn_q_norm: shape \(64,\); expected"):
-            gguf_convert._hf_config(fields, shapes)
+            gguf_config.hf_config(fields, shapes)
 
 
 @pytest.mark.parametrize(
@@ -967,7 +970,7 @@ def test_tensors_hf_cannot_hold_are_refused_by_name(hf_dirs, tmp_path, family, t
     # ``tensors``: tensors added to the file, by shape (torch's order).
     fields, shapes = gguf_metadata(hf_dirs[family], tmp_path / "file.gguf")
     with pytest.raises(ValueError, match=message):
-        gguf_convert._hf_config(fields, {**shapes, **tensors})
+        gguf_config.hf_config(fields, {**shapes, **tensors})
 
 
 @pytest.mark.parametrize("family", ["hunyuan_dense", "hunyuan_moe"])
@@ -1041,7 +1044,7 @@ def test_new_architectures_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tm
         )
     assert {"blk.0.ffn_up.bias", "blk.0.attn_output.bias"} <= set(stored)
     fields, shapes = gguf_metadata(hf_dirs["ernie4_5"], tmp_path / "ernie.gguf")
-    ernie = gguf_convert._hf_config(fields, shapes)
+    ernie = gguf_config.hf_config(fields, shapes)
     assert (ernie["architectures"], ernie["use_bias"], ernie["head_dim"]) == (
         ["Ernie4_5ForCausalLM"],
         True,
@@ -1060,7 +1063,7 @@ def test_new_architectures_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tm
     assert fields["nemotron.rope.dimension_count"] == 32
     assert np.float32(fields["nemotron.attention.layer_norm_epsilon"]) == np.float32(1e-5)
     assert "nemotron.attention.layer_norm_rms_epsilon" not in fields
-    nemotron = gguf_convert._hf_config(fields, shapes)
+    nemotron = gguf_config.hf_config(fields, shapes)
     assert "rms_norm_eps" not in nemotron
     assert (nemotron["norm_eps"], nemotron["hidden_act"], nemotron["partial_rotary_factor"]) == (
         1e-5,
@@ -1084,7 +1087,7 @@ def test_new_architectures_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tm
             [original[f"model.layers.{i}.mlp.act_fn.{name}"].item() for i in range(2)],
         )
     assert not any("act_fn" in name or "xielu" in name for name in shapes)
-    apertus = gguf_convert._hf_config(fields, shapes, rope_freqs)
+    apertus = gguf_config.hf_config(fields, shapes, rope_freqs)
     assert apertus["hidden_act"] == "xielu"
     assert apertus["rope_parameters"] == FAMILIES["apertus"]["rope_parameters"]
 
@@ -1120,7 +1123,7 @@ def test_llama4_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tmp_path):
     assert shapes["blk.2.ffn_gate.weight"] == (384, 256)
     assert "blk.2.ffn_gate_inp.weight" not in shapes
     rope_freqs = stored["rope_freqs.weight"]
-    llama4 = gguf_convert._hf_config(fields, shapes, rope_freqs)
+    llama4 = gguf_config.hf_config(fields, shapes, rope_freqs)
     assert llama4["rope_parameters"] == FAMILIES["llama4"]["rope_parameters"]
     assert (llama4["moe_layers"], llama4["no_rope_layers"]) == ([1, 3], [1, 1, 1, 0])
     assert llama4["layer_types"] == ["chunked_attention"] * 3 + ["full_attention"]
@@ -1132,19 +1135,19 @@ def test_llama4_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tmp_path):
     assert llama4["attn_temperature_tuning"] and llama4["use_qk_norm"]
     # The window llama.cpp's converter writes for layers that all attend in full: no chunks,
     # RoPE everywhere (so no temperature); 8192 reads as no window does.
-    unchunked = gguf_convert._hf_config({**fields, "llama4.attention.sliding_window": 0}, shapes)
+    unchunked = gguf_config.hf_config({**fields, "llama4.attention.sliding_window": 0}, shapes)
     assert (unchunked["attention_chunk_size"], unchunked["attn_temperature_tuning"]) == (
         None,
         False,
     )
     assert unchunked["no_rope_layers"] == [1] * 4
     assert unchunked["layer_types"] == ["full_attention"] * 4
-    assert gguf_convert._hf_config(
+    assert gguf_config.hf_config(
         {**fields, "llama4.attention.sliding_window": 8192}, shapes
-    ) == gguf_convert._hf_config(fields, shapes)
+    ) == gguf_config.hf_config(fields, shapes)
     # Newer llama.cpp reads the chunked layers' period from the file; the RoPE-less layers'
     # step stays its fixed 4.
-    every_other = gguf_convert._hf_config(
+    every_other = gguf_config.hf_config(
         {**fields, "llama4.attention.sliding_window_pattern": 2}, shapes
     )
     assert every_other["layer_types"] == ["chunked_attention", "full_attention"] * 2
@@ -1155,7 +1158,7 @@ def test_llama4_metadata_as_llama_cpp_writes_and_reads_it(hf_dirs, tmp_path):
         for name, shape in shapes.items()
         if "_exps." in name or "ffn_gate_inp" in name
     }
-    assert gguf_convert._hf_config(fields, {**shapes, **maverick})["use_qk_norm"] is False
+    assert gguf_config.hf_config(fields, {**shapes, **maverick})["use_qk_norm"] is False
 
 
 @pytest.mark.slow
@@ -1234,7 +1237,7 @@ def test_a_layer_s_split_kv_b_is_skipped_where_the_whole_one_is_kept_too():
         "blk.2.attn_kv_b.weight",
         "blk.2.nextn.eh_proj.weight",
     ]
-    skipped = gguf_convert._tensors_without_weights(names, num_layers=2)
+    skipped = gguf_registry.architecture("deepseek2").tensors_without_weights(names, num_layers=2)
     assert skipped & set(names) == {
         "rope_freqs.weight",
         "blk.0.attn_k_b.weight",
