@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedserve.frontend import harmony
-from pagedserve.frontend.tool_calls import partial_marker_chars
+from pagedserve.frontend.tool_parsers.base import partial_marker_chars
 
 if TYPE_CHECKING:
     from pagedserve.frontend.tokenizer import Tokenizer
