@@ -47,12 +47,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web, web_protocol, web_server
 
-from pagedserve.frontend import openai_protocol as protocol
+from pagedserve.frontend import openai_answers as answers
 from pagedserve.frontend import openai_responses as responses
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
 from pagedserve.frontend.cors import CorsPolicy
 from pagedserve.frontend.openai_calls import OpenAiCalls
+from pagedserve.frontend.openai_prompts import chat_prompt
+from pagedserve.frontend.openai_streams import StreamWriter
 from pagedserve.frontend.request_contract import decode_json
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 
@@ -361,7 +363,7 @@ class HttpApi:
                 return await self._stream(api_request, streams, http_request)
             outputs = await self._calls.whole(api_request.client_request_id, streams)
             return web.json_response(
-                protocol.whole_response(api_request, outputs, llm),
+                answers.whole_response(api_request, outputs, llm),
                 headers=_request_id_header(http_request),
             )
 
@@ -487,11 +489,11 @@ class HttpApi:
         """The chunks as server-sent events; ``_generate`` sends [DONE] after the count."""
         server = self._server
         llm = server.engine.llm
-        response_id = protocol.response_id(api_request)
-        texts = protocol.TokenTexts(llm, api_request.tokens_as_ids)
+        response_id = answers.response_id(api_request)
+        texts = answers.TokenTexts(llm, api_request.tokens_as_ids)
         interval_tokens = server.config.stream_interval_tokens
         writers = [
-            protocol.StreamWriter(api_request, response_id, i, llm, texts, interval_tokens)
+            StreamWriter(api_request, response_id, i, llm, texts, interval_tokens)
             for i in range(len(streams))
         ]
         response = await self._event_stream(http_request)
@@ -568,7 +570,7 @@ class HttpApi:
             return
         if api_request.include_usage:
             chunk = writers[0].chunk([])
-            chunk["usage"] = protocol.usage([s.output for s in streams])
+            chunk["usage"] = answers.usage([s.output for s in streams])
             yield chunk
 
     # ------------------------------------------------------------ the rest
@@ -651,9 +653,7 @@ class HttpApi:
             raise CallError("INVALID_ARGUMENT", "the request body must be a JSON object", "")
         try:
             if "messages" in body:
-                prompt = protocol.chat_prompt(
-                    body, llm, self._server.config.trust_request_chat_template
-                )
+                prompt = chat_prompt(body, llm, self._server.config.trust_request_chat_template)
                 return prompt.token_ids
             text = body.get("prompt")
             if not isinstance(text, str):

@@ -15,7 +15,9 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.frontend import openai_answers as answers
 from pagedserve.frontend import openai_classify as classify
+from pagedserve.frontend import openai_embeddings as embeddings
 from pagedserve.frontend import openai_pooling as pooling
 from pagedserve.frontend import openai_protocol as protocol
 from pagedserve.frontend import openai_responses as responses
@@ -108,7 +110,7 @@ class OpenAiCalls:
             kind, body, client_request_id, streaming_allowed=False
         )
         outputs = await self.whole(api_request.client_request_id, streams)
-        return protocol.whole_response(api_request, outputs, llm)
+        return answers.whole_response(api_request, outputs, llm)
 
     async def start_response(
         self, body: Any, client_request_id: str | None, streaming_allowed: bool = True
@@ -249,10 +251,10 @@ class OpenAiCalls:
     async def embedding(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/v1/embeddings`` body answered (OpenAI's response body)."""
         api_request = await self._parse_pooling(
-            protocol.parse_embedding_request, body, client_request_id, **self._chat_options()
+            embeddings.parse_embedding_request, body, client_request_id, **self._chat_options()
         )
         outputs = await self._pooled(api_request)
-        return protocol.embedding_response(api_request, outputs)
+        return embeddings.embedding_response(api_request, outputs)
 
     async def classification(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/classify`` body answered (vLLM's response body)."""

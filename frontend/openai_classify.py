@@ -17,17 +17,16 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.frontend.openai_protocol import (
-    POOLING_CHAT_FIELDS,
-    PoolingApiRequest,
+from pagedserve.frontend.openai_embeddings import PoolingApiRequest
+from pagedserve.frontend.openai_fields import (
     checked_body,
     checked_priority,
     id_field,
     invalid_field,
-    pooling_input_prompts,
     served_model,
     typed_field,
 )
+from pagedserve.frontend.openai_prompts import POOLING_CHAT_FIELDS, pooling_input_prompts
 from pagedserve.frontend.outputs import most_probable_label
 from pagedserve.scheduler.pooling_params import PoolingParams
 

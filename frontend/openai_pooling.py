@@ -22,14 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend import openai_classify as classify
-from pagedserve.frontend import openai_protocol as protocol
-from pagedserve.frontend.openai_protocol import (
-    POOLING_CHAT_FIELDS,
-    PoolingApiRequest,
-    checked_body,
-    invalid_field,
-    typed_field,
-)
+from pagedserve.frontend import openai_embeddings as embeddings
+from pagedserve.frontend.openai_embeddings import PoolingApiRequest
+from pagedserve.frontend.openai_fields import checked_body, invalid_field, typed_field
+from pagedserve.frontend.openai_prompts import POOLING_CHAT_FIELDS
 from pagedserve.scheduler.pooling_params import split_rows
 
 if TYPE_CHECKING:
@@ -96,11 +92,11 @@ def parse_pooling_request(
                 f"{name} is a setting of task {other_task!r}; this model pools for {task!r}",
                 name,
             )
-    encoding_format = protocol.checked_encoding_format(body)
+    encoding_format = embeddings.checked_encoding_format(body)
     # What the task's own parser reads: the rest was checked here.
     own = {k: v for k, v in body.items() if k not in ("task", "encoding_format")}
     parse = (
-        protocol.parse_embedding_request
+        embeddings.parse_embedding_request
         if base_task == "embed"
         else classify.parse_classify_request
     )
@@ -140,5 +136,5 @@ def _encoded(call: PoolingCall, output: EmbeddingRequestOutput) -> Any:
     base64: all rows' values in one run, row after row)."""
     values = output.outputs.embedding
     if not call.task.startswith("token_") or call.encoding_format == "base64":
-        return protocol.encoded_vector(values, call.encoding_format)
+        return embeddings.encoded_vector(values, call.encoding_format)
     return split_rows(values, len(output.prompt_token_ids))

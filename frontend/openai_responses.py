@@ -42,15 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.chat_template import with_reasoning_effort
-from pagedserve.frontend.openai_protocol import (
-    TokenTexts,
-    chat_logprobs,
-    checked_body,
-    content_text,
-    finish_reason,
-    invalid_field,
-    typed_field,
-)
+from pagedserve.frontend.openai_answers import TokenTexts, chat_logprobs, finish_reason
+from pagedserve.frontend.openai_fields import checked_body, invalid_field, typed_field
+from pagedserve.frontend.openai_prompts import content_text
 
 if TYPE_CHECKING:
     from pagedserve.frontend.chat_request import ChatAnswerStream

@@ -25,16 +25,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.frontend.openai_protocol import (
-    Prompt,
-    check_prompt_length,
+from pagedserve.frontend.openai_fields import (
     checked_body,
     checked_priority,
     id_field,
     int_field,
     invalid_field,
-    pooling_prompts,
     served_model,
+)
+from pagedserve.frontend.openai_prompts import (
+    Prompt,
+    check_prompt_length,
+    pooling_prompts,
     truncate_prompt_tokens,
 )
 from pagedserve.frontend.scores import check_cross_encoder, cosine_similarity, pair_indices

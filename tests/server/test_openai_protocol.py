@@ -11,12 +11,9 @@ import pytest
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.call_errors import CallError
-from pagedserve.frontend.openai_protocol import (
-    StreamWriter,
-    TokenTexts,
-    parse_request,
-    whole_response,
-)
+from pagedserve.frontend.openai_answers import TokenTexts, whole_response
+from pagedserve.frontend.openai_protocol import parse_request
+from pagedserve.frontend.openai_streams import StreamWriter
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 
 GREEDY_DEFAULT = SamplingParams(temperature=0.0)
