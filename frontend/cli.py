@@ -16,7 +16,7 @@ from pagedserve.frontend.api_key import ENVIRONMENT_VARIABLE as API_KEY_ENVIRONM
 from pagedserve.frontend.cors import parse_origins
 from pagedserve.frontend.engine_args import add_engine_arguments, engine_options_from_cli
 from pagedserve.frontend.liveness import DEFAULT_STALL_EXIT_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
-from pagedserve.frontend.openai_responses import (
+from pagedserve.frontend.responses_store import (
     DEFAULT_RESPONSES_STORE_BYTES,
     DEFAULT_RESPONSES_STORE_SIZE,
 )

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web, web_protocol, web_server
 
 from pagedserve.frontend import openai_answers as answers
-from pagedserve.frontend import openai_responses as responses
+from pagedserve.frontend import responses_store
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
 from pagedserve.frontend.cors import CorsPolicy
@@ -56,6 +56,7 @@ from pagedserve.frontend.openai_calls import OpenAiCalls
 from pagedserve.frontend.openai_prompts import chat_prompt
 from pagedserve.frontend.openai_streams import StreamWriter
 from pagedserve.frontend.request_contract import decode_json
+from pagedserve.frontend.responses_output import ResponseStream
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
@@ -414,7 +415,7 @@ class HttpApi:
             if not call.stream:
                 answer = await self._calls.whole_response(call, api_request, streams, llm)
                 return web.json_response(answer, headers=_request_id_header(http_request))
-            writer = responses.ResponseStream(call, api_request, llm)
+            writer = ResponseStream(call, api_request, llm)
             stream = await self._event_stream(http_request)
             for event in writer.start():
                 await stream.write(_typed_sse(event))
@@ -429,7 +430,7 @@ class HttpApi:
             if failure is not None:
                 raise _StreamFailed(failure, stream)
             if call.store and writer.response is not None:
-                server.responses.put(responses.stored(call, writer.response))
+                server.responses.put(responses_store.stored(call, writer.response))
             return stream
 
     async def _get_response(self, http_request: web.Request) -> web.StreamResponse:
@@ -444,11 +445,11 @@ class HttpApi:
             return web.json_response(store.get(response_id).response)
         log = store.event_log(response_id)
         return await self._follow(
-            http_request, log, responses.starting_after(dict(http_request.query), log)
+            http_request, log, responses_store.starting_after(dict(http_request.query), log)
         )
 
     async def _follow(
-        self, http_request: web.Request, log: responses.EventLog, starting_after: int
+        self, http_request: web.Request, log: responses_store.EventLog, starting_after: int
     ) -> web.StreamResponse:
         """A streamed background response's events after ``starting_after``, as they come,
         until it ends (or the client goes)."""
@@ -461,7 +462,7 @@ class HttpApi:
 
     async def _input_items(self, http_request: web.Request) -> web.Response:
         stored = self._server.responses.get(http_request.match_info["response_id"])
-        page = responses.input_items_page(stored, dict(http_request.query))
+        page = responses_store.input_items_page(stored, dict(http_request.query))
         return web.json_response(page)
 
     async def _cancel_response(self, http_request: web.Request) -> web.Response:

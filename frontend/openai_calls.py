@@ -22,6 +22,7 @@ from pagedserve.frontend import openai_pooling as pooling
 from pagedserve.frontend import openai_protocol as protocol
 from pagedserve.frontend import openai_responses as responses
 from pagedserve.frontend import openai_scores as scores
+from pagedserve.frontend import responses_output, responses_store
 from pagedserve.frontend.call_errors import HTTP_STATUS, CallError
 
 if TYPE_CHECKING:
@@ -148,9 +149,9 @@ class OpenAiCalls:
         """A started Responses call's answer, once its output is whole (stored when the
         request asks to be)."""
         (output,) = await self.whole(api_request.client_request_id, streams)
-        response = responses.whole_response(call, api_request, output, llm)
+        response = responses_output.whole_response(call, api_request, output, llm)
         if call.store:
-            self._server.responses.put(responses.stored(call, response))
+            self._server.responses.put(responses_store.stored(call, response))
         return response
 
     async def start_background(
@@ -164,11 +165,11 @@ class OpenAiCalls:
         (stored, as each later status is, for ``GET``); a streamed one's events go to its
         ``EventLog`` in the store as they come."""
         store = self._server.responses
-        queued = responses.unfinished_response(call, api_request, "queued")
-        store.put(responses.stored(call, queued))
+        queued = responses_output.unfinished_response(call, api_request, "queued")
+        store.put(responses_store.stored(call, queued))
         log = None
         if call.stream:
-            log = store.event_logs[call.response_id] = responses.EventLog(
+            log = store.event_logs[call.response_id] = responses_store.EventLog(
                 functools.partial(store.count_events, call.response_id)
             )
         task = asyncio.create_task(self._background(call, api_request, streams, llm, log))
@@ -184,7 +185,7 @@ class OpenAiCalls:
         api_request: protocol.ApiRequest,
         streams: list[RequestStream],
         llm: LLM,
-        log: responses.EventLog | None,
+        log: responses_store.EventLog | None,
     ) -> None:
         """A background response's run: it ends stored as completed (or incomplete),
         failed with its error, or cancelled; a streamed one's ``log`` then ends too."""
@@ -192,13 +193,17 @@ class OpenAiCalls:
         store = server.responses
 
         def ended(error: CallError | None) -> None:  # None: cancelled
-            store.put(responses.stored(call, responses.ended_response(call, api_request, error)))
+            store.put(
+                responses_store.stored(
+                    call, responses_output.ended_response(call, api_request, error)
+                )
+            )
 
         try:
             async with server.call("http"):
                 store.put(
-                    responses.stored(
-                        call, responses.unfinished_response(call, api_request, "in_progress")
+                    responses_store.stored(
+                        call, responses_output.unfinished_response(call, api_request, "in_progress")
                     )
                 )
                 try:
@@ -230,11 +235,11 @@ class OpenAiCalls:
         api_request: protocol.ApiRequest,
         streams: list[RequestStream],
         llm: LLM,
-        log: responses.EventLog,
+        log: responses_store.EventLog,
     ) -> None:
         """A streamed background response's events into ``log`` as its output grows (the
         error event last if it fails), the whole response stored at the end."""
-        writer = responses.ResponseStream(call, api_request, llm)
+        writer = responses_output.ResponseStream(call, api_request, llm)
         log.add(writer.start())
         (stream,) = streams
         outputs = self._server.outputs(stream, api_request.client_request_id)
@@ -246,7 +251,7 @@ class OpenAiCalls:
             log.add([writer.failed(error, HTTP_STATUS[error.code])])
             raise
         if writer.response is not None:
-            self._server.responses.put(responses.stored(call, writer.response))
+            self._server.responses.put(responses_store.stored(call, writer.response))
 
     async def embedding(self, body: Any, client_request_id: str | None) -> dict:
         """A ``/v1/embeddings`` body answered (OpenAI's response body)."""

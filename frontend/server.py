@@ -56,13 +56,13 @@ from pagedserve.frontend.liveness import (
     LivenessMonitor,
 )
 from pagedserve.frontend.metrics import ServerMetrics
-from pagedserve.frontend.openai_responses import (
+from pagedserve.frontend.outputs import EmbeddingRequestOutput
+from pagedserve.frontend.reasoning import REASONING_PARSERS
+from pagedserve.frontend.responses_store import (
     DEFAULT_RESPONSES_STORE_BYTES,
     DEFAULT_RESPONSES_STORE_SIZE,
     ResponseStore,
 )
-from pagedserve.frontend.outputs import EmbeddingRequestOutput
-from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.frontend.tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.frontend.call_errors import CallError
-from pagedserve.frontend.openai_responses import ResponseStore, StoredResponse, prepare
+from pagedserve.frontend.openai_responses import prepare
+from pagedserve.frontend.responses_store import ResponseStore, StoredResponse
 
 
 def test_background_needs_store_and_a_store_that_keeps_responses():
