@@ -63,6 +63,7 @@ from pathlib import Path
 import zmq
 
 from pagedserve.scheduler import fault_injection
+from pagedserve.scheduler.capacity import check_request_fits
 from pagedserve.scheduler.child_process import describe_exit
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import (
@@ -86,7 +87,6 @@ from pagedserve.scheduler.engine_messages import (
 from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import check_request_fits
 from pagedserve.scheduler.serialization import Message, decode, encode
 from pagedserve.scheduler.structured_output import GrammarVocabulary
 

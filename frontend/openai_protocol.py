@@ -47,12 +47,12 @@ from pagedserve.frontend.openai_prompts import (
 from pagedserve.frontend.reasoning import ReasoningParser
 from pagedserve.frontend.request_contract import check_output_room, clamped_logit_bias
 from pagedserve.frontend.tool_calls import ToolCallError, ToolCalling
+from pagedserve.scheduler.capacity import max_sequence_tokens
 from pagedserve.scheduler.sampling_params import (
     STRUCTURED_OUTPUT_KINDS,
     SamplingParams,
     StructuredOutputsParams,
 )
-from pagedserve.scheduler.scheduler import max_sequence_tokens
 from pagedserve.scheduler.structured_output import grammar_text
 
 if TYPE_CHECKING:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Hashable
 
 from pagedserve.scheduler.block_pool import BlockPool
 from pagedserve.scheduler.messages import NULL_BLOCK
@@ -71,6 +72,7 @@ class BlockManager:
         # "paged" takes any free blocks on demand; the baselines reserve one contiguous
         # run of block ids at admission (see SchedulerConfig.allocation_policy).
         self.contiguous = allocation_policy != "paged"
+        self.allocation_policy = allocation_policy
         if self.contiguous and enable_prefix_caching:
             raise ValueError(
                 f"allocation_policy {allocation_policy!r} reserves contiguous slots and "
@@ -151,7 +153,7 @@ class BlockManager:
     def find_cached_prefix(
         self,
         token_ids: list[int],
-        namespace: str | None = None,
+        namespace: Hashable | None = None,
         max_cached_tokens: int | None = None,
     ) -> list[int]:
         """Block ids of the longest cached prefix of ``token_ids`` in full blocks, of at most
@@ -164,6 +166,21 @@ class BlockManager:
             max_tokens = min(max_tokens, max_cached_tokens)
         block_ids, _ = self.prefix_cache.lookup(token_ids, namespace, max_tokens)
         return block_ids
+
+    def reservation_tokens(
+        self, num_prompt_tokens: int, max_tokens: int, max_model_len: int
+    ) -> int:
+        """Slots a contiguous policy reserves for a request at admission (the paper's
+        baselines): max_model_len (``max``), the prompt and ``max_tokens`` rounded up to a
+        power of two (``pow2``), or the prompt and ``max_tokens`` (``oracle``); 0 when paged."""
+        policy = self.allocation_policy
+        if policy == "paged":
+            return 0
+        if policy == "max":
+            return max_model_len
+        if policy == "pow2":
+            max_tokens = 1 << (max_tokens - 1).bit_length()
+        return min(num_prompt_tokens + max_tokens, max_model_len)
 
     def can_allocate(
         self,
@@ -237,7 +254,11 @@ class BlockManager:
             blocks_for_tokens(num_tokens, self.block_size) - len(cached_block_ids)
         )
         assert new_block_ids is not None
-        block_ids = [*([NULL_BLOCK] * skipped), *cached_block_ids[skipped:], *new_block_ids]
+        block_ids = [
+            *([NULL_BLOCK] * skipped),
+            *cached_block_ids[skipped:],
+            *new_block_ids,
+        ]
         self.block_tables[request_id] = block_ids
         if skipped:
             self._num_window_freed[request_id] = skipped
@@ -248,7 +269,7 @@ class BlockManager:
         request_id: str,
         token_ids: list[int],
         num_computed_tokens: int,
-        namespace: str | None = None,
+        namespace: Hashable | None = None,
     ) -> None:
         """Register the request's blocks that are now full and computed (a prefix hit's
         blocks hash to entries already there, which stay as they are). Computed tokens not

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from pagedserve.scheduler.pooling_params import MODEL_TASKS
 from pagedserve.scheduler.request_limits import check_int
-from pagedserve.scheduler.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig
+from pagedserve.scheduler.speculative_config import (
+    SPECULATIVE_METHODS,
+    SpeculativeConfig,
+)
 
 ALLOCATION_POLICIES = ("paged", "max", "pow2", "oracle")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -85,6 +88,15 @@ class SchedulerConfig:
     # same tokens: the prefix cache keeps the two apart. Set from the model by the engine.
     long_rope_switch: int = 0
 
+    def rotation_epoch(self, num_tokens: int) -> int:
+        """Which rotation a sequence of ``num_tokens`` tokens has its K/V computed with:
+        1 past a LongRoPE model's original context (the long factors), else 0."""
+        return int(bool(self.long_rope_switch) and num_tokens > self.long_rope_switch)
+
+    def rotation_epoch_end(self, epoch: int) -> int | None:
+        """The most tokens a sequence stays in rotation ``epoch`` for (None: no end)."""
+        return self.long_rope_switch if self.long_rope_switch and epoch == 0 else None
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
@@ -116,7 +128,9 @@ class SchedulerConfig:
         if self.num_speculative_tokens:
             # Validates the three (vLLM's names, in its messages).
             SpeculativeConfig(
-                self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
+                self.num_speculative_tokens,
+                self.prompt_lookup_max,
+                self.prompt_lookup_min,
             )
         switch = self.long_rope_switch
         if isinstance(switch, bool) or not isinstance(switch, int) or switch < 0:

@@ -10,7 +10,10 @@ from typing import Protocol
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import RequestOutputDelta, StepPlan, StepResult
-from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS, PoolingParams
+from pagedserve.scheduler.pooling_params import (
+    PROMPT_ONLY_SAMPLING_PARAMS,
+    PoolingParams,
+)
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
@@ -113,13 +116,6 @@ class EngineCore:
         ignored (``PROMPT_ONLY_SAMPLING_PARAMS`` stands in)."""
         if pooling_params is not None:
             sampling_params = PROMPT_ONLY_SAMPLING_PARAMS
-        if lora_id or cache_namespace is not None:
-            # K/V computed through an adapter is not the base model's, nor another's:
-            # prefixes are shared only within one (adapter, namespace). Joined into one
-            # key injectively: the adapter id and the first NUL are the engine's, so no
-            # namespace a client picks (cache_salt is any string) names another adapter's
-            # (nor a LongRoPE rotation's: Scheduler._prefix_namespace).
-            cache_namespace = f"{lora_id}\x00{cache_namespace or ''}"
         if not sampling_params.is_greedy and sampling_params.seed is None:
             sampling_params = replace(sampling_params, seed=self._seed_rng.getrandbits(63))
         request = Request(

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 # The hash chain starts from this value for the first block of every request.
 ROOT_HASH = 0
 
 
-def block_hash(parent_hash: int, token_ids: Sequence[int], namespace: str | None) -> int:
+@dataclass(frozen=True)
+class PrefixKey:
+    """Whose K/V a cached prefix is: the same tokens give other K/V through another LoRA
+    adapter (``lora_id``, 0: the base model) or in another rotation epoch (``rotation_epoch``:
+    LongRoPE's long factors), and a client's ``salt`` (cache_salt, cache_namespace) keeps
+    its prefixes to requests of the same salt."""
+
+    lora_id: int = 0
+    salt: str | None = None
+    rotation_epoch: int = 0
+
+
+def block_hash(parent_hash: int, token_ids: Sequence[int], namespace: Hashable | None) -> int:
     """Key of a full block: it covers the whole prefix through the parent's hash, and the
-    namespace keeps tenants that must not share KV apart."""
+    namespace (a ``PrefixKey``) keeps K/V that must not be shared apart."""
     return hash((parent_hash, tuple(token_ids), namespace))
 
 
@@ -38,7 +51,7 @@ class PrefixCache:
         return len(self._block_by_hash)
 
     def lookup(
-        self, token_ids: Sequence[int], namespace: str | None, max_tokens: int
+        self, token_ids: Sequence[int], namespace: Hashable | None, max_tokens: int
     ) -> tuple[list[int], list[int]]:
         """Longest cached prefix of ``token_ids`` in full blocks, covering at most
         ``max_tokens`` tokens. Returns its block ids and their hashes."""
@@ -50,7 +63,10 @@ class PrefixCache:
             tokens = tuple(token_ids[start : start + block_size])
             key = block_hash(parent, tokens, namespace)
             block_id = self._block_by_hash.get(key)
-            if block_id is None or self._entry_of_block[block_id][1:] != (tokens, namespace):
+            if block_id is None or self._entry_of_block[block_id][1:] != (
+                tokens,
+                namespace,
+            ):
                 break
             block_ids.append(block_id)
             hashes.append(key)
@@ -64,7 +80,11 @@ class PrefixCache:
         self.num_hit_tokens += num_hit_tokens
 
     def insert(
-        self, key: int, block_id: int, token_ids: tuple[int, ...], namespace: str | None
+        self,
+        key: int,
+        block_id: int,
+        token_ids: tuple[int, ...],
+        namespace: Hashable | None,
     ) -> None:
         """Register a full, computed block. A prefix already cached in another block
         keeps that block: the newcomer is simply not findable."""

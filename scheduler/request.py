@@ -27,7 +27,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED)
+        return self not in (
+            RequestStatus.WAITING,
+            RequestStatus.RUNNING,
+            RequestStatus.SWAPPED,
+        )
 
 
 @dataclass
@@ -71,9 +75,10 @@ class Request:
     grammar: GrammarMatcher | None = None
     # The LoRA adapter its tokens run through (0: the base model).
     lora_id: int = 0
-    # A LongRoPE model's sequence rotated with the long factors (SchedulerConfig's
-    # long_rope_switch): set when its computation starts from its first token.
-    long_rope: bool = False
+    # Which rotation its K/V are computed with (SchedulerConfig.rotation_epoch; 1: a
+    # LongRoPE sequence rotated with the long factors): set when its computation starts
+    # from its first token.
+    rotation_epoch: int = 0
     # Under the priority policy requests run in (priority, arrival_index) order, lower
     # first; arrival_index is the scheduler's count of requests added before this one.
     priority: int = 0
@@ -89,6 +94,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def group_request_id(self) -> str:
+        """The id its outputs carry: its group's (several sequences), or its own."""
+        return self.request_id if self.group is None else self.group.request_id
 
     def fork(self, child_id: str, sample_index: int) -> Request:
         """A new sequence of the same group with this one's tokens so far (its K/V are
@@ -114,7 +124,7 @@ class Request:
             cumulative_logprob=self.cumulative_logprob,
             grammar=None if self.grammar is None else self.grammar.fork(),
             lora_id=self.lora_id,
-            long_rope=self.long_rope,
+            rotation_epoch=self.rotation_epoch,
             priority=self.priority,
             arrival_index=self.arrival_index,
             queue_time_s=self.queue_time_s,

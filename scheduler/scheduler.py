@@ -5,123 +5,36 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
 
-from pagedserve.scheduler import fault_injection, ngram_proposer
-from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens, blocks_spanned
+from pagedserve.scheduler import fault_injection
+from pagedserve.scheduler.adapter_slots import AdapterSlots
+from pagedserve.scheduler.block_manager import (
+    BlockManager,
+    blocks_for_tokens,
+)
+from pagedserve.scheduler.capacity import check_request_fits
 from pagedserve.scheduler.config import SchedulerConfig, check_priority
+from pagedserve.scheduler.group_steps import GroupSteps, batch_slots, leading_sequences
+from pagedserve.scheduler.kv_positions import KvPositions
 from pagedserve.scheduler.memory_accounting import MemoryAccounting
 from pagedserve.scheduler.messages import (
     CachedRequestData,
     NewRequestData,
     RequestOutputDelta,
     StepPlan,
-    StepResult,
 )
 from pagedserve.scheduler.pooling_params import check_task
+from pagedserve.scheduler.priority_policy import PriorityPolicy
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sequence_group import SequenceGroup
-from pagedserve.scheduler.speculative_config import WORKER_DRAFTED_METHODS
+from pagedserve.scheduler.speculation import Speculation
+from pagedserve.scheduler.step_outputs import StepOutputs
 from pagedserve.scheduler.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
 
-def check_request_fits(
-    num_prompt_tokens: int,
-    max_tokens: int,
-    config: SchedulerConfig,
-    block_size: int,
-    total_blocks: int,
-    num_sequences: int = 1,
-) -> None:
-    """Raise ``ValueError`` for a request that could never run to completion: its prompt
-    leaves no room to generate within ``config.max_model_len``, it needs more blocks than
-    the whole cache of ``total_blocks`` blocks of ``block_size`` tokens, or it runs more
-    sequences (n, best_of, beams) than a batch may hold. A function of the limits alone,
-    so a frontend in another process checks exactly what the scheduler will.
-
-    A request of several sequences must fit with every sequence holding its own blocks:
-    sharing is what usually happens, but after a recompute preemption nothing is shared.
-    ``max_tokens=0`` is a prompt-only (pooling) request: its prompt may fill the context.
-
-    Under a sliding window (``config.sliding_window``) a single sequence computed in chunks
-    never holds more than the blocks of one step's tokens and the window before them, so it
-    may be longer than the cache. A group (recomputed all at once) and a prompt that is
-    not chunked still need blocks for every token.
-    """
-    max_model_len = config.max_model_len
-    max_num_seqs = config.max_num_seqs
-    if num_prompt_tokens < 1:
-        raise ValueError("prompt must contain at least 1 token, got 0")
-    if max_tokens == 0 and num_prompt_tokens > max_model_len:
-        raise ValueError(f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len}")
-    if max_tokens > 0 and num_prompt_tokens >= max_model_len:
-        raise ValueError(
-            f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len} and "
-            "must leave room for at least one generated token"
-        )
-    if max_num_seqs is not None and num_sequences > max_num_seqs:
-        raise ValueError(
-            f"request runs {num_sequences} sequences (n / best_of / beam_width), but "
-            f"max_num_seqs is {max_num_seqs}"
-        )
-    max_total_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
-    needed_blocks = blocks_for_tokens(max_total_tokens, block_size) * num_sequences
-    if _holds_a_window(config, num_sequences):
-        window_blocks = _window_blocks(config, block_size)
-        if window_blocks < needed_blocks:
-            if window_blocks > total_blocks:
-                raise ValueError(
-                    f"a step of up to {config.max_num_batched_tokens} tokens "
-                    f"(max_num_batched_tokens) with the {config.sliding_window}-token "
-                    f"sliding window before it spans up to {window_blocks} blocks of "
-                    f"{block_size} tokens, but the whole KV cache has {total_blocks} blocks "
-                    f"({total_blocks * block_size} tokens); lower max_num_batched_tokens or "
-                    "raise kv_cache_bytes"
-                )
-            return
-    if needed_blocks > total_blocks:
-        per_sequence = f" x {num_sequences} sequences" if num_sequences > 1 else ""
-        raise ValueError(
-            f"request needs up to {max_total_tokens} tokens (prompt {num_prompt_tokens} + "
-            f"max_tokens {max_tokens}){per_sequence} = {needed_blocks} blocks of "
-            f"{block_size} tokens, but the whole KV cache has {total_blocks} blocks "
-            f"({total_blocks * block_size} tokens); lower max_tokens or raise kv_cache_bytes"
-        )
-
-
-def max_sequence_tokens(
-    config: SchedulerConfig, block_size: int, total_blocks: int, num_sequences: int = 1
-) -> int:
-    """The most tokens (prompt and output) each sequence of a request of ``num_sequences``
-    can reach: ``max_model_len``, or less when the cache could not hold them (as
-    ``check_request_fits`` counts: behind a sliding window, only a window's blocks)."""
-    if _holds_a_window(config, num_sequences) and (
-        _window_blocks(config, block_size) <= total_blocks
-    ):
-        return config.max_model_len
-    return min(config.max_model_len, total_blocks // num_sequences * block_size)
-
-
-def _holds_a_window(config: SchedulerConfig, num_sequences: int) -> bool:
-    """Whether a request's blocks behind its sliding window are freed as it runs, so that it
-    never holds more than ``_window_blocks``: one sequence, computed in chunks."""
-    return bool(
-        config.sliding_window
-        and config.enable_chunked_prefill
-        and config.allocation_policy == "paged"
-        and num_sequences == 1
-    )
-
-
-def _window_blocks(config: SchedulerConfig, block_size: int) -> int:
-    """The most blocks a sequence holds behind a sliding window: those spanned by the
-    positions from its step's first query's window start to the step's last token."""
-    return blocks_spanned(config.sliding_window - 1 + config.max_num_batched_tokens, block_size)
-
-
-class Scheduler:
+class Scheduler(StepOutputs, GroupSteps, Speculation, KvPositions, AdapterSlots, PriorityPolicy):
     """First come, first served continuous batching over a paged KV cache.
 
     Each step first extends the running sequences (oldest first: one token for a decode,
@@ -135,14 +48,8 @@ class Scheduler:
     several is swapped. Preempted requests resume ahead of newer arrivals, swapped ones
     first. Finished sequences give their blocks back at once.
 
-    Under ``scheduling_policy="priority"`` every queue and the batch are ordered by
-    (priority, arrival), lower first, instead of by arrival: the batch extends its
-    highest-ranked sequences first, a preemption takes the lowest-ranked running request,
-    and swapped and waiting requests resume and are admitted in rank order (one queue
-    blocks the other only when its head ranks higher). When the best-ranked queued
-    request does not fit (blocks or ``max_num_seqs``), running requests of a strictly
-    lower priority are preempted for it, lowest first, if that makes it fit; requests of
-    equal priority never preempt each other, so they keep first come, first served.
+    Under ``scheduling_policy="priority"`` queues and batch are ordered by (priority,
+    arrival) instead (``priority_policy.py``).
 
     A request with several sequences (``SamplingParams.num_sequences``) is a
     ``SequenceGroup``: its sequences are adjacent in every queue, admitted, preempted
@@ -288,45 +195,6 @@ class Scheduler:
         self._failures[request_id] = why
         logger.warning("request %s failed: %s", request_id, why)
 
-    def stop_sample(self, request_id: str, index: int) -> RequestOutputDelta | None:
-        """End output ``index`` of a parallel-sampling request whose samples stream (a stop
-        string found by the frontend): its sequence leaves the batch and frees its blocks,
-        the other samples run on. Returns the request's final delta when that was its last
-        running sample, else ``None`` (also for an unknown request, a sample that has already
-        ended, and beams or ``best_of > n`` samples, which are ranked only at the end)."""
-        group = self.groups.get(request_id)
-        if group is None or not group.streams_outputs:
-            return None
-        sequence = next((seq for seq in group.sequences if seq.sample_index == index), None)
-        if sequence is None:
-            return None
-        self._release(sequence, RequestStatus.FINISHED_STOPPED)
-        if not group.is_finished:
-            return None
-        return RequestOutputDelta(
-            request_id, [], finished=True, finish_reason="stop", index=sequence.sample_index
-        )
-
-    def load_lora(self, lora_id: int, name: str, path: str) -> None:
-        """Have the workers load adapter ``lora_id`` before the next step runs."""
-        self._loras_to_load.append((lora_id, name, path))
-
-    def unload_lora(self, lora_id: int) -> None:
-        """Have the workers drop adapter ``lora_id`` once no request uses it."""
-        self._loras_to_unload.add(lora_id)
-
-    def _add_lora_updates(self, plan: StepPlan) -> None:
-        """Pending adapter loads, and the unloads no live request holds back, ride with a
-        step that runs (an idle engine keeps them until one does)."""
-        if plan.is_empty:
-            return
-        plan.load_loras, self._loras_to_load = self._loras_to_load, []
-        if self._loras_to_unload:
-            in_use = {request.lora_id for request in self.requests.values()}
-            ready = sorted(self._loras_to_unload - in_use)
-            plan.unload_lora_ids = ready
-            self._loras_to_unload.difference_update(ready)
-
     @property
     def num_preemptions(self) -> int:
         return self.num_recompute_preemptions + self.num_swap_preemptions
@@ -355,8 +223,8 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             request = self.running[index]
-            if self._crosses_long_rope_switch(request):
-                self._recompute_with_long_rope(request, plan)
+            if self._enters_new_rotation(request):
+                self._recompute_in_new_rotation(request, plan)
                 continue
             num_new = self._num_tokens_to_schedule(request, budget)
             if num_new == 0:
@@ -399,130 +267,6 @@ class Scheduler:
         self._add_lora_updates(plan)
         return plan
 
-    def _crosses_long_rope_switch(self, request: Request) -> bool:
-        """Whether a sequence rotated with LongRoPE's short factors has grown past the
-        original context (``SchedulerConfig.long_rope_switch``): HF's Phi-3 then drops its
-        cache and computes the whole sequence again with the long factors."""
-        switch = self.config.long_rope_switch
-        return bool(switch) and not request.long_rope and request.num_tokens > switch
-
-    def _recompute_with_long_rope(self, request: Request, plan: StepPlan) -> None:
-        """Take the sequence (its group's, all of them) out of the batch to compute again
-        from its first token, as HF does at this point: it resumes ahead of newer requests,
-        rotated with the long factors, and takes prefix hits among such sequences only."""
-        group = request.group
-        sequences = (
-            [request]
-            if group is None
-            else [sequence for sequence in self.running if sequence.group is group]
-        )
-        ids = {sequence.request_id for sequence in sequences}
-        self.running = [sequence for sequence in self.running if sequence.request_id not in ids]
-        self._preempt(
-            sequences, plan, "LongRoPE past the original context", mode="recompute", counted=False
-        )
-
-    def _prefix_namespace(self, request: Request) -> str | None:
-        """The prefix-cache namespace of the request's K/V: its own, kept apart for a
-        LongRoPE sequence rotated with the long factors (the same tokens, other keys). The
-        mark goes before the first NUL, the engine's part of a namespace."""
-        if not request.long_rope:
-            return request.cache_namespace
-        head, _, tail = (request.cache_namespace or "0\x00").partition("\x00")
-        return f"{head}L\x00{tail}"
-
-    def _free_blocks_before_window(self, plan: StepPlan, request: Request) -> None:
-        """Give back the sequence's blocks that its window has left behind (a windowed model
-        only), before it asks for new ones; the workers mark them in their tables."""
-        block_manager = self.block_manager
-        before = block_manager.num_window_freed(request.request_id)
-        num_freed = block_manager.free_blocks_before_window(
-            request.request_id, request.num_computed_tokens
-        )
-        if not num_freed:
-            return
-        self.num_window_freed_blocks += num_freed - before
-        if request.request_id in self._known_to_workers:
-            plan.window_freed_blocks[request.request_id] = num_freed
-
-    def _draft_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """Draft tokens for a decoding sequence that may speculate: within the token
-        budget and the sequence's room, so every emitted token fits max_tokens."""
-        config = self.config
-        if (
-            not config.num_speculative_tokens
-            or not self._speculating
-            or num_new != 1
-            or request.num_computed_tokens + 1 != request.num_tokens
-            or request.group is not None  # n > 1, best_of, beams: one token a step
-        ):
-            return []
-        room = min(
-            config.num_speculative_tokens,
-            budget - 1,
-            request.max_total_tokens - request.num_tokens - 1,
-        )
-        if config.long_rope_switch and not request.long_rope:
-            # Within LongRoPE's original context: a draft past it would be computed with the
-            # short factors where HF computes the sequence again with the long ones.
-            room = min(room, config.long_rope_switch - request.num_tokens)
-        if room < 1:
-            return []
-        grammar = request.grammar
-        # Under a grammar, the tokens it forces come first (jump-forward, checked like
-        # any draft); then the draft model's guesses or prompt lookup, cut where the
-        # grammar would refuse a draft.
-        drafts = grammar.forced_tokens()[:room] if grammar is not None else []
-        if not drafts and config.speculative_method in WORKER_DRAFTED_METHODS:
-            drafts = request.draft_token_ids[:room]
-        elif not drafts:
-            drafts = ngram_proposer.propose(
-                request.token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
-            )
-        if grammar is not None and drafts:
-            drafts = drafts[: grammar.usable_drafts(drafts)]
-        return drafts
-
-    def _drafts_fit(self, request: Request, target: int, num_drafts: int, num_left: int) -> bool:
-        """Whether a sequence's drafts fit: in the slots its table already has, or in new
-        blocks that still leave one for each of the ``num_left - 1`` running sequences
-        after it. A guess never takes a block another sequence needs (never causes a
-        preemption)."""
-        block_manager = self.block_manager
-        request_id = request.request_id
-        needed = block_manager.num_new_blocks(request_id, target + num_drafts)
-        extra = needed - block_manager.num_new_blocks(request_id, target)
-        if extra == 0:
-            return True
-        if block_manager.needs_copy_on_write(request_id, request.num_computed_tokens):
-            needed += 1
-        return needed + num_left - 1 <= block_manager.num_free_blocks
-
-    def _reserve_draft_slots(self, request: Request, target: int, num_left: int) -> list[int]:
-        """Blocks for the draft model's guesses (speculative decoding with a draft model):
-        after this step the workers' draft model writes K/V for the sequence's next token
-        and its guesses past the ``target`` tokens scheduled, up to ``num_speculative_tokens``
-        positions, wherever its table has slots (``gpu_worker/draft_model.py``). Reserved
-        only from blocks that leave one for each of the ``num_left - 1`` running sequences
-        after it, as ``_drafts_fit`` does: fewer slots only mean fewer guesses, and a guess
-        never preempts. Returns the blocks added to the table."""
-        config = self.config
-        if (
-            config.speculative_method not in WORKER_DRAFTED_METHODS
-            or not config.num_speculative_tokens
-            or not self._speculating
-            or request.group is not None
-            or request.pooling_params is not None
-            or target < request.num_tokens  # a prefill chunk: nothing sampled after it
-        ):
-            return []
-        block_manager = self.block_manager
-        end = min(target + config.num_speculative_tokens, request.max_total_tokens)
-        needed = block_manager.num_new_blocks(request.request_id, end)
-        if needed == 0 or needed + num_left - 1 > block_manager.num_free_blocks:
-            return []
-        return block_manager.append(request.request_id, end) or []
-
     def _add_token_bitmasks(self, plan: StepPlan) -> None:
         """The grammar's allowed tokens for each constrained sequence that samples in this
         step (one whose scheduled tokens reach its last known token), unless it thinks
@@ -544,7 +288,11 @@ class Scheduler:
                 plan.token_bitmasks[request.request_id] = request.grammar.allowed_token_bitmask()
 
     def _extend(
-        self, plan: StepPlan, request: Request, num_new: int, num_left: int | None = None
+        self,
+        plan: StepPlan,
+        request: Request,
+        num_new: int,
+        num_left: int | None = None,
     ) -> None:
         """Give a running sequence slots for ``num_new`` more tokens and put it in the
         plan: as a delta when the workers know it, in full otherwise. ``num_left``: the
@@ -555,7 +303,10 @@ class Scheduler:
         copy = block_manager.copy_on_write(request.request_id, computed)
         if copy is not None:
             plan.copy_blocks.append(copy)
-            self._step_copies[request.request_id] = (computed // block_manager.block_size, *copy)
+            self._step_copies[request.request_id] = (
+                computed // block_manager.block_size,
+                *copy,
+            )
             # Its table changed in place: the workers get it anew.
             self._forget_on_workers(request.request_id)
         new_block_ids = block_manager.append(request.request_id, computed + num_new)
@@ -586,8 +337,8 @@ class Scheduler:
     def _swap_in_next(self, plan: StepPlan, budget: int) -> int | None:
         """Bring the first swapped request back if its blocks fit; returns the budget
         left, or ``None`` when it stays swapped."""
-        sequences = _leading_sequences(self.swapped)
-        if self._num_batch_slots() + _batch_slots(sequences) > self.config.max_num_seqs:
+        sequences = leading_sequences(self.swapped)
+        if self._num_batch_slots() + batch_slots(sequences) > self.config.max_num_seqs:
             return None
         if self._lora_slot_missing(sequences[0], self.running):
             return None
@@ -626,7 +377,7 @@ class Scheduler:
         stepped_over: list[Request] = []
         while self.waiting and budget > 0:
             if self._lora_slot_missing(self.waiting[0], self.running):
-                for _ in _leading_sequences(self.waiting):
+                for _ in leading_sequences(self.waiting):
                     stepped_over.append(self.waiting.popleft())
                 continue
             remaining = self._admit_next(plan, budget)
@@ -640,9 +391,9 @@ class Scheduler:
         """Admit the first waiting request if it fits; returns the budget left, or
         ``None`` when it keeps waiting."""
         block_manager = self.block_manager
-        sequences = _leading_sequences(self.waiting)
+        sequences = leading_sequences(self.waiting)
         head = sequences[0]
-        if self._num_batch_slots() + _batch_slots(sequences) > self.config.max_num_seqs:
+        if self._num_batch_slots() + batch_slots(sequences) > self.config.max_num_seqs:
             return None
         if self._lora_slot_missing(head, self.running):
             return None
@@ -661,7 +412,9 @@ class Scheduler:
             head.num_computed_tokens + num_cached + num_new,
             keep_watermark=bool(self.running),
             cached_block_ids=cached_block_ids,
-            reserve_tokens=self._reservation_tokens(head),
+            reserve_tokens=self.block_manager.reservation_tokens(
+                head.num_prompt_tokens, head.sampling_params.max_tokens, self.config.max_model_len
+            ),
         )
         if block_ids is None:
             return None
@@ -673,66 +426,6 @@ class Scheduler:
         self._reserve_draft_slots(head, head.num_computed_tokens + num_new, len(self.running))
         self._send_in_full(plan, head, num_new)
         return budget - num_new
-
-    def _resume_in_rank_order(self, plan: StepPlan, budget: int) -> int:
-        """Priority policy: swap in or admit the best-ranked queued request, then the
-        next, until one does not fit (none overtakes a better-ranked one)."""
-        while budget > 0:
-            queue = self._best_queue()
-            if queue is None:
-                break
-            resume = self._swap_in_next if queue is self.swapped else self._admit_next
-            remaining = resume(plan, budget)
-            if remaining is None:
-                break
-            budget = remaining
-        return budget
-
-    def _best_queue(self) -> deque[Request] | None:
-        """The queue (swapped or waiting) whose first request ranks best, if any."""
-        if not self.swapped or not self.waiting:
-            return self.swapped or self.waiting or None
-        return self.swapped if self.swapped[0].rank < self.waiting[0].rank else self.waiting
-
-    def _preempt_for_priority(self, plan: StepPlan) -> None:
-        """Make room for the best-ranked queued request by preempting running requests
-        of a strictly lower priority, lowest ranked first, when it does not fit now and
-        preempting all of them would let it fit (otherwise they keep running)."""
-        queue = self._best_queue()
-        if queue is None:
-            return
-        sequences = _leading_sequences(queue)
-        head = sequences[0]
-        lower = [sequence for sequence in self.running if sequence.priority > head.priority]
-        if not lower:
-            return
-        group_size = _batch_slots(sequences)
-        max_num_seqs = self.config.max_num_seqs
-        # Blocks for it, with the watermark kept for the running requests that stay.
-        keep_watermark = len(lower) < len(self.running)
-        blocks_missing = self._blocks_missing(sequences, keep_watermark)
-        slots_missing = self._num_batch_slots() + group_size - max_num_seqs
-        lora_missing = self._lora_slot_missing(head, self.running)
-        if blocks_missing <= 0 and slots_missing <= 0 and not lora_missing:
-            return
-        freed = self.block_manager.num_blocks_freed_by([s.request_id for s in lower])
-        staying = [sequence for sequence in self.running if sequence.priority <= head.priority]
-        if (
-            freed < blocks_missing
-            or len(lower) < slots_missing
-            or self._lora_slot_missing(head, staying)
-        ):
-            return  # it needs blocks, slots or an adapter slot held by requests it does not outrank
-        reason = f"request {_request_id(head)} of priority {head.priority} outranks it"
-        while self.running and self.running[-1].priority > head.priority:
-            blocks_missing = self._blocks_missing(sequences, bool(self.running))
-            if (
-                blocks_missing <= 0
-                and self._num_batch_slots() + group_size <= max_num_seqs
-                and not self._lora_slot_missing(head, self.running)
-            ):
-                break
-            self._preempt(self._pop_newest_running(), plan, reason)
 
     def _blocks_missing(self, sequences: list[Request], keep_watermark: bool) -> int:
         """Free blocks a queued request (its leading ``sequences``) lacks to resume with
@@ -763,15 +456,6 @@ class Scheduler:
             )
         reserve = block_manager.watermark_blocks if keep_watermark else 0
         return needed + reserve - block_manager.num_free_blocks
-
-    def _lora_slot_missing(self, head: Request, running: Iterable[Request]) -> bool:
-        """Whether ``head``'s adapter would take a batch of ``running`` past ``max_loras``
-        distinct adapters (never for the base model, nor an adapter already running)."""
-        cap = self.config.max_loras
-        if not cap or not head.lora_id:
-            return False
-        adapters = {sequence.lora_id for sequence in running if sequence.lora_id}
-        return head.lora_id not in adapters and len(adapters) >= cap
 
     def _num_batch_slots(self) -> int:
         """Sequences the batch holds or has promised: the running ones, and the samples or
@@ -815,18 +499,6 @@ class Scheduler:
         for offset, sequence in enumerate(sequences):
             queue.insert(index + offset, sequence)
 
-    def _reservation_tokens(self, request: Request) -> int:
-        """Slots a contiguous policy reserves for the request at admission."""
-        policy = self.config.allocation_policy
-        if policy == "paged":
-            return 0
-        if policy == "max":
-            return self.config.max_model_len
-        max_tokens = request.sampling_params.max_tokens
-        if policy == "pow2":
-            max_tokens = 1 << (max_tokens - 1).bit_length()
-        return min(request.num_prompt_tokens + max_tokens, self.config.max_model_len)
-
     def _admit_sequences(
         self, plan: StepPlan, sequences: list[Request], budget: int
     ) -> tuple[int, bool]:
@@ -866,16 +538,15 @@ class Scheduler:
         at first): a cached token is never computed, so the position after it would get no
         logprob (vLLM skips the cache for such requests too). A per-token pooling request
         reads none, for the same reason."""
-        switch = self.config.long_rope_switch
         # Computed from its first token: its rotation is the one its length says now.
-        request.long_rope = bool(switch) and request.num_tokens > switch
+        request.rotation_epoch = self.config.rotation_epoch(request.num_tokens)
         max_cached_tokens = None
         if request.sampling_params.prompt_logprobs is not None:
             max_cached_tokens = request.num_prompt_logprobs_reported - 1
         if request.pooling_params is not None and request.pooling_params.per_token:
             max_cached_tokens = 0  # a row per prompt token: every one is computed
         return self.block_manager.find_cached_prefix(
-            request.token_ids, self._prefix_namespace(request), max_cached_tokens
+            request.token_ids, self._prefix_key(request), max_cached_tokens
         )
 
     def _note_prefix_hit(self, request: Request, num_cached: int) -> None:
@@ -937,7 +608,7 @@ class Scheduler:
         for the stats (not LongRoPE's switch, which no shortage of blocks caused)."""
         default_mode = "swap" if len(sequences) > 1 else "recompute"
         mode = mode or self.config.preemption_mode or default_mode
-        if any(self._crosses_long_rope_switch(sequence) for sequence in sequences):
+        if any(self._enters_new_rotation(sequence) for sequence in sequences):
             # Past LongRoPE's switch it is computed again from its first token anyway (a
             # swap-in would resume it with the short factors' keys).
             mode = "recompute"
@@ -994,298 +665,6 @@ class Scheduler:
             sum(sequence.num_tokens for sequence in sequences),
         )
 
-    # ------------------------------------------------------------------ results
-
-    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutputDelta]:
-        """Advance the counters of every scheduled sequence and record sampled tokens."""
-        self.num_sampled_tokens += len(result.sampled_token_ids)
-        rows_of: dict[str, list[int]] = {}
-        for row, request_id in enumerate(result.request_ids):
-            rows_of.setdefault(request_id, []).append(row)
-        deltas: list[RequestOutputDelta] = []
-        for sequence_id, why in result.failed_requests.items():
-            sequence = self.requests.get(sequence_id)
-            if sequence is not None:
-                self._fail(_request_id(sequence), f"a worker refused it: {why}", deltas)
-        beam_groups: dict[str, SequenceGroup] = {}
-        for scheduled in (*plan.new_requests, *plan.cached_requests):
-            request = self.requests.get(scheduled.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            try:
-                self._record(plan, scheduled, request, result, rows_of, deltas, beam_groups)
-            except Exception as error:
-                self._fail(_request_id(request), _failure("recording its step", error), deltas)
-        for group in beam_groups.values():
-            if group.request_id in self.groups and all(
-                seq.request_id in group.pending_candidates for seq in group.sequences
-            ):
-                try:
-                    self._beam_step(group, deltas)
-                except Exception as error:
-                    self._fail(group.request_id, _failure("its beam step", error), deltas)
-        self._account_step()
-        return deltas
-
-    def _record(
-        self,
-        plan: StepPlan,
-        scheduled: NewRequestData | CachedRequestData,
-        request: Request,
-        result: StepResult,
-        rows_of: dict[str, list[int]],
-        deltas: list[RequestOutputDelta],
-        beam_groups: dict[str, SequenceGroup],
-    ) -> None:
-        """One scheduled sequence's share of a step's result: its computed tokens, and its
-        sampled tokens (deltas), or its beam candidates for the group's step."""
-        fault_injection.check("scheduling", request.sampling_params.seed)
-        rows = rows_of.get(scheduled.request_id)
-        num_computed = scheduled.num_scheduled_tokens
-        drafts = plan.spec_token_ids.get(scheduled.request_id)
-        if drafts and rows:
-            # Rows: the accepted drafts, then one sampled token. The rejected drafts'
-            # K/V were written but count for nothing; later tokens overwrite them.
-            num_accepted = len(rows) - 1
-            num_computed -= len(drafts) - num_accepted
-            self.num_drafts += 1
-            self.num_draft_tokens += len(drafts)
-            self.num_accepted_tokens += num_accepted
-            for position in range(num_accepted):
-                self.num_accepted_tokens_per_pos[position] += 1
-        request.num_computed_tokens += num_computed
-        if rows:
-            # Guesses at what follows the tokens sampled now (none: guess nothing).
-            request.draft_token_ids = result.draft_token_ids.get(scheduled.request_id, [])
-        self.block_manager.cache_full_blocks(
-            request.request_id,
-            request.token_ids,
-            request.num_computed_tokens,
-            self._prefix_namespace(request),
-        )
-        if request.pooling_params is not None:
-            if request.num_computed_tokens == request.num_tokens:
-                deltas.append(self._finish_pooling(request, result))
-            return
-        prompt_logprobs = self._new_prompt_logprobs(request, result)
-        group = request.group
-        if rows is None or (group is not None and group.beam_search is not None):
-            # A prefill chunk that did not reach the last prompt token, or a beam
-            # whose next token the group decides below.
-            if prompt_logprobs:
-                deltas.append(
-                    RequestOutputDelta(
-                        _request_id(request), [], False, prompt_logprobs=prompt_logprobs
-                    )
-                )
-            if rows is not None:
-                entry = result.logprobs[rows[0]]
-                group.pending_candidates[request.request_id] = list(
-                    zip(entry.token_ids[1:], entry.logprobs[1:])
-                )
-                beam_groups[group.request_id] = group
-            return
-        if group is None:
-            deltas.append(self._advance(request, rows, result, prompt_logprobs))
-        else:
-            self._advance_samples(request, rows, result, prompt_logprobs, deltas)
-
-    def _account_step(self) -> None:
-        """Tally where the device's KV slots are after this step (see MemoryAccounting)."""
-        block_manager = self.block_manager
-        block_size = block_manager.block_size
-        accounting = self.accounting
-        table_slots = 0
-        tables = block_manager.block_tables
-        for sequence in self.running:
-            request_id = sequence.request_id
-            # Blocks a sliding window freed hold no slot, nor the tokens that were in them.
-            freed_slots = block_manager.num_window_freed(request_id) * block_size
-            slots = len(tables.get(request_id, ())) * block_size - freed_slots
-            table_slots += slots
-            accounting.record_sequence(
-                request_id, slots, sequence.num_computed_tokens - freed_slots
-            )
-        pool = block_manager.pool
-        used_slots = (pool.num_blocks - pool.num_free_blocks) * block_size
-        external_slots = 0
-        if block_manager.contiguous and self.waiting:
-            external_slots = (pool.num_free_blocks - pool.largest_free_run()) * block_size
-        accounting.record_step(table_slots, used_slots, external_slots)
-
-    def _finish_pooling(self, request: Request, result: StepResult) -> RequestOutputDelta:
-        """End a pooling request whose last prompt token was just computed: its one
-        delta carries the vector the worker pooled there."""
-        embedding = result.embeddings[request.request_id]
-        self._release(request, RequestStatus.FINISHED_STOPPED)
-        return RequestOutputDelta(
-            request.request_id,
-            [],
-            finished=True,
-            finish_reason=RequestStatus.FINISHED_STOPPED.value,
-            num_cached_tokens=request.num_cached_tokens,
-            embedding=embedding,
-            queue_time_s=request.queue_time_s,
-        )
-
-    def _advance(
-        self, request: Request, rows: list[int], result: StepResult, prompt_logprobs: list | None
-    ) -> RequestOutputDelta:
-        """Record the sampled tokens of a single-sequence request (several when it
-        speculated), up to the one that ends it."""
-        token_ids = []
-        logprobs = []
-        status = RequestStatus.RUNNING
-        for row in rows:
-            token_ids.append(result.sampled_token_ids[row])
-            entry = result.logprobs[row] if result.logprobs else None
-            if entry is not None:
-                logprobs.append(entry)
-            status = request.append_output_token(token_ids[-1])
-            if status.is_finished:
-                break
-        finished = status.is_finished
-        if finished:
-            self._release(request, status)
-        # Known from the first token on; sent then too, for a frontend that ends the
-        # request itself (a stop string) and never sees the last delta.
-        first_or_last = finished or request.num_output_tokens == 1
-        return RequestOutputDelta(
-            request.request_id,
-            token_ids,
-            finished=finished,
-            finish_reason=status.value if finished else None,
-            logprobs=logprobs or None,
-            prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=request.num_cached_tokens if first_or_last else None,
-            queue_time_s=request.queue_time_s if first_or_last else None,
-        )
-
-    def _advance_samples(
-        self,
-        request: Request,
-        rows: list[int],
-        result: StepResult,
-        prompt_logprobs: list | None,
-        deltas: list[RequestOutputDelta],
-    ) -> None:
-        """Record the sampled tokens of a parallel-sampling sequence; its first sample
-        comes as ``best_of`` rows, and the sequence forks into that many."""
-        group = request.group
-        sequences = [request]
-        if len(rows) > 1:
-            # Forks copy the tokens before the parent appends its own sample.
-            position = self.running.index(request) + 1
-            for sample_index in range(1, len(rows)):
-                child = request.fork(group.new_child_id(), sample_index)
-                self.block_manager.fork(request.request_id, child.request_id)
-                self.requests[child.request_id] = child
-                group.sequences.append(child)
-                sequences.append(child)
-            self.running[position:position] = sequences[1:]
-        wants_logprobs = request.sampling_params.logprobs is not None
-        for sequence, row in zip(sequences, rows):
-            token_id = result.sampled_token_ids[row]
-            logprobs = result.logprobs[row] if result.logprobs else None
-            if logprobs is not None:
-                sequence.cumulative_logprob += logprobs.logprobs[0]
-                if wants_logprobs and not group.streams_outputs:
-                    sequence.output_logprobs.append(logprobs)
-            status = sequence.append_output_token(token_id)
-            finished = status.is_finished
-            if finished:
-                self._release(sequence, status)
-            if group.streams_outputs:
-                first_or_last = finished or sequence.num_output_tokens == 1
-                deltas.append(
-                    RequestOutputDelta(
-                        group.request_id,
-                        [token_id],
-                        finished=group.is_finished,
-                        finish_reason=status.value if finished else None,
-                        logprobs=[logprobs] if wants_logprobs else None,
-                        prompt_logprobs=prompt_logprobs if sequence is request else None,
-                        num_cached_tokens=sequence.num_cached_tokens if first_or_last else None,
-                        queue_time_s=sequence.queue_time_s if first_or_last else None,
-                        index=sequence.sample_index,
-                        cumulative_logprob=sequence.cumulative_logprob
-                        if logprobs is not None
-                        else None,
-                    )
-                )
-            elif prompt_logprobs and sequence is request:
-                deltas.append(
-                    RequestOutputDelta(group.request_id, [], False, prompt_logprobs=prompt_logprobs)
-                )
-        if group.is_finished and not group.streams_outputs:
-            ranked = [
-                (
-                    sequence.output_token_ids,
-                    sequence.status.value,
-                    sequence.cumulative_logprob,
-                    sequence.output_logprobs if wants_logprobs else None,
-                )
-                for sequence in group.best_samples()
-            ]
-            deltas.extend(_ranked_deltas(group.request_id, ranked, request))
-
-    def _beam_step(self, group: SequenceGroup, deltas: list[RequestOutputDelta]) -> None:
-        """All beams of ``group`` have reported their candidates: pick the next beams,
-        forking the beams chosen more than once and dropping those not chosen."""
-        beams = list(group.sequences)
-        first = beams[0]
-        step = group.beam_search.step(
-            beam_scores=[beam.cumulative_logprob for beam in beams],
-            beam_output_token_ids=[beam.output_token_ids for beam in beams],
-            candidates=[group.pending_candidates[beam.request_id] for beam in beams],
-            max_generated_tokens=first.max_total_tokens - first.num_prompt_tokens,
-        )
-        group.pending_candidates.clear()
-        position = min(self.running.index(beam) for beam in beams)
-        self.running = [sequence for sequence in self.running if sequence.group is not group]
-        if step.done:
-            for beam in beams:
-                self._release(beam, RequestStatus.FINISHED_STOPPED)
-            ranked = [
-                (h.output_token_ids, h.finish_reason, h.cumulative_logprob, None)
-                for h in group.beam_search.best(group.params.n)
-            ]
-            deltas.extend(_ranked_deltas(group.request_id, ranked, first))
-            return
-        continuing: list[Request] = []
-        reused: set[int] = set()
-        for next_beam in step.next_beams:
-            parent = beams[next_beam.parent]
-            if next_beam.parent in reused:
-                child = parent.fork(group.new_child_id(), parent.sample_index)
-                self.block_manager.fork(parent.request_id, child.request_id)
-                self.requests[child.request_id] = child
-                continuing.append(child)
-            else:
-                reused.add(next_beam.parent)
-                continuing.append(parent)
-        # Tokens are appended only now: forks copied their parent's tokens before.
-        for sequence, next_beam in zip(continuing, step.next_beams):
-            sequence.token_ids.append(next_beam.token_id)
-            sequence.cumulative_logprob = next_beam.score
-            # The workers sampled their own token for it: they get it anew.
-            self._forget_on_workers(sequence.request_id)
-        group.sequences = continuing
-        for index, beam in enumerate(beams):
-            if index not in reused:
-                self._release(beam, RequestStatus.FINISHED_ABORTED)
-        self.running[position:position] = continuing
-
-    @staticmethod
-    def _new_prompt_logprobs(request: Request, result: StepResult) -> list | None:
-        chunk = result.prompt_logprobs.get(request.request_id)
-        if chunk is None:
-            return None
-        skip = request.num_prompt_logprobs_reported - chunk.first_position
-        entries = chunk.entries[max(skip, 0) :]
-        request.num_prompt_logprobs_reported += len(entries)
-        return entries or None
-
     def _release(self, request: Request, status: RequestStatus) -> None:
         """End one sequence: out of the batch or its queue, blocks back, state dropped on
         workers. The last sequence of a group ends the group."""
@@ -1312,60 +691,3 @@ class Scheduler:
         if request_id in self._known_to_workers:
             self._known_to_workers.discard(request_id)
             self._drop_ids_for_workers.append(request_id)
-
-
-def _batch_slots(sequences: list[Request]) -> int:
-    """Batch slots a queued request's ``sequences`` take when they resume: a group that has
-    not sampled yet (new, or preempted mid-prefill, by swap too) forks into its full size at
-    its first sample, so room is kept for that (``_num_batch_slots`` counts it so)."""
-    head = sequences[0]
-    if head.group is not None and head.num_output_tokens == 0:
-        return head.sampling_params.num_sequences
-    return len(sequences)
-
-
-def _leading_sequences(queue: deque[Request]) -> list[Request]:
-    """The queue's first request: its one sequence, or its group's sequences (adjacent
-    at the front)."""
-    head = queue[0]
-    if head.group is None:
-        return [head]
-    sequences = []
-    for request in queue:
-        if request.group is not head.group:
-            break
-        sequences.append(request)
-    return sequences
-
-
-def _ranked_deltas(
-    request_id: str,
-    ranked: list[tuple[list[int], str, float, list | None]],
-    first: Request,
-) -> list[RequestOutputDelta]:
-    """The final deltas of outputs reported only at the end (best_of > n, beams): one per
-    output, best first, each ``(token ids, finish reason, cumulative logprob, logprobs)``;
-    the last one ends the request. ``first``: the group's first sequence (its cached
-    tokens and time queued are the request's)."""
-    return [
-        RequestOutputDelta(
-            request_id,
-            token_ids,
-            finished=rank == len(ranked) - 1,
-            finish_reason=finish_reason,
-            logprobs=logprobs,
-            num_cached_tokens=first.num_cached_tokens,
-            queue_time_s=first.queue_time_s,
-            index=rank,
-            cumulative_logprob=cumulative_logprob,
-        )
-        for rank, (token_ids, finish_reason, cumulative_logprob, logprobs) in enumerate(ranked)
-    ]
-
-
-def _request_id(request: Request) -> str:
-    return request.request_id if request.group is None else request.group.request_id
-
-
-def _failure(stage: str, error: Exception) -> str:
-    return f"the scheduler failed on {stage}: {type(error).__name__}: {error}"

@@ -446,7 +446,7 @@ def test_a_long_rope_sequence_past_the_switch_is_computed_again_with_its_own_pre
     scheduler = Scheduler(config, block_manager)
     scheduler.add_request(make_request("a", 18, max_tokens=6))
     run_step(scheduler)  # the prompt: 18 tokens, 19 known
-    assert not scheduler.requests["a"].long_rope
+    assert scheduler.requests["a"].rotation_epoch == 0
     plan, _ = run_step(scheduler)  # position 18: 20 known
     assert scheduled(plan) == {"a": 1}
     plan, _ = run_step(scheduler)  # position 19: 21 known, past the switch
@@ -454,7 +454,7 @@ def test_a_long_rope_sequence_past_the_switch_is_computed_again_with_its_own_pre
     plan, _ = run_step(scheduler)  # computed again from its first token, all 21
     request = scheduler.requests["a"]
     assert scheduled(plan) == {"a": 21} and plan.new_requests[0].num_computed_tokens == 0
-    assert request.long_rope and scheduler.num_recompute_preemptions == 0
+    assert request.rotation_epoch == 1 and scheduler.num_recompute_preemptions == 0
     # A short prompt of the same first 18 tokens and two others hits the short rotation's
     # two full blocks, which the long sequence's recompute could not use.
     scheduler.add_request(make_request("b", 20, max_tokens=1))
@@ -482,5 +482,5 @@ def test_drafts_of_a_short_long_rope_sequence_stop_at_the_switch():
     run_step(scheduler, token_id=3)  # 19 known: ...1, 2, 3, as four tokens before
     # Prompt lookup proposes 4, 1, 2, 3; only the one at position 19 stays within it.
     assert scheduler._draft_tokens(request, 1, 100) == [4]
-    request.long_rope = True  # a sequence rotated with the long factors: no such cut
+    request.rotation_epoch = 1  # a sequence rotated with the long factors: no such cut
     assert scheduler._draft_tokens(request, 1, 100) == [4, 1, 2, 3]

@@ -13,11 +13,12 @@ import pytest
 from unit.test_scheduler import EOS, run_step
 
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens, blocks_spanned
+from pagedserve.scheduler.capacity import check_request_fits, max_sequence_tokens
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import NULL_BLOCK
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler, check_request_fits, max_sequence_tokens
+from pagedserve.scheduler.scheduler import Scheduler
 
 N = NULL_BLOCK
 
