@@ -305,9 +305,10 @@ class EngineArgs:
             value = getattr(self, spec.name)
             choices = spec.metadata["choices"]
             if choices is not None and value is not None and value not in choices:
-                raise ValueError(
-                    f"{spec.name} must be one of {', '.join(map(str, choices))}, got {value!r}"
-                )
+                allowed = ", ".join(map(str, choices))
+                if spec.default is None:
+                    allowed += " or None"
+                raise ValueError(f"{spec.name} must be one of {allowed}, got {value!r}")
             if spec.type == "bool" and not isinstance(value, bool):
                 raise TypeError(f"{spec.name} must be a bool, got {value!r}")
         for name in ("kv_cache_bytes", "num_blocks", "max_model_len", "max_loras"):

@@ -5,8 +5,9 @@ drain and metrics (``server.py``).
 Routes:
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's requests and answers
-  (``openai_protocol.py``); ``"stream": true`` answers with server-sent events, one
-  ``data: {chunk}`` per step (or per ``--stream-interval`` tokens), then
+  (``openai_protocol.py``, ``openai_answers.py``, ``openai_streams.py``); ``"stream":
+  true`` answers with server-sent events, one ``data: {chunk}`` per step (or per
+  ``--stream-interval`` tokens), then
   ``data: [DONE]``. A client that disconnects ends its requests in the engine at once.
 - ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
   /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``: OpenAI's Responses

@@ -29,7 +29,7 @@ import torch
 from machine import cpu_model
 
 from pagedserve import _C_cpu
-from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker import fused_ops, ops
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
 HIDDEN_SIZE, INTERMEDIATE_SIZE, RMS_NORM_EPS, MAX_POSITIONS = 576, 1536, 1e-5, 8192
@@ -257,21 +257,21 @@ def bench_elementwise(num_tokens: int, dtype: torch.dtype, iters: int) -> None:
             "rms_norm",
             0,
             lambda: torch_rms_norm(hidden, weight),
-            lambda: ops.rms_norm(normed, hidden, weight, RMS_NORM_EPS),
+            lambda: fused_ops.rms_norm(normed, hidden, weight, RMS_NORM_EPS),
         ),
         (
             "add + rms_norm",
             2,
             lambda: torch_rms_norm(residual + hidden, weight),
-            lambda: ops.fused_add_rms_norm(hidden, residual, weight, RMS_NORM_EPS),
+            lambda: fused_ops.fused_add_rms_norm(hidden, residual, weight, RMS_NORM_EPS),
         ),
         (
             "rotary_embedding",
             1,
             lambda: torch_rotary(positions, query, key, cos, sin),
-            lambda: ops.rotary_embedding(positions, query, key, cos, sin),
+            lambda: fused_ops.rotary_embedding(positions, query, key, cos, sin),
         ),
-        ("silu * up", 1, torch_silu_and_mul, lambda: ops.silu_and_mul(activated, gate_up)),
+        ("silu * up", 1, torch_silu_and_mul, lambda: fused_ops.silu_and_mul(activated, gate_up)),
     ]
     layer_torch = layer_fused = 0.0
     for name, per_layer, torch_fn, fused_fn in steps:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker import fused_ops
 from pagedserve.gpu_worker.layers.packed_weights import PackableLinear
 
 if TYPE_CHECKING:
@@ -43,12 +43,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        ops.rms_norm(out, x, self.weight, self.eps)
+        fused_ops.rms_norm(out, x, self.weight, self.eps)
         return out
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> None:
         """In place: ``residual += x`` (in the dtype, as HF adds), then ``x = norm(residual)``."""
-        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class WeightlessRMSNorm(nn.Module):
@@ -62,7 +62,7 @@ class WeightlessRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        ops.rms_norm(out, x, self.ones, self.eps)
+        fused_ops.rms_norm(out, x, self.ones, self.eps)
         return out
 
 

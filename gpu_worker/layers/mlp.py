@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker import fused_ops
 from pagedserve.gpu_worker.layers.basic import XIELU, activation, empty_parameter
 from pagedserve.gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
@@ -42,7 +42,7 @@ class GatedMLP(nn.Module):
         if self.act is None:
             # SiLU(gate) * up in one pass (csrc: silu_and_mul), HF's arithmetic.
             product = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-            ops.silu_and_mul(product, gate_up)
+            fused_ops.silu_and_mul(product, gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             product = self.act(gate) * up

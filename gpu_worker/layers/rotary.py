@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker import fused_ops
 from pagedserve.gpu_worker.layers.rope_config import (  # noqa: F401 (re-exported)
     NTK_ALPHA,
     SUPPORTED_ROPE_TYPES,
@@ -180,7 +180,7 @@ class RotaryEmbedding:
         """``query`` [num_tokens, num_heads * head_size], ``key`` [num_tokens,
         num_kv_heads * head_size], both views into the qkv output: rotated in place."""
         if self.rotary_dim == self.head_size:
-            ops.rotary_embedding(positions, query, key, self.cos, self.sin)
+            fused_ops.rotary_embedding(positions, query, key, self.cos, self.sin)
             return
         cos = self.cos[positions]
         sin = self.sin[positions]

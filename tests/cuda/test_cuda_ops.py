@@ -9,7 +9,7 @@ import torch
 from ops import reference
 from ops.cases import TOLERANCES, fused_qkv, paged_case, query_start_loc, random_pool
 
-from pagedserve.gpu_worker import cuda_ops, ops
+from pagedserve.gpu_worker import cuda_ops, fused_ops, ops
 
 pytestmark = [
     pytest.mark.cuda,
@@ -482,12 +482,12 @@ def test_elementwise_ops_equal_hf_expressions_on_the_gpu(dtype):
     x = torch.randn(7, 256, generator=generator).to(dtype).to(CUDA)
     weight = torch.rand(256, generator=generator).to(dtype).to(CUDA)
     out = torch.empty_like(x)
-    ops.rms_norm(out, x, weight, 1e-6)
+    fused_ops.rms_norm(out, x, weight, 1e-6)
     assert torch.equal(out, reference.rms_norm(x, weight, 1e-6))
 
     residual = torch.randn(7, 256, generator=generator).to(dtype).to(CUDA)
     hidden, summed = x.clone(), residual.clone()
-    ops.fused_add_rms_norm(hidden, summed, weight, 1e-6)
+    fused_ops.fused_add_rms_norm(hidden, summed, weight, 1e-6)
     assert torch.equal(summed, residual + x)
     assert torch.equal(hidden, reference.rms_norm(residual + x, weight, 1e-6))
 
@@ -498,12 +498,12 @@ def test_elementwise_ops_equal_hf_expressions_on_the_gpu(dtype):
     cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
     expected_query = reference.rotate_half(query, cos, sin, positions, 64)
     expected_key = reference.rotate_half(key, cos, sin, positions, 64)
-    ops.rotary_embedding(positions, query, key, cos, sin)
+    fused_ops.rotary_embedding(positions, query, key, cos, sin)
     assert torch.equal(query, expected_query) and torch.equal(key, expected_key)
 
     gate_up = torch.randn(7, 512, generator=generator).to(dtype).to(CUDA)
     product = torch.empty(7, 256, dtype=dtype, device=CUDA)
-    ops.silu_and_mul(product, gate_up)
+    fused_ops.silu_and_mul(product, gate_up)
     assert torch.equal(product, reference.silu_and_mul(gate_up))
 
 

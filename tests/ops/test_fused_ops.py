@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedserve import _C_cpu
-from pagedserve.gpu_worker import ops
+from pagedserve.gpu_worker import fused_ops
 
 from . import reference
 
@@ -73,7 +73,7 @@ def test_rms_norm_matches_hf(isa, dtype, num_tokens, hidden_size, strided):
     weight = (1 + torch.randn(hidden_size, generator=generator) / 4).to(dtype)
     out = _empty_rows(num_tokens, hidden_size, dtype, not strided)
 
-    ops.rms_norm(out, x, weight, EPS)
+    fused_ops.rms_norm(out, x, weight, EPS)
 
     _assert_identical(out, reference.rms_norm(x, weight, EPS))
 
@@ -83,7 +83,7 @@ def test_rms_norm_in_place_on_a_long_row(isa):
     x = torch.randn(3, 8200, generator=generator)  # > 16 groups: the sum cascades a level up
     weight = torch.randn(8200, generator=generator)
     expected = reference.rms_norm(x, weight, EPS)
-    ops.rms_norm(x, x, weight, EPS)
+    fused_ops.rms_norm(x, x, weight, EPS)
     _assert_identical(x, expected)
 
 
@@ -92,7 +92,7 @@ def test_rms_norm_accepts_uncommon_valid_arguments():
     row = torch.randn(1, 576, generator=torch.Generator().manual_seed(4))
     weight = torch.nn.Parameter(torch.randn(576), requires_grad=False)
     out = torch.empty(3, 576)
-    ops.rms_norm(out, row.expand(3, 576), weight, 0)
+    fused_ops.rms_norm(out, row.expand(3, 576), weight, 0)
     _assert_identical(out, reference.rms_norm(row, weight.data, 0).expand(3, 576))
 
 
@@ -107,7 +107,7 @@ def test_fused_add_rms_norm_matches_add_then_norm(isa, dtype, num_tokens, stride
     expected_residual = residual + x
     expected_x = reference.rms_norm(expected_residual, weight, EPS)
 
-    ops.fused_add_rms_norm(x, residual, weight, EPS)
+    fused_ops.fused_add_rms_norm(x, residual, weight, EPS)
 
     _assert_identical(residual, expected_residual)
     _assert_identical(x, expected_x)
@@ -142,7 +142,7 @@ def test_rotary_embedding_matches_hf(isa, dtype, num_tokens, num_heads, num_kv_h
     expected_key = reference.rotate_half(key, cos, sin, positions, head_size)
     value_before = qkv[:, query.shape[1] + key.shape[1] :].clone()
 
-    ops.rotary_embedding(positions, query, key, cos, sin)
+    fused_ops.rotary_embedding(positions, query, key, cos, sin)
 
     _assert_identical(query, expected_query)
     _assert_identical(key, expected_key)
@@ -156,7 +156,7 @@ def test_rotary_embedding_rejects_a_position_past_the_table():
     before = qkv.clone()
     positions = torch.tensor([0, MAX_POSITIONS, 5])
     with pytest.raises(ValueError, match=r"positions\[1\] = 2048 is outside \[0, 2048\)"):
-        ops.rotary_embedding(positions, query, key, cos, sin)
+        fused_ops.rotary_embedding(positions, query, key, cos, sin)
     _assert_identical(qkv, before)  # nothing written
 
 
@@ -184,7 +184,7 @@ def test_silu_and_mul_matches_torch(isa, dtype, num_tokens, intermediate_size, s
     x = _rows(num_tokens, 2 * intermediate_size, dtype, generator, strided)
     out = _empty_rows(num_tokens, intermediate_size, dtype, not strided)
 
-    ops.silu_and_mul(out, x)
+    fused_ops.silu_and_mul(out, x)
 
     _assert_silu_close(out, reference.silu_and_mul(x))
 
@@ -194,7 +194,7 @@ def test_silu_and_mul_over_the_whole_exp_range(isa):
     gate = torch.linspace(-120, 120, 4096).view(2, 2048)
     x = torch.cat((gate, torch.randn(2, 2048, generator=torch.Generator().manual_seed(3))), 1)
     out = torch.empty(2, 2048)
-    ops.silu_and_mul(out, x)
+    fused_ops.silu_and_mul(out, x)
     _assert_silu_close(out, reference.silu_and_mul(x))
 
 
@@ -212,7 +212,7 @@ def _norm_args(dtype: torch.dtype = torch.float32) -> dict:
 
 def _rms_norm(**changes) -> None:
     args = {**_norm_args(), **changes}
-    ops.rms_norm(args["out"], args["x"], args["weight"], args["eps"])
+    fused_ops.rms_norm(args["out"], args["x"], args["weight"], args["eps"])
 
 
 def test_rms_norm_rejects_an_unsupported_dtype():
@@ -247,7 +247,7 @@ def test_rms_norm_rejects_a_bad_eps(eps, error):
 def test_fused_add_rms_norm_rejects_a_residual_of_another_dtype():
     args = _norm_args()
     with pytest.raises(TypeError, match="residual has dtype torch.float16 but x has"):
-        ops.fused_add_rms_norm(
+        fused_ops.fused_add_rms_norm(
             args["x"], torch.zeros(4, 576, dtype=torch.float16), args["weight"], EPS
         )
 
@@ -257,7 +257,9 @@ def _rotary(**changes) -> None:
     _, query, key = _fused_qkv_rows(2, 9, 3, 64, torch.float32, torch.Generator())
     args = {"positions": torch.tensor([0, 1]), "query": query, "key": key, "cos": cos, "sin": sin}
     args.update(changes)
-    ops.rotary_embedding(args["positions"], args["query"], args["key"], args["cos"], args["sin"])
+    fused_ops.rotary_embedding(
+        args["positions"], args["query"], args["key"], args["cos"], args["sin"]
+    )
 
 
 def test_rotary_embedding_rejects_bad_arguments():
@@ -277,8 +279,8 @@ def test_rotary_embedding_rejects_bad_arguments():
 
 def test_silu_and_mul_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"x .* has shape \(4, 100\) but out .* has \(4, 60\)"):
-        ops.silu_and_mul(torch.empty(4, 60), torch.zeros(4, 100))
+        fused_ops.silu_and_mul(torch.empty(4, 60), torch.zeros(4, 100))
     with pytest.raises(TypeError, match="out has dtype torch.bfloat16 but x has torch.float32"):
-        ops.silu_and_mul(torch.empty(4, 50, dtype=torch.bfloat16), torch.zeros(4, 100))
+        fused_ops.silu_and_mul(torch.empty(4, 50, dtype=torch.bfloat16), torch.zeros(4, 100))
     with pytest.raises(TypeError, match="x has dtype torch.int64; supported"):
-        ops.silu_and_mul(torch.empty(4, 50), torch.zeros(4, 100, dtype=torch.int64))
+        fused_ops.silu_and_mul(torch.empty(4, 50), torch.zeros(4, 100, dtype=torch.int64))
