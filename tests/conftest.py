@@ -8,7 +8,12 @@ import weakref
 from pathlib import Path
 
 import pytest
-from tiny_models import random_hf_model
+
+# Before any helper is imported: pytest rewrites their asserts as it does a test module's,
+# so a failed check inside a helper reports its values.
+pytest.register_assert_rewrite("helpers")
+
+from helpers.tiny_models import TINY_CONFIGS, make_tiny_model  # noqa: E402
 
 # Every LLM built anywhere in the suite is checked after each test: those built during the
 # test by strong reference (a local variable is gone by teardown, and a leak in it would go
@@ -63,110 +68,6 @@ def _block_integrity_after_each_test():
                 raise
 
 
-TINY_CONFIGS = {
-    "llama": dict(
-        architectures=["LlamaForCausalLM"],
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    ),
-    "qwen2": dict(
-        architectures=["Qwen2ForCausalLM"],
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    ),
-    "mistral": dict(
-        architectures=["MistralForCausalLM"],
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=512,
-        sliding_window=None,
-    ),
-    # Llama 3's frequency-dependent RoPE scaling, with an original context short enough
-    # that the test prompts reach the scaled frequencies.
-    "llama3_rope": dict(
-        architectures=["LlamaForCausalLM"],
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=512,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    # Qwen3: per-head q/k norms; head_dim (64) is not hidden_size / heads (32); GQA.
-    "qwen3": dict(
-        architectures=["Qwen3ForCausalLM"],
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    ),
-    "opt": dict(
-        architectures=["OPTForCausalLM"],
-        hidden_size=128,
-        ffn_dim=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-        word_embed_proj_dim=128,
-    ),
-}
-
-# YaRN (Qwen2.5's long-context setting) on the tiny Qwen2, with an original context short
-# enough that the test prompts run past it: the context window becomes 64 x 4 = 256 positions.
-TINY_CONFIGS["yarn_rope"] = dict(
-    TINY_CONFIGS["qwen2"],
-    rope_theta=1000000.0,
-    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-)
-
-# Qwen3's small checkpoints tie the LM head to the embedding; attention_bias adds q/k/v
-# and o_proj biases, which Qwen3 (unlike Qwen2) has only when the config says.
-TINY_CONFIGS["qwen3_tied_bias"] = dict(
-    TINY_CONFIGS["qwen3"], tie_word_embeddings=True, attention_bias=True
-)
-
-
-def make_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
-    """Save a randomly initialised HF model of ``TINY_CONFIGS[family]`` to ``path``
-    (``tiny_models.random_hf_model``: weights drawn wide for tie-free greedy paths)."""
-    return random_hf_model(TINY_CONFIGS[family], path, seed)
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
@@ -177,7 +78,11 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 def byte_level_llama_dir(tiny_model_dirs, tmp_path_factory) -> Path:
     """The tiny Llama with a byte-level tokenizer of its 512-token vocabulary (bytes and
     filler words), so its output decodes to text. Shared: tests must not write into it."""
-    from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
+    from helpers.tiny_tokenizers import (
+        BYTE_LEVEL_SPECIALS,
+        byte_level_tokenizer,
+        save_for_transformers,
+    )
 
     path = tmp_path_factory.mktemp("tiny_llama_bytes")
     shutil.copytree(tiny_model_dirs["llama"], path, dirs_exist_ok=True)

@@ -9,14 +9,11 @@ import random
 import pytest
 import torch
 import transformers
-from engine.test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
-from engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
-from engine.test_llama4 import CONFIG as LLAMA4_CONFIG
-from engine.test_moe import MOE_CONFIGS
-from engine.test_multi_token_prediction import CONFIGS as MTP_CONFIGS
-from engine.test_multi_token_prediction import predictable_copy, with_mtp_layer
-from engine.test_sliding_window import make_windowed_model, windowed_prompts
-from tiny_models import random_hf_model
+from helpers.family_configs import DEEPSEEK_CONFIGS, GEMMA_CONFIGS, LLAMA4, MOE_CONFIGS
+from helpers.multi_token_prediction import CONFIGS as MTP_CONFIGS
+from helpers.multi_token_prediction import predictable_copy, with_mtp_layer
+from helpers.tiny_models import random_hf_model
+from helpers.windowed_models import make_windowed_model, windowed_prompts
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker import cuda_ops
@@ -281,7 +278,7 @@ def test_llama4_matches_hf_on_the_gpu(tmp_path, monkeypatch, prefill):
     # copied to the device each step) in the CUDA decode kernel and either prefill path, its
     # NoPE layers' temperature, L2 q/k norms and input-scaled experts on the device.
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, prefill)
-    model_dir = random_hf_model(LLAMA4_CONFIG, tmp_path / "llama4")
+    model_dir = random_hf_model(LLAMA4, tmp_path / "llama4")
     expected = hf_greedy(model_dir, random_prompts(1))
     llm = LLM(model_dir, device="cuda", block_size=16, num_blocks=256)
     outputs = llm.generate(random_prompts(1), GREEDY)

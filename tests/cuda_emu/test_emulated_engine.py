@@ -17,14 +17,14 @@ from __future__ import annotations
 import collections
 
 import pytest
-from engine.test_parity import (
+from helpers.parity import (
     GREEDY,
     check_bfloat16_first_tokens_agree_with_hf,
     hf_greedy,
+    prompts_for,
     random_prompts,
 )
-from engine.test_sharing import prompts_for
-from engine.test_sliding_window import make_windowed_model, windowed_prompts
+from helpers.windowed_models import make_windowed_model, windowed_prompts
 
 from cuda_emu.build import emulated_kernels
 from pagedserve.frontend import LLM, SamplingParams

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_parity import EMBEDDED_PROMPTS, hf_greedy
+from helpers.parity import EMBEDDED_PROMPTS, hf_greedy
 
 from pagedserve.frontend.tokenizer import Tokenizer
 

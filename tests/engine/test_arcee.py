@@ -8,10 +8,10 @@ matches HF's (tests/engine/test_classification.py).
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import hf_greedy
-from tiny_family import (
+from helpers.family_configs import ARCEE
+from helpers.parity import hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
@@ -20,15 +20,6 @@ from tiny_family import (
 )
 
 from pagedserve.frontend import LLM
-
-ARCEE = dict(
-    architectures=["ArceeForCausalLM"],
-    **TINY_SHAPE,
-    rope_theta=10000.0,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 model_dir, hf_reference = family_fixtures(ARCEE)
 
@@ -49,7 +40,7 @@ def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_refere
 
 
 def test_lora_on_its_up_and_down_projections_matches_hf_peft(model_dir, tmp_path):
-    from engine.test_lora import check_adapter_matches_hf_peft
+    from helpers.lora_adapters import check_adapter_matches_hf_peft
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
     check_adapter_matches_hf_peft(model_dir, tmp_path, targets, seed=7, prompt_seed=5)

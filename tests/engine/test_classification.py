@@ -11,35 +11,32 @@ import random
 import pytest
 import torch
 import transformers
-from tokenizers.processors import TemplateProcessing
+from helpers.family_configs import (
+    ARCEE,
+    DEEPSEEK_CONFIGS,
+    EXAONE4,
+    GEMMA_CONFIGS,
+    GLM4,
+    GPT_OSS,
+    HUNYUAN,
+    MINISTRAL3,
+    NEMOTRON,
+    OLMO2,
+    OLMO3,
+    PHI3,
+    SEED_OSS,
+    SMOLLM3,
+    STARCODER2,
+)
+from helpers.pooling_models import LABELS, classifier_config, make_cross_encoder
+from helpers.tiny_models import TINY_CONFIGS, random_hf_model
+from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS
 
 from pagedserve.frontend import LLM, PoolingParams, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.pooling_params import check_task
-from tests.conftest import TINY_CONFIGS
-from tests.engine.test_arcee import ARCEE
-from tests.engine.test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
-from tests.engine.test_exaone4 import EXAONE4
-from tests.engine.test_gemma import TINY_CONFIGS as GEMMA_CONFIGS
-from tests.engine.test_glm4 import GLM4
-from tests.engine.test_gpt_oss import GPT_OSS
-from tests.engine.test_hunyuan import HUNYUAN
-from tests.engine.test_ministral3 import CONFIG as MINISTRAL3
-from tests.engine.test_nemotron import NEMOTRON
-from tests.engine.test_olmo2 import OLMO2, OLMO3
-from tests.engine.test_phi3 import PHI3
-from tests.engine.test_seed_oss import SEED_OSS
-from tests.engine.test_smollm3 import SMOLLM3
-from tests.engine.test_starcoder2 import STARCODER2
-from tests.tiny_models import random_hf_model
-from tests.tiny_tokenizers import (
-    BYTE_LEVEL_SPECIALS,
-    byte_level_tokenizer,
-    save_for_transformers,
-)
 
-LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 # With 16-token blocks and a 64-token budget: one token, part of a block, a block and one,
 # and prompts of two and three chunks; the last shares three full blocks with the 100-token one.
 LENGTHS = [1, 5, 17, 100, 150]
@@ -64,11 +61,6 @@ FAMILIES = {
     "nemotron": {**NEMOTRON, "pad_token_id": None},
     "ministral3": {**MINISTRAL3, "pad_token_id": None},
 }
-
-
-def classifier_config(causal: dict, **fields) -> dict:
-    architecture = causal["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
-    return {**causal, "architectures": [architecture], **fields}
 
 
 def prompts(seed: int = 5) -> list[list[int]]:
@@ -99,28 +91,6 @@ def classifier_dirs(tmp_path_factory) -> dict:
         family: random_hf_model(classifier_config(causal, id2label=LABELS), root / family)
         for family, causal in FAMILIES.items()
     }
-
-
-def make_cross_encoder(path):
-    """A one-label Qwen3 classifier whose byte-level tokenizer joins a pair as
-    ``<|im_start|> A <|im_end|> B``, as rerankers' tokenizers mark the boundary."""
-    random_hf_model(classifier_config(TINY_CONFIGS["qwen3"], num_labels=1), path)
-    tokenizer = byte_level_tokenizer([], vocab_size=512)
-    start, end = BYTE_LEVEL_SPECIALS[1], BYTE_LEVEL_SPECIALS[2]
-    tokenizer.post_processor = TemplateProcessing(
-        single=f"{start} $A",
-        pair=f"{start} $A {end} $B:1",
-        special_tokens=[(start, tokenizer.token_to_id(start)), (end, tokenizer.token_to_id(end))],
-    )
-    return save_for_transformers(tokenizer, path, BYTE_LEVEL_SPECIALS)
-
-
-def make_text_classifier(path):
-    """A three-label Llama classifier with a byte-level tokenizer (texts to classify)."""
-    random_hf_model(classifier_config(TINY_CONFIGS["llama"], id2label=LABELS), path)
-    return save_for_transformers(
-        byte_level_tokenizer([], vocab_size=512), path, BYTE_LEVEL_SPECIALS
-    )
 
 
 @pytest.fixture(scope="module")

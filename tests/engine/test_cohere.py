@@ -14,45 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import GREEDY, check_chunked_prefix_hits_and_two_ranks, prompts, token_ids
-from tiny_models import random_hf_model
+from helpers.family_configs import COHERE_CONFIGS
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import GREEDY, check_chunked_prefix_hits_and_two_ranks, prompts, token_ids
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
-
-_COMMON = dict(
-    hidden_size=256,
-    intermediate_size=384,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    logit_scale=0.5,
-)
-CONFIGS = {
-    "cohere": dict(architectures=["CohereForCausalLM"], num_hidden_layers=2, **_COMMON),
-    # Command R+: a LayerNorm over each query and key head, weights of its own per head.
-    "cohere_qk_norm": dict(
-        architectures=["CohereForCausalLM"], num_hidden_layers=2, use_qk_norm=True, **_COMMON
-    ),
-    # Command R7B: three sliding layers (16 tokens, RoPE) to one full layer (no RoPE).
-    "cohere2": dict(
-        architectures=["Cohere2ForCausalLM"],
-        num_hidden_layers=4,
-        sliding_window=16,
-        rope_theta=50_000.0,
-        **_COMMON,
-    ),
-}
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cohere")
-    return {name: random_hf_model(config, root / name) for name, config in CONFIGS.items()}
+    return {name: random_hf_model(config, root / name) for name, config in COHERE_CONFIGS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +33,7 @@ def hf_references(model_dirs) -> dict[str, list[list[int]]]:
     return {name: hf_greedy(path, prompts()) for name, path in model_dirs.items()}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(COHERE_CONFIGS))
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_cohere_models_match_hf(model_dirs, hf_references, name, block_size):
     llm = LLM(model_dirs[name], block_size=block_size, num_blocks=256)

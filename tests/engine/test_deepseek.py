@@ -17,12 +17,11 @@ import json
 
 import pytest
 import torch
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from engine.test_speculative_decoding import SPECULATIVE, assert_speculated, repetitive_prompts
-from safetensors.torch import load_file, save_file
-from tiny_family import (
+from helpers.family_configs import DEEPSEEK_CONFIGS
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.speculative_decoding import SPECULATIVE, assert_speculated, repetitive_prompts
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     check_preemption_by_swap_keeps_the_tokens,
     prompts,
@@ -30,101 +29,19 @@ from tiny_family import (
     token_ids,
     with_next_token_layer,
 )
-from tiny_models import random_hf_model
+from helpers.tiny_models import random_hf_model
+from safetensors.torch import load_file, save_file
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec
 from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig
 from pagedserve.gpu_worker.parallel import TensorParallel
 
-_SHAPE = {k: v for k, v in TINY_SHAPE.items() if k != "num_key_value_heads"}
-
-CONFIGS = {
-    # DeepSeek-V2-Lite's shape in small: no low-rank query, heads of 64 + 32 (values 64),
-    # layer 0 dense, then 8 experts (top 3 by softmax, unnormalised, scaled) and 2 shared.
-    "v2": dict(
-        architectures=["DeepseekV2ForCausalLM"],
-        **_SHAPE,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=64,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        moe_intermediate_size=64,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        n_shared_experts=2,
-        first_k_dense_replace=1,
-        routed_scaling_factor=1.5,
-        topk_method="greedy",
-        pad_token_id=0,
-        eos_token_id=2,
-    ),
-    # DeepSeek-V3's shape in small: a low-rank query, heads of 128 + 64 (values 128: the cache
-    # head is 192), YaRN with mscale_all_dim, 8 experts in 4 groups (2 kept), sigmoid scores.
-    "v3": dict(
-        architectures=["DeepseekV3ForCausalLM"],
-        **_SHAPE,
-        num_key_value_heads=4,
-        q_lora_rank=96,
-        kv_lora_rank=64,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        moe_intermediate_size=64,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 128,
-        },
-        pad_token_id=0,
-        eos_token_id=2,
-    ),
-}
-CONFIGS["v2"]["num_hidden_layers"] = CONFIGS["v3"]["num_hidden_layers"] = 3
-# GLM-4.7-Flash (Glm4MoeLiteForCausalLM) in small: V3's attention with values wider than the
-# query-key heads (64 + 32, values 128: keys padded in the cache), experts at the layers
-# mlp_layer_types names, 8 in 2 groups (1 kept), sigmoid scores.
-CONFIGS["glm4_moe_lite"] = dict(
-    architectures=["Glm4MoeLiteForCausalLM"],
-    **_SHAPE,
-    num_key_value_heads=4,
-    q_lora_rank=96,
-    kv_lora_rank=64,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=32,
-    v_head_dim=128,
-    moe_intermediate_size=64,
-    n_routed_experts=8,
-    num_experts_per_tok=3,
-    n_group=2,
-    topk_group=1,
-    n_shared_experts=1,
-    routed_scaling_factor=1.8,
-    mlp_layer_types=["dense", "sparse", "dense"],
-    pad_token_id=0,
-    eos_token_id=2,
-)
-CONFIGS["glm4_moe_lite"]["num_hidden_layers"] = 3
-
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
-    return {name: random_hf_model(config, root / name) for name, config in CONFIGS.items()}
+    return {name: random_hf_model(config, root / name) for name, config in DEEPSEEK_CONFIGS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -169,14 +86,14 @@ def test_glm4_moe_lite_reads_its_layer_types_and_caches_latents(model_dirs, tmp_
         )
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(DEEPSEEK_CONFIGS))
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_deepseek_matches_hf(model_dirs, hf_references, name, block_size):
     llm = LLM(model_dirs[name], block_size=block_size, num_blocks=256)
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(DEEPSEEK_CONFIGS))
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dirs, hf_references, name):
     check_chunked_prefix_hits_and_two_ranks(model_dirs[name], hf_references[name])
 
@@ -224,7 +141,7 @@ def test_rope_layout_yarn_scale_and_groups_each_change_hf_s_tokens(
     model_dirs, hf_references, tmp_path
 ):
     halves = rewritten(model_dirs["v3"], tmp_path / "halves", rope_interleave=False)
-    parameters = dict(CONFIGS["v3"]["rope_parameters"], mscale_all_dim=0.0)
+    parameters = dict(DEEPSEEK_CONFIGS["v3"]["rope_parameters"], mscale_all_dim=0.0)
     unscaled = rewritten(model_dirs["v3"], tmp_path / "unscaled", rope_parameters=parameters)
     ungrouped = rewritten(model_dirs["v3"], tmp_path / "ungrouped", topk_group=4)
     for variant in (halves, unscaled, ungrouped):
@@ -238,7 +155,7 @@ def test_the_next_token_prediction_layer_is_skipped(model_dirs, hf_references, t
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(DEEPSEEK_CONFIGS))
 def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dirs, name):
     check_bfloat16_first_tokens_agree_with_hf(model_dirs[name])
 

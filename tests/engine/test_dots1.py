@@ -8,10 +8,10 @@ can fail; bfloat16's first tokens agree with HF's bfloat16."""
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import (
+from helpers.family_configs import DOTS1
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
@@ -21,28 +21,6 @@ from tiny_family import (
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig
-
-# dots.llm1's shape in small: 3 layers, the last windowed (32 tokens: the prompts run past
-# it), layer 0 dense, 8 experts in 2 groups (1 kept), top 2, renormalised, one shared.
-DOTS1 = dict(
-    architectures=["Dots1ForCausalLM"],
-    **{**TINY_SHAPE, "num_hidden_layers": 3},
-    head_dim=64,
-    moe_intermediate_size=64,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    n_group=2,
-    topk_group=1,
-    norm_topk_prob=True,
-    first_k_dense_replace=1,
-    sliding_window=32,
-    max_window_layers=2,
-    attention_bias=True,
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(DOTS1)
 

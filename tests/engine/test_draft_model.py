@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from test_parity import NEW_TOKENS, hf_greedy
-from test_speculative_decoding import (
+from helpers.grammar_cases import CONSTRAINTS
+from helpers.grammar_cases import PROMPTS as STRUCTURED_PROMPTS
+from helpers.parity import NEW_TOKENS, hf_greedy
+from helpers.speculative_decoding import (
     FEW,
     assert_same_tokens_and_logprobs,
     check_stops_inside_accepted_drafts,
     outputs,
     repetitive_prompts,
 )
-from test_structured_output import CONSTRAINTS
-from test_structured_output import PROMPTS as STRUCTURED_PROMPTS
+from safetensors.torch import load_file, save_file
 
 from pagedserve.frontend import LLM, SamplingParams
 

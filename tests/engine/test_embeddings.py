@@ -8,24 +8,14 @@ import random
 import pytest
 import torch
 import transformers
+from helpers.parity import NEW_TOKENS, hf_greedy
+from helpers.pooling_models import embed_prompts
 
 from pagedserve.frontend import LLM, PoolingParams, SamplingParams
 from pagedserve.frontend.request_tracker import EmbeddingTracker, RequestTracker
 from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS
-from tests.engine.test_parity import NEW_TOKENS, hf_greedy
 
-# With 16-token blocks and a 64-token budget: one token, part of a block, a block exactly,
-# a block and one, and prompts that take two and three chunks.
-EMBED_LENGTHS = [1, 5, 16, 17, 100, 150]
 FAMILIES = ["llama", "qwen2", "qwen3"]
-
-
-def embed_prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(512) for _ in range(n)] for n in EMBED_LENGTHS]
-    # Shares its first 48 tokens (three full blocks) with the 100-token prompt.
-    prompts.append(prompts[4][:48] + [rng.randrange(512) for _ in range(20)])
-    return prompts
 
 
 def hf_last_hidden(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -10,31 +10,19 @@ reordered query and key rows give peft's tokens.
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import hf_greedy
-from tiny_family import (
+from helpers.family_configs import ERNIE
+from helpers.parity import hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
-from tiny_models import random_hf_model
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
-
-ERNIE = dict(
-    architectures=["Ernie4_5ForCausalLM"],
-    **TINY_SHAPE,
-    head_dim=64,
-    use_bias=True,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(ERNIE)
 
@@ -72,6 +60,6 @@ def test_a_bare_config_takes_ernie4_5_config_s_defaults(tmp_path):
 
 
 def test_lora_on_the_reordered_rows_matches_hf_peft(model_dir, tmp_path):
-    from engine.test_lora import ALL_MODULES, check_adapter_matches_hf_peft
+    from helpers.lora_adapters import ALL_MODULES, check_adapter_matches_hf_peft
 
     check_adapter_matches_hf_peft(model_dir, tmp_path, ALL_MODULES, seed=6, prompt_seed=4)

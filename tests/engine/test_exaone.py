@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from engine.test_parity import hf_greedy
-from tiny_family import (
+from helpers.parity import hf_greedy
+from helpers.tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     prompts,
     token_ids,
 )
-from tiny_models import random_hf_model
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig

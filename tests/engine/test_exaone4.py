@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from engine.test_lora import check_adapter_matches_hf_peft
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import (
+from helpers.family_configs import EXAONE4
+from helpers.lora_adapters import check_adapter_matches_hf_peft
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
@@ -25,19 +25,6 @@ from tiny_family import (
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
-
-# EXAONE-4.0-32B's layout in small: 4 layers, every second global (no RoPE), the others
-# windowed to 32 tokens (the prompts run past it).
-EXAONE4 = dict(
-    architectures=["Exaone4ForCausalLM"],
-    **{**TINY_SHAPE, "num_hidden_layers": 4},
-    head_dim=64,
-    sliding_window=32,
-    sliding_window_pattern=2,
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(EXAONE4)
 

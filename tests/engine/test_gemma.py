@@ -15,74 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import GREEDY, prompts, token_ids
-from tiny_models import random_hf_model
+from helpers.family_configs import GEMMA_CONFIGS
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import GREEDY, prompts, token_ids
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 from pagedserve.gpu_worker.layers.rope_config import layer_type_rope_parameters
 from pagedserve.gpu_worker.model_config import ModelConfig, check_tensor_parallel_size
-
-TINY_CONFIGS = {
-    # Tied LM head and no sliding window; attention_bias adds q/k/v and o_proj biases.
-    "gemma": dict(
-        architectures=["GemmaForCausalLM"],
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=512,
-        attention_bias=True,
-    ),
-    # Sliding (16 tokens), global, sliding layers; the global layers' RoPE has its own base
-    # and a linear scaling, the sliding layers' none; an attention scale of 48 ** -0.5, not
-    # head_dim's; untied LM head; logits soft-capped at 5 (a cap of its real 30 would barely
-    # bend these logits).
-    "gemma3": dict(
-        architectures=["Gemma3ForCausalLM"],
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=512,
-        query_pre_attn_scalar=48,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
-        },
-        final_logit_softcapping=5.0,
-        tie_word_embeddings=False,
-    ),
-    # Gemma 2's layer kinds as its config derives them (no layer_types: sliding, global,
-    # sliding, global), a 16-token window the longer prompts pass, and its real caps: 50 on
-    # the attention logits, 30 on the final ones. The attention scale of 2 ** -0.5 makes
-    # logits of tens, which a cap of 50 bends enough to change HF's tokens (checked below).
-    "gemma2": dict(
-        architectures=["Gemma2ForCausalLM"],
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=512,
-        query_pre_attn_scalar=2,
-        sliding_window=16,
-        attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0,
-    ),
-}
 
 
 def _rewrite_config(model_dir: Path, **changes) -> None:
@@ -100,7 +42,7 @@ def _rewrite_config(model_dir: Path, **changes) -> None:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gemma_models")
-    dirs = {family: random_hf_model(c, root / family) for family, c in TINY_CONFIGS.items()}
+    dirs = {family: random_hf_model(c, root / family) for family, c in GEMMA_CONFIGS.items()}
     # As the Hub's Gemma configs are written: the legacy "gelu" (HF runs the tanh
     # approximation) and no tie_word_embeddings (tied by default).
     _rewrite_config(dirs["gemma"], hidden_act="gelu", tie_word_embeddings=None)

@@ -9,10 +9,10 @@ agree with HF's bfloat16.
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import (
+from helpers.family_configs import GLM4
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
@@ -21,16 +21,6 @@ from tiny_family import (
 )
 
 from pagedserve.frontend import LLM
-
-GLM4 = dict(
-    architectures=["Glm4ForCausalLM"],
-    **TINY_SHAPE,
-    head_dim=64,
-    rope_theta=10000.0,
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(GLM4)
 

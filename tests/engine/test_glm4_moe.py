@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine.test_lora import check_adapter_matches_hf_peft
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from safetensors.torch import load_file, save_file
-from tiny_family import (
+from helpers.family_configs import GLM4_MOE
+from helpers.lora_adapters import check_adapter_matches_hf_peft
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     check_preemption_by_swap_keeps_the_tokens,
     family_fixtures,
@@ -26,29 +25,10 @@ from tiny_family import (
     token_ids,
     with_next_token_layer,
 )
+from safetensors.torch import load_file, save_file
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ExpertsSpec, GroupedRouting, ModelConfig
-
-# GLM-4.5's shape in small: 3 layers (layer 0 dense), 8 experts of 64 in 4 groups, each token
-# keeping 2 groups and 3 experts; one shared expert; q/k norms; scaled weights.
-GLM4_MOE = dict(
-    architectures=["Glm4MoeForCausalLM"],
-    **{**TINY_SHAPE, "num_hidden_layers": 3},
-    head_dim=64,
-    moe_intermediate_size=64,
-    n_routed_experts=8,
-    num_experts_per_tok=3,
-    n_group=4,
-    topk_group=2,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    attention_bias=True,
-    use_qk_norm=True,
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(GLM4_MOE)
 

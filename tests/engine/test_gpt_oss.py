@@ -15,48 +15,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from safetensors.torch import load_file, save_file
-from tiny_family import (
+from helpers.family_configs import GPT_OSS
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
+from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.gpt_oss import dequantize_mxfp4
-
-# gpt-oss's shape in small: 4 experts (top 2), a 32-token window on layer 0 (the prompts run
-# past it), YaRN over a 128-token original context, and a clamp of 1.0 that the gate and up
-# projections of these random weights cross (gpt-oss's own 7.0 they never reach).
-GPT_OSS = dict(
-    architectures=["GptOssForCausalLM"],
-    **TINY_SHAPE,
-    head_dim=64,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    sliding_window=32,
-    swiglu_limit=1.0,
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 128,
-    },
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(GPT_OSS)
 

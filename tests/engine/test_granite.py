@@ -14,38 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from engine.test_parity import hf_greedy
-from tiny_family import (
+from helpers.family_configs import GRANITE, GRANITE_MOE, GRANITE_SCALARS
+from helpers.parity import hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
-from tiny_models import random_hf_model
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
-
-# As Granite 3.x configures them (tied embeddings, GQA), with scalars that each move these
-# random weights' greedy tokens (Granite 3's own, embedding x12 and residual x0.22, drown a
-# tiny random model's layers in its tied embedding: it repeats its input) and an attention
-# scale of 0.05, not head_dim's 1/8.
-SCALARS = dict(
-    embedding_multiplier=1.5,
-    residual_multiplier=0.7,
-    attention_multiplier=0.05,
-    logits_scaling=4.0,
-)
-GRANITE = dict(
-    architectures=["GraniteForCausalLM"],
-    **TINY_SHAPE,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-    **SCALARS,
-)
-
 
 model_dir, hf_reference = family_fixtures(GRANITE)
 
@@ -70,7 +51,7 @@ def test_logprobs_carry_the_logits_scaling(model_dir):
         logits = model(torch.tensor([prompt + completion.token_ids])).logits[0]
     rows = slice(len(prompt) - 1, len(prompt) - 1 + len(completion.token_ids))
     scaled = torch.log_softmax(logits[rows], dim=-1)
-    unscaled = torch.log_softmax(logits[rows] * SCALARS["logits_scaling"], dim=-1)
+    unscaled = torch.log_softmax(logits[rows] * GRANITE_SCALARS["logits_scaling"], dim=-1)
     assert (scaled - unscaled).abs().max() > 0.1  # the check below tells them apart
     for entry, row in zip(completion.logprobs, scaled):
         top = row.topk(5)
@@ -80,12 +61,12 @@ def test_logprobs_carry_the_logits_scaling(model_dir):
 
 
 def test_a_config_without_the_scalars_takes_graniteconfig_s_defaults(model_dir, tmp_path):
-    bare = rewritten(model_dir, tmp_path / "bare", **dict.fromkeys(SCALARS))
+    bare = rewritten(model_dir, tmp_path / "bare", **dict.fromkeys(GRANITE_SCALARS))
     llm = LLM(bare, num_blocks=256)
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_greedy(bare, prompts())
 
 
-@pytest.mark.parametrize("name", list(SCALARS))
+@pytest.mark.parametrize("name", list(GRANITE_SCALARS))
 def test_each_scalar_changes_hf_s_tokens(model_dir, hf_reference, tmp_path, name):
     # Without it (its default of 1.0) HF's own tokens differ: the parity tests above fail
     # on an engine that leaves it out.
@@ -99,8 +80,7 @@ def test_each_scalar_changes_hf_s_tokens(model_dir, hf_reference, tmp_path, name
 
 
 def test_lora_matches_hf_peft(model_dir, tmp_path):
-    from engine.test_lora import ALL_MODULES, make_lora_adapter
-    from engine.test_lora import hf_greedy as peft_greedy
+    from helpers.lora_adapters import ALL_MODULES, make_lora_adapter, peft_greedy
 
     adapter = make_lora_adapter(
         model_dir, tmp_path / "lora", seed=5, target_modules=ALL_MODULES, r=8, lora_alpha=16
@@ -113,15 +93,6 @@ def test_lora_matches_hf_peft(model_dir, tmp_path):
     assert expected != peft_greedy(model_dir, None, short_prompts)
 
 
-# Granite MoE (granite-3.x-*-a*m): Granite's scalars and 4 experts of 192, top 2, weighted
-# by the softmax of the top two logits.
-GRANITE_MOE = dict(
-    GRANITE,
-    architectures=["GraniteMoeForCausalLM"],
-    intermediate_size=192,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-)
 # The stacked expert tensors as the Hub's checkpoints name them <-> transformers 5's names.
 _MOE_NAMES = {
     "block_sparse_moe.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",

@@ -9,32 +9,21 @@ tokens."""
 from __future__ import annotations
 
 import pytest
-from engine.test_lora import check_adapter_matches_hf_peft
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import (
+from helpers.family_configs import HUNYUAN
+from helpers.lora_adapters import check_adapter_matches_hf_peft
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
-from tiny_models import random_hf_model
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig
-
-# Hunyuan-7B's RoPE in small: "dynamic" with alpha 1000 (its own value).
-HUNYUAN = dict(
-    architectures=["HunYuanDenseV1ForCausalLM"],
-    **TINY_SHAPE,
-    head_dim=64,
-    rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(HUNYUAN)
 

@@ -10,8 +10,8 @@ they are HF's too, and the biases move HF's own tokens.
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import hf_greedy
-from tiny_family import (
+from helpers.parity import hf_greedy
+from helpers.tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from engine.test_parity import GREEDY, hf_greedy, random_prompts
+from helpers.parity import GREEDY, hf_greedy, random_prompts
 from transformers.cache_utils import DynamicLayer
 
 from pagedserve.frontend import LLM

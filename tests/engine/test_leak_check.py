@@ -13,7 +13,7 @@ from pathlib import Path
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
 LEAKING_TEST = """
-from conftest import make_tiny_model
+from helpers.tiny_models import make_tiny_model
 from pagedserve.frontend.llm import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams
 

@@ -12,11 +12,11 @@ tokens, so the checks can fail; bfloat16's first tokens agree with HF's bfloat16
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from engine.test_speculative_decoding import SPECULATIVE, assert_speculated, repetitive_prompts
-from tiny_family import (
+from helpers.family_configs import LLAMA4
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.speculative_decoding import SPECULATIVE, assert_speculated, repetitive_prompts
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     check_preemption_by_swap_keeps_the_tokens,
     family_fixtures,
@@ -32,23 +32,7 @@ from pagedserve.gpu_worker.model_config import (
     llama4_nope_temperature,
 )
 
-CONFIG = dict(
-    architectures=["Llama4ForCausalLM"],
-    **{**TINY_SHAPE, "num_hidden_layers": 4},
-    head_dim=64,
-    intermediate_size_mlp=384,
-    no_rope_layer_interval=2,
-    moe_layers=[0, 1],
-    num_local_experts=4,
-    num_experts_per_tok=1,
-    attention_chunk_size=32,
-    floor_scale=16,
-    attn_scale=0.5,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-)
-CONFIG["intermediate_size"] = 96  # each expert's and the shared expert's
-
-model_dir, hf_reference = family_fixtures(CONFIG)
+model_dir, hf_reference = family_fixtures(LLAMA4)
 
 
 def test_the_layers_kinds_are_read(model_dir):

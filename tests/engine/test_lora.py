@@ -21,19 +21,32 @@ import peft
 import pytest
 import torch
 import transformers
-from engine.test_quantization import save_dequantized
-from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
+from helpers.dequantized_models import save_dequantized
+from helpers.family_configs import (
+    COHERE_CONFIGS,
+    GEMMA_CONFIGS,
+    GLM4,
+    GPT_OSS,
+    GRANITE_MOE,
+    MOE_CONFIGS,
+    OLMO2,
+    STARCODER2,
+)
+from helpers.lora_adapters import (
+    ALL_MODULES,
+    GREEDY,
+    assert_adapter_changes_every_prompt,
+    check_adapter_matches_hf_peft,
+    make_lora_adapter,
+    peft_greedy,
+)
+from helpers.tiny_models import random_hf_model
+from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, LoRARequest, SamplingParams
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 
-NEW_TOKENS = 24
 PROMPT_LENGTHS = [1, 5, 16, 17, 31, 64, 100, 150]
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Wide enough that every prompt's greedy tokens change (the product adds about as much
-# as the base projection on these tiny models), yet no overflow in float32.
-LORA_STD = 0.1
 # Adapter name -> its PEFT config. lora_alpha differs from r so that a wrong scale shows;
 # with rsLoRA the scale is alpha / sqrt(r) = 4, not alpha / r = 2.
 ADAPTERS = {
@@ -50,47 +63,6 @@ def random_prompts(seed: int, lengths: Sequence[int] = PROMPT_LENGTHS) -> list[l
 
 def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def make_lora_adapter(model_dir: Path, path: Path, seed: int, **config) -> Path:
-    """Save a PEFT LoRA adapter (``peft.LoraConfig(**config)``) for the HF model in
-    ``model_dir`` to ``path``, its A and B drawn with std ``LORA_STD``."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(lora_dropout=0.0, **config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * LORA_STD)
-    model.save_pretrained(path)
-    return path
-
-
-def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompts) -> list[list[int]]:
-    """HF transformers (+ peft when ``adapter_dir``), one prompt at a time, EOS off."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # exactly NEW_TOKENS, like ignore_eos
-    model.generation_config.pad_token_id = 0
-    if adapter_dir is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_dir)
-    outputs = []
-    # One thread: on a shared machine, tiny models' ops run several times faster so.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for prompt in prompts:
-            input_ids = torch.tensor([prompt])
-            with torch.no_grad():
-                generated = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    max_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    finally:
-        torch.set_num_threads(num_threads)
-    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +94,7 @@ def reference(tiny_model_dirs, adapter_dir) -> Callable[..., list[list[int]]]:
         missing = list({tuple(p) for p in prompts if (family, name, tuple(p)) not in cache})
         if missing:
             path = None if name is None else adapter_dir(family, name)
-            for prompt, output in zip(missing, hf_greedy(tiny_model_dirs[family], path, missing)):
+            for prompt, output in zip(missing, peft_greedy(tiny_model_dirs[family], path, missing)):
                 cache[family, name, prompt] = output
         return [cache[family, name, tuple(p)] for p in prompts]
 
@@ -131,14 +103,6 @@ def reference(tiny_model_dirs, adapter_dir) -> Callable[..., list[list[int]]]:
 
 def lora_modules(adapter_dir, family: str, *names: str) -> dict[str, str]:
     return {name: str(adapter_dir(family, name)) for name in names}
-
-
-def assert_adapter_changes_every_prompt(adapter_tokens, base_tokens) -> None:
-    """Without this an adapter the engine ignored would pass."""
-    assert all(a != b for a, b in zip(adapter_tokens, base_tokens, strict=True)), (
-        adapter_tokens,
-        base_tokens,
-    )
 
 
 def request_name(request) -> str | None:
@@ -443,7 +407,7 @@ def test_adapters_on_int8_weights_match_hf_peft_on_the_dequantized_model(
         lora_modules=lora_modules(adapter_dir, "llama", "all_r8"),
     )
     got = token_ids(llm.generate(prompts, GREEDY, lora_request="all_r8"))
-    assert got == hf_greedy(dequantized, adapter_dir("llama", "all_r8"), prompts)
+    assert got == peft_greedy(dequantized, adapter_dir("llama", "all_r8"), prompts)
     assert_adapter_changes_every_prompt(got, token_ids(llm.generate(prompts, GREEDY)))
 
 
@@ -703,12 +667,8 @@ def test_a_lora_request_with_a_path_loads_its_adapter_as_vllm_offline_does(
 def more_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """Tiny Gemma 2 / Gemma 3 (test_gemma.py's: sliding and global layers, soft-caps) and
     the mixture-of-experts models of test_moe.py (Qwen2-MoE with a dense layer)."""
-    from engine.test_gemma import TINY_CONFIGS
-    from engine.test_moe import MOE_CONFIGS
-    from tiny_models import random_hf_model
-
     root = tmp_path_factory.mktemp("lora_more_models")
-    configs = {**{f: TINY_CONFIGS[f] for f in ("gemma", "gemma2", "gemma3")}, **MOE_CONFIGS}
+    configs = {**{f: GEMMA_CONFIGS[f] for f in ("gemma", "gemma2", "gemma3")}, **MOE_CONFIGS}
     return {family: random_hf_model(config, root / family) for family, config in configs.items()}
 
 
@@ -727,24 +687,6 @@ def test_gemma_and_moe_adapters_match_hf_peft(more_model_dirs, tmp_path, family,
     check_adapter_matches_hf_peft(more_model_dirs[family], tmp_path, targets, seed=5, prompt_seed=3)
 
 
-def check_adapter_matches_hf_peft(
-    model_dir: Path, tmp_path: Path, targets: list[str], seed: int, prompt_seed: int
-) -> Path:
-    """An adapter on ``targets`` (r 8) gives HF peft's tokens on three prompts (1, 17 and 40
-    tokens) batched with the base model's, and changes each; returns the adapter."""
-    prompts = random_prompts(prompt_seed, [1, 17, 40])
-    adapter = make_lora_adapter(
-        model_dir, tmp_path / "adapter", seed=seed, target_modules=targets, r=8, lora_alpha=16
-    )
-    llm = LLM(model_dir, num_blocks=128, lora_modules={"a": str(adapter)})
-    expected = hf_greedy(model_dir, adapter, prompts)
-    both = llm.generate(prompts * 2, GREEDY, lora_request=["a"] * 3 + [None] * 3)
-    assert token_ids(both[:3]) == expected
-    assert token_ids(both[3:]) == hf_greedy(model_dir, None, prompts)
-    assert_adapter_changes_every_prompt(expected, token_ids(both[3:]))
-    return adapter
-
-
 def test_a_moe_adapter_reaches_the_dense_layers_mlp_but_never_an_expert(more_model_dirs, tmp_path):
     # Qwen2-MoE's layer 1 is dense (mlp_only_layers): an adapter on its MLP is served. PEFT
     # targets every gate_proj it finds, the experts' and the shared expert's too: refused by
@@ -761,7 +703,7 @@ def test_a_moe_adapter_reaches_the_dense_layers_mlp_but_never_an_expert(more_mod
         lora_alpha=16,
     )
     llm = LLM(model_dir, num_blocks=128, lora_modules={"dense": str(dense)})
-    assert token_ids(llm.generate(prompts, GREEDY, lora_request="dense")) == hf_greedy(
+    assert token_ids(llm.generate(prompts, GREEDY, lora_request="dense")) == peft_greedy(
         model_dir, dense, prompts
     )
     experts = make_lora_adapter(
@@ -780,24 +722,18 @@ _ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # sees it; StarCoder2's MLP is c_fc / c_proj; gpt-oss's experts are out of reach (every
 # layer's MLP is a mixture of experts).
 _MORE_FAMILIES = {
-    "olmo2": ("engine.test_olmo2", "OLMO2", ALL_MODULES),
-    "cohere2": ("engine.test_cohere", "CONFIGS", ALL_MODULES),
-    "glm4": ("engine.test_glm4", "GLM4", [*_ATTENTION, "gate_up_proj", "down_proj"]),
-    "starcoder2": ("engine.test_starcoder2", "STARCODER2", [*_ATTENTION, "c_fc", "c_proj"]),
-    "gpt_oss": ("engine.test_gpt_oss", "GPT_OSS", _ATTENTION),
-    "granite_moe": ("engine.test_granite", "GRANITE_MOE", _ATTENTION),
+    "olmo2": (OLMO2, ALL_MODULES),
+    "cohere2": (COHERE_CONFIGS["cohere2"], ALL_MODULES),
+    "glm4": (GLM4, [*_ATTENTION, "gate_up_proj", "down_proj"]),
+    "starcoder2": (STARCODER2, [*_ATTENTION, "c_fc", "c_proj"]),
+    "gpt_oss": (GPT_OSS, _ATTENTION),
+    "granite_moe": (GRANITE_MOE, _ATTENTION),
 }
 
 
 @pytest.mark.parametrize("family", list(_MORE_FAMILIES))
 def test_adapters_on_more_families_match_hf_peft(family, tmp_path):
-    import importlib
-
-    from tiny_models import random_hf_model
-
-    module_name, config_name, targets = _MORE_FAMILIES[family]
-    config = getattr(importlib.import_module(module_name), config_name)
-    config = config["cohere2"] if family == "cohere2" else config
+    config, targets = _MORE_FAMILIES[family]
     model_dir = random_hf_model(config, tmp_path / family)
     check_adapter_matches_hf_peft(model_dir, tmp_path, targets, seed=9, prompt_seed=8)
     if family == "glm4":  # Llama's separate gate/up: not GLM-4's projections, refused so

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from safetensors.torch import load_file, save_file
-from tiny_family import (
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
@@ -22,6 +21,7 @@ from tiny_family import (
     rewritten,
     token_ids,
 )
+from safetensors.torch import load_file, save_file
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig

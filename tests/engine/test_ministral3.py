@@ -9,10 +9,10 @@ bfloat16."""
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import (
+from helpers.family_configs import MINISTRAL3, MINISTRAL3_ROPE
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     check_preemption_by_swap_keeps_the_tokens,
     family_fixtures,
@@ -24,33 +24,15 @@ from tiny_family import (
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig, llama4_query_scaling
 
-# An original context of 32 tokens, so most prompt and output positions are scaled (by up
-# to 1 + 0.5 log 6 at position 160).
-ROPE = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 16.0,
-    "original_max_position_embeddings": 32,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-    "llama_4_scaling_beta": 0.5,
-}
-CONFIG = dict(
-    architectures=["Ministral3ForCausalLM"],
-    **TINY_SHAPE,
-    head_dim=64,
-    rope_parameters=ROPE,
-)
-
-model_dir, hf_reference = family_fixtures(CONFIG)
+model_dir, hf_reference = family_fixtures(MINISTRAL3)
 
 
 def test_the_query_scaling_is_read_from_the_rope_parameters(model_dir, tmp_path):
     assert llama4_query_scaling(ModelConfig.from_dir(model_dir)) == (0.5, 32)
     bad = rewritten(
-        model_dir, tmp_path / "bad", rope_parameters={**ROPE, "llama_4_scaling_beta": None}
+        model_dir,
+        tmp_path / "bad",
+        rope_parameters={**MINISTRAL3_ROPE, "llama_4_scaling_beta": None},
     )
     with pytest.raises(ValueError, match="llama_4_scaling_beta must be a finite number"):
         LLM(bad, num_blocks=64)
@@ -72,7 +54,9 @@ def test_preemption_by_swap_keeps_the_tokens(model_dir, hf_reference):
 
 def test_the_scaling_changes_hf_s_tokens_and_a_window_matches_hf(model_dir, hf_reference, tmp_path):
     unscaled = rewritten(
-        model_dir, tmp_path / "unscaled", rope_parameters={**ROPE, "llama_4_scaling_beta": 0.0}
+        model_dir,
+        tmp_path / "unscaled",
+        rope_parameters={**MINISTRAL3_ROPE, "llama_4_scaling_beta": 0.0},
     )
     assert hf_greedy(unscaled, prompts()) != hf_reference
     windowed = rewritten(model_dir, tmp_path / "windowed", sliding_window=24)

@@ -11,63 +11,12 @@ from pathlib import Path
 
 import pytest
 import transformers
-from engine.test_parity import GREEDY, hf_greedy, random_prompts
-from tiny_models import random_hf_model
+from helpers.family_configs import MOE_CONFIGS
+from helpers.parity import GREEDY, hf_greedy, random_prompts
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ExpertsSpec, ModelConfig
-
-MOE_CONFIGS = {
-    # Every layer sparse: 4 experts, top 2, renormalised; GQA.
-    "mixtral": dict(
-        architectures=["MixtralForCausalLM"],
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-    ),
-    # Layers 0 and 2 sparse (6 experts, top 2, not renormalised, plus the gated shared
-    # expert), layer 1 dense (mlp_only_layers); q/k/v biases.
-    "qwen2_moe": dict(
-        architectures=["Qwen2MoeForCausalLM"],
-        hidden_size=256,
-        intermediate_size=256,
-        moe_intermediate_size=96,
-        shared_expert_intermediate_size=160,
-        num_experts=6,
-        num_experts_per_tok=2,
-        num_hidden_layers=3,
-        mlp_only_layers=[1],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-    ),
-    # decoder_sparse_step 2: layer 0 dense, layer 1 sparse (8 experts, top 3,
-    # renormalised); per-head q/k norms.
-    "qwen3_moe": dict(
-        architectures=["Qwen3MoeForCausalLM"],
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=96,
-        num_experts=8,
-        num_experts_per_tok=3,
-        norm_topk_prob=True,
-        decoder_sparse_step=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=512,
-    ),
-}
 
 
 def token_ids(outputs) -> list[list[int]]:

@@ -20,59 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from engine.test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
-from engine.test_glm4_moe import GLM4_MOE
-from engine.test_parity import hf_greedy
+from helpers.multi_token_prediction import CONFIGS, predictable_copy, with_mtp_layer
+from helpers.parity import hf_greedy
+from helpers.tiny_family import GREEDY, check_chunked_prefix_hits_and_two_ranks, prompts, token_ids
+from helpers.tiny_models import random_hf_model
 from safetensors.torch import load_file, save_file
-from tiny_family import GREEDY, check_chunked_prefix_hits_and_two_ranks, prompts, token_ids
-from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig, next_token_layer_config
-
-CONFIGS = {
-    "deepseek_v3": DEEPSEEK_CONFIGS["v3"],
-    "glm4_moe": GLM4_MOE,
-    "glm4_moe_lite": DEEPSEEK_CONFIGS["glm4_moe_lite"],
-}
-
-
-def with_mtp_layer(model_dir: Path, path: Path, own_tables: bool = True, seed: int = 0) -> Path:
-    """A copy of ``model_dir`` with a random multi-token-prediction layer after its decoder
-    layers, named as DeepSeek-V3's checkpoint names it: the last layer with experts' tensors
-    plus noise, random norms and ``eh_proj``, and (``own_tables``) copies of the embedding and
-    the LM head as ``embed_tokens`` and ``shared_head.head``."""
-    shutil.copytree(model_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
-    (path / "config.json").write_text(json.dumps(config))
-    tensors = load_file(path / "model.safetensors")
-    generator = torch.Generator().manual_seed(seed)
-
-    def noise(shape) -> torch.Tensor:
-        return torch.randn(shape, generator=generator)
-
-    layer = config["num_hidden_layers"]
-    # The MTP layer has experts: the last decoder layer that has them is copied.
-    source = max(
-        index for index in range(layer) if f"model.layers.{index}.mlp.gate.weight" in tensors
-    )
-    for name in [n for n in tensors if n.startswith(f"model.layers.{source}.")]:
-        tensor = tensors[name]
-        copy = tensor + 0.05 * noise(tensor.shape) if tensor.is_floating_point() else tensor
-        tensors[name.replace(f".{source}.", f".{layer}.", 1)] = copy.clone()
-    hidden = config["hidden_size"]
-    prefix = f"model.layers.{layer}."
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"{prefix}{norm}.weight"] = 1 + 0.1 * noise(hidden)
-    tensors[f"{prefix}eh_proj.weight"] = 0.08 * noise((hidden, 2 * hidden))
-    if own_tables:
-        embedding = tensors["model.embed_tokens.weight"]
-        tensors[f"{prefix}embed_tokens.weight"] = embedding.clone()
-        head = tensors.get("lm_head.weight", embedding)
-        tensors[f"{prefix}shared_head.head.weight"] = (head + 0.02 * noise(head.shape)).clone()
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -204,34 +159,6 @@ def test_every_guess_is_the_hf_reference_s_and_the_tokens_hf_s(
     assert {len(guesses) for _, guesses in made} == {num_guesses}
     stats = llm.stats()
     assert stats["num_draft_tokens"] > 0
-
-
-def predictable_copy(model_dir: Path, path: Path) -> Path:
-    """A copy of ``model_dir`` (with its MTP layer) whose next token is a function of the
-    current one and whose MTP layer computes that function of its input token, so its
-    guesses are right: every layer's attention and MLP outputs are zeroed (the token's
-    embedding goes through the final norm and head), ``eh_proj`` passes the normed embedding
-    of its token through, and the MTP head is the target's final norm and head. Every matrix
-    keeps its shape: a step costs what it costs on the model itself."""
-    shutil.copytree(model_dir, path)
-    tensors = load_file(path / "model.safetensors")
-    config = json.loads((path / "config.json").read_text())
-    for name in list(tensors):
-        if ".layers." in name and name.endswith(
-            ("o_proj.weight", "down_proj.weight", "o_proj.bias", "down_proj.bias")
-        ):
-            tensors[name] = torch.zeros_like(tensors[name])
-    prefix = f"model.layers.{config['num_hidden_layers']}."
-    hidden = config["hidden_size"]
-    tensors[f"{prefix}eh_proj.weight"] = torch.cat(
-        [torch.eye(hidden), torch.zeros(hidden, hidden)], 1
-    )
-    tensors[f"{prefix}enorm.weight"] = torch.ones(hidden)
-    tensors[f"{prefix}shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
-    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
-    tensors[f"{prefix}shared_head.head.weight"] = head.clone()
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

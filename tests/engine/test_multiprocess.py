@@ -24,13 +24,14 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from process_helpers import (
-    is_live,
-    live_children,
-    live_processes_in_group,
-    stat_fields,
-    wait_until,
+from helpers.engine_processes import (
+    DEATH_NOTICED_WITHIN_S,
+    LONG,
+    assert_engine_gone,
+    generate_in_thread,
+    live_schedulers,
 )
+from helpers.processes import is_live, live_children, stat_fields, wait_until
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.engine_client import (
@@ -45,7 +46,6 @@ from pagedserve.scheduler.serialization import WIRE_FIELDS, encode
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = [1, 5, 16, 17, 31, 64, 100, 150]
-DEATH_NOTICED_WITHIN_S = 5.0
 
 
 def random_prompts(seed: int, vocab_size: int = 512) -> list[list[int]]:
@@ -60,33 +60,9 @@ def token_ids(outputs) -> list[list[int]]:
 # ---------------------------------------------------------------- /proc helpers
 
 
-def live_schedulers() -> set[int]:
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            command = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"pagedserve.scheduler.engine_process" in command and is_live(int(entry)):
-            pids.add(int(entry))
-    return pids
-
-
 def cpu_seconds(pid: int) -> float:
     fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def assert_engine_gone(llm: LLM, scheduler_pid: int, worker_pids: list[int], ring: str | None):
-    assert not llm.engine.is_running
-    assert wait_until(lambda: not live_processes_in_group(scheduler_pid), 5.0), (
-        live_processes_in_group(scheduler_pid)
-    )
-    assert not any(is_live(pid) for pid in [scheduler_pid, *worker_pids])
-    if ring is not None:
-        assert not Path("/dev/shm", ring).exists()
 
 
 @pytest.fixture
@@ -187,41 +163,6 @@ def test_scheduler_never_imports_torch_and_sleeps_when_idle(shared_llm):
 
 
 # ---------------------------------------------------------------- deaths
-
-
-def generate_in_thread(llm: LLM, prompts, params, after_steps: int):
-    """Run ``generate`` on a thread; returns (thread, outcome, started) where ``started``
-    is set once ``after_steps`` engine steps have returned outputs."""
-    outcome: dict[str, object] = {}
-    started = threading.Event()
-    engine_step = llm.engine.step
-    steps = 0
-
-    def counting_step():
-        nonlocal steps
-        deltas = engine_step()
-        steps += 1
-        if steps >= after_steps:
-            started.set()
-        return deltas
-
-    llm.engine.step = counting_step
-
-    def run():
-        try:
-            outcome["result"] = llm.generate(prompts, params)
-        except BaseException as error:
-            outcome["error"] = error
-        finally:
-            outcome["ended_s"] = time.monotonic()
-            started.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome, started
-
-
-LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
 
 def test_worker_killed_mid_generation_fails_every_request_and_leaves_nothing(

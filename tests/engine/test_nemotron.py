@@ -7,28 +7,19 @@ HF's bfloat16; adapters give peft's tokens."""
 from __future__ import annotations
 
 import pytest
-from engine.test_lora import check_adapter_matches_hf_peft
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import (
+from helpers.family_configs import NEMOTRON
+from helpers.lora_adapters import check_adapter_matches_hf_peft
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
     token_ids,
 )
-from tiny_models import random_hf_model
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
-
-NEMOTRON = dict(
-    architectures=["NemotronForCausalLM"],
-    **TINY_SHAPE,
-    head_dim=64,
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(NEMOTRON)
 

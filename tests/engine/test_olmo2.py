@@ -12,26 +12,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import (
+from helpers.family_configs import OLMO2, OLMO3
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     prompts,
     rewritten,
     token_ids,
 )
-from tiny_models import random_hf_model
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM
-
-OLMO2 = dict(
-    architectures=["Olmo2ForCausalLM"],
-    **TINY_SHAPE,
-    rope_theta=10000.0,
-    pad_token_id=1,
-    eos_token_id=2,
-)
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +65,6 @@ def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dirs):
     check_bfloat16_first_tokens_agree_with_hf(model_dirs["gqa"])
 
 
-# OLMo 3: four layers, three sliding (a 16-token window the longer prompts pass) and a full
-# one, whose RoPE is YaRN's over an original context of 128 (the sliding ones plain), as
-# the Hub's long-context configs write it (transformers 4's rope_scaling and rope_theta).
-OLMO3 = dict(
-    OLMO2,
-    architectures=["Olmo3ForCausalLM"],
-    num_hidden_layers=4,
-    sliding_window=16,
-)
 OLMO3_ROPE = dict(
     rope_theta=500_000.0,
     rope_scaling={

@@ -9,8 +9,8 @@ first tokens agree with HF's bfloat16 (its norms round, then scale, as Llama's).
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import (
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
     TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,

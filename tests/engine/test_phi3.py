@@ -15,34 +15,20 @@ import random
 from pathlib import Path
 
 import pytest
-from engine.test_parity import hf_greedy
-from tiny_family import (
+from helpers.family_configs import PHI3
+from helpers.parity import hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
-from tiny_models import random_hf_model
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig
-
-# GQA (Phi-3-medium's and Phi-4's), an untied LM head, and a 32-token window (Phi-3-mini-4k's
-# is 2047) that the longer prompts run past.
-PHI3 = dict(
-    architectures=["Phi3ForCausalLM"],
-    **TINY_SHAPE,
-    original_max_position_embeddings=512,
-    rope_theta=10000.0,
-    sliding_window=32,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(PHI3)
 
@@ -254,8 +240,7 @@ def test_partial_rotary_is_refused_where_hf_has_none(tiny_model_dirs, tmp_path):
 def test_lora_on_phi3_s_fused_projections_matches_hf_peft(model_dir, tmp_path):
     """PEFT targets Phi-3's own fused qkv_proj and gate_up_proj: each adapter's B spans the
     fused output; tokens equal HF + peft and differ from the base model's."""
-    from engine.test_lora import hf_greedy as peft_greedy
-    from engine.test_lora import make_lora_adapter
+    from helpers.lora_adapters import make_lora_adapter, peft_greedy
 
     targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     adapter = make_lora_adapter(
@@ -274,7 +259,7 @@ def test_lora_on_phi3_s_fused_projections_matches_hf_peft(model_dir, tmp_path):
 
 
 def test_lora_targets_phi3_does_not_have_are_refused(model_dir, tiny_model_dirs, tmp_path):
-    from engine.test_lora import make_lora_adapter
+    from helpers.lora_adapters import make_lora_adapter
 
     llama_adapter = make_lora_adapter(
         tiny_model_dirs["llama"],

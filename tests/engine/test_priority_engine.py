@@ -6,7 +6,7 @@ field."""
 from __future__ import annotations
 
 import pytest
-from test_parity import GREEDY, hf_greedy, random_prompts
+from helpers.parity import GREEDY, hf_greedy, random_prompts
 
 from pagedserve.frontend import LLM
 

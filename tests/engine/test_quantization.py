@@ -9,12 +9,11 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from engine.test_parity import NEW_TOKENS, hf_greedy
+from helpers.dequantized_models import save_dequantized
+from helpers.parity import NEW_TOKENS, hf_greedy
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.moe import SparseMoE
@@ -31,20 +30,6 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 def _prompts(vocab_size: int) -> list[list[int]]:
     rng = random.Random(4)
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in (1, 7, 30, 90)]
-
-
-def save_dequantized(model_dir: Path, path: Path) -> Path:
-    """The HF model in ``model_dir`` with each decoder layer's linear weights replaced by
-    their int8 quantization, dequantized (per output feature, as ``Int8PanelWeight``
-    quantizes; the engine's fused q/k/v and gate/up matrices keep one scale per row, so the
-    same), saved to ``path``."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for module in model.get_decoder().modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(Int8PanelWeight(module.weight).dequantized())
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])

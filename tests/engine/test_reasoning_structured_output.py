@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from grammar_cases import PERSON_SCHEMA
-from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
+from helpers.grammar_cases import PERSON_SCHEMA
+from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 from tokenizers import AddedToken
 
 from pagedserve.frontend import LLM, SamplingParams

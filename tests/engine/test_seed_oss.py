@@ -9,31 +9,19 @@ SeedOssConfig's 128, not hidden / heads; adapters give peft's tokens.
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import hf_greedy
-from safetensors.torch import load_file, save_file
-from tiny_family import (
+from helpers.family_configs import SEED_OSS
+from helpers.parity import hf_greedy
+from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
     prompts,
     rewritten,
     token_ids,
 )
+from safetensors.torch import load_file, save_file
 
 from pagedserve.frontend import LLM
-
-# Heads of 128 (SeedOssConfig's), not hidden / heads (64); biases on q/k/v and on o.
-SEED_OSS = dict(
-    architectures=["SeedOssForCausalLM"],
-    **TINY_SHAPE,
-    head_dim=128,
-    attention_out_bias=True,
-    rope_theta=10000.0,
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(SEED_OSS)
 
@@ -66,6 +54,6 @@ def test_without_the_output_bias_and_head_size_as_seed_oss_config_says(
 
 
 def test_lora_matches_hf_peft(model_dir, tmp_path):
-    from engine.test_lora import ALL_MODULES, check_adapter_matches_hf_peft
+    from helpers.lora_adapters import ALL_MODULES, check_adapter_matches_hf_peft
 
     check_adapter_matches_hf_peft(model_dir, tmp_path, ALL_MODULES, seed=4, prompt_seed=2)

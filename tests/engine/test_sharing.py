@@ -14,15 +14,9 @@ import shutil
 import pytest
 import torch
 import transformers
+from helpers.parity import prompts_for
 
 from pagedserve.frontend import LLM, SamplingParams
-
-PROMPT_LENGTHS = [3, 8, 17, 30]
-
-
-def prompts_for(seed: int, lengths=PROMPT_LENGTHS, vocab_size: int = 512) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
 
 
 def hf_beam_search(model, prompt: list[int], params: SamplingParams, eos: int) -> list[list[int]]:

@@ -9,8 +9,9 @@ fail; a bad ``no_rope_layers`` is refused by name.
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import hf_greedy
-from tiny_family import (
+from helpers.family_configs import SMOLLM3
+from helpers.parity import hf_greedy
+from helpers.tiny_family import (
     GREEDY,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
@@ -21,23 +22,6 @@ from tiny_family import (
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
-
-# Four layers: the fourth without RoPE (SmolLM3Config's default interval); GQA; tied.
-SMOLLM3 = dict(
-    architectures=["SmolLM3ForCausalLM"],
-    hidden_size=256,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
-    rope_theta=10000.0,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(SMOLLM3)
 
@@ -99,8 +83,7 @@ def test_bad_no_rope_layers_are_refused_by_name(model_dir, tmp_path, changes, me
 
 
 def test_lora_matches_hf_peft(model_dir, tmp_path):
-    from engine.test_lora import ALL_MODULES, make_lora_adapter
-    from engine.test_lora import hf_greedy as peft_greedy
+    from helpers.lora_adapters import ALL_MODULES, make_lora_adapter, peft_greedy
 
     adapter = make_lora_adapter(
         model_dir, tmp_path / "lora", seed=5, target_modules=ALL_MODULES, r=8, lora_alpha=16

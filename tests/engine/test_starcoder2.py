@@ -8,8 +8,9 @@ tensor-parallel ranks; bfloat16's first tokens agree with HF's bfloat16.
 from __future__ import annotations
 
 import pytest
-from engine.test_parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
-from tiny_family import (
+from helpers.family_configs import STARCODER2
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.tiny_family import (
     GREEDY,
     check_chunked_prefix_hits_and_two_ranks,
     family_fixtures,
@@ -19,22 +20,6 @@ from tiny_family import (
 )
 
 from pagedserve.frontend import LLM
-
-STARCODER2 = dict(
-    architectures=["Starcoder2ForCausalLM"],
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
-    rope_theta=100_000.0,
-    sliding_window=32,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(STARCODER2)
 

@@ -19,27 +19,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from grammar_cases import CHOICES, GRAMMAR, PERSON_SCHEMA, REGEX
-from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
+from helpers.grammar_cases import CHOICES, CONSTRAINTS, GRAMMAR, PERSON_SCHEMA, PROMPTS, REGEX
+from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.scheduler.sampling_params import StructuredOutputsParams
 
 VOCAB_SIZE = 512
 MAX_TOKENS = 64
-CONSTRAINTS = {
-    "json": StructuredOutputsParams(json=PERSON_SCHEMA),
-    "regex": StructuredOutputsParams(regex=REGEX),
-    "choice": StructuredOutputsParams(choice=CHOICES),
-    "grammar": StructuredOutputsParams(grammar=GRAMMAR),
-}
 # The person schema without its own whitespace setting: compact only by the request's flag.
 LOOSE_PERSON_SCHEMA = {key: value for key, value in PERSON_SCHEMA.items() if key != "x-guidance"}
 COMPACT_CONSTRAINTS = {
     "json-compact": StructuredOutputsParams(json=LOOSE_PERSON_SCHEMA, disable_any_whitespace=True),
     "json_object-compact": StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
 }
-PROMPTS = [[5, 300, 301, 302], [400, 7, 7, 401, 402, 403, 404, 405, 406], [17, 18, 19]]
 
 
 def is_valid(kind: str, text: str) -> bool:

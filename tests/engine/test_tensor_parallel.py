@@ -4,7 +4,7 @@ request with an error naming it; shutdown leaves no process behind.
 
 The summation order of a split matmul differs from the whole one, so logits differ in
 their last bits: the test is exact equality of tokens, on configs whose greedy paths
-have no near-ties (``conftest.make_tiny_model``).
+have no near-ties (``helpers.tiny_models.make_tiny_model``).
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
-from test_multiprocess import (
+from helpers.engine_processes import (
     DEATH_NOTICED_WITHIN_S,
     LONG,
     assert_engine_gone,
     generate_in_thread,
     live_schedulers,
-    random_prompts,
-    token_ids,
 )
-from test_parity import GREEDY as HF_LENGTH_GREEDY
+from helpers.parity import GREEDY as HF_LENGTH_GREEDY
+from helpers.parity import random_prompts
+from helpers.tiny_family import token_ids
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.engine_client import EngineClient, EngineDeadError
@@ -49,7 +49,7 @@ def make_llm():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "llama3_rope", "qwen3", "opt"])
 def test_two_ranks_give_the_same_greedy_tokens_as_one(tiny_model_dirs, make_llm, family):
-    prompts = random_prompts(seed=5)
+    prompts = random_prompts(seed=5, vocab_size=512)
     expected = token_ids(LLM(tiny_model_dirs[family], num_blocks=128).generate(prompts, GREEDY))
     llm = make_llm(tiny_model_dirs[family], num_blocks=128)
     assert isinstance(llm.engine, EngineClient) and len(llm.engine.worker_pids) == 2
@@ -59,7 +59,7 @@ def test_two_ranks_give_the_same_greedy_tokens_as_one(tiny_model_dirs, make_llm,
 def test_preemption_by_swap_and_chunked_prefill_keep_the_tokens(tiny_model_dirs, make_llm):
     # Each rank swaps its own heads' blocks; the scheduler plans one block space for both.
     settings = dict(num_blocks=16, max_num_batched_tokens=64, preemption_mode="swap")
-    prompts = random_prompts(seed=4)
+    prompts = random_prompts(seed=4, vocab_size=512)
     expected = token_ids(LLM(tiny_model_dirs["qwen2"], **settings).generate(prompts, GREEDY))
     llm = make_llm(tiny_model_dirs["qwen2"], **settings)
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
@@ -74,7 +74,7 @@ def test_every_rank_samples_the_same_seeded_tokens(tiny_model_dirs, make_llm):
         SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=seed, ignore_eos=True)
         for seed in range(8)
     ]
-    prompts = random_prompts(seed=6)
+    prompts = random_prompts(seed=6, vocab_size=512)
     expected = token_ids(LLM(tiny_model_dirs["llama"], num_blocks=128).generate(prompts, params))
     llm = make_llm(tiny_model_dirs["llama"], num_blocks=128)
     assert token_ids(llm.generate(prompts, params)) == expected
@@ -158,7 +158,7 @@ def test_embedded_model_split_over_three_ranks_matches_hf(embedded_hf_greedy):
 def test_shared_blocks_and_beams_across_two_ranks(tiny_model_dirs, make_llm):
     """Parallel samples, beams and copy-on-write on two ranks: each rank forks and
     copies its own heads' blocks; tokens and scores as on one rank."""
-    prompts = random_prompts(seed=7)[:3]
+    prompts = random_prompts(seed=7, vocab_size=512)[:3]
     params = [
         SamplingParams(n=3, temperature=0.9, seed=3, max_tokens=12, ignore_eos=True),
         SamplingParams(beam_width=3, n=2, temperature=0.0, max_tokens=10),

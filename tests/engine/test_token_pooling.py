@@ -10,12 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tiny_models import random_hf_model
+from helpers.pooling_models import LABELS, classifier_config, embed_prompts
+from helpers.tiny_models import TINY_CONFIGS, random_hf_model
 
 from pagedserve.frontend import LLM, PoolingParams, SamplingParams
-from tests.conftest import TINY_CONFIGS
-from tests.engine.test_classification import LABELS, classifier_config
-from tests.engine.test_embeddings import embed_prompts
 
 
 def hf_hidden_rows(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:

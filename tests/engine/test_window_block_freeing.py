@@ -14,14 +14,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine.test_parity import hf_greedy
-from engine.test_sliding_window import (
-    GREEDY,
-    NEW_TOKENS,
-    make_windowed_model,
-    token_ids,
-    windowed_prompts,
-)
+from helpers.parity import GREEDY, NEW_TOKENS, hf_greedy
+from helpers.tiny_family import token_ids
+from helpers.windowed_models import make_windowed_model, windowed_prompts
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_tokenizers import (
+from helpers.tiny_tokenizers import (
     BYTE_LEVEL_SPECIALS,
     SENTENCEPIECE_SPECIALS,
     byte_fallback_tokenizer,

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from engine.test_parity import hf_greedy
+from helpers.parity import hf_greedy
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.generation_config import load_generation_defaults

@@ -26,13 +26,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from engine.test_dots1 import DOTS1
-from engine.test_ernie4_5 import ERNIE
-from engine.test_parity import GREEDY, hf_greedy, random_prompts
-from gguf_writer import byte_level_vocab, write_gguf
+from helpers.family_configs import DOTS1, ERNIE
+from helpers.gguf_writer import byte_level_vocab, write_gguf
+from helpers.parity import GREEDY, hf_greedy, random_prompts
+from helpers.tiny_family import TINY_SHAPE, rewritten, with_next_token_layer
+from helpers.tiny_models import random_hf_model
 from safetensors.numpy import load_file
-from tiny_family import TINY_SHAPE, rewritten, with_next_token_layer
-from tiny_models import random_hf_model
 
 from pagedserve.frontend import LLM, SamplingParams, gguf_convert
 from pagedserve.frontend.gguf import config as gguf_config

@@ -9,7 +9,7 @@ import json
 
 import llguidance
 import pytest
-from tiny_tokenizers import byte_level_tokenizer
+from helpers.tiny_tokenizers import byte_level_tokenizer
 
 from pagedserve.frontend.tool_calls import (
     ParsedCall,

@@ -10,7 +10,7 @@ import re
 
 import grpc
 import pytest
-from server.test_http_api import post
+from helpers.http_calls import post
 
 from pagedserve.v1 import generation_pb2 as pb
 

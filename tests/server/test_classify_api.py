@@ -14,14 +14,14 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import CHAT_TEMPLATE, SERVED_MODEL_NAME, ServerProcess, serving
-from test_http_api import post
+from helpers.http_calls import post
+from helpers.pooling_models import LABELS, make_cross_encoder, make_text_classifier
+from helpers.server_process import CHAT_TEMPLATE, SERVED_MODEL_NAME, ServerProcess, serving
 
 from pagedserve.frontend import LLM, PoolingParams
 from pagedserve.frontend.chat_template import ChatTemplateOptions
 from pagedserve.frontend.client import Client, conversation
 from pagedserve.v1 import generation_pb2 as pb
-from tests.engine.test_classification import LABELS, make_cross_encoder, make_text_classifier
 
 TEXTS = ["PagedAttention keeps the KV cache in blocks", "a small cat", "x"]
 QUERY = "what is paged attention?"

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 
-from conftest import SERVED_MODEL_NAME, serving
-from engine.test_multi_token_prediction import CONFIGS as MTP_CONFIGS
-from engine.test_multi_token_prediction import predictable_copy, with_mtp_layer
-from engine.test_parity import hf_greedy
-from test_grpc_api import token_request
-from test_http_api import post
-from test_vllm_metric_names import samples
-from tiny_models import random_hf_model
+from helpers.grpc_calls import token_request
+from helpers.http_calls import metric_samples, post
+from helpers.multi_token_prediction import CONFIGS as MTP_CONFIGS
+from helpers.multi_token_prediction import predictable_copy, with_mtp_layer
+from helpers.parity import hf_greedy
+from helpers.server_process import SERVED_MODEL_NAME, serving
+from helpers.tiny_models import random_hf_model
 
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -36,7 +35,7 @@ def test_a_server_with_a_draft_model(start_server, server_model_dir):
     status, answer = post(server, "/v1/completions", {**body, "temperature": 0.0})
     assert status == 200, answer
     assert answer["usage"]["completion_tokens"] == len(want[1])
-    got = samples(server)
+    got = metric_samples(server)
     model = (("model_name", SERVED_MODEL_NAME),)
     counts = {}
     for name in ("drafts", "draft_tokens", "accepted_tokens"):
@@ -82,7 +81,7 @@ def test_a_server_drafting_with_the_model_s_mtp_layer(server_model_dir, tmp_path
         status, answer = post(server, "/v1/completions", {**body, "temperature": 0.0})
         assert status == 200, answer
         assert answer["usage"]["completion_tokens"] == len(want[1])
-        got = samples(server)
+        got = metric_samples(server)
         drafted = got[("pagedserve_engine_num_draft_tokens_total", ())]
         accepted = got[("pagedserve_engine_num_accepted_tokens_total", ())]
         assert drafted > 20 and drafted - accepted <= 2, (drafted, accepted)

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import grpc
 import openai
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess, serving
-from test_http_api import get
+from helpers.http_calls import get
+from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
 
 from pagedserve.frontend import LLM, PoolingParams
 from pagedserve.frontend.chat_template import ChatTemplateOptions
@@ -110,7 +110,7 @@ def test_pooling_answers_with_the_embeddings(server, offline):
     """vLLM's ``/pooling`` on an embedding model: each input's embedding (as
     ``/v1/embeddings`` gives it, its fields too) as a ``pooling`` object; a field or task of
     classification is refused by name."""
-    from test_http_api import post as post_to
+    from helpers.http_calls import post as post_to
 
     want = [o.outputs.embedding for o in offline.embed(TOKEN_IDS)]
     status, answer = post_to(server, "/pooling", {"input": TOKEN_IDS, "task": "embed"})

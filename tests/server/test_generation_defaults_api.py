@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from engine.test_parity import hf_greedy
-from server.test_grpc_api import token_request
-from server.test_http_api import post
+from helpers.grpc_calls import token_request
+from helpers.http_calls import post
+from helpers.parity import hf_greedy
 
 from pagedserve.v1 import generation_pb2 as pb
 

@@ -19,46 +19,17 @@ import pytest
 import torch
 import transformers
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.grpc_calls import NUM_TOKENS, collect_stream, greedy, token_request
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
 
 PROMPTS = [[5, 300, 301, 302], [400, 7, 7, 401, 402, 403, 404, 405, 406], [9, 10, 11]]
-NUM_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def offline(server_model_dir) -> LLM:
     return LLM(server_model_dir, num_blocks=128)
-
-
-def greedy(max_tokens: int = NUM_TOKENS, **fields) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **fields)
-
-
-def token_request(prompt: list[int], sampling: pb.SamplingParams, **fields) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling, **fields)
-
-
-def collect_stream(responses) -> tuple[list[pb.GenerateResponse], dict[int, dict]]:
-    """The stream's messages, and per output what they add up to."""
-    messages = list(responses)
-    outputs: dict[int, dict] = {}
-    for message in messages:
-        for completion in message.outputs:
-            output = outputs.setdefault(
-                completion.index,
-                {"text": "", "token_ids": [], "logprobs": [], "finish_reason": 0},
-            )
-            output["text"] += completion.text
-            output["token_ids"] += list(completion.token_ids)
-            output["logprobs"] += [dict(zip(e.token_ids, e.logprobs)) for e in completion.logprobs]
-            if completion.finish_reason:
-                assert not output["finish_reason"], "an output finished twice"
-                output["finish_reason"] = completion.finish_reason
-                which = completion.WhichOneof("stop_reason")
-                output["stop"] = None if which is None else getattr(completion, which)
-    return messages, outputs
 
 
 def test_greedy_tokens_equal_hf_and_the_offline_engine(server, server_model_dir, offline):

@@ -3,7 +3,7 @@ gRPC clients (the raw stubs and ``pagedserve.frontend.client``) on 127.0.0.1, an
 HTTP API of the same server asked the same question for comparison.
 
 Two servers share the module, started together, both with the tool template of
-``test_tool_calling_api.py`` and JSON without whitespace:
+``helpers/tool_calls.py`` and JSON without whitespace:
 
 - ``plain``: no parsers: named and required tool choices (no parser needed), the
   refusals, and chats whose text stays whole.
@@ -22,9 +22,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess
-from test_http_api import post, sse_events
-from test_tool_calling_api import (
+from helpers.http_calls import post, sse_events
+from helpers.server_process import SERVED_MODEL_NAME, ServerProcess
+from helpers.tool_calls import (
     CHECKING_CALL,
     CONVERSATION,
     CONVERSATION_RENDERED,

@@ -13,8 +13,8 @@ import time
 
 import grpc
 import pytest
-from server.test_grpc_api import greedy, token_request
-from server.test_http_api import post
+from helpers.grpc_calls import greedy, token_request
+from helpers.http_calls import post
 
 from pagedserve.v1 import generation_pb2 as pb
 

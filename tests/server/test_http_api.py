@@ -19,9 +19,10 @@ import urllib.request
 import grpc
 import openai
 import pytest
-from conftest import SERVED_MODEL_NAME
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from process_helpers import wait_until
+from helpers.http_calls import get, post, sse_events
+from helpers.processes import wait_until
+from helpers.server_process import SERVED_MODEL_NAME
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.client import Client
@@ -49,48 +50,6 @@ def client(server) -> openai.OpenAI:
 
 def greedy_params(max_tokens: int = NUM_TOKENS, **fields) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **fields)
-
-
-def post(server, path: str, body, timeout_s: float = 60) -> tuple[int, dict]:
-    """A raw POST (bytes go as they are); the status and the decoded JSON answer."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        server.http_url + path, data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
-def get(server, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(server.http_url + path, timeout=30) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
-
-
-def sse_events(server, path: str, body: dict) -> list:
-    """A streamed call read to its end: each event's decoded data ("[DONE]" as is)."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    try:
-        connection.request(
-            "POST", path, json.dumps(body), headers={"Content-Type": "application/json"}
-        )
-        response = connection.getresponse()
-        assert response.status == 200, response.read()
-        assert response.getheader("Content-Type").startswith("text/event-stream")
-        events = []
-        for raw in response.read().decode().split("\n\n"):
-            if raw.strip():
-                assert raw.startswith("data: "), raw
-                data = raw[len("data: ") :]
-                events.append(data if data == "[DONE]" else json.loads(data))
-        return events
-    finally:
-        connection.close()
 
 
 # ---------------------------------------------------------------- completions

@@ -16,12 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import peft
 import pytest
-import torch
-import transformers
-from conftest import SERVED_MODEL_NAME, ServerProcess, serving
-from test_http_api import get, post, sse_events
+from helpers.http_calls import get, post, sse_events
+from helpers.lora_adapters import SERVER_ADAPTERS, make_lora_adapter
+from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.client import Client
@@ -29,27 +27,7 @@ from pagedserve.frontend.client import Client
 NUM_TOKENS = 16
 PROMPT_IDS = [5, 300, 301, 302, 7, 7]
 MESSAGES = [{"role": "user", "content": "Tell me about paged attention."}]
-ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Adapter name -> its PEFT config: two ranks, one with rsLoRA.
-ADAPTERS = {
-    "tiny-all-r8": dict(target_modules=ALL_MODULES, r=8, lora_alpha=16),
-    "tiny-qv-r4": dict(target_modules=["q_proj", "v_proj"], r=4, lora_alpha=8, use_rslora=True),
-}
-MODELS = [SERVED_MODEL_NAME, *ADAPTERS]
-
-
-def make_lora_adapter(model_dir: Path, path: Path, seed: int, **config) -> Path:
-    """A PEFT LoRA adapter with A and B drawn with std 0.1 (PEFT's zero B would make
-    it change nothing)."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(lora_dropout=0.0, **config))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    model.save_pretrained(path)
-    return path
+MODELS = [SERVED_MODEL_NAME, *SERVER_ADAPTERS]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +35,7 @@ def adapter_dirs(server_model_dir, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("server_lora")
     return {
         name: str(make_lora_adapter(server_model_dir, root / name, seed, **config))
-        for seed, (name, config) in enumerate(ADAPTERS.items(), start=1)
+        for seed, (name, config) in enumerate(SERVER_ADAPTERS.items(), start=1)
     }
 
 

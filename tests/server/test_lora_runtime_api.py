@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess, serving
-from test_http_api import get, post
-from test_lora_api import ADAPTERS, make_lora_adapter
+from helpers.http_calls import get, post
+from helpers.lora_adapters import SERVER_ADAPTERS, make_lora_adapter
+from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
 
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.client import Client
@@ -30,7 +30,7 @@ PROMPT_IDS = [5, 300, 301, 302, 7, 7]
 @pytest.fixture(scope="module")
 def adapter_path(server_model_dir, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("runtime_lora")
-    return str(make_lora_adapter(server_model_dir, root / NAME, 1, **ADAPTERS[NAME]))
+    return str(make_lora_adapter(server_model_dir, root / NAME, 1, **SERVER_ADAPTERS[NAME]))
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import SERVED_MODEL_NAME
-from test_http_api import post, sse_events
-from test_responses_api import typed_events
-from test_tool_calling_api import ONE_TOOL, streamed_calls, whole_calls, without_ids
+from helpers.http_calls import post, sse_events, typed_events
+from helpers.server_process import SERVED_MODEL_NAME
+from helpers.tool_calls import ONE_TOOL, streamed_calls, whole_calls, without_ids
 
 from pagedserve.frontend.tokenizer import Tokenizer
 

@@ -20,9 +20,9 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from process_helpers import is_live, wait_until
-from server.test_grpc_api import greedy, token_request
-from server.test_http_api import post
+from helpers.grpc_calls import greedy, token_request
+from helpers.http_calls import post
+from helpers.processes import is_live, wait_until
 
 from pagedserve.scheduler.fault_injection import ENVIRONMENT_VARIABLE, STAGES
 

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess, serving
-from process_helpers import wait_until
-from test_http_api import get, post
-from test_tool_calling_api import TOOL_TEMPLATE, WEATHER
+from helpers.http_calls import get, post, typed_events
+from helpers.processes import wait_until
+from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
+from helpers.tool_calls import TOOL_TEMPLATE, WEATHER
 
 STORE_SIZE = 4
 GREEDY = {"temperature": 0.0}
@@ -52,28 +52,6 @@ def chat(client, messages: list[dict], max_tokens: int, **fields):
     return client.chat.completions.create(
         model=SERVED_MODEL_NAME, messages=messages, max_tokens=max_tokens, **GREEDY, **fields
     )
-
-
-def typed_events(server, body: dict) -> list[dict]:
-    """A streamed response read to its end: each event's data, checked against its
-    ``event:`` line."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    try:
-        connection.request("POST", "/v1/responses", json.dumps({**body, "stream": True}))
-        response = connection.getresponse()
-        assert response.status == 200, response.read()
-        assert response.getheader("Content-Type").startswith("text/event-stream")
-        events = []
-        for raw in response.read().decode().split("\n\n"):
-            if not raw.strip():
-                continue
-            event_line, data_line = raw.split("\n")
-            event = json.loads(data_line.removeprefix("data: "))
-            assert event_line == f"event: {event['type']}"
-            events.append(event)
-        return events
-    finally:
-        connection.close()
 
 
 def without_ids(value):

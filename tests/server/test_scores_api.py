@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import SERVED_MODEL_NAME, ServerProcess, serving
-from test_http_api import post
+from helpers.http_calls import post
+from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
 
 from pagedserve.frontend import LLM
 from pagedserve.frontend.client import Client

@@ -4,19 +4,8 @@ server without the flag has no ``vllm:`` series."""
 
 from __future__ import annotations
 
-from conftest import SERVED_MODEL_NAME
-from prometheus_client.parser import text_string_to_metric_families
-from test_http_api import get, post
-
-
-def samples(server) -> dict[tuple[str, tuple], float]:
-    status, body = get(server, "/metrics")
-    assert status == 200
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(body.decode())
-        for sample in family.samples
-    }
+from helpers.http_calls import metric_samples, post
+from helpers.server_process import SERVED_MODEL_NAME
 
 
 def test_vllm_names_repeat_our_series(start_server):
@@ -27,7 +16,7 @@ def test_vllm_names_repeat_our_series(start_server):
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
     for _ in range(2):
         assert post(server, "/v1/completions", body)[0] == 200
-    got = samples(server)
+    got = metric_samples(server)
     model = (("model_name", SERVED_MODEL_NAME),)
 
     def ours_and_vllms(ours: str, vllms: str, labels: tuple = ()) -> tuple[float, float]:
@@ -58,4 +47,4 @@ def test_vllm_names_repeat_our_series(start_server):
 
 def test_without_the_flag_there_are_no_vllm_series(start_server):
     server = start_server("--http-port", "0", "--kv-cache-bytes", str(4 << 20))
-    assert not [name for name, _ in samples(server) if name.startswith("vllm:")]
+    assert not [name for name, _ in metric_samples(server) if name.startswith("vllm:")]

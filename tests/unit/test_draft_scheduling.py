@@ -5,7 +5,7 @@ sequence needs."""
 
 from __future__ import annotations
 
-from test_scheduler import make_request, make_scheduler
+from helpers.scheduling import make_request, make_scheduler
 
 from pagedserve.scheduler.messages import StepPlan, StepResult
 from pagedserve.scheduler.sampling_params import SamplingParams

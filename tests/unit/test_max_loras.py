@@ -6,7 +6,7 @@ lower-priority requests to free an adapter slot. Never more than the cap in any 
 from __future__ import annotations
 
 import pytest
-from test_priority_scheduling import make_request, run_step, scheduled
+from helpers.scheduling import make_request, run_checked_step, scheduled
 
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.config import SchedulerConfig
@@ -36,16 +36,16 @@ def test_fcfs_steps_over_a_request_past_the_cap_and_keeps_its_place():
     scheduler = make_scheduler(max_loras=2)
     for request_id, lora_id in [("a", 1), ("b", 2), ("c", 3), ("d", 1), ("e", 0)]:
         add(scheduler, request_id, lora_id, max_tokens=3)
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     # c (a third adapter) waits; d (a running adapter) and e (the base model) go past it.
     assert set(scheduled(plan)) == {"a", "b", "d", "e"}
     assert [request.request_id for request in scheduler.waiting] == ["c"]
     add(scheduler, "f", 2)
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert "f" in scheduled(plan) and "c" not in scheduled(plan)
     assert [request.request_id for request in scheduler.waiting] == ["c"]
     while scheduler.has_unfinished_requests():
-        plan, _ = run_step(scheduler)
+        plan, _ = run_checked_step(scheduler)
         assert len(running_adapters(scheduler)) <= 2
     # c ran once adapter 1 (a, d) had left the batch.
 
@@ -58,7 +58,7 @@ def test_the_cap_bounds_every_step_while_adapters_come_and_go():
     for _ in range(400):
         if not scheduler.has_unfinished_requests():
             break
-        run_step(scheduler)
+        run_checked_step(scheduler)
         adapters = running_adapters(scheduler)
         assert len(adapters) <= 3
         seen |= adapters
@@ -70,30 +70,30 @@ def test_no_cap_batches_every_adapter_at_once():
     scheduler = make_scheduler()
     for index in range(6):
         add(scheduler, f"r{index}", index + 1)
-    run_step(scheduler)
+    run_checked_step(scheduler)
     assert running_adapters(scheduler) == set(range(1, 7))
 
 
 def test_priority_preempts_a_lower_request_to_free_an_adapter_slot():
     scheduler = make_scheduler(policy="priority", max_loras=1)
     add(scheduler, "low", 1, priority=5, max_tokens=20)
-    run_step(scheduler)
+    run_checked_step(scheduler)
     add(scheduler, "high", 2, priority=0, max_tokens=2)
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert "high" in scheduled(plan) and "low" not in scheduled(plan)
     assert running_adapters(scheduler) == {2}
     while scheduler.has_unfinished_requests():
-        run_step(scheduler)
+        run_checked_step(scheduler)
         assert len(running_adapters(scheduler)) <= 1
 
 
 def test_priority_never_preempts_an_equal_or_better_request_for_a_slot():
     scheduler = make_scheduler(policy="priority", max_loras=1)
     add(scheduler, "first", 1, priority=1, max_tokens=6)
-    run_step(scheduler)
+    run_checked_step(scheduler)
     add(scheduler, "second", 2, priority=1, max_tokens=2)
     add(scheduler, "base", 0, priority=3, max_tokens=2)
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     # second waits for first; rank order holds, so the base-model request waits too.
     assert set(scheduled(plan)) == {"first"}
     assert scheduler.num_preemptions == 0
@@ -111,20 +111,20 @@ def test_a_swapped_request_past_the_cap_waits_for_a_slot():
         BlockManager(16, 8, num_host_blocks=16),
     )
     add(scheduler, "low", 1, priority=5, max_tokens=12)
-    run_step(scheduler)
+    run_checked_step(scheduler)
     add(scheduler, "high", 2, priority=0, max_tokens=6)
-    run_step(scheduler)  # low is swapped out to free the adapter slot
+    run_checked_step(scheduler)  # low is swapped out to free the adapter slot
     assert [request.request_id for request in scheduler.swapped] == ["low"]
     for _ in range(4):  # high's tokens 2 to 5
-        plan, _ = run_step(scheduler)
+        plan, _ = run_checked_step(scheduler)
         assert "low" not in scheduled(plan) and plan.swap_in == []
     assert running_adapters(scheduler) == {2}
-    plan, _ = run_step(scheduler)  # high's last token
+    plan, _ = run_checked_step(scheduler)  # high's last token
     assert plan.swap_in == []
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert plan.swap_in and "low" in scheduled(plan)
     while scheduler.has_unfinished_requests():
-        run_step(scheduler)
+        run_checked_step(scheduler)
     assert scheduler.num_swap_preemptions == 1
 
 

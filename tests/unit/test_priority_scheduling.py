@@ -4,15 +4,12 @@ the scheduler's public API with hand-made step results, as in test_scheduler.py.
 from __future__ import annotations
 
 import pytest
+from helpers.scheduling import make_request, run_checked_step, scheduled
 
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.config import SchedulerConfig, check_priority
-from pagedserve.scheduler.messages import StepResult
-from pagedserve.scheduler.request import Request, RequestStatus
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.request import RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler
-
-EOS = 2
 
 
 def make_scheduler(num_blocks=8, block_size=8, num_host_blocks=0, **config) -> Scheduler:
@@ -25,49 +22,13 @@ def make_scheduler(num_blocks=8, block_size=8, num_host_blocks=0, **config) -> S
     )
 
 
-def make_request(
-    request_id: str, num_prompt_tokens: int, priority: int = 0, max_tokens: int = 8, **params
-) -> Request:
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(range(10, 10 + num_prompt_tokens)),
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
-        eos_token_ids=frozenset({EOS}),
-        arrival_time_s=0.0,
-        max_model_len=256,
-        priority=priority,
-    )
-
-
-def run_step(scheduler: Scheduler, token_id: int = 7):
-    """Schedule a step and answer it as a worker would (see test_scheduler.run_step)."""
-    plan = scheduler.schedule()
-    request_ids = []
-    for item in (*plan.new_requests, *plan.cached_requests):
-        request = scheduler.requests[item.request_id]
-        if item.num_computed_tokens + item.num_scheduled_tokens == request.num_tokens:
-            forks = request.group is not None and request.num_output_tokens == 0
-            rows = request.sampling_params.num_sequences if forks else 1
-            request_ids.extend([item.request_id] * rows)
-    result = StepResult(plan.step_id, request_ids, [token_id] * len(request_ids))
-    deltas = scheduler.update_from_output(plan, result)
-    scheduler.block_manager.check_integrity()
-    return plan, deltas
-
-
-def scheduled(plan) -> dict[str, int]:
-    return {
-        r.request_id: r.num_scheduled_tokens for r in (*plan.new_requests, *plan.cached_requests)
-    }
-
-
 def run_to_end(scheduler: Scheduler, max_steps: int = 500) -> list[str]:
     """Step until every request ends; returns the request ids in the order they ended."""
     ended = []
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
             break
-        _, deltas = run_step(scheduler)
+        _, deltas = run_checked_step(scheduler)
         ended.extend(d.request_id for d in deltas if d.finished)
     assert not scheduler.has_unfinished_requests()
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
@@ -117,9 +78,9 @@ def test_the_batch_extends_and_preempts_in_rank_order():
     scheduler.add_request(make_request("a", 8, priority=0, max_tokens=20))
     scheduler.add_request(make_request("low", 8, priority=2, max_tokens=20))
     scheduler.add_request(make_request("c", 8, priority=0, max_tokens=20))
-    run_step(scheduler)
+    run_checked_step(scheduler)
     assert [r.request_id for r in scheduler.running] == ["a", "c", "low"]
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert scheduled(plan) == {"a": 1, "c": 1}
     assert scheduler.requests["low"].status == RequestStatus.WAITING
     assert run_to_end(scheduler)[-1] == "low"
@@ -132,9 +93,9 @@ def test_a_queued_request_preempts_lower_priority_running_ones():
     scheduler = make_scheduler(num_blocks=6)
     scheduler.add_request(make_request("low1", 12, priority=1, max_tokens=20))
     scheduler.add_request(make_request("low2", 28, priority=3, max_tokens=4))
-    run_step(scheduler)  # 6 of 6 blocks in use
+    run_checked_step(scheduler)  # 6 of 6 blocks in use
     scheduler.add_request(make_request("high", 10, priority=0, max_tokens=3))
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     # high needs 2 blocks: low2 (the lowest) goes, and high is admitted in the same step.
     assert scheduled(plan) == {"low1": 1, "high": 10}
     assert scheduler.requests["low2"].status == RequestStatus.WAITING
@@ -148,9 +109,9 @@ def test_equal_priority_never_preempts():
     scheduler = make_scheduler(num_blocks=4)
     scheduler.add_request(make_request("a", 12, priority=1, max_tokens=4))
     scheduler.add_request(make_request("b", 12, priority=1, max_tokens=4))
-    run_step(scheduler)
+    run_checked_step(scheduler)
     scheduler.add_request(make_request("c", 10, priority=1, max_tokens=3))
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert scheduled(plan) == {"a": 1, "b": 1}
     assert scheduler.num_preemptions == 0
     assert run_to_end(scheduler) == ["a", "b", "c"]
@@ -162,9 +123,9 @@ def test_no_preemption_when_it_would_not_make_room():
     scheduler = make_scheduler(num_blocks=6)
     scheduler.add_request(make_request("peer", 30, priority=0, max_tokens=4))  # 4 blocks
     scheduler.add_request(make_request("low", 6, priority=5, max_tokens=20))  # 1 block
-    run_step(scheduler)  # 1 block free
+    run_checked_step(scheduler)  # 1 block free
     scheduler.add_request(make_request("high", 20, priority=0, max_tokens=2))  # 3 blocks
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert scheduled(plan) == {"peer": 1, "low": 1}
     assert scheduler.num_preemptions == 0
     ended = run_to_end(scheduler)
@@ -175,9 +136,9 @@ def test_a_full_batch_makes_a_slot_for_a_higher_priority():
     scheduler = make_scheduler(num_blocks=16, max_num_seqs=2)
     scheduler.add_request(make_request("a", 4, priority=0, max_tokens=20))
     scheduler.add_request(make_request("low", 4, priority=9, max_tokens=20))
-    run_step(scheduler)
+    run_checked_step(scheduler)
     scheduler.add_request(make_request("high", 4, priority=-3, max_tokens=2))
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert scheduled(plan) == {"a": 1, "high": 4}
     assert scheduler.requests["low"].status == RequestStatus.WAITING
     assert run_to_end(scheduler) == ["high", "a", "low"]
@@ -186,15 +147,15 @@ def test_a_full_batch_makes_a_slot_for_a_higher_priority():
 def test_swapped_requests_wait_behind_a_better_ranked_arrival():
     scheduler = make_scheduler(num_blocks=4, num_host_blocks=8, preemption_mode="swap")
     scheduler.add_request(make_request("low", 20, priority=4, max_tokens=12))
-    run_step(scheduler)  # 3 blocks
+    run_checked_step(scheduler)  # 3 blocks
     scheduler.add_request(make_request("high", 16, priority=1, max_tokens=4))
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert len(plan.swap_out) == 3 and scheduled(plan) == {"high": 16}
     assert scheduler.requests["low"].status == RequestStatus.SWAPPED
     # A second, better-ranked arrival is admitted although low waits in the swap pool
     # (first come, first served would resume low first).
     scheduler.add_request(make_request("mid", 4, priority=2, max_tokens=2))
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert set(scheduled(plan)) == {"high", "mid"} and not plan.swap_in
     ended = run_to_end(scheduler)
     assert ended == ["mid", "high", "low"]
@@ -204,11 +165,11 @@ def test_swapped_requests_wait_behind_a_better_ranked_arrival():
 def test_a_parallel_sampling_group_is_preempted_whole():
     scheduler = make_scheduler(num_blocks=8, num_host_blocks=8)
     scheduler.add_request(make_request("g", 6, priority=1, max_tokens=10, n=3, seed=1))
-    run_step(scheduler)  # forks into 3 samples sharing one prompt block
-    run_step(scheduler)  # two of them copy it before writing: 3 blocks
+    run_checked_step(scheduler)  # forks into 3 samples sharing one prompt block
+    run_checked_step(scheduler)  # two of them copy it before writing: 3 blocks
     assert len(scheduler.running) == 3 and scheduler.block_manager.num_free_blocks == 5
     scheduler.add_request(make_request("high", 48, priority=0, max_tokens=2))  # 6 blocks
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert scheduled(plan) == {"high": 48}
     assert {r.request_id for r in scheduler.swapped} == {"g", "g#1", "g#2"}
     assert plan.swap_out  # a group is swapped by default
@@ -220,9 +181,9 @@ def test_aborting_queued_and_running_requests_under_priority_frees_everything():
     scheduler = make_scheduler(num_blocks=4, num_host_blocks=4, preemption_mode="swap")
     scheduler.add_request(make_request("low", 16, priority=2, max_tokens=8))
     scheduler.add_request(make_request("x", 6, priority=1, max_tokens=8))
-    run_step(scheduler)
+    run_checked_step(scheduler)
     scheduler.add_request(make_request("high", 20, priority=0, max_tokens=4))
-    run_step(scheduler)
+    run_checked_step(scheduler)
     assert scheduler.requests["low"].status == RequestStatus.SWAPPED
     for request_id in ["low", "x", "high"]:
         scheduler.abort_request(request_id)
@@ -236,7 +197,7 @@ def test_forks_and_resumed_requests_keep_their_rank():
     scheduler = make_scheduler(num_blocks=32, max_num_seqs=8)
     scheduler.add_request(make_request("late", 4, priority=2, max_tokens=5))
     scheduler.add_request(make_request("g", 4, priority=1, max_tokens=5, n=2, seed=3))
-    run_step(scheduler)
+    run_checked_step(scheduler)
     assert [(r.request_id, r.rank) for r in scheduler.running] == [
         ("g", (1, 1)),
         ("g#1", (1, 1)),
@@ -255,15 +216,15 @@ def test_a_group_swapped_before_its_first_sample_keeps_room_for_its_forks():
         preemption_mode="swap",
     )
     scheduler.add_request(make_request("g", 32, priority=1, n=2))
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert scheduled(plan) == {"g": 8}
     scheduler.add_request(make_request("a", 8, priority=0, max_tokens=4))
-    plan, _ = run_step(scheduler)
+    plan, _ = run_checked_step(scheduler)
     assert scheduled(plan) == {"a": 8}
     assert [r.request_id for r in scheduler.swapped] == ["g"]
     while "a" in scheduler.requests:
         assert [r.request_id for r in scheduler.running] == ["a"]
-        run_step(scheduler)
+        run_checked_step(scheduler)
     while scheduler.has_unfinished_requests():
-        run_step(scheduler)
+        run_checked_step(scheduler)
         assert len(scheduler.running) <= 2

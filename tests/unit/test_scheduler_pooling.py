@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 
 import pytest
+from helpers.scheduling import EOS, make_request, make_scheduler, scheduled
 
 from pagedserve.scheduler.messages import StepPlan, StepResult
 from pagedserve.scheduler.pooling_params import (
@@ -15,7 +16,6 @@ from pagedserve.scheduler.pooling_params import (
 )
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.scheduler import Scheduler
-from tests.unit.test_scheduler import EOS, make_request, make_scheduler, scheduled
 
 VECTOR = struct.pack("<3f", 0.5, -0.25, 1.0)
 

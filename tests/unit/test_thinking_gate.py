@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_piece, byte_level_tokenizer
+from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_piece, byte_level_tokenizer
 from tokenizers import AddedToken
 
 from pagedserve.scheduler.block_manager import BlockManager

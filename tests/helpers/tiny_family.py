@@ -12,9 +12,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from engine.test_parity import NEW_TOKENS, hf_greedy
-from tiny_models import random_hf_model
 
+from helpers.parity import NEW_TOKENS, hf_greedy
+from helpers.tiny_models import random_hf_model
 from pagedserve.frontend import LLM, SamplingParams
 
 PROMPT_LENGTHS = [1, 17, 40, 100, 150]

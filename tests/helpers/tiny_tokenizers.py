@@ -4,8 +4,8 @@ bytes no piece covers) and byte-level BPE (GPT-2, SmolLM2: every byte a printabl
 character, ``Ġ`` for a space). Pieces are given as text, or as bytes for a piece that
 holds part of a character.
 
-The tests directory is on ``sys.path`` (pytest puts ``tests/conftest.py``'s folder
-there), so test modules ``import tiny_tokenizers``.
+Test modules import it as ``helpers.tiny_tokenizers``: pytest puts ``tests/`` (the folder
+of ``tests/conftest.py``) on ``sys.path``.
 """
 
 from __future__ import annotations

@@ -665,7 +665,7 @@ def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
     """A byte-level BPE vocabulary of ``vocab_size`` tokens and its merges: ids 0-2 the
     special tokens ``<|endoftext|> <|im_start|> <|im_end|>``, then the 256 bytes (as GPT-2
     spells them), then two-letter tokens, each made by one merge ("a b" -> "ab")."""
-    from tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_piece
+    from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_piece
 
     tokens = [*BYTE_LEVEL_SPECIALS, *(byte_level_piece(bytes([b])) for b in range(256))]
     letters = "abcdefghijklmnopqrstuvwxyz"
