@@ -1,4 +1,4 @@
-"""Whether the engine makes progress (DESIGN.md's liveness invariant).
+"""Whether the engine makes progress: work pending and no step completed is a stalled node.
 
 While it has requests, the scheduler sends tokens or a ``Progress`` message at least every
 second (``engine_process.PROGRESS_INTERVAL_S``); while a step's result is late it says what

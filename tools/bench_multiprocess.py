@@ -12,7 +12,7 @@ shared and noisy: read the difference within one run, medians over ``--repeats``
 Example (from the repository root), on the tests' tiny Llama:
 
     .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); \\
-        from conftest import make_tiny_model; from pathlib import Path; \\
+        from helpers.tiny_models import make_tiny_model; from pathlib import Path; \\
         make_tiny_model('llama', Path('/tmp/tiny-llama'))"
     .venv/bin/python tools/bench_multiprocess.py --model /tmp/tiny-llama --batch 64
 """

@@ -42,7 +42,7 @@ Examples (from the repository root):
 
     # Another model: a random mixture-of-experts one, made as the tests make theirs.
     .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); \\
-        from tiny_models import random_hf_model; from pathlib import Path; \\
+        from helpers.tiny_models import random_hf_model; from pathlib import Path; \\
         random_hf_model(dict(architectures=['MixtralForCausalLM'], hidden_size=512, \\
         intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, \\
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, \\

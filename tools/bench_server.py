@@ -68,7 +68,7 @@ Example (from the repository root), on the tests' tiny Llama (no tokenizer neede
 are token ids); about a minute on 2 cores:
 
     .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); \\
-        from conftest import make_tiny_model; from pathlib import Path; \\
+        from helpers.tiny_models import make_tiny_model; from pathlib import Path; \\
         make_tiny_model('llama', Path('/tmp/tiny-llama'))"
     .venv/bin/python tools/bench_server.py --model /tmp/tiny-llama --num-requests 128 \\
         --length-scale 0.25 --max-len 256

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 import transformers
+
 from helpers.family_configs import DEEPSEEK_CONFIGS, GEMMA_CONFIGS, LLAMA4, MOE_CONFIGS
 from helpers.multi_token_prediction import CONFIGS as MTP_CONFIGS
 from helpers.multi_token_prediction import predictable_copy, with_mtp_layer
 from helpers.tiny_models import random_hf_model
 from helpers.windowed_models import make_windowed_model, windowed_prompts
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker import cuda_ops
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV

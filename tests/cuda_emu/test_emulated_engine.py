@@ -17,6 +17,8 @@ from __future__ import annotations
 import collections
 
 import pytest
+
+from cuda_emu.build import emulated_kernels
 from helpers.parity import (
     GREEDY,
     check_bfloat16_first_tokens_agree_with_hf,
@@ -25,8 +27,6 @@ from helpers.parity import (
     random_prompts,
 )
 from helpers.windowed_models import make_windowed_model, windowed_prompts
-
-from cuda_emu.build import emulated_kernels
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker import cuda_ops, ops
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers.parity import EMBEDDED_PROMPTS, hf_greedy
 
+from helpers.parity import EMBEDDED_PROMPTS, hf_greedy
 from pagedserve.frontend.tokenizer import Tokenizer
 
 

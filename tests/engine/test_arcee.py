@@ -8,6 +8,7 @@ matches HF's (tests/engine/test_classification.py).
 from __future__ import annotations
 
 import pytest
+
 from helpers.family_configs import ARCEE
 from helpers.parity import hf_greedy
 from helpers.tiny_family import (
@@ -18,7 +19,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-
 from pagedserve.frontend import LLM
 
 model_dir, hf_reference = family_fixtures(ARCEE)

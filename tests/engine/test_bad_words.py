@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.parity import hf_greedy
 
+from helpers.parity import hf_greedy
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.scheduler.sampling_params import MAX_BAD_WORDS
 

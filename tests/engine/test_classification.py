@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 import transformers
+
 from helpers.family_configs import (
     ARCEE,
     DEEPSEEK_CONFIGS,
@@ -31,7 +32,6 @@ from helpers.family_configs import (
 from helpers.pooling_models import LABELS, classifier_config, make_cross_encoder
 from helpers.tiny_models import TINY_CONFIGS, random_hf_model
 from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS
-
 from pagedserve.frontend import LLM, PoolingParams, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.scheduler.config import SchedulerConfig

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+
 from helpers.family_configs import COHERE_CONFIGS
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import GREEDY, check_chunked_prefix_hits_and_two_ranks, prompts, token_ids
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.frontend import LLM, SamplingParams
 
 

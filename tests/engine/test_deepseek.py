@@ -17,6 +17,8 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from helpers.family_configs import DEEPSEEK_CONFIGS
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.speculative_decoding import SPECULATIVE, assert_speculated, repetitive_prompts
@@ -30,8 +32,6 @@ from helpers.tiny_family import (
     with_next_token_layer,
 )
 from helpers.tiny_models import random_hf_model
-from safetensors.torch import load_file, save_file
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.kv_cache import KVCacheSpec
 from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig

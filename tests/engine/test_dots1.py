@@ -8,6 +8,7 @@ can fail; bfloat16's first tokens agree with HF's bfloat16."""
 from __future__ import annotations
 
 import pytest
+
 from helpers.family_configs import DOTS1
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import (
@@ -18,7 +19,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig
 

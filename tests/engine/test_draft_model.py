@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from helpers.grammar_cases import CONSTRAINTS
 from helpers.grammar_cases import PROMPTS as STRUCTURED_PROMPTS
 from helpers.parity import NEW_TOKENS, hf_greedy
@@ -25,8 +27,6 @@ from helpers.speculative_decoding import (
     outputs,
     repetitive_prompts,
 )
-from safetensors.torch import load_file, save_file
-
 from pagedserve.frontend import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 import transformers
+
 from helpers.parity import NEW_TOKENS, hf_greedy
 from helpers.pooling_models import embed_prompts
-
 from pagedserve.frontend import LLM, PoolingParams, SamplingParams
 from pagedserve.frontend.request_tracker import EmbeddingTracker, RequestTracker
 from pagedserve.scheduler.pooling_params import PROMPT_ONLY_SAMPLING_PARAMS

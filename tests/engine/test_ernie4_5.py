@@ -10,6 +10,7 @@ reordered query and key rows give peft's tokens.
 from __future__ import annotations
 
 import pytest
+
 from helpers.family_configs import ERNIE
 from helpers.parity import hf_greedy
 from helpers.tiny_family import (
@@ -21,7 +22,6 @@ from helpers.tiny_family import (
     token_ids,
 )
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.frontend import LLM
 
 model_dir, hf_reference = family_fixtures(ERNIE)

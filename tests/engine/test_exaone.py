@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from helpers.parity import hf_greedy
 from helpers.tiny_family import (
     GREEDY,
@@ -20,7 +21,6 @@ from helpers.tiny_family import (
     token_ids,
 )
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from helpers.family_configs import EXAONE4
 from helpers.lora_adapters import check_adapter_matches_hf_peft
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
@@ -22,7 +23,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 

@@ -4,8 +4,8 @@ CPU: greedy tokens identical to HF transformers, with chunked prefill and prefix
 from __future__ import annotations
 
 import pytest
-from helpers.parity import GREEDY, hf_greedy, random_prompts
 
+from helpers.parity import GREEDY, hf_greedy, random_prompts
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+
 from helpers.family_configs import GEMMA_CONFIGS
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import GREEDY, prompts, token_ids
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.basic import GemmaRMSNorm
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV

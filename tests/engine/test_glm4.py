@@ -9,6 +9,7 @@ agree with HF's bfloat16.
 from __future__ import annotations
 
 import pytest
+
 from helpers.family_configs import GLM4
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import (
@@ -19,7 +20,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-
 from pagedserve.frontend import LLM
 
 model_dir, hf_reference = family_fixtures(GLM4)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from helpers.family_configs import GLM4_MOE
 from helpers.lora_adapters import check_adapter_matches_hf_peft
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
@@ -25,8 +27,6 @@ from helpers.tiny_family import (
     token_ids,
     with_next_token_layer,
 )
-from safetensors.torch import load_file, save_file
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ExpertsSpec, GroupedRouting, ModelConfig
 

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
 from helpers.family_configs import GPT_OSS
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import (
@@ -25,9 +28,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-from safetensors.torch import load_file, save_file
-from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 from pagedserve.gpu_worker.model_config import ModelConfig

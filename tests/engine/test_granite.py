@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+
 from helpers.family_configs import GRANITE, GRANITE_MOE, GRANITE_SCALARS
 from helpers.parity import hf_greedy
 from helpers.tiny_family import (
@@ -25,7 +26,6 @@ from helpers.tiny_family import (
     token_ids,
 )
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.frontend import LLM, SamplingParams
 
 model_dir, hf_reference = family_fixtures(GRANITE)

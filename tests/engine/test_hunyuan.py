@@ -9,6 +9,7 @@ tokens."""
 from __future__ import annotations
 
 import pytest
+
 from helpers.family_configs import HUNYUAN
 from helpers.lora_adapters import check_adapter_matches_hf_peft
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
@@ -21,7 +22,6 @@ from helpers.tiny_family import (
     token_ids,
 )
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig
 

@@ -10,6 +10,7 @@ they are HF's too, and the biases move HF's own tokens.
 from __future__ import annotations
 
 import pytest
+
 from helpers.parity import hf_greedy
 from helpers.tiny_family import (
     GREEDY,
@@ -20,7 +21,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig
 

@@ -12,9 +12,9 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from helpers.parity import GREEDY, hf_greedy, random_prompts
 from transformers.cache_utils import DynamicLayer
 
+from helpers.parity import GREEDY, hf_greedy, random_prompts
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 

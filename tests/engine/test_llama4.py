@@ -12,6 +12,7 @@ tokens, so the checks can fail; bfloat16's first tokens agree with HF's bfloat16
 from __future__ import annotations
 
 import pytest
+
 from helpers.family_configs import LLAMA4
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.speculative_decoding import SPECULATIVE, assert_speculated, repetitive_prompts
@@ -24,7 +25,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import (
     ModelConfig,

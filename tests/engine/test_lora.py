@@ -21,6 +21,7 @@ import peft
 import pytest
 import torch
 import transformers
+
 from helpers.dequantized_models import save_dequantized
 from helpers.family_configs import (
     COHERE_CONFIGS,
@@ -42,7 +43,6 @@ from helpers.lora_adapters import (
 )
 from helpers.tiny_models import random_hf_model
 from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
-
 from pagedserve.frontend import LLM, LoRARequest, SamplingParams
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 

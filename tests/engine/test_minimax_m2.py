@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import (
     GREEDY,
@@ -21,8 +23,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-from safetensors.torch import load_file, save_file
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig
 

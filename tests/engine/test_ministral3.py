@@ -9,6 +9,7 @@ bfloat16."""
 from __future__ import annotations
 
 import pytest
+
 from helpers.family_configs import MINISTRAL3, MINISTRAL3_ROPE
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import (
@@ -20,7 +21,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig, llama4_query_scaling
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import transformers
+
 from helpers.family_configs import MOE_CONFIGS
 from helpers.parity import GREEDY, hf_greedy, random_prompts
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ExpertsSpec, ModelConfig
 

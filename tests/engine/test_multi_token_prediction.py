@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
+
 from helpers.multi_token_prediction import CONFIGS, predictable_copy, with_mtp_layer
 from helpers.parity import hf_greedy
 from helpers.tiny_family import GREEDY, check_chunked_prefix_hits_and_two_ranks, prompts, token_ids
 from helpers.tiny_models import random_hf_model
-from safetensors.torch import load_file, save_file
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig, next_token_layer_config
 

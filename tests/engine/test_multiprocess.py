@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+
 from helpers.engine_processes import (
     DEATH_NOTICED_WITHIN_S,
     LONG,
@@ -32,7 +33,6 @@ from helpers.engine_processes import (
     live_schedulers,
 )
 from helpers.processes import is_live, live_children, stat_fields, wait_until
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.engine_client import (
     EngineClient,

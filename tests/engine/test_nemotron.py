@@ -7,6 +7,7 @@ HF's bfloat16; adapters give peft's tokens."""
 from __future__ import annotations
 
 import pytest
+
 from helpers.family_configs import NEMOTRON
 from helpers.lora_adapters import check_adapter_matches_hf_peft
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
@@ -18,7 +19,6 @@ from helpers.tiny_family import (
     token_ids,
 )
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.frontend import LLM
 
 model_dir, hf_reference = family_fixtures(NEMOTRON)

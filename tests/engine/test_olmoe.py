@@ -9,6 +9,7 @@ first tokens agree with HF's bfloat16 (its norms round, then scale, as Llama's).
 from __future__ import annotations
 
 import pytest
+
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import (
     GREEDY,
@@ -19,7 +20,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-
 from pagedserve.frontend import LLM
 
 # OLMoE-1B-7B's shape in small: 8 experts of 128, top 3, not renormalised; a clamp of 0.5

@@ -4,6 +4,7 @@ within its rounding)."""
 from __future__ import annotations
 
 import pytest
+
 from helpers.parity import (
     EMBEDDED_PROMPTS,
     GREEDY,
@@ -11,7 +12,6 @@ from helpers.parity import (
     hf_greedy,
     random_prompts,
 )
-
 from pagedserve.frontend import LLM
 
 

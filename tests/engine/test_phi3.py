@@ -15,6 +15,7 @@ import random
 from pathlib import Path
 
 import pytest
+
 from helpers.family_configs import PHI3
 from helpers.parity import hf_greedy
 from helpers.tiny_family import (
@@ -26,7 +27,6 @@ from helpers.tiny_family import (
     token_ids,
 )
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig
 

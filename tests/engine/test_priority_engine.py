@@ -6,8 +6,8 @@ field."""
 from __future__ import annotations
 
 import pytest
-from helpers.parity import GREEDY, hf_greedy, random_prompts
 
+from helpers.parity import GREEDY, hf_greedy, random_prompts
 from pagedserve.frontend import LLM
 
 PROMPTS = random_prompts(7, 512)

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
+
 from helpers.dequantized_models import save_dequantized
 from helpers.parity import NEW_TOKENS, hf_greedy
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.moe import SparseMoE
 from pagedserve.gpu_worker.layers.packed_weights import (

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers.grammar_cases import PERSON_SCHEMA
-from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 from tokenizers import AddedToken
 
+from helpers.grammar_cases import PERSON_SCHEMA
+from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.scheduler.sampling_params import StructuredOutputsParams
 

@@ -9,6 +9,8 @@ SeedOssConfig's 128, not hidden / heads; adapters give peft's tokens.
 from __future__ import annotations
 
 import pytest
+from safetensors.torch import load_file, save_file
+
 from helpers.family_configs import SEED_OSS
 from helpers.parity import hf_greedy
 from helpers.tiny_family import (
@@ -19,8 +21,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-from safetensors.torch import load_file, save_file
-
 from pagedserve.frontend import LLM
 
 model_dir, hf_reference = family_fixtures(SEED_OSS)

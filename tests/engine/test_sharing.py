@@ -14,8 +14,8 @@ import shutil
 import pytest
 import torch
 import transformers
-from helpers.parity import prompts_for
 
+from helpers.parity import prompts_for
 from pagedserve.frontend import LLM, SamplingParams
 
 

@@ -15,9 +15,9 @@ import random
 from pathlib import Path
 
 import pytest
+
 from helpers.parity import NEW_TOKENS, hf_greedy
 from helpers.windowed_models import WINDOWED_CONFIGS, make_windowed_model, windowed_prompts
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 from pagedserve.gpu_worker.model_config import ModelConfig

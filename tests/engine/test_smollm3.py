@@ -9,6 +9,7 @@ fail; a bad ``no_rope_layers`` is refused by name.
 from __future__ import annotations
 
 import pytest
+
 from helpers.family_configs import SMOLLM3
 from helpers.parity import hf_greedy
 from helpers.tiny_family import (
@@ -19,7 +20,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from helpers.grammar_cases import CONSTRAINTS
 from helpers.grammar_cases import PROMPTS as STRUCTURED_PROMPTS
 from helpers.parity import GREEDY, NEW_TOKENS, hf_greedy
@@ -21,7 +22,6 @@ from helpers.speculative_decoding import (
     outputs,
     repetitive_prompts,
 )
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.scheduler.sampling_params import StructuredOutputsParams
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from helpers.grammar_cases import CHOICES, CONSTRAINTS, GRAMMAR, PERSON_SCHEMA, PROMPTS, REGEX
 from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_tokenizer, save_for_transformers
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.scheduler.sampling_params import StructuredOutputsParams
 

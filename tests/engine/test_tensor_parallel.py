@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from helpers.engine_processes import (
     DEATH_NOTICED_WITHIN_S,
     LONG,
@@ -25,7 +26,6 @@ from helpers.engine_processes import (
 from helpers.parity import GREEDY as HF_LENGTH_GREEDY
 from helpers.parity import random_prompts
 from helpers.tiny_family import token_ids
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.engine_client import EngineClient, EngineDeadError
 

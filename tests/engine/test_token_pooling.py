@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
 from helpers.pooling_models import LABELS, classifier_config, embed_prompts
 from helpers.tiny_models import TINY_CONFIGS, random_hf_model
-
 from pagedserve.frontend import LLM, PoolingParams, SamplingParams
 
 

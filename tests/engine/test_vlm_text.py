@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers.family_configs import MINISTRAL3_ROPE
-from helpers.tiny_family import GREEDY, TINY_SHAPE, prompts, token_ids
 from safetensors.torch import load_file, save_file
 
+from helpers.family_configs import MINISTRAL3_ROPE
+from helpers.tiny_family import GREEDY, TINY_SHAPE, prompts, token_ids
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig
 

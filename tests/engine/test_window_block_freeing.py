@@ -14,10 +14,10 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from helpers.parity import GREEDY, NEW_TOKENS, hf_greedy
 from helpers.tiny_family import token_ids
 from helpers.windowed_models import make_windowed_model, windowed_prompts
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 from pagedserve.gpu_worker.model_config import ModelConfig

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from helpers.tiny_tokenizers import (
     BYTE_LEVEL_SPECIALS,
     SENTENCEPIECE_SPECIALS,
@@ -20,7 +21,6 @@ from helpers.tiny_tokenizers import (
     ids_of,
     save_for_transformers,
 )
-
 from pagedserve.frontend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.scheduler.sampling_params import SamplingParams

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.parity import hf_greedy
 
+from helpers.parity import hf_greedy
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.generation_config import load_generation_defaults
 

@@ -26,13 +26,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file
+
 from helpers.family_configs import DOTS1, ERNIE
 from helpers.gguf_writer import byte_level_vocab, write_gguf
 from helpers.parity import GREEDY, hf_greedy, random_prompts
 from helpers.tiny_family import TINY_SHAPE, rewritten, with_next_token_layer
 from helpers.tiny_models import random_hf_model
-from safetensors.numpy import load_file
-
 from pagedserve.frontend import LLM, SamplingParams, gguf_convert
 from pagedserve.frontend.gguf import config as gguf_config
 from pagedserve.frontend.gguf import registry as gguf_registry

@@ -9,8 +9,8 @@ import json
 
 import llguidance
 import pytest
-from helpers.tiny_tokenizers import byte_level_tokenizer
 
+from helpers.tiny_tokenizers import byte_level_tokenizer
 from pagedserve.frontend.tool_calls import (
     ParsedCall,
     ParsedOutput,

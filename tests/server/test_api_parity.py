@@ -10,8 +10,8 @@ import re
 
 import grpc
 import pytest
-from helpers.http_calls import post
 
+from helpers.http_calls import post
 from pagedserve.v1 import generation_pb2 as pb
 
 PROMPT = [5, 6]

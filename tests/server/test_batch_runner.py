@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+
 from helpers.http_calls import post
 from helpers.processes import is_live, live_children, wait_until
 from helpers.server_process import SERVED_MODEL_NAME
-
 from pagedserve.frontend.batch_files import TOO_LONG, FileLines, UrlLines
 from pagedserve.frontend.batch_runner import InvalidLine, OrderedWriter, parse_line
 

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from helpers.http_calls import post
 from helpers.pooling_models import LABELS, make_cross_encoder, make_text_classifier
 from helpers.server_process import CHAT_TEMPLATE, SERVED_MODEL_NAME, ServerProcess, serving
-
 from pagedserve.frontend import LLM, PoolingParams
 from pagedserve.frontend.chat_template import ChatTemplateOptions
 from pagedserve.frontend.client import Client, conversation

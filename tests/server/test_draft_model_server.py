@@ -14,7 +14,6 @@ from helpers.multi_token_prediction import predictable_copy, with_mtp_layer
 from helpers.parity import hf_greedy
 from helpers.server_process import SERVED_MODEL_NAME, serving
 from helpers.tiny_models import random_hf_model
-
 from pagedserve.v1 import generation_pb2 as pb
 
 PROMPTS = [[5, 9, 31, 2, 77, 300], [40, 41, 42]]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from helpers.server_process import ServerProcess
 
+from helpers.server_process import ServerProcess
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.client import Client
 

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import grpc
 import openai
 import pytest
+
 from helpers.http_calls import get
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
-
 from pagedserve.frontend import LLM, PoolingParams
 from pagedserve.frontend.chat_template import ChatTemplateOptions
 from pagedserve.frontend.client import Client, conversation

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from helpers.grpc_calls import token_request
 from helpers.http_calls import post
 from helpers.parity import hf_greedy
-
 from pagedserve.v1 import generation_pb2 as pb
 
 PROMPT = [5, 9, 31, 2, 77, 300]

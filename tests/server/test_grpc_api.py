@@ -19,8 +19,8 @@ import pytest
 import torch
 import transformers
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.grpc_calls import NUM_TOKENS, collect_stream, greedy, token_request
 
+from helpers.grpc_calls import NUM_TOKENS, collect_stream, greedy, token_request
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
 

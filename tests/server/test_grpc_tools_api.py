@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from helpers.http_calls import post, sse_events
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess
 from helpers.tool_calls import (
@@ -39,7 +40,6 @@ from helpers.tool_calls import (
     whole_calls,
     without_ids,
 )
-
 from pagedserve.frontend import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.frontend.client import AsyncClient, Client
 from pagedserve.frontend.grpc_convert import chat_to_proto

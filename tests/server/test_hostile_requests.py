@@ -13,9 +13,9 @@ import time
 
 import grpc
 import pytest
+
 from helpers.grpc_calls import greedy, token_request
 from helpers.http_calls import post
-
 from pagedserve.v1 import generation_pb2 as pb
 
 INT64_MAX = (1 << 63) - 1

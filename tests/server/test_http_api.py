@@ -20,10 +20,10 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from helpers.http_calls import get, post, sse_events
 from helpers.processes import wait_until
 from helpers.server_process import SERVED_MODEL_NAME
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.client import Client
 from pagedserve.frontend.grpc_convert import chat_to_proto

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from helpers.http_calls import get, post
 from helpers.lora_adapters import SERVER_ADAPTERS, make_lora_adapter
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.client import Client
 

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from helpers.http_calls import post
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
-
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.frontend.client import Client
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import openai
 import pytest
+
 from helpers.http_calls import post, sse_events, typed_events
 from helpers.server_process import SERVED_MODEL_NAME
 from helpers.tool_calls import ONE_TOOL, streamed_calls, whole_calls, without_ids
-
 from pagedserve.frontend.tokenizer import Tokenizer
 
 FORCED = r"Paris is big\.</think>It is Paris\."

@@ -20,10 +20,10 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from helpers.grpc_calls import greedy, token_request
 from helpers.http_calls import post
 from helpers.processes import is_live, wait_until
-
 from pagedserve.scheduler.fault_injection import ENVIRONMENT_VARIABLE, STAGES
 
 PROMPTS = [[5, 300, 301, 302], [400, 7, 7, 401, 402], [9, 10, 11]]

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+
 from helpers.http_calls import get, post, typed_events
 from helpers.processes import wait_until
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving

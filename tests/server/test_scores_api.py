@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from helpers.http_calls import post
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
-
 from pagedserve.frontend import LLM
 from pagedserve.frontend.client import Client
 from pagedserve.v1 import generation_pb2 as pb

@@ -15,10 +15,10 @@ import re
 import grpc
 import openai
 import pytest
+
 from helpers.grammar_cases import CHOICES, GRAMMAR, PERSON_SCHEMA, REGEX
 from helpers.http_calls import post, sse_events
 from helpers.server_process import SERVED_MODEL_NAME
-
 from pagedserve.frontend import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.frontend.call_errors import CallError
 from pagedserve.frontend.client import Client

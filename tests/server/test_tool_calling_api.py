@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+
 from helpers.http_calls import post, sse_events
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess
 from helpers.tool_calls import (
@@ -40,7 +41,6 @@ from helpers.tool_calls import (
     whole_calls,
     without_ids,
 )
-
 from pagedserve.frontend import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.frontend.tool_calls import ToolCalling, parse_tools
 

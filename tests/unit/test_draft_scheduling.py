@@ -6,7 +6,6 @@ sequence needs."""
 from __future__ import annotations
 
 from helpers.scheduling import make_request, make_scheduler
-
 from pagedserve.scheduler.messages import StepPlan, StepResult
 from pagedserve.scheduler.sampling_params import SamplingParams
 

@@ -6,8 +6,8 @@ lower-priority requests to free an adapter slot. Never more than the cap in any 
 from __future__ import annotations
 
 import pytest
-from helpers.scheduling import make_request, run_checked_step, scheduled
 
+from helpers.scheduling import make_request, run_checked_step, scheduled
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.scheduler import Scheduler

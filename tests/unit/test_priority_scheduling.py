@@ -4,8 +4,8 @@ the scheduler's public API with hand-made step results, as in test_scheduler.py.
 from __future__ import annotations
 
 import pytest
-from helpers.scheduling import make_request, run_checked_step, scheduled
 
+from helpers.scheduling import make_request, run_checked_step, scheduled
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.config import SchedulerConfig, check_priority
 from pagedserve.scheduler.request import RequestStatus

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers.scheduling import EOS, make_request, make_scheduler, run_step, scheduled
 
+from helpers.scheduling import EOS, make_request, make_scheduler, run_step, scheduled
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import StepPlan

@@ -6,8 +6,8 @@ from __future__ import annotations
 import struct
 
 import pytest
-from helpers.scheduling import EOS, make_request, make_scheduler, scheduled
 
+from helpers.scheduling import EOS, make_request, make_scheduler, scheduled
 from pagedserve.scheduler.messages import StepPlan, StepResult
 from pagedserve.scheduler.pooling_params import (
     PROMPT_ONLY_SAMPLING_PARAMS,

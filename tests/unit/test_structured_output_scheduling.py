@@ -12,8 +12,8 @@ import threading
 
 import numpy as np
 import pytest
-from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_piece, byte_level_tokenizer
 
+from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_piece, byte_level_tokenizer
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import StepResult

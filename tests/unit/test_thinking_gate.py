@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_piece, byte_level_tokenizer
 from tokenizers import AddedToken
 
+from helpers.tiny_tokenizers import BYTE_LEVEL_SPECIALS, byte_level_piece, byte_level_tokenizer
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.messages import StepResult

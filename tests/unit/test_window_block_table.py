@@ -10,8 +10,8 @@ from __future__ import annotations
 from itertools import accumulate
 
 import pytest
-from helpers.scheduling import EOS, run_step
 
+from helpers.scheduling import EOS, run_step
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens, blocks_spanned
 from pagedserve.scheduler.capacity import check_request_fits, max_sequence_tokens
 from pagedserve.scheduler.config import SchedulerConfig
