@@ -1,5 +1,6 @@
-"""LoRA adapters served beside the base model (vLLM's multi-LoRA), on the Llama family
-(its mixture-of-experts members' attention and dense MLPs included) and Gemma 1 / 2 / 3.
+"""LoRA adapters served beside the base model (vLLM's multi-LoRA), on the architectures whose
+description says so (``Architecture.lora``: mixture-of-experts models' attention and dense
+MLPs included; an expert's or a shared expert's projection is refused by name).
 
 Each adapter is a PEFT LoRA directory (``adapter_config.json``, ``adapter_model.safetensors``),
 loaded at start-up or at run time (``LLM.load_lora``; the scheduler hands the load to the
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from pagedserve.gpu_worker.models import registry
+
 if TYPE_CHECKING:  # torch-free at import: the frontend checks adapters without it
     import torch
     from torch import nn
@@ -47,65 +50,6 @@ TARGET_MODULES = {
     "c_fc": ("mlp.c_fc", None),
     "c_proj": ("mlp.c_proj", None),
 }
-# Where an architecture keeps a projection otherwise (Arcee's up_proj is a layer of its own,
-# its MLP ungated).
-_ARCHITECTURE_TARGET_MODULES = {
-    "ArceeForCausalLM": {"up_proj": ("mlp.up_proj", None)},
-    "ApertusForCausalLM": {"up_proj": ("mlp.up_proj", None)},
-    "NemotronForCausalLM": {"up_proj": ("mlp.up_proj", None)},
-}
-# The projections each architecture's HF model has, which PEFT can target (Llama's unless
-# named here): Phi-3 fuses q/k/v and gate/up, GLM-4 gate/up only.
-_LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_ARCHITECTURE_PROJECTIONS = {
-    "Phi3ForCausalLM": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-    "Glm4ForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
-    "Starcoder2ForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"),
-    "ArceeForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
-    "ApertusForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
-    "NemotronForCausalLM": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
-}
-LORA_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "GraniteForCausalLM",
-    "Phi3ForCausalLM",
-    "SmolLM3ForCausalLM",
-    "SeedOssForCausalLM",
-    "Ernie4_5ForCausalLM",
-    "InternLM3ForCausalLM",
-    "ArceeForCausalLM",
-    "GemmaForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Olmo2ForCausalLM",
-    "Olmo3ForCausalLM",
-    "Exaone4ForCausalLM",
-    "HunYuanDenseV1ForCausalLM",
-    "HunYuanMoEV1ForCausalLM",
-    "ApertusForCausalLM",
-    "NemotronForCausalLM",
-    "Starcoder2ForCausalLM",
-    # Cohere's, GLM-4's (and ERNIE 4.5's) query and key rows are reordered on loading
-    # (``CausalLM.checkpoint_rows``); an adapter's B matrices on them are reordered alike.
-    "CohereForCausalLM",
-    "Cohere2ForCausalLM",
-    "Glm4ForCausalLM",
-    # Mixture-of-experts: attention, and the MLP of layers without experts; an expert's or a
-    # shared expert's projection is refused by name.
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "GraniteMoeForCausalLM",
-    "GraniteMoeSharedForCausalLM",
-    "OlmoeForCausalLM",
-    "GptOssForCausalLM",
-    "Glm4MoeForCausalLM",
-    "Dots1ForCausalLM",
-    "Ernie4_5_MoeForCausalLM",
-)
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "c_proj")
 _WEIGHTS_FILE = "adapter_model.safetensors"
 _CONFIG_FILE = "adapter_config.json"
@@ -152,10 +96,10 @@ class LoRALayer:
 
 def check_lora_support(architecture: str, tensor_parallel_size: int, cuda_graphs: int) -> None:
     """Raise ``ValueError`` where adapters cannot be served (the frontend checks first)."""
-    if architecture not in LORA_ARCHITECTURES:
+    if not registry.architecture(architecture).lora:
         raise ValueError(
-            f"lora_modules: LoRA adapters are served on {', '.join(LORA_ARCHITECTURES)}, "
-            f"not {architecture}"
+            f"lora_modules: LoRA adapters are served on "
+            f"{', '.join(registry.architectures_with('lora'))}, not {architecture}"
         )
     if tensor_parallel_size != 1:
         raise ValueError(
@@ -294,12 +238,12 @@ def _checked_weight_name(
     field: str,
     tensor_name: str,
     num_layers: int,
-    sparse_layers: frozenset[int] = frozenset(),
-    architecture: str = "LlamaForCausalLM",
+    sparse_layers: frozenset[int],
+    architecture: str,
 ) -> tuple[int, str, str]:
     """(layer, projection, "lora_A" | "lora_B") of an adapter tensor, or ``ValueError``.
     ``sparse_layers``: the layers whose MLP is a mixture of experts, which no adapter
-    reaches; ``architecture``: whose projections (``_ARCHITECTURE_PROJECTIONS``) the
+    reaches; ``architecture``: whose projections (``Architecture.lora_projections``) the
     adapter may target."""
     parsed = _weight_name(tensor_name)
     if parsed is None:
@@ -316,7 +260,7 @@ def _checked_weight_name(
         raise ValueError(
             f"{field}: tensor {tensor_name!r} names layer {layer}; the model has {num_layers}"
         )
-    has = _ARCHITECTURE_PROJECTIONS.get(architecture, _LLAMA_PROJECTIONS)
+    has = registry.architecture(architecture).lora_projections
     if projection not in has:
         raise ValueError(
             f"{field}: tensor {tensor_name!r} targets {projection!r}, which "
@@ -443,7 +387,7 @@ def load_adapter(model: nn.Module, batch: LoRABatch, adapter_id: int, name: str,
     products: list[tuple[nn.Module, _Product]] = []
     for (layer, projection), pair in sorted(pairs.items()):
         _check_pair(field, layer, projection, pair)
-        module_path, part = _ARCHITECTURE_TARGET_MODULES.get(model.config.architecture, {}).get(
+        module_path, part = model.config.spec.lora_modules.get(
             projection, TARGET_MODULES[projection]
         )
         module = layers[layer].get_submodule(module_path)

@@ -34,9 +34,9 @@ def language_model_weights(
     weights: Iterator[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A vision-language checkpoint's tensors as its language model's alone
-    (``model_config.VLM_TEXT_MODELS``): renamed as a text checkpoint names them; the vision
-    encoder and the projector dropped. Any other name passes as is (the loader refuses what
-    it does not know)."""
+    (``models/architectures/vision_language.py``): renamed as a text checkpoint names them;
+    the vision encoder and the projector dropped. Any other name passes as is (the loader
+    refuses what it does not know)."""
     for name, tensor in weights:
         if name.startswith(_IMAGE_PREFIXES):
             continue

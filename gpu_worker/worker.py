@@ -23,7 +23,6 @@ from pagedserve.gpu_worker.lora import (
 )
 from pagedserve.gpu_worker.memory import default_gpu_kv_cache_bytes
 from pagedserve.gpu_worker.model_config import (
-    VLM_TEXT_MODELS,
     ModelConfig,
     check_attention_chunk_size,
     check_cuda_graph_support,
@@ -33,8 +32,8 @@ from pagedserve.gpu_worker.model_config import (
     next_token_layer_config,
 )
 from pagedserve.gpu_worker.model_runner import ModelRunner
-from pagedserve.gpu_worker.models import build_model
 from pagedserve.gpu_worker.models.multi_token_predictor import MultiTokenPredictor, layer_prefix
+from pagedserve.gpu_worker.models.registry import build_model
 from pagedserve.gpu_worker.next_token_drafter import NextTokenDrafter
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel, check_tensor_parallel_size
 from pagedserve.gpu_worker.weights import iterate_weights, language_model_weights
@@ -365,10 +364,10 @@ def checkpoint_weights(
     config: ModelConfig, names: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's checkpoint tensors: a vision-language checkpoint's language model's
-    alone (``model_config.VLM_TEXT_MODELS``); with ``names``, only those it accepts are
+    alone (``ModelConfig.vision_language``); with ``names``, only those it accepts are
     read."""
     weights = iterate_weights(config.path, names)
-    if config.declared_architecture in VLM_TEXT_MODELS:
+    if config.vision_language:
         return language_model_weights(weights)
     return weights
 

@@ -5,7 +5,7 @@ normed ``kv_lora_rank`` values) and the rotated key ``k_pe`` (``qk_rope_head_dim
 cache keeps only that, ``[c | k_pe]`` per token and layer (DeepSeek-V3: 576 values,
 against 128 heads x 192 x 2 expanded), packed in the pool's layout as one KV head whose
 key row holds the first half and whose value row holds the second
-(``model_config.latent_cache_head_size``).
+(``architectures/deepseek.py``, ``latent_cache_head_size``).
 
 Attention never expands the latent: each head's ``kv_b_proj`` rows are absorbed, the key's
 into the query and the value's into the output (as vLLM's MLA does)::

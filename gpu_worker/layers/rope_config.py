@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-# Hunyuan's "dynamic" RoPE with an ``alpha`` (model_config._with_ntk_alpha_rope), its own only.
+# Hunyuan's "dynamic" RoPE with an ``alpha`` (architectures/hunyuan.py), its own only.
 NTK_ALPHA = "ntk_alpha"
 
 

@@ -121,7 +121,7 @@ class CohereDecoderLayer(nn.Module):
         hf = config.hf_config
         window = config.layer_sliding_windows[layer_index]
         # Cohere2 rotates only in its sliding layers; Cohere everywhere.
-        rotates = config.architecture != "Cohere2ForCausalLM" or window > 0
+        rotates = config.spec.rope_layers(hf)[layer_index]
         self.input_layernorm = CohereLayerNorm(
             config.hidden_size, hf.get("layer_norm_eps", 1e-5), dtype
         )

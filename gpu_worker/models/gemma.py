@@ -23,7 +23,7 @@ from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rope_config import layer_type_rope_parameters, rope_parameters
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
-from pagedserve.gpu_worker.model_config import ModelConfig, gemma_layer_types
+from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import CausalLM, load_fused_checkpoint
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
@@ -238,7 +238,7 @@ def _layer_rotaries(config: ModelConfig) -> list[RotaryEmbedding]:
             config.head_size, config.max_position_embeddings, rope_parameters(hf)
         )
         return [rotary] * config.num_layers
-    layer_types = gemma_layer_types(config.architecture, hf)
+    layer_types = config.spec.layer_types(hf)
     by_type = {
         layer_type: RotaryEmbedding(
             config.head_size,

@@ -24,7 +24,7 @@ from pagedserve.gpu_worker.layers.mlp import GatedMLP
 from pagedserve.gpu_worker.layers.rope_config import olmo3_layer_rope_parameters
 from pagedserve.gpu_worker.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.gpu_worker.layers.self_attention import SelfAttention
-from pagedserve.gpu_worker.model_config import ModelConfig, olmo3_layer_types, rope_layers
+from pagedserve.gpu_worker.model_config import ModelConfig
 from pagedserve.gpu_worker.models.base import StackedDecoderLM
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel
 
@@ -151,9 +151,9 @@ def _layer_rotaries(config: ModelConfig) -> list[RotaryEmbedding | None]:
     positions = config.max_position_embeddings
     if config.architecture != "Olmo3ForCausalLM":
         rotary = RotaryEmbedding(config.head_size, positions, rope_parameters(hf))
-        rotates = rope_layers(config.architecture, hf)
+        rotates = config.spec.rope_layers(hf)
         return [rotary if rotated else None for rotated in rotates]
-    layer_types = olmo3_layer_types(hf)
+    layer_types = config.spec.layer_types(hf)
     by_kind = {
         kind: RotaryEmbedding(config.head_size, positions, olmo3_layer_rope_parameters(hf, kind))
         for kind in sorted(set(layer_types))

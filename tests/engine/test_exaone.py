@@ -65,9 +65,9 @@ def hf_reference(checkpoint_dir):
 
 def test_the_checkpoint_s_names_and_fields_are_read(saved_dir, checkpoint_dir):
     config = ModelConfig.from_dir(checkpoint_dir)
-    assert (config.architecture, config.family, config.num_layers) == (
+    assert (config.architecture, config.spec.model_class, config.num_layers) == (
         "ExaoneForCausalLM",
-        "llama",
+        "LlamaForCausalLM",
         2,
     )
     assert ModelConfig.from_dir(saved_dir).architecture == "LlamaForCausalLM"

@@ -24,7 +24,7 @@ from helpers.tiny_family import (
     token_ids,
 )
 from pagedserve.frontend import LLM
-from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
+from pagedserve.gpu_worker.model_config import ModelConfig
 
 model_dir, hf_reference = family_fixtures(EXAONE4)
 
@@ -32,7 +32,7 @@ model_dir, hf_reference = family_fixtures(EXAONE4)
 def test_windowed_layers_rotate_and_global_ones_do_not(model_dir, tmp_path):
     config = ModelConfig.from_dir(model_dir)
     assert config.layer_sliding_windows == (32, 0, 32, 0)
-    assert rope_layers(config.architecture, config.hf_config) == (True, False, True, False)
+    assert config.spec.rope_layers(config.hf_config) == (True, False, True, False)
     untyped = ModelConfig.from_dir(rewritten(model_dir, tmp_path / "untyped", layer_types=None))
     assert untyped.layer_sliding_windows == (32, 0, 32, 0)
 
@@ -53,7 +53,7 @@ def test_without_a_window_every_layer_rotates_and_matches_hf(model_dir, hf_refer
     config = json.loads((unwindowed / "config.json").read_text())
     (unwindowed / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
     config = ModelConfig.from_dir(unwindowed)
-    assert rope_layers(config.architecture, config.hf_config) == (True,) * 4
+    assert config.spec.rope_layers(config.hf_config) == (True,) * 4
     expected = hf_greedy(unwindowed, prompts())
     assert expected != hf_reference  # the window and the NoPE layers show in HF's tokens
     llm = LLM(unwindowed, num_blocks=256)

@@ -170,7 +170,7 @@ def test_gemma_norm_has_hf_s_bits(dtype):
 
 
 def test_legacy_gelu_runs_the_tanh_approximation_as_hf_does(model_dirs):
-    from pagedserve.gpu_worker.models import build_model
+    from pagedserve.gpu_worker.models.registry import build_model
 
     config = ModelConfig.from_dir(model_dirs["gemma"])
     assert config.hf_config["hidden_act"] == "gelu"

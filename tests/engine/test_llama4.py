@@ -26,11 +26,7 @@ from helpers.tiny_family import (
     token_ids,
 )
 from pagedserve.frontend import LLM
-from pagedserve.gpu_worker.model_config import (
-    ModelConfig,
-    check_tensor_parallel_size,
-    llama4_nope_temperature,
-)
+from pagedserve.gpu_worker.model_config import ModelConfig, check_tensor_parallel_size
 
 model_dir, hf_reference = family_fixtures(LLAMA4)
 
@@ -45,8 +41,8 @@ def test_the_layers_kinds_are_read(model_dir):
     assert (spec.num_experts, spec.top_k, spec.intermediate_size) == (4, 1, 96)
     assert spec.sigmoid_scales_input and spec.shared_intermediate_size == 96
     assert not spec.shared_expert_gated
-    assert llama4_nope_temperature(config, rotates=False) == (0.5, 16)
-    assert llama4_nope_temperature(config, rotates=True) is None
+    assert config.spec.nope_temperature(config, rotates=False) == (0.5, 16)
+    assert config.spec.nope_temperature(config, rotates=True) is None
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])

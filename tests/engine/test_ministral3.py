@@ -22,13 +22,14 @@ from helpers.tiny_family import (
     token_ids,
 )
 from pagedserve.frontend import LLM
-from pagedserve.gpu_worker.model_config import ModelConfig, llama4_query_scaling
+from pagedserve.gpu_worker.model_config import ModelConfig
 
 model_dir, hf_reference = family_fixtures(MINISTRAL3)
 
 
 def test_the_query_scaling_is_read_from_the_rope_parameters(model_dir, tmp_path):
-    assert llama4_query_scaling(ModelConfig.from_dir(model_dir)) == (0.5, 32)
+    config = ModelConfig.from_dir(model_dir)
+    assert config.spec.query_scaling(config) == (0.5, 32)
     bad = rewritten(
         model_dir,
         tmp_path / "bad",

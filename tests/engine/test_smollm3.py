@@ -21,7 +21,7 @@ from helpers.tiny_family import (
     token_ids,
 )
 from pagedserve.frontend import LLM, SamplingParams
-from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
+from pagedserve.gpu_worker.model_config import ModelConfig
 
 model_dir, hf_reference = family_fixtures(SMOLLM3)
 
@@ -29,7 +29,7 @@ model_dir, hf_reference = family_fixtures(SMOLLM3)
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_smollm3_matches_hf(model_dir, hf_reference, block_size):
     llm = LLM(model_dir, block_size=block_size, num_blocks=256)
-    assert rope_layers("SmolLM3ForCausalLM", llm.model_config.hf_config) == (
+    assert llm.model_config.spec.rope_layers(llm.model_config.hf_config) == (
         True,
         True,
         True,

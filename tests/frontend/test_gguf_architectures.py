@@ -41,7 +41,7 @@ from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.gpu_worker.layers.rope_config import rope_parameters
 from pagedserve.gpu_worker.layers.rotary import inverse_frequencies
-from pagedserve.gpu_worker.model_config import ModelConfig, rope_layers
+from pagedserve.gpu_worker.model_config import ModelConfig
 
 VOCAB_SIZE = 512
 PARITY_TOKENS = 16
@@ -583,9 +583,7 @@ def check_engine_config_matches(converted_dir: Path, hf_dir: Path) -> None:
     ours, original = (ModelConfig.from_dir(path) for path in (converted_dir, hf_dir))
     assert dataclasses.replace(ours, path=original.path) == original
     assert rope_parameters(ours.hf_config) == rope_parameters(original.hf_config)
-    assert rope_layers(ours.architecture, ours.hf_config) == rope_layers(
-        original.architecture, original.hf_config
-    )
+    assert ours.spec.rope_layers(ours.hf_config) == original.spec.rope_layers(original.hf_config)
     fields = (
         "moe_intermediate_size",
         "routed_scaling_factor",

@@ -20,7 +20,7 @@ from pagedserve.gpu_worker.layers.linear import (
 )
 from pagedserve.gpu_worker.layers.vocab_embedding import VocabParallelEmbedding
 from pagedserve.gpu_worker.model_config import ModelConfig
-from pagedserve.gpu_worker.models import build_model
+from pagedserve.gpu_worker.models.registry import build_model
 from pagedserve.gpu_worker.parallel import (
     TensorParallel,
     check_tensor_parallel_size,
