@@ -13,7 +13,7 @@ import pytest
 # so a failed check inside a helper reports its values.
 pytest.register_assert_rewrite("helpers")
 
-from helpers.tiny_models import TINY_CONFIGS, make_tiny_model  # noqa: E402
+from helpers.tiny_models import TINY_CONFIGS  # noqa: E402
 
 # Every LLM built anywhere in the suite is checked after each test: those built during the
 # test by strong reference (a local variable is gone by teardown, and a leak in it would go
@@ -69,9 +69,17 @@ def _block_integrity_after_each_test():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny_models")
-    return {family: make_tiny_model(family, root / family) for family in TINY_CONFIGS}
+def family_models(tmp_path_factory):
+    """Random HF models of tiny configs and HF's greedy tokens on them, each built once a
+    session (``helpers.family_models.FamilyModels``)."""
+    from helpers.family_models import FamilyModels
+
+    return FamilyModels(tmp_path_factory.mktemp("family_models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(family_models) -> dict[str, Path]:
+    return {family: family_models.model_dir(config) for family, config in TINY_CONFIGS.items()}
 
 
 @pytest.fixture(scope="session")

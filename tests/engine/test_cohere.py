@@ -3,8 +3,9 @@ norms, and Command R7B / Command A (``Cohere2ForCausalLM``): a mean-centred Laye
 attention and MLP side by side on it, RoPE on interleaved pairs (run as halves on rows the
 loader reorders), logits times ``logit_scale``; Cohere2's sliding layers rotate and its full
 layers have no position embedding. Greedy tokens identical to HF transformers (float32)
-across block sizes, chunked prefill with prefix hits and two tensor-parallel ranks; the
-logprobs carry the logit scale; bfloat16's first tokens agree with HF's bfloat16.
+across block sizes (the parity matrix), chunked prefill with prefix hits and two
+tensor-parallel ranks; the logprobs carry the logit scale; bfloat16's first tokens agree
+with HF's bfloat16.
 """
 
 from __future__ import annotations
@@ -16,30 +17,31 @@ import torch
 import transformers
 
 from helpers.family_configs import COHERE_CONFIGS
-from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
+from helpers.parity import check_bfloat16_first_tokens_agree_with_hf
 from helpers.tiny_family import GREEDY, check_chunked_prefix_hits_and_two_ranks, prompts, token_ids
-from helpers.tiny_models import random_hf_model
 from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.gpu_worker.model_config import ModelConfig
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("cohere")
-    return {name: random_hf_model(config, root / name) for name, config in COHERE_CONFIGS.items()}
+def model_dirs(family_models) -> dict[str, Path]:
+    return {name: family_models.model_dir(config) for name, config in COHERE_CONFIGS.items()}
 
 
 @pytest.fixture(scope="module")
-def hf_references(model_dirs) -> dict[str, list[list[int]]]:
-    return {name: hf_greedy(path, prompts()) for name, path in model_dirs.items()}
+def hf_references(family_models) -> dict[str, list[list[int]]]:
+    return {name: family_models.reference(config) for name, config in COHERE_CONFIGS.items()}
 
 
-@pytest.mark.parametrize("name", list(COHERE_CONFIGS))
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_cohere_models_match_hf(model_dirs, hf_references, name, block_size):
-    llm = LLM(model_dirs[name], block_size=block_size, num_blocks=256)
-    if name == "cohere2":
-        assert llm.model_config.layer_sliding_windows == (16, 16, 16, 0)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references[name]
+def test_command_r_plus_s_query_and_key_norms_match_hf(model_dirs, hf_references, block_size):
+    # Command R and Command R7B at each block size: the parity matrix.
+    llm = LLM(model_dirs["cohere_qk_norm"], block_size=block_size, num_blocks=256)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["cohere_qk_norm"]
+
+
+def test_command_r7b_slides_three_layers_in_four(model_dirs):
+    assert ModelConfig.from_dir(model_dirs["cohere2"]).layer_sliding_windows == (16, 16, 16, 0)
 
 
 @pytest.mark.parametrize("name", ["cohere_qk_norm", "cohere2"])

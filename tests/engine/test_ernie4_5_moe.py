@@ -1,23 +1,23 @@
 """Baidu's ERNIE 4.5 MoE models (``Ernie4_5_MoeForCausalLM``): the dense model's attention
-(one bias switch, RoPE on interleaved pairs), experts at the layers its start, end and interval
-fields pick, under a float32 softmax router whose learned bias per expert only chooses, the
-weights renormalised and rounded to the model's dtype, beside shared experts. Greedy tokens
-identical to HF transformers (float32) across block sizes, chunked prefill with prefix hits,
-two tensor-parallel ranks and preemption by swap; the router's bias changes HF's own tokens,
-so the checks can fail; the multi-token-prediction tensors are skipped as HF skips them;
-bfloat16's first tokens agree with HF's bfloat16; attention adapters give peft's tokens."""
+(one bias switch, RoPE on interleaved pairs), experts at the layers its start, end and
+interval fields pick, under a float32 softmax router whose learned bias per expert only
+chooses, the weights renormalised and rounded to the model's dtype, beside shared experts.
+Greedy tokens identical to HF transformers (float32) across block sizes (the parity matrix),
+chunked prefill with prefix hits, two tensor-parallel ranks and preemption by swap; the
+router's bias changes HF's own tokens, so the checks can fail; the multi-token-prediction
+tensors are skipped as HF skips them; bfloat16's first tokens agree with HF's bfloat16;
+attention adapters give peft's tokens."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.family_configs import ERNIE_MOE
 from helpers.lora_adapters import check_adapter_matches_hf_peft
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import (
     GREEDY,
-    TINY_SHAPE,
     check_chunked_prefix_hits_and_two_ranks,
     check_preemption_by_swap_keeps_the_tokens,
     family_fixtures,
@@ -27,26 +27,6 @@ from helpers.tiny_family import (
 )
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import GroupedRouting, ModelConfig
-
-# ERNIE-4.5-21B-A3B's shape in small: 4 layers, experts at layers 1 and 3 (start 1, interval
-# 2), 8 experts of 64, top 3, two shared; biases everywhere.
-ERNIE_MOE = dict(
-    architectures=["Ernie4_5_MoeForCausalLM"],
-    **{**TINY_SHAPE, "num_hidden_layers": 4},
-    head_dim=64,
-    use_bias=True,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-    moe_num_experts=8,
-    moe_k=3,
-    moe_intermediate_size=64,
-    moe_num_shared_experts=2,
-    moe_layer_start_index=1,
-    moe_layer_interval=2,
-    pad_token_id=0,
-    eos_token_id=2,
-)
-
 
 model_dir, hf_reference = family_fixtures(ERNIE_MOE)
 
@@ -64,12 +44,6 @@ def test_layers_get_the_experts_their_fields_pick(model_dir, tmp_path):
         True,
         False,
     ]
-
-
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_ernie4_5_moe_matches_hf(model_dir, hf_reference, block_size):
-    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):

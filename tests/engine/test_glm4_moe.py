@@ -1,12 +1,13 @@
-"""Zhipu's GLM-4.5 (``Glm4MoeForCausalLM``): Llama attention with q/k/v biases, RoPE over half
-of each head and per-head q/k norms; a dense first layer, then experts under DeepSeek-V3's
-router (sigmoid scores, a learned bias that only steers the choice, experts in groups of which
-each token keeps the best, renormalised and scaled weights) beside an ungated shared expert.
-Greedy tokens identical to HF transformers (float32) across block sizes, chunked prefill with
-prefix hits, two tensor-parallel ranks, and preemption by swap; the checkpoint's
-multi-token-prediction layer is skipped as HF skips it; the router's bias, its groups and its
-scale each change HF's own tokens, so the parity checks can fail; bfloat16's first tokens agree
-with HF's bfloat16 (the router kept in float32 as HF keeps it)."""
+"""Zhipu's GLM-4.5 (``Glm4MoeForCausalLM``): Llama attention with q/k/v biases, RoPE over
+half of each head and per-head q/k norms; a dense first layer, then experts under
+DeepSeek-V3's router (sigmoid scores, a learned bias that only steers the choice, experts in
+groups of which each token keeps the best, renormalised and scaled weights) beside an
+ungated shared expert. Greedy tokens identical to HF transformers (float32) across block
+sizes (the parity matrix), chunked prefill with prefix hits, two tensor-parallel ranks, and
+preemption by swap; the checkpoint's multi-token-prediction layer is skipped as HF skips it;
+the router's bias, its groups and its scale each change HF's own tokens, so the parity
+checks can fail; bfloat16's first tokens agree with HF's bfloat16 (the router kept in
+float32 as HF keeps it)."""
 
 from __future__ import annotations
 
@@ -47,12 +48,6 @@ def test_layers_get_the_grouped_router_and_a_shared_expert(model_dir):
         shared_expert_gated=False,
     )
     assert config.layer_experts == (None, sparse, sparse)
-
-
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_glm4_moe_matches_hf(model_dir, hf_reference, block_size):
-    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):

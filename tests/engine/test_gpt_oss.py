@@ -1,10 +1,11 @@
-"""OpenAI's gpt-oss (``GptOssForCausalLM``): attention with biases and a sink logit per head,
-a window on every other layer, YaRN RoPE, experts under a biased router, each a clamped
-SwiGLU with biases. Greedy tokens identical to HF transformers (float32) across block sizes,
-chunked prefill with prefix hits, two tensor-parallel ranks and the gathered (SDPA-shaped)
-prefill; a checkpoint whose experts are MXFP4 (as OpenAI publishes them) runs as HF runs its
-dequantized weights, and the dequantization equals transformers' own. The sinks, the clamp and
-the window each change HF's own tokens here, so the parity checks can fail.
+"""OpenAI's gpt-oss (``GptOssForCausalLM``): attention with biases and a sink logit per
+head, a window on every other layer, YaRN RoPE, experts under a biased router, each a
+clamped SwiGLU with biases. Greedy tokens identical to HF transformers (float32) across
+block sizes (the parity matrix), chunked prefill with prefix hits, two tensor-parallel ranks
+and the gathered (SDPA-shaped) prefill; a checkpoint whose experts are MXFP4 (as OpenAI
+publishes them) runs as HF runs its dequantized weights, and the dequantization equals
+transformers' own. The sinks, the clamp and the window each change HF's own tokens here, so
+the parity checks can fail.
 """
 
 from __future__ import annotations
@@ -36,12 +37,10 @@ from pagedserve.gpu_worker.models.gpt_oss import dequantize_mxfp4
 model_dir, hf_reference = family_fixtures(GPT_OSS)
 
 
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_gpt_oss_matches_hf(model_dir, hf_reference, block_size):
-    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+def test_the_first_layer_slides_and_the_second_attends_to_all(model_dir):
+    llm = LLM(model_dir, num_blocks=16)
     windows = [layer.self_attn.attention.sliding_window for layer in llm.worker.runner.model.layers]
     assert windows == [32, 0]
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):

@@ -1,9 +1,10 @@
 """IBM's Granite (``GraniteForCausalLM``): Llama with µP's four scalars. Greedy tokens
-identical to HF transformers (float32) across block sizes, chunked prefill, prefix caching
-and two tensor-parallel ranks; the logprobs carry ``logits_scaling``; a config that leaves
-the scalars out takes GraniteConfig's defaults (an attention scale of 1.0, not
-1/sqrt(head size)), as HF does; and each scalar changes HF's own tokens here, so the parity
-checks can tell an engine that ignores one from one that applies it.
+identical to HF transformers (float32) across block sizes (the parity matrix), chunked
+prefill, prefix caching and two tensor-parallel ranks; the logprobs carry
+``logits_scaling``; a config that leaves the scalars out takes GraniteConfig's defaults (an
+attention scale of 1.0, not 1/sqrt(head size)), as HF does; and each scalar changes HF's own
+tokens here, so the parity checks can tell an engine that ignores one from one that applies
+it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from helpers.family_configs import GRANITE, GRANITE_MOE, GRANITE_SCALARS
+from helpers.family_configs import GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, GRANITE_SCALARS
 from helpers.parity import hf_greedy
 from helpers.tiny_family import (
     GREEDY,
@@ -29,13 +30,6 @@ from helpers.tiny_models import random_hf_model
 from pagedserve.frontend import LLM, SamplingParams
 
 model_dir, hf_reference = family_fixtures(GRANITE)
-
-
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_granite_matches_hf(model_dir, hf_reference, block_size):
-    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
-    assert llm.model_config.architecture == "GraniteForCausalLM"
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
@@ -102,20 +96,21 @@ _MOE_NAMES = {
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    return random_hf_model(GRANITE_MOE, tmp_path_factory.mktemp("granite_moe"))
+def moe_dir(family_models) -> Path:
+    return family_models.model_dir(GRANITE_MOE)
 
 
 @pytest.fixture(scope="module")
-def moe_reference(moe_dir) -> list[list[int]]:
-    return hf_greedy(moe_dir, prompts())
+def moe_reference(family_models) -> list[list[int]]:
+    return family_models.reference(GRANITE_MOE)
 
 
-def test_granite_moe_matches_hf(moe_dir, moe_reference):
-    llm = LLM(moe_dir, block_size=16, num_blocks=256)
-    assert llm.model_config.layer_experts[0].softmax_over_top_k
-    assert token_ids(llm.generate(prompts(), GREEDY)) == moe_reference
+def test_granite_moe_weights_the_top_two_by_their_softmax_and_matches_hf_chunked(
+    moe_dir, moe_reference
+):
+    # One pass at each block size: the parity matrix.
     chunked = LLM(moe_dir, block_size=16, num_blocks=256, max_num_batched_tokens=24)
+    assert chunked.model_config.layer_experts[0].softmax_over_top_k
     assert token_ids(chunked.generate(prompts(), GREEDY)) == moe_reference
 
 
@@ -148,16 +143,9 @@ def test_granite_moe_reads_either_checkpoint_naming(moe_dir, moe_reference, tmp_
     assert token_ids(llm.generate(prompts(), GREEDY)) == moe_reference
 
 
-# Granite MoE Shared (granite-4.0-tiny-preview's MoE layer): Granite MoE with a gated MLP of
-# shared_intermediate_size beside the experts, added to their sum.
-GRANITE_MOE_SHARED = dict(
-    GRANITE_MOE, architectures=["GraniteMoeSharedForCausalLM"], shared_intermediate_size=128
-)
-
-
-def test_granite_moe_shared_matches_hf_on_one_and_two_ranks(tmp_path):
-    model_dir = random_hf_model(GRANITE_MOE_SHARED, tmp_path / "granite_moe_shared")
-    expected = hf_greedy(model_dir, prompts())
+def test_granite_moe_shared_matches_hf_on_one_and_two_ranks(family_models, tmp_path):
+    model_dir = family_models.model_dir(GRANITE_MOE_SHARED)
+    expected = family_models.reference(GRANITE_MOE_SHARED)
     unshared = random_hf_model(
         {**GRANITE_MOE_SHARED, "shared_intermediate_size": 0}, tmp_path / "unshared"
     )

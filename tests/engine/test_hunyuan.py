@@ -1,16 +1,16 @@
-"""Tencent's Hunyuan dense models (``HunYuanDenseV1ForCausalLM``): Llama with an RMSNorm over
-each query and key head after RoPE (not before, as Qwen3's), and RoPE whose checkpoints say
-"dynamic" with an ``alpha``: a fixed NTK stretch of the base, the same frequencies at every
-length. Greedy tokens identical to HF transformers (float32) across block sizes, chunked
-prefill with prefix hits and two tensor-parallel ranks; the alpha changes HF's own tokens, so
-the checks can fail; bfloat16's first tokens agree with HF's bfloat16; adapters give peft's
-tokens."""
+"""Tencent's Hunyuan dense models (``HunYuanDenseV1ForCausalLM``): Llama with an RMSNorm
+over each query and key head after RoPE (not before, as Qwen3's), and RoPE whose checkpoints
+say "dynamic" with an ``alpha``: a fixed NTK stretch of the base, the same frequencies at
+every length. Greedy tokens identical to HF transformers (float32) across block sizes (the
+parity matrix), chunked prefill with prefix hits and two tensor-parallel ranks; the alpha
+changes HF's own tokens, so the checks can fail; bfloat16's first tokens agree with HF's
+bfloat16; adapters give peft's tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers.family_configs import HUNYUAN
+from helpers.family_configs import HUNYUAN, HUNYUAN_MOE
 from helpers.lora_adapters import check_adapter_matches_hf_peft
 from helpers.parity import check_bfloat16_first_tokens_agree_with_hf, hf_greedy
 from helpers.tiny_family import (
@@ -21,7 +21,6 @@ from helpers.tiny_family import (
     rewritten,
     token_ids,
 )
-from helpers.tiny_models import random_hf_model
 from pagedserve.frontend import LLM
 from pagedserve.gpu_worker.model_config import ModelConfig
 
@@ -41,12 +40,6 @@ def test_alpha_makes_a_fixed_stretch_of_the_base(model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match="rope_type 'ntk_alpha' is not supported yet"):
         ModelConfig.from_dir(llama)
-
-
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_hunyuan_matches_hf(model_dir, hf_reference, block_size):
-    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):
@@ -72,14 +65,9 @@ def test_bfloat16_first_tokens_agree_with_hf_bfloat16(model_dir):
     check_bfloat16_first_tokens_agree_with_hf(model_dir)
 
 
-# Hunyuan-A13B's MoE layer in small: 4 experts of 384 (the dense MLP's size), top 2, beside a
-# shared MLP of the same size.
-HUNYUAN_MOE = dict(HUNYUAN, architectures=["HunYuanMoEV1ForCausalLM"], num_experts=4, moe_topk=2)
-
-
-def test_hunyuan_moe_matches_hf_on_one_and_two_ranks(tmp_path):
-    model_dir = random_hf_model(HUNYUAN_MOE, tmp_path / "hunyuan_moe")
-    expected = hf_greedy(model_dir, prompts())
+def test_hunyuan_moe_matches_hf_on_one_and_two_ranks(family_models, tmp_path):
+    model_dir = family_models.model_dir(HUNYUAN_MOE)
+    expected = family_models.reference(HUNYUAN_MOE)
     llm = LLM(model_dir, num_blocks=256)
     spec = llm.model_config.layer_experts[0]
     assert (spec.num_experts, spec.top_k, spec.shared_intermediate_size) == (4, 2, 384)

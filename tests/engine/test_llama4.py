@@ -1,13 +1,14 @@
 """Llama 4's language model (``Llama4ForCausalLM``): chunked attention with RoPE over
-interleaved pairs and L2 query / key norms on most layers, global attention without RoPE
-and with a position-dependent query temperature on every other one here
+interleaved pairs and L2 query / key norms on most layers, global attention without RoPE and
+with a position-dependent query temperature on every other one here
 (``no_rope_layer_interval`` 2), top-1 experts that scale their input by the sigmoid of their
 logit beside a shared expert on two layers, dense MLPs of ``intermediate_size_mlp`` on the
 others. Chunks of 32 tokens: the prompts (up to 150 tokens) and their 48 new tokens cross
 many chunk starts, in prefill and in decode. Greedy tokens identical to HF transformers
-(float32) across block sizes, chunked prefill with prefix hits, two tensor-parallel ranks and
-preemption by swap; the chunks, the temperature and the q/k norms each change HF's own
-tokens, so the checks can fail; bfloat16's first tokens agree with HF's bfloat16."""
+(float32) across block sizes (the parity matrix), chunked prefill with prefix hits, two
+tensor-parallel ranks and preemption by swap; the chunks, the temperature and the q/k norms
+each change HF's own tokens, so the checks can fail; bfloat16's first tokens agree with HF's
+bfloat16."""
 
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ def test_the_layers_kinds_are_read(model_dir):
     assert config.spec.nope_temperature(config, rotates=True) is None
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_llama4_matches_hf(model_dir, hf_reference, block_size):
-    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
+def test_llama4_matches_hf_with_a_block_as_long_as_the_attention_chunk(model_dir, hf_reference):
+    # Block sizes 8 and 16: the parity matrix.
+    llm = LLM(model_dir, block_size=32, num_blocks=256)
     assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
 
 

@@ -1,10 +1,10 @@
 """Ministral 3 (``Ministral3ForCausalLM``): Mistral with Llama 4's attention temperature,
 each query scaled by ``1 + beta * log(1 + floor(position / L))`` after RoPE (``beta`` =
 ``llama_4_scaling_beta``, ``L`` = YaRN's original context), under YaRN. Greedy tokens
-identical to HF transformers (float32) across block sizes, chunked prefill with prefix hits,
-two tensor-parallel ranks and preemption by swap, and with a sliding window; the scaling
-changes HF's own tokens, so the checks can fail; bfloat16's first tokens agree with HF's
-bfloat16."""
+identical to HF transformers (float32) across block sizes (the parity matrix), chunked
+prefill with prefix hits, two tensor-parallel ranks and preemption by swap, and with a
+sliding window; the scaling changes HF's own tokens, so the checks can fail; bfloat16's
+first tokens agree with HF's bfloat16."""
 
 from __future__ import annotations
 
@@ -37,12 +37,6 @@ def test_the_query_scaling_is_read_from_the_rope_parameters(model_dir, tmp_path)
     )
     with pytest.raises(ValueError, match="llama_4_scaling_beta must be a finite number"):
         LLM(bad, num_blocks=64)
-
-
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_ministral3_matches_hf(model_dir, hf_reference, block_size):
-    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):

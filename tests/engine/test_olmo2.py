@@ -1,10 +1,10 @@
-"""AllenAI's OLMo 2 (``Olmo2ForCausalLM``): norms after each sublayer instead of before,
-and an RMSNorm over the whole query and key projections. Greedy tokens identical to HF
-transformers (float32) across block sizes, chunked prefill with prefix hits, and two
-tensor-parallel ranks, whose q/k norms sum their squares over the ranks (also with one KV
-head both ranks hold); bfloat16's first tokens agree with HF's bfloat16; its classifier
-matches HF's (tests/engine/test_classification.py). OLMo 3: sliding and full layers, each
-kind with its RoPE (YaRN on the full ones), as HF reads the Hub's configs.
+"""AllenAI's OLMo 2 (``Olmo2ForCausalLM``): norms after each sublayer instead of before, and
+an RMSNorm over the whole query and key projections. Greedy tokens identical to HF
+transformers (float32) across block sizes (the parity matrix), chunked prefill with prefix
+hits, and two tensor-parallel ranks, whose q/k norms sum their squares over the ranks (also
+with one KV head both ranks hold); bfloat16's first tokens agree with HF's bfloat16; its
+classifier matches HF's (tests/engine/test_classification.py). OLMo 3: sliding and full
+layers, each kind with its RoPE (YaRN on the full ones), as HF reads the Hub's configs.
 """
 
 from __future__ import annotations
@@ -27,24 +27,21 @@ from pagedserve.frontend import LLM
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, Path]:
+def model_dirs(family_models, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("olmo2")
     return {
-        "gqa": random_hf_model(OLMO2, root / "gqa"),
+        "gqa": family_models.model_dir(OLMO2),
         # One KV head: with two ranks both hold it, and its norm's sum counts it once.
         "one_kv_head": random_hf_model({**OLMO2, "num_key_value_heads": 1}, root / "one"),
     }
 
 
 @pytest.fixture(scope="module")
-def hf_references(model_dirs) -> dict[str, list[list[int]]]:
-    return {name: hf_greedy(path, prompts()) for name, path in model_dirs.items()}
-
-
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_olmo2_matches_hf(model_dirs, hf_references, block_size):
-    llm = LLM(model_dirs["gqa"], block_size=block_size, num_blocks=256)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_references["gqa"]
+def hf_references(model_dirs, family_models) -> dict[str, list[list[int]]]:
+    return {
+        "gqa": family_models.reference(OLMO2),
+        "one_kv_head": hf_greedy(model_dirs["one_kv_head"], prompts()),
+    }
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dirs, hf_references):
@@ -77,8 +74,8 @@ OLMO3_ROPE = dict(
 
 
 @pytest.fixture(scope="module")
-def olmo3_dir(tmp_path_factory) -> Path:
-    saved = random_hf_model(OLMO3, tmp_path_factory.mktemp("olmo3_saved"))
+def olmo3_dir(family_models, tmp_path_factory) -> Path:
+    saved = family_models.model_dir(OLMO3)
     # As the Hub's configs write it: rope_theta and rope_scaling at the top.
     path = tmp_path_factory.mktemp("olmo3") / "model"
     return rewritten(saved, path, rope_parameters=None, **OLMO3_ROPE)

@@ -23,7 +23,7 @@ def hf_references(tiny_model_dirs):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "opt"])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [32])  # 8 and 16: the parity matrix, other prompts
 def test_tiny_models_match_hf(tiny_model_dirs, hf_references, family, block_size):
     llm = LLM(tiny_model_dirs[family], block_size=block_size, num_blocks=256)
     outputs = llm.generate(random_prompts(1, 512), GREEDY)

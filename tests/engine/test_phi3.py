@@ -1,11 +1,11 @@
 """Microsoft's Phi-3 and Phi-4 (``Phi3ForCausalLM``): Llama with fused ``qkv_proj`` and
-``gate_up_proj`` checkpoint tensors and a sliding window on every layer when the config
-sets one. Greedy tokens identical to HF transformers (float32) across block sizes, with a
-window the longer prompts pass, chunked prefill with prefix hits, and two tensor-parallel
-ranks (each takes its heads and rows out of the fused tensors); Phi-4-mini's shape of RoPE
-(LongRoPE, three quarters of each head rotated): the short factors within its original
-context, the long ones past it as HF's ``generate`` rotates (a prompt past it: every
-position; a shorter one: the positions its decoding reaches past it), under chunked
+``gate_up_proj`` checkpoint tensors and a sliding window on every layer when the config sets
+one. Greedy tokens identical to HF transformers (float32) across block sizes (the parity
+matrix), with a window the longer prompts pass, chunked prefill with prefix hits, and two
+tensor-parallel ranks (each takes its heads and rows out of the fused tensors); Phi-4-mini's
+shape of RoPE (LongRoPE, three quarters of each head rotated): the short factors within its
+original context, the long ones past it as HF's ``generate`` rotates (a prompt past it:
+every position; a shorter one: the positions its decoding reaches past it), under chunked
 prefill, prefix hits, preemption by recompute and two ranks.
 """
 
@@ -33,11 +33,8 @@ from pagedserve.gpu_worker.model_config import ModelConfig
 model_dir, hf_reference = family_fixtures(PHI3)
 
 
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_phi3_matches_hf(model_dir, hf_reference, block_size):
-    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
-    assert llm.model_config.layer_sliding_windows == (32, 32)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+def test_the_window_is_on_every_layer(model_dir):
+    assert ModelConfig.from_dir(model_dir).layer_sliding_windows == (32, 32)
 
 
 def test_the_window_changes_hf_s_tokens(model_dir, hf_reference, tmp_path):

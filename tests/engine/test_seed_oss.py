@@ -1,14 +1,13 @@
 """ByteDance's Seed-OSS (``SeedOssForCausalLM``): Llama with q/k/v biases and its own switch
 for the output projection's (``attention_out_bias``), heads of 128 by default. Greedy tokens
-identical to HF transformers (float32) across block sizes, chunked prefill with prefix hits
-and two tensor-parallel ranks, with and without the output bias (each shown to change HF's
-own tokens, so the checks can fail); a config that leaves the head size out takes
-SeedOssConfig's 128, not hidden / heads; adapters give peft's tokens.
+identical to HF transformers (float32) across block sizes (the parity matrix), chunked
+prefill with prefix hits and two tensor-parallel ranks, with and without the output bias
+(each shown to change HF's own tokens, so the checks can fail); a config that leaves the
+head size out takes SeedOssConfig's 128, not hidden / heads; adapters give peft's tokens.
 """
 
 from __future__ import annotations
 
-import pytest
 from safetensors.torch import load_file, save_file
 
 from helpers.family_configs import SEED_OSS
@@ -22,15 +21,13 @@ from helpers.tiny_family import (
     token_ids,
 )
 from pagedserve.frontend import LLM
+from pagedserve.gpu_worker.model_config import ModelConfig
 
 model_dir, hf_reference = family_fixtures(SEED_OSS)
 
 
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_seed_oss_matches_hf(model_dir, hf_reference, block_size):
-    llm = LLM(model_dir, block_size=block_size, num_blocks=256)
-    assert llm.model_config.head_size == 128
-    assert token_ids(llm.generate(prompts(), GREEDY)) == hf_reference
+def test_heads_are_seed_oss_s_128_values(model_dir):
+    assert ModelConfig.from_dir(model_dir).head_size == 128
 
 
 def test_chunked_prefill_prefix_hits_and_two_ranks_match_hf(model_dir, hf_reference):

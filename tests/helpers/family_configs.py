@@ -1,10 +1,29 @@
-"""Tiny HF configs of the model families that tests outside the family's own module build
+"""Tiny HF configs of the model families: the parity matrix's (``PARITY_CONFIGS``, one per
+registered architecture), and those tests outside a family's own module build
 (classifiers, LoRA, GGUF, multi-token prediction, CUDA); each family's module reads its
 config from here too."""
 
 from __future__ import annotations
 
 from helpers.tiny_family import TINY_SHAPE
+from helpers.tiny_models import TINY_CONFIGS
+
+# Llama 3's scaling over a 128-token original context (the prompts run past it).
+APERTUS = dict(
+    architectures=["ApertusForCausalLM"],
+    **TINY_SHAPE,
+    head_dim=64,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    },
+    pad_token_id=0,
+    eos_token_id=2,
+)
 
 ARCEE = dict(
     architectures=["ArceeForCausalLM"],
@@ -159,6 +178,33 @@ ERNIE = dict(
 
 # EXAONE-4.0-32B's layout in small: 4 layers, every second global (no RoPE), the others
 # windowed to 32 tokens (the prompts run past it).
+# ERNIE-4.5-21B-A3B's shape in small: 4 layers, experts at layers 1 and 3 (start 1, interval
+# 2), 8 experts of 64, top 3, two shared; biases everywhere.
+ERNIE_MOE = dict(
+    architectures=["Ernie4_5_MoeForCausalLM"],
+    **{**TINY_SHAPE, "num_hidden_layers": 4},
+    head_dim=64,
+    use_bias=True,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    moe_num_experts=8,
+    moe_k=3,
+    moe_intermediate_size=64,
+    moe_num_shared_experts=2,
+    moe_layer_start_index=1,
+    moe_layer_interval=2,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+EXAONE = dict(
+    architectures=["ExaoneForCausalLM"],
+    **TINY_SHAPE,
+    head_dim=64,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
 EXAONE4 = dict(
     architectures=["Exaone4ForCausalLM"],
     **{**TINY_SHAPE, "num_hidden_layers": 4},
@@ -307,12 +353,35 @@ GRANITE_MOE = dict(
     num_experts_per_tok=2,
 )
 
+# Granite MoE Shared (granite-4.0-tiny-preview's MoE layer): Granite MoE with a gated MLP of
+# shared_intermediate_size beside the experts, added to their sum.
+GRANITE_MOE_SHARED = dict(
+    GRANITE_MOE, architectures=["GraniteMoeSharedForCausalLM"], shared_intermediate_size=128
+)
+
 # Hunyuan-7B's RoPE in small: "dynamic" with alpha 1000 (its own value).
 HUNYUAN = dict(
     architectures=["HunYuanDenseV1ForCausalLM"],
     **TINY_SHAPE,
     head_dim=64,
     rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
+# Hunyuan-A13B's MoE layer in small: 4 experts of 384 (the dense MLP's size), top 2, beside a
+# shared MLP of the same size.
+HUNYUAN_MOE = dict(HUNYUAN, architectures=["HunYuanMoEV1ForCausalLM"], num_experts=4, moe_topk=2)
+
+# As InternLM3-8B's config writes it: qkv_bias / bias, heads of 128, dynamic NTK (factor 6).
+INTERNLM3 = dict(
+    architectures=["InternLM3ForCausalLM"],
+    **{**TINY_SHAPE, "max_position_embeddings": 256},
+    head_dim=128,
+    qkv_bias=True,
+    bias=True,
+    rope_theta=50_000_000.0,
+    rope_scaling={"rope_type": "dynamic", "factor": 6.0},
     pad_token_id=0,
     eos_token_id=2,
 )
@@ -332,6 +401,19 @@ LLAMA4 = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 LLAMA4["intermediate_size"] = 96  # each expert's and the shared expert's
+
+# MiniMax-M2's shape in small: heads of 64 rotated over their first 32 values, 8 experts of
+# 96, top 3.
+MINIMAX_M2 = dict(
+    architectures=["MiniMaxM2ForCausalLM"],
+    **TINY_SHAPE,
+    head_dim=64,
+    rotary_dim=32,
+    num_local_experts=8,
+    num_experts_per_tok=3,
+    rope_theta=10000.0,
+)
+MINIMAX_M2["intermediate_size"] = 96
 
 # An original context of 32 tokens, so most prompt and output positions are scaled (by up
 # to 1 + 0.5 log 6 at position 160).
@@ -430,6 +512,18 @@ OLMO3 = dict(
     sliding_window=16,
 )
 
+# OLMoE-1B-7B's shape in small: 8 experts of 128, top 3, not renormalised; a clamp of 0.5
+# that these random projections cross.
+OLMOE = dict(
+    architectures=["OlmoeForCausalLM"],
+    **{**TINY_SHAPE, "intermediate_size": 128},
+    num_experts=8,
+    num_experts_per_tok=3,
+    clip_qkv=0.5,
+    pad_token_id=0,
+    eos_token_id=2,
+)
+
 # GQA (Phi-3-medium's and Phi-4's), an untied LM head, and a 32-token window (Phi-3-mini-4k's
 # is 2047) that the longer prompts run past.
 PHI3 = dict(
@@ -483,4 +577,53 @@ STARCODER2 = dict(
     sliding_window=32,
     bos_token_id=1,
     eos_token_id=2,
+)
+
+
+def _by_architecture(*configs: dict) -> dict[str, dict]:
+    table: dict[str, dict] = {}
+    for config in configs:
+        architecture = config["architectures"][0]
+        assert architecture not in table, f"two parity configs for {architecture}"
+        table[architecture] = config
+    return table
+
+
+# The HF parity matrix (tests/engine/test_architecture_parity.py): one tiny config for each
+# architecture of the registry, the one its family's module tests its quirks on (they share
+# the model and HF's tokens).
+PARITY_CONFIGS = _by_architecture(
+    *(TINY_CONFIGS[name] for name in ["llama", "mistral", "opt", "qwen2", "qwen3"]),
+    APERTUS,
+    ARCEE,
+    COHERE_CONFIGS["cohere"],
+    COHERE_CONFIGS["cohere2"],
+    *DEEPSEEK_CONFIGS.values(),
+    DOTS1,
+    ERNIE,
+    ERNIE_MOE,
+    EXAONE,
+    EXAONE4,
+    *GEMMA_CONFIGS.values(),
+    GLM4,
+    GLM4_MOE,
+    GPT_OSS,
+    GRANITE,
+    GRANITE_MOE,
+    GRANITE_MOE_SHARED,
+    HUNYUAN,
+    HUNYUAN_MOE,
+    INTERNLM3,
+    LLAMA4,
+    MINIMAX_M2,
+    MINISTRAL3,
+    *MOE_CONFIGS.values(),
+    NEMOTRON,
+    OLMO2,
+    OLMO3,
+    OLMOE,
+    PHI3,
+    SEED_OSS,
+    SMOLLM3,
+    STARCODER2,
 )

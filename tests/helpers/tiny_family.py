@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.parity import NEW_TOKENS, hf_greedy
-from helpers.tiny_models import random_hf_model
+from helpers.parity import NEW_TOKENS
 from pagedserve.frontend import LLM, SamplingParams
 
 PROMPT_LENGTHS = [1, 17, 40, 100, 150]
@@ -33,16 +32,17 @@ TINY_SHAPE = dict(
 
 def family_fixtures(config: dict):
     """A family test module's ``model_dir`` (a random HF model of ``config``) and
-    ``hf_reference`` (HF's greedy tokens for ``prompts()`` on it) fixtures, module-scoped:
+    ``hf_reference`` (HF's greedy tokens for ``prompts()`` on it) fixtures, built once a
+    session and shared with the parity matrix (``family_models``):
     ``model_dir, hf_reference = family_fixtures(CONFIG)``."""
 
     @pytest.fixture(scope="module", name="model_dir")
-    def model_dir_fixture(tmp_path_factory) -> Path:
-        return random_hf_model(config, tmp_path_factory.mktemp(config["architectures"][0]))
+    def model_dir_fixture(family_models) -> Path:
+        return family_models.model_dir(config)
 
     @pytest.fixture(scope="module", name="hf_reference")
-    def hf_reference_fixture(model_dir) -> list[list[int]]:
-        return hf_greedy(model_dir, prompts())
+    def hf_reference_fixture(family_models) -> list[list[int]]:
+        return family_models.reference(config)
 
     return model_dir_fixture, hf_reference_fixture
 

@@ -3,6 +3,7 @@ config (``random_hf_model``), or of ``TINY_CONFIGS``, the small families most te
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,58 +20,18 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
 
     config_kwargs = dict(config_kwargs)
     architecture = config_kwargs.pop("architectures")[0]
-    # Config classes by name, looked up only for the architecture asked for: an older
-    # transformers (the GPU image's) lacks some of them.
-    config_name = {
-        "LlamaForCausalLM": "LlamaConfig",
-        "MistralForCausalLM": "MistralConfig",
-        "Qwen2ForCausalLM": "Qwen2Config",
-        "Qwen3ForCausalLM": "Qwen3Config",
-        "MixtralForCausalLM": "MixtralConfig",
-        "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
-        "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
-        "OPTForCausalLM": "OPTConfig",
-        "GemmaForCausalLM": "GemmaConfig",
-        "Gemma2ForCausalLM": "Gemma2Config",
-        "Gemma3ForCausalLM": "Gemma3TextConfig",
-        "GraniteForCausalLM": "GraniteConfig",
-        "GraniteMoeForCausalLM": "GraniteMoeConfig",
-        "Phi3ForCausalLM": "Phi3Config",
-        "SmolLM3ForCausalLM": "SmolLM3Config",
-        "Olmo2ForCausalLM": "Olmo2Config",
-        "Olmo3ForCausalLM": "Olmo3Config",
-        "Starcoder2ForCausalLM": "Starcoder2Config",
-        "CohereForCausalLM": "CohereConfig",
-        "Glm4ForCausalLM": "Glm4Config",
-        "Cohere2ForCausalLM": "Cohere2Config",
-        "GptOssForCausalLM": "GptOssConfig",
-        "SeedOssForCausalLM": "SeedOssConfig",
-        "Ernie4_5ForCausalLM": "Ernie4_5Config",
-        "InternLM3ForCausalLM": "InternLM3Config",
-        "ArceeForCausalLM": "ArceeConfig",
-        "Glm4MoeForCausalLM": "Glm4MoeConfig",
-        "DeepseekV2ForCausalLM": "DeepseekV2Config",
-        "DeepseekV3ForCausalLM": "DeepseekV3Config",
-        "Glm4MoeLiteForCausalLM": "Glm4MoeLiteConfig",
-        "MiniMaxM2ForCausalLM": "MiniMaxM2Config",
-        "Ministral3ForCausalLM": "Ministral3Config",
-        "Dots1ForCausalLM": "Dots1Config",
-        "Ernie4_5_MoeForCausalLM": "Ernie4_5_MoeConfig",
-        "Exaone4ForCausalLM": "Exaone4Config",
-        "HunYuanDenseV1ForCausalLM": "HunYuanDenseV1Config",
-        "HunYuanMoEV1ForCausalLM": "HunYuanMoEV1Config",
-        "ApertusForCausalLM": "ApertusConfig",
-        "GraniteMoeSharedForCausalLM": "GraniteMoeSharedConfig",
-        "ExaoneForCausalLM": "ExaoneConfig",
-        "OlmoeForCausalLM": "OlmoeConfig",
-        "NemotronForCausalLM": "NemotronConfig",
-        "Llama4ForCausalLM": "Llama4TextConfig",
-    }[_causal_architecture(architecture)]
-    config_class = getattr(transformers, config_name)
+    causal = _causal_architecture(architecture)
+    # The config class the HF model class declares; two architectures' checkpoints name a
+    # class transformers implements under another name (AutoModel picks it by model_type).
+    model_class = getattr(transformers, causal, None)
+    config_class = (
+        model_class.config_class
+        if model_class is not None
+        else getattr(transformers, _CONFIGS_WITHOUT_A_CLASS[causal])
+    )
     config = config_class(**config_kwargs)
     config.architectures = [architecture]
     torch.manual_seed(seed)
-    # InternLM3's checkpoints name a class transformers implements as Llama's.
     model_class = getattr(transformers, architecture, None)
     model = (
         model_class(config)
@@ -94,7 +55,20 @@ def random_hf_model(config_kwargs: dict[str, Any], path: Path, seed: int = 0) ->
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
     model.save_pretrained(path)
+    if model_class is None:
+        # Saved under the class transformers implements it as (Llama's); the checkpoints
+        # name their own, and so does the model made here.
+        config_file = path / "config.json"
+        saved = json.loads(config_file.read_text())
+        saved["architectures"] = [architecture]
+        config_file.write_text(json.dumps(saved, indent=2))
     return path
+
+
+_CONFIGS_WITHOUT_A_CLASS = {
+    "InternLM3ForCausalLM": "InternLM3Config",
+    "ExaoneForCausalLM": "ExaoneConfig",
+}
 
 
 def _causal_architecture(architecture: str) -> str:
