@@ -44,6 +44,7 @@ _ARCHITECTURES = {
     "ArceeForCausalLM": ("arcee", "Arcee"),
     "ApertusForCausalLM": ("apertus", "Apertus"),
     "ExaoneForCausalLM": ("exaone", "Exaone"),
+    "HeliumForCausalLM": ("helium", "Helium"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan", "HunYuanDense"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan", "HunYuanMoe"),
     "OlmoeForCausalLM": ("olmoe", "Olmoe"),

@@ -359,6 +359,17 @@ GRANITE_MOE_SHARED = dict(
     GRANITE_MOE, architectures=["GraniteMoeSharedForCausalLM"], shared_intermediate_size=128
 )
 
+# Helium: RoPE on interleaved pairs; q/k/v biases on (and none on the output projection).
+HELIUM = dict(
+    architectures=["HeliumForCausalLM"],
+    **TINY_SHAPE,
+    head_dim=64,
+    attention_bias=True,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 # Hunyuan-7B's RoPE in small: "dynamic" with alpha 1000 (its own value).
 HUNYUAN = dict(
     architectures=["HunYuanDenseV1ForCausalLM"],
@@ -611,6 +622,7 @@ PARITY_CONFIGS = _by_architecture(
     GRANITE,
     GRANITE_MOE,
     GRANITE_MOE_SHARED,
+    HELIUM,
     HUNYUAN,
     HUNYUAN_MOE,
     INTERNLM3,
