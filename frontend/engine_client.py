@@ -88,6 +88,7 @@ from pagedserve.scheduler.messages import RequestOutputDelta
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.serialization import Message, decode, encode
+from pagedserve.scheduler.step_profile import PROFILE
 from pagedserve.scheduler.structured_output import GrammarVocabulary
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0  # loading a model takes seconds, a large one minutes
@@ -631,7 +632,11 @@ class _SchedulerProcess:
             poller = self.wake_poller if wake else self.poller
             events = dict(poller.poll(None if wait_s is None else wait_s * 1000))
             if self.from_scheduler in events:
-                return decode(self.from_scheduler.recv())
+                frame = self.from_scheduler.recv()
+                started_ns = PROFILE.now()
+                message = decode(frame)
+                PROFILE.lap("outputs_decode", started_ns)
+                return message
             self._raise_if_exited()
             if wake and self.wakeup_fd in events:
                 return None

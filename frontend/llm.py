@@ -62,6 +62,7 @@ from pagedserve.scheduler.sampling_params import (
     token_ids_outside_vocabulary,
 )
 from pagedserve.scheduler.speculative_config import SpeculativeConfig
+from pagedserve.scheduler.step_profile import PROFILE
 from pagedserve.scheduler.structured_output import (
     GrammarVocabulary,
     StructuredOutput,
@@ -643,7 +644,9 @@ class LLM(PoolingCalls):
                     pooling_params=pooling_params,
                 )
             while self.engine.has_unfinished_requests():
-                for delta in self.engine.step():
+                deltas = self.engine.step()
+                started_ns = PROFILE.now()
+                for delta in deltas:
                     tracker = trackers[delta.request_id]
                     was_finished = tracker.finished
                     action = tracker.apply(delta)
@@ -657,6 +660,7 @@ class LLM(PoolingCalls):
                         tracker.output.finished = True  # the others had just ended
                     if tracker.finished and not was_finished:
                         progress.finished(tracker.output)
+                PROFILE.lap("outputs_process", started_ns)
         finally:
             progress.close()
             # An interrupted run (Ctrl-C, an error) must not leave requests holding blocks.

@@ -26,6 +26,7 @@ from pagedserve.scheduler.messages import (
 )
 from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams, derive_seed
+from pagedserve.scheduler.step_profile import PROFILE
 
 
 @dataclass
@@ -170,7 +171,9 @@ class ModelRunner:
         """Run one step. A new request whose sampling cannot be set up is left out of the
         step and named in ``StepResult.failed_requests``; the others run."""
         failed: dict[str, str] = {}
+        started_ns = PROFILE.now()
         entries = self._apply_plan(plan, failed)
+        PROFILE.lap("apply_plan", started_ns)
         result = self._run(plan, entries)
         result.failed_requests = failed
         return result
@@ -180,15 +183,18 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id)
         # Which entries sample, before their sampled tokens join their states.
         samples = [entry.samples for entry in entries]
+        started_ns = PROFILE.now()
         inputs = self._prepare_inputs(entries)
         if self.lora_batch is not None:
             self.lora_batch.groups = self._lora_groups(entries)
+        started_ns = PROFILE.lap("prepare_inputs", started_ns)
         with torch.inference_mode():
             hidden = None
             if self.decode_graphs is not None:
                 hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            started_ns = PROFILE.lap("forward", started_ns)
             embeddings = {}
             for entry, rows in inputs.pooling_entries:
                 if entry.samples:
@@ -219,10 +225,11 @@ class ModelRunner:
                     plan.token_bitmasks,
                 ),
             )
+        started_ns = PROFILE.lap("sample", started_ns)
         token_ids = sampled.token_ids.tolist()
         rows = _emitted_rows(inputs.sampling_entries, token_ids)
         logprobs = _token_logprobs(sampled, inputs.sampling_states)
-        return StepResult(
+        result = StepResult(
             plan.step_id,
             [inputs.sampling_entries[row].request_id for row in rows],
             [token_ids[row] for row in rows],
@@ -231,6 +238,8 @@ class ModelRunner:
             embeddings=embeddings,
             draft_token_ids=self._draft(entries, samples, plan.draft_guesses, hidden),
         )
+        PROFILE.lap("result_build", started_ns)
+        return result
 
     def _draft(
         self,

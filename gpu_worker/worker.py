@@ -36,6 +36,7 @@ from pagedserve.gpu_worker.models.multi_token_predictor import MultiTokenPredict
 from pagedserve.gpu_worker.models.registry import build_model
 from pagedserve.gpu_worker.next_token_drafter import NextTokenDrafter
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel, check_tensor_parallel_size
+from pagedserve.gpu_worker.standin_device import StandinModel, standin_forward_ms
 from pagedserve.gpu_worker.weights import iterate_weights, language_model_weights
 from pagedserve.scheduler.messages import StepPlan, StepResult
 
@@ -235,6 +236,11 @@ class Worker:
             self.model_config.long_rope_switch,
             self.model_config.max_position_embeddings,  # the rotary table's long rows
         )
+        forward_ms = standin_forward_ms()
+        if forward_ms is not None:
+            self.runner.model = StandinModel(
+                self.model, forward_ms, self.model_config.hidden_size, self.model_config.vocab_size
+            )
         if self.next_token_predictor is not None:
             assert self.draft_config is not None
             self.next_token_predictor.bind_kv_cache(self.kv_caches[1])

@@ -31,6 +31,7 @@ from pagedserve.scheduler.engine_messages import EngineError, Ready, StartWorker
 from pagedserve.scheduler.logs import configure_logging
 from pagedserve.scheduler.messages import StepPlan
 from pagedserve.scheduler.serialization import decode_as, encode
+from pagedserve.scheduler.step_profile import PROFILE
 
 # How long the last message (an EngineError) may take to leave before the process exits.
 _LINGER_MS = 2000
@@ -40,6 +41,7 @@ def main(start_frame: bytes) -> None:
     """The process's target: returns on a clean end, ``sys.exit(1)`` on a failure."""
     start = decode_as(start_frame, StartWorker)
     die_with_parent(start.scheduler_pid)
+    PROFILE.name_process(f"worker{start.rank}")
     # Warnings (a weight's dtype, a fallback), named, in the frontend's log format.
     configure_logging(logging.WARNING, "%(name)s %(levelname)s %(message)s")
     context = zmq.Context(io_threads=1)
@@ -122,7 +124,13 @@ def serve(worker: Worker, receiver: StepReceiver, results: zmq.Socket, rank: int
             # few hundred wake-ups a second, the price of microsecond hand-offs mid-run.
             payload = receiver.receive()
         except BroadcastClosedError:
+            PROFILE.write()
             return
-        result = worker.execute(decode_as(payload, StepPlan))
+        started_ns = PROFILE.now()
+        plan = decode_as(payload, StepPlan)
+        started_ns = PROFILE.lap("plan_decode", started_ns)
+        result = worker.execute(plan)
+        started_ns = PROFILE.lap("worker_execute", started_ns)
         if rank == 0:
             results.send(encode(result))
+            PROFILE.lap("result_send", started_ns)

@@ -17,6 +17,7 @@ from pagedserve.scheduler.pooling_params import (
 from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.step_profile import PROFILE
 from pagedserve.scheduler.structured_output import GrammarVocabulary, StructuredOutput
 
 
@@ -163,7 +164,9 @@ class EngineCore:
 
     def step(self) -> list[RequestOutputDelta]:
         """Run one iteration and return the new tokens of every request it advanced."""
+        started_ns = PROFILE.now()
         plan = self.scheduler.schedule()
+        started_ns = PROFILE.lap("schedule", started_ns)
         if plan.is_empty and self.scheduler.has_unfinished_requests():
             # Admission checks guarantee a lone request always fits, so an empty plan
             # with work pending is a scheduler bug, not a capacity state.
@@ -175,7 +178,10 @@ class EngineCore:
             return []
         # An empty plan still travels when it tells workers to drop state or swap.
         result = self.executor.execute(plan)
-        return self.scheduler.update_from_output(plan, result)
+        started_ns = PROFILE.lap("execute", started_ns)
+        deltas = self.scheduler.update_from_output(plan, result)
+        PROFILE.lap("update", started_ns)
+        return deltas
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

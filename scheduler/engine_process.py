@@ -65,6 +65,7 @@ from pagedserve.scheduler.serialization import (
     decode_as,
     encode,
 )
+from pagedserve.scheduler.step_profile import PROFILE
 from pagedserve.scheduler.structured_output import StructuredOutput
 
 # How long the last messages (final stats, an error) may take to reach the frontend
@@ -184,7 +185,9 @@ class EngineLoop:
     def _flush(self) -> None:
         now_s = time.monotonic()
         if self._pending:
+            started_ns = PROFILE.now()
             self.outbox.send(encode(OutputBatch(self._pending)))
+            PROFILE.lap("outputs_send", started_ns)
             self._pending = []
             self._last_sent_s = now_s
         elif self._stepped and now_s - self._last_sent_s >= PROGRESS_INTERVAL_S:
@@ -251,6 +254,7 @@ def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zm
         structured_output.wait_until_built()
         outbox.send(encode(Ready("engine", os.getpid(), cache)))
         EngineLoop(engine, executor, inbox, outbox).run()
+        PROFILE.write()
         if engine.has_unfinished_requests():
             outbox.send(encode(OutputBatch(end_all_requests(engine, None))))
     except Exception as error:
@@ -277,6 +281,7 @@ def _scheduler_failure(error: Exception) -> str:
 def main() -> int:
     start = decode_as(sys.stdin.buffer.read(), StartEngine)
     die_with_parent(start.frontend_pid)
+    PROFILE.name_process("scheduler")
     # The frontend turns Ctrl-C into a shutdown; the engine's processes sit in their own
     # session, but a signal sent to the whole group must not kill them mid-cleanup.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

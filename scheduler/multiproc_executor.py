@@ -39,6 +39,7 @@ from pagedserve.scheduler.child_process import describe_exit
 from pagedserve.scheduler.engine_messages import EngineError, Ready, StartWorker, WorkerSpec
 from pagedserve.scheduler.messages import StepPlan, StepResult
 from pagedserve.scheduler.serialization import Message, decode, encode
+from pagedserve.scheduler.step_profile import PROFILE
 
 # A worker that fails sends an EngineError and then exits; its sentinel may fire before
 # the message has crossed the socket, so a dying worker's last word is awaited this long.
@@ -148,8 +149,13 @@ class MultiprocExecutor:
                 self.check_workers()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        self._broadcaster.broadcast(encode(plan))
+        started_ns = PROFILE.now()
+        payload = encode(plan)
+        started_ns = PROFILE.lap("plan_encode", started_ns)
+        self._broadcaster.broadcast(payload)
+        started_ns = PROFILE.lap("plan_send", started_ns)
         message = self._receive(waiting_for=f"the result of step {plan.step_id}")
+        PROFILE.lap("result_receive", started_ns)
         if not isinstance(message, StepResult) or message.step_id != plan.step_id:
             raise RuntimeError(
                 f"expected the StepResult of step {plan.step_id}, got {_describe(message)}"
@@ -164,7 +170,10 @@ class MultiprocExecutor:
         while True:
             events = dict(self._poller.poll(timeout_ms))
             if self._results in events:
-                message = decode(self._results.recv())
+                frame = self._results.recv()
+                decode_started_ns = PROFILE.now()
+                message = decode(frame)
+                PROFILE.lap("result_decode", decode_started_ns)
                 if isinstance(message, EngineError):
                     raise self._death_error(message)
                 return message
