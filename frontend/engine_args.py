@@ -153,6 +153,13 @@ class EngineArgs:
         commands=OFFLINE_COMMANDS,
         from_cli=lambda value: value or None,
     )
+    async_scheduling: bool | None = option(
+        None,
+        "plan each decode step while the one before runs, so the device does not wait for "
+        "the scheduler (default: on with worker processes on a CUDA device; "
+        "async_scheduling=False turns it off)",
+        from_cli=lambda value: value or None,
+    )
     max_num_seqs: int = option(64, "sequences in one batch, at most", parse=int)
     max_model_len: int | None = option(
         None,

@@ -307,6 +307,9 @@ class LLM(PoolingCalls):
             sliding_window=model_config.attention_window,
             model_task=model_config.task,
             long_rope_switch=model_config.long_rope_switch,
+            async_scheduling=_choose_async_scheduling(
+                args.async_scheduling, multiprocess, args.device
+            ),
             **_speculative_fields(speculative),
         )
         self.engine: EngineCore | EngineClient
@@ -971,6 +974,17 @@ def _choose_multiprocess(multiprocess: bool | None, tensor_parallel_size: int) -
             "and needs multiprocess=True; leave multiprocess unset to have it chosen"
         )
     return bool(multiprocess)
+
+
+def _choose_async_scheduling(
+    async_scheduling: bool | None, multiprocess: bool, device: str
+) -> bool:
+    """Unset, on where it hides time: a worker process whose device runs on its own (a
+    GPU). On a CPU the forward is the worker's own work; planning beside it only moves
+    the scheduler's work around, and the engine's default stays the synchronous one."""
+    if async_scheduling is None:
+        return multiprocess and device.startswith("cuda")
+    return bool(async_scheduling)
 
 
 def _check_optional_positive(name: str, value: int | None) -> None:

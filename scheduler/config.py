@@ -87,6 +87,9 @@ class SchedulerConfig:
     # within it (gpu_worker/layers/rope_config.long_rope_switch), so their K/V differ at the
     # same tokens: the prefix cache keeps the two apart. Set from the model by the engine.
     long_rope_switch: int = 0
+    # Plan step N+1 while step N runs (vLLM's async scheduling, ``schedule_ahead.py``):
+    # the device does not wait for the scheduler between decode steps. Set by the engine.
+    async_scheduling: bool = False
 
     def rotation_epoch(self, num_tokens: int) -> int:
         """Which rotation a sequence of ``num_tokens`` tokens has its K/V computed with:

@@ -28,6 +28,32 @@ class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
+class PipelinedExecutor(Protocol):
+    """An executor that takes the next plan before the last one's result is collected
+    (async scheduling): plans run in the order submitted, results come back in it."""
+
+    def submit(self, plan: StepPlan) -> None: ...
+
+    def collect(self, plan: StepPlan) -> StepResult: ...
+
+
+class InOrderExecution:
+    """``submit`` / ``collect`` over an executor that only has ``execute`` (the in-process
+    worker): each plan runs when submitted, its result kept until collected. Nothing runs
+    beside the worker, so no time is hidden, but the engine takes the same path as with
+    a worker process and gives the same tokens."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._results: dict[int, StepResult] = {}
+
+    def submit(self, plan: StepPlan) -> None:
+        self._results[plan.step_id] = self._executor.execute(plan)
+
+    def collect(self, plan: StepPlan) -> StepResult:
+        return self._results.pop(plan.step_id)
+
+
 # The keys of ``EngineCore.stats()`` that count events since start (a Prometheus
 # counter's semantics: rates are what an operator graphs); the rest are levels.
 COUNTER_STATS = frozenset(
@@ -42,6 +68,7 @@ COUNTER_STATS = frozenset(
         "num_draft_tokens",
         "num_accepted_tokens",
         "num_window_freed_blocks",
+        "num_steps_scheduled_ahead",
     }
 )
 
@@ -94,6 +121,11 @@ class EngineCore:
             raise ValueError("give grammar_vocabulary or structured_output, not both")
         self.scheduler = Scheduler(scheduler_config, self.block_manager, structured_output)
         self.executor = executor
+        # Async scheduling: the plan the workers run while the engine plans the next one.
+        self._pipeline: PipelinedExecutor | None = None
+        if scheduler_config.async_scheduling:
+            self._pipeline = executor if hasattr(executor, "submit") else InOrderExecution(executor)
+        self._in_flight: StepPlan | None = None
         # Requests that sample without a seed get one from here, so a whole run is
         # reproducible from the engine's seed and each request's draws stay its own.
         self._seed_rng = random.Random(seed)
@@ -155,7 +187,8 @@ class EngineCore:
         return self.scheduler.stop_sample(request_id, index)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests queued or running, or a step in flight whose results are due."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def take_failures(self) -> dict[str, str]:
         """Requests that failed in the engine since the last call (request id -> why): a
@@ -163,25 +196,49 @@ class EngineCore:
         return self.scheduler.take_failures()
 
     def step(self) -> list[RequestOutputDelta]:
-        """Run one iteration and return the new tokens of every request it advanced."""
+        """Run one iteration and return the new tokens of every request it advanced.
+        With async scheduling that is the step in flight, if any, and the next plan
+        goes to the workers before its results are awaited (``schedule_ahead.py``)."""
         started_ns = PROFILE.now()
-        plan = self.scheduler.schedule()
-        started_ns = PROFILE.lap("schedule", started_ns)
-        if plan.is_empty and self.scheduler.has_unfinished_requests():
-            # Admission checks guarantee a lone request always fits, so an empty plan
-            # with work pending is a scheduler bug, not a capacity state.
-            raise RuntimeError(
-                f"scheduler produced an empty step with {len(self.scheduler.waiting)} "
-                f"waiting and {len(self.scheduler.running)} running requests"
-            )
-        if not plan.has_work_for_workers:
-            return []
-        # An empty plan still travels when it tells workers to drop state or swap.
-        result = self.executor.execute(plan)
-        started_ns = PROFILE.lap("execute", started_ns)
+        plan = self._in_flight
+        if plan is None:
+            plan = self.scheduler.schedule()
+            started_ns = PROFILE.lap("schedule", started_ns)
+            if plan.is_empty and self.scheduler.has_unfinished_requests():
+                # Admission checks guarantee a lone request always fits, so an empty plan
+                # with work pending is a scheduler bug, not a capacity state.
+                raise RuntimeError(
+                    f"scheduler produced an empty step with {len(self.scheduler.waiting)} "
+                    f"waiting and {len(self.scheduler.running)} running requests"
+                )
+            if not plan.has_work_for_workers:
+                return []
+            # An empty plan still travels when it tells workers to drop state or swap.
+            if self._pipeline is None:
+                result = self.executor.execute(plan)
+                started_ns = PROFILE.lap("execute", started_ns)
+                deltas = self.scheduler.update_from_output(plan, result)
+                PROFILE.lap("update", started_ns)
+                return deltas
+            self._pipeline.submit(plan)
+            started_ns = PROFILE.lap("submit", started_ns)
+        self._in_flight = self.scheduler.schedule_ahead(plan)
+        started_ns = PROFILE.lap("schedule_ahead", started_ns)
+        if self._in_flight is not None:
+            self._pipeline.submit(self._in_flight)
+            started_ns = PROFILE.lap("submit", started_ns)
+        result = self._pipeline.collect(plan)
+        started_ns = PROFILE.lap("collect", started_ns)
         deltas = self.scheduler.update_from_output(plan, result)
         PROFILE.lap("update", started_ns)
         return deltas
+
+    def finish_in_flight(self) -> list[RequestOutputDelta]:
+        """Await and record the step in flight, if any (before the workers stop)."""
+        plan, self._in_flight = self._in_flight, None
+        if plan is None:
+            return []
+        return self.scheduler.update_from_output(plan, self._pipeline.collect(plan))
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
@@ -209,6 +266,7 @@ class EngineCore:
                 for position, count in enumerate(scheduler.num_accepted_tokens_per_pos)
             },
             "num_window_freed_blocks": scheduler.num_window_freed_blocks,
+            "num_steps_scheduled_ahead": scheduler.num_steps_scheduled_ahead,
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_total_blocks": self.block_manager.num_total_blocks,
             "num_free_host_blocks": self.block_manager.num_free_host_blocks,

@@ -254,6 +254,7 @@ def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zm
         structured_output.wait_until_built()
         outbox.send(encode(Ready("engine", os.getpid(), cache)))
         EngineLoop(engine, executor, inbox, outbox).run()
+        engine.finish_in_flight()  # its requests end below; the workers are told to stop
         PROFILE.write()
         if engine.has_unfinished_requests():
             outbox.send(encode(OutputBatch(end_all_requests(engine, None))))

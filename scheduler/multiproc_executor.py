@@ -149,11 +149,20 @@ class MultiprocExecutor:
                 self.check_workers()
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self.submit(plan)
+        return self.collect(plan)
+
+    def submit(self, plan: StepPlan) -> None:
+        """Send a plan to every worker; they run plans in the order sent."""
         started_ns = PROFILE.now()
         payload = encode(plan)
         started_ns = PROFILE.lap("plan_encode", started_ns)
         self._broadcaster.broadcast(payload)
-        started_ns = PROFILE.lap("plan_send", started_ns)
+        PROFILE.lap("plan_send", started_ns)
+
+    def collect(self, plan: StepPlan) -> StepResult:
+        """The result of ``plan``, the oldest plan sent whose result is not yet taken."""
+        started_ns = PROFILE.now()
         message = self._receive(waiting_for=f"the result of step {plan.step_id}")
         PROFILE.lap("result_receive", started_ns)
         if not isinstance(message, StepResult) or message.step_id != plan.step_id:

@@ -26,6 +26,7 @@ from pagedserve.scheduler.messages import (
 from pagedserve.scheduler.pooling_params import check_task
 from pagedserve.scheduler.priority_policy import PriorityPolicy
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.schedule_ahead import ScheduleAhead
 from pagedserve.scheduler.sequence_group import SequenceGroup
 from pagedserve.scheduler.speculation import Speculation
 from pagedserve.scheduler.step_outputs import StepOutputs
@@ -34,7 +35,15 @@ from pagedserve.scheduler.structured_output import StructuredOutput
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(StepOutputs, GroupSteps, Speculation, KvPositions, AdapterSlots, PriorityPolicy):
+class Scheduler(
+    StepOutputs,
+    GroupSteps,
+    Speculation,
+    KvPositions,
+    AdapterSlots,
+    PriorityPolicy,
+    ScheduleAhead,
+):
     """First come, first served continuous batching over a paged KV cache.
 
     Each step first extends the running sequences (oldest first: one token for a decode,
@@ -95,6 +104,8 @@ class Scheduler(StepOutputs, GroupSteps, Speculation, KvPositions, AdapterSlots,
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
         # Blocks given back because a sliding window left them behind (a windowed model).
         self.num_window_freed_blocks = 0
+        # Plans made while the step before ran (``schedule_ahead``).
+        self.num_steps_scheduled_ahead = 0
         self._step_id = 0
         # Sequences whose full data the workers hold; anything else travels in full.
         self._known_to_workers: set[str] = set()

@@ -238,6 +238,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "sliding_window",
         "model_task",
         "long_rope_switch",
+        "async_scheduling",
     ),
     WorkerSpec: (
         "model_path",
@@ -379,6 +380,7 @@ _FLAT_FIELD_TYPES: dict[type, tuple[type | tuple[type, ...], ...]] = {
         int,
         str,
         int,
+        bool,
     ),
     WorkerSpec: (
         str,

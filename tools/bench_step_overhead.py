@@ -2,7 +2,9 @@
 
 Runs ``--batch`` requests (equal short prompts, EOS ignored, greedy: after one prefill step
 every step decodes the whole batch) through ``LLM(...)`` in one process and through
-``LLM(..., multiprocess=True)`` (scheduler and worker processes), with the worker's model
+``LLM(..., multiprocess=True)`` (scheduler and worker processes), synchronous and with
+async scheduling (``multi-process-async``: the next plan made while a step runs), with the
+worker's model
 replaced by a stand-in device (gpu_worker/standin_device.py): its forward sleeps
 ``--forward-ms`` T and returns zeros, leaving the CPU free as a GPU's forward does. With T =
 0 a step's time is all CPU work around the forward; with T > 0 it shows what the engine
@@ -10,7 +12,8 @@ hides behind the device: a step takes T + CPU work without overlap, max(T, CPU w
 perfect overlap.
 
 Each process of the engine records its stages (scheduler/step_profile.py,
-``PAGEDSERVE_STEP_PROFILE``): the scheduler's ``schedule``, ``update``, the plan's
+``PAGEDSERVE_STEP_PROFILE``): the scheduler's ``schedule`` (``schedule_ahead``, ``submit``
+and ``collect`` with async scheduling), ``update``, the plan's
 ``plan_encode`` / ``plan_send``, ``result_receive`` (waiting for the worker, ``result_decode``
 included) and ``outputs_send``; the worker's ``plan_decode``, ``apply_plan``,
 ``prepare_inputs``, ``forward``, ``sample``, ``result_build``, ``result_send``; the
@@ -49,7 +52,8 @@ from pagedserve.frontend import LLM, SamplingParams  # noqa: E402
 from pagedserve.gpu_worker.standin_device import STANDIN_ENV  # noqa: E402
 from pagedserve.scheduler.step_profile import PROFILE, PROFILE_ENV  # noqa: E402
 
-MODES = ("in-process", "multi-process")
+# multi-process-async: worker processes with async scheduling (scheduler/schedule_ahead.py).
+MODES = ("in-process", "multi-process", "multi-process-async")
 
 
 def run_once(
@@ -63,7 +67,8 @@ def run_once(
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm = LLM(
         model,
-        multiprocess=mode == "multi-process",
+        multiprocess=mode != "in-process",
+        async_scheduling=mode == "multi-process-async",
         num_blocks=args.num_blocks,
         max_num_seqs=batch,
         max_num_batched_tokens=max(batch * args.prompt_tokens, 2048),
@@ -82,8 +87,8 @@ def run_once(
     for path in sorted(folder.glob("*.json")) if folder.exists() else []:
         record = json.loads(path.read_text())
         processes[record["process"]] = record["stages"]
-    engine = processes["scheduler"] if mode == "multi-process" else frontend
-    steps = engine["schedule"]["count"]
+    engine = frontend if mode == "in-process" else processes["scheduler"]
+    steps = engine["update"]["count"]
     return {
         "steps": steps,
         "wall_s": wall_s,

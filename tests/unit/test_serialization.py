@@ -162,6 +162,7 @@ SCHEDULER_CONFIG = SchedulerConfig(
     scheduling_policy="priority",
     max_loras=3,
     sliding_window=4096,
+    async_scheduling=True,
 )
 
 # Every encodable type, with optional fields set and unset.
@@ -642,6 +643,7 @@ def _plan_fields(**overrides) -> list:
                 0,
                 "generate",
                 0,
+                False,
             ),
             "SchedulerConfig: max_num_seqs must be a positive integer, got 0",
         ),
