@@ -119,6 +119,11 @@ def set_threads_per_rank(size: int) -> None:
     cap = _omp_num_threads()
     if cap is not None:
         num_threads = min(num_threads, cap)
+    set_host_threads(num_threads)
+
+
+def set_host_threads(num_threads: int) -> None:
+    """This process's threads for torch's CPU kernels and the compiled ops."""
     torch.set_num_threads(num_threads)
     ops.set_num_threads(num_threads)
 

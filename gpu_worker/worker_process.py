@@ -23,7 +23,12 @@ from pathlib import Path
 import zmq
 
 from pagedserve.gpu_worker.memory import default_kv_cache_bytes
-from pagedserve.gpu_worker.parallel import init_tensor_parallel, shutdown_tensor_parallel
+from pagedserve.gpu_worker.parallel import (
+    init_tensor_parallel,
+    set_host_threads,
+    shutdown_tensor_parallel,
+)
+from pagedserve.gpu_worker.standin_device import standin_forward_ms
 from pagedserve.gpu_worker.worker import Worker
 from pagedserve.scheduler.broadcast import BroadcastClosedError, BroadcastHandle, StepReceiver
 from pagedserve.scheduler.child_process import die_with_parent
@@ -81,6 +86,13 @@ def build_worker(start: StartWorker) -> Worker:
     )
     # Ranks on one CPU share its memory; GPU ranks each have a device of their own.
     ranks_sharing_memory = start.world_size if spec.device == "cpu" else 1
+    if standin_forward_ms() is not None:
+        # The stand-in's forward runs off the host, and its host work is small: more
+        # threads would only spin in OpenMP's wait after each op, on the cores the
+        # scheduler and the frontend need (docs/BENCHMARKS.md, "Per-step CPU cost").
+        # NOTE: a CUDA worker still samples on the host, over the whole vocabulary; one
+        # thread there too once the sampler runs on the device (issue 36).
+        set_host_threads(1)
     return Worker(
         Path(spec.model_path),
         spec.dtype,
