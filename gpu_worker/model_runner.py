@@ -42,6 +42,20 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None  # an embedding request: never samples
     # A per-token pooling request's rows from the prompt's chunks before its last.
     pooled_rows: list[torch.Tensor] = field(default_factory=list)
+    # No penalty, bias, allowed list, ban (bad words, min_tokens) or beam: nothing of the
+    # sampler's per-row extras applies, so a batch of such rows skips looking for them.
+    plain_sampling: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        self.plain_sampling = not (
+            params.has_penalties
+            or params.logit_bias
+            or params.allowed_token_ids
+            or params.bad_words_token_ids
+            or params.min_tokens
+            or params.use_beam_search
+        )
 
     @property
     def num_output_tokens(self) -> int:
@@ -437,16 +451,26 @@ class ModelRunner:
         token_bitmasks: dict[str, bytes],
     ) -> SamplingBatch:
         # Every row of an entry drawing several samples starts from the same grammar state.
-        grammar_rows = [
-            row for row, entry in enumerate(entries) if entry.request_id in token_bitmasks
-        ]
+        grammar_rows = (
+            [row for row, entry in enumerate(entries) if entry.request_id in token_bitmasks]
+            if token_bitmasks
+            else []
+        )
         params = [state.sampling_params for state in states]
         seeds = [(p.seed or 0) if seed is None else seed for p, seed in zip(params, sample_seeds)]
-        penalized = [row for row, p in enumerate(params) if p.has_penalties]
-        biased = [row for row, p in enumerate(params) if p.logit_bias]
-        restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
-        banned_token_ids = [_banned_token_ids(state) for state in states]
-        banned = [row for row, token_ids in enumerate(banned_token_ids) if token_ids.size]
+        penalized: list[int] = []
+        biased: list[int] = []
+        restricted: list[int] = []
+        banned: list[int] = []
+        beams: list[int] = []
+        banned_token_ids: list[np.ndarray] = []
+        if not all(state.plain_sampling for state in states):
+            penalized = [row for row, p in enumerate(params) if p.has_penalties]
+            biased = [row for row, p in enumerate(params) if p.logit_bias]
+            restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
+            banned_token_ids = [_banned_token_ids(state) for state in states]
+            banned = [row for row, token_ids in enumerate(banned_token_ids) if token_ids.size]
+            beams = [row for row, p in enumerate(params) if p.use_beam_search]
         return SamplingBatch(
             temperatures=np.array([p.temperature for p in params], dtype=np.float32),
             top_k=np.array([p.top_k for p in params], dtype=np.int64),
@@ -480,9 +504,7 @@ class ModelRunner:
             bias_values=[
                 np.fromiter(params[r].logit_bias.values(), dtype=np.float32) for r in biased
             ],
-            beam_rows=np.array(
-                [row for row, p in enumerate(params) if p.use_beam_search], dtype=np.int64
-            ),
+            beam_rows=np.array(beams, dtype=np.int64),
             allowed_rows=np.array(restricted, dtype=np.int64),
             allowed_token_ids=[
                 np.array(params[r].allowed_token_ids, dtype=np.int64) for r in restricted
