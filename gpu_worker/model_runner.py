@@ -354,6 +354,22 @@ class ModelRunner:
         pooling_entries = []
         for entry in entries:
             start = entry.num_computed_tokens
+            state = entry.state
+            token_ids = state.token_ids
+            if (
+                entry.num_scheduled_tokens == 1
+                and start + 1 == len(token_ids) > state.num_prompt_tokens
+                and not entry.spec_token_ids
+                and state.pooling_params is None
+            ):
+                # The common case, a decode past its first output token: one input, one
+                # sample, no prompt positions to score (the general path below agrees).
+                input_ids.append(token_ids[start])
+                logits_indices.append(len(input_ids) - 1)
+                sampling_entries.append(entry)
+                sampling_states.append(state)
+                sample_seeds.append(None)
+                continue
             end = start + entry.num_scheduled_tokens
             if entry.prompt_logprob_positions:
                 prompt_logprob_entries.append((entry, len(input_ids)))
