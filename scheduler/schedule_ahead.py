@@ -37,8 +37,9 @@ class ScheduleAhead:
         scheduled = {s.request_id: s for s in in_flight.cached_requests}
         scheduled.update((s.request_id, s) for s in in_flight.new_requests)
         block_manager = self.block_manager
-        continuing: list[tuple[Request, int]] = []
+        continuing: list[tuple[Request, int, int]] = []
         num_new_blocks = 0
+        rotates = bool(self.config.long_rope_switch)
         for request in self.running:
             request_id = request.request_id
             step = scheduled.get(request_id)
@@ -55,22 +56,26 @@ class ScheduleAhead:
                 return None  # a prefill chunk: it samples nothing in the step in flight
             if request.num_tokens + 1 >= request.max_total_tokens:
                 continue  # the token in flight is its last
-            if self.config.rotation_epoch(request.num_tokens + 1) > request.rotation_epoch:
+            if rotates and (
+                self.config.rotation_epoch(request.num_tokens + 1) > request.rotation_epoch
+            ):
                 return None
             if block_manager.needs_copy_on_write(request_id, num_computed):
                 return None
-            num_new_blocks += block_manager.num_new_blocks(request_id, num_computed + 1)
-            continuing.append((request, num_computed))
+            num_new = block_manager.num_new_blocks(request_id, num_computed + 1)
+            num_new_blocks += num_new
+            continuing.append((request, num_computed, num_new))
         if not continuing or num_new_blocks > block_manager.num_free_blocks:
             return None
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, draft_guesses=False)
-        for request, num_computed in continuing:
-            new_block_ids = block_manager.append(request.request_id, num_computed + 1)
-            assert new_block_ids is not None  # counted above
-            plan.cached_requests.append(
-                CachedRequestData(request.request_id, new_block_ids, num_computed, 1)
-            )
+        cached = plan.cached_requests
+        for request, num_computed, num_new in continuing:
+            new_block_ids = []
+            if num_new:
+                new_block_ids = block_manager.append(request.request_id, num_computed + 1)
+                assert new_block_ids is not None  # counted above
+            cached.append(CachedRequestData(request.request_id, new_block_ids, num_computed, 1))
         plan.finished_request_ids = self._drop_ids_for_workers
         self._drop_ids_for_workers = []
         self.num_steps_scheduled_ahead += 1
