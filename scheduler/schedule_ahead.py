@@ -29,6 +29,9 @@ from pagedserve.scheduler.request import Request
 class ScheduleAhead:
     """``Scheduler``'s plans made ahead of a step's results (a mixin)."""
 
+    # Plans made while the step before ran (a stats counter; each scheduler counts its own).
+    num_steps_scheduled_ahead = 0
+
     def schedule_ahead(self, in_flight: StepPlan) -> StepPlan | None:
         """The plan after ``in_flight``, whose results have not been recorded (every
         earlier plan's have), or None when it must wait for them (module docstring)."""

@@ -8,10 +8,7 @@ from collections import deque
 
 from pagedserve.scheduler import fault_injection
 from pagedserve.scheduler.adapter_slots import AdapterSlots
-from pagedserve.scheduler.block_manager import (
-    BlockManager,
-    blocks_for_tokens,
-)
+from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
 from pagedserve.scheduler.capacity import check_request_fits
 from pagedserve.scheduler.config import SchedulerConfig, check_priority
 from pagedserve.scheduler.group_steps import GroupSteps, batch_slots, leading_sequences
@@ -104,8 +101,6 @@ class Scheduler(
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
         # Blocks given back because a sliding window left them behind (a windowed model).
         self.num_window_freed_blocks = 0
-        # Plans made while the step before ran (``schedule_ahead``).
-        self.num_steps_scheduled_ahead = 0
         self._step_id = 0
         # Sequences whose full data the workers hold; anything else travels in full.
         self._known_to_workers: set[str] = set()
