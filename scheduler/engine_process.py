@@ -254,10 +254,14 @@ def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zm
         structured_output.wait_until_built()
         outbox.send(encode(Ready("engine", os.getpid(), cache)))
         EngineLoop(engine, executor, inbox, outbox).run()
-        engine.finish_in_flight()  # its requests end below; the workers are told to stop
+        # The step in flight (async scheduling) ends some requests with its tokens; the
+        # others end here. Either way each gets its final delta before the workers stop.
+        deltas = engine.finish_in_flight()
         PROFILE.write()
         if engine.has_unfinished_requests():
-            outbox.send(encode(OutputBatch(end_all_requests(engine, None))))
+            deltas += end_all_requests(engine, None)
+        if deltas:
+            outbox.send(encode(OutputBatch(deltas)))
     except Exception as error:
         exit_code = 1
         if not isinstance(error, WorkerDiedError):
