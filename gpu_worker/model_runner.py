@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +16,7 @@ from pagedserve.gpu_worker.lora import LoRABatch
 from pagedserve.gpu_worker.models.base import CausalLM
 from pagedserve.gpu_worker.next_token_drafter import NextTokenDrafter
 from pagedserve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagedserve.gpu_worker.step_events import StepEvent, step_event
 from pagedserve.scheduler import fault_injection
 from pagedserve.scheduler.beam_search import num_candidates
 from pagedserve.scheduler.messages import (
@@ -46,6 +48,10 @@ class CachedRequestState:
     # sampler's per-row extras applies, so a batch of such rows skips looking for them.
     plain_sampling: bool = field(init=False, default=False)
 
+    # Besides plain sampling: one sequence, no prompt log-probs, no pooling. Its decode can
+    # be queued before the token it decodes reaches the host (ModelRunner.follows).
+    plain_decode: bool = field(init=False, default=False)
+
     def __post_init__(self) -> None:
         params = self.sampling_params
         self.plain_sampling = not (
@@ -55,6 +61,12 @@ class CachedRequestState:
             or params.bad_words_token_ids
             or params.min_tokens
             or params.use_beam_search
+        )
+        self.plain_decode = (
+            self.plain_sampling
+            and self.pooling_params is None
+            and params.num_sequences == 1
+            and params.prompt_logprobs is None
         )
 
     @property
@@ -145,6 +157,41 @@ class ModelInputs:
     pooling_entries: list[tuple[_ScheduledEntry, slice]]
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device; ``finish`` reads
+    its tokens once ``event`` says they are there."""
+
+    plan: StepPlan
+    failed: dict[str, str]
+    entries: list[_ScheduledEntry]
+    event: StepEvent
+    # Which entries sample, from before their sampled tokens join their states.
+    samples: list[bool] = field(default_factory=list)
+    inputs: ModelInputs | None = None  # None: no entry ran
+    hidden: torch.Tensor | None = None
+    sampled: SamplerOutput | None = None  # None: nothing sampled
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    embeddings: dict[str, bytes] = field(default_factory=dict)
+    # Launched behind a step whose tokens were not read yet (StepResult.launched_ahead).
+    launched_ahead: bool = False
+
+    def single_rows(self) -> dict[str, int]:
+        """Each request that samples exactly one token (the next of its sequence), and its
+        row of ``sampled``: a following step may decode that token before it is read."""
+        if self.sampled is None or self.inputs is None:
+            return {}
+        rows: dict[str, int] = {}
+        repeated = set()
+        for row, entry in enumerate(self.inputs.sampling_entries):
+            if entry.request_id in rows:
+                repeated.add(entry.request_id)
+            rows[entry.request_id] = row
+        for request_id in repeated:
+            del rows[request_id]
+        return rows
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -180,25 +227,76 @@ class ModelRunner:
         # Speculative decoding with a draft model or the model's multi-token-prediction
         # layer: set by the worker when it has one.
         self.draft_model: DraftModel | NextTokenDrafter | None = None
+        # What marks a launched step's device work (the stand-in device has its own).
+        self.step_event: Callable[[], StepEvent] = lambda: step_event(device)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. A new request whose sampling cannot be set up is left out of the
         step and named in ``StepResult.failed_requests``; the others run."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan, in_flight: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue a step's forward pass and sampling on the device. With ``in_flight`` (a
+        launched step not finished yet, for which ``follows`` holds) the decodes of
+        tokens that step samples take them from its device tensor."""
         failed: dict[str, str] = {}
         started_ns = PROFILE.now()
         entries = self._apply_plan(plan, failed)
         PROFILE.lap("apply_plan", started_ns)
-        result = self._run(plan, entries)
-        result.failed_requests = failed
-        return result
+        return self._launch(plan, entries, failed, in_flight)
 
-    def _run(self, plan: StepPlan, entries: list[_ScheduledEntry]) -> StepResult:
+    def follows(self, plan: StepPlan, in_flight: LaunchedStep) -> bool:
+        """Whether ``plan`` can be launched before ``in_flight``'s tokens reach the host: it
+        only decodes plain sequences (``CachedRequestState.plain_decode``), each the token
+        it sampled in ``in_flight`` or one already known, and needs nothing else of the
+        host's (no new request, draft, grammar, adapter change, swap or copy)."""
+        if (
+            self.draft_model is not None
+            or self.long_rope_switch
+            or plan.new_requests
+            or plan.spec_token_ids
+            or plan.token_bitmasks
+            or plan.load_loras
+            or plan.unload_lora_ids
+            or plan.swap_in
+            or plan.swap_out
+            or plan.copy_blocks
+            or plan.window_freed_blocks
+        ):
+            return False
+        rows = in_flight.single_rows()
+        for cached in plan.cached_requests:
+            state = self.requests.get(cached.request_id)
+            if state is None or cached.num_scheduled_tokens != 1 or not state.plain_decode:
+                return False
+            num_known = len(state.token_ids)
+            if cached.num_computed_tokens == num_known:
+                if cached.request_id not in rows:
+                    return False
+            elif not cached.num_computed_tokens + 1 == num_known > state.num_prompt_tokens:
+                return False
+        return True
+
+    def _launch(
+        self,
+        plan: StepPlan,
+        entries: list[_ScheduledEntry],
+        failed: dict[str, str],
+        in_flight: LaunchedStep | None,
+    ) -> LaunchedStep:
+        step = LaunchedStep(plan, failed, entries, self.step_event())
+        step.launched_ahead = in_flight is not None
         if not entries:
-            return StepResult(step_id=plan.step_id)
-        # Which entries sample, before their sampled tokens join their states.
-        samples = [entry.samples for entry in entries]
+            return step
         started_ns = PROFILE.now()
-        inputs = self._prepare_inputs(entries)
+        if in_flight is None:
+            step.samples = [entry.samples for entry in entries]
+            inputs = self._prepare_inputs(entries)
+            pending = None
+        else:
+            step.samples = [True] * len(entries)
+            inputs, pending = self._prepare_following_inputs(entries, in_flight)
+        step.inputs = inputs
         if self.lora_batch is not None:
             self.lora_batch.groups = self._lora_groups(entries)
         started_ns = PROFILE.lap("prepare_inputs", started_ns)
@@ -208,50 +306,73 @@ class ModelRunner:
                 hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            step.hidden = hidden
             started_ns = PROFILE.lap("forward", started_ns)
-            embeddings = {}
             for entry, rows in inputs.pooling_entries:
                 if entry.samples:
-                    embeddings[entry.request_id] = _pooled(self.model, hidden[rows], entry)
+                    step.embeddings[entry.request_id] = _pooled(self.model, hidden[rows], entry)
                 else:  # a per-token request's chunk: its rows wait for the last
                     entry.state.pooled_rows.append(hidden[rows].clone())
-            prompt_logprobs = {
+            step.prompt_logprobs = {
                 entry.request_id: self._prompt_logprobs(hidden, entry, first_row)
                 for entry, first_row in inputs.prompt_logprob_entries
             }
-            if not inputs.sampling_entries:
-                # Prefill chunks that sample nothing still score their prompt positions.
-                return StepResult(
-                    plan.step_id,
-                    prompt_logprobs=prompt_logprobs,
-                    embeddings=embeddings,
-                    draft_token_ids=self._draft(entries, samples, plan.draft_guesses, hidden),
+            if inputs.sampling_entries:
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                if not all(state.plain_sampling for state in inputs.sampling_states):
+                    # NOTE: the sampler's extras (penalties, bans, grammars, beams) run on
+                    # the host: this copy waits for the forward pass.
+                    logits = logits.cpu()
+                step.sampled = self.sampler(
+                    logits,
+                    self._sampling_batch(
+                        inputs.sampling_entries,
+                        inputs.sampling_states,
+                        inputs.sample_seeds,
+                        plan.token_bitmasks,
+                        pending,
+                    ),
                 )
-            # The sampler works on the host (numpy seeds, per-request lists).
-            # NOTE: on a GPU this copy waits for the forward pass: the step's one synchronization.
-            logits = self.model.compute_logits(hidden[inputs.logits_indices]).cpu()
-            sampled = self.sampler(
-                logits,
-                self._sampling_batch(
-                    inputs.sampling_entries,
-                    inputs.sampling_states,
-                    inputs.sample_seeds,
-                    plan.token_bitmasks,
+        step.event = self.step_event()
+        PROFILE.lap("sample", started_ns)
+        return step
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """The launched step's result, once its device work is done; its sampled tokens
+        join their sequences. Steps finish in the order they were launched."""
+        started_ns = PROFILE.now()
+        step.event.synchronize()
+        started_ns = PROFILE.lap("device_wait", started_ns)
+        plan, inputs, sampled = step.plan, step.inputs, step.sampled
+        if inputs is None:
+            result = StepResult(step_id=plan.step_id)
+        elif sampled is None:
+            # Prefill chunks that sample nothing still score their prompt positions.
+            result = StepResult(
+                plan.step_id,
+                prompt_logprobs=step.prompt_logprobs,
+                embeddings=step.embeddings,
+                draft_token_ids=self._draft(
+                    step.entries, step.samples, plan.draft_guesses, step.hidden
                 ),
             )
-        started_ns = PROFILE.lap("sample", started_ns)
-        token_ids = sampled.token_ids.tolist()
-        rows = _emitted_rows(inputs.sampling_entries, token_ids)
-        logprobs = _token_logprobs(sampled, inputs.sampling_states)
-        result = StepResult(
-            plan.step_id,
-            [inputs.sampling_entries[row].request_id for row in rows],
-            [token_ids[row] for row in rows],
-            logprobs=[logprobs[row] for row in rows] if logprobs else [],
-            prompt_logprobs=prompt_logprobs,
-            embeddings=embeddings,
-            draft_token_ids=self._draft(entries, samples, plan.draft_guesses, hidden),
-        )
+        else:
+            token_ids = sampled.token_ids.tolist()
+            rows = _emitted_rows(inputs.sampling_entries, token_ids)
+            logprobs = _token_logprobs(sampled, inputs.sampling_states)
+            result = StepResult(
+                plan.step_id,
+                [inputs.sampling_entries[row].request_id for row in rows],
+                [token_ids[row] for row in rows],
+                logprobs=[logprobs[row] for row in rows] if logprobs else [],
+                prompt_logprobs=step.prompt_logprobs,
+                embeddings=step.embeddings,
+                draft_token_ids=self._draft(
+                    step.entries, step.samples, plan.draft_guesses, step.hidden
+                ),
+            )
+        result.failed_requests = step.failed
+        result.launched_ahead = step.launched_ahead
         PROFILE.lap("result_build", started_ns)
         return result
 
@@ -431,6 +552,59 @@ class ModelRunner:
             pooling_entries=pooling_entries,
         )
 
+    def _prepare_following_inputs(
+        self, entries: list[_ScheduledEntry], in_flight: LaunchedStep
+    ) -> tuple[ModelInputs, np.ndarray]:
+        """``_prepare_inputs`` for a step that ``follows`` ``in_flight``: every entry
+        decodes one token, the last known or the one ``in_flight`` sampled (gathered from
+        its device tensor, not read on the host). Also each row's count of tokens not
+        yet known on the host (0 or 1: they count towards the draw's position)."""
+        rows = in_flight.single_rows()
+        input_ids = []
+        pending = np.zeros(len(entries), dtype=np.int64)
+        pending_at = []
+        pending_rows = []
+        for index, entry in enumerate(entries):
+            token_ids = entry.state.token_ids
+            if entry.num_computed_tokens == len(token_ids):
+                pending[index] = 1
+                pending_at.append(index)
+                pending_rows.append(rows[entry.request_id])
+                input_ids.append(0)  # filled on the device below
+            else:
+                input_ids.append(token_ids[-1])
+        device = self.device
+        metadata, positions = AttentionMetadata.for_sequences(
+            [
+                (entry.state.block_ids, entry.num_computed_tokens, entry.num_scheduled_tokens)
+                for entry in entries
+            ],
+            self.block_size,
+            device,
+            self.gathered_prefill,
+            self.attention_chunk_size,
+            self.latent_attention,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        if pending_at:
+            assert in_flight.sampled is not None
+            sampled = in_flight.sampled.token_ids.to(device)
+            ids[torch.tensor(pending_at, device=device)] = sampled[
+                torch.tensor(pending_rows, device=device)
+            ]
+        inputs = ModelInputs(
+            input_ids=ids,
+            positions=positions,
+            metadata=metadata,
+            logits_indices=torch.arange(len(entries), device=device),
+            sampling_entries=entries,
+            sampling_states=[entry.state for entry in entries],
+            sample_seeds=[None] * len(entries),
+            prompt_logprob_entries=[],
+            pooling_entries=[],
+        )
+        return inputs, pending
+
     def _long_rope_rows(self, entries: list[_ScheduledEntry], device: torch.device) -> torch.Tensor:
         """Each input token's offset into the rotary table: ``long_rope_offset`` for the
         tokens of a sequence longer than LongRoPE's original context (rotated with the long
@@ -465,7 +639,10 @@ class ModelRunner:
         states: list[CachedRequestState],
         sample_seeds: list[int | None],
         token_bitmasks: dict[str, bytes],
+        pending: np.ndarray | None = None,
     ) -> SamplingBatch:
+        """``pending``: each row's tokens sampled by a step in flight, not yet in its state
+        (``_prepare_following_inputs``)."""
         # Every row of an entry drawing several samples starts from the same grammar state.
         grammar_rows = (
             [row for row, entry in enumerate(entries) if entry.request_id in token_bitmasks]
@@ -493,7 +670,8 @@ class ModelRunner:
             top_p=np.array([p.top_p for p in params], dtype=np.float32),
             min_p=np.array([p.min_p for p in params], dtype=np.float32),
             seeds=np.array(seeds, dtype=np.uint64),
-            output_positions=np.array([s.num_output_tokens for s in states], dtype=np.int64),
+            output_positions=np.array([s.num_output_tokens for s in states], dtype=np.int64)
+            + (0 if pending is None else pending),
             num_logprobs=np.array([s.num_logprobs for s in states], dtype=np.int64),
             penalty_rows=np.array(penalized, dtype=np.int64),
             repetition_penalties=np.array(

@@ -1,7 +1,9 @@
 """Turns the logits of a step into one token per sampling request, batch-invariantly.
 
 Every operation works on whole tensors of rows; the only Python loops are over the
-(few) rows that use penalties, to gather their token histories.
+(few) rows that use penalties, to gather their token histories. It runs where the logits
+are: the per-row settings (small host arrays) are copied there, so on a GPU the step's
+tokens are drawn without the host waiting for the forward pass.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ def _splitmix64(values: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def _on(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A host array as a tensor on ``like``'s device."""
+    return torch.from_numpy(array).to(like.device)
 
 
 def request_uniforms(seeds: np.ndarray, output_positions: np.ndarray) -> np.ndarray:
@@ -89,7 +96,7 @@ class Sampler:
         raw_logprobs = None
         if (batch.num_logprobs >= 0).any():
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        beam_rows = torch.from_numpy(batch.beam_rows) if batch.beam_rows.size else None
+        beam_rows = _on(batch.beam_rows, logits) if batch.beam_rows.size else None
         if beam_rows is not None:
             # As HF's beam search: penalties, biases and bans act on the log-probs, and the
             # beams rank (and score) their candidates by what those make of them.
@@ -103,8 +110,8 @@ class Sampler:
         if batch.banned_rows.size:
             ban_tokens(logits, batch)
         if batch.bias_rows.size:
-            rows, columns = _flatten_rows(batch.bias_rows, batch.bias_token_ids)
-            logits[rows, columns] += torch.from_numpy(np.concatenate(batch.bias_values))
+            rows, columns = _flatten_rows(batch.bias_rows, batch.bias_token_ids, logits)
+            logits[rows, columns] += _on(np.concatenate(batch.bias_values), logits)
         if batch.penalty_rows.size:
             apply_penalties(logits, batch)
         if beam_rows is not None:
@@ -115,7 +122,7 @@ class Sampler:
         token_ids = logits.max(dim=-1).indices
         random_rows = np.flatnonzero(batch.temperatures > 0)
         if random_rows.size:
-            token_ids[torch.from_numpy(random_rows)] = sample_rows(logits, batch, random_rows)
+            token_ids[_on(random_rows, logits)] = sample_rows(logits, batch, random_rows)
 
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None)
@@ -130,19 +137,24 @@ class Sampler:
 
 
 def _flatten_rows(
-    rows: np.ndarray, token_ids: list[np.ndarray]
+    rows: np.ndarray, token_ids: list[np.ndarray], like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) index pairs of per-row token lists, for one advanced-indexing op."""
+    """(row, token) index pairs of per-row token lists, for one advanced-indexing op, on
+    ``like``'s device."""
     repeated = np.repeat(rows, [ids.size for ids in token_ids])
-    return torch.from_numpy(repeated), torch.from_numpy(np.concatenate(token_ids))
+    return _on(repeated, like), _on(np.concatenate(token_ids), like)
 
 
 def keep_only_allowed_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """Every token outside a row's allowed_token_ids gets -inf. In place."""
-    local_rows, columns = _flatten_rows(np.arange(batch.allowed_rows.size), batch.allowed_token_ids)
-    allowed = torch.zeros(batch.allowed_rows.size, logits.shape[1], dtype=torch.bool)
+    local_rows, columns = _flatten_rows(
+        np.arange(batch.allowed_rows.size), batch.allowed_token_ids, logits
+    )
+    allowed = torch.zeros(
+        batch.allowed_rows.size, logits.shape[1], dtype=torch.bool, device=logits.device
+    )
     allowed[local_rows, columns] = True
-    rows = torch.from_numpy(batch.allowed_rows)
+    rows = _on(batch.allowed_rows, logits)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
@@ -150,7 +162,7 @@ def apply_grammar_masks(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """Every token a row's grammar does not allow gets -inf. In place."""
     vocab_size = logits.shape[1]
     bits = np.unpackbits(batch.allowed_token_bits, axis=1, bitorder="little")[:, :vocab_size]
-    disallowed = torch.from_numpy(bits) == 0
+    disallowed = _on(bits, logits) == 0
     if batch.grammar_rows.size == logits.shape[0]:  # rows are unique: every row, in order
         logits.masked_fill_(disallowed, float("-inf"))
         return
@@ -167,11 +179,11 @@ def ban_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     Where a grammar (or allowed_token_ids) allows nothing but those tokens, the grammar
     wins: that row keeps them, since a row with no token left could only pick one outside
     what it allows."""
-    rows, columns = _flatten_rows(batch.banned_rows, batch.banned_token_ids)
+    rows, columns = _flatten_rows(batch.banned_rows, batch.banned_token_ids, logits)
     kept = logits[rows, columns]
     logits[rows, columns] = float("-inf")
     if batch.grammar_rows.size or batch.allowed_rows.size:
-        banned_rows = torch.from_numpy(batch.banned_rows)
+        banned_rows = _on(batch.banned_rows, logits)
         emptied = torch.isneginf(logits[banned_rows]).all(dim=-1)
         if emptied.any():
             restore = emptied[torch.searchsorted(banned_rows, rows)]
@@ -183,19 +195,19 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     and frequency penalties over output tokens. In place on the penalty rows."""
     vocab_size = logits.shape[1]
     num_rows = batch.penalty_rows.size
-    rows = torch.from_numpy(batch.penalty_rows)
-    output_counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32)
+    rows = _on(batch.penalty_rows, logits)
+    output_counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
     _scatter_rows(output_counts, batch.penalty_output_tokens, 1.0, accumulate=True)
-    seen = torch.zeros(num_rows, vocab_size, dtype=torch.float32)
+    seen = torch.zeros_like(output_counts)
     _scatter_rows(seen, batch.penalty_prompt_tokens, 1.0, accumulate=False)
     seen = (seen > 0) | (output_counts > 0)
 
     selected = logits[rows]
-    repetition = torch.from_numpy(batch.repetition_penalties)[:, None]
+    repetition = _on(batch.repetition_penalties, logits)[:, None]
     penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
     selected = torch.where(seen, penalized, selected)
-    frequency = torch.from_numpy(batch.frequency_penalties)[:, None]
-    presence = torch.from_numpy(batch.presence_penalties)[:, None]
+    frequency = _on(batch.frequency_penalties, logits)[:, None]
+    presence = _on(batch.presence_penalties, logits)[:, None]
     selected = selected - frequency * output_counts - presence * (output_counts > 0).float()
     logits[rows] = selected
 
@@ -206,9 +218,9 @@ def _scatter_rows(
     lengths = [tokens.size for tokens in token_lists]
     if not sum(lengths):
         return
-    rows = torch.from_numpy(np.repeat(np.arange(len(token_lists)), lengths))
-    columns = torch.from_numpy(np.concatenate(token_lists).astype(np.int64))
-    values = torch.full((rows.numel(),), value, dtype=target.dtype)
+    rows = _on(np.repeat(np.arange(len(token_lists)), lengths), target)
+    columns = _on(np.concatenate(token_lists).astype(np.int64), target)
+    values = torch.full((rows.numel(),), value, dtype=target.dtype, device=target.device)
     target.index_put_((rows, columns), values, accumulate=accumulate)
 
 
@@ -219,20 +231,20 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) ->
     Rows with top-k or top-p work in descending-probability order (one sort); others in
     vocabulary order. Which path a row takes depends only on its own settings.
     """
-    result = torch.empty(rows.size, dtype=torch.int64)
+    result = torch.empty(rows.size, dtype=torch.int64, device=logits.device)
     needs_sort = (batch.top_k[rows] > 0) | (batch.top_p[rows] < 1.0)
     for sorted_path in (False, True):
         subset = np.flatnonzero(needs_sort == sorted_path)
         if subset.size:
             picked = rows[subset]
             draw = _sample_sorted if sorted_path else _sample_unsorted
-            result[torch.from_numpy(subset)] = draw(logits, batch, picked)
+            result[_on(subset, logits)] = draw(logits, batch, picked)
     return result
 
 
 def _scaled(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
-    temperature = torch.from_numpy(batch.temperatures[rows].astype(np.float32))
-    return logits[torch.from_numpy(rows)] / temperature[:, None]
+    temperature = _on(batch.temperatures[rows].astype(np.float32), logits)
+    return logits[_on(rows, logits)] / temperature[:, None]
 
 
 def _draw(probs: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
@@ -241,13 +253,13 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.
     uniforms = request_uniforms(batch.seeds[rows], batch.output_positions[rows])
     # Scaled by the row total, so float32 rounding in the cumsum cannot push the target
     # past the last bucket, and masked (zero) buckets can never be hit.
-    targets = torch.from_numpy(uniforms).to(cdf.dtype) * cdf[:, -1]
+    targets = _on(uniforms, cdf).to(cdf.dtype) * cdf[:, -1]
     picked = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
     return picked.clamp_max(probs.shape[-1] - 1)
 
 
 def _min_p_mask(probs: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
-    min_p = torch.from_numpy(batch.min_p[rows].astype(np.float32))[:, None]
+    min_p = _on(batch.min_p[rows].astype(np.float32), probs)[:, None]
     return probs < min_p * probs.max(dim=-1, keepdim=True).values
 
 
@@ -261,14 +273,14 @@ def _sample_unsorted(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarra
 def _sample_sorted(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
     values, order = _scaled(logits, batch, rows).sort(dim=-1, descending=True)
     vocab_size = values.shape[-1]
-    top_k = torch.from_numpy(batch.top_k[rows])
+    top_k = _on(batch.top_k[rows], values)
     top_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab_size))
-    ranks = torch.arange(vocab_size)[None, :]
+    ranks = torch.arange(vocab_size, device=values.device)[None, :]
     values = values.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = torch.softmax(values, dim=-1)
     # Nucleus: keep a token while the probability mass before it is below top_p, so
     # the most likely token always stays.
-    top_p = torch.from_numpy(batch.top_p[rows].astype(np.float32))[:, None]
+    top_p = _on(batch.top_p[rows].astype(np.float32), probs)[:, None]
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_p, 0.0)
     if (batch.min_p[rows] > 0).any():

@@ -31,7 +31,7 @@ from pagedserve.gpu_worker.model_config import (
     check_quantization_name,
     next_token_layer_config,
 )
-from pagedserve.gpu_worker.model_runner import ModelRunner
+from pagedserve.gpu_worker.model_runner import LaunchedStep, ModelRunner
 from pagedserve.gpu_worker.models.multi_token_predictor import MultiTokenPredictor, layer_prefix
 from pagedserve.gpu_worker.models.registry import build_model
 from pagedserve.gpu_worker.next_token_drafter import NextTokenDrafter
@@ -238,9 +238,11 @@ class Worker:
         )
         forward_ms = standin_forward_ms()
         if forward_ms is not None:
-            self.runner.model = StandinModel(
+            standin = StandinModel(
                 self.model, forward_ms, self.model_config.hidden_size, self.model_config.vocab_size
             )
+            self.runner.model = standin
+            self.runner.step_event = standin.step_event
         if self.next_token_predictor is not None:
             assert self.draft_config is not None
             self.next_token_predictor.bind_kv_cache(self.kv_caches[1])
@@ -290,6 +292,11 @@ class Worker:
         return self.kv_cache_spec.bytes_per_block + (draft.bytes_per_block if draft else 0)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan, in_flight: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the plan's step on the device; ``in_flight``: the step launched before it,
+        not finished yet (the plan must ``follow`` it)."""
         if plan.load_loras or plan.unload_lora_ids:
             self._update_loras(plan)
         if plan.swap_out or plan.swap_in:
@@ -300,7 +307,16 @@ class Worker:
             pairs = _pairs(plan.copy_blocks)
             for kv_cache in self.kv_caches:
                 ops.copy_blocks(kv_cache, pairs)
-        return self.runner.execute(plan)
+        return self.runner.launch(plan, in_flight)
+
+    def follows(self, plan: StepPlan, in_flight: LaunchedStep) -> bool:
+        """Whether the plan can be launched before ``in_flight``'s tokens are read
+        (ModelRunner.follows)."""
+        return self.runner.follows(plan, in_flight)
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """A launched step's result, once the device is done with it; in launch order."""
+        return self.runner.finish(step)
 
     def _update_loras(self, plan: StepPlan) -> None:
         """Adapters loaded or dropped at run time, before the step that may use them (the

@@ -23,6 +23,7 @@ from pathlib import Path
 import zmq
 
 from pagedserve.gpu_worker.memory import default_kv_cache_bytes
+from pagedserve.gpu_worker.model_runner import LaunchedStep
 from pagedserve.gpu_worker.parallel import (
     init_tensor_parallel,
     set_host_threads,
@@ -34,7 +35,7 @@ from pagedserve.scheduler.broadcast import BroadcastClosedError, BroadcastHandle
 from pagedserve.scheduler.child_process import die_with_parent
 from pagedserve.scheduler.engine_messages import EngineError, Ready, StartWorker
 from pagedserve.scheduler.logs import configure_logging
-from pagedserve.scheduler.messages import StepPlan
+from pagedserve.scheduler.messages import StepPlan, StepResult
 from pagedserve.scheduler.serialization import decode_as, encode
 from pagedserve.scheduler.step_profile import PROFILE
 
@@ -129,20 +130,58 @@ def ready_message(worker: Worker, rank: int) -> Ready:
 
 
 def serve(worker: Worker, receiver: StepReceiver, results: zmq.Socket, rank: int) -> None:
-    """Execute plans in broadcast order until the broadcaster closes."""
+    """Execute plans in broadcast order until the broadcaster closes.
+
+    A step is launched (queued on the device), then finished (its tokens read, its result
+    sent). With async scheduling the next plan often arrives while the device still runs
+    the step before it: when that plan ``follows`` it, it is launched first, so the device
+    has the next step queued while the host reads this one's tokens and the scheduler
+    plans the one after (vLLM's and SGLang's overlap, on the worker's side). Results
+    still leave in plan order, one per plan."""
+    in_flight: LaunchedStep | None = None
     while True:
+        started_ns = PROFILE.now()
         try:
-            # NOTE: an idle worker polls the ring (spin, then sleeps of up to 1 ms): a
-            # few hundred wake-ups a second, the price of microsecond hand-offs mid-run.
-            payload = receiver.receive()
+            payload = _next_plan(receiver, in_flight)
         except BroadcastClosedError:
             PROFILE.write()
             return
+        # Blocked: for the scheduler's next plan, or the device, whichever comes first.
+        PROFILE.lap("wait", started_ns)
+        if payload is None:  # the device finished the step before another plan came
+            assert in_flight is not None
+            _send_result(worker.finish(in_flight), results, rank)
+            in_flight = None
+            continue
         started_ns = PROFILE.now()
         plan = decode_as(payload, StepPlan)
         started_ns = PROFILE.lap("plan_decode", started_ns)
-        result = worker.execute(plan)
-        started_ns = PROFILE.lap("worker_execute", started_ns)
-        if rank == 0:
-            results.send(encode(result))
-            PROFILE.lap("result_send", started_ns)
+        if in_flight is not None and not worker.follows(plan, in_flight):
+            _send_result(worker.finish(in_flight), results, rank)
+            in_flight = None
+        launched = worker.launch(plan, in_flight)
+        if in_flight is not None:
+            _send_result(worker.finish(in_flight), results, rank)
+        in_flight = launched
+
+
+def _next_plan(receiver: StepReceiver, in_flight: LaunchedStep | None) -> bytes | None:
+    """The next plan; with a step in flight, None if the device finishes it first (the
+    scheduler may be waiting for its result before it plans again)."""
+    if in_flight is None:
+        # NOTE: an idle worker polls the ring (spin, then sleeps of up to 1 ms): a
+        # few hundred wake-ups a second, the price of microsecond hand-offs mid-run.
+        return receiver.receive()
+    while True:
+        try:
+            return receiver.receive(timeout_s=in_flight.event.poll_s())
+        except TimeoutError:
+            if in_flight.event.query():
+                return None
+
+
+def _send_result(result: StepResult, results: zmq.Socket, rank: int) -> None:
+    if rank == 0:
+        started_ns = PROFILE.now()
+        results.send(encode(result))
+        PROFILE.lap("result_send", started_ns)

@@ -367,7 +367,10 @@ class StepReceiver:
             # NOTE: a second copy (the ring's read made the first); a plan is a few KiB.
             return frame[1:]
         if kind == _RING_ON_ZMQ:
-            return self._receive_from_zmq(int.from_bytes(frame[1:9], "little"), deadline_s)
+            # The ring's frame is taken: its payload must be too, whatever the deadline (a
+            # timeout here would lose the message; the broadcaster sent it with the frame).
+            seq = int.from_bytes(frame[1:9], "little")
+            return self._receive_from_zmq(seq, max(deadline_s, time.monotonic() + 60.0))
         raise RuntimeError(f"step broadcast: unknown ring frame kind {kind!r}")
 
     def _receive_from_zmq(self, seq: int, deadline_s: float) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedserve.scheduler.block_manager import BlockManager, blocks_for_tokens
 from pagedserve.scheduler.config import SchedulerConfig
@@ -38,20 +38,44 @@ class PipelinedExecutor(Protocol):
 
 
 class InOrderExecution:
-    """``submit`` / ``collect`` over an executor that only has ``execute`` (the in-process
-    worker): each plan runs when submitted, its result kept until collected. Nothing runs
-    beside the worker, so no time is hidden, but the engine takes the same path as with
-    a worker process and gives the same tokens."""
+    """``submit`` / ``collect`` over the in-process worker. One that launches steps
+    (``launch`` / ``follows`` / ``finish``: gpu_worker/worker.py) has each plan queued
+    on its device when submitted, behind the step before it when the plan ``follows``
+    that one, and finished when collected: on a GPU the host plans the next step while
+    the device runs this one. Otherwise (``execute`` only) each plan runs when submitted,
+    its result kept until collected. Either way the engine takes the same path as with a
+    worker process and gives the same tokens."""
 
     def __init__(self, executor: Executor) -> None:
         self._executor = executor
+        self._launches = all(hasattr(executor, name) for name in ("launch", "follows", "finish"))
         self._results: dict[int, StepResult] = {}
+        # Launched and not finished, in launch order: (step id, the worker's handle).
+        self._launched: list[tuple[int, Any]] = []
 
     def submit(self, plan: StepPlan) -> None:
-        self._results[plan.step_id] = self._executor.execute(plan)
+        if not self._launches:
+            self._results[plan.step_id] = self._executor.execute(plan)
+            return
+        executor: Any = self._executor
+        ahead = self._launched[-1][1] if self._launched else None
+        if ahead is not None and not executor.follows(plan, ahead):
+            self._finish_launched()
+            ahead = None
+        self._launched.append((plan.step_id, executor.launch(plan, ahead)))
 
     def collect(self, plan: StepPlan) -> StepResult:
+        while plan.step_id not in self._results:
+            self._finish_one()
         return self._results.pop(plan.step_id)
+
+    def _finish_launched(self) -> None:
+        while self._launched:
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        step_id, launched = self._launched.pop(0)
+        self._results[step_id] = self._executor.finish(launched)
 
 
 # The keys of ``EngineCore.stats()`` that count events since start (a Prometheus
@@ -69,6 +93,7 @@ COUNTER_STATS = frozenset(
         "num_accepted_tokens",
         "num_window_freed_blocks",
         "num_steps_scheduled_ahead",
+        "num_steps_launched_ahead",
     }
 )
 
@@ -126,6 +151,9 @@ class EngineCore:
         if scheduler_config.async_scheduling:
             self._pipeline = executor if hasattr(executor, "submit") else InOrderExecution(executor)
         self._in_flight: StepPlan | None = None
+        # Steps a worker queued on its device before the tokens of the one before them
+        # were read (StepResult.launched_ahead).
+        self.num_steps_launched_ahead = 0
         # Requests that sample without a seed get one from here, so a whole run is
         # reproducible from the engine's seed and each request's draws stay its own.
         self._seed_rng = random.Random(seed)
@@ -229,6 +257,7 @@ class EngineCore:
             started_ns = PROFILE.lap("submit", started_ns)
         result = self._pipeline.collect(plan)
         started_ns = PROFILE.lap("collect", started_ns)
+        self.num_steps_launched_ahead += result.launched_ahead
         deltas = self.scheduler.update_from_output(plan, result)
         PROFILE.lap("update", started_ns)
         return deltas
@@ -267,6 +296,7 @@ class EngineCore:
             },
             "num_window_freed_blocks": scheduler.num_window_freed_blocks,
             "num_steps_scheduled_ahead": scheduler.num_steps_scheduled_ahead,
+            "num_steps_launched_ahead": self.num_steps_launched_ahead,
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_total_blocks": self.block_manager.num_total_blocks,
             "num_free_host_blocks": self.block_manager.num_free_host_blocks,

@@ -153,7 +153,10 @@ class StepResult:
     to schedule after its last token in a later step (``gpu_worker/draft_model.py``).
 
     ``failed_requests``: the new requests a worker could not take into its batch (request
-    id -> why); the step ran without them, and the scheduler ends each with its error."""
+    id -> why); the step ran without them, and the scheduler ends each with its error.
+
+    ``launched_ahead``: the worker queued this step on the device before it read the
+    tokens of the step before it (``gpu_worker/worker_process.py``'s overlap)."""
 
     step_id: int
     request_ids: list[str] = field(default_factory=list)
@@ -164,6 +167,7 @@ class StepResult:
     embeddings: dict[str, bytes] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     failed_requests: dict[str, str] = field(default_factory=dict)
+    launched_ahead: bool = False
 
 
 @dataclass

@@ -302,6 +302,7 @@ def _pack_step_result(result: StepResult) -> list:
         result.embeddings,
         result.draft_token_ids,
         result.failed_requests,
+        result.launched_ahead,
     ]
 
 
@@ -315,6 +316,7 @@ def _unpack_step_result(value: Any) -> StepResult:
         embeddings,
         drafts,
         failed,
+        launched_ahead,
     ) = _fields(value, "StepResult")
     _check(step_id, int, "StepResult.step_id")
     num_requests = len(_check(request_ids, list, "StepResult.request_ids"))
@@ -328,6 +330,7 @@ def _unpack_step_result(value: Any) -> StepResult:
     _check_column(list(drafts.values()), list, len(drafts), "StepResult.draft_token_ids")
     _check(failed, dict, "StepResult.failed_requests")
     _check_column(list(failed.values()), str, len(failed), "StepResult.failed_requests")
+    _check(launched_ahead, bool, "StepResult.launched_ahead")
     return StepResult(
         step_id=step_id,
         request_ids=request_ids,
@@ -340,4 +343,5 @@ def _unpack_step_result(value: Any) -> StepResult:
         embeddings=embeddings,
         draft_token_ids=drafts,
         failed_requests=failed,
+        launched_ahead=launched_ahead,
     )

@@ -183,6 +183,7 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "embeddings",
         "draft_token_ids",
         "failed_requests",
+        "launched_ahead",
     ),
     RequestOutputDelta: (
         "request_id",

@@ -2,7 +2,9 @@
 engine, greedy and seeded, through preemption, chunked prefill, prefix hits, stops that
 waste a step, aborts while a step is in flight, and the features that turn it off (beams,
 n > 1, speculation); in process and with worker processes. Each scenario also shows that
-plans were made ahead, so a path that never overlaps cannot pass."""
+plans were made ahead, so a path that never overlaps cannot pass; where every request
+samples plainly, also that the worker queued steps behind the one in flight, their
+decodes' input tokens taken from its device tensor (``StepResult.launched_ahead``)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def _same_with_and_without(model, prompts, params, **options) -> dict:
 STOPS = [11, 12, 13, 14, 15, 16, 17, 18]
 
 
-def _seeded(max_tokens: int, seed: int = 0) -> list[SamplingParams]:
+def _seeded(max_tokens: int, seed: int = 0, presence_penalty: float = 0.5) -> list[SamplingParams]:
     return [
         SamplingParams(
             temperature=1.0,
@@ -53,7 +55,7 @@ def _seeded(max_tokens: int, seed: int = 0) -> list[SamplingParams]:
             seed=seed + i,
             max_tokens=max_tokens + i % 5,
             stop_token_ids=STOPS,
-            presence_penalty=0.5,
+            presence_penalty=presence_penalty,
         )
         for i in range(12)
     ]
@@ -67,6 +69,8 @@ SCENARIOS = {
         {"block_size": 8},
     ),
     "seeded_stops": (_prompts(12, 9), _seeded(40), {}),
+    # No penalty: the worker launches each decode step behind the one in flight.
+    "seeded_plain_stops": (_prompts(12, 9), _seeded(40, presence_penalty=0.0), {}),
     # 12 long prompts in 32-token steps, then too few blocks for every sequence to grow.
     "chunked_prefill_and_preemption": (
         _prompts(12, 50),
@@ -81,6 +85,8 @@ def test_tokens_match_the_synchronous_engine(tiny_model_dirs, scenario):
     prompts, params, options = SCENARIOS[scenario]
     stats = _same_with_and_without(tiny_model_dirs["llama"], prompts, params, **options)
     assert stats["num_steps_scheduled_ahead"] > 10, stats
+    plain = scenario in ("greedy_prefix_hits", "seeded_plain_stops")
+    assert (stats["num_steps_launched_ahead"] > 10) == plain, stats
     if scenario == "chunked_prefill_and_preemption":
         assert stats["num_preemptions"] > 0, stats
 
@@ -143,7 +149,9 @@ def test_an_abort_while_a_step_is_in_flight_ends_that_request_only(tiny_model_di
 
 
 def test_worker_processes_give_the_same_tokens(tiny_model_dirs):
+    params = _seeded(30, seed=7, presence_penalty=0.0)
     stats = _same_with_and_without(
-        tiny_model_dirs["llama"], _prompts(12, 9), _seeded(30, seed=7), multiprocess=True
+        tiny_model_dirs["llama"], _prompts(12, 9), params, multiprocess=True
     )
     assert stats["num_steps_scheduled_ahead"] > 10, stats
+    assert stats["num_steps_launched_ahead"] > 10, stats

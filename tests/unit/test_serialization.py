@@ -197,6 +197,7 @@ ROUND_TRIP_CASES = {
         request_ids=["a"],
         sampled_token_ids=[5],
         failed_requests={"b": "its sampling settings cannot be set up: OverflowError"},
+        launched_ahead=True,
     ),
     "delta-full": FULL_DELTA,
     "delta-unset": RequestOutputDelta(request_id="a", new_token_ids=[], finished=False),
@@ -683,20 +684,24 @@ def _plan_fields(**overrides) -> list:
             "EngineError.request_id: expected str or None, got int",
         ),
         (
-            _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}, {}, {}, {}),
+            _frame(StepResult, 1, ["a"], [5], [[[1, 2], [-0.5]]], {}, {}, {}, {}, False),
             "TokenLogprobs: 2 token_ids but 1 logprobs",
         ),
         (
-            _frame(StepResult, 1, [], [], [], {}, {"e": [1.0]}, {}, {}),
+            _frame(StepResult, 1, [], [], [], {}, {"e": [1.0]}, {}, {}, False),
             r"StepResult.embeddings: expected only bytes, found \['list'\]",
         ),
         (
-            _frame(StepResult, 1, [], [], [], {}, {}, {"a": 5}, {}),
+            _frame(StepResult, 1, [], [], [], {}, {}, {"a": 5}, {}, False),
             r"StepResult.draft_token_ids: expected only list, found \['int'\]",
         ),
         (
-            _frame(StepResult, 1, [], [], [], {}, {}, {}, {"a": 5}),
+            _frame(StepResult, 1, [], [], [], {}, {}, {}, {"a": 5}, False),
             r"StepResult.failed_requests: expected only str, found \['int'\]",
+        ),
+        (
+            _frame(StepResult, 1, [], [], [], {}, {}, {}, {}, 1),
+            "StepResult.launched_ahead: expected bool, got int",
         ),
         (
             _frame(
