@@ -62,7 +62,9 @@ chunk with a finish reason ("length"), a usage chunk with the trace's output len
 cache namespace) and request ids start with an id of this invocation of its own: an earlier
 invocation's prompts in the target's prefix cache never serve this one's. A target that
 ignores ``cache_salt`` serves every repeat after the first from its prefix cache: turn
-prefix caching off there, or keep to ``--repeats 1``.
+prefix caching off there, or keep to ``--repeats 1``. ``transformers serve`` takes neither
+token ids nor ``ignore_eos``: tools/bench_transformers_serve.py starts it beside pagedserve
+and sends both the same text prompts with this client.
 
 Example (from the repository root), on the tests' tiny Llama (no tokenizer needed: prompts
 are token ids); about a minute on 2 cores:
@@ -252,19 +254,19 @@ class Ports:
 
 
 class ServerProcess:
-    """``pagedserve serve`` in a subprocess, logging to a file; ``stop`` sends SIGTERM and
-    returns its exit status."""
+    """A server in a subprocess, logging to a file: ``start`` runs ``pagedserve serve`` and
+    waits for its port file (another server: ``launch``, then wait as it tells); ``stop``
+    sends SIGTERM and returns its exit status."""
 
-    def __init__(self, argv: list[str], log_path: Path, port_file: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path) -> None:
         self.argv = argv
         self.log_path = log_path
-        self.port_file = port_file
         self.process: subprocess.Popen[bytes] | None = None
         self.exit_code: int | None = None
         self.stop_note = ""
 
-    def start(self, startup_timeout_s: float) -> Ports:
-        """Start the server and wait for its port file; its ports."""
+    def launch(self) -> subprocess.Popen[bytes]:
+        """Start the process, logging to ``log_path``; it is not serving yet."""
         parent_pid = os.getpid()
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -278,20 +280,30 @@ class ServerProcess:
                 start_new_session=True,
                 preexec_fn=lambda: die_with_parent(parent_pid),
             )
+        return self.process
+
+    def check_alive(self) -> None:
+        """Raise, with the log's tail, when the process has exited during start-up."""
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(
+                f"the server exited during start-up with exit code "
+                f"{self.process.returncode}\n{self.log_tail()}"
+            )
+
+    def start(self, port_file: Path, startup_timeout_s: float) -> Ports:
+        """Start the server and wait for its port file (its ``--port-file``); its ports."""
+        process = self.launch()
         deadline_s = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited during start-up with exit code "
-                    f"{self.process.returncode}\n{self.log_tail()}"
-                )
+            self.check_alive()
             with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
                 # The server replaces the file whole (write, then rename): never half read.
-                written = json.loads(self.port_file.read_text())
-                if written["pid"] != self.process.pid:
+                written = json.loads(port_file.read_text())
+                if written["pid"] != process.pid:
                     raise RuntimeError(
-                        f"port file {self.port_file} names pid {written['pid']}, the server "
-                        f"is pid {self.process.pid}"
+                        f"port file {port_file} names pid {written['pid']}, the server "
+                        f"is pid {process.pid}"
                     )
                 return Ports(written["port"], written["http_port"])
             time.sleep(PORT_FILE_POLL_S)
@@ -325,6 +337,40 @@ class ServerProcess:
         return (
             f"--- last {SERVER_LOG_TAIL_LINES} lines of the server's log ({self.log_path}):\n{tail}"
         )
+
+
+def serve_argv(
+    engine: EngineSettings,
+    port_file: Path,
+    startup_timeout_s: float,
+    num_requests: int,
+    stream_interval: int,
+    *,
+    http: bool,
+) -> list[str]:
+    """``pagedserve serve`` on free ports (named in ``port_file``), its HTTP API too with
+    ``http``, taking ``num_requests`` in flight at least."""
+    argv = [
+        sys.executable,
+        "-m",
+        "pagedserve.frontend.cli",
+        "serve",
+        *engine.server_flags(),
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--drain-timeout-s",
+        str(SERVER_DRAIN_TIMEOUT_S),
+        "--startup-timeout-s",
+        str(startup_timeout_s),
+        # The server refuses calls past this many in flight; none may be refused here.
+        "--max-concurrent-requests",
+        str(max(1024, num_requests)),
+        "--stream-interval",
+        str(stream_interval),
+    ]
+    return argv + ["--http-port", "0"] if http else argv
 
 
 def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
@@ -462,6 +508,10 @@ class CompletionStreamResult(CallResult):
     is the chunk with a ``finish_reason``, and what comes after it may be the usage chunk
     and ``[DONE]`` only. The chunks carry text, so ``num_tokens`` is the usage chunk's."""
 
+    expected_prompt_tokens: int = 0  # usage.prompt_tokens must say this
+    # False for a server whose streams end without [DONE] (transformers serve): the end of
+    # the response body ends them.
+    require_done: bool = True
     done: bool = False  # data: [DONE] came
     finish_reason: str | None = None
     other_choice_index: bool = False
@@ -474,7 +524,7 @@ class CompletionStreamResult(CallResult):
     text: str = ""
 
     def output_problem(self) -> str | None:
-        if not self.done:
+        if self.require_done and not self.done:
             return "no [DONE]"
         if self.usage_tokens is None:
             return "no usage chunk"
@@ -610,7 +660,9 @@ async def complete_one(
                 failure = chunk.get("error")
                 if failure is not None:
                     # A stream that failed once it had begun: the status was 200 by then.
-                    result.status = f"HTTP {failure.get('code')} in the stream"
+                    # pagedserve's error is an object with a code, transformers serve's text.
+                    code = failure.get("code") if isinstance(failure, dict) else "error"
+                    result.status = f"HTTP {code} in the stream"
                     continue
                 if result.response_id is None:
                     result.response_id = chunk.get("id")
@@ -635,7 +687,8 @@ async def complete_one(
                 if usage is not None:
                     result.usage_tokens = usage.get("completion_tokens")
                     result.num_tokens = result.usage_tokens or 0
-                    result.prompt_tokens_ok = usage.get("prompt_tokens") == len(body["prompt"])
+                    prompt_tokens = usage.get("prompt_tokens")
+                    result.prompt_tokens_ok = prompt_tokens == result.expected_prompt_tokens
     except aiohttp.ClientError as error:
         result.status = type(error).__name__
     except asyncio.CancelledError:
@@ -810,10 +863,22 @@ async def replay_http(
     tag: str,
     timeout_s: float,
     api_key: str | None = None,
+    make_body: Callable[[int], dict[str, Any]] | None = None,
+    require_done: bool = True,
 ) -> tuple[list[CompletionStreamResult], float, bool]:
     """``replay`` as streamed ``POST /v1/completions`` to the server at ``base_url``, asking
-    for ``model`` (None: the one served); the results too."""
-    results = [CompletionStreamResult(request.output_len) for request in requests]
+    for ``model`` (None: the one served); the results too. ``make_body(index)`` is each
+    request's body (default ``completion_body``: token-id prompts), whose prompt must have
+    the token count of ``requests[index]``'s; ``require_done`` False takes a stream that
+    ends without ``[DONE]``."""
+    results = [
+        CompletionStreamResult(
+            request.output_len,
+            expected_prompt_tokens=len(request.prompt_token_ids),
+            require_done=require_done,
+        )
+        for request in requests
+    ]
     async with aiohttp.ClientSession(
         base_url=base_url,
         headers=bearer_headers(api_key),
@@ -826,7 +891,10 @@ async def replay_http(
         await open_connections(session, len(requests))
 
         def send(index: int, send_at_s: float) -> Coroutine[Any, Any, None]:
-            body = completion_body(requests[index], namespace, model)
+            if make_body is None:
+                body = completion_body(requests[index], namespace, model)
+            else:
+                body = make_body(index)
             return complete_one(session, body, f"{tag}-{index}", send_at_s, results[index])
 
         start_s, cut_off = await replay(send, arrivals_s, results, timeout_s)
@@ -841,10 +909,11 @@ async def run_server(
     namespace: str,
     tag: str,
     timeout_s: float,
+    make_body: Callable[[int], dict[str, Any]] | None = None,
 ) -> ServerRun:
     """Send ``requests`` over ``api`` at ``arrivals_s`` (seconds from the start), wait at
     most ``timeout_s`` for all of them, then check the server's stats (over gRPC, which
-    serves them whichever API carried the calls)."""
+    serves them whichever API carried the calls). ``make_body``: as ``replay_http``'s."""
     async with _channel(ports.grpc) as channel:
         stub = pb_grpc.GenerationStub(channel)
         # One connection, made before the clock starts: its set-up is not a request's.
@@ -867,6 +936,7 @@ async def run_server(
                 namespace,
                 tag,
                 timeout_s,
+                make_body=make_body,
             )
             results = http_results
             output_token_ids = []
@@ -906,14 +976,26 @@ async def run_target(
     tag: str,
     timeout_s: float,
     api_key: str | None = None,
+    make_body: Callable[[int], dict[str, Any]] | None = None,
+    require_done: bool = True,
 ) -> ServerRun:
     """``run_server`` over HTTP on a server this tool did not start: the same calls, checked
-    alike, but no stats after them (nothing says what the target's engine holds)."""
+    alike, but no stats after them (nothing says what the target's engine holds).
+    ``make_body`` and ``require_done``: as ``replay_http``'s."""
     results, start_s, _ = await replay_http(
-        base_url, model, requests, arrivals_s, namespace, tag, timeout_s, api_key
+        base_url,
+        model,
+        requests,
+        arrivals_s,
+        namespace,
+        tag,
+        timeout_s,
+        api_key,
+        make_body=make_body,
+        require_done=require_done,
     )
-    # No outputs kept: there is no offline run to compare them with.
-    return _server_run(results, start_s, _run_seconds(results, start_s), None, [], [], [])
+    texts = [result.text for result in results]
+    return _server_run(results, start_s, _run_seconds(results, start_s), None, [], [], texts)
 
 
 def _run_seconds(results: Sequence[CallResult], start_s: float) -> float:
@@ -1539,34 +1621,18 @@ def bench_started_server(args: argparse.Namespace, load_before: float) -> dict[s
     llm: LLM | None = None
     with tempfile.TemporaryDirectory(prefix="bench-server-") as directory:
         port_file = Path(directory) / "port.json"
-        server_argv = [
-            sys.executable,
-            "-m",
-            "pagedserve.frontend.cli",
-            "serve",
-            *engine.server_flags(),
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            "--drain-timeout-s",
-            str(SERVER_DRAIN_TIMEOUT_S),
-            "--startup-timeout-s",
-            str(args.startup_timeout_s),
-            # The server refuses calls past this many in flight; none may be refused here.
-            "--max-concurrent-requests",
-            str(max(1024, args.num_requests)),
-            "--stream-interval",
-            str(args.stream_interval),
-        ]
-        if "http" in apis:
-            server_argv += ["--http-port", "0"]
-        server = ServerProcess(
-            server_argv, args.server_log or Path(directory) / "server.log", port_file
+        server_argv = serve_argv(
+            engine,
+            port_file,
+            args.startup_timeout_s,
+            args.num_requests,
+            args.stream_interval,
+            http="http" in apis,
         )
+        server = ServerProcess(server_argv, args.server_log or Path(directory) / "server.log")
         try:
             _log(f"starting the server: {shlex.join(server_argv)}")
-            ports = server.start(args.startup_timeout_s)
+            ports = server.start(port_file, args.startup_timeout_s)
             if "http" in apis and ports.http is None:
                 raise RuntimeError(f"the server's port file {port_file} names no http_port")
             info = run_async(model_info(ports.grpc))
