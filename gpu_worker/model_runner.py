@@ -51,9 +51,19 @@ class CachedRequestState:
     # Besides plain sampling: one sequence, no prompt log-probs, no pooling. Its decode can
     # be queued before the token it decodes reaches the host (ModelRunner.follows).
     plain_decode: bool = field(init=False, default=False)
+    # (temperature, top_k, top_p, min_p, num_logprobs): the sampler's settings of each of
+    # its rows, gathered once rather than attribute by attribute every step.
+    sampler_row: tuple[float, int, float, float, int] = field(init=False)
 
     def __post_init__(self) -> None:
         params = self.sampling_params
+        self.sampler_row = (
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.min_p,
+            self.num_logprobs,
+        )
         self.plain_sampling = not (
             params.has_penalties
             or params.logit_bias
@@ -651,6 +661,12 @@ class ModelRunner:
         )
         params = [state.sampling_params for state in states]
         seeds = [(p.seed or 0) if seed is None else seed for p, seed in zip(params, sample_seeds)]
+        # float64 holds each setting exactly (top_k and num_logprobs are small integers).
+        settings = np.array([state.sampler_row for state in states], dtype=np.float64).reshape(
+            len(states), 5
+        )
+        num_known = np.array([len(state.token_ids) for state in states], dtype=np.int64)
+        num_prompt = np.array([state.num_prompt_tokens for state in states], dtype=np.int64)
         penalized: list[int] = []
         biased: list[int] = []
         restricted: list[int] = []
@@ -665,14 +681,13 @@ class ModelRunner:
             banned = [row for row, token_ids in enumerate(banned_token_ids) if token_ids.size]
             beams = [row for row, p in enumerate(params) if p.use_beam_search]
         return SamplingBatch(
-            temperatures=np.array([p.temperature for p in params], dtype=np.float32),
-            top_k=np.array([p.top_k for p in params], dtype=np.int64),
-            top_p=np.array([p.top_p for p in params], dtype=np.float32),
-            min_p=np.array([p.min_p for p in params], dtype=np.float32),
+            temperatures=settings[:, 0].astype(np.float32),
+            top_k=settings[:, 1].astype(np.int64),
+            top_p=settings[:, 2].astype(np.float32),
+            min_p=settings[:, 3].astype(np.float32),
             seeds=np.array(seeds, dtype=np.uint64),
-            output_positions=np.array([s.num_output_tokens for s in states], dtype=np.int64)
-            + (0 if pending is None else pending),
-            num_logprobs=np.array([s.num_logprobs for s in states], dtype=np.int64),
+            output_positions=num_known - num_prompt + (0 if pending is None else pending),
+            num_logprobs=settings[:, 4].astype(np.int64),
             penalty_rows=np.array(penalized, dtype=np.int64),
             repetition_penalties=np.array(
                 [params[r].repetition_penalty for r in penalized], dtype=np.float32

@@ -27,6 +27,49 @@ class StepOutputs:
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutputDelta]:
         """Advance the counters of every scheduled sequence and record sampled tokens."""
         self.num_sampled_tokens += len(result.sampled_token_ids)
+        if _decodes_only(plan, result):
+            deltas = self._record_decodes(plan, result)
+        else:
+            deltas = self._record_step(plan, result)
+        self._account_step()
+        return deltas
+
+    def _record_decodes(self, plan: StepPlan, result: StepResult) -> list[RequestOutputDelta]:
+        """``_record_step`` for the common step (``_decodes_only``): row i is scheduled
+        sequence i's one token, and nothing else came back."""
+        deltas: list[RequestOutputDelta] = []
+        beam_groups: dict[str, SequenceGroup] = {}
+        requests = self.requests
+        block_manager = self.block_manager
+        caching = block_manager.prefix_cache is not None
+        running = RequestStatus.RUNNING
+        for row, scheduled in enumerate(plan.cached_requests):
+            request_id = scheduled.request_id
+            request = requests.get(request_id)
+            if request is None or request.status is not running:
+                continue  # aborted while the step ran
+            try:
+                if request.group is not None or request.pooling_params is not None:
+                    rows_of = {request_id: [row]}
+                    self._record(plan, scheduled, request, result, rows_of, deltas, beam_groups)
+                    continue
+                fault_injection.check("scheduling", request.sampling_params.seed)
+                request.num_computed_tokens += scheduled.num_scheduled_tokens
+                request.draft_token_ids = []
+                if caching:
+                    block_manager.cache_full_blocks(
+                        request_id,
+                        request.token_ids,
+                        request.num_computed_tokens,
+                        self._prefix_key(request),
+                    )
+                deltas.append(self._advance(request, [row], result, None))
+            except Exception as error:
+                self._fail(request.group_request_id, _failure("recording its step", error), deltas)
+        self._beam_steps(beam_groups, deltas)
+        return deltas
+
+    def _record_step(self, plan: StepPlan, result: StepResult) -> list[RequestOutputDelta]:
         rows_of: dict[str, list[int]] = {}
         for row, request_id in enumerate(result.request_ids):
             rows_of.setdefault(request_id, []).append(row)
@@ -48,6 +91,13 @@ class StepOutputs:
                     _failure("recording its step", error),
                     deltas,
                 )
+        self._beam_steps(beam_groups, deltas)
+        return deltas
+
+    def _beam_steps(
+        self, beam_groups: dict[str, SequenceGroup], deltas: list[RequestOutputDelta]
+    ) -> None:
+        """The beam step of each group whose every beam has its candidates."""
         for group in beam_groups.values():
             if group.request_id in self.groups and all(
                 seq.request_id in group.pending_candidates for seq in group.sequences
@@ -56,8 +106,6 @@ class StepOutputs:
                     self._beam_step(group, deltas)
                 except Exception as error:
                     self._fail(group.request_id, _failure("its beam step", error), deltas)
-        self._account_step()
-        return deltas
 
     def _record(
         self,
@@ -132,15 +180,15 @@ class StepOutputs:
         accounting = self.accounting
         table_slots = 0
         tables = block_manager.block_tables
+        windowed = bool(block_manager.sliding_window)
+        record_sequence = accounting.record_sequence
         for sequence in self.running:
             request_id = sequence.request_id
             # Blocks a sliding window freed hold no slot, nor the tokens that were in them.
-            freed_slots = block_manager.num_window_freed(request_id) * block_size
+            freed_slots = block_manager.num_window_freed(request_id) * block_size if windowed else 0
             slots = len(tables.get(request_id, ())) * block_size - freed_slots
             table_slots += slots
-            accounting.record_sequence(
-                request_id, slots, sequence.num_computed_tokens - freed_slots
-            )
+            record_sequence(request_id, slots, sequence.num_computed_tokens - freed_slots)
         pool = block_manager.pool
         used_slots = (pool.num_blocks - pool.num_free_blocks) * block_size
         external_slots = 0
@@ -209,6 +257,24 @@ class StepOutputs:
         entries = chunk.entries[max(skip, 0) :]
         request.num_prompt_logprobs_reported += len(entries)
         return entries or None
+
+
+def _decodes_only(plan: StepPlan, result: StepResult) -> bool:
+    """Whether every scheduled sequence was cached and sampled exactly one token, in
+        plan order (the worker puts decodes first, in plan order), with nothing else
+    (log-probs, prompt log-probs, vectors, drafts, refusals) in the result."""
+    cached = plan.cached_requests
+    return (
+        not plan.new_requests
+        and not plan.spec_token_ids
+        and not result.failed_requests
+        and not result.logprobs
+        and not result.prompt_logprobs
+        and not result.embeddings
+        and not result.draft_token_ids
+        and len(result.request_ids) == len(cached)
+        and all(s.request_id == r for s, r in zip(cached, result.request_ids))
+    )
 
 
 def _failure(stage: str, error: Exception) -> str:
