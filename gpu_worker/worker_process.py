@@ -39,6 +39,11 @@ from pagedserve.scheduler.messages import StepPlan, StepResult
 from pagedserve.scheduler.serialization import decode_as, encode
 from pagedserve.scheduler.step_profile import PROFILE
 
+# With a step in flight the next plan is due within a step's time: poll for it at least
+# this often (an idle worker's ring polls back off to 1 ms), or the plan waits out a sleep
+# while the device runs out of work.
+_PLAN_DUE_MAX_SLEEP_S = 50e-6
+
 # How long the last message (an EngineError) may take to leave before the process exits.
 _LINGER_MS = 2000
 
@@ -174,7 +179,7 @@ def _next_plan(receiver: StepReceiver, in_flight: LaunchedStep | None) -> bytes 
         return receiver.receive()
     while True:
         try:
-            return receiver.receive(timeout_s=in_flight.event.poll_s())
+            return receiver.receive(in_flight.event.poll_s(), _PLAN_DUE_MAX_SLEEP_S)
         except TimeoutError:
             if in_flight.event.query():
                 return None

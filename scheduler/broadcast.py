@@ -350,16 +350,20 @@ class StepReceiver:
                 open_timeout_s=max(deadline_s - time.monotonic(), 0.0),
             )
 
-    def receive(self, timeout_s: float | None = None) -> bytes:
+    def receive(self, timeout_s: float | None = None, max_sleep_s: float | None = None) -> bytes:
         """The next message. Raises ``TimeoutError`` after ``timeout_s`` (None: wait
-        forever) and ``BroadcastClosedError`` once the broadcaster has closed."""
+        forever) and ``BroadcastClosedError`` once the broadcaster has closed.
+        ``max_sleep_s``: the ring's longest sleep between polls, for this wait (ZeroMQ
+        wakes its reader itself)."""
         deadline_s = float("inf") if timeout_s is None else time.monotonic() + timeout_s
         if self._next_seq == 0 or (self._uses_ring and self._ring is None):
             self.wait_ready(float("inf") if timeout_s is None else timeout_s)
         if self._ring is None:
             return self._receive_from_zmq(self._next_seq, deadline_s)
         try:
-            frame = self._ring.read(None if timeout_s is None else deadline_s - time.monotonic())
+            frame = self._ring.read(
+                None if timeout_s is None else deadline_s - time.monotonic(), max_sleep_s
+            )
         except RingClosedError as error:
             raise BroadcastClosedError("the step broadcaster has closed") from error
         kind = frame[:1]

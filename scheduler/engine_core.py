@@ -150,7 +150,9 @@ class EngineCore:
         self._pipeline: PipelinedExecutor | None = None
         if scheduler_config.async_scheduling:
             self._pipeline = executor if hasattr(executor, "submit") else InOrderExecution(executor)
-        self._in_flight: StepPlan | None = None
+        # Async scheduling: the plans at the workers whose results are not recorded yet,
+        # in order (at most two: the one awaited, and the one planned ahead of it).
+        self._in_flight: list[StepPlan] = []
         # Steps a worker queued on its device before the tokens of the one before them
         # were read (StepResult.launched_ahead).
         self.num_steps_launched_ahead = 0
@@ -216,7 +218,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Requests queued or running, or a step in flight whose results are due."""
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
 
     def take_failures(self) -> dict[str, str]:
         """Requests that failed in the engine since the last call (request id -> why): a
@@ -225,11 +227,12 @@ class EngineCore:
 
     def step(self) -> list[RequestOutputDelta]:
         """Run one iteration and return the new tokens of every request it advanced.
-        With async scheduling that is the step in flight, if any, and the next plan
-        goes to the workers before its results are awaited (``schedule_ahead.py``)."""
+        With async scheduling that is the oldest step in flight, if any, and before its
+        tokens are returned the plan after the next goes to the workers
+        (``schedule_ahead.py``): the workers then have a step queued while the caller
+        hands these tokens on."""
         started_ns = PROFILE.now()
-        plan = self._in_flight
-        if plan is None:
+        if not self._in_flight:
             plan = self.scheduler.schedule()
             started_ns = PROFILE.lap("schedule", started_ns)
             if plan.is_empty and self.scheduler.has_unfinished_requests():
@@ -249,25 +252,38 @@ class EngineCore:
                 PROFILE.lap("update", started_ns)
                 return deltas
             self._pipeline.submit(plan)
+            self._in_flight.append(plan)
             started_ns = PROFILE.lap("submit", started_ns)
-        self._in_flight = self.scheduler.schedule_ahead(plan)
-        started_ns = PROFILE.lap("schedule_ahead", started_ns)
-        if self._in_flight is not None:
-            self._pipeline.submit(self._in_flight)
-            started_ns = PROFILE.lap("submit", started_ns)
+            self._plan_ahead()
+            started_ns = PROFILE.now()
+        plan = self._in_flight.pop(0)
         result = self._pipeline.collect(plan)
         started_ns = PROFILE.lap("collect", started_ns)
         self.num_steps_launched_ahead += result.launched_ahead
         deltas = self.scheduler.update_from_output(plan, result)
         PROFILE.lap("update", started_ns)
+        if self._in_flight:
+            self._plan_ahead()
         return deltas
 
+    def _plan_ahead(self) -> None:
+        """Plan behind the one step in flight, every earlier step recorded, when the
+        scheduler can (``Scheduler.schedule_ahead``), and send it to the workers."""
+        started_ns = PROFILE.now()
+        plan = self.scheduler.schedule_ahead(self._in_flight[-1])
+        started_ns = PROFILE.lap("schedule_ahead", started_ns)
+        if plan is not None:
+            self._pipeline.submit(plan)
+            self._in_flight.append(plan)
+            PROFILE.lap("submit", started_ns)
+
     def finish_in_flight(self) -> list[RequestOutputDelta]:
-        """Await and record the step in flight, if any (before the workers stop)."""
-        plan, self._in_flight = self._in_flight, None
-        if plan is None:
-            return []
-        return self.scheduler.update_from_output(plan, self._pipeline.collect(plan))
+        """Await and record the steps in flight, if any (before the workers stop)."""
+        deltas = []
+        while self._in_flight:
+            plan = self._in_flight.pop(0)
+            deltas += self.scheduler.update_from_output(plan, self._pipeline.collect(plan))
+        return deltas
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

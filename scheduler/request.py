@@ -181,11 +181,12 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
         # The sampler masks EOS and stop tokens until min_tokens are out; this keeps
         # the rule true for tokens that arrive any other way.
-        may_stop = self.num_output_tokens > params.min_tokens
-        if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+        num_tokens = len(self.token_ids)
+        if num_tokens - len(self.prompt_token_ids) > params.min_tokens and (
+            (not params.ignore_eos and token_id in self.eos_token_ids)
+            or token_id in params.stop_token_ids
+        ):
             return RequestStatus.FINISHED_STOPPED
-        if may_stop and token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if self.num_tokens >= self.max_total_tokens:
+        if num_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return RequestStatus.RUNNING

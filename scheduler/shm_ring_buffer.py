@@ -468,12 +468,13 @@ class ShmRingReader:
         self._next_seq = self._words[layout.start_seq // 8 + self.reader_index]
         return True
 
-    def read(self, timeout_s: float | None = None) -> bytes:
+    def read(self, timeout_s: float | None = None, max_sleep_s: float | None = None) -> bytes:
         """The next message, as a copy. Blocks up to ``timeout_s`` (None: forever);
         raises ``TimeoutError``, or ``RingClosedError`` once the writer has closed and
-        nothing published is left."""
+        nothing published is left. ``max_sleep_s``: the longest sleep between polls for
+        this read (a reader expecting a message soon), instead of the ring's."""
         if not self._message_ready():
-            self._wait(timeout_s)
+            self._wait(timeout_s, max_sleep_s)
         seq = self._next_seq
         base = self.layout.chunk(seq)
         num_bytes = self._words[(base + _CHUNK_LEN) // 8]
@@ -501,8 +502,9 @@ class ShmRingReader:
             )
         return False
 
-    def _wait(self, timeout_s: float | None) -> None:
-        waiter = _Waiter(timeout_s, self._spin_s, self._max_sleep_s)
+    def _wait(self, timeout_s: float | None, max_sleep_s: float | None = None) -> None:
+        max_sleep_s = self._max_sleep_s if max_sleep_s is None else max_sleep_s
+        waiter = _Waiter(timeout_s, self._spin_s, max_sleep_s)
         while not self._message_ready():
             # Closed is checked before the message again: a message published just
             # before close() must still be read.

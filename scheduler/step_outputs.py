@@ -63,7 +63,9 @@ class StepOutputs:
                         request.num_computed_tokens,
                         self._prefix_key(request),
                     )
-                deltas.append(self._advance(request, [row], result, None))
+                token_id = result.sampled_token_ids[row]
+                status = request.append_output_token(token_id)
+                deltas.append(self._delta(request, [token_id], status, None, None))
             except Exception as error:
                 self._fail(request.group_request_id, _failure("recording its step", error), deltas)
         self._beam_steps(beam_groups, deltas)
@@ -231,7 +233,19 @@ class StepOutputs:
             status = request.append_output_token(token_ids[-1])
             if status.is_finished:
                 break
-        finished = status.is_finished
+        return self._delta(request, token_ids, status, logprobs or None, prompt_logprobs)
+
+    def _delta(
+        self,
+        request: Request,
+        token_ids: list[int],
+        status: RequestStatus,
+        logprobs: list | None,
+        prompt_logprobs: list | None,
+    ) -> RequestOutputDelta:
+        """The delta of a single-sequence request's new tokens, which left it in ``status``
+        (a finished one is released)."""
+        finished = status is not RequestStatus.RUNNING
         if finished:
             self._release(request, status)
         # Known from the first token on; sent then too, for a frontend that ends the
@@ -242,7 +256,7 @@ class StepOutputs:
             token_ids,
             finished=finished,
             finish_reason=status.value if finished else None,
-            logprobs=logprobs or None,
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens if first_or_last else None,
             queue_time_s=request.queue_time_s if first_or_last else None,
