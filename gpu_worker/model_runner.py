@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedserve.gpu_worker.cuda_graphs import DecodeGraphs
+from pagedserve.gpu_worker.decode_batch import DecodeBatch
 from pagedserve.gpu_worker.draft_model import DraftModel, DraftRow
 from pagedserve.gpu_worker.layers.attention import AttentionMetadata
 from pagedserve.gpu_worker.layers.gathered_prefill import use_gathered_prefill
@@ -185,10 +186,14 @@ class LaunchedStep:
     embeddings: dict[str, bytes] = field(default_factory=dict)
     # Launched behind a step whose tokens were not read yet (StepResult.launched_ahead).
     launched_ahead: bool = False
+    # A step of plain decodes only, run from these arrays (no ``entries``, no ``inputs``).
+    decode_batch: DecodeBatch | None = None
 
     def single_rows(self) -> dict[str, int]:
         """Each request that samples exactly one token (the next of its sequence), and its
         row of ``sampled``: a following step may decode that token before it is read."""
+        if self.decode_batch is not None:
+            return self.decode_batch.row_of
         if self.sampled is None or self.inputs is None:
             return {}
         rows: dict[str, int] = {}
@@ -239,6 +244,11 @@ class ModelRunner:
         self.draft_model: DraftModel | NextTokenDrafter | None = None
         # What marks a launched step's device work (the stand-in device has its own).
         self.step_event: Callable[[], StepEvent] = lambda: step_event(device)
+        # The last launched step's, when it was a step of plain decodes: the next such step
+        # over the same sequences is built from it.
+        self._last_decodes: DecodeBatch | None = None
+        # (plan, its rows in the step in flight) as ``follows`` found them, for ``launch``.
+        self._rows_found: tuple[StepPlan, np.ndarray] | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. A new request whose sampling cannot be set up is left out of the
@@ -248,21 +258,47 @@ class ModelRunner:
     def launch(self, plan: StepPlan, in_flight: LaunchedStep | None = None) -> LaunchedStep:
         """Queue a step's forward pass and sampling on the device. With ``in_flight`` (a
         launched step not finished yet, for which ``follows`` holds) the decodes of
-        tokens that step samples take them from its device tensor."""
-        failed: dict[str, str] = {}
+        tokens that step samples take them from its device tensor. A step of plain
+        decodes runs from arrays (decode_batch.py), the next such step's built from its."""
         started_ns = PROFILE.now()
-        entries = self._apply_plan(plan, failed)
-        PROFILE.lap("apply_plan", started_ns)
-        return self._launch(plan, entries, failed, in_flight)
+        decodes = self._decodes(plan, in_flight)
+        if decodes is not None:
+            PROFILE.lap("apply_plan", started_ns)
+            step = self._launch_decodes(plan, *decodes)
+        else:
+            failed: dict[str, str] = {}
+            entries = self._apply_plan(plan, failed)
+            PROFILE.lap("apply_plan", started_ns)
+            step = self._launch(plan, entries, failed)
+        step.launched_ahead = in_flight is not None
+        self._last_decodes = step.decode_batch
+        return step
 
     def follows(self, plan: StepPlan, in_flight: LaunchedStep) -> bool:
         """Whether ``plan`` can be launched before ``in_flight``'s tokens reach the host: it
         only decodes plain sequences (``CachedRequestState.plain_decode``), each the token
         it sampled in ``in_flight`` or one already known, and needs nothing else of the
         host's (no new request, draft, grammar, adapter change, swap or copy)."""
-        if (
+        if not self._decodes_only(plan):
+            return False
+        batch = in_flight.decode_batch
+        if batch is not None:
+            rows = batch.rows_for(plan.cached_requests)
+            if rows is not None:
+                self._rows_found = (plan, rows)
+                return True
+        return self._source_rows(plan, in_flight.single_rows()) is not None
+
+    def _decodes_only(self, plan: StepPlan) -> bool:
+        """Whether the plan may be a step of plain decodes, as far as the plan and the
+        model say (``_source_rows`` checks its requests)."""
+        return not (
             self.draft_model is not None
             or self.long_rope_switch
+            or self.lora_batch is not None
+            or self.attention_chunk_size
+            or self.latent_attention
+            or not plan.cached_requests
             or plan.new_requests
             or plan.spec_token_ids
             or plan.token_bitmasks
@@ -272,40 +308,118 @@ class ModelRunner:
             or plan.swap_out
             or plan.copy_blocks
             or plan.window_freed_blocks
-        ):
-            return False
-        rows = in_flight.single_rows()
+        )
+
+    def _source_rows(self, plan: StepPlan, rows: dict[str, int]) -> list[int] | None:
+        """For a plan of plain decodes (``_decodes_only``), each one's row of the step
+        before (whose sampled token it decodes; ``rows``), or -1 where that token is
+        already in its state; None when a request is not a plain decode."""
+        source_rows = []
         for cached in plan.cached_requests:
             state = self.requests.get(cached.request_id)
             if state is None or cached.num_scheduled_tokens != 1 or not state.plain_decode:
-                return False
+                return None
             num_known = len(state.token_ids)
             if cached.num_computed_tokens == num_known:
-                if cached.request_id not in rows:
-                    return False
-            elif not cached.num_computed_tokens + 1 == num_known > state.num_prompt_tokens:
-                return False
-        return True
+                row = rows.get(cached.request_id)
+                if row is None:
+                    return None
+                source_rows.append(row)
+            elif cached.num_computed_tokens + 1 == num_known > state.num_prompt_tokens:
+                source_rows.append(-1)
+            else:
+                return None
+        return source_rows
+
+    def _decodes(
+        self, plan: StepPlan, in_flight: LaunchedStep | None
+    ) -> tuple[DecodeBatch, torch.Tensor] | None:
+        """A plan of plain decodes as a ``DecodeBatch`` and its input tokens (on the
+        device), its requests' states updated (finished ones dropped, new blocks added);
+        None, and nothing changed, for any other plan."""
+        if not self._decodes_only(plan):
+            return None
+        device = self.device
+        last = self._last_decodes
+        if last is not None and last.sampled is not None:
+            # The last step's sequences going on: its arrays, rows selected.
+            found, self._rows_found = self._rows_found, None
+            if (
+                found is not None
+                and found[0] is plan
+                and in_flight is not None
+                and last is in_flight.decode_batch
+            ):
+                rows = found[1]
+            else:
+                rows = last.rows_for(plan.cached_requests)
+            if rows is not None:
+                for request_id in plan.finished_request_ids:
+                    self.requests.pop(request_id, None)
+                batch = last.next(plan.cached_requests, rows)
+                return batch, last.sampled[torch.from_numpy(rows).to(device)]
+        rows = {} if in_flight is None else in_flight.single_rows()
+        source_rows = self._source_rows(plan, rows)
+        if source_rows is None:
+            return None
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        request_ids = [cached.request_id for cached in plan.cached_requests]
+        states = [self.requests[request_id] for request_id in request_ids]
+        for cached, state in zip(plan.cached_requests, states):
+            state.block_ids.extend(cached.new_block_ids)
+        pending = np.array(source_rows, dtype=np.int64) >= 0
+        batch = DecodeBatch.build(
+            request_ids,
+            states,
+            [cached.num_computed_tokens for cached in plan.cached_requests],
+            pending.astype(np.int64),
+        )
+        input_ids = torch.tensor(
+            [0 if row >= 0 else state.token_ids[-1] for row, state in zip(source_rows, states)],
+            dtype=torch.int64,
+            device=device,
+        )
+        if pending.any():
+            assert in_flight is not None and in_flight.sampled is not None
+            at = torch.from_numpy(np.flatnonzero(pending)).to(device)
+            source = torch.tensor([row for row in source_rows if row >= 0], device=device)
+            input_ids[at] = in_flight.sampled.token_ids.to(device)[source]
+        return batch, input_ids
+
+    def _launch_decodes(
+        self, plan: StepPlan, batch: DecodeBatch, input_ids: torch.Tensor
+    ) -> LaunchedStep:
+        step = LaunchedStep(plan, {}, [], self.step_event(), decode_batch=batch)
+        started_ns = PROFILE.now()
+        width = int(batch.table_lens.max())
+        metadata, positions = AttentionMetadata.for_decodes(
+            batch.block_tables[:, :width], batch.positions, self.block_size, self.device
+        )
+        started_ns = PROFILE.lap("prepare_inputs", started_ns)
+        with torch.inference_mode():
+            hidden = None
+            if self.decode_graphs is not None:
+                hidden = self.decode_graphs.run(input_ids, positions, metadata)
+            if hidden is None:
+                hidden = self.model(input_ids, positions, metadata)
+            started_ns = PROFILE.lap("forward", started_ns)
+            logits = self.model.compute_logits(hidden[: len(batch.request_ids)])
+            step.sampled = self.sampler(logits, batch.sampling_batch())
+        batch.sampled = step.sampled.token_ids
+        step.event = self.step_event()
+        PROFILE.lap("sample", started_ns)
+        return step
 
     def _launch(
-        self,
-        plan: StepPlan,
-        entries: list[_ScheduledEntry],
-        failed: dict[str, str],
-        in_flight: LaunchedStep | None,
+        self, plan: StepPlan, entries: list[_ScheduledEntry], failed: dict[str, str]
     ) -> LaunchedStep:
         step = LaunchedStep(plan, failed, entries, self.step_event())
-        step.launched_ahead = in_flight is not None
         if not entries:
             return step
         started_ns = PROFILE.now()
-        if in_flight is None:
-            step.samples = [entry.samples for entry in entries]
-            inputs = self._prepare_inputs(entries)
-            pending = None
-        else:
-            step.samples = [True] * len(entries)
-            inputs, pending = self._prepare_following_inputs(entries, in_flight)
+        step.samples = [entry.samples for entry in entries]
+        inputs = self._prepare_inputs(entries)
         step.inputs = inputs
         if self.lora_batch is not None:
             self.lora_batch.groups = self._lora_groups(entries)
@@ -340,7 +454,6 @@ class ModelRunner:
                         inputs.sampling_states,
                         inputs.sample_seeds,
                         plan.token_bitmasks,
-                        pending,
                     ),
                 )
         step.event = self.step_event()
@@ -354,7 +467,19 @@ class ModelRunner:
         step.event.synchronize()
         started_ns = PROFILE.lap("device_wait", started_ns)
         plan, inputs, sampled = step.plan, step.inputs, step.sampled
-        if inputs is None:
+        if step.decode_batch is not None:
+            assert sampled is not None
+            batch = step.decode_batch
+            token_ids = sampled.token_ids.tolist()
+            for state, token_id in zip(batch.states, token_ids):
+                state.token_ids.append(token_id)
+            result = StepResult(
+                plan.step_id,
+                list(batch.request_ids),
+                token_ids,
+                logprobs=_token_logprobs(sampled, batch.states),
+            )
+        elif inputs is None:
             result = StepResult(step_id=plan.step_id)
         elif sampled is None:
             # Prefill chunks that sample nothing still score their prompt positions.
@@ -562,59 +687,6 @@ class ModelRunner:
             pooling_entries=pooling_entries,
         )
 
-    def _prepare_following_inputs(
-        self, entries: list[_ScheduledEntry], in_flight: LaunchedStep
-    ) -> tuple[ModelInputs, np.ndarray]:
-        """``_prepare_inputs`` for a step that ``follows`` ``in_flight``: every entry
-        decodes one token, the last known or the one ``in_flight`` sampled (gathered from
-        its device tensor, not read on the host). Also each row's count of tokens not
-        yet known on the host (0 or 1: they count towards the draw's position)."""
-        rows = in_flight.single_rows()
-        input_ids = []
-        pending = np.zeros(len(entries), dtype=np.int64)
-        pending_at = []
-        pending_rows = []
-        for index, entry in enumerate(entries):
-            token_ids = entry.state.token_ids
-            if entry.num_computed_tokens == len(token_ids):
-                pending[index] = 1
-                pending_at.append(index)
-                pending_rows.append(rows[entry.request_id])
-                input_ids.append(0)  # filled on the device below
-            else:
-                input_ids.append(token_ids[-1])
-        device = self.device
-        metadata, positions = AttentionMetadata.for_sequences(
-            [
-                (entry.state.block_ids, entry.num_computed_tokens, entry.num_scheduled_tokens)
-                for entry in entries
-            ],
-            self.block_size,
-            device,
-            self.gathered_prefill,
-            self.attention_chunk_size,
-            self.latent_attention,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        if pending_at:
-            assert in_flight.sampled is not None
-            sampled = in_flight.sampled.token_ids.to(device)
-            ids[torch.tensor(pending_at, device=device)] = sampled[
-                torch.tensor(pending_rows, device=device)
-            ]
-        inputs = ModelInputs(
-            input_ids=ids,
-            positions=positions,
-            metadata=metadata,
-            logits_indices=torch.arange(len(entries), device=device),
-            sampling_entries=entries,
-            sampling_states=[entry.state for entry in entries],
-            sample_seeds=[None] * len(entries),
-            prompt_logprob_entries=[],
-            pooling_entries=[],
-        )
-        return inputs, pending
-
     def _long_rope_rows(self, entries: list[_ScheduledEntry], device: torch.device) -> torch.Tensor:
         """Each input token's offset into the rotary table: ``long_rope_offset`` for the
         tokens of a sequence longer than LongRoPE's original context (rotated with the long
@@ -649,10 +721,7 @@ class ModelRunner:
         states: list[CachedRequestState],
         sample_seeds: list[int | None],
         token_bitmasks: dict[str, bytes],
-        pending: np.ndarray | None = None,
     ) -> SamplingBatch:
-        """``pending``: each row's tokens sampled by a step in flight, not yet in its state
-        (``_prepare_following_inputs``)."""
         # Every row of an entry drawing several samples starts from the same grammar state.
         grammar_rows = (
             [row for row, entry in enumerate(entries) if entry.request_id in token_bitmasks]
@@ -686,7 +755,7 @@ class ModelRunner:
             top_p=settings[:, 2].astype(np.float32),
             min_p=settings[:, 3].astype(np.float32),
             seeds=np.array(seeds, dtype=np.uint64),
-            output_positions=num_known - num_prompt + (0 if pending is None else pending),
+            output_positions=num_known - num_prompt,
             num_logprobs=settings[:, 4].astype(np.int64),
             penalty_rows=np.array(penalized, dtype=np.int64),
             repetition_penalties=np.array(

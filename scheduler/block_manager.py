@@ -312,6 +312,19 @@ class BlockManager:
             self._num_window_freed[child_id] = self._num_window_freed[parent_id]
         return list(block_ids)
 
+    def decode_growth(self, request_id: str, num_computed_tokens: int) -> int | None:
+        """For a request whose next token goes at position ``num_computed_tokens``: the
+        blocks its table must gain (0 or 1), or None when that token's block is shared
+        (``needs_copy_on_write``). One lookup for the two questions a decode asks."""
+        table = self.block_tables[request_id]
+        block_size = self.block_size
+        index = num_computed_tokens // block_size
+        if index >= len(table):
+            return index + 1 - len(table)
+        if num_computed_tokens % block_size and self.pool.ref_count(table[index]) > 1:
+            return None
+        return 0
+
     def needs_copy_on_write(self, request_id: str, num_computed_tokens: int) -> bool:
         """Whether the block that the request's next token goes into already holds
         tokens and is shared with another sequence, so it must be copied first."""

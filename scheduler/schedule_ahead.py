@@ -63,9 +63,9 @@ class ScheduleAhead:
                 self.config.rotation_epoch(request.num_tokens + 1) > request.rotation_epoch
             ):
                 return None
-            if block_manager.needs_copy_on_write(request_id, num_computed):
+            num_new = block_manager.decode_growth(request_id, num_computed)
+            if num_new is None:
                 return None
-            num_new = block_manager.num_new_blocks(request_id, num_computed + 1)
             num_new_blocks += num_new
             continuing.append((request, num_computed, num_new))
         if not continuing or num_new_blocks > block_manager.num_free_blocks:

@@ -110,6 +110,32 @@ class AttentionMetadata:
         return metadata, torch.from_numpy(positions).to(device)
 
     @classmethod
+    def for_decodes(
+        cls,
+        block_tables: np.ndarray,
+        positions: np.ndarray,
+        block_size: int,
+        device: torch.device,
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """``for_sequences`` of one-token sequences given as arrays (gpu_worker/decode_batch.py):
+        each row's block table (int32, zero-padded) and the position of its token (int64)."""
+        num_rows = len(positions)
+        rows = np.arange(num_rows)
+        slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size
+        slots += positions % block_size
+        metadata = cls._from_host(
+            torch.from_numpy(slots).to(device),
+            num_rows,
+            block_tables,
+            (positions + 1).astype(np.int32),
+            np.ones(num_rows, dtype=np.int32),
+            block_size,
+            device,
+            gathered_prefill=False,  # no prefill
+        )
+        return metadata, torch.from_numpy(positions).to(device)
+
+    @classmethod
     def _from_host(
         cls,
         slot_mapping: torch.Tensor,

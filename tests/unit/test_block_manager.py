@@ -162,6 +162,7 @@ def test_fork_shares_blocks_and_copy_on_write_gives_a_private_copy():
     manager.check_integrity()
     # Token 20 goes into block 2, which holds tokens and is shared: copy first.
     assert manager.needs_copy_on_write("c", 20)
+    assert manager.decode_growth("c", 20) is None  # a decode's view: copy first
     assert manager.can_append("c", 21, 20)
     assert manager.copy_on_write("c", 20) == (2, 3)
     assert manager.block_tables["c"] == [0, 1, 3]
@@ -170,9 +171,11 @@ def test_fork_shares_blocks_and_copy_on_write_gives_a_private_copy():
     # The parent now holds block 2 alone: it writes in place.
     assert not manager.needs_copy_on_write("p", 20)
     assert manager.copy_on_write("p", 20) is None
+    assert manager.decode_growth("p", 20) == 0  # in place, in a block it has
     # A write that starts a fresh block never copies.
     manager.fork("p", "d")
     assert not manager.needs_copy_on_write("d", 24)
+    assert manager.decode_growth("d", 24) == 1  # token 24 needs a fourth block
     manager.check_integrity()
 
 
