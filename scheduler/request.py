@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -153,10 +154,10 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
 
-    @property
+    @functools.cached_property
     def max_total_tokens(self) -> int:
         """The most tokens this request can ever hold: prompt plus max_tokens, capped
-        (a pooling request: its prompt)."""
+        (a pooling request: its prompt). Fixed from the start (read at every step: kept)."""
         if self.pooling_params is not None:
             return self.num_prompt_tokens
         return min(self.num_prompt_tokens + self.sampling_params.max_tokens, self.max_model_len)

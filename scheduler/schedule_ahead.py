@@ -43,6 +43,8 @@ class ScheduleAhead:
         continuing: list[tuple[Request, int, int]] = []
         num_new_blocks = 0
         rotates = bool(self.config.long_rope_switch)
+        known_to_workers = self._known_to_workers
+        decode_growth = block_manager.decode_growth
         for request in self.running:
             request_id = request.request_id
             step = scheduled.get(request_id)
@@ -51,19 +53,18 @@ class ScheduleAhead:
                 or request.group is not None
                 or request.grammar is not None
                 or request.pooling_params is not None
-                or request_id not in self._known_to_workers
+                or request_id not in known_to_workers
             ):
                 return None
             num_computed = step.num_computed_tokens + step.num_scheduled_tokens
-            if num_computed != request.num_tokens:
+            num_tokens = len(request.token_ids)
+            if num_computed != num_tokens:
                 return None  # a prefill chunk: it samples nothing in the step in flight
-            if request.num_tokens + 1 >= request.max_total_tokens:
+            if num_tokens + 1 >= request.max_total_tokens:
                 continue  # the token in flight is its last
-            if rotates and (
-                self.config.rotation_epoch(request.num_tokens + 1) > request.rotation_epoch
-            ):
+            if rotates and self.config.rotation_epoch(num_tokens + 1) > request.rotation_epoch:
                 return None
-            num_new = block_manager.decode_growth(request_id, num_computed)
+            num_new = decode_growth(request_id, num_computed)
             if num_new is None:
                 return None
             num_new_blocks += num_new

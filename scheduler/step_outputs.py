@@ -250,7 +250,7 @@ class StepOutputs:
             self._release(request, status)
         # Known from the first token on; sent then too, for a frontend that ends the
         # request itself (a stop string) and never sees the last delta.
-        first_or_last = finished or request.num_output_tokens == 1
+        first_or_last = finished or len(request.token_ids) - len(request.prompt_token_ids) == 1
         return RequestOutputDelta(
             request.request_id,
             token_ids,

@@ -750,6 +750,46 @@ def latencies(results: Sequence[CallResult]) -> Latencies:
 
 
 @dataclass
+class CpuUse:
+    """Cores in use over a run, on average: this process's (the client's, or the offline
+    engine's frontend), and the whole machine's (``/proc/stat``: every process, the
+    server's and the engine's included; None where there is no such file)."""
+
+    this_process_cores: float
+    machine_cores: float | None
+
+
+class CpuClock:
+    """Started at a run's start; ``use()`` at its end."""
+
+    def __init__(self) -> None:
+        self._wall_s = time.perf_counter()
+        self._process_s = time.process_time()
+        self._machine_s = _machine_busy_s()
+
+    def use(self) -> CpuUse:
+        wall_s = max(time.perf_counter() - self._wall_s, 1e-9)
+        machine_s = _machine_busy_s()
+        return CpuUse(
+            (time.process_time() - self._process_s) / wall_s,
+            None
+            if machine_s is None or self._machine_s is None
+            else (machine_s - self._machine_s) / wall_s,
+        )
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds every core has spent busy since boot (not idle, not waiting on I/O)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(value) for value in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
 class ServerRun:
     """One run of the trace on a server: one this tool started, or the --target-url's."""
 
@@ -766,6 +806,7 @@ class ServerRun:
     # Each request's output: token ids over gRPC, text over HTTP (its chunks carry no ids).
     output_token_ids: list[list[int]] = field(repr=False, default_factory=list)
     output_texts: list[str] = field(repr=False, default_factory=list)
+    cpu: CpuUse | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -919,6 +960,7 @@ async def run_server(
         # One connection, made before the clock starts: its set-up is not a request's.
         await asyncio.wait_for(channel.channel_ready(), UNARY_TIMEOUT_S)
         results: Sequence[CallResult]
+        clock = CpuClock()
         if api == "grpc":
             grpc_results, start_s, cut_off = await replay_grpc(
                 stub, requests, arrivals_s, namespace, tag, timeout_s
@@ -941,6 +983,7 @@ async def run_server(
             results = http_results
             output_token_ids = []
             output_texts = [result.text for result in http_results]
+        cpu = clock.use()
         seconds = _run_seconds(results, start_s)
         stats = await stub.GetStats(pb.GetStatsRequest(), timeout=UNARY_TIMEOUT_S)
         # A cancelled call's abort reaches the engine a moment after the cancel; with none
@@ -956,7 +999,7 @@ async def run_server(
     stats_problems = block_problems(dict(stats.engine), stats.integrity_error)
     if stats.requests_running:
         stats_problems.append(f"requests_running = {stats.requests_running} after the run")
-    return _server_run(
+    run = _server_run(
         results,
         start_s,
         seconds,
@@ -965,6 +1008,8 @@ async def run_server(
         output_token_ids,
         output_texts,
     )
+    run.cpu = cpu
+    return run
 
 
 async def run_target(
@@ -1053,6 +1098,7 @@ class OfflineRun:
     output_token_ids: list[list[int]] = field(repr=False, default_factory=list)
     # Empty when the model has no tokenizer: then no output has text to compare.
     output_texts: list[str] = field(repr=False, default_factory=list)
+    cpu: CpuUse | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -1092,7 +1138,9 @@ def run_offline(llm: LLM, requests: list[Request], namespace: str, timeout_s: fl
     ]
     with time_limit(timeout_s, "the offline run"):
         started_s = time.perf_counter()
+        clock = CpuClock()
         outputs = llm.generate(prompts, params, cache_namespace=namespace)
+        cpu = clock.use()
         seconds = time.perf_counter() - started_s
     problems: Counter[str] = Counter()
     for request, output in zip(requests, outputs):
@@ -1114,6 +1162,7 @@ def run_offline(llm: LLM, requests: list[Request], namespace: str, timeout_s: fl
         stats_problems=block_problems({k: float(v) for k, v in stats.items()}, integrity_error),
         output_token_ids=[list(output.outputs[0].token_ids) for output in outputs],
         output_texts=[] if llm.tokenizer is None else [o.outputs[0].text for o in outputs],
+        cpu=cpu,
     )
 
 
@@ -1194,6 +1243,7 @@ def _api_figures(
                 "stats": run.stats,
                 "stats_problems": run.stats_problems,
                 "problem_examples": run.problem_examples,
+                "cpu": None if run.cpu is None else asdict(run.cpu),
             }
             for run in runs
         ],
@@ -1265,6 +1315,7 @@ def make_record(
                 "output_tokens": run.output_tokens,
                 "problems": run.problems,
                 "stats_problems": run.stats_problems,
+                "cpu": None if run.cpu is None else asdict(run.cpu),
             }
             for run in offline_runs
         ],
@@ -1383,6 +1434,17 @@ def format_summary(record: dict[str, Any]) -> str:
     http_over_grpc = record.get(f"{RECORD_PREFIXES['http']}_over_grpc")
     if http_over_grpc is not None:
         lines.append(f"  http / grpc: {http_over_grpc:.3f}")
+    for side, prefix in prefixes.items():
+        uses = [run["cpu"] for run in record.get(f"{prefix}_runs", []) if run.get("cpu")]
+        if uses:
+            this = statistics.median(use["this_process_cores"] for use in uses)
+            machine = [use["machine_cores"] for use in uses if use["machine_cores"] is not None]
+            who = "the client" if side != "offline" else "the offline frontend"
+            lines.append(
+                f"  {side} cores busy (medians): {who} {this:.2f}"
+                + (f", the machine {statistics.median(machine):.2f}" if machine else "")
+                + f" of {os.cpu_count()}"
+            )
     for api in apis:
         latency = record[f"{RECORD_PREFIXES[api]}_latency_ms"]
         for figure, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "latency")):
