@@ -23,7 +23,7 @@ from pagedserve.gpu_worker.sampler import SamplingBatch
 from pagedserve.scheduler.messages import CachedRequestData
 
 if TYPE_CHECKING:
-    from pagedserve.gpu_worker.model_runner import CachedRequestState
+    from pagedserve.gpu_worker.runner_state import CachedRequestState
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _request_id = operator.attrgetter("request_id")

@@ -31,11 +31,12 @@ from pagedserve.gpu_worker.model_config import (
     check_quantization_name,
     next_token_layer_config,
 )
-from pagedserve.gpu_worker.model_runner import LaunchedStep, ModelRunner
+from pagedserve.gpu_worker.model_runner import ModelRunner
 from pagedserve.gpu_worker.models.multi_token_predictor import MultiTokenPredictor, layer_prefix
 from pagedserve.gpu_worker.models.registry import build_model
 from pagedserve.gpu_worker.next_token_drafter import NextTokenDrafter
 from pagedserve.gpu_worker.parallel import SINGLE, TensorParallel, check_tensor_parallel_size
+from pagedserve.gpu_worker.runner_state import LaunchedStep
 from pagedserve.gpu_worker.standin_device import StandinModel, standin_forward_ms
 from pagedserve.gpu_worker.weights import iterate_weights, language_model_weights
 from pagedserve.scheduler.messages import StepPlan, StepResult

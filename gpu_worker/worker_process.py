@@ -23,12 +23,12 @@ from pathlib import Path
 import zmq
 
 from pagedserve.gpu_worker.memory import default_kv_cache_bytes
-from pagedserve.gpu_worker.model_runner import LaunchedStep
 from pagedserve.gpu_worker.parallel import (
     init_tensor_parallel,
     set_host_threads,
     shutdown_tensor_parallel,
 )
+from pagedserve.gpu_worker.runner_state import LaunchedStep
 from pagedserve.gpu_worker.standin_device import standin_forward_ms
 from pagedserve.gpu_worker.worker import Worker
 from pagedserve.scheduler.broadcast import BroadcastClosedError, BroadcastHandle, StepReceiver
