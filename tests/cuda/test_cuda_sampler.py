@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from worker.test_sampler import fixed_logits, make_batch
 
+from helpers.sampler_batches import fixed_logits, make_batch
 from pagedserve.gpu_worker.sampler import Sampler
 
 pytestmark = [

@@ -216,6 +216,30 @@ def test_attention_reads_the_cache_in_whole_sectors(dtype, head_size, monkeypatc
     assert decode[0]["requested_bytes"] == tokens * 2 * head_size * element
 
 
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2), (32, 8), (16, 2), (8, 1)]
+)
+def test_grouped_query_decode_reads_each_kv_byte_once(
+    num_heads, num_kv_heads, monkeypatch, tmp_path
+):
+    # Issue 37: the query heads of a group share one pass over their kv head's rows. Groups of
+    # 1, 3, 4 and 8 (Llama 3's 32 / 8 among them) fit the kernel's group tile (at most 8), so
+    # each token's K and V rows of each kv head are read once, single pass and split-K alike.
+    # A group of more than 8 takes ceil(group / 8) passes (issue 37's note).
+    stats_path = tmp_path / "loads.jsonl"
+    monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS", str(stats_path))
+    seq_lens = [70, 33]
+    case, query = _decode_inputs(seq_lens, num_heads, num_kv_heads, 16, 64, torch.float16)
+    _decode(case, query, 0.1, 0)
+    _decode(case, query, 0.1, 32)
+    launches = [json.loads(line) for line in stats_path.read_text().splitlines()]
+    decode = [launch for launch in launches if launch["kernel"].startswith("decode_kernel")]
+    assert len(decode) == 2
+    kv_bytes = num_kv_heads * sum(seq_lens) * 2 * 64 * 2  # K and V rows, float16
+    for launch in decode:
+        assert launch["requested_bytes"] == kv_bytes, launch
+
+
 # --- prefill -----------------------------------------------------------------------------------
 
 
