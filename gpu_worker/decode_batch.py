@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedserve.gpu_worker.layers.attention import padded_block_tables
 from pagedserve.gpu_worker.sampler import SamplingBatch
 from pagedserve.scheduler.messages import CachedRequestData
 
@@ -59,14 +60,7 @@ class DecodeBatch:
         """From the sequences' states: each decodes the token at its position; each has
         ``num_pending`` (0 or 1) sampled tokens not yet in its state."""
         num_rows = len(states)
-        table_lens = np.fromiter((len(s.block_ids) for s in states), np.int64, num_rows)
-        flat = np.fromiter(
-            itertools.chain.from_iterable(s.block_ids for s in states),
-            np.int64,
-            int(table_lens.sum()),
-        )
-        block_tables = np.zeros((num_rows, max(int(table_lens.max()), 1)), dtype=np.int32)
-        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = flat
+        block_tables, table_lens = padded_block_tables([s.block_ids for s in states])
         num_known = np.fromiter((len(s.token_ids) for s in states), np.int64, num_rows)
         num_prompt = np.fromiter((s.num_prompt_tokens for s in states), np.int64, num_rows)
         return cls(

@@ -324,6 +324,16 @@ class PagedAttention:
         return output.view(num_tokens, self.num_heads * self.head_size)
 
 
+def padded_block_tables(tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Block tables as one int32 array, a row each, zero-padded to the longest; and each
+    table's length (int64). One pass over the ids, no loop per row."""
+    table_lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int64, int(table_lens.sum()))
+    block_tables = np.zeros((len(tables), int(table_lens.max())), dtype=np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = flat
+    return block_tables, table_lens
+
+
 def _step_arrays(
     sequences: list[tuple[list[int], int, int]], block_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -332,14 +342,9 @@ def _step_arrays(
     position and slot (int64). Array operations over the whole batch: a step of a few
     hundred sequences costs tens of microseconds, not a loop's milliseconds."""
     num_sequences = len(sequences)
-    table_lens = np.fromiter((len(s[0]) for s in sequences), np.int64, num_sequences)
+    block_tables, _ = padded_block_tables([s[0] for s in sequences])
     starts = np.fromiter((s[1] for s in sequences), np.int64, num_sequences)
     query_lens = np.fromiter((s[2] for s in sequences), np.int64, num_sequences)
-    flat_tables = np.fromiter(
-        itertools.chain.from_iterable(s[0] for s in sequences), np.int64, int(table_lens.sum())
-    )
-    block_tables = np.zeros((num_sequences, int(table_lens.max())), dtype=np.int32)
-    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = flat_tables
     # Each new token's sequence, and its offset among that sequence's new tokens.
     rows = np.repeat(np.arange(num_sequences), query_lens)
     first_token = np.cumsum(query_lens) - query_lens
