@@ -1513,6 +1513,50 @@ def target_url(text: str) -> str:
     return f"{url.scheme}://{url.netloc}"
 
 
+def add_run_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    trace: str,
+    length_scale: float,
+    repeats: int,
+    repeats_help: str,
+    warmup_help: str,
+) -> None:
+    """The trace's and the runs' flags, with this tool's defaults where they differ."""
+    parser.add_argument("--trace", default=trace, choices=sorted(TRACE_SHAPES))
+    parser.add_argument("--num-requests", type=int, default=64, help="per repeat")
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=length_scale,
+        help="multiplies the trace's mean prompt and output lengths",
+    )
+    parser.add_argument(
+        "--max-len", type=int, default=512, help="prompt + output of a request, at most"
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (inf: every request at once)",
+    )
+    parser.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
+    parser.add_argument("--warmup-requests", type=int, default=8, help=warmup_help)
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300.0,
+        help="wall-clock limit of each run; what is still open then is cancelled",
+    )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=180.0,
+        help="how long a server may take to load the model and listen",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (``EngineSettings.from_args``), besides ``--model``."""
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -1564,42 +1608,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "stay below (default: the vocab_size of its /v1/models entry, which pagedserve "
         "reports; vLLM and SGLang need it given)",
     )
-    parser.add_argument("--trace", default="sharegpt", choices=sorted(TRACE_SHAPES))
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument(
-        "--length-scale",
-        type=float,
-        default=0.25,
-        help="multiplies the trace's mean prompt and output lengths",
+    add_run_arguments(
+        parser,
+        trace="sharegpt",
+        length_scale=0.25,
+        repeats=3,
+        repeats_help="server (of each API) and offline runs each",
+        warmup_help="first requests of the trace, untimed",
     )
-    parser.add_argument(
-        "--max-len", type=int, default=512, help="prompt + output of a request, at most"
-    )
-    parser.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="Poisson arrivals per second (inf: every request at once)",
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="server (of each API) and offline runs each"
-    )
-    parser.add_argument(
-        "--warmup-requests", type=int, default=8, help="first requests of the trace, untimed"
-    )
-    parser.add_argument(
-        "--timeout-s",
-        type=float,
-        default=300.0,
-        help="wall-clock limit of each run; what is still open then is cancelled",
-    )
-    parser.add_argument(
-        "--startup-timeout-s",
-        type=float,
-        default=180.0,
-        help="how long the server may take to load the model and write its port file",
-    )
-    parser.add_argument("--seed", type=int, default=0)
     add_engine_arguments(parser)
     parser.add_argument(
         "--stream-interval",

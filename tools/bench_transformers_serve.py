@@ -85,6 +85,7 @@ from bench_server import (
     _run_failures,
     _settings_record,
     add_engine_arguments,
+    add_run_arguments,
     completion_body,
     machine_info,
     model_info,
@@ -95,7 +96,7 @@ from bench_server import (
     serve_argv,
     target_model_card,
 )
-from traces import TRACE_SHAPES, Request, make_trace, trace_stats
+from traces import Request, make_trace, trace_stats
 
 from pagedserve.frontend.model_resolver import resolve_model
 from pagedserve.frontend.tokenizer import Tokenizer
@@ -459,40 +460,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default=None, help="local HF directory or .gguf (default: the embedded model)"
     )
-    parser.add_argument("--trace", default="alpaca", choices=sorted(TRACE_SHAPES))
-    parser.add_argument("--num-requests", type=int, default=64, help="per repeat")
-    parser.add_argument(
-        "--length-scale",
-        type=float,
-        default=1.0,
-        help="multiplies the trace's mean prompt and output lengths",
+    add_run_arguments(
+        parser,
+        trace="alpaca",
+        length_scale=1.0,
+        repeats=2,
+        repeats_help="runs on each server",
+        warmup_help="requests of a trace of their own, untimed",
     )
-    parser.add_argument(
-        "--max-len", type=int, default=512, help="prompt + output of a request, at most"
-    )
-    parser.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="Poisson arrivals per second (inf: every request at once)",
-    )
-    parser.add_argument("--repeats", type=int, default=2, help="runs on each server")
-    parser.add_argument(
-        "--warmup-requests", type=int, default=8, help="requests of a trace of their own, untimed"
-    )
-    parser.add_argument(
-        "--timeout-s",
-        type=float,
-        default=300.0,
-        help="wall-clock limit of each run; what is still open then is cancelled",
-    )
-    parser.add_argument(
-        "--startup-timeout-s",
-        type=float,
-        default=180.0,
-        help="how long each server may take to load the model and listen",
-    )
-    parser.add_argument("--seed", type=int, default=0)
     add_engine_arguments(parser)
     parser.set_defaults(dtype="bfloat16")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep both servers' logs here")
