@@ -161,6 +161,9 @@ class Block {
     std::vector<int> order(num_threads_);
     for (int i = 0; i < num_threads_; ++i)
       order[i] = schedule_ == kReverse ? num_threads_ - 1 - i : i;
+    warp_order_.resize((num_threads_ + kWarp - 1) / kWarp);
+    for (size_t warp = 0; warp < warp_order_.size(); ++warp) warp_order_[warp] = warp;
+    if (schedule_ == kRandom) std::shuffle(warp_order_.begin(), warp_order_.end(), random_);
     current_block() = this;
     while (true) {
       if (schedule_ == kRandom) std::shuffle(order.begin(), order.end(), random_);
@@ -292,12 +295,19 @@ class Block {
       for (Thread& thread : threads_) {
         if (thread.wait == Wait::kBlockBarrier) thread.wait = Wait::kRunnable;
       }
+      if (schedule_ == kRandom) std::shuffle(warp_order_.begin(), warp_order_.end(), random_);
       return true;
     }
     bool released = false;
-    const int num_warps = (num_threads_ + kWarp - 1) / kWarp;
-    for (int warp = 0; warp < num_warps && error_.empty(); ++warp) {
-      released |= release_warp(warp);
+    for (int warp : warp_order_) {
+      if (!error_.empty()) break;
+      if (!release_warp(warp)) continue;
+      released = true;
+      // Under the random schedule, warps run one after another between barriers: only the
+      // first ready warp of this phase's order goes on, so one warp can finish its phase
+      // while another has not passed its first collective, the widest drift warps on a GPU
+      // may have.
+      if (schedule_ == kRandom) break;
     }
     if (!error_.empty()) return false;
     if (!released) {
@@ -444,6 +454,7 @@ class Block {
   std::vector<double> dynamic_shared_;
   Schedule schedule_ = kForward;
   std::mt19937 random_;
+  std::vector<int> warp_order_;  // the order warps at collectives go on in (see release())
   FiberContext scheduler_;
   Thread* current_ = nullptr;
   dim3 block_idx_, grid_dim_;

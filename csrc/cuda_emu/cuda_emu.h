@@ -12,6 +12,10 @@
 // - The schedule (PAGEDSERVE_CUDA_EMU_SCHEDULE=forward|reverse|random[:seed]) orders the threads
 //   within each phase between barriers: a kernel that reads shared memory another thread writes
 //   in the same phase (a missing __syncthreads) gives different results under different orders.
+//   Under random, warps also run one after another between barriers, in an order drawn anew at
+//   each barrier: a warp can finish its phase before another passes its first collective, so
+//   a missing barrier between one warp's reads of shared memory and another's next writes
+//   shows up too.
 // - Shared memory (static and dynamic) starts every block filled with 0xff bytes (NaN as float),
 //   so a read of a shared element nobody wrote shows up in the output.
 // - Collectives check what hardware leaves undefined: every lane named in a mask must reach the
