@@ -3,7 +3,9 @@
 // One thread block per (partition of a sequence's context, kv head, chunk of that head's query
 // heads); a single pass is the case of one partition spanning the whole context. Its four warps
 // take turns over the context, kUnroll * kRowsPerStep token rows at a time, and all the query
-// heads of the chunk share every K/V row they load (GQA).
+// heads of the chunk (a tile of 1, 4 or 8) share every K/V row they load (GQA). Groups of more
+// than 8 heads take decode_wide_kernel: a warp per 8 heads, the block's warps sharing each round
+// of rows through shared memory, so every K/V byte is read once per step for groups up to 64.
 //
 // Coalesced reads: a (block, kv head) tile of the cache is block_size contiguous rows of
 // head_size elements. A warp reads kRowsPerStep consecutive rows per load instruction, each lane
@@ -51,6 +53,11 @@ namespace {
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
 constexpr int kReduceThreads = 128;
+// decode_wide_kernel: groups above the plain kernel's largest tile, 8 heads a warp and at most
+// 8 warps a block (64 heads share one pass over their kv head's rows).
+constexpr int kWideGroupTile = 8;
+constexpr int kWideMaxWarps = 8;
+constexpr int kWideMaxThreads = kWideMaxWarps * kWarpSize;
 // Tokens per partition when the partition size is chosen automatically.
 constexpr int64_t kDefaultPartitionSize = 512;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -124,14 +131,152 @@ __device__ inline int window_start(const DecodeArgs& args, int seq_len) {
   return args.sliding_window > 0 ? max(0, seq_len - args.sliding_window) : 0;
 }
 
+// One warp's view of up to kGroupTile query heads: the lane's query elements and, per head, the
+// online softmax over the rows the warp has seen (running max m, sum l, unnormalized output).
+template <typename T, int kHeadSize, int kGroupTile>
+struct WarpHeads {
+  using Layout = RowLayout<T, kHeadSize>;
+  static constexpr int kVec = Layout::kVec;
+  static constexpr int kLaneElems = Layout::kLaneElems;
+  static constexpr int kVecsPerLane = Layout::kVecsPerLane;
+  static constexpr int kUnroll = UnrollRows<kGroupTile, kVecsPerLane>::value;
+  static constexpr int kChunkRows = kUnroll * Layout::kRowsPerStep;
+
+  float q[kGroupTile][kLaneElems];
+  float m[kGroupTile], l[kGroupTile], acc[kGroupTile][kLaneElems];
+
+  // Loads the query elements of heads [first_head, first_head + num_heads) (pre-scaled: base-2
+  // logits); the tile's other heads get zeros.
+  __device__ void start(const DecodeArgs& args, int seq, int first_head, int num_heads,
+                        int lane_in_row) {
+    const T* query = static_cast<const T*>(args.query) + seq * args.query_token_stride;
+#pragma unroll
+    for (int g = 0; g < kGroupTile; ++g) {
+#pragma unroll
+      for (int e = 0; e < kLaneElems; ++e) {
+        q[g][e] =
+            (g < num_heads && Layout::has_vec(lane_in_row, e / kVec))
+                ? to_float(query[(first_head + g) * kHeadSize + Layout::dim(lane_in_row, e)]) *
+                      args.scale_log2
+                : 0.0f;
+      }
+      m[g] = -INFINITY;
+      l[g] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kLaneElems; ++e) acc[g][e] = 0.0f;
+    }
+  }
+
+  // Folds a chunk of kChunkRows rows (row i * kRowsPerStep + the lane's row in a step) into every
+  // head; rows not valid count as masked. The chunk's first row must be valid, so that the new
+  // max is finite.
+  __device__ void attend(const uint4 (&k_raw)[kUnroll][kVecsPerLane],
+                         const uint4 (&v_raw)[kUnroll][kVecsPerLane], const bool (&valid)[kUnroll],
+                         float soft_cap) {
+    float logit[kUnroll][kGroupTile];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      float k[kLaneElems];
+#pragma unroll
+      for (int v = 0; v < kVecsPerLane; ++v) unpack(k_raw[i][v], k + v * kVec, T{});
+#pragma unroll
+      for (int g = 0; g < kGroupTile; ++g) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) dot = fmaf(q[g][e], k[e], dot);
+#pragma unroll
+        for (int offset = Layout::kRowLanes / 2; offset > 0; offset /= 2) {
+          dot += __shfl_xor_sync(kFullMask, dot, offset);
+        }
+        logit[i][g] = valid[i] ? soft_cap_log2(dot, soft_cap) : -INFINITY;
+      }
+    }
+
+    float p[kUnroll][kGroupTile];
+#pragma unroll
+    for (int g = 0; g < kGroupTile; ++g) {
+      float chunk_max = logit[0][g];
+#pragma unroll
+      for (int i = 1; i < kUnroll; ++i) chunk_max = fmaxf(chunk_max, logit[i][g]);
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset >= Layout::kRowLanes; offset /= 2) {
+        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(kFullMask, chunk_max, offset));
+      }
+      const float new_max = fmaxf(m[g], chunk_max);
+      const float alpha = exp2f(m[g] - new_max);  // 0 while m is -inf
+      m[g] = new_max;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        p[i][g] = exp2f(logit[i][g] - new_max);  // 0 for masked rows
+        sum += p[i][g];
+      }
+      l[g] = l[g] * alpha + sum;
+#pragma unroll
+      for (int e = 0; e < kLaneElems; ++e) acc[g][e] *= alpha;
+    }
+
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      float v[kLaneElems];
+#pragma unroll
+      for (int w = 0; w < kVecsPerLane; ++w) unpack(v_raw[i][w], v + w * kVec, T{});
+#pragma unroll
+      for (int g = 0; g < kGroupTile; ++g) {
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) acc[g][e] = fmaf(p[i][g], v[e], acc[g][e]);
+      }
+    }
+  }
+
+  // Rows of a warp sit in different lane groups: adds the groups' sums and outputs (m is already
+  // the same in every lane of the warp).
+  __device__ void gather_lane_groups() {
+#pragma unroll
+    for (int g = 0; g < kGroupTile; ++g) {
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset >= Layout::kRowLanes; offset /= 2) {
+        l[g] += __shfl_xor_sync(kFullMask, l[g], offset);
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) {
+          acc[g][e] += __shfl_xor_sync(kFullMask, acc[g][e], offset);
+        }
+      }
+    }
+  }
+};
+
+// Writes element d of a head's result over the partition: its output with a single pass, else
+// its normalized output, max and sum for the reduction.
+template <typename T>
+__device__ inline void store_head(const DecodeArgs& args, int seq, int head, int partition,
+                                  int head_size, int d, float out, float max_all, float sum) {
+  if (args.partition_size == 0) {
+    const bool has_sink = args.sinks != nullptr;
+    const float factor =
+        output_factor_log2(max_all, sum, has_sink, has_sink ? args.sinks[head] * kLog2e : 0.0f);
+    T* out_row = static_cast<T*>(args.out) + seq * args.out_token_stride;
+    out_row[head * head_size + d] = from_float<T>(out * factor);  // seq_len 0: zeros
+  } else {
+    const int64_t slot =
+        (static_cast<int64_t>(seq) * args.num_heads + head) * args.max_partitions + partition;
+    args.partial_out[slot * head_size + d] = sum > 0.0f ? out / sum : 0.0f;
+    if (d == 0) {
+      args.partial_max[slot] = max_all;
+      args.partial_sum[slot] = sum;
+    }
+  }
+}
+
 template <typename T, int kHeadSize, int kGroupTile>
 __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs args) {
-  using Layout = RowLayout<T, kHeadSize>;
+  using Heads = WarpHeads<T, kHeadSize, kGroupTile>;
+  using Layout = typename Heads::Layout;
   constexpr int kVec = Layout::kVec;
   constexpr int kLaneElems = Layout::kLaneElems;
   constexpr int kVecsPerLane = Layout::kVecsPerLane;
-  constexpr int kUnroll = UnrollRows<kGroupTile, kVecsPerLane>::value;
-  constexpr int kChunkRows = kUnroll * Layout::kRowsPerStep;
+  constexpr int kUnroll = Heads::kUnroll;
+  constexpr int kChunkRows = Heads::kChunkRows;
 
   const int seq = blockIdx.z;
   const int kv_head = blockIdx.y / args.num_head_chunks;
@@ -150,28 +295,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   const int row_in_step = lane / Layout::kRowLanes;
   const bool lane_active = lane_in_row < Layout::kNumVecs;
 
-  // The query elements this lane multiplies, pre-scaled (base-2 logits).
-  float q[kGroupTile][kLaneElems];
-  const T* query = static_cast<const T*>(args.query) + seq * args.query_token_stride;
-#pragma unroll
-  for (int g = 0; g < kGroupTile; ++g) {
-#pragma unroll
-    for (int e = 0; e < kLaneElems; ++e) {
-      q[g][e] = (g < num_chunk_heads && Layout::has_vec(lane_in_row, e / kVec))
-                    ? to_float(query[(first_head + g) * kHeadSize + Layout::dim(lane_in_row, e)]) *
-                          args.scale_log2
-                    : 0.0f;
-    }
-  }
-
-  float m[kGroupTile], l[kGroupTile], acc[kGroupTile][kLaneElems];
-#pragma unroll
-  for (int g = 0; g < kGroupTile; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < kLaneElems; ++e) acc[g][e] = 0.0f;
-  }
+  Heads heads;
+  heads.start(args, seq, first_head, num_chunk_heads, lane_in_row);
 
   const int32_t* table = args.block_tables + seq * args.block_table_stride;
   const int64_t in_block = static_cast<int64_t>(kv_head) * args.block_size * kHeadSize;
@@ -209,77 +334,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
         }
       }
     }
-
-    float logit[kUnroll][kGroupTile];
-#pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      float k[kLaneElems];
-#pragma unroll
-      for (int v = 0; v < kVecsPerLane; ++v) unpack(k_raw[i][v], k + v * kVec, T{});
-#pragma unroll
-      for (int g = 0; g < kGroupTile; ++g) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kLaneElems; ++e) dot = fmaf(q[g][e], k[e], dot);
-#pragma unroll
-        for (int offset = Layout::kRowLanes / 2; offset > 0; offset /= 2) {
-          dot += __shfl_xor_sync(kFullMask, dot, offset);
-        }
-        logit[i][g] = valid[i] ? soft_cap_log2(dot, args.soft_cap_log2) : -INFINITY;
-      }
-    }
-
-    float p[kUnroll][kGroupTile];
-#pragma unroll
-    for (int g = 0; g < kGroupTile; ++g) {
-      float chunk_max = logit[0][g];
-#pragma unroll
-      for (int i = 1; i < kUnroll; ++i) chunk_max = fmaxf(chunk_max, logit[i][g]);
-#pragma unroll
-      for (int offset = kWarpSize / 2; offset >= Layout::kRowLanes; offset /= 2) {
-        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(kFullMask, chunk_max, offset));
-      }
-      // The chunk's first row is valid (chunk < end), so new_max is finite.
-      const float new_max = fmaxf(m[g], chunk_max);
-      const float alpha = exp2f(m[g] - new_max);  // 0 while m is -inf
-      m[g] = new_max;
-      float sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
-        p[i][g] = exp2f(logit[i][g] - new_max);  // 0 for masked rows
-        sum += p[i][g];
-      }
-      l[g] = l[g] * alpha + sum;
-#pragma unroll
-      for (int e = 0; e < kLaneElems; ++e) acc[g][e] *= alpha;
-    }
-
-#pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      float v[kLaneElems];
-#pragma unroll
-      for (int w = 0; w < kVecsPerLane; ++w) unpack(v_raw[i][w], v + w * kVec, T{});
-#pragma unroll
-      for (int g = 0; g < kGroupTile; ++g) {
-#pragma unroll
-        for (int e = 0; e < kLaneElems; ++e) acc[g][e] = fmaf(p[i][g], v[e], acc[g][e]);
-      }
-    }
+    heads.attend(k_raw, v_raw, valid, args.soft_cap_log2);
   }
-
-  // Rows of a warp sit in different lane groups: add the groups' sums and outputs (m is already
-  // the same in every lane of the warp).
-#pragma unroll
-  for (int g = 0; g < kGroupTile; ++g) {
-#pragma unroll
-    for (int offset = kWarpSize / 2; offset >= Layout::kRowLanes; offset /= 2) {
-      l[g] += __shfl_xor_sync(kFullMask, l[g], offset);
-#pragma unroll
-      for (int e = 0; e < kLaneElems; ++e) {
-        acc[g][e] += __shfl_xor_sync(kFullMask, acc[g][e], offset);
-      }
-    }
-  }
+  heads.gather_lane_groups();
 
   __shared__ float warp_max[kDecodeWarps][kGroupTile];
   __shared__ float warp_sum[kDecodeWarps][kGroupTile];
@@ -287,8 +344,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   if (lane == 0) {
 #pragma unroll
     for (int g = 0; g < kGroupTile; ++g) {
-      warp_max[warp][g] = m[g];
-      warp_sum[warp][g] = l[g];
+      warp_max[warp][g] = heads.m[g];
+      warp_sum[warp][g] = heads.l[g];
     }
   }
   if (row_in_step == 0 && lane_active) {
@@ -297,7 +354,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
 #pragma unroll
       for (int e = 0; e < kLaneElems; ++e) {
         if (Layout::has_vec(lane_in_row, e / kVec)) {
-          warp_out[warp][g][Layout::dim(lane_in_row, e)] = acc[g][e];
+          warp_out[warp][g][Layout::dim(lane_in_row, e)] = heads.acc[g][e];
         }
       }
     }
@@ -318,21 +375,116 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
       sum += warp_sum[w][g] * weight;
       out += warp_out[w][g][d] * weight;
     }
-    const int head = first_head + g;
-    if (args.partition_size == 0) {
-      const bool has_sink = args.sinks != nullptr;
-      const float factor =
-          output_factor_log2(max_all, sum, has_sink, has_sink ? args.sinks[head] * kLog2e : 0.0f);
-      T* out_row = static_cast<T*>(args.out) + seq * args.out_token_stride;
-      out_row[head * kHeadSize + d] = from_float<T>(out * factor);  // seq_len 0: zeros
-    } else {
-      const float result = sum > 0.0f ? out / sum : 0.0f;
-      const int64_t slot =
-          (static_cast<int64_t>(seq) * args.num_heads + head) * args.max_partitions + partition;
-      args.partial_out[slot * kHeadSize + d] = result;
-      if (d == 0) {
-        args.partial_max[slot] = max_all;
-        args.partial_sum[slot] = sum;
+    store_head<T>(args, seq, first_head + g, partition, kHeadSize, d, out, max_all, sum);
+  }
+}
+
+// Rows staged in shared memory per round of decode_wide_kernel: 16 KiB of K (and of V), a power
+// of two and a whole number of a warp's chunks.
+template <int kRowBytes, int kChunkRows>
+struct StageRows {
+  static constexpr int kFit = 16384 / kRowBytes;
+  static constexpr int kPow2 = kFit >= 32 ? 32 : kFit >= 16 ? 16 : kFit >= 8 ? 8 : 4;
+  static constexpr int value = kPow2 > kChunkRows ? kPow2 : kChunkRows;
+};
+
+// Groups of more than kGroupTile heads (kWideGroupTile): one thread block per (partition, kv
+// head, up to kWideMaxWarps tiles of heads), a warp per tile of 8 heads. The block stages each
+// round of K/V rows in shared memory, every thread loading its share (consecutive threads,
+// consecutive 16-byte vectors of the rows: whole sectors), and every warp reads the round there
+// for its own heads; so each K/V byte of the kv head leaves global memory once for up to
+// kWideMaxWarps * 8 heads (Falcon's and StarCoder's multi-query heads among them), where tiles in
+// separate blocks would read it once per tile.
+//
+//   round:   [ rows staged by the whole block ] __syncthreads [ warp w: heads 8w .. 8w + 7 ]
+template <typename T, int kHeadSize>
+__global__ void __launch_bounds__(kWideMaxThreads) decode_wide_kernel(const DecodeArgs args) {
+  using Heads = WarpHeads<T, kHeadSize, kWideGroupTile>;
+  using Layout = typename Heads::Layout;
+  constexpr int kVec = Layout::kVec;
+  constexpr int kNumVecs = Layout::kNumVecs;
+  constexpr int kLaneElems = Layout::kLaneElems;
+  constexpr int kVecsPerLane = Layout::kVecsPerLane;
+  constexpr int kUnroll = Heads::kUnroll;
+  constexpr int kChunkRows = Heads::kChunkRows;
+  constexpr int kStageRows = StageRows<kHeadSize* static_cast<int>(sizeof(T)), kChunkRows>::value;
+  __shared__ uint4 stage_k[kStageRows * kNumVecs];
+  __shared__ uint4 stage_v[kStageRows * kNumVecs];
+
+  const int seq = blockIdx.z;
+  const int kv_head = blockIdx.y / args.num_head_chunks;
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int first_in_group =
+      ((blockIdx.y % args.num_head_chunks) * num_warps + warp) * kWideGroupTile;
+  const int num_warp_heads = min(kWideGroupTile, args.group_size - first_in_group);  // may be <= 0
+  const int first_head = kv_head * args.group_size + first_in_group;
+  const int partition = blockIdx.x;
+  const int seq_len = args.seq_lens[seq];
+  const int start = window_start(args, seq_len) + partition * args.partition_size;
+  if (args.partition_size > 0 && start >= seq_len) return;  // the reduction skips it
+  const int end = args.partition_size > 0 ? min(seq_len, start + args.partition_size) : seq_len;
+
+  const int lane = threadIdx.x % kWarpSize;
+  const int lane_in_row = lane % Layout::kRowLanes;
+  const int row_in_step = lane / Layout::kRowLanes;
+  const bool lane_active = lane_in_row < kNumVecs;
+
+  Heads heads;
+  heads.start(args, seq, first_head, num_warp_heads, lane_in_row);
+
+  const int32_t* table = args.block_tables + seq * args.block_table_stride;
+  const int64_t in_block = static_cast<int64_t>(kv_head) * args.block_size * kHeadSize;
+  const T* key_cache = static_cast<const T*>(args.key_cache);
+  const T* value_cache = static_cast<const T*>(args.value_cache);
+
+  for (int round = start; round < end; round += kStageRows) {
+    const int rows = min(kStageRows, end - round);
+#pragma unroll 4
+    for (int index = threadIdx.x; index < rows * kNumVecs; index += blockDim.x) {
+      const int token = round + index / kNumVecs;
+      const int64_t block = table[token >> args.block_size_log2];
+      const int64_t row =
+          in_block + static_cast<int64_t>(token & (args.block_size - 1)) * kHeadSize;
+      const int offset = (index % kNumVecs) * kVec;
+      stage_k[index] = __ldg(
+          reinterpret_cast<const uint4*>(key_cache + block * args.key_block_stride + row + offset));
+      stage_v[index] = __ldg(reinterpret_cast<const uint4*>(
+          value_cache + block * args.value_block_stride + row + offset));
+    }
+    __syncthreads();
+    for (int chunk = 0; chunk < rows; chunk += kChunkRows) {
+      uint4 k_raw[kUnroll][kVecsPerLane], v_raw[kUnroll][kVecsPerLane];
+      bool valid[kUnroll];
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const int row = chunk + i * Layout::kRowsPerStep + row_in_step;
+        valid[i] = row < rows;
+#pragma unroll
+        for (int v = 0; v < kVecsPerLane; ++v) {
+          const bool in_row = valid[i] && lane_active && Layout::has_vec(lane_in_row, v);
+          const int index = row * kNumVecs + lane_in_row + v * kWarpSize;
+          k_raw[i][v] = in_row ? stage_k[index] : make_uint4(0, 0, 0, 0);
+          v_raw[i][v] = in_row ? stage_v[index] : make_uint4(0, 0, 0, 0);
+        }
+      }
+      heads.attend(k_raw, v_raw, valid, args.soft_cap_log2);
+    }
+    __syncthreads();  // the next round overwrites the stage
+  }
+  heads.gather_lane_groups();
+
+  // Each warp saw every row of the partition: its heads' results are its own.
+  if (row_in_step == 0 && lane_active) {
+#pragma unroll
+    for (int g = 0; g < kWideGroupTile; ++g) {
+      if (g >= num_warp_heads) break;
+#pragma unroll
+      for (int e = 0; e < kLaneElems; ++e) {
+        if (Layout::has_vec(lane_in_row, e / kVec)) {
+          store_head<T>(args, seq, first_head + g, partition, kHeadSize,
+                        Layout::dim(lane_in_row, e), heads.acc[g][e], heads.m[g], heads.l[g]);
+        }
       }
     }
   }
@@ -406,10 +558,23 @@ int multiprocessor_count(int device) {
   return counts[device];
 }
 
-int group_tile_for(int64_t group_size) { return group_size == 1 ? 1 : group_size <= 4 ? 4 : 8; }
+// Query heads of one group a thread block takes: a tile of the plain kernel, or for groups above
+// 8 the wide kernel's warps of 8 heads each.
+int heads_per_block(int64_t group_size) {
+  if (group_size > 8) {
+    const int64_t warps = std::min<int64_t>(ceil_div(group_size, kWideGroupTile), kWideMaxWarps);
+    return static_cast<int>(warps * kWideGroupTile);
+  }
+  return group_size == 1 ? 1 : group_size <= 4 ? 4 : 8;
+}
 
 template <typename T, int kHeadSize>
 void launch_decode(const DecodeArgs& args, int group_tile, dim3 grid, cudaStream_t stream) {
+  if (group_tile > 8) {
+    const int threads = group_tile / kWideGroupTile * kWarpSize;
+    decode_wide_kernel<T, kHeadSize><<<grid, threads, 0, stream>>>(args);
+    return;
+  }
   switch (group_tile) {
     case 1:
       decode_kernel<T, kHeadSize, 1><<<grid, kDecodeThreads, 0, stream>>>(args);
@@ -442,7 +607,7 @@ DecodePlan plan_paged_attention_decode(int64_t num_seqs, int64_t num_heads, int6
     // times over: the partitions' writes and the reduction launch cost a few microseconds.
     const int64_t group_size = num_heads / std::max<int64_t>(num_kv_heads, 1);
     const int64_t blocks =
-        num_seqs * num_kv_heads * ceil_div(group_size, group_tile_for(group_size));
+        num_seqs * num_kv_heads * ceil_div(group_size, heads_per_block(group_size));
     const bool few_blocks = blocks < 32 * static_cast<int64_t>(multiprocessor_count(device));
     partition_size = attended_len > kDefaultPartitionSize && few_blocks ? kDefaultPartitionSize : 0;
   }
@@ -487,7 +652,7 @@ void paged_attention_decode(void* out, int64_t out_token_stride, const void* que
                                 " floats; this call needs " + std::to_string(needed));
   }
   const int64_t group_size = num_heads / cache.num_kv_heads;
-  const int group_tile = group_tile_for(group_size);
+  const int group_tile = heads_per_block(group_size);
   const int64_t num_head_chunks = ceil_div(group_size, group_tile);
   if (cache.num_kv_heads * num_head_chunks > 65535) {
     throw std::invalid_argument("num_kv_heads " + std::to_string(cache.num_kv_heads) +

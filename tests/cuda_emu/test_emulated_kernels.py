@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow  # the first use compiles the kernels (~25 s)
 HEAD_SIZES = [64, 80, 96, 128, 192, 256]
 BLOCK_SIZES = [8, 16, 32]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (num_heads, num_kv_heads): plain multi-head, GQA groups of 3 and 4, and a group of 16 (two
-# chunks of the decode kernel's largest group tile).
+# (num_heads, num_kv_heads): plain multi-head, GQA groups of 3 and 4, and a group of 16 (the
+# decode kernel's wide variant: two warps of 8 heads sharing staged rows).
 HEAD_LAYOUTS = [(4, 4), (6, 2), (8, 2), (16, 1)]
 SCHEDULES = ["forward", "reverse", "random:7"]
 
@@ -175,10 +175,11 @@ def test_decode_writes_into_strided_out_only():
     assert torch.all(buffer[:, :80] == 7.0) and torch.all(buffer[:, 7 * 80 :] == 7.0)
 
 
-def test_decode_is_the_same_under_every_schedule(monkeypatch):
+@pytest.mark.parametrize("num_heads", [8, 24])
+def test_decode_is_the_same_under_every_schedule(monkeypatch, num_heads):
     # Threads of a block share memory only through barriers and shuffles: any order of the
-    # threads between them gives the same bits.
-    case, query = _decode_inputs([300, 5, 77], 8, 2, 16, 96, torch.float16, seed=6)
+    # threads between them gives the same bits. 24 / 2: the wide kernel's staged rows.
+    case, query = _decode_inputs([300, 5, 77], num_heads, 2, 16, 96, torch.float16, seed=6)
     results = []
     for schedule in SCHEDULES:
         monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_SCHEDULE", schedule)
@@ -216,28 +217,58 @@ def test_attention_reads_the_cache_in_whole_sectors(dtype, head_size, monkeypatc
     assert decode[0]["requested_bytes"] == tokens * 2 * head_size * element
 
 
+def _decode_launches(stats_path) -> list[dict]:
+    launches = [json.loads(line) for line in stats_path.read_text().splitlines()]
+    return [launch for launch in launches if launch["kernel"].startswith("decode_")]
+
+
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2), (32, 8), (16, 2), (8, 1)]
+    "num_heads,num_kv_heads",
+    [(4, 4), (6, 2), (8, 2), (32, 8), (16, 2), (8, 1), (16, 1), (48, 1), (64, 2), (96, 1)],
 )
 def test_grouped_query_decode_reads_each_kv_byte_once(
     num_heads, num_kv_heads, monkeypatch, tmp_path
 ):
-    # Issue 37: the query heads of a group share one pass over their kv head's rows. Groups of
-    # 1, 3, 4 and 8 (Llama 3's 32 / 8 among them) fit the kernel's group tile (at most 8), so
-    # each token's K and V rows of each kv head are read once, single pass and split-K alike.
-    # A group of more than 8 takes ceil(group / 8) passes (issue 37's note).
+    # Issue 37: the query heads of a group share one pass over their kv head's rows, single
+    # pass and split-K alike. Groups of 1 to 8 (Llama 3's 32 / 8 among them) fit one thread
+    # block's tile; groups of 9 to 64 (StarCoder's 48 / 1) take the wide kernel, whose warps
+    # share rows staged in shared memory. A group above 64 takes ceil(group / 64) passes.
     stats_path = tmp_path / "loads.jsonl"
     monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS", str(stats_path))
     seq_lens = [70, 33]
     case, query = _decode_inputs(seq_lens, num_heads, num_kv_heads, 16, 64, torch.float16)
-    _decode(case, query, 0.1, 0)
-    _decode(case, query, 0.1, 32)
-    launches = [json.loads(line) for line in stats_path.read_text().splitlines()]
-    decode = [launch for launch in launches if launch["kernel"].startswith("decode_kernel")]
+    expected = _decode_reference(case, query, 0.1)
+    _assert_close(_decode(case, query, 0.1, 0), expected, torch.float16)
+    _assert_close(_decode(case, query, 0.1, 32), expected, torch.float16)
+    decode = [launch for launch in _decode_launches(stats_path) if "reduce" not in launch["kernel"]]
     assert len(decode) == 2
+    passes = -(-(num_heads // num_kv_heads) // 64)
     kv_bytes = num_kv_heads * sum(seq_lens) * 2 * 64 * 2  # K and V rows, float16
     for launch in decode:
-        assert launch["requested_bytes"] == kv_bytes, launch
+        assert launch["requested_bytes"] == passes * kv_bytes, launch
+        assert launch["requested_bytes"] == launch["sectors"] * 32, launch
+
+
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_groups_match_reference_in_whole_sectors(dtype, head_size, monkeypatch, tmp_path):
+    # The wide kernel (groups above 8) over every dtype and head size, the block sizes in turn,
+    # single pass and split-K: the reference's output, whole 32-byte sectors (the rows are
+    # staged by consecutive threads), each K/V row read once.
+    block_size = BLOCK_SIZES[(HEAD_SIZES.index(head_size) + DTYPES.index(dtype)) % 3]
+    stats_path = tmp_path / "loads.jsonl"
+    monkeypatch.setenv("PAGEDSERVE_CUDA_EMU_LOAD_STATS", str(stats_path))
+    seq_lens = [1, block_size + 3, 90]
+    case, query = _decode_inputs(seq_lens, 24, 2, block_size, head_size, dtype, seed=11)
+    scale = head_size**-0.5
+    expected = _decode_reference(case, query, scale)
+    for partition_size in (0, 2 * block_size):
+        _assert_close(_decode(case, query, scale, partition_size), expected, dtype)
+    element = torch.tensor([], dtype=dtype).element_size()
+    for launch in _decode_launches(stats_path):
+        if launch["kernel"].startswith("decode_wide_kernel"):
+            assert launch["requested_bytes"] == launch["sectors"] * 32, launch
+            assert launch["requested_bytes"] == 2 * sum(seq_lens) * 2 * head_size * element
 
 
 # --- prefill -----------------------------------------------------------------------------------
