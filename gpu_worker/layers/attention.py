@@ -11,8 +11,10 @@ import torch
 from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.layers.gathered_prefill import (
     GatheredPrefillPlan,
-    gathered_prefill_attention,
+    PrefillPlan,
     plan_gathered_prefill,
+    plan_prefill,
+    prefill_attention,
 )
 
 
@@ -35,8 +37,8 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], offsets within prefill
     prefill_seq_lens: torch.Tensor  # int32 [num_prefills], tokens in cache incl. new ones
     prefill_max_query_len: int | None = None  # most new tokens of one prefill (host-side)
-    # Set: prefills run as one SDPA call over gathered K/V (gathered_prefill.py).
-    prefill_plan: GatheredPrefillPlan | None = None
+    # Set: prefills run as one torch attention call over gathered K/V (gathered_prefill.py).
+    prefill_plan: PrefillPlan | None = None
 
     # The same step seen by layers of chunked attention (``attention_chunk_size``): each
     # sequence cut where its chunks begin, one virtual sequence per chunk it has new tokens in,
@@ -60,7 +62,7 @@ class AttentionMetadata:
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """The metadata of a batch of ``sequences``, each ``(block_ids, first position,
         new tokens)``, the one-token ones first, and the new tokens' positions (int64, on
-        ``device``); ``gathered_prefill``: plan the prefills' SDPA path
+        ``device``); ``gathered_prefill``: plan the prefills' torch path
         (``use_gathered_prefill``); ``attention_chunk_size`` > 0 (a multiple of
         ``block_size``): also the ``chunked`` view of the step; ``latent_attention``: also
         the ``latent_plans`` of its decodes and its prefills."""
@@ -87,12 +89,16 @@ class AttentionMetadata:
                 )
                 metadata.latent_plans.append((0, num_decodes, plan))
             if num_decodes < len(sequences):
-                plan = metadata.prefill_plan or plan_gathered_prefill(
-                    block_tables[num_decodes:],
-                    query_lens[num_decodes:],
-                    seq_lens[num_decodes:],
-                    block_size,
-                    device,
+                plan = (
+                    metadata.prefill_plan.padded
+                    if metadata.prefill_plan is not None
+                    else plan_gathered_prefill(
+                        block_tables[num_decodes:],
+                        query_lens[num_decodes:],
+                        seq_lens[num_decodes:],
+                        block_size,
+                        device,
+                    )
                 )
                 metadata.latent_plans.append((num_decodes, int(query_lens.sum()), plan))
         if attention_chunk_size:
@@ -161,7 +167,7 @@ class AttentionMetadata:
             prefill_query_start_loc=torch.from_numpy(prefill_start_loc).to(device),
             prefill_seq_lens=torch.from_numpy(seq_lens[num_decodes:]).to(device),
             prefill_max_query_len=int(prefill_query_lens.max()) if len(prefill_query_lens) else 0,
-            prefill_plan=plan_gathered_prefill(
+            prefill_plan=plan_prefill(
                 block_tables[num_decodes:],
                 prefill_query_lens,
                 seq_lens[num_decodes:],
@@ -295,7 +301,7 @@ class PagedAttention:
                 sinks=self.sinks,
             )
         if num_decode < num_tokens and metadata.prefill_plan is not None:
-            gathered_prefill_attention(
+            prefill_attention(
                 query[num_decode:],
                 key_cache,
                 value_cache,

@@ -17,6 +17,7 @@ from helpers.tiny_models import random_hf_model
 from helpers.windowed_models import make_windowed_model, windowed_prompts
 from pagedserve.frontend import LLM, SamplingParams
 from pagedserve.gpu_worker import cuda_ops
+from pagedserve.gpu_worker.layers import gathered_prefill
 from pagedserve.gpu_worker.layers.gathered_prefill import PREFILL_ATTENTION_ENV
 
 pytestmark = [
@@ -145,7 +146,18 @@ def test_preemption_on_the_gpu_keeps_tokens(tiny_model_dirs, hf_references, mode
     assert llm.stats()[f"num_{mode}_preemptions"] > 0
 
 
-def test_float16_logprobs_close_to_hf(tiny_model_dirs):
+@pytest.mark.parametrize("prefill", ["auto", "sdpa"])
+def test_float16_logprobs_close_to_hf(tiny_model_dirs, monkeypatch, prefill):
+    # auto: prefills (chunks of a 100-token prompt over their cached context) through flash
+    # attention's variable-length kernel over packed K/V; sdpa: the padded layout.
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, prefill)
+    flash_calls = []
+    real_flash = gathered_prefill.flash_varlen
+    monkeypatch.setattr(
+        gathered_prefill,
+        "flash_varlen",
+        lambda *args: flash_calls.append(1) or real_flash(*args),
+    )
     path = tiny_model_dirs["llama"]
     llm = LLM(path, device="cuda", dtype="float16", num_blocks=128, max_num_batched_tokens=32)
     params = SamplingParams(
@@ -167,6 +179,7 @@ def test_float16_logprobs_close_to_hf(tiny_model_dirs):
         token_id = prompt[position]
         expected = reference[position - 1, token_id].item()
         assert output.prompt_logprobs[position][token_id] == pytest.approx(expected, abs=3e-2)
+    assert bool(flash_calls) == (prefill == "auto")
 
 
 def test_bfloat16_first_tokens_match_hf(tiny_model_dirs):
@@ -219,6 +232,7 @@ def windowed_references(windowed_dirs):
         ("mistral", "kernel", True),
         ("qwen2", "sdpa", True),
         ("qwen2", "kernel", False),
+        ("qwen2", "varlen", False),  # float32: varlen's plans fall back to the padded layout
     ],
 )
 def test_sliding_window_models_match_hf_on_the_gpu(

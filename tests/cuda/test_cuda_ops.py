@@ -4,12 +4,14 @@ context; exact bytes for the cache ops. Skipped without a GPU or without pagedse
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from ops import reference
 from ops.cases import TOLERANCES, fused_qkv, paged_case, query_start_loc, random_pool
 
 from pagedserve.gpu_worker import cuda_ops, fused_ops, ops
+from pagedserve.gpu_worker.layers.gathered_prefill import PrefillPlan, prefill_attention
 
 pytestmark = [
     pytest.mark.cuda,
@@ -25,8 +27,8 @@ CUDA = "cuda"
 HEAD_SIZES = [64, 80, 96, 128, 192, 256]
 BLOCK_SIZES = [8, 16, 32]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (num_heads, num_kv_heads): plain multi-head, GQA groups of 3 and 4, and a group of 16 (two
-# chunks of the kernel's largest group tile).
+# (num_heads, num_kv_heads): plain multi-head, GQA groups of 3 and 4, and a group of 16 (the
+# decode kernel's wide variant: two warps of 8 heads sharing staged rows).
 HEAD_LAYOUTS = [(4, 4), (6, 2), (8, 2), (16, 1)]
 
 
@@ -88,6 +90,20 @@ def test_decode_gqa_groups(dtype, layout):
     case, query = _decode_inputs([7, 64, 130], num_heads, num_kv_heads, 16, 128, dtype, seed=1)
     expected = _decode_reference(case, query, 0.09)
     for partition_size in (0, 32):
+        out = ops.paged_attention_decode(
+            *_decode_args(case, query, 0.09), partition_size=partition_size
+        )
+        _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("layout", [(48, 1), (64, 2), (96, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_multi_query_groups(dtype, layout):
+    # Groups of 48 and 32 (one pass of the wide kernel) and 96 (two passes of 64 heads).
+    num_heads, num_kv_heads = layout
+    case, query = _decode_inputs([7, 300, 1300], num_heads, num_kv_heads, 16, 128, dtype, seed=7)
+    expected = _decode_reference(case, query, 0.09)
+    for partition_size in (0, 256, None):
         out = ops.paged_attention_decode(
             *_decode_args(case, query, 0.09), partition_size=partition_size
         )
@@ -238,6 +254,50 @@ def test_prefill_of_single_tokens_equals_decode():
     prefill = _prefill(case, query, loc, 0.1)
     decode = ops.paged_attention_decode(*_decode_args(case, query, 0.1), partition_size=0)
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
+
+
+# --- prefill through torch's flash attention over packed K/V (the CUDA default) ---------------
+
+
+def _packed_prefill(case, query, q_lens, scale, sliding_window=0):
+    plan = PrefillPlan(
+        case.block_tables.cpu().numpy(),
+        np.array(q_lens, dtype=np.int32),
+        case.seq_lens.cpu().numpy(),
+        case.key_cache.shape[2],
+        query.device,
+        flash=True,
+    )
+    out = torch.full_like(query, 7.0).contiguous()
+    prefill_attention(
+        query, case.key_cache, case.value_cache, plan, scale, out, sliding_window=sliding_window
+    )
+    assert "packed" in vars(plan) and "padded" not in vars(plan)
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5, 24])
+@pytest.mark.parametrize("layout", [(4, 4), (8, 2), (32, 8), (16, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_flash_prefill_matches_reference(dtype, layout, window):
+    # torch's FlashAttention-2 variable-length kernel itself: causal at each sequence's bottom
+    # right (chunks over cached context), grouped heads as they are, windows, a sequence
+    # without new tokens left out of the packing.
+    num_heads, num_kv_heads = layout
+    prior, q_lens = [0, 13, 16, 50, 9, 0], [37, 1, 17, 30, 0, 1]
+    case, query, loc = _prefill_inputs(prior, q_lens, num_heads, num_kv_heads, 16, 128, dtype)
+    tensors = _cpu(query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens)
+    expected = reference.attention(*tensors, 0.088, sliding_window=window)
+    _assert_close(_packed_prefill(case, query, q_lens, 0.088, window), expected, dtype)
+
+
+def test_packed_flash_prefill_of_long_prompts():
+    # The shapes: 1024-token prompts and a chunk of 161 over 700 cached tokens.
+    prior, q_lens = [0, 0, 700], [1024, 1024, 161]
+    case, query, loc = _prefill_inputs(prior, q_lens, 32, 8, 16, 128, torch.bfloat16, seed=5)
+    tensors = _cpu(query, case.key_cache, case.value_cache, case.block_tables, loc, case.seq_lens)
+    expected = reference.attention(*tensors, 0.088)
+    _assert_close(_packed_prefill(case, query, q_lens, 0.088), expected, torch.bfloat16)
 
 
 # --- sliding window ----------------------------------------------------------------------------

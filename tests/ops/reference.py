@@ -73,6 +73,42 @@ def attention(
     return out
 
 
+def varlen_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cu_query: torch.Tensor,
+    cu_key: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """FlashAttention-2's variable-length causal attention (float64): sequence s's queries
+    ``query[cu_query[s]:cu_query[s + 1]]`` [q, num_heads, head] over its keys and values
+    ``[cu_key[s]:cu_key[s + 1]]`` [k, kv_heads, head], the mask aligned at the bottom right
+    (query j at position k - q + j), with ``sliding_window`` as ``attention``'s. A masked
+    key's probability, 0, still multiplies its value, as the kernel's matrix product does: a
+    NaN value there gives NaN."""
+    num_heads = query.shape[1]
+    group = num_heads // keys.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for s in range(len(cu_query) - 1):
+        q_start, q_end = int(cu_query[s]), int(cu_query[s + 1])
+        k_start, k_end = int(cu_key[s]), int(cu_key[s + 1])
+        q_len, k_len = q_end - q_start, k_end - k_start
+        q = query[q_start:q_end].double()
+        k = keys[k_start:k_end].double().repeat_interleave(group, dim=1)
+        v = values[k_start:k_end].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        query_pos = torch.arange(k_len - q_len, k_len).view(q_len, 1)
+        key_pos = torch.arange(k_len).view(1, k_len)
+        hidden = key_pos > query_pos
+        if sliding_window > 0:
+            hidden |= key_pos <= query_pos - sliding_window
+        weights = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", weights, v)
+    return out
+
+
 def decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
