@@ -4,9 +4,10 @@ measured in the same run:
     decode    paged decode attention: achieved GB/s of K/V read against a device-to-device
               copy's GB/s (read + write), and time against torch SDPA decode over the same
               K/V laid out contiguously ([batch, kv_heads, context, head_size])
-    prefill   paged prefill attention (the kernel, and the engine's CUDA default: one SDPA call
-              over K/V gathered from the blocks) against causal torch SDPA (flash) on
-              contiguous K/V
+    prefill   prefill attention over the paged cache (the paged kernel; the engine's CUDA
+              default, flash attention's variable-length kernel over K/V gathered from the
+              blocks and packed; and the padded SDPA layout) against causal torch SDPA (flash)
+              on contiguous K/V
     cache     reshape_and_cache, copy_blocks and swap_blocks (device <-> pinned host) GB/s
 
 Every timing is the median of CUDA-event-timed calls after a warm-up. The default decode
@@ -20,6 +21,7 @@ float16, block size 16.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -33,8 +35,11 @@ import torch.nn.functional as F
 
 from pagedserve.gpu_worker import ops
 from pagedserve.gpu_worker.layers.gathered_prefill import (
+    flash_varlen_available,
     gathered_prefill_attention,
+    packed_prefill_attention,
     plan_gathered_prefill,
+    plan_packed_prefill,
 )
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -91,7 +96,13 @@ def contiguous(cache: torch.Tensor, block_tables: torch.Tensor, context: int) ->
 def bench_decode(args: argparse.Namespace, copy_bandwidth: float) -> list[dict[str, Any]]:
     configs = [(args.batch, args.context, args.num_heads, args.num_kv_heads)]
     if not args.quick:
-        configs += [(64, 4096, 32, 8), (8, 4096, 32, 32), (64, 512, 32, 32), (1, 32768, 32, 8)]
+        configs += [
+            (64, 4096, 32, 8),  # Llama 3's grouped-query heads (issue 37's target)
+            (1, 32768, 32, 8),  # one long sequence: split-K
+            (64, 4096, 48, 1),  # multi-query (StarCoder): the wide kernel
+            (8, 4096, 32, 32),
+            (64, 512, 32, 32),
+        ]
     results = []
     for batch, context, num_heads, num_kv_heads in configs:
         result = decode_case(args, batch, context, num_heads, num_kv_heads)
@@ -126,6 +137,8 @@ def decode_case(
         )  # fmt: skip
 
     automatic_ms, single_ms, split_ms = paged(None), paged(0), paged(512)
+    # Smaller partitions: more thread blocks in flight for few long sequences.
+    split_small_ms = {size: paged(size) for size in (128, 256)} if batch <= 8 else {}
     ops.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                                out=out)  # fmt: skip
     keys = contiguous(key_cache, block_tables, context)
@@ -138,7 +151,7 @@ def decode_case(
 
     sdpa_ms = time_ms(sdpa)
     max_error = (sdpa().view_as(out).float() - out.float()).abs().max().item()
-    best_ms = min(automatic_ms, single_ms, split_ms)
+    best_ms = min(automatic_ms, single_ms, split_ms, *split_small_ms.values())
     return {
         "batch": batch,
         "context": context,
@@ -151,6 +164,8 @@ def decode_case(
         "paged_ms": automatic_ms,
         "paged_single_pass_ms": single_ms,
         "paged_split_k_512_ms": split_ms,
+        **{f"paged_split_k_{size}_ms": ms for size, ms in split_small_ms.items()},
+        "best_variant_gb_s": kv_bytes / best_ms / 1e6,
         "paged_gb_s": kv_bytes / automatic_ms / 1e6,
         "sdpa_contiguous_ms": sdpa_ms,
         "paged_over_sdpa": automatic_ms / sdpa_ms,
@@ -161,7 +176,10 @@ def decode_case(
 
 def bench_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
-    for batch, prompt_len, num_heads, num_kv_heads in [(8, 1024, 32, 32), (32, 161, 32, 32)]:
+    shapes = [(8, 1024), (32, 161)]  # issue 37's prefill targets
+    for (batch, prompt_len), (num_heads, num_kv_heads) in itertools.product(
+        shapes, [(32, 8), (32, 32)]
+    ):
         result = prefill_case(args, batch, prompt_len, num_heads, num_kv_heads)
         torch.cuda.empty_cache()
         results.append(result)
@@ -201,6 +219,20 @@ def prefill_case(
         lambda: gathered_prefill_attention(query, key_cache, value_cache, plan, scale, out),
         iterations=10,
     )
+    varlen_ms = None
+    if flash_varlen_available() and dtype != torch.float32:
+        packed = plan_packed_prefill(
+            block_tables.cpu().numpy(),
+            np.full(batch, prompt_len, dtype=np.int32),
+            seq_lens.cpu().numpy(),
+            args.block_size,
+            query.device,
+        )
+        varlen_ms = time_ms(
+            lambda: packed_prefill_attention(query, key_cache, value_cache, packed, scale, out),
+            iterations=10,
+        )
+        varlen_out = out.clone()
     keys = contiguous(key_cache, block_tables, prompt_len)
     values = contiguous(value_cache, block_tables, prompt_len)
     query_4d = query.view(batch, prompt_len, num_heads, args.head_size).transpose(1, 2)
@@ -212,6 +244,13 @@ def prefill_case(
         iterations=10,
     )
     flops = 4 * batch * num_heads * args.head_size * prompt_len * (prompt_len + 1) / 2
+    max_error = None
+    if varlen_ms is not None:
+        expected = F.scaled_dot_product_attention(
+            query_4d, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        flat = expected.transpose(1, 2).reshape_as(varlen_out)
+        max_error = (flat.float() - varlen_out.float()).abs().max().item()
     return {
         "batch": batch,
         "prompt_len": prompt_len,
@@ -224,6 +263,9 @@ def prefill_case(
         "sdpa_causal_ms": sdpa_ms,
         "paged_over_sdpa": paged_ms / sdpa_ms,
         "gathered_over_sdpa": gathered_ms / sdpa_ms,
+        "varlen_ms": varlen_ms,
+        "varlen_over_sdpa": None if varlen_ms is None else varlen_ms / sdpa_ms,
+        "varlen_max_abs_diff_vs_sdpa": max_error,
     }
 
 

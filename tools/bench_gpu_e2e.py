@@ -1,12 +1,20 @@
 """End-to-end offline throughput on one GPU: pagedserve (device="cuda") against HF transformers
-on the same GPU and the same weights, float16, on the ShareGPT-like trace of tools/traces.py.
+on the same GPU and the same weights, on the ShareGPT-like trace of tools/traces.py, and
+against the trace's decode memory roofline measured in the same run.
 
-    pagedserve          LLM.generate on the GPU, continuous batching on the paged KV cache
-    hf_generate         model.generate on padded batches in arrival order (static batching)
+    pagedserve          LLM.generate on the GPU, continuous batching on the paged KV cache,
+                        decode steps from CUDA graphs (and, time permitting, without them)
     hf_generate_batch   transformers' continuous batching (the manager behind generate_batch)
+    hf_generate         model.generate on padded batches in arrival order (static batching)
+    roofline            the trace decoded as continuous batching of --max-num-seqs would,
+                        every step reading every weight once (the input embedding's table
+                        aside: a step reads only its rows) and every running sequence's K/V,
+                        at the device-to-device copy's bandwidth measured here: the output
+                        tokens per second no engine passes on this GPU
 
-The model is Llama-2-7B-shaped (32 layers, hidden 4096, 32 heads of 128, FFN 11008, vocab
-32000) with random weights: created once on the GPU, saved as safetensors (to /dev/shm by
+The model is Llama-3-8B-shaped by default (32 layers, hidden 4096, 32 query heads and 8 KV
+heads of 128, FFN 14336, vocab 128256; bfloat16) or Llama-2-7B-shaped (``--shape llama7b``),
+with random weights: created once on the device, saved as safetensors (to /dev/shm by
 default, so nothing large touches the disk) for pagedserve to load, and kept in memory as the
 HF peer. EOS is ignored; every request generates exactly its trace output length. Peers serve
 the first --peer-requests requests; pagedserve serves that subset too, and the whole trace.
@@ -17,7 +25,7 @@ Each stage is skipped once --deadline-s has passed, and the JSON is rewritten af
 stage, so a run cut short still reports what it measured.
 
     python tools/bench_gpu_e2e.py --json e2e.json
-    python tools/bench_gpu_e2e.py --layers 4 --num-requests 32 --peer-requests 8   # smoke
+    python tools/bench_gpu_e2e.py --shape tiny --device cpu --num-requests 8 --peer-requests 4
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from typing import Any
 
 import torch
 import transformers
+from bench_cuda import copy_gb_s
 from traces import Request, make_trace, trace_stats
 
 from pagedserve.frontend import LLM, SamplingParams
@@ -58,7 +67,16 @@ TINY = {
     "num_key_value_heads": 4,
     "vocab_size": 1024,
 }
-SHAPES = {"llama7b": LLAMA_7B, "tiny": TINY}
+LLAMA3_8B = {
+    **LLAMA_7B,
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
+SHAPES = {"llama3_8b": LLAMA3_8B, "llama7b": LLAMA_7B, "tiny": TINY}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # The timed trace is drawn with seed 0; warm-ups draw theirs with this one, so that they run
 # none of the timed prompts, at half the lengths (a few hundred decode steps suffice to touch
 # the allocator and kernels).
@@ -112,18 +130,18 @@ def _log(message: str) -> None:
 
 
 def create_model(args: argparse.Namespace) -> transformers.PreTrainedModel:
-    """The random Llama-7B-shaped model on the GPU in float16, also saved for pagedserve."""
+    """The random model of --shape on the device in --dtype, also saved for pagedserve."""
     config = transformers.LlamaConfig(**model_shape(args))
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)
+    torch.set_default_dtype(DTYPES[args.dtype])
     try:
         with torch.device(args.device):
             model = transformers.LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
-    model = model.to(torch.float16).eval()
+    model = model.to(DTYPES[args.dtype]).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     model.generation_config.do_sample = False
@@ -134,7 +152,8 @@ def create_model(args: argparse.Namespace) -> transformers.PreTrainedModel:
 
 
 def model_shape(args: argparse.Namespace) -> dict[str, Any]:
-    return {**SHAPES[args.shape], "num_hidden_layers": args.layers}
+    shape = SHAPES[args.shape]
+    return {**shape, "num_hidden_layers": args.layers or shape["num_hidden_layers"]}
 
 
 def synchronize() -> None:
@@ -231,50 +250,104 @@ def _throughput(requests: list[Request], seconds: float) -> dict[str, Any]:
     }
 
 
+def decode_roofline(
+    requests: list[Request],
+    max_num_seqs: int,
+    weight_bytes: int,
+    kv_bytes_per_token: int,
+    bandwidth_bytes_s: float,
+) -> dict[str, Any]:
+    """The trace's decode memory roofline: its requests decoded in arrival order with at
+    most ``max_num_seqs`` at once, each step producing one token of every running request,
+    reading ``weight_bytes`` and each running request's K/V (its prompt and the tokens it
+    has produced, ``kv_bytes_per_token`` each) at ``bandwidth_bytes_s``. Prefill and
+    everything else are free: no engine's output tokens per second pass this."""
+    waiting = [(len(request.prompt_token_ids), request.output_len) for request in requests]
+    waiting.reverse()
+    running: list[list[int]] = []  # [context tokens, tokens still to produce]
+    steps = context_tokens = 0
+    while waiting or running:
+        while waiting and len(running) < max_num_seqs:
+            prompt_len, output_len = waiting.pop()
+            running.append([prompt_len, output_len])
+        steps += 1
+        for sequence in running:
+            context_tokens += sequence[0]
+            sequence[0] += 1
+            sequence[1] -= 1
+        running = [sequence for sequence in running if sequence[1] > 0]
+    read_bytes = steps * weight_bytes + context_tokens * kv_bytes_per_token
+    seconds = read_bytes / bandwidth_bytes_s
+    output_tokens = sum(request.output_len for request in requests)
+    return {
+        "steps": steps,
+        "weight_bytes_per_step": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "kv_read_bytes": context_tokens * kv_bytes_per_token,
+        "read_bytes": read_bytes,
+        "bandwidth_gb_s": bandwidth_bytes_s / 1e9,
+        "seconds": seconds,
+        "output_tokens_per_s": output_tokens / seconds,
+    }
+
+
+def model_read_bytes(model: transformers.PreTrainedModel) -> tuple[int, int]:
+    """What a decode step reads of ``model``: every weight but the input embedding's table
+    (each step gathers a row per sequence); and the K/V bytes of one token, all layers."""
+    config = model.config
+    embedding = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.get_output_embeddings().weight is not embedding:
+        weights -= embedding.numel() * embedding.element_size()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    return weights, kv * embedding.element_size()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=32, help="decoder layers (32: Llama-7B)")
-    parser.add_argument("--shape", choices=list(SHAPES), default="llama7b")
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama3_8b")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (the shape's)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--device", default="cuda", help="cpu only for smoke runs")
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--peer-requests", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=1024, help="prompt + output cap")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-bytes", type=int, default=40 << 30)
+    # The trace needs at most 96 x 1024 tokens (12 GiB at the 8B shape's 128 KiB a token);
+    # the rest of an H100's memory holds the two copies of the weights.
+    parser.add_argument("--kv-cache-bytes", type=int, default=16 << 30)
     parser.add_argument("--hf-batch-size", type=int, default=32)
-    parser.add_argument("--model-dir", default="/dev/shm/pagedserve-llama7b-random")
+    parser.add_argument("--model-dir", default="/dev/shm/pagedserve-e2e-random")
     parser.add_argument("--deadline-s", type=float, default=200.0)
     parser.add_argument("--json", default=None)
     parser.add_argument(
-        "--no-cuda-graphs-stage",
-        dest="cuda_graphs_stage",
+        "--no-eager-stage",
+        dest="eager_stage",
         action="store_false",
-        help="skip the last stage: pagedserve with cuda_graphs=True on the peer subset",
+        help="skip the last stage: pagedserve without CUDA graphs on the peer subset",
     )
     args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
         _log("no CUDA GPU")
         return 2
     report = Report(args.json, args.deadline_s)
     report.data.update(
-        device=torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+        device=torch.cuda.get_device_name() if on_gpu else args.device,
         torch=torch.__version__,
         transformers=transformers.__version__,
         command=" ".join(sys.argv),
-        model={**model_shape(args), "dtype": "float16"},
+        model={**model_shape(args), "dtype": args.dtype},
         prefix_cache_note=NO_PREFIX_CACHE_NOTE,
     )
+    vocab_size = model_shape(args)["vocab_size"]
     requests = make_trace("sharegpt", args.num_requests, seed=0, max_len=args.max_len,
-                          vocab_size=model_shape(args)["vocab_size"])  # fmt: skip
+                          vocab_size=vocab_size)  # fmt: skip
     peer_requests = requests[: args.peer_requests]
     warmup_requests = make_trace(
-        "sharegpt",
-        4,
-        WARMUP_SEED,
-        args.max_len,
-        model_shape(args)["vocab_size"],
-        length_scale=WARMUP_LENGTH_SCALE,
+        "sharegpt", 4, WARMUP_SEED, args.max_len, vocab_size, length_scale=WARMUP_LENGTH_SCALE
     )
     report.data["trace"] = {
         "name": "sharegpt",
@@ -287,11 +360,18 @@ def main(argv: list[str] | None = None) -> int:
         models["hf"] = create_model(args)
         return {"model_dir": args.model_dir}
 
-    def load(cuda_graphs: bool = False) -> dict[str, Any]:
+    def roofline() -> dict[str, Any]:
+        # The bandwidth a device-to-device copy reaches (read + write), as bench_cuda.py
+        # measures it; on a CPU smoke run, the bytes per second of a host tensor copy.
+        bandwidth = copy_gb_s(1 << 30) * 1e9 if on_gpu else _host_copy_bytes_s()
+        weight_bytes, kv_bytes = model_read_bytes(models["hf"])
+        return decode_roofline(requests, args.max_num_seqs, weight_bytes, kv_bytes, bandwidth)
+
+    def load(cuda_graphs: bool) -> dict[str, Any]:
         started = time.perf_counter()
         models["llm"] = LLM(
             args.model_dir,
-            dtype="float16",
+            dtype=args.dtype,
             device=args.device,
             kv_cache_bytes=args.kv_cache_bytes,
             max_num_seqs=args.max_num_seqs,
@@ -303,36 +383,55 @@ def main(argv: list[str] | None = None) -> int:
         run_pagedserve(models["llm"], warmup_requests)  # warm-up: allocator, kernels
         return {"num_blocks": models["llm"].worker.num_blocks, "load_s": load_s}
 
-    report.stage("create_model", create)
-    if "hf" not in models:
-        return 1
-    report.stage("pagedserve_load", load)
-    if "llm" in models:
-        llm = models.pop("llm")
-        report.stage("pagedserve_peer_subset", lambda: run_pagedserve(llm, peer_requests))
-        report.stage("pagedserve_all", lambda: run_pagedserve(llm, requests))
-        llm.shutdown()
-        del llm
+    def close_llm() -> None:
+        models.pop("llm").shutdown()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    report.stage("create_model", create)
+    if "hf" not in models:
+        return 1
+    report.stage("roofline", roofline)
+    # pagedserve as served on a GPU: decode steps from CUDA graphs.
+    report.stage("pagedserve_load", lambda: load(cuda_graphs=on_gpu))
+    if "llm" in models:
+        llm = models["llm"]
+        report.stage("pagedserve_peer_subset", lambda: run_pagedserve(llm, peer_requests))
+        report.stage("pagedserve_all", lambda: run_pagedserve(llm, requests))
+        close_llm()
     hf_model = models["hf"]
-    report.stage("hf_warmup", lambda: run_hf_generate(hf_model, warmup_requests[:2], 2))
+    report.stage("hf_warmup", lambda: run_hf_generate(hf_model, warmup_requests[:1], 1))
+    report.stage("hf_generate_batch", lambda: run_hf_generate_batch(hf_model, peer_requests, args))
     report.stage(
         "hf_generate", lambda: run_hf_generate(hf_model, peer_requests, args.hf_batch_size)
     )
-    report.stage("hf_generate_batch", lambda: run_hf_generate_batch(hf_model, peer_requests, args))
-    if args.cuda_graphs_stage and args.device == "cuda":
-        # Last, so that a failure here costs no other figure: decode steps from CUDA graphs.
-        report.stage("pagedserve_graphs_load", lambda: load(cuda_graphs=True))
+    if args.eager_stage and on_gpu:
+        # Last, so that it costs no other figure: the same without CUDA graphs.
+        report.stage("pagedserve_eager_load", lambda: load(cuda_graphs=False))
         if "llm" in models:
-            llm = models.pop("llm")
-            report.stage(
-                "pagedserve_graphs_peer_subset", lambda: run_pagedserve(llm, peer_requests)
-            )
-            llm.shutdown()
+            llm = models["llm"]
+            report.stage("pagedserve_eager_peer_subset", lambda: run_pagedserve(llm, peer_requests))
+            close_llm()
+    summarize(report)
+    report.write()
+    return 0
+
+
+def _host_copy_bytes_s() -> float:
+    source = torch.ones(1 << 26, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    started = time.perf_counter()
+    for _ in range(4):
+        target.copy_(source)
+    return 2 * 4 * source.numel() / (time.perf_counter() - started)
+
+
+def summarize(report: Report) -> None:
+    """Speedups over the peers (on the peer subset), the fraction of the roofline (on the
+    whole trace) and whether the peer comparison was cold."""
     stages = report.data["stages"]
-    peer_stages = ("pagedserve_peer_subset", "pagedserve_graphs_peer_subset")
+    peer_stages = ("pagedserve_peer_subset", "pagedserve_eager_peer_subset")
     peer_runs = [stages[name] for name in peer_stages if name in stages]
     peer_hit_tokens = sum(run["prefix_cache_hit_tokens"] for run in peer_runs)
     # True when pagedserve's runs on the peers' requests took no prompt token from its prefix
@@ -344,17 +443,15 @@ def main(argv: list[str] | None = None) -> int:
             f"WARNING: pagedserve took {peer_hit_tokens} prompt tokens of the peers' requests "
             "from its prefix cache, which the peers compute: the speedups are not cold"
         )
-    ours = stages.get("pagedserve_peer_subset", {}).get("output_tokens_per_s")
-    ours_graphs = stages.get("pagedserve_graphs_peer_subset", {}).get("output_tokens_per_s")
-    for peer in ("hf_generate", "hf_generate_batch"):
-        theirs = stages.get(peer, {}).get("output_tokens_per_s")
-        if ours and theirs:
-            report.data.setdefault("speedup", {})[f"pagedserve_over_{peer}"] = ours / theirs
-        if ours_graphs and theirs:
-            speedups = report.data.setdefault("speedup", {})
-            speedups[f"pagedserve_graphs_over_{peer}"] = ours_graphs / theirs
-    report.write()
-    return 0
+    rate = {name: stage.get("output_tokens_per_s") for name, stage in stages.items()}
+    speedups = report.data.setdefault("speedup", {})
+    for ours in peer_stages:
+        for peer in ("hf_generate", "hf_generate_batch"):
+            if rate.get(ours) and rate.get(peer):
+                label = ours.removesuffix("_peer_subset")
+                speedups[f"{label}_over_{peer}"] = rate[ours] / rate[peer]
+    if rate.get("pagedserve_all") and rate.get("roofline"):
+        report.data["fraction_of_roofline"] = rate["pagedserve_all"] / rate["roofline"]
 
 
 if __name__ == "__main__":
