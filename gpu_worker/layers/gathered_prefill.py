@@ -43,8 +43,13 @@ FLASH_MAX_HEAD_SIZE = 256
 
 
 def flash_varlen_available() -> bool:
-    """Whether this torch runs FlashAttention-2's variable-length kernel on a CUDA device."""
-    return torch.cuda.is_available() and torch.backends.cuda.is_flash_attention_available()
+    """Whether this torch runs FlashAttention-2's variable-length kernel on the CUDA device:
+    built with it, and an Ampere or newer GPU (compute capability 8.0)."""
+    return (
+        torch.cuda.is_available()
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.cuda.get_device_capability() >= (8, 0)
+    )
 
 
 def use_gathered_prefill(device: torch.device) -> bool:
