@@ -22,6 +22,7 @@ from pagedserve.frontend.engine_client import DEFAULT_STARTUP_TIMEOUT_S
 from pagedserve.frontend.reasoning import REASONING_PARSERS
 from pagedserve.gpu_worker.model_config import KV_CACHE_DTYPES, QUANTIZATION_NAMES
 from pagedserve.scheduler.config import ALLOCATION_POLICIES
+from pagedserve.scheduler.multiproc_executor import EXECUTOR_BACKENDS
 from pagedserve.scheduler.sampling_params import DEFAULT_MAX_LOGPROBS
 from pagedserve.scheduler.speculative_config import SpeculativeConfig
 
@@ -146,10 +147,21 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "split the model over N worker processes (heads, MLP rows, vocabulary)", parse=int
     )
+    distributed_executor_backend: str = option(
+        "mp",
+        "where the worker processes run: mp, on this host; ray, as Ray actors placed on "
+        "the nodes of a running Ray cluster (one GPU, or one CPU, a rank)",
+        choices=EXECUTOR_BACKENDS,
+    )
+    ray_address: str = option(
+        "auto",
+        "the Ray cluster of distributed_executor_backend=ray: auto (the one this host's "
+        "`ray start` joined, or RAY_ADDRESS), or HOST:PORT of its head",
+    )
     multiprocess: bool | None = option(
         None,
         "run the scheduler and the workers in processes of their own (default: when "
-        "tensor_parallel_size > 1; the servers always do)",
+        "tensor_parallel_size > 1 or the executor is ray; the servers always do)",
         commands=OFFLINE_COMMANDS,
         from_cli=lambda value: value or None,
     )

@@ -158,6 +158,8 @@ class EngineClient:
         seed: int = 0,
         enable_prefix_caching: bool = False,
         world_size: int = 1,
+        executor_backend: str = "mp",
+        ray_address: str = "auto",
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     ) -> None:
@@ -193,6 +195,8 @@ class EngineClient:
                     enable_prefix_caching=enable_prefix_caching,
                     world_size=world_size,
                     worker=worker_spec,
+                    executor_backend=executor_backend,
+                    ray_address=ray_address,
                 )
             )
         except BaseException:
@@ -233,6 +237,11 @@ class EngineClient:
     @property
     def worker_pids(self) -> list[int]:
         return list(self._process.worker_pids)
+
+    @property
+    def workers_description(self) -> str:
+        """The workers by rank: pid, and with Ray's executor node and transport."""
+        return self._process.workers_description
 
     @property
     def is_running(self) -> bool:
@@ -497,6 +506,7 @@ class _SchedulerProcess:
         self.popen: subprocess.Popen | None = None
         self.pidfd: int | None = None
         self.worker_pids: list[int] = []
+        self.workers_description = ""
         self.ring_name: str | None = None
         self.failure: str | None = None  # an engine-wide EngineError's message
         self.death_message: str | None = None
@@ -573,6 +583,7 @@ class _SchedulerProcess:
             if isinstance(message, Ready) and message.component == "scheduler":
                 scheduler_ready = message
                 self.worker_pids = message.info["worker_pids"]
+                self.workers_description = message.info["workers"]
                 self.ring_name = message.info["ring_name"]
             elif isinstance(message, Ready) and message.component == "worker":
                 ready_ranks.add(message.info["rank"])

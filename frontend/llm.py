@@ -17,6 +17,7 @@ from jinja2 import TemplateSyntaxError
 from pagedserve.frontend.chat_template import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions
 from pagedserve.frontend.engine_args import engine_args
 from pagedserve.frontend.engine_client import EngineClient
+from pagedserve.frontend.engine_layout import choose_async_scheduling, choose_multiprocess
 from pagedserve.frontend.generation_config import load_generation_defaults
 from pagedserve.frontend.llm_pooling import PoolingCalls
 from pagedserve.frontend.lora_request import LoRARequest
@@ -156,7 +157,9 @@ class LLM(PoolingCalls):
         # The reservation baselines of the paper share nothing, cached prefixes included.
         enable_prefix_caching = args.enable_prefix_caching and args.allocation_policy == "paged"
         enable_chunked_prefill = args.enable_chunked_prefill
-        multiprocess = _choose_multiprocess(args.multiprocess, args.tensor_parallel_size)
+        multiprocess = choose_multiprocess(
+            args.multiprocess, args.tensor_parallel_size, args.distributed_executor_backend
+        )
         max_model_len = args.max_model_len
         # Graphs for every batch the scheduler may form, over block tables of max_model_len
         # (0: the model's window).
@@ -307,7 +310,7 @@ class LLM(PoolingCalls):
             sliding_window=model_config.attention_window,
             model_task=model_config.task,
             long_rope_switch=model_config.long_rope_switch,
-            async_scheduling=_choose_async_scheduling(
+            async_scheduling=choose_async_scheduling(
                 args.async_scheduling, multiprocess, args.device
             ),
             **_speculative_fields(speculative),
@@ -339,6 +342,8 @@ class LLM(PoolingCalls):
                 seed=args.seed,
                 enable_prefix_caching=enable_prefix_caching,
                 world_size=args.tensor_parallel_size,
+                executor_backend=args.distributed_executor_backend,
+                ray_address=args.ray_address,
                 startup_timeout_s=args.startup_timeout_s,
             )
             try:
@@ -959,36 +964,3 @@ class LLM(PoolingCalls):
                 "pass token ids instead"
             )
         return self.tokenizer
-
-
-def _choose_multiprocess(multiprocess: bool | None, tensor_parallel_size: int) -> bool:
-    """Tensor parallelism runs one worker process per rank: unset, ``multiprocess``
-    follows from the size (as vLLM picks its multi-process executor); ``False`` with
-    more than one rank is an error."""
-    _check_optional_positive("tensor_parallel_size", tensor_parallel_size)
-    if multiprocess is None:
-        return tensor_parallel_size > 1
-    if not multiprocess and tensor_parallel_size > 1:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} runs one worker process per rank "
-            "and needs multiprocess=True; leave multiprocess unset to have it chosen"
-        )
-    return bool(multiprocess)
-
-
-def _choose_async_scheduling(
-    async_scheduling: bool | None, multiprocess: bool, device: str
-) -> bool:
-    """Unset, on where it hides time: a worker process whose device runs on its own (a
-    GPU). On a CPU the forward is the worker's own work; planning beside it only moves
-    the scheduler's work around, and the engine's default stays the synchronous one."""
-    if async_scheduling is None:
-        return multiprocess and device.startswith("cuda")
-    return bool(async_scheduling)
-
-
-def _check_optional_positive(name: str, value: int | None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -10,10 +10,14 @@ the same arithmetic path as a model that was never split::
                         -> row-parallel (o_proj, down_proj: partial sums) -> all_reduce
                         -> hidden (replicated again)
 
-The process group: ``gloo`` on CPU (NCCL will serve CUDA ranks once the CUDA worker
-exists), rendezvous through a file store that the scheduler places in the engine's
-private socket directory (no port to pick, nothing left behind: the directory is
-removed at shutdown).
+The process group: ``gloo`` on CPU, ``nccl`` on CUDA (one GPU a rank; its collectives
+are ordered with the compute stream, and CUDA graphs capture them). The ranks meet at a
+file store in the engine's private socket directory when they share the scheduler's host
+(no port to pick, nothing left behind: the directory is removed at shutdown), or at a
+TCP store on rank 0's host when Ray places them across nodes
+(``scheduler/ray_executor.py``). A rank that joined a group runs every collective through
+it, even in a group of one (the Ray executor's): the same path as many ranks, on one
+device.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pagedserve.gpu_worker.model_config import (  # noqa: F401 (re-exported)
     check_tensor_parallel_size,
 )
 
-_BACKENDS = {"cpu": "gloo"}
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
+    # In a torch.distributed process group (every collective goes through it, size 1
+    # too); False: one rank on its own, every collective the identity.
+    grouped: bool = False
 
     def shard(self, total: int) -> range:
         """This rank's contiguous share of ``total`` items (heads, rows), ``total``
@@ -62,19 +69,19 @@ class TensorParallel:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; every rank gets the same bits."""
-        if self.size > 1:
+        if self.grouped:
             dist.all_reduce(tensor)
         return tensor
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """The elementwise largest of ``tensor`` over the ranks, in place."""
-        if self.size > 1:
+        if self.grouped:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """The ranks' tensors side by side along the last dimension, on every rank."""
-        if self.size == 1:
+        if not self.grouped:
             return tensor
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor.contiguous())
@@ -85,22 +92,36 @@ SINGLE = TensorParallel()
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str | None, device: str = "cpu"
+    rank: int,
+    size: int,
+    init_method: str | None,
+    device: str = "cpu",
+    ranks_on_host: int | None = None,
 ) -> TensorParallel:
-    """Join the process group of ``size`` ranks (returns at once for one rank) and give
-    this rank its share of the CPU cores. Blocks until every rank has joined."""
-    if size == 1:
-        return SINGLE
-    set_threads_per_rank(size)
+    """Join the process group of ``size`` ranks at ``init_method`` (a torch.distributed
+    init method; None: one rank on its own, no group) and give this rank its share of the
+    CPU cores: the host's divided among ``ranks_on_host`` (default ``size``). ``device``:
+    the rank's own ("cuda:1"), whose type picks the backend. Blocks until every rank has
+    joined."""
     if init_method is None:
-        raise ValueError(f"tensor parallel size {size} needs a rendezvous (init_method)")
+        if size != 1:
+            raise ValueError(f"tensor parallel size {size} needs a rendezvous (init_method)")
+        return SINGLE
+    sharing = size if ranks_on_host is None else ranks_on_host
+    if sharing > 1 and torch.device(device).type == "cpu":
+        set_threads_per_rank(sharing)
     backend = _BACKENDS.get(torch.device(device).type)
     if backend is None:
-        raise NotImplementedError(
-            f"tensor parallelism on device {device!r}: only CPU ranks (gloo) are built yet"
+        raise ValueError(
+            f"tensor parallelism on device {device!r}: ranks run on cpu (gloo) or cuda (nccl)"
         )
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-    return TensorParallel(rank, size)
+    options: dict = {}
+    if backend == "nccl":
+        # Bound to the rank's GPU at once: NCCL makes its communicator eagerly, on it.
+        torch.cuda.set_device(torch.device(device))
+        options["device_id"] = torch.device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, **options)
+    return TensorParallel(rank, size, grouped=True)
 
 
 def shutdown_tensor_parallel() -> None:

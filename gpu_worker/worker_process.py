@@ -51,7 +51,8 @@ _LINGER_MS = 2000
 def main(start_frame: bytes) -> None:
     """The process's target: returns on a clean end, ``sys.exit(1)`` on a failure."""
     start = decode_as(start_frame, StartWorker)
-    die_with_parent(start.scheduler_pid)
+    if start.scheduler_pid:
+        die_with_parent(start.scheduler_pid)
     PROFILE.name_process(f"worker{start.rank}")
     # Warnings (a weight's dtype, a fallback), named, in the frontend's log format.
     configure_logging(logging.WARNING, "%(name)s %(levelname)s %(message)s")
@@ -63,7 +64,10 @@ def main(start_frame: bytes) -> None:
     phase = "failed to start"
     try:
         # Subscribed before the model loads, so the welcome handshake is quick after it.
-        receiver = StepReceiver(BroadcastHandle(**start.broadcast), start.rank)
+        reader_index = start.rank if start.reader_index is None else start.reader_index
+        receiver = StepReceiver(
+            BroadcastHandle(**start.broadcast), reader_index, remote=start.remote_reader
+        )
         worker = build_worker(start)
         results.send(encode(ready_message(worker, start.rank)))
         # No deadline of its own: the frontend's covers start-up, and kills the engine.
@@ -87,11 +91,13 @@ def build_worker(start: StartWorker) -> Worker:
     """The same ``Worker`` the in-process engine builds, from the spec's plain fields,
     as rank ``start.rank`` of ``start.world_size`` (joining the process group first)."""
     spec = start.worker
+    device = start.device or spec.device
+    ranks_on_host = start.world_size if start.ranks_on_host is None else start.ranks_on_host
     parallel = init_tensor_parallel(
-        start.rank, start.world_size, start.distributed_init_method, spec.device
+        start.rank, start.world_size, start.distributed_init_method, device, ranks_on_host
     )
     # Ranks on one CPU share its memory; GPU ranks each have a device of their own.
-    ranks_sharing_memory = start.world_size if spec.device == "cpu" else 1
+    ranks_sharing_memory = ranks_on_host if device == "cpu" else 1
     if standin_forward_ms() is not None:
         # The stand-in's forward runs off the host, and its host work is small: more
         # threads would only spin in OpenMP's wait after each op, on the cores the
@@ -105,7 +111,7 @@ def build_worker(start: StartWorker) -> Worker:
         spec.block_size,
         spec.num_blocks,
         spec.kv_cache_bytes,
-        spec.device,
+        device,
         swap_space_bytes=spec.swap_space_bytes,
         kv_cache_bytes_from_free_memory=lambda: default_kv_cache_bytes(ranks_sharing_memory),
         parallel=parallel,

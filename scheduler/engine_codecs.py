@@ -273,7 +273,7 @@ def _pack_start_engine(start: StartEngine) -> list:
 
 def _unpack_start_engine(value: Any) -> StartEngine:
     fields = _fields(value, "StartEngine")
-    expected = (int, str, str, str, list, int, bool, int, list)
+    expected = (int, str, str, str, list, int, bool, int, list, str, str)
     for name, field_value, field_type in zip(WIRE_FIELDS[StartEngine], fields, expected):
         _check(field_value, field_type, f"StartEngine.{name}")
     fields[4] = _unpack_flat(fields[4], SchedulerConfig)
@@ -302,7 +302,9 @@ def _pack_start_worker(start: StartWorker) -> list:
 
 def _unpack_start_worker(value: Any) -> StartWorker:
     fields = _fields(value, "StartWorker")
-    expected = (int, int, int, dict, str, list, (str, type(None)))
+    optional_str, optional_int = (str, type(None)), (int, type(None))
+    expected = (int, int, int, dict, str, list, optional_str, bool, optional_int, optional_str,
+                optional_int)  # fmt: skip
     for name, field_value, field_type in zip(WIRE_FIELDS[StartWorker], fields, expected):
         _check(field_value, field_type, f"StartWorker.{name}")
     fields[5] = _unpack_flat(fields[5], WorkerSpec)

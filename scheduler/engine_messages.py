@@ -207,6 +207,10 @@ class StartEngine:
     enable_prefix_caching: bool
     world_size: int
     worker: WorkerSpec
+    # Where the workers run (multiproc_executor.EXECUTOR_BACKENDS), and the Ray cluster's
+    # address for "ray".
+    executor_backend: str = "mp"
+    ray_address: str = "auto"
 
 
 @dataclass
@@ -231,8 +235,14 @@ class StartWorker:
     ``broadcast`` holds the fields of the step broadcaster's ``BroadcastHandle`` (plain
     strings and ints); ``result_endpoint`` is where the worker sends ``Ready``, its
     ``StepResult``s (rank 0 only) and, before it exits on a failure, an ``EngineError``.
-    With ``world_size`` > 1 the ranks form a tensor-parallel process group that meets at
-    ``distributed_init_method`` (a torch.distributed init method, e.g. ``file://...``).
+    The ranks form a tensor-parallel process group that meets at
+    ``distributed_init_method`` (a torch.distributed init method, ``file://...`` or
+    ``tcp://host:port``; None: one rank, no group). ``scheduler_pid`` > 0: the worker ends
+    when that process does (0: something else ends it, Ray for its actors).
+    ``remote_reader``: the worker takes plans over the broadcast's TCP endpoint (another
+    host), not its ring. ``device``: the rank's own ("cuda:1"; None: the spec's).
+    ``ranks_on_host``: the ranks sharing this worker's host, whose cores and memory they
+    split.
     """
 
     rank: int
@@ -242,3 +252,7 @@ class StartWorker:
     result_endpoint: str
     worker: WorkerSpec
     distributed_init_method: str | None = None
+    remote_reader: bool = False
+    reader_index: int | None = None  # among the local or remote readers; None: the rank
+    device: str | None = None
+    ranks_on_host: int | None = None  # None: world_size

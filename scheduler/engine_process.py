@@ -229,8 +229,19 @@ def serve(start: StartEngine, inbox: zmq.Socket, outbox: zmq.Socket, context: zm
     engine: EngineCore | None = None
     exit_code = 0
     try:
-        executor = MultiprocExecutor(start.worker, start.world_size, start.ipc_dir, context)
-        scheduler_info = {"worker_pids": executor.worker_pids, "ring_name": executor.ring_name}
+        executor = MultiprocExecutor(
+            start.worker,
+            start.world_size,
+            start.ipc_dir,
+            context,
+            start.executor_backend,
+            start.ray_address,
+        )
+        scheduler_info = {
+            "worker_pids": executor.worker_pids,
+            "ring_name": executor.ring_name,
+            "workers": executor.workers_description(),
+        }
         outbox.send(encode(Ready("scheduler", os.getpid(), scheduler_info)))
         # Made after the workers are spawned: its grammar tokenizer builds on a thread
         # (holding the GIL, StructuredOutput's NOTE) while this thread only waits for them.

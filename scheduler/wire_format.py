@@ -269,6 +269,8 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "enable_prefix_caching",
         "world_size",
         "worker",
+        "executor_backend",
+        "ray_address",
     ),
     StartStructuredOutput: ("grammar_vocabulary", "disable_any_whitespace"),
     StartWorker: (
@@ -279,6 +281,10 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
         "result_endpoint",
         "worker",
         "distributed_init_method",
+        "remote_reader",
+        "reader_index",
+        "device",
+        "ranks_on_host",
     ),
 }
 

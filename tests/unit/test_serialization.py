@@ -268,6 +268,8 @@ ROUND_TRIP_CASES = {
         enable_prefix_caching=True,
         world_size=1,
         worker=WORKER_SPEC,
+        executor_backend="ray",
+        ray_address="10.0.0.1:6379",
     ),
     "start-structured-output": StartStructuredOutput(
         GrammarVocabulary('{"model": {"vocab": {"é": 0}}}', 49152, [0, 2], 7, [8, 9]), True
@@ -289,6 +291,19 @@ ROUND_TRIP_CASES = {
         result_endpoint="ipc:///tmp/ps-x/results.sock",
         worker=WORKER_SPEC,
         distributed_init_method="file:///tmp/ps-x/tensor_parallel.store",
+    ),
+    "start-worker-ray-remote": StartWorker(
+        rank=1,
+        world_size=2,
+        scheduler_pid=0,
+        broadcast={"ring_name": None, "remote_endpoint": "tcp://10.0.0.1:5555"},
+        result_endpoint="tcp://10.0.0.1:5556",
+        worker=WORKER_SPEC,
+        distributed_init_method="tcp://10.0.0.2:29500",
+        remote_reader=True,
+        reader_index=0,
+        device="cuda:0",
+        ranks_on_host=1,
     ),
     "new-request": new_request(ALL_SET_PARAMS, [2]),
     "new-request-pooling": dataclasses.replace(
@@ -671,11 +686,11 @@ def _plan_fields(**overrides) -> list:
             r"WorkerSpec.num_blocks: expected int or None, got float",
         ),
         (
-            _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None),
+            _frame(StartWorker, 0, 1, 2, {}, "ipc:///r", [], None, False, None, None, None),
             "WorkerSpec: expected an array of 16 fields",
         ),
         (
-            _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5),
+            _frame(StartWorker, 1, 2, 2, {}, "ipc:///r", [], 5, False, None, None, None),
             "StartWorker.distributed_init_method: expected str or None, got int",
         ),
         (_frame(StopSample, "r", True), "StopSample.index: expected int, got bool"),

@@ -108,3 +108,32 @@ def test_systemd_analyze_rates_the_unit_with_the_gpu_drop_in_below_the_limit(tmp
     exposure, report = security_report(f"--root={tmp_path}", UNIT_PATH.name)
     assert "char-nvidia-uvm:rw" in report  # the drop-in was read
     assert exposure < MAX_EXPOSURE
+
+
+RAY_UNIT_PATH = SYSTEMD_DIR / "pagedserve-ray.service"
+RAY_DROP_IN_PATH = SYSTEMD_DIR / "pagedserve-ray.conf"
+
+
+def test_ray_node_unit_runs_ray_in_the_foreground_in_a_sandbox():
+    settings = service_settings(RAY_UNIT_PATH)
+    (exec_start,) = settings["ExecStart"]
+    assert "/ray start --block " in exec_start and "$RAY_START_ARGS" in exec_start
+    assert settings["User"] == service_settings(UNIT_PATH)["User"]  # one user: shared sockets
+    assert settings["NoNewPrivileges"] == ["yes"]
+    assert settings["ProtectSystem"] == ["strict"]
+    assert settings["CapabilityBoundingSet"] == [""]
+    # The engine's sockets (the server's runtime directory) and ring (the host's /dev/shm).
+    assert settings["ReadWritePaths"] == ["-/run/pagedserve"]
+    assert settings["PrivateDevices"] == ["no"] and settings["DevicePolicy"] == ["closed"]
+
+
+def test_server_drop_in_for_ray_shares_dev_shm_and_needs_the_node():
+    settings = service_settings(RAY_DROP_IN_PATH)
+    assert settings["PrivateDevices"] == ["no"] and settings["DevicePolicy"] == ["closed"]
+    text = RAY_DROP_IN_PATH.read_text()
+    assert "Requires=pagedserve-ray.service" in text and "After=pagedserve-ray.service" in text
+
+
+def test_systemd_analyze_rates_the_ray_node_unit_below_the_limit():
+    exposure, _ = security_report(str(RAY_UNIT_PATH))
+    assert exposure < MAX_EXPOSURE
