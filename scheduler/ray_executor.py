@@ -14,7 +14,8 @@ worker process (``gpu_worker/worker_process.py``)::
 
 Ranks on the scheduler's node come first; the ranks meet at a TCP store on rank 0's
 host. A rank's device is its bundle's GPU (Ray sets ``CUDA_VISIBLE_DEVICES``: ``cuda:0``
-inside the actor). The engine's ``PAGEDSERVE_*`` environment travels to the actors.
+inside the actor). The engine's ``PAGEDSERVE_*`` environment and its ``OMP_NUM_THREADS`` (or
+its absence: Ray would set one thread) travel to the actors.
 
 Liveness: an actor's ``run`` returns when its worker ends (0: the plans stopped; 1: it
 failed and said why), and a killed actor's ``run`` fails with Ray's error. A thread waits
@@ -47,8 +48,10 @@ from pagedserve.scheduler.serialization import encode
 PLACEMENT_TIMEOUT_S = 60.0
 # The watcher thread's wait on the actors, between looks at whether to stop.
 _WATCH_SLICE_S = 0.5
-# Environment the actors get from the engine: the engine's own switches.
-_FORWARDED_ENV_PREFIXES = ("PAGEDSERVE_", "OMP_NUM_THREADS")
+# Environment the actors get from the engine: the engine's own switches, and its
+# OMP_NUM_THREADS under another name (RayWorker.run).
+_FORWARDED_ENV_PREFIXES = ("PAGEDSERVE_",)
+_ENGINE_OMP_ENV = "PAGEDSERVE_ENGINE_OMP_NUM_THREADS"
 
 
 class RayWorker:
@@ -66,6 +69,14 @@ class RayWorker:
 
     def run(self, start_frame: bytes) -> int:
         """The worker's main until it ends; its exit code (0 or 1)."""
+        # Ray sets OMP_NUM_THREADS to the actor's one CPU where the engine's environment
+        # left it unset: a CPU rank would compute on one core. The engine's own value, or
+        # none (the worker then divides the host's cores among its ranks, as a local one).
+        engine_value = os.environ.pop(_ENGINE_OMP_ENV, "")
+        if engine_value:
+            os.environ["OMP_NUM_THREADS"] = engine_value
+        else:
+            os.environ.pop("OMP_NUM_THREADS", None)
         from pagedserve.gpu_worker.worker_process import main
 
         try:
@@ -98,12 +109,13 @@ class RayWorkers:
             for name, value in os.environ.items()
             if name.startswith(_FORWARDED_ENV_PREFIXES)
         }
+        env[_ENGINE_OMP_ENV] = os.environ.get("OMP_NUM_THREADS", "")
         ray.init(
             address=address,
             namespace="pagedserve",
             log_to_driver=False,
             configure_logging=False,
-            runtime_env={"env_vars": env} if env else None,
+            runtime_env={"env_vars": env},
         )
         self.driver_node_id = ray.get_runtime_context().get_node_id()
         self.driver_ip = _node_addresses()[self.driver_node_id]

@@ -1,9 +1,9 @@
 """Offline throughput through Ray's executor against the local one, on one node: the same
 engine, model and ShareGPT-like trace (tools/traces.py, as bench_offline.py draws it), its
 workers once as processes of this host (``distributed_executor_backend="mp"``) and once as
-Ray actors on the running Ray cluster (``"ray"``), runs alternating, each cold (the prefix
-cache emptied first). What it measures is what the executor costs: plans, results and the
-actors' placement; the model's work is the same.
+Ray actors on the running Ray cluster (``"ray"``), one engine at a time, runs alternating,
+each cold (the prefix cache emptied first) after a warm-up. What it measures is what the
+executor costs: plans, results and the actors' placement; the model's work is the same.
 
 Start Ray on this host first, then::
 
@@ -60,21 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
     requests = make_trace(args.trace, args.num_requests, 0, args.max_len, vocab_size)
     warmup = make_trace(args.trace, 4, 1, args.max_len // 2, vocab_size)
-    engines = {backend: load(args, backend) for backend in ("mp", "ray")}
-    runs: dict[str, list[EngineRun]] = {backend: [] for backend in engines}
-    try:
-        for llm in engines.values():
-            run_pagedserve(llm, warmup)
-        for repeat in range(args.repeats):
-            # Alternating, so that the machine's drift touches both alike.
-            order = ("mp", "ray") if repeat % 2 == 0 else ("ray", "mp")
-            for backend in order:
-                run = run_pagedserve(engines[backend], requests)
-                runs[backend].append(run)
-                print(f"{backend}: {run.tokens_per_s:.1f} output tok/s", file=sys.stderr)
-    finally:
-        for llm in engines.values():
-            llm.shutdown()
+    runs: dict[str, list[EngineRun]] = {"mp": [], "ray": []}
+    for repeat in range(args.repeats):
+        # Alternating, so that the machine's drift touches both alike; one engine at a time
+        # (on two cores a second one's workers would take the first's).
+        for backend in ("mp", "ray") if repeat % 2 == 0 else ("ray", "mp"):
+            llm = load(args, backend)
+            try:
+                run_pagedserve(llm, warmup)
+                run = run_pagedserve(llm, requests)
+            finally:
+                llm.shutdown()
+            runs[backend].append(run)
+            print(f"{backend}: {run.tokens_per_s:.1f} output tok/s", file=sys.stderr)
     rates = {backend: [run.tokens_per_s for run in backend_runs] for backend, backend_runs in
              runs.items()}  # fmt: skip
     report: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""A bounded soak: 40 s of mixed traffic from 16 client threads against one server, on
+"""A bounded soak: 20 s of mixed traffic from 16 client threads against one server, on
 127.0.0.1 only, over both APIs. Each call is one of: a stream read to its end, a whole
 result, a stream cancelled part-way, a call whose deadline passes, bad input, parallel
 samples with a stop string, beam search (gRPC); a streamed or whole completion, a client
@@ -25,13 +25,13 @@ import pytest
 from pagedserve.scheduler.fault_injection import ENVIRONMENT_VARIABLE
 from pagedserve.v1 import generation_pb2 as pb
 
-SOAK_S = 40.0
+SOAK_S = 20.0
 NUM_CLIENTS = 16
 # What a call can end in; each must come MIN_PER_KIND times, so that a kind of call that
 # stopped running fails the soak (one that fails does at once). The clients draw their calls
 # from seeded generators: which calls come is fixed, only how many varies. By each client's
 # 12th call every outcome has come twice (the rarest: background_cancel and
-# background_resume); a client makes over 100 calls in 40 s on a 2-core machine.
+# background_resume); a client makes over 50 calls in 20 s on a 2-core machine.
 OUTCOMES = (
     "stream", "whole", "cancel", "cancel_unread", "deadline", "bad", "samples_stop", "beams",
     "http_stream", "http_whole", "http_disconnect", "http_bad",
