@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.async_engine import RequestStream
@@ -53,6 +52,7 @@ from pagedserve.frontend.grpc_convert import (
     whole_response,
 )
 from pagedserve.frontend.openai_calls import OpenAiCalls
+from pagedserve.frontend.reflection_services import add_reflection
 from pagedserve.frontend.request_contract import check_id_text, check_output_room, decode_json
 from pagedserve.frontend.server import MAX_MESSAGE_BYTES
 from pagedserve.frontend.tool_calls import Tool
@@ -623,9 +623,7 @@ class GrpcApi:
         self._health = health.aio.HealthServicer()
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(server), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc
-        )
+        add_reflection(self._grpc, (SERVICE_NAME, health.SERVICE_NAME))
         server.on_serving(self._set_serving)
 
     def bind(self) -> int:

@@ -719,7 +719,8 @@ class HttpApi:
     async def _metrics(self, request: web.Request) -> web.Response:
         # It asks the engine over this very loop: render it on another thread.
         loop = asyncio.get_running_loop()
-        text, content_type = await loop.run_in_executor(None, self._server.metrics.render)
+        accept = request.headers.get("Accept")
+        text, content_type = await loop.run_in_executor(None, self._server.metrics.render, accept)
         response = web.Response(body=text)
         response.headers["Content-Type"] = content_type
         return response

@@ -385,6 +385,8 @@ class LLM(PoolingCalls):
         )
         self.dtype = args.dtype
         self.block_size = args.block_size
+        # Whether full blocks of each prompt stay cached for later requests' hits.
+        self.enable_prefix_caching = enable_prefix_caching
         self.scheduler_config = scheduler_config
         self._request_counter = itertools.count()
         # Bytes per block are one rank's: each tensor-parallel rank holds its own heads.

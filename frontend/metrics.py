@@ -32,15 +32,14 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
     start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from pagedserve.frontend.outputs import EmbeddingRequestOutput
@@ -304,10 +303,13 @@ class ServerMetrics:
         self._http_server, _thread = start_http_server(port, host, registry=self.registry)
         return self._http_server.server_port
 
-    def render(self) -> tuple[bytes, str]:
-        """The text exposition and its content type. It blocks while it asks the engine
-        (see ``attach_engine``): call it off the event loop."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition and its content type, in the format the ``Accept`` header asks
+        (OpenMetrics for ``application/openmetrics-text``, else Prometheus text), as the
+        metrics port's own server chooses it. It blocks while it asks the engine (see
+        ``attach_engine``): call it off the event loop."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
 
     def close(self) -> None:
         if self._http_server is not None:

@@ -14,8 +14,9 @@ completion body (``openai_protocol.parse_request`` checks and renders it as it d
   keeps a response for that and for ``GET``, in this server's memory, the most recent
   ``ResponseStore.capacity`` of them (a replica does not see another's).
 - Streams (``"stream": true``) send OpenAI's typed events (``response.created``, ...,
-  ``response.output_text.delta``, ..., ``response.completed``), each ``event: <type>``
-  with its JSON and a ``sequence_number``.
+  ``response.output_text.delta``, ..., ``response.completed``, or ``response.incomplete``
+  for a response cut by ``max_output_tokens``), each ``event: <type>`` with its JSON and a
+  ``sequence_number``.
 - ``background`` (with ``store``): the call answers at once with the response ``queued``;
   it runs on (``in_progress``) and ends ``completed``, ``incomplete``, ``failed`` (with its
   ``error``) or ``cancelled`` (``POST /v1/responses/{id}/cancel``), which ``GET`` reads

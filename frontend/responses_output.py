@@ -44,7 +44,6 @@ def _base(call: ResponsesCall, api_request: ApiRequest, status: str, output: lis
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": body.get("previous_response_id"),
         "reasoning": body.get("reasoning"),
-        "store": call.store,
         "temperature": body.get("temperature"),
         "text": {"format": text_format},
         "tool_choice": body.get("tool_choice", "auto"),
@@ -67,9 +66,14 @@ def _usage(api_request: ApiRequest, output: RequestOutput, llm: LLM) -> dict:
         if reasoning is None
         else reasoning.num_reasoning_tokens(completion.token_ids, completion.text, llm.tokenizer)
     )
+    cached = output.num_cached_tokens
+    # Written to the prefix cache: the prompt's full blocks this call computed (the
+    # others came from the cache); none without prefix caching.
+    whole_blocks = input_tokens // llm.block_size * llm.block_size
+    cache_write = max(0, whole_blocks - cached) if llm.enable_prefix_caching else 0
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": cache_write},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
@@ -124,6 +128,22 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
         "arguments": arguments,
         "status": status,
     }
+
+
+def _event_logprobs(logprobs: list | None) -> list:
+    """The text events' logprobs: OpenAI's text delta and done events carry each token's
+    ``token``, ``logprob`` and ``top_logprobs`` without the ``bytes`` the output part has."""
+    return [
+        {
+            "token": entry["token"],
+            "logprob": entry["logprob"],
+            "top_logprobs": [
+                {"token": top["token"], "logprob": top["logprob"]}
+                for top in entry.get("top_logprobs", [])
+            ],
+        }
+        for entry in logprobs or []
+    ]
 
 
 def _logprobs(api_request: ApiRequest, token_ids, entries, texts: TokenTexts) -> list | None:
@@ -233,9 +253,14 @@ class ResponseStream:
                 response, self._request, output, self._reader.finish_reason(reason), self._llm
             )
             self.response = response
-            # "response.completed" also when the status is "incomplete" (out of tokens), as
-            # vLLM sends it: OpenAI's SDK waits for this event to hand over the response.
-            events.append(self._event("response.completed", response=copy.deepcopy(response)))
+            # OpenAI's last event: response.incomplete when the output ran out of tokens
+            # (its SDK's stream helper then hands over no final response, as with OpenAI).
+            last = (
+                "response.incomplete"
+                if response["status"] == "incomplete"
+                else "response.completed"
+            )
+            events.append(self._event(last, response=copy.deepcopy(response)))
             self._ended = True
         return events
 
@@ -273,7 +298,7 @@ class ResponseStream:
                     output_index=index,
                     content_index=0,
                     delta=text,
-                    logprobs=logprobs or [],
+                    logprobs=_event_logprobs(logprobs),
                 )  # fmt: skip
             )
         return events
@@ -329,7 +354,7 @@ class ResponseStream:
                 events += [
                     self._event(
                         "response.output_text.done", item_id=item_id, output_index=index,
-                        content_index=0, text=text, logprobs=logprobs or [],
+                        content_index=0, text=text, logprobs=_event_logprobs(logprobs),
                     ),
                     self._event(
                         "response.content_part.done", item_id=item_id, output_index=index,

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from helpers.http_calls import get
+from helpers.openai_shapes import assert_openai_shape
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
 from pagedserve.frontend import LLM, PoolingParams
 from pagedserve.frontend.chat_template import ChatTemplateOptions
@@ -99,6 +100,7 @@ def test_raw_bodies_token_ids_base64_and_vllm_fields(server, offline):
     status, answer = post(server, {"input": TOKEN_IDS[0], "normalize": False})
     raw = offline.embed(TOKEN_IDS[0], PoolingParams(normalize=False))[0].outputs.embedding
     assert status == 200 and close(answer["data"][0]["embedding"], raw)
+    assert_openai_shape("embeddings", answer)  # exactly the openai SDK's type, strictly
     # vLLM's truncate_prompt_tokens keeps a prompt's last tokens.
     status, answer = post(server, {"input": TOKEN_IDS[1] + [9, 9], "truncate_prompt_tokens": 3})
     tail = offline.embed([[7, 9, 9]])[0].outputs.embedding

@@ -313,6 +313,32 @@ def test_model_info_health_and_reflection(server, server_model_dir):
     )
     names = {s.name for s in reply.list_services_response.service}
     assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
+    # grpc.reflection.v1, as grpcurl asks: the same messages under v1's package name (the
+    # same bytes, so v1alpha's classes encode them), listing and describing the services.
+    v1 = server.channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    listed, described = v1(
+        iter(
+            [
+                reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="grpc.reflection.v1.ServerReflection"
+                ),
+            ]
+        )
+    )
+    v1_names = {s.name for s in listed.list_services_response.service}
+    assert {
+        "pagedserve.v1.Generation",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= v1_names
+    (file_bytes,) = described.file_descriptor_response.file_descriptor_proto
+    assert b"grpc.reflection.v1" in file_bytes and b"v1alpha" not in file_bytes
 
 
 def scrape(server) -> dict[str, float]:

@@ -22,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from helpers.http_calls import get, post, sse_events
+from helpers.openai_shapes import assert_openai_shape
 from helpers.processes import wait_until
 from helpers.server_process import SERVED_MODEL_NAME
 from pagedserve.frontend import LLM, SamplingParams
@@ -812,6 +813,62 @@ def test_both_apis_share_one_engine_and_the_metrics(server, client, offline):
     assert sse_events(server, "/v1/completions", body)[-1] == "[DONE]"
     stats = server.stats()
     assert stats.requests_finished == finished_before + 1 and stats.requests_running == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"logprobs": True, "top_logprobs": 2, "n": 2, "stop": ["."], "seed": 3}],
+    ids=["plain", "logprobs-n-stop-seed"],
+)
+def test_chat_and_completion_bodies_and_chunks_are_exactly_openai_s(server, fields):
+    # Every body and stream chunk validated strictly against the openai SDK's own types,
+    # no field they do not declare (tests/helpers/openai_shapes.py).
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": 5, **fields}
+    status, body = post(server, "/v1/chat/completions", chat)
+    assert status == 200, body
+    assert_openai_shape("chat.completion", body)
+    stream = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+    events = sse_events(server, "/v1/chat/completions", stream)
+    assert events[-1] == "[DONE]" and events[-2]["usage"] is not None
+    for chunk in events[:-1]:
+        assert_openai_shape("chat.completion.chunk", chunk)
+    completion_fields = {
+        name: value for name, value in fields.items() if name not in ("logprobs", "top_logprobs")
+    }
+    if "logprobs" in fields:
+        completion_fields["logprobs"] = fields["top_logprobs"]
+    completion = {"model": SERVED_MODEL_NAME, "prompt": "Hi", "max_tokens": 5,
+                  **completion_fields}  # fmt: skip
+    status, body = post(server, "/v1/completions", completion)
+    assert status == 200, body
+    assert_openai_shape("text_completion", body)
+    events = sse_events(server, "/v1/completions", {**completion, "stream": True})
+    for chunk in events[:-1]:
+        assert_openai_shape("text_completion.chunk", chunk)
+
+
+def test_both_ports_negotiate_the_metrics_format_alike(server):
+    # The HTTP port's /metrics answers each Accept as the metrics port (prometheus_client's
+    # own server) does: OpenMetrics when asked for, Prometheus text otherwise.
+    def scrape(port: int, accept: str | None) -> tuple[str, str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+        if accept is not None:
+            request.add_header("Accept", accept)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.headers["Content-Type"], response.read().decode()
+
+    for accept, media_type in (
+        (None, "text/plain; version=0.0.4"),
+        ("text/plain", "text/plain; version=0.0.4"),
+        ("application/openmetrics-text; version=1.0.0", "application/openmetrics-text"),
+    ):
+        http_type, http_text = scrape(server.http_port, accept)
+        metrics_type, metrics_text = scrape(server.metrics_port, accept)
+        assert http_type == metrics_type and http_type.startswith(media_type), (accept, http_type)
+        openmetrics = media_type.startswith("application/openmetrics-text")
+        assert http_text.rstrip().endswith("# EOF") == openmetrics
+        assert "pagedserve_requests" in http_text and "pagedserve_requests" in metrics_text
 
 
 def test_a_client_that_disconnects_mid_stream_ends_its_request(server):

@@ -166,7 +166,8 @@ def test_a_stopped_worker_makes_the_server_unhealthy_then_ends_it(start_server):
     )  # fmt: skip
     (worker,) = server.worker_pids()
     engine_pids = server.engine_pids()
-    request = token_request([5, 6], greedy(500))
+    # Long enough to be mid-stream at each stop (two stall timeouts of 2 s).
+    request = token_request([5, 6], greedy(250))
     expected = tokens_of(server.stub.GenerateStream(request))
 
     # Stopped, then continued before the exit timeout: unhealthy, then serving again, and

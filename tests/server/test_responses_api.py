@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from helpers.http_calls import get, post, typed_events
+from helpers.openai_shapes import assert_openai_shape
 from helpers.processes import wait_until
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess, serving
 from helpers.tool_calls import TOOL_TEMPLATE, WEATHER
@@ -56,13 +57,11 @@ def chat(client, messages: list[dict], max_tokens: int, **fields):
 
 
 def without_ids(value):
-    """A response without what differs between two runs (ids, times, prefix-cache hits)."""
+    """A response without what differs between two runs (ids, times, prefix-cache hits and
+    writes)."""
+    varying = ("id", "item_id", "created_at", "call_id", "cached_tokens", "cache_write_tokens")
     if isinstance(value, dict):
-        return {
-            k: without_ids(v)
-            for k, v in value.items()
-            if k not in ("id", "item_id", "created_at", "call_id", "cached_tokens")
-        }
+        return {k: without_ids(v) for k, v in value.items() if k not in varying}
     if isinstance(value, list):
         return [without_ids(v) for v in value]
     return value
@@ -105,7 +104,7 @@ def test_a_stream_adds_up_to_the_whole_response(server, client):
     ]  # fmt: skip
     assert kinds[-4:] == [
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        "response.completed",
+        last_event_type(whole),
     ]  # fmt: skip
     assert events[0]["response"]["status"] == "in_progress"
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
@@ -113,12 +112,33 @@ def test_a_stream_adds_up_to_the_whole_response(server, client):
     assert deltas == final["output"][0]["content"][0]["text"]
     assert without_ids(final) == without_ids(whole)
     assert events[2]["item"]["id"] == final["output"][0]["id"]  # the item's id throughout
-    # OpenAI's stream helper assembles the same response.
+    # OpenAI's stream helper assembles the same response, in its last event.
     with client.responses.stream(**body) as stream:
-        for _event in stream:
-            pass
-        assembled = stream.get_final_response()
-    assert assembled.output_text == deltas
+        *_, last = stream
+    assert last.type == kinds[-1] and last.response.output_text == deltas
+
+
+@pytest.mark.parametrize("max_output_tokens", [2, 40])
+def test_bodies_and_events_are_exactly_openai_s(server, max_output_tokens):
+    # Cut by max_output_tokens (incomplete, the stream ending in response.incomplete) and
+    # longer: the body and every event validated strictly against the openai SDK's types.
+    body = {"model": SERVED_MODEL_NAME, "input": "Hi", "max_output_tokens": max_output_tokens,
+            "top_logprobs": 2, **GREEDY}  # fmt: skip
+    status, whole = post(server, "/v1/responses", body)
+    assert status == 200, whole
+    assert_openai_shape("response", whole)
+    assert whole["usage"]["input_tokens_details"].keys() == {"cached_tokens", "cache_write_tokens"}
+    events = typed_events(server, body)
+    for event in events:
+        assert_openai_shape("response event", event)
+    assert events[-1]["type"] == last_event_type(whole)
+    if max_output_tokens == 2:
+        assert whole["status"] == "incomplete"
+
+
+def last_event_type(response: dict) -> str:
+    """How OpenAI ends a response's stream: response.incomplete when it was cut short."""
+    return "response.incomplete" if response["status"] == "incomplete" else "response.completed"
 
 
 def test_stored_responses_continue_are_read_back_and_deleted(client):
@@ -405,7 +425,7 @@ def test_a_streamed_background_response_is_read_again_from_any_event(server):
             "background": True, **GREEDY}  # fmt: skip
     events = typed_events(server, body)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["type"] == last_event_type(events[-1]["response"])
     response_id = events[0]["response"]["id"]
     assert get_events(server, f"/v1/responses/{response_id}?stream=true") == events
     again = get_events(server, f"/v1/responses/{response_id}?stream=true&starting_after=3")
@@ -455,7 +475,7 @@ def test_a_lost_background_stream_runs_on_and_resumes(server):
     rest = get_events(server, f"/v1/responses/{response_id}?stream=true&starting_after=2")
     whole = first + rest
     assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
-    assert whole[-1]["type"] == "response.completed"
+    assert whole[-1]["type"] == last_event_type(whole[-1]["response"])
     deltas = "".join(e["delta"] for e in whole if e["type"] == "response.output_text.delta")
     status, stored = get(server, f"/v1/responses/{response_id}")
     final = json.loads(stored)
