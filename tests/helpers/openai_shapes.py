@@ -14,6 +14,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 from openai.types.completion_choice import CompletionChoice
 from openai.types.create_embedding_response import CreateEmbeddingResponse
+from openai.types.model import Model
 from openai.types.responses import Response, ResponseStreamEvent
 
 
@@ -35,33 +36,39 @@ SHAPES: dict[str, Any] = {
     "text_completion": Completion,
     "text_completion.chunk": CompletionChunk,
     "embeddings": CreateEmbeddingResponse,
+    "model": Model,
     "response": Response,
     "response event": ResponseStreamEvent,
 }
 
 
-# vLLM's additions that its users read, and so pagedserve's (docs/openai_api.md, "vLLM's
-# fields"): the only fields allowed beyond OpenAI's, by path (list indices as []).
-VLLM_FIELDS = {
+# The only fields allowed beyond OpenAI's, by path (list indices as []): vLLM's additions,
+# which its users read, and pagedserve's vocab_size, which load generators draw token ids
+# below (docs/openai_api.md).
+EXTENSION_FIELDS = {
     "chat.completion.choices[].stop_reason",
     "chat.completion.chunk.choices[].stop_reason",
     "text_completion.choices[].stop_reason",
     "text_completion.chunk.choices[].stop_reason",
     "embeddings.id",
     "embeddings.created",
+    "model.root",
+    "model.parent",
+    "model.max_model_len",
+    "model.vocab_size",
 }
 
 
 def assert_openai_shape(kind: str, body: Any) -> None:
     """``body`` (decoded JSON) is exactly a ``SHAPES[kind]`` of the SDK: it validates
-    strictly and has no field the SDK's types do not declare, but ``VLLM_FIELDS``."""
+    strictly and has no field the SDK's types do not declare, but ``EXTENSION_FIELDS``."""
     adapter = pydantic.TypeAdapter(SHAPES[kind])
     try:
         value = adapter.validate_python(body, strict=True)
     except pydantic.ValidationError as error:
         raise AssertionError(f"not an openai {kind}: {error}\n{body}") from None
     extras = [path for path in _extras(value, kind) if re.sub(r"\[\d+\]", "[]", path)
-              not in VLLM_FIELDS]  # fmt: skip
+              not in EXTENSION_FIELDS]  # fmt: skip
     assert not extras, f"fields the openai SDK's {kind} does not have: {extras}\n{body}"
 
 

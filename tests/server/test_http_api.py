@@ -833,6 +833,11 @@ def test_chat_and_completion_bodies_and_chunks_are_exactly_openai_s(server, fiel
     assert events[-1] == "[DONE]" and events[-2]["usage"] is not None
     for chunk in events[:-1]:
         assert_openai_shape("chat.completion.chunk", chunk)
+    status, models = get(server, "/v1/models")
+    models = json.loads(models)
+    assert status == 200 and models.keys() == {"object", "data"} and models["object"] == "list"
+    for model in models["data"]:
+        assert_openai_shape("model", model)
     completion_fields = {
         name: value for name, value in fields.items() if name not in ("logprobs", "top_logprobs")
     }
