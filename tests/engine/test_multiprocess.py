@@ -29,7 +29,7 @@ from helpers.engine_processes import (
     DEATH_NOTICED_WITHIN_S,
     LONG,
     assert_engine_gone,
-    generate_in_thread,
+    kill_mid_generation,
     live_schedulers,
 )
 from helpers.processes import is_live, live_children, stat_fields, wait_until
@@ -172,14 +172,7 @@ def test_worker_killed_mid_generation_fails_every_request_and_leaves_nothing(
     engine = llm.engine
     scheduler_pid, worker_pids = engine.scheduler_pid, engine.worker_pids
     ring = engine._process.ring_name
-    thread, outcome, started = generate_in_thread(llm, [[i + 1] * 8 for i in range(16)], LONG, 5)
-    assert started.wait(60) and "ended_s" not in outcome, "generate ended before the kill"
-    killed_s = time.monotonic()
-    os.kill(worker_pids[0], signal.SIGKILL)
-    thread.join(DEATH_NOTICED_WITHIN_S + 5)
-    assert not thread.is_alive(), "generate hangs after the worker died"
-    assert outcome["ended_s"] - killed_s < DEATH_NOTICED_WITHIN_S
-    error = outcome["error"]
+    error = kill_mid_generation(llm, worker_pids[0])
     assert isinstance(error, EngineDeadError), error
     assert (
         f"worker rank 0 (pid {worker_pids[0]}) died with exit code -9 (killed by SIGKILL)"
@@ -227,14 +220,7 @@ def test_scheduler_killed_mid_generation_takes_its_workers_along(tiny_model_dirs
     engine = llm.engine
     scheduler_pid, worker_pids = engine.scheduler_pid, engine.worker_pids
     ring = engine._process.ring_name
-    thread, outcome, started = generate_in_thread(llm, [[i + 1] * 8 for i in range(16)], LONG, 5)
-    assert started.wait(60) and "ended_s" not in outcome, "generate ended before the kill"
-    killed_s = time.monotonic()
-    os.kill(scheduler_pid, signal.SIGKILL)
-    thread.join(DEATH_NOTICED_WITHIN_S + 5)
-    assert not thread.is_alive(), "generate hangs after the scheduler died"
-    assert outcome["ended_s"] - killed_s < DEATH_NOTICED_WITHIN_S
-    error = outcome["error"]
+    error = kill_mid_generation(llm, scheduler_pid)
     assert isinstance(error, EngineDeadError), error
     assert f"scheduler process (pid {scheduler_pid}) died with exit code -9" in str(error)
     # The worker dies with its parent (PR_SET_PDEATHSIG), the frontend removes the ring.

@@ -9,19 +9,11 @@ Slow (a Ray cluster and an actor a rank): ``make test-quick`` leaves it out.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import time
 
 import pytest
 
-from helpers.engine_processes import (
-    DEATH_NOTICED_WITHIN_S,
-    LONG,
-    assert_engine_gone,
-    generate_in_thread,
-)
+from helpers.engine_processes import assert_engine_gone, kill_mid_generation
 from helpers.parity import EMBEDDED_PROMPTS, random_prompts
 from helpers.processes import is_live, wait_until
 from helpers.ray_cluster import RayCluster
@@ -97,14 +89,7 @@ def test_the_remote_rank_killed_ends_every_request_naming_node_and_rank(tiny_mod
     engine = llm.engine
     scheduler_pid, worker_pids = engine.scheduler_pid, engine.worker_pids
     ring = engine._process.ring_name
-    thread, outcome, started = generate_in_thread(llm, [[i + 1] * 8 for i in range(16)], LONG, 5)
-    assert started.wait(60) and "ended_s" not in outcome, "generate ended before the kill"
-    killed_s = time.monotonic()
-    os.kill(worker_pids[1], signal.SIGKILL)  # rank 1: the actor on the other node
-    thread.join(DEATH_NOTICED_WITHIN_S + 5)
-    assert not thread.is_alive(), "generate hangs after the remote rank died"
-    assert outcome["ended_s"] - killed_s < DEATH_NOTICED_WITHIN_S
-    error = outcome["error"]
+    error = kill_mid_generation(llm, worker_pids[1])  # rank 1: the actor on the other node
     assert isinstance(error, EngineDeadError), error
     assert re.search(
         rf"worker rank 1 \(pid {worker_pids[1]}\) on node [\d.]+ \(\w+, plans over TCP\) "

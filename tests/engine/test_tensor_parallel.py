@@ -10,17 +10,14 @@ have no near-ties (``helpers.tiny_models.make_tiny_model``).
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers.engine_processes import (
-    DEATH_NOTICED_WITHIN_S,
-    LONG,
     assert_engine_gone,
-    generate_in_thread,
+    kill_mid_generation,
     live_schedulers,
 )
 from helpers.parity import GREEDY as HF_LENGTH_GREEDY
@@ -106,14 +103,7 @@ def test_rank_1_killed_mid_generation_fails_every_request_naming_it(tiny_model_d
     engine = llm.engine
     scheduler_pid, worker_pids = engine.scheduler_pid, engine.worker_pids
     ring = engine._process.ring_name
-    thread, outcome, started = generate_in_thread(llm, [[i + 1] * 8 for i in range(16)], LONG, 5)
-    assert started.wait(60) and "ended_s" not in outcome, "generate ended before the kill"
-    killed_s = time.monotonic()
-    os.kill(worker_pids[1], signal.SIGKILL)
-    thread.join(DEATH_NOTICED_WITHIN_S + 5)
-    assert not thread.is_alive(), "generate hangs after rank 1 died"
-    assert outcome["ended_s"] - killed_s < DEATH_NOTICED_WITHIN_S
-    error = outcome["error"]
+    error = kill_mid_generation(llm, worker_pids[1])
     assert isinstance(error, EngineDeadError), error
     # Rank 0 fails too, in its next collective; the cause named is the rank that died.
     assert (

@@ -4,6 +4,7 @@ call on a thread to kill a process under, and the check that an ended engine lef
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -75,3 +76,17 @@ def generate_in_thread(llm: LLM, prompts, params, after_steps: int):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, outcome, started
+
+
+def kill_mid_generation(llm: LLM, pid: int) -> BaseException:
+    """SIGKILL ``pid`` (a worker, an actor or the scheduler) a few steps into a long
+    ``generate`` of 16 requests; the error that ``generate`` ended with, which it must do
+    within ``DEATH_NOTICED_WITHIN_S`` of the kill."""
+    thread, outcome, started = generate_in_thread(llm, [[i + 1] * 8 for i in range(16)], LONG, 5)
+    assert started.wait(60) and "ended_s" not in outcome, "generate ended before the kill"
+    killed_s = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(DEATH_NOTICED_WITHIN_S + 5)
+    assert not thread.is_alive(), f"generate hangs after pid {pid} died"
+    assert outcome["ended_s"] - killed_s < DEATH_NOTICED_WITHIN_S
+    return outcome["error"]

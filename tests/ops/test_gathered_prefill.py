@@ -116,6 +116,14 @@ def _flash_in_float64(query, keys, values, plan, scale, sliding_window):
     return out.to(query.dtype)
 
 
+def _reference(case, query, q_lens, scale, sliding_window=0):
+    """The float64 reference of the prefill tokens ``query`` of the sequences in ``case``."""
+    return reference.attention(
+        query, case.key_cache, case.value_cache, case.block_tables, query_start_loc(q_lens),
+        case.seq_lens, scale, sliding_window=sliding_window,
+    )  # fmt: skip
+
+
 def _packed(case, query, q_lens, tables, scale, sliding_window=0, key_cache=None, value_cache=None):
     plan = PrefillPlan(
         tables,
@@ -152,15 +160,7 @@ def test_packed_layout_gives_the_reference_attention(dtype, layout, monkeypatch)
     case = paged_case(seq_lens, num_kv_heads, 16, 64, dtype, generator)
     query, _, _ = fused_qkv(sum(q_lens), num_heads, num_kv_heads, 64, dtype, generator)
     out = _packed(case, query, q_lens, case.block_tables.numpy(), 0.125)
-    expected = reference.attention(
-        query,
-        case.key_cache,
-        case.value_cache,
-        case.block_tables,
-        query_start_loc(q_lens),
-        case.seq_lens,
-        0.125,
-    )
+    expected = _reference(case, query, q_lens, 0.125)
     torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
 
 
@@ -175,16 +175,7 @@ def test_packed_layout_reads_freed_positions_as_zeros(monkeypatch):
     seq_lens = [p + q for p, q in zip(prior, q_lens)]
     case = paged_case(seq_lens, 2, block_size, 64, torch.bfloat16, generator)
     query, _, _ = fused_qkv(sum(q_lens), 4, 2, 64, torch.bfloat16, generator)
-    expected = reference.attention(
-        query,
-        case.key_cache,
-        case.value_cache,
-        case.block_tables,
-        query_start_loc(q_lens),
-        case.seq_lens,
-        0.125,
-        sliding_window=window,
-    )
+    expected = _reference(case, query, q_lens, 0.125, window)
     tables = case.block_tables.numpy().copy()
     for seq, first_query in enumerate(prior):
         tables[seq, : max(0, first_query - window + 1) // block_size] = NULL_BLOCK
