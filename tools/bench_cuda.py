@@ -207,13 +207,15 @@ def prefill_case(
         ),
         iterations=10,
     )  # fmt: skip
-    plan = plan_gathered_prefill(
+    # The step's sequences as the engine plans them (once per step, shared by its layers).
+    host = (
         block_tables.cpu().numpy(),
         np.full(batch, prompt_len, dtype=np.int32),
         seq_lens.cpu().numpy(),
         args.block_size,
         query.device,
     )
+    plan = plan_gathered_prefill(*host)
     out = torch.empty_like(query)
     gathered_ms = time_ms(
         lambda: gathered_prefill_attention(query, key_cache, value_cache, plan, scale, out),
@@ -221,13 +223,7 @@ def prefill_case(
     )
     varlen_ms = None
     if flash_varlen_available() and dtype != torch.float32:
-        packed = plan_packed_prefill(
-            block_tables.cpu().numpy(),
-            np.full(batch, prompt_len, dtype=np.int32),
-            seq_lens.cpu().numpy(),
-            args.block_size,
-            query.device,
-        )
+        packed = plan_packed_prefill(*host)
         varlen_ms = time_ms(
             lambda: packed_prefill_attention(query, key_cache, value_cache, packed, scale, out),
             iterations=10,
