@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 .PHONY: run test test-quick lint
 
 # Rebuilt when the build description, the C++ sources or the protos change.
-$(VENV)/.installed: pyproject.toml CMakeLists.txt $(shell find csrc protos -type f 2>/dev/null)
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(shell find csrc -type f 2>/dev/null) \
+		$(shell find protos -name '*.proto' 2>/dev/null)
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	# torch first and pinned: a CPU build of 2.13.0 lies on these machines.
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -26,7 +27,15 @@ test: $(VENV)/.installed
 test-quick: $(VENV)/.installed
 	$(PYTHON) -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
-# Python with ruff; every tracked C++ / CUDA source with clang-format (.clang-format).
-lint: $(VENV)/.installed
+# buf, from the npm registry (its own binary, no Go toolchain), pinned, into .tools/.
+BUF := .tools/node_modules/.bin/buf
+$(BUF):
+	npm install --prefix .tools --no-audit --no-fund --silent @bufbuild/buf@1.75.0
+
+# Python with ruff; every tracked C++ / CUDA source with clang-format (.clang-format); the
+# proto with buf (protos/buf.yaml): its lint, and no breaking change against the previous
+# commit's proto (docs/grpc.md, "Versions").
+lint: $(VENV)/.installed $(BUF)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	git ls-files '*.h' '*.cpp' '*.cu' '*.cuh' | xargs $(VENV)/bin/clang-format --dry-run --Werror
+	cd protos && ../$(BUF) lint && ../$(BUF) breaking --against '../.git#ref=HEAD~1,subdir=protos'
