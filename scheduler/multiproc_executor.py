@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -47,6 +47,9 @@ from pagedserve.scheduler.engine_messages import EngineError, Ready, StartWorker
 from pagedserve.scheduler.messages import StepPlan, StepResult
 from pagedserve.scheduler.serialization import Message, decode, encode
 from pagedserve.scheduler.step_profile import PROFILE
+
+if TYPE_CHECKING:  # imported where used: only the ray backend needs Ray
+    from pagedserve.scheduler.ray_executor import RayWorkers
 
 # A worker that fails sends an EngineError and then exits; its sentinel may fire before
 # the message has crossed the socket, so a dying worker's last word is awaited this long.
@@ -98,8 +101,9 @@ class MultiprocExecutor:
         if backend == "ray":
             from pagedserve.scheduler.ray_executor import RayWorkers
 
-            self._workers = RayWorkers(worker_spec, world_size, ray_address)
-            self._start_ray_workers(worker_spec, f"ipc://{result_path}", ipc_dir)
+            ray_workers = RayWorkers(worker_spec, world_size, ray_address)
+            self._workers = ray_workers
+            self._start_ray_workers(ray_workers, worker_spec, f"ipc://{result_path}", ipc_dir)
         else:
             self._workers = LocalWorkers()
             self._start_local_workers(worker_spec, f"ipc://{result_path}", ipc_dir)
@@ -135,11 +139,9 @@ class MultiprocExecutor:
         ]
         self._workers.start(starts)
 
-    def _start_ray_workers(self, spec: WorkerSpec, result_endpoint: str, ipc_dir: str) -> None:
-        from pagedserve.scheduler.ray_executor import RayWorkers
-
-        workers = self._workers
-        assert isinstance(workers, RayWorkers)
+    def _start_ray_workers(
+        self, workers: RayWorkers, spec: WorkerSpec, result_endpoint: str, ipc_dir: str
+    ) -> None:
         ranks = workers.place()  # ranks on this node first
         local = [rank for rank in ranks if rank.on_driver_node]
         remote = [rank for rank in ranks if not rank.on_driver_node]

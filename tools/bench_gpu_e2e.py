@@ -362,8 +362,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def roofline() -> dict[str, Any]:
         # The bandwidth a device-to-device copy reaches (read + write), as bench_cuda.py
-        # measures it; on a CPU smoke run, the bytes per second of a host tensor copy.
-        bandwidth = copy_gb_s(1 << 30) * 1e9 if on_gpu else _host_copy_bytes_s()
+        # measures it; on a CPU smoke run, a host copy's, as bench_offline.py measures it.
+        if on_gpu:
+            bandwidth = copy_gb_s(1 << 30) * 1e9
+        else:
+            import bench_offline
+
+            bandwidth = bench_offline.measure_memory_gb_s() * 1e9
         weight_bytes, kv_bytes = model_read_bytes(models["hf"])
         return decode_roofline(requests, args.max_num_seqs, weight_bytes, kv_bytes, bandwidth)
 
@@ -416,15 +421,6 @@ def main(argv: list[str] | None = None) -> int:
     summarize(report)
     report.write()
     return 0
-
-
-def _host_copy_bytes_s() -> float:
-    source = torch.ones(1 << 26, dtype=torch.uint8)
-    target = torch.empty_like(source)
-    started = time.perf_counter()
-    for _ in range(4):
-        target.copy_(source)
-    return 2 * 4 * source.numel() / (time.perf_counter() - started)
 
 
 def summarize(report: Report) -> None:

@@ -88,6 +88,8 @@ struct RowLayout {
   __device__ static bool has_vec(int lane_in_row, int v) {
     return lane_in_row + v * kWarpSize < kNumVecs;
   }
+  // Whether a lane holds any of its row (lanes past a short row idle).
+  __device__ static bool lane_active(int lane_in_row) { return lane_in_row < kNumVecs; }
 };
 
 struct DecodeArgs {
@@ -129,6 +131,17 @@ struct UnrollRows {
 // The first position a sequence's decode query (at seq_len - 1) attends to.
 __device__ inline int window_start(const DecodeArgs& args, int seq_len) {
   return args.sliding_window > 0 ? max(0, seq_len - args.sliding_window) : 0;
+}
+
+// The positions [start, end) the partition of a thread block attends to; false when it lies
+// past the sequence's end.
+__device__ inline bool partition_span(const DecodeArgs& args, int seq, int partition, int& start,
+                                      int& end) {
+  const int seq_len = args.seq_lens[seq];
+  start = window_start(args, seq_len) + partition * args.partition_size;
+  if (args.partition_size > 0 && start >= seq_len) return false;
+  end = args.partition_size > 0 ? min(seq_len, start + args.partition_size) : seq_len;
+  return true;
 }
 
 // One warp's view of up to kGroupTile query heads: the lane's query elements and, per head, the
@@ -284,16 +297,14 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   const int num_chunk_heads = min(kGroupTile, args.group_size - first_in_group);
   const int first_head = kv_head * args.group_size + first_in_group;
   const int partition = blockIdx.x;
-  const int seq_len = args.seq_lens[seq];
-  const int start = window_start(args, seq_len) + partition * args.partition_size;
-  if (args.partition_size > 0 && start >= seq_len) return;  // the reduction skips it
-  const int end = args.partition_size > 0 ? min(seq_len, start + args.partition_size) : seq_len;
+  int start, end;
+  if (!partition_span(args, seq, partition, start, end)) return;  // the reduction skips it
 
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const int lane_in_row = lane % Layout::kRowLanes;
-  const int row_in_step = lane / Layout::kRowLanes;
-  const bool lane_active = lane_in_row < Layout::kNumVecs;
+  const int lane_in_row = lane % Layout::kRowLanes;  // which part of a row this lane holds
+  const int row_in_step = lane / Layout::kRowLanes;  // which row of a step
+  const bool lane_active = Layout::lane_active(lane_in_row);
 
   Heads heads;
   heads.start(args, seq, first_head, num_chunk_heads, lane_in_row);
@@ -420,15 +431,13 @@ __global__ void __launch_bounds__(kWideMaxThreads) decode_wide_kernel(const Deco
   const int num_warp_heads = min(kWideGroupTile, args.group_size - first_in_group);  // may be <= 0
   const int first_head = kv_head * args.group_size + first_in_group;
   const int partition = blockIdx.x;
-  const int seq_len = args.seq_lens[seq];
-  const int start = window_start(args, seq_len) + partition * args.partition_size;
-  if (args.partition_size > 0 && start >= seq_len) return;  // the reduction skips it
-  const int end = args.partition_size > 0 ? min(seq_len, start + args.partition_size) : seq_len;
+  int start, end;
+  if (!partition_span(args, seq, partition, start, end)) return;  // the reduction skips it
 
   const int lane = threadIdx.x % kWarpSize;
-  const int lane_in_row = lane % Layout::kRowLanes;
-  const int row_in_step = lane / Layout::kRowLanes;
-  const bool lane_active = lane_in_row < kNumVecs;
+  const int lane_in_row = lane % Layout::kRowLanes;  // which part of a row this lane holds
+  const int row_in_step = lane / Layout::kRowLanes;  // which row of a step
+  const bool lane_active = Layout::lane_active(lane_in_row);
 
   Heads heads;
   heads.start(args, seq, first_head, num_warp_heads, lane_in_row);
