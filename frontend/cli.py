@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[_engine_parser("serve"), api],
         help="serve the gRPC API (protos/pagedserve/v1/generation.proto) and, with "
         "--http-port, the OpenAI-compatible HTTP API",
-        description="Serve pagedserve.v1.Generation, grpc.health.v1.Health and reflection "
+        description="Serve pagedserve.v1.GenerationService, grpc.health.v1.Health and reflection "
         "(and with --http-port the OpenAI-compatible HTTP API: /v1/completions, "
         "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/score, /v1/rerank, "
         "/v1/classify, /v1/models, /health, /metrics). "

@@ -32,6 +32,7 @@ import grpc
 from pagedserve.frontend.grpc_convert import (
     FINISH_REASONS,
     chat_to_proto,
+    queue_time_s,
     sampling_params_to_proto,
 )
 from pagedserve.frontend.outputs import (
@@ -79,7 +80,15 @@ def build_request(
     return request
 
 
-def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) -> RequestOutput:
+def stream_request(request: pb.GenerateRequest) -> pb.GenerateStreamRequest:
+    """``request`` as GenerateStream takes it: the two messages have the same fields and
+    numbers, so its bytes read as the other."""
+    return pb.GenerateStreamRequest.FromString(request.SerializeToString())
+
+
+def apply_response(
+    output: RequestOutput | None, response: pb.GenerateResponse | pb.GenerateStreamResponse
+) -> RequestOutput:
     """Add one response (a whole result, or a stream's message) to ``output``."""
     if output is None:
         output = RequestOutput(response.request_id, None, list(response.prompt_token_ids))
@@ -118,8 +127,7 @@ def apply_response(output: RequestOutput | None, response: pb.GenerateResponse) 
     if response.finished:
         output.finished = True
         output.num_cached_tokens = response.usage.cached_prompt_tokens
-        if response.usage.HasField("queue_time_s"):
-            output.queue_time_s = response.usage.queue_time_s
+        output.queue_time_s = queue_time_s(response.usage)
     return output
 
 
@@ -247,9 +255,7 @@ def embedding_output(
         finished=True,
         finish_reason="stop",
         num_cached_tokens=response.usage.cached_prompt_tokens,
-        queue_time_s=response.usage.queue_time_s
-        if response.usage.HasField("queue_time_s")
-        else None,
+        queue_time_s=queue_time_s(response.usage),
     )
 
 
@@ -306,7 +312,7 @@ class Client:
     ) -> None:
         self._metadata = _metadata(api_key)
         self.channel = _channel(grpc, target, credentials, options)
-        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
     def generate(
         self,
@@ -474,10 +480,10 @@ class Client:
             self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self._metadata).token_ids
         )
 
-    def model_info(self) -> pb.ModelInfo:
+    def model_info(self) -> pb.GetModelInfoResponse:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata)
 
-    def stats(self) -> pb.Stats:
+    def stats(self) -> pb.GetStatsResponse:
         return self.stub.GetStats(pb.GetStatsRequest(), metadata=self._metadata)
 
     def close(self) -> None:
@@ -496,7 +502,9 @@ class Client:
     def _stream(
         self, request: pb.GenerateRequest, timeout_s: float | None
     ) -> Iterator[RequestOutput]:
-        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
+        call = self.stub.GenerateStream(
+            stream_request(request), timeout=timeout_s, metadata=self._metadata
+        )
         output = None
         try:
             for response in call:
@@ -519,7 +527,7 @@ class AsyncClient:
     ) -> None:
         self._metadata = _metadata(api_key)
         self.channel = _channel(grpc.aio, target, credentials, options)
-        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
     async def generate(
         self,
@@ -675,7 +683,9 @@ class AsyncClient:
     async def _stream(
         self, request: pb.GenerateRequest, timeout_s: float | None
     ) -> AsyncIterator[RequestOutput]:
-        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
+        call = self.stub.GenerateStream(
+            stream_request(request), timeout=timeout_s, metadata=self._metadata
+        )
         output = None
         try:
             async for response in call:

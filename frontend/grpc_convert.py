@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.frontend import grpc_enums
 from pagedserve.frontend.chat_request import (
     ChatAnswer,
     ChatAnswerStream,
@@ -61,7 +62,6 @@ _OPTIONAL_FIELDS = (
     "truncate_prompt_tokens",
     "detokenize",
 )
-_EARLY_STOPPING = {"": False, "false": False, "true": True, "never": "never"}
 
 # StructuredOutputs' constraint (the proto's oneof) -> StructuredOutputsParams' field.
 _STRUCTURED_KINDS = {
@@ -106,18 +106,14 @@ def sampling_params_from_proto(
         )
     except ValueError as error:
         raise ValueError(f"sampling.{error}") from None
-    early_stopping = message.early_stopping.strip().lower()
-    if early_stopping not in _EARLY_STOPPING:
-        raise ValueError(
-            f"sampling.early_stopping must be one of 'true', 'false', 'never' (or unset), "
-            f"got {message.early_stopping!r}"
-        )
+    # A number this server does not know is refused by name.
+    grpc_enums.word(pb.EarlyStopping, message.early_stopping, "sampling.early_stopping")
     kwargs.update(
         ignore_eos=message.ignore_eos,
         stop_token_ids=list(message.stop_token_ids),
         stop=list(message.stop) or None,
         include_stop_str_in_output=message.include_stop_str_in_output,
-        early_stopping=_EARLY_STOPPING[early_stopping],
+        early_stopping=grpc_enums.EARLY_STOPPING_FROM_PROTO[message.early_stopping],
     )
     if message.HasField("structured_outputs"):
         kwargs["structured_outputs"] = _structured_outputs_from_proto(message.structured_outputs)
@@ -184,9 +180,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         stop=params.stop or [],
         include_stop_str_in_output=params.include_stop_str_in_output,
-        early_stopping={True: "true", False: "false"}.get(
-            params.early_stopping, str(params.early_stopping)
-        ),
+        early_stopping=grpc_enums.EARLY_STOPPING_TO_PROTO[params.early_stopping],
     )
     for name in _OPTIONAL_FIELDS:
         value = getattr(params, name)
@@ -224,9 +218,9 @@ def _renamed(error: ToolCallError, field: str) -> ValueError:
     return ValueError(message)
 
 
-def _message_as_openai(message: pb.ChatMessage) -> dict[str, Any]:
+def _message_as_openai(message: pb.ChatMessage, role: str) -> dict[str, Any]:
     """A chat message in OpenAI's shape, which ``chat_message_tool_fields`` reads."""
-    shaped: dict[str, Any] = {"role": message.role, "content": message.content}
+    shaped: dict[str, Any] = {"role": role, "content": message.content}
     if message.tool_calls:
         shaped["tool_calls"] = [
             {
@@ -236,7 +230,7 @@ def _message_as_openai(message: pb.ChatMessage) -> dict[str, Any]:
             }
             for call in message.tool_calls
         ]
-    if message.role == "tool":
+    if role == "tool":
         shaped["tool_call_id"] = message.tool_call_id
     if message.name:
         shaped["name"] = message.name
@@ -274,16 +268,17 @@ def chat_from_proto(
     conversation = []
     for position, message in enumerate(chat.messages):
         name = f"{field}.messages[{position}]"
-        check_chat_role(message.role, f"{name}.role")
-        entry: dict[str, Any] = {"role": message.role, "content": message.content}
+        role_field = f"{name}.role"
+        role = check_chat_role(
+            grpc_enums.required_word(pb.ChatRole, message.role, role_field), role_field
+        )
+        entry: dict[str, Any] = {"role": role, "content": message.content}
         try:
-            entry.update(chat_message_tool_fields(_message_as_openai(message), name))
+            entry.update(chat_message_tool_fields(_message_as_openai(message, role), name))
         except ToolCallError as error:
             raise _renamed(error, field) from None
         entry.update(
-            message_reasoning(
-                message.role, message.reasoning_content or None, f"{name}.reasoning_content"
-            )
+            message_reasoning(role, message.reasoning_content or None, f"{name}.reasoning_content")
         )
         conversation.append(entry)
     return conversation, _tools_from_proto(chat.tools, field)
@@ -301,13 +296,11 @@ def _tool_choice(chat: pb.Chat, field: str) -> str | dict[str, Any] | None:
         )
     if kind == "function_name":
         return {"type": "function", "function": {"name": chat.tool_choice.function_name}}
-    mode = chat.tool_choice.mode
-    if mode not in TOOL_CHOICE_MODES:
-        raise ValueError(
-            f"{field}.tool_choice.mode must be one of "
-            f"{', '.join(repr(m) for m in TOOL_CHOICE_MODES)} (or set function_name), "
-            f"got {mode!r}"
-        )
+    mode = grpc_enums.required_word(
+        pb.ToolChoiceMode, chat.tool_choice.mode, f"{field}.tool_choice.mode"
+    )
+    if mode not in TOOL_CHOICE_MODES:  # the HTTP API's check; every proto value passes it
+        raise ValueError(f"{field}.tool_choice.mode {mode!r} is no mode this server serves")
     return mode
 
 
@@ -399,9 +392,11 @@ def chat_to_proto(
     or ``{"type": "function", "function": {"name": ...}}``, ``chat_template_kwargs``
     sent as JSON text; an assistant message's ``reasoning_content`` (or ``reasoning``) sent
     back. The server checks the rest."""
-    chat = pb.Chat(
-        continue_final_message=continue_final_message, reasoning_effort=reasoning_effort or ""
-    )
+    chat = pb.Chat(continue_final_message=continue_final_message)
+    if reasoning_effort is not None:
+        chat.reasoning_effort = grpc_enums.value(
+            pb.ReasoningEffort, reasoning_effort, "reasoning_effort"
+        )
     if not add_generation_prompt:
         chat.add_generation_prompt = False
     if chat_template_kwargs is not None:
@@ -410,9 +405,9 @@ def chat_to_proto(
         chat.chat_template = chat_template
     for document in documents or []:
         chat.documents.add(fields=document)
-    for message in messages:
+    for position, message in enumerate(messages):
         entry = chat.messages.add(
-            role=message["role"],
+            role=grpc_enums.value(pb.ChatRole, message["role"], f"messages[{position}].role"),
             content=message.get("content") or "",
             tool_call_id=message.get("tool_call_id") or "",
             name=message.get("name") or "",
@@ -442,7 +437,7 @@ def chat_to_proto(
     if isinstance(tool_choice, dict):
         chat.tool_choice.function_name = tool_choice["function"]["name"]
     elif tool_choice is not None:
-        chat.tool_choice.mode = tool_choice
+        chat.tool_choice.mode = grpc_enums.value(pb.ToolChoiceMode, tool_choice, "tool_choice")
     if parallel_tool_calls is not None:
         chat.parallel_tool_calls = parallel_tool_calls
     if include_reasoning is not None:
@@ -474,12 +469,34 @@ def _set_stop_reason(message: pb.Completion, completion: CompletionOutput) -> No
         message.stop_token_id = completion.stop_reason
 
 
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int = 0,
+    cached_prompt_tokens: int = 0,
+    queue_time_s: float | None = None,
+) -> pb.Usage:
+    """A ``Usage``; ``queue_time`` set when the engine measured it."""
+    message = pb.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_prompt_tokens=cached_prompt_tokens,
+    )
+    if queue_time_s is not None:
+        message.queue_time.FromNanoseconds(round(queue_time_s * 1e9))
+    return message
+
+
+def queue_time_s(message: pb.Usage) -> float | None:
+    """``Usage.queue_time`` in seconds (the client's side of ``usage``); None when unset."""
+    return message.queue_time.ToNanoseconds() / 1e9 if message.HasField("queue_time") else None
+
+
 def _usage(output: RequestOutput) -> pb.Usage:
-    return pb.Usage(
-        prompt_tokens=len(output.prompt_token_ids),
-        completion_tokens=sum(len(c.token_ids) for c in output.outputs),
-        cached_prompt_tokens=output.num_cached_tokens,
-        queue_time_s=output.queue_time_s,
+    return usage(
+        len(output.prompt_token_ids),
+        sum(len(c.token_ids) for c in output.outputs),
+        output.num_cached_tokens,
+        output.queue_time_s,
     )
 
 
@@ -554,9 +571,9 @@ class StreamState:
             new_tokens += len(completion.token_ids) - sent_tokens
         return new_tokens >= interval_tokens
 
-    def next_response(self, output: RequestOutput) -> pb.GenerateResponse | None:
+    def next_response(self, output: RequestOutput) -> pb.GenerateStreamResponse | None:
         """The message for what changed since the last one; None when nothing did."""
-        response = pb.GenerateResponse(request_id=self.client_request_id)
+        response = pb.GenerateStreamResponse(request_id=self.client_request_id)
         changed = False
         if not self.prompt_sent:
             response.prompt_token_ids.extend(output.prompt_token_ids)

@@ -1,4 +1,4 @@
-"""The gRPC API of ``pagedserve serve`` (grpc.aio on uvloop): ``pagedserve.v1.Generation``,
+"""The gRPC API of ``pagedserve serve`` (grpc.aio on uvloop): ``pagedserve.v1.GenerationService``,
 the standard health service and reflection, over the server process's shared admission,
 drain and engine (``server.py``).
 
@@ -14,7 +14,7 @@ drain and engine (``server.py``).
 - **Health** (``grpc.health.v1.Health``): ``NOT_SERVING`` while the model loads and while
   draining, ``SERVING`` in between; reflection lists the services.
 - **TLS** (``tls_cert_file``, ``tls_key_file``; mutual with ``tls_client_ca_file``).
-- **API key** (``api_key``): ``pagedserve.v1.Generation`` calls without metadata
+- **API key** (``api_key``): ``pagedserve.v1.GenerationService`` calls without metadata
   ``authorization: Bearer <key>`` end with ``UNAUTHENTICATED``; health and reflection
   stay open.
 """
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pagedserve.frontend import grpc_enums
 from pagedserve.frontend.api_key import UNAUTHENTICATED_MESSAGE, bearer_matches
 from pagedserve.frontend.async_engine import RequestStream
 from pagedserve.frontend.call_errors import CallError
@@ -49,6 +50,7 @@ from pagedserve.frontend.grpc_convert import (
     chat_reading_from_proto,
     chat_sampling_params,
     sampling_params_from_proto,
+    usage,
     whole_response,
 )
 from pagedserve.frontend.openai_calls import OpenAiCalls
@@ -67,7 +69,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedserve.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# What Generate and GenerateStream share (the two requests have the same fields).
+GenerationRequest = pb.GenerateRequest | pb.GenerateStreamRequest
+_GENERATION_REQUESTS = (pb.GenerateRequest, pb.GenerateStreamRequest)
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -85,7 +90,7 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Ends the Generation service's calls that do not carry the key (other services:
+    """Ends the GenerationService's calls that do not carry the key (other services:
     health and reflection, pass)."""
 
     def __init__(self, api_key: str) -> None:
@@ -196,7 +201,7 @@ def _grpc_code(context):
     return code_of
 
 
-class GenerationServicer(pb_grpc.GenerationServicer):
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, server: Server) -> None:
         self._server = server
         self._engine = server.engine
@@ -213,8 +218,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return whole_response(request.request_id, stream.output, reading)
 
     async def GenerateStream(
-        self, request: pb.GenerateRequest, context
-    ) -> AsyncIterator[pb.GenerateResponse]:
+        self, request: pb.GenerateStreamRequest, context
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
         async with self._counted_call(context):
             stream, reading = await self._admit(request)
             state = StreamState(request.request_id, reading)
@@ -241,8 +246,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return pb.EmbedResponse(
                 request_id=request.request_id,
                 embedding=output.outputs.embedding,
-                usage=pb.Usage(
-                    prompt_tokens=len(output.prompt_token_ids),
+                usage=usage(
+                    len(output.prompt_token_ids),
                     cached_prompt_tokens=output.num_cached_tokens,
                     queue_time_s=output.queue_time_s,
                 ),
@@ -343,13 +348,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return llm.encode_prompt(request.text, "text")
         raise ValueError("input: set one of text, chat")
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context
+    ) -> pb.GetModelInfoResponse:
         llm = await self._ready_llm(context)
         config = llm.scheduler_config
-        return pb.ModelInfo(
+        return pb.GetModelInfoResponse(
             model=str(llm.model_path),
             architecture=llm.model_config.declared_architecture,
-            dtype=llm.dtype,
+            dtype=grpc_enums.value(pb.Dtype, llm.dtype, "dtype"),
             vocab_size=llm.model_config.vocab_size,
             max_model_len=config.max_model_len,
             block_size=llm.block_size,
@@ -357,20 +364,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_num_seqs=config.max_num_seqs,
             tensor_parallel_size=llm.tensor_parallel_size,
             eos_token_ids=sorted(llm.eos_token_ids),
-            quantization=llm.quantization or "",
-            kv_cache_dtype=llm.kv_cache_dtype,
+            quantization=grpc_enums.quantization_value(llm.quantization),
+            kv_cache_dtype=grpc_enums.kv_cache_dtype_value(llm.kv_cache_dtype),
             max_output_tokens=llm.generation_defaults.max_tokens_limit,
             labels=llm.model_config.labels,
         )
 
-    async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.Stats:
+    async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
         await self._ready_llm(context)
         try:
             engine_stats = await self._engine.stats()
         except EngineDeadError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine died: {error}")
         counters = self._server.counters
-        return pb.Stats(
+        return pb.GetStatsResponse(
             engine={name: float(value) for name, value in engine_stats.stats.items()},
             requests_running=counters.running,
             requests_finished=counters.finished,
@@ -408,7 +415,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode[error.code], error.message)
 
     def _outputs(
-        self, stream: RequestStream, request: pb.GenerateRequest | pb.EmbedRequest
+        self, stream: RequestStream, request: GenerationRequest | pb.EmbedRequest
     ) -> contextlib.aclosing:
         """The request's outputs as they grow (a failure raises ``CallError``), closed on
         leaving: a call that ends early (cancelled while sending) aborts the engine's
@@ -416,7 +423,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return contextlib.aclosing(self._server.outputs(stream, request.request_id))
 
     async def _admit(
-        self, request: pb.GenerateRequest | pb.EmbedRequest
+        self, request: GenerationRequest | pb.EmbedRequest
     ) -> tuple[RequestStream, ChatReading | None]:
         """Validate, tokenize and queue a generation or embedding request, or raise a
         ``CallError`` whose message names the field. A chat's outputs read as the second value
@@ -439,13 +446,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return stream, reading
 
     def _prepared(
-        self, llm: LLM, request: pb.GenerateRequest | pb.EmbedRequest
+        self, llm: LLM, request: GenerationRequest | pb.EmbedRequest
     ) -> tuple[str | None, list[int], SamplingParams | PoolingParams, ChatReading | None, int]:
         """A request checked and tokenized (a preparing thread's work): its prompt's text
         and token ids, its parameters, how a chat's outputs read, and its adapter's id."""
         try:
             check_id_text("request_id", request.request_id)
-            if isinstance(request, pb.GenerateRequest):
+            if isinstance(request, _GENERATION_REQUESTS):
                 check_id_text("cache_namespace", request.cache_namespace)
             check_id_text("lora_adapter", request.lora_adapter)
             prompt, token_ids, reading = self._prompt(llm, request)
@@ -462,7 +469,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _checked_params(
         self,
         llm: LLM,
-        request: pb.GenerateRequest | pb.EmbedRequest,
+        request: GenerationRequest | pb.EmbedRequest,
         token_ids: list[int],
         reading: ChatReading | None,
     ) -> tuple[SamplingParams | PoolingParams, list[int]]:
@@ -508,7 +515,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return params, token_ids
 
     def _prompt(
-        self, llm: LLM, request: pb.GenerateRequest | pb.EmbedRequest
+        self, llm: LLM, request: GenerationRequest | pb.EmbedRequest
     ) -> tuple[str | None, list[int], ChatReading | None]:
         """The prompt's text (None when given as ids), its token ids, and for a chat how
         its outputs read."""
@@ -573,7 +580,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         documents = [dict(document.fields) for document in chat.documents] or None
         try:
             template_kwargs = with_reasoning_effort(
-                template_kwargs, chat.reasoning_effort or None, "chat.reasoning_effort"
+                template_kwargs,
+                grpc_enums.word(pb.ReasoningEffort, chat.reasoning_effort, "chat.reasoning_effort"),
+                "chat.reasoning_effort",
             )
             check_template_allowed(template, self._server.config.trust_request_chat_template)
             options = ChatTemplateOptions(
@@ -592,11 +601,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise
 
 
-def _truncates(request: pb.GenerateRequest | pb.EmbedRequest) -> bool:
+def _truncates(request: GenerationRequest | pb.EmbedRequest) -> bool:
     """Whether the request keeps only its prompt's end (``truncate_prompt_tokens``; an
     embedding request has none)."""
     return (
-        isinstance(request, pb.GenerateRequest)
+        isinstance(request, _GENERATION_REQUESTS)
         and request.HasField("sampling")
         and request.sampling.HasField("truncate_prompt_tokens")
     )
@@ -621,7 +630,7 @@ class GrpcApi:
             ],
         )
         self._health = health.aio.HealthServicer()
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(server), self._grpc)
+        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(server), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         add_reflection(self._grpc, (SERVICE_NAME, health.SERVICE_NAME))
         server.on_serving(self._set_serving)

@@ -6,7 +6,7 @@ their outputs, and runs no model (neither weights nor compiled ops load here); t
 scheduler and the workers run in processes of their own (``async_engine.py``,
 ``engine_client.py``). Two APIs share one engine, one admission limit and one drain:
 
-- gRPC, always (``grpc_server.py``: ``pagedserve.v1.Generation``, health, reflection);
+- gRPC, always (``grpc_server.py``: ``pagedserve.v1.GenerationService``, health, reflection);
 - HTTP, with ``http_port`` (``http_server.py``: OpenAI-compatible completions and chat
   completions, ``/health``, ``/metrics``).
 

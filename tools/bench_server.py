@@ -124,7 +124,7 @@ import numpy as np
 from machine import cpu_model
 from traces import TRACE_SHAPES, Request, make_trace, trace_stats
 
-from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend import LLM, SamplingParams, grpc_enums
 from pagedserve.scheduler.child_process import die_with_parent
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -393,9 +393,9 @@ def _channel(port: int) -> grpc.aio.Channel:
     )
 
 
-async def model_info(port: int) -> pb.ModelInfo:
+async def model_info(port: int) -> pb.GetModelInfoResponse:
     async with _channel(port) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+        stub = pb_grpc.GenerationServiceStub(channel)
         return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=UNARY_TIMEOUT_S)
 
 
@@ -543,8 +543,10 @@ class CompletionStreamResult(CallResult):
         return None
 
 
-def generate_request(index: int, request: Request, namespace: str, tag: str) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
+def generate_request(
+    index: int, request: Request, namespace: str, tag: str
+) -> pb.GenerateStreamRequest:
+    return pb.GenerateStreamRequest(
         request_id=f"{tag}-{index}",
         token_ids=pb.TokenIds(ids=request.prompt_token_ids),
         sampling=pb.SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True),
@@ -553,8 +555,8 @@ def generate_request(index: int, request: Request, namespace: str, tag: str) -> 
 
 
 async def stream_one(
-    stub: pb_grpc.GenerationStub,
-    message: pb.GenerateRequest,
+    stub: pb_grpc.GenerationServiceStub,
+    message: pb.GenerateStreamRequest,
     expected_prompt: list[int],
     send_at_s: float,
     result: StreamResult,
@@ -821,7 +823,7 @@ class ServerRun:
         return not self.problems and not self.stats_problems
 
 
-def stats_record(stats: pb.Stats) -> dict[str, Any]:
+def stats_record(stats: pb.GetStatsResponse) -> dict[str, Any]:
     return {
         "engine": dict(stats.engine),
         "requests_running": stats.requests_running,
@@ -876,7 +878,7 @@ async def replay(
 
 
 async def replay_grpc(
-    stub: pb_grpc.GenerationStub,
+    stub: pb_grpc.GenerationServiceStub,
     requests: list[Request],
     arrivals_s: list[float],
     namespace: str,
@@ -956,7 +958,7 @@ async def run_server(
     most ``timeout_s`` for all of them, then check the server's stats (over gRPC, which
     serves them whichever API carried the calls). ``make_body``: as ``replay_http``'s."""
     async with _channel(ports.grpc) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+        stub = pb_grpc.GenerationServiceStub(channel)
         # One connection, made before the clock starts: its set-up is not a request's.
         await asyncio.wait_for(channel.channel_ready(), UNARY_TIMEOUT_S)
         results: Sequence[CallResult]
@@ -1254,7 +1256,7 @@ def make_record(
     args: argparse.Namespace,
     engine: EngineSettings,
     server_argv: list[str],
-    info: pb.ModelInfo | None,
+    info: pb.GetModelInfoResponse | None,
     requests: list[Request],
     warmup: dict[str, Any],
     server_runs: dict[str, list[ServerRun]],
@@ -1295,7 +1297,7 @@ def make_record(
         else {
             "model": info.model,
             "architecture": info.architecture,
-            "dtype": info.dtype,
+            "dtype": grpc_enums.word(pb.Dtype, info.dtype, "dtype"),
             "vocab_size": info.vocab_size,
             "max_model_len": info.max_model_len,
             "block_size": info.block_size,
@@ -1690,7 +1692,7 @@ def bench_started_server(args: argparse.Namespace, load_before: float) -> dict[s
     """Start the server, then the warm-up and the repeats on it and offline; the record."""
     engine = EngineSettings.from_args(args)
     apis = API_CHOICES[args.api]
-    info: pb.ModelInfo | None = None
+    info: pb.GetModelInfoResponse | None = None
     requests: list[Request] = []
     warmup: dict[str, Any] = {}
     server_runs: dict[str, list[ServerRun]] = {api: [] for api in apis}

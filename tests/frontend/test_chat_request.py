@@ -7,6 +7,7 @@ field names."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -168,7 +169,7 @@ def refusal(chat: pb.Chat, tool_call_parser: str | None = None) -> str:
 
 def test_bad_chats_are_refused_under_the_proto_field_names():
     user = CONVERSATION[:1]
-    bad_json = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+    bad_json = pb.Chat(messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, content="hi")])
     bad_json.tools.add(name="f", parameters="{city: Oslo")
     not_object = pb.Chat(messages=bad_json.messages)
     not_object.tools.add(name="f", parameters="[1]")
@@ -178,8 +179,11 @@ def test_bad_chats_are_refused_under_the_proto_field_names():
     cases = [
         (chat_to_proto(user, [WEATHER]), "chat.tool_choice='auto' (the default when tools are "
          "given) needs a server started with --enable-auto-tool-choice"),
-        (chat_to_proto(user, [WEATHER], "always"), "chat.tool_choice.mode must be one of "
-         "'none', 'auto', 'required' (or set function_name), got 'always'"),
+        (pb.Chat(messages=bad_json.messages, tool_choice=pb.ToolChoice(mode=7)),
+         "chat.tool_choice.mode is 7, which is no ToolChoiceMode value this server knows"),
+        (pb.Chat(messages=[pb.ChatMessage(role=pb.CHAT_ROLE_UNSPECIFIED)]),
+         "chat.messages[0].role is CHAT_ROLE_UNSPECIFIED; set one of CHAT_ROLE_SYSTEM, "
+         "CHAT_ROLE_DEVELOPER, CHAT_ROLE_USER, CHAT_ROLE_ASSISTANT, CHAT_ROLE_TOOL"),
         (chat_to_proto(user, [WEATHER], {"function": {"name": "get_news"}}),
          "chat.tool_choice.function_name='get_news' is not one of the tools (get_weather)"),
         (chat_to_proto(user, None, "required"), "chat.tool_choice needs chat.tools to choose"),
@@ -199,6 +203,19 @@ def test_bad_chats_are_refused_under_the_proto_field_names():
     ]  # fmt: skip
     for chat, words in cases:
         assert words in refusal(chat), (chat, refusal(chat))
+    # The client's side names OpenAI's words, before anything is sent.
+    client_cases = [
+        (lambda: chat_to_proto(user, [WEATHER], "always"),
+         "tool_choice must be one of none, auto, required; got 'always'"),
+        (lambda: chat_to_proto([{"role": "wizard", "content": "hi"}]),
+         "messages[0].role must be one of system, developer, user, assistant, tool; got "
+         "'wizard'"),
+        (lambda: chat_to_proto(user, reasoning_effort="max"),
+         "reasoning_effort must be one of low, medium, high; got 'max'"),
+    ]  # fmt: skip
+    for build, words in client_cases:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            build()
     # With a parser on the server, "auto" is taken.
     _, tools = chat_from_proto(cases[0][0])
     assert chat_reading_from_proto(cases[0][0], tools, "hermes", None).tool_calling.mode == "auto"

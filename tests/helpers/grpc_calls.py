@@ -1,8 +1,11 @@
-"""gRPC requests to a test server: greedy sampling, token-id requests, and a stream read
-back into what its outputs add up to."""
+"""gRPC requests to a test server: greedy sampling, token-id requests, a request sent by both
+generation RPCs, and a stream read back into what its outputs add up to."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from pagedserve.frontend.client import stream_request
 from pagedserve.v1 import generation_pb2 as pb
 
 # What ``greedy()`` generates by default.
@@ -19,7 +22,15 @@ def token_request(prompt: list[int], sampling: pb.SamplingParams, **fields) -> p
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling, **fields)
 
 
-def collect_stream(responses) -> tuple[list[pb.GenerateResponse], dict[int, dict]]:
+def both_rpcs(stub) -> tuple[Callable, Callable]:
+    """``Generate`` and ``GenerateStream`` (its messages as a list), each taking a
+    ``GenerateRequest`` and the call's keywords."""
+    return stub.Generate, lambda request, **kw: list(
+        stub.GenerateStream(stream_request(request), **kw)
+    )
+
+
+def collect_stream(responses) -> tuple[list[pb.GenerateStreamResponse], dict[int, dict]]:
     """The stream's messages, and per output what they add up to."""
     messages = list(responses)
     outputs: dict[int, dict] = {}

@@ -15,7 +15,7 @@ from openai.types.completion import Completion
 from openai.types.completion_choice import CompletionChoice
 from openai.types.create_embedding_response import CreateEmbeddingResponse
 from openai.types.model import Model
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 
 
 class _CompletionChunkChoice(CompletionChoice):
@@ -39,6 +39,7 @@ SHAPES: dict[str, Any] = {
     "model": Model,
     "response": Response,
     "response event": ResponseStreamEvent,
+    "response item list": ResponseItemList,
 }
 
 

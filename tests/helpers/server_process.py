@@ -98,8 +98,8 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.http_port}"
 
     @property
-    def stub(self) -> pb_grpc.GenerationStub:
-        return pb_grpc.GenerationStub(self.channel)
+    def stub(self) -> pb_grpc.GenerationServiceStub:
+        return pb_grpc.GenerationServiceStub(self.channel)
 
     def engine_pids(self) -> list[int]:
         """The scheduler process and its workers."""
@@ -118,7 +118,7 @@ class ServerProcess:
 
         return [pid for pid in self.engine_pids() if b"spawn_main" in command(pid)]
 
-    def stats(self) -> pb.Stats:
+    def stats(self) -> pb.GetStatsResponse:
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=10)
 
     def assert_blocks_all_free(self, timeout_s: float = 5.0) -> None:

@@ -238,8 +238,7 @@ def test_grpc_classify_answers_as_the_http_route(server, offline):
          "prompt tokens exceed the model's context window of 512"),
         (pb.ClassifyRequest(chat=pb.Chat(messages=[pb.ChatMessage(content="a")])),
          grpc.StatusCode.INVALID_ARGUMENT,
-         "chat.messages[0].role must be one of system, developer, user, assistant, tool; "
-         "got ''"),
+         "chat.messages[0].role is CHAT_ROLE_UNSPECIFIED; set one of CHAT_ROLE_SYSTEM, "),
         (pb.ClassifyRequest(), grpc.StatusCode.INVALID_ARGUMENT, "input"),
         (pb.ClassifyRequest(input=["a"], truncate_prompt_tokens=0),
          grpc.StatusCode.INVALID_ARGUMENT, "truncate_prompt_tokens must be -1 or in [1, "),

@@ -355,6 +355,11 @@ JSON_TEXTS = st.one_of(
 )
 
 
+def _enum_values(enum) -> st.SearchStrategy:
+    """An enum's values, its _UNSPECIFIED among them, or any int32 (a newer client's)."""
+    return st.one_of(st.sampled_from(list(enum.values())), INT32)
+
+
 def _sampling_messages() -> st.SearchStrategy:
     fields = {
         "max_tokens": SMALL_UINT, "min_tokens": SMALL_UINT, "temperature": DOUBLES,
@@ -365,7 +370,7 @@ def _sampling_messages() -> st.SearchStrategy:
         max_size=2), "include_stop_str_in_output": st.booleans(), "logprobs": UINT32,
         "prompt_logprobs": UINT32, "n": SMALL_UINT, "best_of": SMALL_UINT,
         "beam_width": SMALL_UINT, "length_penalty": DOUBLES,
-        "early_stopping": st.sampled_from(["", "true", "never", "maybe"]),
+        "early_stopping": _enum_values(pb.EarlyStopping),
         "skip_special_tokens": st.booleans(), "detokenize": st.booleans(),
         "logit_bias": st.dictionaries(UINT32, DOUBLES, max_size=2),
         "allowed_token_ids": st.lists(UINT32, max_size=3),
@@ -391,7 +396,7 @@ def _sampling_messages() -> st.SearchStrategy:
 CHAT_MESSAGES = st.lists(
     st.builds(
         pb.ChatMessage,
-        role=st.sampled_from(["user", "system", "assistant", "tool", "", "wizard"]),
+        role=_enum_values(pb.ChatRole),
         content=st.one_of(st.text(max_size=20), TEXTS),
         tool_calls=st.lists(
             st.builds(pb.ToolCall, id=st.text(max_size=4), name=st.sampled_from(["f", ""]),
@@ -408,11 +413,11 @@ CHATS = st.builds(
         st.builds(pb.Tool, name=st.sampled_from(["f", "g", "bad name", ""]),
                   parameters=JSON_TEXTS), max_size=2),
     tool_choice=st.one_of(
-        st.builds(pb.ToolChoice, mode=st.sampled_from(["none", "auto", "required", "x"])),
+        st.builds(pb.ToolChoice, mode=_enum_values(pb.ToolChoiceMode)),
         st.builds(pb.ToolChoice, function_name=st.sampled_from(["f", "h"]))),
     chat_template_kwargs=JSON_TEXTS,
     chat_template=st.sampled_from(["", "{{ messages }}"]),
-    reasoning_effort=st.sampled_from(["", "low", "max"]),
+    reasoning_effort=_enum_values(pb.ReasoningEffort),
 )  # fmt: skip
 TOKEN_IDS = st.builds(pb.TokenIds, ids=st.lists(UINT32 | st.integers(0, 511), max_size=6))
 PROMPT_FIELDS = st.one_of(
@@ -436,7 +441,7 @@ GRPC_CALLS = st.one_of(
         lambda kwargs: ("Generate", pb.GenerateRequest(**kwargs))
     ),
     _with(PROMPT_FIELDS, sampling=_sampling_messages(), **COMMON).map(
-        lambda kwargs: ("GenerateStream", pb.GenerateRequest(**kwargs))
+        lambda kwargs: ("GenerateStream", pb.GenerateStreamRequest(**kwargs))
     ),
     _with(PROMPT_FIELDS, dimensions=UINT32, normalize=st.booleans(), **COMMON).map(
         lambda kwargs: ("Embed", pb.EmbedRequest(**kwargs))
@@ -468,7 +473,7 @@ GRPC_REFUSALS = {
 
 
 def call_grpc(server, method: str, message) -> None:
-    path = f"/pagedserve.v1.Generation/{method}"
+    path = f"/pagedserve.v1.GenerationService/{method}"
     serialize = (
         (lambda data: data) if isinstance(message, bytes) else (lambda m: m.SerializeToString())
     )

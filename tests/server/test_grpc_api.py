@@ -20,8 +20,9 @@ import torch
 import transformers
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers.grpc_calls import NUM_TOKENS, collect_stream, greedy, token_request
+from helpers.grpc_calls import NUM_TOKENS, both_rpcs, collect_stream, greedy, token_request
 from pagedserve.frontend import LLM, SamplingParams
+from pagedserve.frontend.client import stream_request
 from pagedserve.v1 import generation_pb2 as pb
 
 PROMPTS = [[5, 300, 301, 302], [400, 7, 7, 401, 402, 403, 404, 405, 406], [9, 10, 11]]
@@ -66,7 +67,9 @@ def test_stream_adds_up_to_the_whole_result(server):
     sampling = greedy(logprobs=3, prompt_logprobs=2)
     whole = server.stub.Generate(token_request(PROMPTS[1], sampling, request_id="mine"))
     messages, outputs = collect_stream(
-        server.stub.GenerateStream(token_request(PROMPTS[1], sampling, request_id="mine"))
+        server.stub.GenerateStream(
+            stream_request(token_request(PROMPTS[1], sampling, request_id="mine"))
+        )
     )
     assert all(m.request_id == "mine" for m in messages) and whole.request_id == "mine"
     assert list(messages[0].prompt_token_ids) == PROMPTS[1]
@@ -98,7 +101,7 @@ def test_text_prompt_stop_string_and_seeded_samples_as_offline(server, offline):
     )[0]
     whole = server.stub.Generate(pb.GenerateRequest(text=text, sampling=sampling))
     _messages, streamed = collect_stream(
-        server.stub.GenerateStream(pb.GenerateRequest(text=text, sampling=sampling))
+        server.stub.GenerateStream(pb.GenerateStreamRequest(text=text, sampling=sampling))
     )
     assert whole.outputs[0].text == streamed[0]["text"] == want.outputs[0].text
     assert list(whole.outputs[0].token_ids) == want.outputs[0].token_ids
@@ -112,7 +115,7 @@ def test_text_prompt_stop_string_and_seeded_samples_as_offline(server, offline):
     )[0]
     whole = server.stub.Generate(token_request(PROMPTS[0], sampling))
     _messages, streamed = collect_stream(
-        server.stub.GenerateStream(token_request(PROMPTS[0], sampling))
+        server.stub.GenerateStream(stream_request(token_request(PROMPTS[0], sampling)))
     )
     for index in range(3):
         assert list(whole.outputs[index].token_ids) == want.outputs[index].token_ids
@@ -133,7 +136,7 @@ def test_detokenize_false_gives_the_same_tokens_without_text(server, offline):
     assert list(whole.outputs[0].token_ids) == want.outputs[0].token_ids
     assert whole.outputs[0].text == ""
     _messages, streamed = collect_stream(
-        server.stub.GenerateStream(pb.GenerateRequest(text=text, sampling=sampling))
+        server.stub.GenerateStream(pb.GenerateStreamRequest(text=text, sampling=sampling))
     )
     assert streamed[0]["token_ids"] == want.outputs[0].token_ids and streamed[0]["text"] == ""
     with pytest.raises(ValueError, match="stop strings .* need detokenize=True"):
@@ -141,7 +144,8 @@ def test_detokenize_false_gives_the_same_tokens_without_text(server, offline):
     bad = [
         pb.GenerateRequest(text=text, sampling=pb.SamplingParams(stop=["a"], detokenize=False)),
         pb.GenerateRequest(
-            chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")]), sampling=sampling
+            chat=pb.Chat(messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, content="hi")]),
+            sampling=sampling,
         ),
     ]
     for request, words in zip(bad, ["need detokenize=True", "detokenize=false is for token"]):
@@ -152,7 +156,7 @@ def test_detokenize_false_gives_the_same_tokens_without_text(server, offline):
 
 
 def test_chat_and_tokenize_use_the_chat_template(server, offline):
-    messages = [pb.ChatMessage(role="user", content="hi there")]
+    messages = [pb.ChatMessage(role=pb.CHAT_ROLE_USER, content="hi there")]
     tokens = server.stub.Tokenize(pb.TokenizeRequest(chat=pb.Chat(messages=messages)))
     text = offline.render_chat([{"role": "user", "content": "hi there"}])
     assert text.endswith("<|im_start|>assistant\n")
@@ -178,7 +182,7 @@ def test_beam_search_and_best_of_rank_like_the_offline_engine(server, offline):
     )[0]
     whole = server.stub.Generate(token_request(PROMPTS[2], sampling))
     _messages, streamed = collect_stream(
-        server.stub.GenerateStream(token_request(PROMPTS[2], sampling))
+        server.stub.GenerateStream(stream_request(token_request(PROMPTS[2], sampling)))
     )
     for index in range(2):
         assert list(whole.outputs[index].token_ids) == want.outputs[index].token_ids
@@ -200,7 +204,9 @@ def test_many_concurrent_calls_each_end_once(server, offline):
     hits_before = server.stats().engine["prefix_cache_hits"]
 
     def streamed(prompt):
-        return collect_stream(server.stub.GenerateStream(token_request(prompt, greedy(10))))
+        return collect_stream(
+            server.stub.GenerateStream(stream_request(token_request(prompt, greedy(10))))
+        )
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         stream_results = list(pool.map(streamed, prompts))
@@ -224,7 +230,9 @@ def test_cancel_storm_leaves_no_request_or_block_behind(server, offline):
     )
 
     def run(prompt, plan):
-        stream = server.stub.GenerateStream(token_request(prompt, greedy(30)), timeout=120)
+        stream = server.stub.GenerateStream(
+            stream_request(token_request(prompt, greedy(30))), timeout=120
+        )
         if plan == "cancel_early":
             stream.cancel()
             return None
@@ -261,7 +269,10 @@ def test_bad_input_names_the_field_value_and_limit(server):
             token_request([1], greedy(logprobs=21)),
             "sampling.logprobs must be <= 20 (the engine's max_logprobs), got 21",
         ),
-        (token_request([1], greedy(early_stopping="maybe")), "sampling.early_stopping"),
+        (
+            token_request([1], greedy(early_stopping=7)),
+            "sampling.early_stopping is 7, which is no EarlyStopping value this server knows",
+        ),
         (token_request([1], greedy(seed=1 << 63)), "sampling.seed must be <="),
         (
             token_request([1] * 600, greedy()),
@@ -279,7 +290,7 @@ def test_bad_input_names_the_field_value_and_limit(server):
         (token_request([1], greedy(bad_words=["a", " "])), "sampling.bad_words[] must be non-"),
     ]
     for request, expected in cases:
-        for call in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):
+        for call in both_rpcs(stub):
             with pytest.raises(grpc.RpcError) as caught:
                 call(request, timeout=30)
                 pytest.fail(f"accepted: {request}")
@@ -298,11 +309,14 @@ def test_model_info_health_and_reflection(server, server_model_dir):
     assert info.model == str(server_model_dir)
     assert info.architecture == "LlamaForCausalLM"
     assert (info.vocab_size, info.max_model_len, info.block_size) == (512, 512, 16)
-    assert info.num_blocks > 0 and info.max_num_seqs == 64 and info.dtype == "float32"
-    assert (info.quantization, info.kv_cache_dtype) == ("", "auto")
+    assert info.num_blocks > 0 and info.max_num_seqs == 64 and info.dtype == pb.DTYPE_FLOAT32
+    assert (info.quantization, info.kv_cache_dtype) == (
+        pb.QUANTIZATION_NONE,
+        pb.KV_CACHE_DTYPE_AUTO,
+    )
     assert not info.HasField("max_output_tokens")  # no max_new_tokens in its config
     health = health_pb2_grpc.HealthStub(server.channel)
-    for service in ("", "pagedserve.v1.Generation"):
+    for service in ("", "pagedserve.v1.GenerationService"):
         reply = health.Check(health_pb2.HealthCheckRequest(service=service))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -312,7 +326,7 @@ def test_model_info_health_and_reflection(server, server_model_dir):
         iter([reflection_pb2.ServerReflectionRequest(list_services="")])
     )
     names = {s.name for s in reply.list_services_response.service}
-    assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
+    assert {"pagedserve.v1.GenerationService", "grpc.health.v1.Health"} <= names
     # grpc.reflection.v1, as grpcurl asks: the same messages under v1's package name (the
     # same bytes, so v1alpha's classes encode them), listing and describing the services.
     v1 = server.channel.stream_stream(
@@ -332,7 +346,7 @@ def test_model_info_health_and_reflection(server, server_model_dir):
     )
     v1_names = {s.name for s in listed.list_services_response.service}
     assert {
-        "pagedserve.v1.Generation",
+        "pagedserve.v1.GenerationService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1.ServerReflection",
         "grpc.reflection.v1alpha.ServerReflection",
@@ -356,7 +370,7 @@ def scrape(server) -> dict[str, float]:
 def test_prometheus_metrics_count_calls_tokens_and_the_engine(server):
     before = scrape(server)
     response = server.stub.Generate(token_request(PROMPTS[0], greedy(6)))
-    assert response.usage.HasField("queue_time_s") and response.usage.queue_time_s >= 0.0
+    assert response.usage.HasField("queue_time") and response.usage.queue_time.ToNanoseconds() >= 0
     with pytest.raises(grpc.RpcError):
         server.stub.Generate(token_request([1], greedy(top_p=2.0)))
     after = scrape(server)
@@ -406,7 +420,10 @@ def test_a_server_with_int8_weights_and_a_float8_cache_says_so_and_runs_them(
 ):
     server = start_server("--quantization", "int8", "--kv-cache-dtype", "fp8", "--no-request-log")
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
-    assert (info.quantization, info.kv_cache_dtype) == ("int8", "fp8")
+    assert (info.quantization, info.kv_cache_dtype) == (
+        pb.QUANTIZATION_INT8,
+        pb.KV_CACHE_DTYPE_FP8_E4M3,
+    )
     got = server.stub.Generate(token_request(PROMPTS[0], greedy(12)))
     quantized = LLM(server_model_dir, num_blocks=128, quantization="int8", kv_cache_dtype="fp8")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -450,7 +467,7 @@ def test_cli_serve_help_lists_the_operator_flags():
 def test_stream_interval_sends_fewer_larger_messages_with_the_same_result(start_server, offline):
     server = start_server("--stream-interval", "8", "--no-request-log")
     request = token_request(PROMPTS[0], greedy(30))
-    messages, outputs = collect_stream(server.stub.GenerateStream(request))
+    messages, outputs = collect_stream(server.stub.GenerateStream(stream_request(request)))
     want = offline.generate(
         PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     )[0]

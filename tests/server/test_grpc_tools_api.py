@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from helpers.grpc_calls import both_rpcs
 from helpers.http_calls import post, sse_events
 from helpers.server_process import SERVED_MODEL_NAME, ServerProcess
 from helpers.tool_calls import (
@@ -41,7 +42,7 @@ from helpers.tool_calls import (
     without_ids,
 )
 from pagedserve.frontend import LLM, SamplingParams, StructuredOutputsParams
-from pagedserve.frontend.client import AsyncClient, Client
+from pagedserve.frontend.client import AsyncClient, Client, stream_request
 from pagedserve.frontend.grpc_convert import chat_to_proto
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -139,7 +140,7 @@ def streamed(server: ServerProcess, request: pb.GenerateRequest) -> dict:
     calls: list[dict] = []
     pieces: list[pb.ToolCall] = []
     finishes = []
-    for message in server.stub.GenerateStream(request, timeout=60):
+    for message in server.stub.GenerateStream(stream_request(request), timeout=60):
         for completion in message.outputs:
             assert completion.index == 0
             text += completion.text
@@ -179,7 +180,7 @@ def http_calls(message: dict) -> list[dict]:
 def refused(server: ServerProcess, request: pb.GenerateRequest) -> str:
     """Both RPCs refuse ``request`` with INVALID_ARGUMENT; the message."""
     details = []
-    for call in (server.stub.Generate, lambda r, **kw: list(server.stub.GenerateStream(r, **kw))):
+    for call in both_rpcs(server.stub):
         with pytest.raises(grpc.RpcError) as caught:
             call(request, timeout=30)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
@@ -421,6 +422,8 @@ def test_bad_tool_requests_are_refused_naming_the_field(plain):
     developer = [{"role": "developer", "content": "Be brief."}]
     beams = chat_request(MAX_TOKENS, tool_choice="required")
     beams.sampling.beam_width = 2
+    unspecified_mode = chat_request(MAX_TOKENS)
+    unspecified_mode.chat.tool_choice.mode = pb.TOOL_CHOICE_MODE_UNSPECIFIED
     cases = [
         # "auto" needs a parser, and it is the default with tools.
         (chat_request(MAX_TOKENS), "chat.tool_choice='auto' (the default when tools are given) "
@@ -429,8 +432,8 @@ def test_bad_tool_requests_are_refused_naming_the_field(plain):
         (chat_request(MAX_TOKENS, tool_choice={"function": {"name": "get_news"}}),
          "chat.tool_choice.function_name='get_news' is not one of the tools "
          "(get_weather, get_time)"),
-        (chat_request(MAX_TOKENS, tool_choice="always"), "chat.tool_choice.mode must be one of "
-         "'none', 'auto', 'required' (or set function_name), got 'always'"),
+        (unspecified_mode, "chat.tool_choice.mode is TOOL_CHOICE_MODE_UNSPECIFIED; set one of "
+         "TOOL_CHOICE_MODE_NONE, TOOL_CHOICE_MODE_AUTO, TOOL_CHOICE_MODE_REQUIRED"),
         (bad_json, "chat.tools[0].parameters is not valid JSON"),
         (chat_request(MAX_TOKENS, tools=None, tool_choice="required"),
          "chat.tool_choice needs chat.tools to choose from"),

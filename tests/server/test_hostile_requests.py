@@ -14,8 +14,9 @@ import time
 import grpc
 import pytest
 
-from helpers.grpc_calls import greedy, token_request
+from helpers.grpc_calls import both_rpcs, greedy, token_request
 from helpers.http_calls import post
+from pagedserve.frontend.client import stream_request
 from pagedserve.v1 import generation_pb2 as pb
 
 INT64_MAX = (1 << 63) - 1
@@ -118,10 +119,13 @@ GRPC_CASES = [
     (token_request([1, 2], greedy(max_tokens=600)),
      "sampling.max_tokens=600: the model's context window is 512 tokens and token_ids "
      "takes 2, which leaves at most 510"),
-    (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="wizard", content="hi")]),
+    (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role=99, content="hi")]),
                         sampling=greedy()),
-     "chat.messages[0].role must be one of system, developer, user, assistant, tool; got "
-     "'wizard'"),
+     "chat.messages[0].role is 99, which is no ChatRole value this server knows (it knows "
+     "CHAT_ROLE_SYSTEM, CHAT_ROLE_DEVELOPER, CHAT_ROLE_USER, CHAT_ROLE_ASSISTANT, "
+     "CHAT_ROLE_TOOL)"),
+    (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(content="hi")]), sampling=greedy()),
+     "chat.messages[0].role is CHAT_ROLE_UNSPECIFIED; set one of CHAT_ROLE_SYSTEM, "),
     (token_request([1], pb.SamplingParams(max_tokens=2, temperature=float("inf"))),
      "sampling.temperature must be"),
     (token_request([1], greedy(repetition_penalty=float("inf"))),
@@ -141,7 +145,7 @@ GRPC_CASES = [
 
 @pytest.mark.parametrize(("request_message", "words"), GRPC_CASES)
 def test_grpc_refuses_naming_the_field_and_limit(server, request_message, words):
-    for call in (server.stub.Generate, lambda r, **kw: list(server.stub.GenerateStream(r, **kw))):
+    for call in both_rpcs(server.stub):
         with pytest.raises(grpc.RpcError) as caught:
             call(request_message, timeout=30)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
@@ -150,12 +154,12 @@ def test_grpc_refuses_naming_the_field_and_limit(server, request_message, words)
 
 def test_undecodable_protobuf_is_invalid_argument(server):
     raw = server.channel.unary_unary(
-        "/pagedserve.v1.Generation/Generate",
+        "/pagedserve.v1.GenerationService/Generate",
         request_serializer=lambda data: data,
         response_deserializer=lambda data: data,
     )
     raw_stream = server.channel.unary_stream(
-        "/pagedserve.v1.Generation/GenerateStream",
+        "/pagedserve.v1.GenerationService/GenerateStream",
         request_serializer=lambda data: data,
         response_deserializer=lambda data: data,
     )
@@ -169,7 +173,7 @@ def test_undecodable_protobuf_is_invalid_argument(server):
 
 def test_a_cancelled_call_leaves_a_request_log_line(server):
     request = token_request([5, 6, 7], greedy(400), request_id="cancelled-call")
-    responses = server.stub.GenerateStream(request)
+    responses = server.stub.GenerateStream(stream_request(request))
     next(responses)  # it runs
     responses.cancel()
 
@@ -236,7 +240,7 @@ def test_a_request_template_that_loops_is_cut_at_its_budget(start_server):
     with pytest.raises(grpc.RpcError) as caught:
         server.stub.Generate(
             pb.GenerateRequest(
-                chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")],
+                chat=pb.Chat(messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, content="hi")],
                              chat_template=loop),
                 sampling=greedy(2),
             ),

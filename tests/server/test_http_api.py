@@ -21,6 +21,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from helpers.grpc_calls import both_rpcs
 from helpers.http_calls import get, post, sse_events
 from helpers.openai_shapes import assert_openai_shape
 from helpers.processes import wait_until
@@ -340,7 +341,8 @@ def test_a_final_message_is_continued_as_offline_and_as_hf_renders_it(
     assert_chat_answer_is(server, body, want)
     chat = pb.Chat(add_generation_prompt=False, continue_final_message=True)
     for message in started:
-        chat.messages.add(role=message["role"], content=message["content"])
+        role = pb.ChatRole.Value(f"CHAT_ROLE_{message['role'].upper()}")
+        chat.messages.add(role=role, content=message["content"])
     sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     output = server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
     assert list(output.prompt_token_ids) == want.prompt_token_ids
@@ -375,7 +377,7 @@ def test_documents_reach_the_template_and_a_request_template_needs_trust(
             "temperature": 0.0, "ignore_eos": True, "documents": documents}  # fmt: skip
     assert_chat_answer_is(server, body, want)
     chat = pb.Chat()
-    chat.messages.add(role="user", content="what is it?")
+    chat.messages.add(role=pb.CHAT_ROLE_USER, content="what is it?")
     chat.documents.add(fields=documents[0])
     sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     output = server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
@@ -408,7 +410,7 @@ def test_a_trusting_server_renders_a_request_template(start_server, offline):
             "temperature": 0.0, "ignore_eos": True, "chat_template": own}  # fmt: skip
     assert_chat_answer_is(server, body, want)
     chat = pb.Chat(chat_template=own)
-    chat.messages.add(role="user", content="hi")
+    chat.messages.add(role=pb.CHAT_ROLE_USER, content="hi")
     tokens = server.stub.Tokenize(pb.TokenizeRequest(chat=chat))
     assert list(tokens.token_ids) == want.prompt_token_ids
     # OpenAI's reasoning_effort reaches the template as its variable (gpt-oss's reads it);
@@ -460,9 +462,11 @@ def test_a_trusting_server_renders_a_request_template(start_server, offline):
     assert list(server.stub.Tokenize(pb.TokenizeRequest(chat=grpc_chat)).token_ids) == (
         low.prompt_token_ids
     )
+    unknown_effort = chat_to_proto(messages, chat_template=effort)
+    unknown_effort.reasoning_effort = 9  # a newer client's value
     for bad_chat, words in [
-        (chat_to_proto(messages, chat_template=effort, reasoning_effort="max"),
-         "chat.reasoning_effort must be one of low, medium, high; got 'max'"),
+        (unknown_effort,
+         "chat.reasoning_effort is 9, which is no ReasoningEffort value this server knows"),
         (chat_to_proto([{"role": "user", "content": "x", "reasoning_content": "y"}]),
          "chat.messages[0].reasoning_content: only an assistant's message has thinking"),
     ]:  # fmt: skip
@@ -540,7 +544,7 @@ def test_chat_template_kwargs_reach_the_template_in_each_api(server, offline, se
     )
     assert (status, answer["tokens"]) == (200, want.prompt_token_ids), answer
     chat = pb.Chat(chat_template_kwargs=json.dumps(kwargs))
-    chat.messages.add(role="user", content="name a fruit")
+    chat.messages.add(role=pb.CHAT_ROLE_USER, content="name a fruit")
     sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     output = server.stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling))
     assert list(output.prompt_token_ids) == want.prompt_token_ids
@@ -1001,7 +1005,7 @@ def test_an_api_key_guards_generation_in_both_apis(start_server):
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=PROMPT_IDS), sampling=pb.SamplingParams(max_tokens=3)
     )
-    for call in (server.stub.Generate, lambda r, **kw: list(server.stub.GenerateStream(r, **kw))):
+    for call in both_rpcs(server.stub):
         with pytest.raises(grpc.RpcError) as caught:
             call(request, timeout=30)
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED

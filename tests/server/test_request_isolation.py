@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.grpc_calls import greedy, token_request
 from helpers.http_calls import post
 from helpers.processes import is_live, wait_until
+from pagedserve.frontend.client import stream_request
 from pagedserve.scheduler.fault_injection import ENVIRONMENT_VARIABLE, STAGES
 
 PROMPTS = [[5, 300, 301, 302], [400, 7, 7, 401, 402], [9, 10, 11]]
@@ -41,13 +42,18 @@ def test_a_fault_in_each_stage_ends_only_its_request(start_server):
     faults = ",".join(f"{stage}:{seed}" for stage, seed in FAULT_SEEDS.items())
     server = start_server(env={ENVIRONMENT_VARIABLE: faults})
     stub = server.stub
-    expected = [tokens_of(stub.GenerateStream(token_request(p, greedy(40)))) for p in PROMPTS]
+    expected = [
+        tokens_of(stub.GenerateStream(stream_request(token_request(p, greedy(40)))))
+        for p in PROMPTS
+    ]
 
     results: dict[str, object] = {}
 
     def stream(index: int) -> None:
         results[f"stream-{index}"] = tokens_of(
-            stub.GenerateStream(token_request(PROMPTS[index], greedy(40)), timeout=60)
+            stub.GenerateStream(
+                stream_request(token_request(PROMPTS[index], greedy(40))), timeout=60
+            )
         )
 
     def faulty(stage: str) -> None:
@@ -71,7 +77,10 @@ def test_a_fault_in_each_stage_ends_only_its_request(start_server):
     for index, tokens in enumerate(expected):
         assert results[f"stream-{index}"] == tokens, index
     # The engine runs on: the same requests, the same tokens, every block free.
-    assert tokens_of(stub.GenerateStream(token_request(PROMPTS[0], greedy(40)))) == expected[0]
+    assert (
+        tokens_of(stub.GenerateStream(stream_request(token_request(PROMPTS[0], greedy(40)))))
+        == expected[0]
+    )
     server.assert_blocks_all_free()
     assert server.terminate() == 0
 
@@ -93,7 +102,9 @@ def _watch_while(server, busy: threading.Event) -> tuple[float, float, int]:
         nonlocal worst_gap_s, num_tokens
         while busy.is_set():
             last_s = time.monotonic()
-            for response in server.stub.GenerateStream(token_request([5, 6], greedy(400))):
+            for response in server.stub.GenerateStream(
+                stream_request(token_request([5, 6], greedy(400)))
+            ):
                 now_s = time.monotonic()
                 worst_gap_s = max(worst_gap_s, now_s - last_s)
                 last_s = now_s
@@ -168,11 +179,11 @@ def test_a_stopped_worker_makes_the_server_unhealthy_then_ends_it(start_server):
     engine_pids = server.engine_pids()
     # Long enough to be mid-stream at each stop (two stall timeouts of 2 s).
     request = token_request([5, 6], greedy(250))
-    expected = tokens_of(server.stub.GenerateStream(request))
+    expected = tokens_of(server.stub.GenerateStream(stream_request(request)))
 
     # Stopped, then continued before the exit timeout: unhealthy, then serving again, and
     # the stream it held ends as it would have.
-    stream = server.stub.GenerateStream(request, timeout=60)
+    stream = server.stub.GenerateStream(stream_request(request), timeout=60)
     first = next(stream)
     os.kill(worker, signal.SIGSTOP)
     try:
@@ -188,7 +199,7 @@ def test_a_stopped_worker_makes_the_server_unhealthy_then_ends_it(start_server):
     server.assert_blocks_all_free()
 
     # Stopped for good: every call ends UNAVAILABLE naming the worker, the server exits 1.
-    stream = server.stub.GenerateStream(request, timeout=60)
+    stream = server.stub.GenerateStream(stream_request(request), timeout=60)
     next(stream)
     os.kill(worker, signal.SIGSTOP)
     with pytest.raises(grpc.RpcError) as caught:

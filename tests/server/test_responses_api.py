@@ -141,7 +141,7 @@ def last_event_type(response: dict) -> str:
     return "response.incomplete" if response["status"] == "incomplete" else "response.completed"
 
 
-def test_stored_responses_continue_are_read_back_and_deleted(client):
+def test_stored_responses_continue_are_read_back_and_deleted(server, client):
     first = client.responses.create(
         model=SERVED_MODEL_NAME, input="Hi", max_output_tokens=6, **GREEDY
     )
@@ -156,6 +156,9 @@ def test_stored_responses_continue_are_read_back_and_deleted(client):
     assert second.usage.input_tokens == want.usage.prompt_tokens
     assert second.previous_response_id == first.id
     assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+    status, body = get(server, f"/v1/responses/{second.id}")
+    assert status == 200
+    assert_openai_shape("response", json.loads(body))
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
@@ -357,10 +360,13 @@ def test_a_background_response_is_cancelled(server, client):
     block free) and stores it ``cancelled``; a second cancel returns the same; a response
     still running cannot be continued; only background responses can be cancelled."""
     sampled_before = server.stats().engine["num_sampled_tokens"]
-    running = client.responses.create(
-        model=SERVED_MODEL_NAME, input="Tell a long story", max_output_tokens=400,
-        background=True,
-    )  # fmt: skip
+    status, running = post(server, "/v1/responses", {
+        "model": SERVED_MODEL_NAME, "input": "Tell a long story", "max_output_tokens": 400,
+        "background": True,
+    })  # fmt: skip
+    assert status == 200 and running["status"] in ("queued", "in_progress"), running
+    assert_openai_shape("response", running)
+    running = client.responses.retrieve(running["id"])
     status, refused = post(
         server,
         "/v1/responses",
@@ -375,7 +381,9 @@ def test_a_background_response_is_cancelled(server, client):
     assert cancelled.status == "cancelled" and cancelled.output == []
     assert server.stats().engine["num_sampled_tokens"] - sampled_before < 400
     assert client.responses.retrieve(running.id).status == "cancelled"
-    assert client.responses.cancel(running.id).status == "cancelled"
+    status, again = post(server, f"/v1/responses/{running.id}/cancel", {})
+    assert status == 200 and again["status"] == "cancelled"
+    assert_openai_shape("response", again)
     foreground = client.responses.create(model=SERVED_MODEL_NAME, input="x", max_output_tokens=1)
     with pytest.raises(openai.BadRequestError) as not_background:
         client.responses.cancel(foreground.id)
@@ -484,10 +492,13 @@ def test_a_lost_background_stream_runs_on_and_resumes(server):
 
 
 def test_deleting_a_running_background_response_ends_it(server, client):
-    running = client.responses.create(
-        model=SERVED_MODEL_NAME, input="Tell a long story", max_output_tokens=400,
-        background=True,
-    )  # fmt: skip
+    status, running = post(server, "/v1/responses", {
+        "model": SERVED_MODEL_NAME, "input": "Tell a long story", "max_output_tokens": 400,
+        "background": True,
+    })  # fmt: skip
+    assert status == 200 and running["status"] in ("queued", "in_progress"), running
+    assert_openai_shape("response", running)
+    running = client.responses.retrieve(running["id"])
     client.responses.delete(running.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(running.id)
@@ -542,6 +553,9 @@ def test_input_items_are_listed_and_paged(server, client):
         tool_choice="none", max_output_tokens=2, **GREEDY,
     )  # fmt: skip
     items = client.responses.input_items.list(response.id)
+    status, body = get(server, f"/v1/responses/{response.id}/input_items")
+    assert status == 200
+    assert_openai_shape("response item list", json.loads(body))
     assert [item.type for item in items.data] == [
         "function_call_output", "function_call", "message"
     ]  # fmt: skip

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from helpers.processes import is_live, wait_until
+from pagedserve.frontend.client import stream_request
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -45,7 +46,7 @@ def health_status(server) -> int:
 
 def test_cancelled_stream_and_passed_deadline_free_their_blocks(start_server):
     server = start_server("--kv-cache-bytes", str(4 << 20))
-    stream = server.stub.GenerateStream(longest_request())
+    stream = server.stub.GenerateStream(stream_request(longest_request()))
     first = next(stream)
     next(stream)
     assert first.prompt_token_ids
@@ -68,7 +69,7 @@ def test_cancelled_stream_and_passed_deadline_free_their_blocks(start_server):
 
 def test_more_calls_than_the_limit_get_resource_exhausted(start_server):
     server = start_server("--max-concurrent-requests", "2")
-    streams = [server.stub.GenerateStream(longest_request(5 + i)) for i in range(2)]
+    streams = [server.stub.GenerateStream(stream_request(longest_request(5 + i))) for i in range(2)]
     for stream in streams:
         next(stream)
     with pytest.raises(grpc.RpcError) as caught:
@@ -83,7 +84,7 @@ def test_more_calls_than_the_limit_get_resource_exhausted(start_server):
 
 def test_sigterm_drains_calls_in_flight_then_exits_0(start_server):
     server = start_server()
-    stream = server.stub.GenerateStream(longest_request())
+    stream = server.stub.GenerateStream(stream_request(longest_request()))
     messages = [next(stream)]
     os.kill(server.pid, signal.SIGTERM)
     assert wait_until(
@@ -103,7 +104,7 @@ def test_sigterm_drains_calls_in_flight_then_exits_0(start_server):
 def test_drain_timeout_ends_the_calls_left_with_unavailable(start_server):
     # 0.1 s cannot finish 500 tokens; on a quiet machine the 400 of LONG came within 0.5 s.
     server = start_server("--drain-timeout-s", "0.1")
-    stream = server.stub.GenerateStream(longest_request())
+    stream = server.stub.GenerateStream(stream_request(longest_request()))
     next(stream)
     started_s = time.monotonic()
     os.kill(server.pid, signal.SIGTERM)
@@ -122,7 +123,7 @@ def test_worker_killed_mid_generation_fails_every_call_and_exits_1(start_server)
     # reading /proc between the first token and the kill once let a call finish cleanly.
     engine_pids = server.engine_pids()
     (worker_pid,) = server.worker_pids()
-    streams = [server.stub.GenerateStream(longest_request(5 + i)) for i in range(3)]
+    streams = [server.stub.GenerateStream(stream_request(longest_request(5 + i))) for i in range(3)]
     for stream in streams:
         next(stream)
     killed_s = time.monotonic()
@@ -201,7 +202,7 @@ def test_while_the_model_loads_health_says_not_serving_and_calls_wait_for_nothin
         ],
     )
     health = health_pb2_grpc.HealthStub(channel)
-    stub = pb_grpc.GenerationStub(channel)
+    stub = pb_grpc.GenerationServiceStub(channel)
     short = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_tokens=2)
     )

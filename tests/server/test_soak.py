@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedserve.frontend.client import stream_request
 from pagedserve.scheduler.fault_injection import ENVIRONMENT_VARIABLE
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -180,14 +181,14 @@ def one_grpc_call(
     long_request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=long)
     try:
         if kind == "stream":
-            messages = list(stub.GenerateStream(request, timeout=60))
+            messages = list(stub.GenerateStream(stream_request(request), timeout=60))
             assert [m.finished for m in messages].count(True) == 1 and messages[-1].finished
             assert sum(len(c.token_ids) for m in messages for c in m.outputs) == max_tokens
         elif kind == "whole":
             reply = stub.Generate(request, timeout=60)
             assert reply.finished and len(reply.outputs[0].token_ids) == max_tokens
         elif kind == "cancel":
-            stream = stub.GenerateStream(long_request, timeout=60)
+            stream = stub.GenerateStream(stream_request(long_request), timeout=60)
             read = [next(stream) for _ in range(rng.randrange(0, 3))]
             assert not any(m.finished for m in read), read
             stream.cancel()
@@ -209,7 +210,7 @@ def one_grpc_call(
                 stop=["e", "a"],
             )  # fmt: skip
             text_request = pb.GenerateRequest(text="hello soak", sampling=sampling)
-            messages = list(stub.GenerateStream(text_request, timeout=60))
+            messages = list(stub.GenerateStream(stream_request(text_request), timeout=60))
             assert [m.finished for m in messages].count(True) == 1 and messages[-1].finished
             finished = [c.index for m in messages for c in m.outputs if c.finish_reason]
             assert sorted(finished) == [0, 1, 2]

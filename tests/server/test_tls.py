@@ -44,7 +44,7 @@ def generate(channel: grpc.Channel) -> pb.GenerateResponse:
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(max_tokens=4)
     )
-    return pb_grpc.GenerationStub(channel).Generate(request, timeout=30)
+    return pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=30)
 
 
 def https_completion(port: int, context: ssl.SSLContext | None, scheme: str = "https") -> dict:
