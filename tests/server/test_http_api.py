@@ -842,6 +842,9 @@ def test_chat_and_completion_bodies_and_chunks_are_exactly_openai_s(server, fiel
     assert status == 200 and models.keys() == {"object", "data"} and models["object"] == "list"
     for model in models["data"]:
         assert_openai_shape("model", model)
+        status, card = get(server, f"/v1/models/{model['id']}")
+        assert status == 200
+        assert_openai_shape("model", json.loads(card))
     completion_fields = {
         name: value for name, value in fields.items() if name not in ("logprobs", "top_logprobs")
     }
