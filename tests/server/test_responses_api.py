@@ -355,18 +355,24 @@ def test_a_background_response_answers_queued_and_is_read_back_when_done(client)
     assert client.responses.cancel(done.id).status == done.status
 
 
+def start_long_background_response(server, client):
+    """A background response of 400 tokens, its first body checked strictly, read back
+    through the SDK."""
+    status, created = post(server, "/v1/responses", {
+        "model": SERVED_MODEL_NAME, "input": "Tell a long story", "max_output_tokens": 400,
+        "background": True,
+    })  # fmt: skip
+    assert status == 200 and created["status"] in ("queued", "in_progress"), created
+    assert_openai_shape("response", created)
+    return client.responses.retrieve(created["id"])
+
+
 def test_a_background_response_is_cancelled(server, client):
     """``POST /v1/responses/{id}/cancel`` ends it in the engine (the fixture then finds every
     block free) and stores it ``cancelled``; a second cancel returns the same; a response
     still running cannot be continued; only background responses can be cancelled."""
     sampled_before = server.stats().engine["num_sampled_tokens"]
-    status, running = post(server, "/v1/responses", {
-        "model": SERVED_MODEL_NAME, "input": "Tell a long story", "max_output_tokens": 400,
-        "background": True,
-    })  # fmt: skip
-    assert status == 200 and running["status"] in ("queued", "in_progress"), running
-    assert_openai_shape("response", running)
-    running = client.responses.retrieve(running["id"])
+    running = start_long_background_response(server, client)
     status, refused = post(
         server,
         "/v1/responses",
@@ -492,13 +498,7 @@ def test_a_lost_background_stream_runs_on_and_resumes(server):
 
 
 def test_deleting_a_running_background_response_ends_it(server, client):
-    status, running = post(server, "/v1/responses", {
-        "model": SERVED_MODEL_NAME, "input": "Tell a long story", "max_output_tokens": 400,
-        "background": True,
-    })  # fmt: skip
-    assert status == 200 and running["status"] in ("queued", "in_progress"), running
-    assert_openai_shape("response", running)
-    running = client.responses.retrieve(running["id"])
+    running = start_long_background_response(server, client)
     client.responses.delete(running.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(running.id)
