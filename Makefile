@@ -37,13 +37,10 @@ $(BUF):
 # proto nor the one before it (docs/grpc.md, "Versions"). A commit that breaks the API on
 # purpose names why in an "API-Break:" trailer of its message, which skips the second check
 # at that commit only (as buf's CI action skips it for a labelled pull request).
-API_BREAK = $(shell git log -1 --format='%(trailers:key=API-Break,valueonly)' 2>/dev/null)
 lint: $(VENV)/.installed $(BUF)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	git ls-files '*.h' '*.cpp' '*.cu' '*.cuh' | xargs $(VENV)/bin/clang-format --dry-run --Werror
 	cd protos && ../$(BUF) lint && ../$(BUF) breaking --against '../.git#ref=HEAD,subdir=protos'
-ifeq ($(strip $(API_BREAK)),)
-	cd protos && ../$(BUF) breaking --against '../.git#ref=HEAD~1,subdir=protos'
-else
-	@echo "buf breaking against HEAD~1 skipped: HEAD says API-Break: $(API_BREAK)"
-endif
+	@reason="$$(git log -1 --format='%(trailers:key=API-Break,valueonly)')"; \
+	if [ -n "$$reason" ]; then echo "buf breaking against HEAD~1 skipped: API-Break: $$reason"; \
+	else cd protos && ../$(BUF) breaking --against '../.git#ref=HEAD~1,subdir=protos'; fi

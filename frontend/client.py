@@ -31,6 +31,7 @@ import grpc
 
 from pagedserve.frontend.grpc_convert import (
     FINISH_REASONS,
+    GenerationRequest,
     chat_to_proto,
     queue_time_s,
     sampling_params_to_proto,
@@ -62,8 +63,10 @@ def build_request(
     cache_namespace: str,
     lora_adapter: str = "",
     priority: int = 0,
-) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(
+    message_type: type[GenerationRequest] = pb.GenerateRequest,
+) -> GenerationRequest:
+    """A ``GenerateRequest``, or GenerateStream's twin of it (``message_type``)."""
+    request = message_type(
         request_id=request_id,
         cache_namespace=cache_namespace,
         lora_adapter=lora_adapter,
@@ -81,8 +84,8 @@ def build_request(
 
 
 def stream_request(request: pb.GenerateRequest) -> pb.GenerateStreamRequest:
-    """``request`` as GenerateStream takes it: the two messages have the same fields and
-    numbers, so its bytes read as the other."""
+    """``request`` as GenerateStream takes it (for callers of the raw stub): the two messages
+    have the same fields and numbers, so its bytes read as the other."""
     return pb.GenerateStreamRequest.FromString(request.SerializeToString())
 
 
@@ -288,13 +291,16 @@ def _chat_request(
     cache_namespace: str,
     lora_adapter: str,
     priority: int,
-) -> pb.GenerateRequest:
+    message_type: type[GenerationRequest] = pb.GenerateRequest,
+) -> GenerationRequest:
     chat = chat_to_proto(
         messages, tools, tool_choice, parallel_tool_calls, include_reasoning,
         add_generation_prompt, continue_final_message, chat_template_kwargs, chat_template,
         documents, reasoning_effort,
     )  # fmt: skip
-    return build_request(chat, params, request_id, cache_namespace, lora_adapter, priority)
+    return build_request(
+        chat, params, request_id, cache_namespace, lora_adapter, priority, message_type
+    )
 
 
 class Client:
@@ -382,7 +388,10 @@ class Client:
     ) -> Iterator[RequestOutput]:
         """The result as it grows (one ``RequestOutput``, updated in place). Leaving the
         loop early cancels the call, which frees its blocks in the server."""
-        request = build_request(prompt, params, request_id, cache_namespace, lora_adapter, priority)
+        request = build_request(
+            prompt, params, request_id, cache_namespace, lora_adapter, priority,
+            pb.GenerateStreamRequest,
+        )  # fmt: skip
         return self._stream(request, timeout_s)
 
     def chat_stream(
@@ -412,7 +421,7 @@ class Client:
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
             reasoning_effort, add_generation_prompt, continue_final_message,
             chat_template_kwargs, chat_template, documents, request_id, cache_namespace,
-            lora_adapter, priority,
+            lora_adapter, priority, pb.GenerateStreamRequest,
         )  # fmt: skip
         return self._stream(request, timeout_s)
 
@@ -500,11 +509,9 @@ class Client:
         return apply_response(None, response)
 
     def _stream(
-        self, request: pb.GenerateRequest, timeout_s: float | None
+        self, request: pb.GenerateStreamRequest, timeout_s: float | None
     ) -> Iterator[RequestOutput]:
-        call = self.stub.GenerateStream(
-            stream_request(request), timeout=timeout_s, metadata=self._metadata
-        )
+        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
         output = None
         try:
             for response in call:
@@ -583,7 +590,10 @@ class AsyncClient:
         priority: int = 0,
         timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        request = build_request(prompt, params, request_id, cache_namespace, lora_adapter, priority)
+        request = build_request(
+            prompt, params, request_id, cache_namespace, lora_adapter, priority,
+            pb.GenerateStreamRequest,
+        )  # fmt: skip
         return self._stream(request, timeout_s)
 
     def chat_stream(
@@ -611,7 +621,7 @@ class AsyncClient:
             messages, params, tools, tool_choice, parallel_tool_calls, include_reasoning,
             reasoning_effort, add_generation_prompt, continue_final_message,
             chat_template_kwargs, chat_template, documents, request_id, cache_namespace,
-            lora_adapter, priority,
+            lora_adapter, priority, pb.GenerateStreamRequest,
         )  # fmt: skip
         return self._stream(request, timeout_s)
 
@@ -681,11 +691,9 @@ class AsyncClient:
         return apply_response(None, response)
 
     async def _stream(
-        self, request: pb.GenerateRequest, timeout_s: float | None
+        self, request: pb.GenerateStreamRequest, timeout_s: float | None
     ) -> AsyncIterator[RequestOutput]:
-        call = self.stub.GenerateStream(
-            stream_request(request), timeout=timeout_s, metadata=self._metadata
-        )
+        call = self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata)
         output = None
         try:
             async for response in call:

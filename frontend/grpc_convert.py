@@ -25,7 +25,6 @@ from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.reasoning import ReasoningParser
 from pagedserve.frontend.request_contract import check_chat_role, clamped_logit_bias, decode_json
 from pagedserve.frontend.tool_calls import (
-    TOOL_CHOICE_MODES,
     Tool,
     ToolCallError,
     ToolCalling,
@@ -71,6 +70,9 @@ _STRUCTURED_KINDS = {
     "grammar": "grammar",
     "json_object": "json_object",
 }
+
+# Generate's request or GenerateStream's twin of it (the same fields and numbers).
+GenerationRequest = pb.GenerateRequest | pb.GenerateStreamRequest
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -296,12 +298,10 @@ def _tool_choice(chat: pb.Chat, field: str) -> str | dict[str, Any] | None:
         )
     if kind == "function_name":
         return {"type": "function", "function": {"name": chat.tool_choice.function_name}}
-    mode = grpc_enums.required_word(
+    # ToolCalling, the HTTP API's reader, checks the mode (chat_reading_from_proto).
+    return grpc_enums.required_word(
         pb.ToolChoiceMode, chat.tool_choice.mode, f"{field}.tool_choice.mode"
     )
-    if mode not in TOOL_CHOICE_MODES:  # the HTTP API's check; every proto value passes it
-        raise ValueError(f"{field}.tool_choice.mode {mode!r} is no mode this server serves")
-    return mode
 
 
 def chat_reading_from_proto(

@@ -45,6 +45,7 @@ from pagedserve.frontend.chat_template import (
 )
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.grpc_convert import (
+    GenerationRequest,
     StreamState,
     chat_from_proto,
     chat_reading_from_proto,
@@ -70,9 +71,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
-# What Generate and GenerateStream share (the two requests have the same fields).
-GenerationRequest = pb.GenerateRequest | pb.GenerateStreamRequest
-_GENERATION_REQUESTS = (pb.GenerateRequest, pb.GenerateStreamRequest)
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -452,7 +450,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         and token ids, its parameters, how a chat's outputs read, and its adapter's id."""
         try:
             check_id_text("request_id", request.request_id)
-            if isinstance(request, _GENERATION_REQUESTS):
+            if isinstance(request, GenerationRequest):
                 check_id_text("cache_namespace", request.cache_namespace)
             check_id_text("lora_adapter", request.lora_adapter)
             prompt, token_ids, reading = self._prompt(llm, request)
@@ -605,7 +603,7 @@ def _truncates(request: GenerationRequest | pb.EmbedRequest) -> bool:
     """Whether the request keeps only its prompt's end (``truncate_prompt_tokens``; an
     embedding request has none)."""
     return (
-        isinstance(request, _GENERATION_REQUESTS)
+        isinstance(request, GenerationRequest)
         and request.HasField("sampling")
         and request.sampling.HasField("truncate_prompt_tokens")
     )
